@@ -1,0 +1,114 @@
+"""Default config: a tiny Qwen3-style agent trained with GSPO on CPU with 8 virtual devices.
+
+Run: python -m gyre_jax.train --config configs/tiny_cpu.py [--config.a.b=value ...]
+Two cells of 4 devices serve rollouts; in the colocated schedule all 8 devices then train together.
+"""
+
+from ml_collections import config_dict
+
+
+def get_config() -> config_dict.ConfigDict:
+    c = config_dict.ConfigDict()
+    c.seed = 0
+    c.workdir = "runs/tiny_cpu"
+    c.total_steps = 40
+    c.checkpoint_every = 5  # steps; the last step and an interrupted run always save
+    c.keep_checkpoints = 2
+
+    # Devices and meshes. On CPU, num_cpu_devices virtual devices are created before JAX starts.
+    c.devices = config_dict.ConfigDict()
+    c.devices.platform = "cpu"  # cpu | gpu | tpu
+    c.devices.num_cpu_devices = 8
+    # Training mesh over all devices (axis sizes multiply to the device count).
+    c.mesh = config_dict.ConfigDict()
+    c.mesh.data = 4
+    c.mesh.fsdp = 2
+    c.mesh.tensor = 1
+    # Cells: the device list is split into num_cells equal, contiguous cells; each serves with this mesh.
+    c.cells = config_dict.ConfigDict()
+    c.cells.num_cells = 2
+    c.cells.data = 4
+    c.cells.fsdp = 1
+    c.cells.tensor = 1
+    # Logical axis -> mesh axes (MaxText style). Changing parallelism never touches model code.
+    c.sharding_rules = (
+        ("batch", ("data", "fsdp")),
+        ("vocab", "tensor"),
+        ("embed", "fsdp"),
+        ("heads", "tensor"),
+        ("kv_heads", "tensor"),
+        ("mlp", "tensor"),
+        ("head_dim", None),
+    )
+
+    c.model = config_dict.ConfigDict()
+    c.model.vocab_size = 272  # byte tokenizer: 256 bytes + 9 special tokens, padded to a multiple of 8
+    c.model.num_layers = 2
+    c.model.embed_dim = 128
+    c.model.num_heads = 4
+    c.model.num_kv_heads = 2
+    c.model.head_dim = 32
+    c.model.mlp_dim = 384
+    c.model.rope_theta = 10000.0
+    c.model.rms_norm_eps = 1e-6
+    c.model.tie_embeddings = True
+    c.model.dtype = "float32"  # compute dtype
+    c.model.param_dtype = "float32"
+
+    c.tokenizer = config_dict.ConfigDict()
+    c.tokenizer.kind = "byte"
+
+    c.serving = config_dict.ConfigDict()
+    c.serving.max_concurrent_decodes = 16  # decode slots per cell
+    c.serving.max_seq_len = 1536  # KV cache length per slot (prompt + completion)
+    c.serving.max_prefill_length = 1536
+    c.serving.prefill_buckets = (256, 512, 1024, 1536)
+
+    c.proxy = config_dict.ConfigDict()
+    c.proxy.host = "127.0.0.1"
+    c.proxy.port = 0  # 0 picks a free port
+    c.proxy.model_name = "gyre-tiny"
+    c.proxy.max_request_bytes = 4 * 1024 * 1024
+
+    c.rollout = config_dict.ConfigDict()
+    c.rollout.suite = "builtin"
+    c.rollout.task_kinds = ("copy", "upper", "reverse")
+    c.rollout.tasks_per_step = 2
+    c.rollout.timeout_s = 60.0
+    c.rollout.max_parallel = 16
+    c.rollout.max_turns = 4
+    c.rollout.max_tokens_per_call = 128
+    c.rollout.temperature = 1.0
+    c.rollout.tool_latency_median_s = 0.05
+    c.rollout.tool_latency_sigma = 1.0  # lognormal sigma: long-tailed tool times
+    c.rollout.evaluator_timeout_s = 30.0
+
+    c.rl = config_dict.ConfigDict()
+    c.rl.loss = "gspo"
+    c.rl.group_size = 8  # G executions per task
+    c.rl.clip_low = 3e-4
+    c.rl.clip_high = 4e-4
+    c.rl.max_branches = 5  # J_max
+    c.rl.micro_batch_size = 8  # sequences per micro-step
+
+    c.optimizer = config_dict.ConfigDict()
+    c.optimizer.learning_rate = 2e-4
+    c.optimizer.warmup_steps = 0
+    c.optimizer.b1 = 0.9
+    c.optimizer.b2 = 0.99
+    c.optimizer.weight_decay = 0.0
+    c.optimizer.grad_clip_norm = 1.0
+
+    # Supervised warm start on the suite's built-in demonstrations, before RL step 0.
+    c.warm_start = config_dict.ConfigDict()
+    c.warm_start.steps = 150
+    c.warm_start.batch_size = 8
+    c.warm_start.learning_rate = 2e-3
+
+    c.schedule = config_dict.ConfigDict()
+    c.schedule.policy = "colocated"
+
+    c.metrics = config_dict.ConfigDict()
+    c.metrics.tensorboard = True
+    c.metrics.progress_bar = True
+    return c

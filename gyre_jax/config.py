@@ -1,0 +1,287 @@
+"""Run configuration: ml_collections ``get_config()`` files, ``--config.a.b=value`` overrides, validation.
+
+Everything a run does is in its config (MaxText style). ``load_config`` reads a config file, applies
+command-line overrides with the type of the field they replace, and ``validate`` checks every value
+before any work starts; both raise ``ConfigError`` with a one-line message naming the key and what is
+allowed.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from ml_collections import config_dict
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny_cpu.py"
+
+POLICIES = ("colocated", "async", "elastic")
+SUPPORTED_POLICIES = ("colocated",)
+LOSSES = ("gspo",)
+PLATFORMS = ("cpu", "gpu", "tpu")
+DTYPES = ("float32", "bfloat16")
+MESH_AXES = ("data", "fsdp", "tensor")
+TASK_KINDS = ("copy", "upper", "reverse")
+
+
+class ConfigError(ValueError):
+    """A config file, override or value is invalid. The message is one line, fit for a terminal."""
+
+
+def _load_file(spec: str) -> config_dict.ConfigDict:
+    path_text, _, arg = spec.partition(":")
+    path = Path(path_text)
+    if not path.is_file() and not path.is_absolute() and (REPO_ROOT / path).is_file():
+        path = REPO_ROOT / path
+    if not path.is_file():
+        raise ConfigError(f"config file {path_text!r} not found (expected a Python file defining get_config(), e.g. configs/tiny_cpu.py)")
+    module_spec = importlib.util.spec_from_file_location(f"gyre_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except Exception as exc:  # a broken config file: say which and why
+        raise ConfigError(f"config file {path} failed to load: {type(exc).__name__}: {exc}") from exc
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path} defines no get_config() function")
+    config = module.get_config(arg) if arg else module.get_config()
+    if not isinstance(config, config_dict.ConfigDict):
+        raise ConfigError(f"{path}: get_config() must return an ml_collections.ConfigDict, got {type(config).__name__}")
+    return config
+
+
+def _parse_value(key: str, text: str, current: Any) -> Any:
+    def fail(expected: str) -> ConfigError:
+        return ConfigError(f"--config.{key}={text}: expected {expected}")
+
+    if isinstance(current, bool):
+        lowered = text.lower()
+        if lowered in ("true", "1", "yes"):
+            return True
+        if lowered in ("false", "0", "no"):
+            return False
+        raise fail("a boolean (true or false)")
+    if isinstance(current, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise fail("an integer") from None
+    if isinstance(current, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise fail("a number") from None
+    if isinstance(current, str):
+        return text
+    if isinstance(current, (tuple, list)):
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = tuple(part.strip() for part in text.split(",") if part.strip())
+        if not isinstance(value, (tuple, list)):
+            value = (value,)
+        return tuple(value)
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def apply_override(config: config_dict.ConfigDict, key: str, text: str) -> None:
+    """Sets ``config.<key>`` from its command-line text, with the type of the field it replaces."""
+    parts = key.split(".")
+    node = config
+    for depth, part in enumerate(parts):
+        path = ".".join(parts[: depth + 1])
+        if not isinstance(node, config_dict.ConfigDict) or part not in node:
+            parent = ".".join(parts[:depth]) or "config"
+            known = ", ".join(sorted(node.keys())) if isinstance(node, config_dict.ConfigDict) else "(not a section)"
+            raise ConfigError(f"unknown config key {key!r}: {parent!r} has no field {part!r} (known: {known})")
+        if depth < len(parts) - 1:
+            node = node[part]
+    current = node[parts[-1]]
+    if isinstance(current, config_dict.ConfigDict):
+        raise ConfigError(f"--config.{key} is a section, not a value; set one of its fields: {', '.join(sorted(current.keys()))}")
+    value = _parse_value(key, text, current)
+    try:
+        with node.unlocked():
+            node[parts[-1]] = value
+    except TypeError as exc:
+        raise ConfigError(f"--config.{key}={text}: {exc}") from None
+
+
+def parse_args(argv: Sequence[str]) -> tuple[str, list[tuple[str, str]]]:
+    """Splits ``argv`` into the config file spec and the ordered ``(key, value)`` overrides."""
+    config_spec = str(DEFAULT_CONFIG)
+    overrides: list[tuple[str, str]] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("--config", "-c") or arg.startswith("--config="):
+            if "=" in arg:
+                config_spec = arg.split("=", 1)[1]
+            else:
+                if i + 1 >= len(args):
+                    raise ConfigError("--config needs a path, e.g. --config configs/tiny_cpu.py")
+                i += 1
+                config_spec = args[i]
+        elif arg.startswith("--config."):
+            body = arg[len("--config.") :]
+            if "=" in body:
+                key, value = body.split("=", 1)
+            else:
+                if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                    raise ConfigError(f"--config.{body} needs a value: --config.{body}=VALUE")
+                i += 1
+                key, value = body, args[i]
+            overrides.append((key, value))
+        else:
+            raise ConfigError(f"unrecognized argument {arg!r}: expected --config PATH and --config.KEY=VALUE overrides")
+        i += 1
+    return config_spec, overrides
+
+
+def load_config(argv: Sequence[str] = ()) -> config_dict.ConfigDict:
+    """Loads and validates the config that ``argv`` names (the default config if none)."""
+    spec, overrides = parse_args(argv)
+    config = _load_file(spec)
+    for key, value in overrides:
+        apply_override(config, key, value)
+    validate(config)
+    return config
+
+
+def config_from_dict(base: config_dict.ConfigDict, overrides: dict[str, Any]) -> config_dict.ConfigDict:
+    """Copy of ``base`` with python-valued ``{"a.b": value}`` overrides, validated (for tests and notebooks)."""
+    config = config_dict.ConfigDict(base.to_dict())
+    for key, value in overrides.items():
+        text = value if isinstance(value, str) else repr(value) if isinstance(value, (tuple, list)) else str(value)
+        apply_override(config, key, text)
+    validate(config)
+    return config
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def device_count(config: config_dict.ConfigDict) -> int:
+    return config.mesh.data * config.mesh.fsdp * config.mesh.tensor
+
+
+def validate(config: config_dict.ConfigDict) -> None:
+    """Checks every value a run depends on; raises ConfigError naming the first bad key."""
+    c = config
+    _require(c.total_steps >= 0, f"config.total_steps={c.total_steps} must be >= 0")
+    _require(c.checkpoint_every >= 1, f"config.checkpoint_every={c.checkpoint_every} must be >= 1")
+    _require(c.keep_checkpoints >= 1, f"config.keep_checkpoints={c.keep_checkpoints} must be >= 1")
+    _require(bool(c.workdir), "config.workdir must be a non-empty path")
+    _require(c.devices.platform in PLATFORMS, f"config.devices.platform={c.devices.platform!r} must be one of {PLATFORMS}")
+    for axis in MESH_AXES:
+        _require(c.mesh[axis] >= 1, f"config.mesh.{axis}={c.mesh[axis]} must be >= 1")
+        _require(c.cells[axis] >= 1, f"config.cells.{axis}={c.cells[axis]} must be >= 1")
+    n = device_count(c)
+    if c.devices.platform == "cpu":
+        _require(
+            n == c.devices.num_cpu_devices,
+            f"config.mesh data*fsdp*tensor = {n} must equal config.devices.num_cpu_devices={c.devices.num_cpu_devices}",
+        )
+    _require(c.cells.num_cells >= 1, f"config.cells.num_cells={c.cells.num_cells} must be >= 1")
+    _require(n % c.cells.num_cells == 0, f"config.cells.num_cells={c.cells.num_cells} must divide the {n} devices of the mesh")
+    per_cell = n // c.cells.num_cells
+    cell_devices = c.cells.data * c.cells.fsdp * c.cells.tensor
+    _require(
+        cell_devices == per_cell,
+        f"config.cells data*fsdp*tensor = {cell_devices} must equal the {per_cell} devices of each of the {c.cells.num_cells} cells",
+    )
+    rules = c.sharding_rules
+    _require(isinstance(rules, (tuple, list)) and all(isinstance(r, (tuple, list)) and len(r) == 2 for r in rules),
+             "config.sharding_rules must be a sequence of (logical_axis, mesh_axes) pairs")
+    for logical, mesh_axes in rules:
+        targets = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+        for t in targets:
+            _require(t in MESH_AXES, f"config.sharding_rules: {logical!r} maps to unknown mesh axis {t!r}; mesh axes are {MESH_AXES}")
+
+    m = c.model
+    for key in ("vocab_size", "num_layers", "embed_dim", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+        _require(m[key] >= 1, f"config.model.{key}={m[key]} must be >= 1")
+    _require(m.num_heads % m.num_kv_heads == 0, f"config.model.num_heads={m.num_heads} must be a multiple of num_kv_heads={m.num_kv_heads}")
+    _require(m.head_dim % 2 == 0, f"config.model.head_dim={m.head_dim} must be even (rotary embedding)")
+    _require(m.dtype in DTYPES, f"config.model.dtype={m.dtype!r} must be one of {DTYPES}")
+    _require(m.param_dtype in DTYPES, f"config.model.param_dtype={m.param_dtype!r} must be one of {DTYPES}")
+    _require(c.tokenizer.kind == "byte", f"config.tokenizer.kind={c.tokenizer.kind!r}: only 'byte' is supported yet (checkpoint tokenizers come with the model-fidelity issue)")
+    from gyre_jax.model.tokenizer import ByteTokenizer
+
+    _require(m.vocab_size >= ByteTokenizer().num_real_tokens,
+             f"config.model.vocab_size={m.vocab_size} must be >= {ByteTokenizer().num_real_tokens} for the byte tokenizer")
+
+    s = c.serving
+    _require(s.max_concurrent_decodes >= 1, f"config.serving.max_concurrent_decodes={s.max_concurrent_decodes} must be >= 1")
+    _require(s.max_seq_len >= 16, f"config.serving.max_seq_len={s.max_seq_len} must be >= 16")
+    _require(1 <= s.max_prefill_length <= s.max_seq_len,
+             f"config.serving.max_prefill_length={s.max_prefill_length} must be in [1, serving.max_seq_len={s.max_seq_len}]")
+    buckets = tuple(s.prefill_buckets)
+    _require(len(buckets) > 0 and all(b >= 1 for b in buckets) and list(buckets) == sorted(buckets),
+             f"config.serving.prefill_buckets={buckets} must be a non-empty increasing sequence of lengths")
+    _require(buckets[-1] >= s.max_prefill_length,
+             f"config.serving.prefill_buckets={buckets}: the largest bucket must be >= serving.max_prefill_length={s.max_prefill_length}")
+
+    p = c.proxy
+    _require(0 <= p.port <= 65535, f"config.proxy.port={p.port} must be in [0, 65535] (0 picks a free port)")
+    _require(p.max_request_bytes >= 1024, f"config.proxy.max_request_bytes={p.max_request_bytes} must be >= 1024")
+
+    r = c.rollout
+    _require(r.suite == "builtin", f"config.rollout.suite={r.suite!r}: only 'builtin' is supported yet")
+    kinds = tuple(r.task_kinds)
+    _require(len(kinds) > 0 and all(k in TASK_KINDS for k in kinds), f"config.rollout.task_kinds={kinds} must be a non-empty subset of {TASK_KINDS}")
+    _require(r.tasks_per_step >= 1, f"config.rollout.tasks_per_step={r.tasks_per_step} must be >= 1")
+    _require(r.timeout_s > 0, f"config.rollout.timeout_s={r.timeout_s} must be > 0")
+    _require(r.max_parallel >= 1, f"config.rollout.max_parallel={r.max_parallel} must be >= 1")
+    _require(r.max_turns >= 1, f"config.rollout.max_turns={r.max_turns} must be >= 1")
+    _require(1 <= r.max_tokens_per_call < s.max_seq_len,
+             f"config.rollout.max_tokens_per_call={r.max_tokens_per_call} must be in [1, serving.max_seq_len)")
+    _require(r.temperature > 0, f"config.rollout.temperature={r.temperature} must be > 0 (RL needs sampling)")
+    _require(r.tool_latency_median_s >= 0, f"config.rollout.tool_latency_median_s={r.tool_latency_median_s} must be >= 0")
+    _require(r.tool_latency_sigma >= 0, f"config.rollout.tool_latency_sigma={r.tool_latency_sigma} must be >= 0")
+    _require(r.evaluator_timeout_s > 0, f"config.rollout.evaluator_timeout_s={r.evaluator_timeout_s} must be > 0")
+
+    rl = c.rl
+    _require(rl.loss in LOSSES, f"config.rl.loss={rl.loss!r} must be one of {LOSSES}")
+    _require(rl.group_size >= 2, f"config.rl.group_size={rl.group_size} must be >= 2 (advantages are normalized within a group)")
+    _require(0 <= rl.clip_low < 1, f"config.rl.clip_low={rl.clip_low} must be in [0, 1)")
+    _require(rl.clip_high >= 0, f"config.rl.clip_high={rl.clip_high} must be >= 0")
+    _require(rl.max_branches >= 1, f"config.rl.max_branches={rl.max_branches} must be >= 1")
+    _require(rl.micro_batch_size >= 1, f"config.rl.micro_batch_size={rl.micro_batch_size} must be >= 1")
+
+    o = c.optimizer
+    _require(o.learning_rate > 0 and math.isfinite(o.learning_rate), f"config.optimizer.learning_rate={o.learning_rate} must be > 0")
+    _require(o.warmup_steps >= 0, f"config.optimizer.warmup_steps={o.warmup_steps} must be >= 0")
+    _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"config.optimizer.b1={o.b1}, b2={o.b2} must be in [0, 1)")
+    _require(o.weight_decay >= 0, f"config.optimizer.weight_decay={o.weight_decay} must be >= 0")
+    _require(o.grad_clip_norm > 0, f"config.optimizer.grad_clip_norm={o.grad_clip_norm} must be > 0")
+
+    w = c.warm_start
+    _require(w.steps >= 0, f"config.warm_start.steps={w.steps} must be >= 0")
+    _require(w.batch_size >= 1, f"config.warm_start.batch_size={w.batch_size} must be >= 1")
+    _require(w.learning_rate > 0, f"config.warm_start.learning_rate={w.learning_rate} must be > 0")
+
+    _require(c.schedule.policy in POLICIES, f"config.schedule.policy={c.schedule.policy!r} must be one of {POLICIES}")
+    _require(
+        c.schedule.policy in SUPPORTED_POLICIES,
+        f"config.schedule.policy={c.schedule.policy!r} is not supported yet (only {SUPPORTED_POLICIES}); async and elastic come with the elastic-cells work",
+    )
+
+
+def to_json_dict(config: config_dict.ConfigDict) -> dict:
+    """Plain, JSON-serializable dict of the config (tuples become lists)."""
+    return config.to_dict()
+
+
+def resolve_workdir(config: config_dict.ConfigDict) -> Path:
+    return Path(os.path.expanduser(config.workdir)).resolve()

@@ -1,0 +1,1 @@
+"""Cells and scheduling policies (colocated now; async and elastic next)."""

@@ -1,0 +1,85 @@
+"""Grouped-query attention with q/k RMSNorm and RoPE, over an explicit boolean mask and an optional KV cache.
+
+Masks are the packed-mask interface the rest of the system speaks: ``mask[b, q, k]`` is True where
+query ``q`` may attend to key ``k``. Helpers build the two layouts in use: segment-causal (packed
+training rows) and cache-causal (serving, where a key's cache index equals its position).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.layers import Einsum, RMSNorm
+from gyre_jax.model.positional_embeddings import apply_rope
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerCache:
+    """One layer's KV cache. k, v: [B, S, K, D]; index s holds the key/value of the token at position s."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> list[LayerCache]:
+    dtype = dtype or cfg.compute_dtype
+    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return [LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+
+
+def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
+    """segment_ids: [B, T] int32 (0 = padding) -> mask [B, T, T]: same non-zero segment and key index <= query index."""
+    t = segment_ids.shape[1]
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    real = (segment_ids != 0)[:, :, None]
+    return causal[None] & same & real
+
+
+def cache_causal_mask(positions: jax.Array, cache_len: int) -> jax.Array:
+    """positions: [B, T] int32 -> mask [B, T, S]: key cache index <= query position."""
+    return jnp.arange(cache_len)[None, None, :] <= positions[:, :, None]
+
+
+def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """Scatters new: [B, T, K, D] into cache: [B, S, K, D] at positions: [B, T]; positions >= S are dropped."""
+    b = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[b, positions].set(new.astype(cache.dtype), mode="drop")
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        e, h, k, d = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pd = cfg.weight_dtype
+        self.cfg = cfg
+        self.q_proj = Einsum((e, h, d), ("embed", "heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs)
+        self.k_proj = Einsum((e, k, d), ("embed", "kv_heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs)
+        self.v_proj = Einsum((e, k, d), ("embed", "kv_heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs)
+        self.o_proj = Einsum((h, d, e), ("heads", "head_dim", "embed"), fan_in=h * d, param_dtype=pd, rngs=rngs)
+        self.q_norm = RMSNorm(d, "head_dim", eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+        self.k_norm = RMSNorm(d, "head_dim", eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, mask: jax.Array, cache: LayerCache | None = None
+    ) -> tuple[jax.Array, LayerCache | None]:
+        """x: [B, T, E], positions: [B, T], mask: [B, T, S] bool (S = T without cache, cache length with one).
+
+        With a cache, this call's keys/values are first written at ``positions``, then queries attend
+        over the whole cache. Returns ([B, T, E], updated cache or None).
+        """
+        q = self.q_norm(self.q_proj("bte,ehd->bthd", x))
+        k = self.k_norm(self.k_proj("bte,ekd->btkd", x))
+        v = self.v_proj("bte,ekd->btkd", x)
+        q = apply_rope(q, positions, self.cfg.rope_theta)
+        k = apply_rope(k, positions, self.cfg.rope_theta)
+        if cache is not None:
+            cache = LayerCache(k=write_cache(cache.k, k, positions), v=write_cache(cache.v, v, positions))
+            k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, :, :])  # [B, T, H, D]
+        return self.o_proj("bthd,hde->bte", out), cache

@@ -1,0 +1,98 @@
+"""Logical-axis sharding: map parameter/activation logical axes to mesh axes by rules from the config.
+
+MaxText style: model code names axes (``embed``, ``heads``, ``mlp``, ``vocab``, ``batch`` ...); the
+config's ``sharding_rules`` say which mesh axes each one is split over. A mesh axis is used at most
+once per array, and a dimension is only split over the mesh axes whose product divides it (others
+are dropped, left replicated), so one rule set works for every cell shape.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.modules import Transformer
+
+Rules = Sequence[tuple[str, "str | Sequence[str] | None"]]
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def make_mesh(devices: Sequence[jax.Device], shape: dict[str, int]) -> Mesh:
+    """A mesh over ``devices`` (in order) with axes ``data, fsdp, tensor`` of the given sizes."""
+    sizes = tuple(int(shape.get(a, 1)) for a in MESH_AXES)
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(f"mesh shape {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, got {len(devices)}")
+    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES)
+
+
+def _lookup(rules: Rules, name: str | None) -> tuple[str, ...]:
+    if name is None:
+        return ()
+    for logical, mesh_axes in rules:
+        if logical == name:
+            if mesh_axes is None:
+                return ()
+            return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+    return ()
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, mesh: Mesh, shape: Sequence[int] | None = None) -> PartitionSpec:
+    """PartitionSpec for an array whose dimensions carry ``logical_axes``."""
+    used: set[str] = set()
+    entries = []
+    for dim, name in enumerate(logical_axes):
+        chosen: list[str] = []
+        size = 1
+        for axis in _lookup(rules, name):
+            if axis not in mesh.shape or axis in used or mesh.shape[axis] == 1:
+                continue
+            if shape is not None and shape[dim] % (size * mesh.shape[axis]) != 0:
+                continue
+            chosen.append(axis)
+            size *= mesh.shape[axis]
+        used.update(chosen)
+        entries.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+    return PartitionSpec(*entries)
+
+
+def logical_sharding(logical_axes: Sequence[str | None], rules: Rules, mesh: Mesh, shape: Sequence[int] | None = None) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh, shape))
+
+
+def param_shardings(abstract_state: nnx.State, rules: Rules, mesh: Mesh) -> nnx.State:
+    """NamedSharding for every parameter of an (abstract) model state, from its logical axis metadata."""
+
+    def one(var):
+        logical = var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
+        return var.replace(logical_sharding(logical, rules, mesh, var.shape))
+
+    return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def abstract_model(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
+    return nnx.split(model)
+
+
+def init_params(cfg: ModelConfig, mesh: Mesh, rules: Rules, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
+    """Initializes the model's parameters directly with their target shardings (no host copy)."""
+    graphdef, abstract_state = abstract_model(cfg, seed)
+    shardings = param_shardings(abstract_state, rules, mesh)
+
+    def init():
+        with nnx.use_eager_sharding(False):
+            return nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed)))[1]
+
+    params = jax.jit(init, out_shardings=shardings)()
+    return graphdef, params
+
+
+def reshard(tree, shardings):
+    """Moves a pytree onto ``shardings`` (possibly on another mesh: device-to-device, Tunix-style ``reshard``)."""
+    return jax.device_put(tree, shardings)

@@ -1,0 +1,87 @@
+"""Byte-level tokenizer for tiny models, with Qwen3's special and added tokens as single ids.
+
+Ids 0..255 are raw bytes; the special/added tokens follow. Encoding is lossless for any text, and
+any special-token string that appears in the text is encoded as its single id (as Hugging Face
+tokenizers do for added tokens), so a rendered chat template round-trips exactly:
+``decode(encode(s)) == s``. Real checkpoints use their own ``tokenizer.json`` (model-fidelity issue).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
+
+
+@dataclass(frozen=True)
+class ByteTokenizer:
+    """Lossless byte tokenizer: ``vocab_size`` = 256 bytes + special tokens, padded to a multiple of 8."""
+
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS
+
+    @property
+    def num_real_tokens(self) -> int:
+        return 256 + len(self.special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return (self.num_real_tokens + 7) // 8 * 8
+
+    def token_id(self, token: str) -> int:
+        try:
+            return 256 + self.special_tokens.index(token)
+        except ValueError:
+            raise KeyError(f"{token!r} is not a special token of this tokenizer; known: {self.special_tokens}") from None
+
+    @property
+    def pad_id(self) -> int:
+        return self.token_id("<|endoftext|>")
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Ids that end an assistant turn."""
+        return (self.token_id("<|im_end|>"), self.token_id("<|endoftext|>"))
+
+    def _pattern(self) -> re.Pattern[str]:
+        return re.compile("(" + "|".join(re.escape(t) for t in self.special_tokens) + ")")
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece in self._pattern().split(text):
+            if not piece:
+                continue
+            if piece in self.special_tokens:
+                ids.append(256 + self.special_tokens.index(piece))
+            else:
+                ids.extend(piece.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: list[int] | tuple[int, ...]) -> str:
+        """Decodes ids to text; invalid UTF-8 (e.g. a cut multi-byte char) becomes U+FFFD; ids past the
+        real vocabulary (padding rows of the embedding) decode to nothing."""
+        out: list[str] = []
+        buf = bytearray()
+        for i in ids:
+            i = int(i)
+            if i < 256:
+                buf.append(i)
+                continue
+            if buf:
+                out.append(buf.decode("utf-8", errors="replace"))
+                buf = bytearray()
+            if i < self.num_real_tokens:
+                out.append(self.special_tokens[i - 256])
+        if buf:
+            out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)

@@ -1,0 +1,218 @@
+"""Qwen3 chat format: render messages + tools to text, and parse model output back.
+
+``render`` follows the Qwen3 Jinja template (system prompt with ``<tools>``, ``<tool_call>`` JSON
+blocks, tool results grouped into one user turn inside ``<tool_response>``, thinking kept only after
+the last user query). ``parse_completion`` turns generated text into content, reasoning and tool
+calls. The proxy never re-renders earlier assistant turns: it reuses their exact token ids
+(token-in/token-out), so this renderer is only applied to *new* messages of a conversation.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+
+_TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+_TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def tojson(x: Any) -> str:
+    """Jinja's ``tojson`` as Hugging Face's chat templates define it."""
+    return json.dumps(x, ensure_ascii=False)
+
+
+def _content_text(content: Any) -> str:
+    """OpenAI content may be a string, None, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                parts.append(str(part.get("text", "")))
+            else:
+                raise ValueError(f"unsupported content part {part!r}: only text parts are supported")
+        return "".join(parts)
+    raise ValueError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def _is_tool_response_turn(message: dict) -> bool:
+    text = _content_text(message.get("content"))
+    return text.startswith("<tool_response>") and text.endswith("</tool_response>")
+
+
+def _last_query_index(messages: list[dict]) -> int:
+    for index in range(len(messages) - 1, -1, -1):
+        m = messages[index]
+        if m.get("role") == "user" and not _is_tool_response_turn(m):
+            return index
+    return len(messages) - 1
+
+
+def _render_tool_call(call: dict) -> str:
+    fn = call.get("function", call)
+    args = fn.get("arguments", {})
+    args_text = args if isinstance(args, str) else tojson(args)
+    return '<tool_call>\n{"name": "' + str(fn.get("name", "")) + '", "arguments": ' + args_text + "}\n</tool_call>"
+
+
+def render_segments(messages: list[dict], tools: list[dict] | None = None) -> list[str]:
+    """Renders each message to its text segment (same length as ``messages``), with full context.
+
+    ``"".join(segments)`` equals the Qwen3 template's output without the generation prompt.
+    """
+    if not messages and not tools:
+        return []
+    segments: list[str] = []
+    start = 0
+    if tools:
+        head = IM_START + "system\n"
+        if messages and messages[0].get("role") == "system":
+            head += _content_text(messages[0].get("content")) + "\n\n"
+            start = 1
+        head += _TOOLS_PREAMBLE
+        for tool in tools:
+            head += "\n" + tojson(tool)
+        head += _TOOLS_POSTAMBLE + IM_END + "\n"
+        if start == 0:
+            # Tools without a system message: the preamble belongs to the first message's segment.
+            segments_prefix = head
+        else:
+            segments.append(head)
+            segments_prefix = ""
+    else:
+        segments_prefix = ""
+        if messages and messages[0].get("role") == "system":
+            segments.append(IM_START + "system\n" + _content_text(messages[0].get("content")) + IM_END + "\n")
+            start = 1
+
+    last_query = _last_query_index(messages)
+    for index in range(start, len(messages)):
+        m = messages[index]
+        role = m.get("role")
+        text = ""
+        if role == "user" or role == "system":
+            text = IM_START + role + "\n" + _content_text(m.get("content")) + IM_END + "\n"
+        elif role == "assistant":
+            content = _content_text(m.get("content"))
+            reasoning = m.get("reasoning_content")
+            if reasoning is None:
+                reasoning = ""
+                if "</think>" in content:
+                    reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                    content = content.split("</think>")[-1].lstrip("\n")
+            is_last = index == len(messages) - 1
+            if index > last_query and (is_last or reasoning):
+                text = IM_START + "assistant\n<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
+            else:
+                text = IM_START + "assistant\n" + content
+            for k, call in enumerate(m.get("tool_calls") or []):
+                if (k == 0 and content) or k > 0:
+                    text += "\n"
+                text += _render_tool_call(call)
+            text += IM_END + "\n"
+        elif role == "tool":
+            if index == 0 or messages[index - 1].get("role") != "tool":
+                text += IM_START + "user"
+            text += "\n<tool_response>\n" + _content_text(m.get("content")) + "\n</tool_response>"
+            if index == len(messages) - 1 or messages[index + 1].get("role") != "tool":
+                text += IM_END + "\n"
+        else:
+            raise ValueError(f"unknown message role {role!r}: expected system, user, assistant or tool")
+        if segments_prefix:
+            text = segments_prefix + text
+            segments_prefix = ""
+        segments.append(text)
+    if segments_prefix:  # tools but no messages at all
+        segments.append(segments_prefix)
+    return segments
+
+
+def generation_prompt(enable_thinking: bool | None = None) -> str:
+    text = IM_START + "assistant\n"
+    if enable_thinking is False:
+        text += "<think>\n\n</think>\n\n"
+    return text
+
+
+def render(
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    enable_thinking: bool | None = None,
+) -> str:
+    """The whole prompt text, as ``tokenizer.apply_chat_template(..., tokenize=False)`` gives it."""
+    text = "".join(render_segments(messages, tools))
+    if add_generation_prompt:
+        text += generation_prompt(enable_thinking)
+    return text
+
+
+@dataclass
+class ParsedCompletion:
+    """A completion split into what the API returns."""
+
+    content: str
+    reasoning: str | None = None
+    tool_calls: list[dict] = field(default_factory=list)  # OpenAI form: {"id", "type", "function": {"name", "arguments": str}}
+    tool_call_errors: list[str] = field(default_factory=list)
+
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
+def parse_completion(text: str) -> ParsedCompletion:
+    """Splits generated text (special tokens decoded as text, stop token removed) into parts.
+
+    A ``<tool_call>`` block whose body is not a JSON object with a string ``name`` stays in the
+    content and is reported in ``tool_call_errors``: the harness sees what the model wrote.
+    """
+    reasoning = None
+    body = text
+    if "</think>" in body:
+        head, body = body.split("</think>", 1)
+        reasoning = head.split("<think>")[-1].strip("\n")
+        body = body.lstrip("\n")
+    calls: list[dict] = []
+    errors: list[str] = []
+    kept: list[str] = []
+    pos = 0
+    for match in _TOOL_CALL_RE.finditer(body):
+        raw = match.group(1).strip()
+        try:
+            obj = json.loads(raw)
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                raise ValueError("expected an object with a string 'name'")
+            args = obj.get("arguments", {})
+            if not isinstance(args, dict):
+                raise ValueError("'arguments' must be an object")
+        except (ValueError, json.JSONDecodeError) as exc:
+            errors.append(f"unparseable tool call {raw[:80]!r}: {exc}")
+            continue
+        kept.append(body[pos : match.start()])
+        pos = match.end()
+        calls.append(
+            {
+                "id": "call_" + uuid.uuid4().hex[:24],
+                "type": "function",
+                "function": {"name": obj["name"], "arguments": tojson(args)},
+            }
+        )
+    kept.append(body[pos:])
+    content = "".join(kept).strip("\n") if calls else body
+    return ParsedCompletion(content=content, reasoning=reasoning, tool_calls=calls, tool_call_errors=errors)

@@ -1,0 +1,92 @@
+"""TITO records: one per model call, the exact token ids a harness's call was served with.
+
+Serialized form (one JSON object per line in ``<record_dir>/<execution_id>.jsonl``, appended, flushed
+and fsynced before the HTTP response is sent), see docs/records.md:
+
+    {"execution_id": str, "call_index": int, "thread_id": str, "request_id": str,
+     "prompt_ids": [int], "completion_ids": [int], "completion_logprobs": [float],
+     "policy_versions": [int], "finish_reason": "stop" | "length" | "cancelled",
+     "temperature": float, "reused_prefix_len": int, "t_start": float, "t_end": float,
+     "model": str}
+
+``reused_prefix_len`` is how many leading prompt ids were taken verbatim from an earlier call of the
+same execution (its prompt + completion): those tokens are exactly what the policy saw and produced,
+never re-tokenized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class TitoRecord:
+    execution_id: str
+    call_index: int
+    thread_id: str
+    request_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    policy_versions: list[int]
+    finish_reason: str
+    temperature: float
+    reused_prefix_len: int
+    t_start: float
+    t_end: float
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if len(self.completion_logprobs) != n or len(self.policy_versions) != n:
+            raise ValueError(
+                f"record {self.execution_id}#{self.call_index}: completion_ids ({n}), completion_logprobs "
+                f"({len(self.completion_logprobs)}) and policy_versions ({len(self.policy_versions)}) must have equal length"
+            )
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, line: str) -> "TitoRecord":
+        return cls(**json.loads(line))
+
+
+class RecordStore:
+    """Append-only per-execution record files under one directory. Thread-safe; nothing kept in memory."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def path(self, execution_id: str) -> Path:
+        if not execution_id or "/" in execution_id or execution_id.startswith("."):
+            raise ValueError(f"invalid execution id {execution_id!r}")
+        return self.root / f"{execution_id}.jsonl"
+
+    def append(self, record: TitoRecord) -> None:
+        line = record.to_json() + "\n"
+        with self._lock, open(self.path(record.execution_id), "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self, execution_id: str) -> list[TitoRecord]:
+        """All records of an execution in call order (a torn last line from a crash is ignored)."""
+        path = self.path(execution_id)
+        if not path.exists():
+            return []
+        records = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    break  # torn write: the call never got its response, so it is not part of the execution
+                records.append(TitoRecord.from_json(line))
+        records.sort(key=lambda r: r.call_index)
+        return records

@@ -1,0 +1,133 @@
+"""Token-in/token-out prompt building: earlier turns are reused as the exact ids the policy saw and made.
+
+When a call's messages extend the previous call of the same thread (same earlier messages, then the
+assistant message the proxy returned), the new prompt is ``previous prompt ids + previous completion
+ids`` followed by the template rendering of only the new messages. Nothing generated is
+re-tokenized, so the trainer trains on what the policy produced. Any other call (a summary, a
+sub-agent, a retry with edited history) is rendered in full and starts a new branch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from gyre_jax.model.tokenizer import ByteTokenizer
+from gyre_jax.proxy import chat_template
+
+
+def assistant_completion_text(message: dict) -> str:
+    """What the model generates for an assistant message (after ``<|im_start|>assistant\\n``, before ``<|im_end|>``)."""
+    content = chat_template._content_text(message.get("content"))
+    reasoning = message.get("reasoning_content")
+    text = ""
+    if reasoning:
+        text += "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n"
+    text += content
+    for k, call in enumerate(message.get("tool_calls") or []):
+        if (k == 0 and content) or k > 0:
+            text += "\n"
+        text += chat_template._render_tool_call(call)
+    return text
+
+
+def _normalize_args(args: Any) -> Any:
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except json.JSONDecodeError:
+            return args
+    return args
+
+
+def normalize_message(message: dict) -> dict:
+    """The parts of a message that determine its tokens (ids, names and key order of clients vary)."""
+    out: dict[str, Any] = {"role": message.get("role"), "content": chat_template._content_text(message.get("content")).strip()}
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", call)
+        calls.append((fn.get("name"), _normalize_args(fn.get("arguments", {}))))
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+@dataclass
+class ThreadState:
+    """What the proxy remembers of a thread's last call: bounded by one context, however long the run."""
+
+    messages: list[dict]  # normalized messages of the last request
+    tools_key: str  # canonical JSON of the tools of the last request
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    returned: dict  # normalized assistant message the proxy returned
+    finished: bool  # the completion ended with a stop token
+
+
+@dataclass
+class PromptBuild:
+    prompt_ids: list[int]
+    reused_prefix_len: int  # leading ids copied verbatim from the previous call (0 for a new branch)
+    continued: bool
+
+
+def tools_key(tools: list[dict] | None) -> str:
+    return json.dumps(tools or [], sort_keys=True)
+
+
+def build_prompt(
+    tokenizer: ByteTokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    state: ThreadState | None,
+    enable_thinking: bool | None = None,
+) -> PromptBuild:
+    """Prompt ids for ``messages``, reusing ``state``'s exact ids when the conversation continues it."""
+    if state is not None and tools_key(tools) == state.tools_key:
+        k = len(state.messages)
+        normalized = [normalize_message(m) for m in messages[: k + 1]]
+        if len(messages) > k and normalized[:k] == state.messages and normalized[k] == state.returned:
+            ids = list(state.prompt_ids) + list(state.completion_ids)
+            if not state.finished:
+                ids += tokenizer.encode(chat_template.IM_END)
+            reused = len(ids)
+            suffix = chat_template.render_segments(messages, tools)[k + 1 :]
+            ids += tokenizer.encode("\n" + "".join(suffix) + chat_template.generation_prompt(enable_thinking))
+            return PromptBuild(prompt_ids=ids, reused_prefix_len=reused, continued=True)
+    text = chat_template.render(messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking)
+    return PromptBuild(prompt_ids=tokenizer.encode(text), reused_prefix_len=0, continued=False)
+
+
+@dataclass
+class Conversation:
+    """A demonstration rendered exactly as the proxy would have served it, call by call."""
+
+    ids: list[int] = field(default_factory=list)
+    trainable: list[bool] = field(default_factory=list)  # True on assistant-generated ids (incl. <|im_end|>)
+
+
+def render_demonstration(tokenizer: ByteTokenizer, messages: list[dict], tools: list[dict] | None) -> Conversation:
+    """Token ids of a whole conversation as TITO builds it, with the assistant completions marked trainable."""
+    im_end = tokenizer.token_id(chat_template.IM_END)
+    state: ThreadState | None = None
+    conv = Conversation()
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        build = build_prompt(tokenizer, messages[:i], tools, state)
+        completion = tokenizer.encode(assistant_completion_text(message)) + [im_end]
+        if not build.continued:
+            conv = Conversation()  # a new branch: demonstrations here are single-branch
+        new_prompt = build.prompt_ids[len(conv.ids) :]
+        conv.ids += new_prompt + completion
+        conv.trainable += [False] * len(new_prompt) + [True] * len(completion)
+        state = ThreadState(
+            messages=[normalize_message(m) for m in messages[:i]],
+            tools_key=tools_key(tools),
+            prompt_ids=build.prompt_ids,
+            completion_ids=completion,
+            returned=normalize_message(message),
+            finished=True,
+        )
+    return conv

@@ -1,0 +1,1 @@
+"""RL: losses, advantages and the learner."""

@@ -1,0 +1,1 @@
+"""Rollouts: task suites, the reference harness, the executor and evaluators."""

@@ -1,0 +1,455 @@
+"""The executor: runs black-box harness subprocesses on task workspaces and scores what they leave.
+
+It owns the life of one execution: workspace setup, opening/closing the execution at the proxy
+(the ``registry``), spawning the harness in its own process group, the wall-clock timeout (the whole
+group is killed), evaluation under its own timeout, and the ``ExecutionResult`` record. It does not
+know the model or the proxy's internals: a harness only gets ``OPENAI_BASE_URL``/``OPENAI_API_KEY``.
+
+Layout on disk, per execution, under ``root/<execution_id>/``::
+
+    task.json        the task (tasks.Task JSON), outside the workspace so the agent cannot read it
+    workspace/       the harness's current directory, seeded with task.files; evaluated afterwards
+    harness.stdout   harness output (and executor notes on a failed start, in harness.stderr)
+    harness.stderr
+    result.json      ExecutionResult.to_dict(), written atomically when the execution is done
+
+Serialized form of an ``ExecutionResult`` (``to_dict``)::
+
+    {"execution_id": str, "task_id": str, "group_id": str,
+     "status": "finished" | "timeout" | "crashed", "reward": float | null, "excluded": bool,
+     "exclusion_reason": str | null, "returncode": int | null, "duration_s": float, "workspace": str}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+from gyre_jax.rollout.tasks import Task, evaluate
+
+logger = logging.getLogger(__name__)
+
+STATUSES = ("finished", "timeout", "crashed")
+
+# The harness command; placeholders {task} {model} {temperature} {max_tokens} {seed} {workspace}
+# are substituted per execution. ``Executor(harness_cmd=...)`` takes a list of the same form.
+DEFAULT_HARNESS_CMD: tuple[str, ...] = (
+    sys.executable, "-m", "gyre_jax.rollout.harness",
+    "--task", "{task}", "--model", "{model}", "--temperature", "{temperature}",
+    "--max-tokens", "{max_tokens}", "--seed", "{seed}",
+)  # fmt: skip
+
+# Environment variables a harness inherits (everything else, e.g. credentials, is dropped).
+_ENV_KEEP = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "SSL_CERT_FILE", "SSL_CERT_DIR")
+_REPO_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the gyre_jax package
+_POLL_S = 0.05
+
+
+class ExecutionRegistry(Protocol):
+    """What the executor needs from the proxy: a per-execution API key, and a close when it ends."""
+
+    def open_execution(self, execution_id: str) -> str: ...
+
+    def close_execution(self, execution_id: str) -> None: ...
+
+
+Evaluator = Callable[[Task, Path], float]
+
+
+@dataclass
+class ExecutionSpec:
+    """One execution to run: a task, the GRPO/GSPO group it belongs to, and the harness seed."""
+
+    execution_id: str
+    task: Task
+    group_id: str  # executions of the same task share it (the task id)
+    seed: int
+
+
+@dataclass
+class ExecutionResult:
+    """How one execution ended and what it scored. ``reward`` is None exactly when ``excluded``."""
+
+    execution_id: str
+    task_id: str
+    group_id: str
+    status: str  # "finished" (harness exited 0) | "timeout" (killed at the limit) | "crashed" (non-zero exit or no start)
+    reward: float | None
+    excluded: bool  # True: do not train on it (evaluator failed or timed out, setup failed, cancelled)
+    exclusion_reason: str | None
+    returncode: int | None  # None when the harness never started
+    duration_s: float  # harness wall time, spawn to exit or kill (evaluation not included)
+    workspace: str
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"execution {self.execution_id}: status {self.status!r} must be one of {STATUSES}")
+        if self.excluded != (self.reward is None):
+            raise ValueError(f"execution {self.execution_id}: reward must be None exactly when excluded (reward={self.reward}, excluded={self.excluded})")
+        if self.excluded != (self.exclusion_reason is not None):
+            raise ValueError(f"execution {self.execution_id}: exclusion_reason must be set exactly when excluded")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ExecutionResult":
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise ValueError(f"execution result is missing keys {missing}; expected {names}")
+        return cls(**{n: data[n] for n in names})
+
+
+def _kill_group(pgid: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:
+    """SIGTERM the process group, wait up to ``grace_s`` for it to empty, then SIGKILL what is left.
+
+    ``proc`` (the group leader, our child) is reaped while waiting, so it does not linger as a zombie.
+    """
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if proc is not None:
+            proc.poll()
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class Executor:
+    """Runs executions, up to ``max_parallel`` at once, each harness in its own process group.
+
+    ``run(specs)`` returns one ``ExecutionResult`` per spec, in spec order. ``cancel()`` (e.g. from a
+    SIGINT handler) kills the running harnesses and makes ``run`` return promptly; it is sticky: a
+    cancelled executor starts nothing more.
+
+    ``harness_cmd`` is an argv list in which ``{task}`` (task.json path), ``{model}``,
+    ``{temperature}``, ``{max_tokens}``, ``{seed}`` and ``{workspace}`` are substituted per execution
+    (default ``DEFAULT_HARNESS_CMD``: the reference harness). The harness runs with the workspace as
+    its cwd and an environment holding only a few basics (PATH, HOME, locale, ...), PYTHONPATH to
+    this checkout, ``extra_env``, and ``OPENAI_BASE_URL``/``OPENAI_API_KEY``. ``evaluator(task,
+    workspace) -> float in [0, 1]`` runs in a daemon thread under ``evaluator_timeout_s``; a raise,
+    a timeout or an out-of-range value excludes the execution (a hung evaluator thread is abandoned,
+    since Python threads cannot be killed).
+    """
+
+    def __init__(
+        self,
+        registry: ExecutionRegistry,
+        base_url: str,
+        root: Path,
+        model_name: str,
+        timeout_s: float,
+        max_parallel: int,
+        temperature: float,
+        max_tokens: int,
+        evaluator_timeout_s: float = 30.0,
+        harness_cmd: Sequence[str] | None = None,
+        evaluator: Evaluator = evaluate,
+        kill_grace_s: float = 2.0,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        for name, value in (("timeout_s", timeout_s), ("evaluator_timeout_s", evaluator_timeout_s)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+        if not (isinstance(kill_grace_s, (int, float)) and kill_grace_s >= 0):
+            raise ValueError(f"kill_grace_s={kill_grace_s!r} must be >= 0 seconds")
+        if isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1:
+            raise ValueError(f"max_parallel={max_parallel!r} must be an integer >= 1")
+        if harness_cmd is not None and (not harness_cmd or not all(isinstance(a, str) for a in harness_cmd)):
+            raise ValueError(f"harness_cmd={harness_cmd!r} must be a non-empty list of strings")
+        self.registry = registry
+        self.base_url = base_url
+        self.root = Path(root)
+        self.model_name = model_name
+        self.timeout_s = float(timeout_s)
+        self.max_parallel = max_parallel
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.evaluator_timeout_s = float(evaluator_timeout_s)
+        self.harness_cmd = list(harness_cmd) if harness_cmd is not None else list(DEFAULT_HARNESS_CMD)
+        self.evaluator = evaluator
+        self.kill_grace_s = float(kill_grace_s)
+        self.extra_env = dict(extra_env or {})
+        self._lock = threading.Lock()
+        self._callback_lock = threading.Lock()
+        self._cancelled = threading.Event()
+        self._running: dict[str, subprocess.Popen] = {}
+
+    # -- public ---------------------------------------------------------------------------------
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Kills every running harness (SIGTERM now, SIGKILL after the grace) and starts nothing more."""
+        with self._lock:
+            self._cancelled.set()
+            procs = list(self._running.values())
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def run(
+        self, specs: Sequence[ExecutionSpec], on_done: Callable[[ExecutionResult], None] | None = None
+    ) -> list[ExecutionResult]:
+        """Runs ``specs`` and returns their results in the same order.
+
+        ``on_done(result)`` is called once per execution as it completes, from worker threads but never
+        concurrently. If it raises, the remaining executions still run and ``run`` then raises.
+        """
+        counts = Counter(s.execution_id for s in specs)
+        duplicates = sorted(i for i, c in counts.items() if c > 1)
+        if duplicates:
+            raise ValueError(f"execution ids must be unique within a run; repeated: {duplicates}")
+        for spec in specs:
+            _check_execution_id(spec.execution_id)
+        self.root.mkdir(parents=True, exist_ok=True)
+        callback_errors: list[tuple[str, BaseException]] = []
+
+        def work(spec: ExecutionSpec) -> ExecutionResult:
+            result = self._run_one(spec)
+            if on_done is not None:
+                with self._callback_lock:
+                    try:
+                        on_done(result)
+                    except Exception as exc:  # noqa: BLE001 - re-raised from run() below
+                        logger.exception("on_done failed for execution %s", spec.execution_id)
+                        callback_errors.append((spec.execution_id, exc))
+            return result
+
+        if not specs:
+            return []
+        pool = ThreadPoolExecutor(max_workers=min(self.max_parallel, len(specs)), thread_name_prefix="gyre-exec")
+        try:
+            futures = [pool.submit(work, spec) for spec in specs]
+            results = [future.result() for future in futures]
+        except BaseException:  # e.g. KeyboardInterrupt in the waiting thread: stop the harnesses first
+            self.cancel()
+            raise
+        finally:
+            pool.shutdown(wait=True)
+        if callback_errors:
+            execution_id, exc = callback_errors[0]
+            raise RuntimeError(
+                f"on_done raised for {len(callback_errors)} execution(s), first for {execution_id}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return results
+
+    # -- one execution --------------------------------------------------------------------------
+
+    def _run_one(self, spec: ExecutionSpec) -> ExecutionResult:
+        exec_dir = self.root / spec.execution_id
+        workspace = exec_dir / "workspace"
+
+        def result(status: str, reward: float | None, reason: str | None, returncode: int | None, duration: float) -> ExecutionResult:
+            r = ExecutionResult(
+                execution_id=spec.execution_id,
+                task_id=spec.task.task_id,
+                group_id=spec.group_id,
+                status=status,
+                reward=reward,
+                excluded=reason is not None,
+                exclusion_reason=reason,
+                returncode=returncode,
+                duration_s=duration,
+                workspace=str(workspace),
+            )
+            _write_result(exec_dir, r)
+            return r
+
+        if self._cancelled.is_set():
+            return result("crashed", None, "cancelled", None, 0.0)
+        try:
+            task_path = self._prepare(spec, exec_dir, workspace)
+        except Exception as exc:  # noqa: BLE001 - infrastructure failure: exclude, never score
+            logger.exception("workspace setup failed for execution %s", spec.execution_id)
+            return result("crashed", None, f"workspace setup failed: {type(exc).__name__}: {exc}", None, 0.0)
+        try:
+            api_key = self.registry.open_execution(spec.execution_id)
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("open_execution failed for execution %s", spec.execution_id)
+            return result("crashed", None, f"open_execution failed: {type(exc).__name__}: {exc}", None, 0.0)
+
+        try:
+            status, returncode, duration, cancelled = self._spawn_and_wait(spec, exec_dir, workspace, task_path, api_key)
+        except Exception as exc:  # noqa: BLE001 - an executor fault (not the harness's): exclude
+            logger.exception("running the harness of execution %s failed", spec.execution_id)
+            return result("crashed", None, f"executor error: {type(exc).__name__}: {exc}", None, 0.0)
+        finally:
+            try:
+                self.registry.close_execution(spec.execution_id)
+            except Exception:  # noqa: BLE001 - the harness is done; a failed close must not lose the result
+                logger.exception("close_execution failed for execution %s", spec.execution_id)
+        if cancelled:
+            return result("crashed", None, "cancelled", returncode, duration)
+        reward, reason = self._evaluate(spec.task, workspace)
+        return result(status, reward, reason, returncode, duration)
+
+    def _prepare(self, spec: ExecutionSpec, exec_dir: Path, workspace: Path) -> Path:
+        if exec_dir.exists():  # a re-run of the same execution starts from a fresh workspace
+            shutil.rmtree(exec_dir)
+        workspace.mkdir(parents=True)
+        for rel, text in spec.task.files.items():
+            path = workspace / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+        task_path = exec_dir / "task.json"
+        task_path.write_text(spec.task.to_json(), encoding="utf-8")
+        return task_path
+
+    def _command(self, spec: ExecutionSpec, task_path: Path, workspace: Path) -> list[str]:
+        values = {
+            "{task}": str(task_path),
+            "{model}": self.model_name,
+            "{temperature}": repr(float(self.temperature)),
+            "{max_tokens}": str(int(self.max_tokens)),
+            "{seed}": str(int(spec.seed)),
+            "{workspace}": str(workspace),
+        }
+        cmd = []
+        for arg in self.harness_cmd:
+            for key, value in values.items():
+                arg = arg.replace(key, value)
+            cmd.append(arg)
+        return cmd
+
+    def _env(self, api_key: str) -> dict[str, str]:
+        env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
+        pythonpath = os.environ.get("PYTHONPATH")
+        env["PYTHONPATH"] = str(_REPO_ROOT) + (os.pathsep + pythonpath if pythonpath else "")
+        env["PYTHONUNBUFFERED"] = "1"
+        env.update(self.extra_env)
+        env["OPENAI_BASE_URL"] = self.base_url
+        env["OPENAI_API_KEY"] = api_key
+        return env
+
+    def _spawn_and_wait(
+        self, spec: ExecutionSpec, exec_dir: Path, workspace: Path, task_path: Path, api_key: str
+    ) -> tuple[str, int | None, float, bool]:
+        """Runs the harness to its end; returns (status, returncode, duration_s, cancelled)."""
+        cmd = self._command(spec, task_path, workspace)
+        start = time.monotonic()
+        with open(exec_dir / "harness.stdout", "wb") as out, open(exec_dir / "harness.stderr", "wb") as err:
+            with self._lock:
+                if self._cancelled.is_set():
+                    return "crashed", None, 0.0, True
+                try:
+                    proc = subprocess.Popen(
+                        cmd, cwd=workspace, env=self._env(api_key), stdin=subprocess.DEVNULL,
+                        stdout=out, stderr=err, start_new_session=True,
+                    )  # fmt: skip
+                except OSError as exc:
+                    err.write(f"executor: failed to start harness {cmd!r}: {exc}\n".encode())
+                    return "crashed", None, time.monotonic() - start, False
+                self._running[spec.execution_id] = proc
+            try:
+                deadline = start + self.timeout_s
+                timed_out = False
+                while proc.poll() is None:
+                    if self._cancelled.is_set():
+                        break
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        timed_out = True
+                        break
+                    try:
+                        proc.wait(timeout=min(_POLL_S, remaining))
+                    except subprocess.TimeoutExpired:
+                        pass
+                # Kill the whole group: on timeout/cancel the harness itself, after a normal exit
+                # whatever children it left behind.
+                _kill_group(proc.pid, self.kill_grace_s, proc)
+                returncode = proc.wait()
+                duration = time.monotonic() - start
+            finally:
+                with self._lock:
+                    self._running.pop(spec.execution_id, None)
+        if self._cancelled.is_set() and not timed_out:
+            # Cancelled while the harness ran (or in the same instant it ended): never scored.
+            return "crashed", returncode, duration, True
+        if timed_out:
+            err_note = f"executor: harness killed after timeout_s={self.timeout_s}\n"
+            with open(exec_dir / "harness.stderr", "ab") as err:
+                err.write(err_note.encode())
+            return "timeout", returncode, duration, False
+        return ("finished" if returncode == 0 else "crashed"), returncode, duration, False
+
+    def _evaluate(self, task: Task, workspace: Path) -> tuple[float | None, str | None]:
+        """(reward, None) or (None, why it is excluded). The evaluator runs in a daemon thread."""
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["reward"] = self.evaluator(task, workspace)
+            except BaseException as exc:  # noqa: BLE001 - reported as an exclusion
+                box["error"] = exc
+
+        thread = threading.Thread(target=target, name=f"gyre-eval-{task.task_id}", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.evaluator_timeout_s
+        while thread.is_alive() and time.monotonic() < deadline and not self._cancelled.is_set():
+            thread.join(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
+        if thread.is_alive():
+            if self._cancelled.is_set():
+                return None, "cancelled during evaluation"
+            # A Python thread cannot be killed: it is left to finish in the background (daemon).
+            return None, f"evaluator exceeded evaluator_timeout_s={self.evaluator_timeout_s}"
+        if "error" in box:
+            exc = box["error"]
+            return None, f"evaluator raised {type(exc).__name__}: {exc}"
+        reward = box.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
+            return None, f"evaluator returned {reward!r}; expected a float in [0, 1]"
+        return float(reward), None
+
+
+def _check_execution_id(execution_id: str) -> None:
+    if (
+        not isinstance(execution_id, str)
+        or not execution_id
+        or execution_id in (".", "..")
+        or "/" in execution_id
+        or "\\" in execution_id
+        or "\0" in execution_id
+    ):
+        raise ValueError(f"execution_id {execution_id!r} must be a non-empty name usable as a directory (no '/', not '.' or '..')")
+
+
+def _write_result(exec_dir: Path, result: ExecutionResult) -> None:
+    """Writes result.json atomically (tmp + fsync + rename); a failure is logged, never raised."""
+    try:
+        exec_dir.mkdir(parents=True, exist_ok=True)
+        tmp = exec_dir / "result.json.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(result.to_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, exec_dir / "result.json")
+    except OSError:
+        logger.exception("could not write result.json for execution %s", result.execution_id)

@@ -1,0 +1,316 @@
+"""The built-in task suite: tiny file-transformation tasks, their demonstrations and their evaluator.
+
+This module owns the ``Task`` record (what a harness is given: prompt, tools, initial workspace;
+what the evaluator checks), ``BuiltinSuite`` (deterministic tasks per training step, and the
+demonstrations a tiny model is warm-started on) and ``evaluate`` (partial-credit reward of a
+workspace). Tasks are short on purpose: every byte of the prompt is a token of a byte-level model.
+
+Serialized form of a task (``Task.to_json``; the harness reads this file, see harness.py)::
+
+    {"task_id": "s000003-t1", "kind": "upper", "system": str, "instruction": str,
+     "files": {"input.txt": "qkzmt"}, "expected": {"answer.txt": "QKZMT"},
+     "tools": [OpenAI function tool schemas], "max_turns": 4,
+     "tool_latency_median_s": 0.05, "tool_latency_sigma": 1.0}
+
+``expected`` maps workspace paths to their exact expected text; the reward is the mean over those
+paths of the per-path positional partial credit (see ``evaluate``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path, PurePosixPath
+from typing import Any, Sequence
+
+import numpy as np
+
+KINDS: tuple[str, ...] = ("copy", "upper", "reverse")
+INPUT_FILE = "input.txt"
+ANSWER_FILE = "answer.txt"
+
+SYSTEM_PROMPT = "Solve the task with the tools."
+INSTRUCTIONS: dict[str, str] = {
+    "copy": "Copy input.txt to answer.txt.",
+    "upper": "Write input.txt in uppercase to answer.txt.",
+    "reverse": "Write input.txt reversed to answer.txt.",
+}
+
+# OpenAI function tool schemas, kept minimal: they are rendered into every prompt.
+TOOLS: tuple[dict[str, Any], ...] = (
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "description": "Write a file.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                "required": ["path", "content"],
+            },
+        },
+    },
+)
+
+WRITE_OK = "ok"  # the write_file tool result, as the reference harness returns it
+FINAL_MESSAGE = "Done."
+
+# Stream ids under the suite seed, so step tasks and demonstrations never share random numbers.
+_STEP_STREAM = 0
+_DEMO_STREAM = 1
+
+
+def transform(kind: str, text: str) -> str:
+    """The correct answer of a task of ``kind`` for input ``text``."""
+    if kind == "copy":
+        return text
+    if kind == "upper":
+        return text.upper()
+    if kind == "reverse":
+        return text[::-1]
+    raise ValueError(f"unknown task kind {kind!r}: expected one of {KINDS}")
+
+
+def _check_relative_path(path: str, what: str) -> None:
+    p = PurePosixPath(path)
+    if not path or p.is_absolute() or ".." in p.parts or "\\" in path or p == PurePosixPath("."):
+        raise ValueError(f"{what} path {path!r} must be a non-empty relative path without '..' (e.g. 'input.txt')")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task: what the harness gets (prompt, tools, workspace files) and what the evaluator checks.
+
+    Frozen, but ``files``/``expected``/``tools`` are plain dicts/lists so the record maps 1:1 to JSON;
+    treat them as read-only.
+    """
+
+    task_id: str
+    kind: str
+    system: str  # system prompt ("" for none)
+    instruction: str  # the user message
+    files: dict[str, str]  # initial workspace: relative path -> text
+    expected: dict[str, str]  # relative path -> exact expected text (trailing newline ignored)
+    tools: list[dict[str, Any]]  # OpenAI function tool schemas
+    max_turns: int  # model calls the harness may make
+    tool_latency_median_s: float  # simulated tool time: lognormal(log(median), sigma); 0 for none
+    tool_latency_sigma: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.task_id, str) or not self.task_id:
+            raise ValueError(f"task_id must be a non-empty string, got {self.task_id!r}")
+        if not isinstance(self.kind, str) or not self.kind:
+            raise ValueError(f"task {self.task_id}: kind must be a non-empty string, got {self.kind!r}")
+        for name in ("system", "instruction"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"task {self.task_id}: {name} must be a string, got {type(getattr(self, name)).__name__}")
+        for name in ("files", "expected"):
+            mapping = getattr(self, name)
+            if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+                raise ValueError(f"task {self.task_id}: {name} must map relative paths (str) to text (str), got {mapping!r}")
+            for path in mapping:
+                _check_relative_path(path, f"task {self.task_id}: {name}")
+        if not self.expected:
+            raise ValueError(f"task {self.task_id}: expected must name at least one file to evaluate")
+        if not isinstance(self.tools, list) or not all(isinstance(t, dict) for t in self.tools):
+            raise ValueError(f"task {self.task_id}: tools must be a list of OpenAI tool schema objects")
+        if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int) or self.max_turns < 1:
+            raise ValueError(f"task {self.task_id}: max_turns={self.max_turns!r} must be an integer >= 1")
+        for name in ("tool_latency_median_s", "tool_latency_sigma"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"task {self.task_id}: {name}={value!r} must be a finite number >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Task":
+        if not isinstance(data, dict):
+            raise ValueError(f"a task must be a JSON object, got {type(data).__name__}")
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in data]
+        unknown = sorted(set(data) - set(names))
+        if missing or unknown:
+            raise ValueError(f"task JSON has missing keys {missing} and unknown keys {unknown}; expected exactly {names}")
+        return cls(**{n: data[n] for n in names})
+
+    def to_json(self) -> str:
+        # Key order is kept (not sorted): tool schemas are rendered into the prompt in this order.
+        return json.dumps(self.to_dict(), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Task":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"task JSON is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    def demonstration(self) -> list[dict[str, Any]]:
+        """The ideal OpenAI-format conversation: read the input, write the answer, say done.
+
+        Tool results are what the reference harness returns (the file text, then ``"ok"``), so a
+        demonstration renders to the same tokens a perfect rollout would produce.
+        """
+        if INPUT_FILE not in self.files or len(self.expected) != 1 or ANSWER_FILE not in self.expected:
+            raise ValueError(
+                f"task {self.task_id}: a demonstration needs files[{INPUT_FILE!r}] and expected == {{{ANSWER_FILE!r}: ...}}, "
+                f"got files {sorted(self.files)} and expected {sorted(self.expected)}"
+            )
+        messages: list[dict[str, Any]] = []
+        if self.system:
+            messages.append({"role": "system", "content": self.system})
+        messages.append({"role": "user", "content": self.instruction})
+        messages += [
+            _tool_call_message("call_0", "read_file", {"path": INPUT_FILE}),
+            {"role": "tool", "tool_call_id": "call_0", "content": self.files[INPUT_FILE]},
+            _tool_call_message("call_1", "write_file", {"path": ANSWER_FILE, "content": self.expected[ANSWER_FILE]}),
+            {"role": "tool", "tool_call_id": "call_1", "content": WRITE_OK},
+            {"role": "assistant", "content": FINAL_MESSAGE},
+        ]
+        return messages
+
+
+def _tool_call_message(call_id: str, name: str, arguments: dict[str, str]) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+        ],
+    }
+
+
+class BuiltinSuite:
+    """Deterministic copy/upper/reverse tasks on 4..8 random lowercase letters.
+
+    ``tasks_for_step(step, n)`` depends only on ``(seed, step, n)`` (and the constructor arguments),
+    so a resumed run regenerates exactly the tasks it would have had.
+    """
+
+    def __init__(
+        self,
+        kinds: Sequence[str] = KINDS,
+        seed: int = 0,
+        max_turns: int = 4,
+        tool_latency_median_s: float = 0.0,
+        tool_latency_sigma: float = 0.0,
+        min_len: int = 4,
+        max_len: int = 8,
+    ) -> None:
+        kinds = tuple(kinds)
+        bad = [k for k in kinds if k not in KINDS]
+        if not kinds or bad:
+            raise ValueError(f"kinds={kinds!r}: expected a non-empty subset of {KINDS}")
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"kinds={kinds!r} lists a kind twice")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r} must be an integer >= 0")
+        if not 1 <= min_len <= max_len:
+            raise ValueError(f"input lengths min_len={min_len}, max_len={max_len} must satisfy 1 <= min_len <= max_len")
+        self.kinds = kinds
+        self.seed = seed
+        self.max_turns = max_turns
+        self.tool_latency_median_s = float(tool_latency_median_s)
+        self.tool_latency_sigma = float(tool_latency_sigma)
+        self.min_len = min_len
+        self.max_len = max_len
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"max_turns={max_turns!r} must be an integer >= 1")
+        for name, value in (("tool_latency_median_s", self.tool_latency_median_s), ("tool_latency_sigma", self.tool_latency_sigma)):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        """The tool schemas every task of this suite carries (for rendering demonstrations)."""
+        return [json.loads(json.dumps(t)) for t in TOOLS]
+
+    def _make_task(self, rng: np.random.Generator, task_id: str) -> Task:
+        kind = self.kinds[int(rng.integers(len(self.kinds)))]
+        length = int(rng.integers(self.min_len, self.max_len + 1))
+        text = "".join(chr(ord("a") + int(c)) for c in rng.integers(0, 26, size=length))
+        return Task(
+            task_id=task_id,
+            kind=kind,
+            system=SYSTEM_PROMPT,
+            instruction=INSTRUCTIONS[kind],
+            files={INPUT_FILE: text},
+            expected={ANSWER_FILE: transform(kind, text)},
+            tools=self.tools,
+            max_turns=self.max_turns,
+            tool_latency_median_s=self.tool_latency_median_s,
+            tool_latency_sigma=self.tool_latency_sigma,
+        )
+
+    def tasks_for_step(self, step: int, n: int) -> list[Task]:
+        """``n`` tasks for training step ``step``, ids ``s{step:06d}-t{i}``; deterministic in (seed, step)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} must be an integer >= 0")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n={n!r} must be an integer >= 0")
+        rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(_STEP_STREAM, step)))
+        return [self._make_task(rng, f"s{step:06d}-t{i}") for i in range(n)]
+
+    def demonstration_tasks(self, n: int, seed: int) -> list[Task]:
+        """``n`` random tasks for warm-start demonstrations (a stream disjoint from the step tasks)."""
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r} must be an integer >= 0")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n={n!r} must be an integer >= 0")
+        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_DEMO_STREAM,)))
+        return [self._make_task(rng, f"demo-{i:06d}") for i in range(n)]
+
+    def demonstrations(self, n: int, seed: int) -> list[list[dict[str, Any]]]:
+        """``n`` ideal conversations (OpenAI messages) over random tasks; render them with ``self.tools``."""
+        return [task.demonstration() for task in self.demonstration_tasks(n, seed)]
+
+
+def _strip_newline(text: str) -> str:
+    if text.endswith("\r\n"):
+        return text[:-2]
+    if text.endswith("\n"):
+        return text[:-1]
+    return text
+
+
+def partial_credit(expected: str, got: str) -> float:
+    """Characters equal by position / max(len(expected), len(got)); 1.0 when both are empty."""
+    expected, got = _strip_newline(expected), _strip_newline(got)
+    longest = max(len(expected), len(got))
+    if longest == 0:
+        return 1.0
+    return sum(a == b for a, b in zip(expected, got)) / longest
+
+
+def evaluate(task: Task, workspace: Path) -> float:
+    """Reward in [0, 1] of ``workspace`` for ``task``: mean partial credit over ``task.expected``.
+
+    A missing (or non-file) answer scores 0. Raises ``FileNotFoundError``/``NotADirectoryError`` when
+    the workspace itself does not exist: that is an infrastructure failure, and the executor then
+    excludes the execution instead of scoring it.
+    """
+    workspace = Path(workspace)
+    if not workspace.exists():
+        raise FileNotFoundError(f"workspace {workspace} of task {task.task_id} does not exist; cannot evaluate")
+    if not workspace.is_dir():
+        raise NotADirectoryError(f"workspace {workspace} of task {task.task_id} is not a directory; cannot evaluate")
+    scores = []
+    for rel, want in task.expected.items():
+        path = workspace / rel
+        if not path.is_file():
+            scores.append(0.0)
+            continue
+        got = path.read_bytes().decode("utf-8", errors="replace")
+        scores.append(partial_credit(want, got))
+    return sum(scores) / len(scores)

@@ -1,0 +1,57 @@
+"""Per-row token sampling (temperature, top-k, top-p) that also returns the behaviour log-prob.
+
+The log-prob is that of the temperature-scaled distribution ``log_softmax(logits / T)`` before
+truncation (``T = 1`` for greedy rows): exactly what the trainer recomputes from the recorded tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sample(
+    logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """logits: [B, V] f32; keys: [B, 2] uint32 raw key data; temperature, top_p: [B] f32; top_k: [B] int32.
+
+    Returns tokens [B] int32 and their log-probs [B] f32. ``temperature <= 0`` means greedy,
+    ``top_k <= 0`` and ``top_p >= 1`` disable truncation.
+    """
+    greedy = temperature <= 0
+    t = jnp.where(greedy, 1.0, temperature)
+    scaled = logits / t[:, None]
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+
+    vocab = logits.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # [B, 1]
+    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
+    before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted  # mass strictly above each rank
+    keep_count = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)
+    pth = jnp.take_along_axis(sorted_desc, (keep_count - 1)[:, None], axis=-1)
+    threshold = jnp.maximum(kth, pth)
+    truncated = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+    def draw(key_data, row):
+        return jax.random.categorical(jax.random.wrap_key_data(key_data), row)
+
+    sampled = jax.vmap(draw)(keys, truncated)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """keys: [B, 2] raw key data -> (next keys, keys to sample with now), each [B, 2]."""
+
+    def one(key_data):
+        a, b = jax.random.split(jax.random.wrap_key_data(key_data))
+        return jax.random.key_data(a), jax.random.key_data(b)
+
+    return jax.vmap(one)(keys)
+
+
+def key_for_seed(seed: int) -> jax.Array:
+    """Raw [2] uint32 key data for a request seed."""
+    return jax.random.key_data(jax.random.key(seed % (2**63)))

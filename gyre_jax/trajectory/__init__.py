@@ -1,0 +1,1 @@
+"""Trajectory processing: TITO records -> branches -> packed micro-batches."""

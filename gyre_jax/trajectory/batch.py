@@ -1,0 +1,109 @@
+"""Packed micro-batches for the learner: fixed-shape arrays built from branches.
+
+One sequence per row for now (rows padded to a length bucket); the per-sequence arrays are indexed by
+``seq_index`` so packed layouts plug into the same loss. Inputs are ``tokens[:-1]`` and targets
+``tokens[1:]`` of each branch; a target is trainable where the policy generated it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from gyre_jax.trajectory.branches import Branch
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class MicroBatch:
+    """tokens/positions/segment_ids/targets/seq_index: [B, T] int32; loss_mask/old_logprobs/temperature:
+    [B, T] float32; advantages/seq_weights: [S] float32 (S = B here)."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+    targets: np.ndarray
+    loss_mask: np.ndarray
+    old_logprobs: np.ndarray
+    temperature: np.ndarray
+    seq_index: np.ndarray
+    advantages: np.ndarray
+    seq_weights: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(np.sum(self.segment_ids != 0))
+
+    @property
+    def num_target_tokens(self) -> int:
+        return int(np.sum(self.loss_mask > 0))
+
+
+def row_length(max_len: int, multiple: int = 128) -> int:
+    return max(multiple, int(math.ceil(max_len / multiple)) * multiple)
+
+
+def make_micro_batches(
+    branches: list[Branch],
+    advantages: list[float],
+    seq_weights: list[float],
+    micro_batch_size: int,
+    multiple: int = 128,
+) -> list[MicroBatch]:
+    """Pads ``branches`` into micro-batches of ``micro_batch_size`` rows (last one padded with empty rows)."""
+    if not branches:
+        return []
+    length = row_length(max(len(b.tokens) - 1 for b in branches), multiple)
+    out = []
+    for start in range(0, len(branches), micro_batch_size):
+        chunk = list(range(start, min(start + micro_batch_size, len(branches))))
+        b, t = micro_batch_size, length
+        mb = MicroBatch(
+            tokens=np.zeros((b, t), np.int32), positions=np.zeros((b, t), np.int32),
+            segment_ids=np.zeros((b, t), np.int32), targets=np.zeros((b, t), np.int32),
+            loss_mask=np.zeros((b, t), np.float32), old_logprobs=np.zeros((b, t), np.float32),
+            temperature=np.ones((b, t), np.float32), seq_index=np.tile(np.arange(b, dtype=np.int32)[:, None], (1, t)),
+            advantages=np.zeros((b,), np.float32), seq_weights=np.zeros((b,), np.float32),
+        )
+        for row, i in enumerate(chunk):
+            br = branches[i]
+            n = len(br.tokens) - 1
+            mb.tokens[row, :n] = br.tokens[:-1]
+            mb.positions[row, :n] = np.arange(n)
+            mb.segment_ids[row, :n] = 1
+            mb.targets[row, :n] = br.tokens[1:]
+            mb.loss_mask[row, :n] = np.asarray(br.trainable[1:], np.float32)
+            mb.old_logprobs[row, :n] = br.logprobs[1:]
+            mb.temperature[row, :n] = br.temperature[1:]
+            mb.advantages[row] = advantages[i]
+            mb.seq_weights[row] = seq_weights[i]
+        out.append(mb)
+    return out
+
+
+def supervised_micro_batch(sequences: list[tuple[list[int], list[bool]]], total_targets: int, length: int) -> MicroBatch:
+    """A micro-batch for the supervised warm start: ``loss_mask`` holds per-token weights 1/total_targets."""
+    b = len(sequences)
+    mb = MicroBatch(
+        tokens=np.zeros((b, length), np.int32), positions=np.zeros((b, length), np.int32),
+        segment_ids=np.zeros((b, length), np.int32), targets=np.zeros((b, length), np.int32),
+        loss_mask=np.zeros((b, length), np.float32), old_logprobs=np.zeros((b, length), np.float32),
+        temperature=np.ones((b, length), np.float32), seq_index=np.tile(np.arange(b, dtype=np.int32)[:, None], (1, length)),
+        advantages=np.zeros((b,), np.float32), seq_weights=np.zeros((b,), np.float32),
+    )
+    for row, (ids, trainable) in enumerate(sequences):
+        n = min(len(ids) - 1, length)
+        mb.tokens[row, :n] = ids[:n]
+        mb.positions[row, :n] = np.arange(n)
+        mb.segment_ids[row, :n] = 1
+        mb.targets[row, :n] = ids[1 : n + 1]
+        mb.loss_mask[row, :n] = np.asarray(trainable[1 : n + 1], np.float32) / max(total_targets, 1)
+    return mb
+
+
+def replace(mb: MicroBatch, **changes) -> MicroBatch:
+    return dataclasses.replace(mb, **changes)
