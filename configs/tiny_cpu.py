@@ -57,12 +57,13 @@ def get_config() -> config_dict.ConfigDict:
 
     c.tokenizer = config_dict.ConfigDict()
     c.tokenizer.kind = "byte"
+    c.tokenizer.tools_format = "compact"  # tools as one-line signatures: every byte is a token here
 
     c.serving = config_dict.ConfigDict()
     c.serving.max_concurrent_decodes = 16  # decode slots per cell
-    c.serving.max_seq_len = 1536  # KV cache length per slot (prompt + completion)
-    c.serving.max_prefill_length = 1536
-    c.serving.prefill_buckets = (256, 512, 1024, 1536)
+    c.serving.max_seq_len = 1024  # KV cache length per slot (prompt + completion)
+    c.serving.max_prefill_length = 1024
+    c.serving.prefill_buckets = (128, 256, 512, 1024)
 
     c.proxy = config_dict.ConfigDict()
     c.proxy.host = "127.0.0.1"
@@ -72,7 +73,11 @@ def get_config() -> config_dict.ConfigDict:
 
     c.rollout = config_dict.ConfigDict()
     c.rollout.suite = "builtin"
-    c.rollout.task_kinds = ("copy", "upper", "reverse")
+    c.rollout.task_kinds = ("copy", "reverse")
+    c.rollout.alphabet = "digits"  # input.txt holds input_min_len..input_max_len random characters
+    c.rollout.input_min_len = 2
+    c.rollout.input_max_len = 2
+    c.rollout.num_tasks = 16  # the suite's fixed training set, visited in seeded epochs (0 = fresh tasks every step)
     c.rollout.tasks_per_step = 2
     c.rollout.timeout_s = 60.0
     c.rollout.max_parallel = 16
@@ -92,8 +97,8 @@ def get_config() -> config_dict.ConfigDict:
     c.rl.micro_batch_size = 8  # sequences per micro-step
 
     c.optimizer = config_dict.ConfigDict()
-    c.optimizer.learning_rate = 2e-4
-    c.optimizer.warmup_steps = 0
+    c.optimizer.learning_rate = 3e-4
+    c.optimizer.warmup_steps = 10
     c.optimizer.b1 = 0.9
     c.optimizer.b2 = 0.99
     c.optimizer.weight_decay = 0.0
@@ -101,9 +106,18 @@ def get_config() -> config_dict.ConfigDict:
 
     # Supervised warm start on the suite's built-in demonstrations, before RL step 0.
     c.warm_start = config_dict.ConfigDict()
-    c.warm_start.steps = 150
+    c.warm_start.steps = 400
     c.warm_start.batch_size = 8
-    c.warm_start.learning_rate = 2e-3
+    c.warm_start.learning_rate = 3e-3
+    c.warm_start.warmup_steps = 50
+
+    # Evaluation: before the first RL step, after the last, and every `every_steps` (0: only those two).
+    # Tasks: the training set when rollout.num_tasks > 0 ("train"), or fresh held-out tasks ("heldout").
+    c.eval = config_dict.ConfigDict()
+    c.eval.split = "train"
+    c.eval.num_tasks = 16  # for the held-out split
+    c.eval.samples_per_task = 2
+    c.eval.every_steps = 0
 
     c.schedule = config_dict.ConfigDict()
     c.schedule.policy = "colocated"

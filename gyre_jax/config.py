@@ -48,7 +48,11 @@ def _load_file(spec: str) -> config_dict.ConfigDict:
         raise ConfigError(f"config file {path} failed to load: {type(exc).__name__}: {exc}") from exc
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path} defines no get_config() function")
-    config = module.get_config(arg) if arg else module.get_config()
+    try:
+        config = module.get_config(arg) if arg else module.get_config()
+    except Exception as exc:  # e.g. an argument given to a get_config() that takes none
+        raise ConfigError(f"config file {path}: get_config({arg!r}) failed: {type(exc).__name__}: {exc}" if arg else
+                          f"config file {path}: get_config() failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(config, config_dict.ConfigDict):
         raise ConfigError(f"{path}: get_config() must return an ml_collections.ConfigDict, got {type(config).__name__}")
     return config
@@ -84,6 +88,8 @@ def _parse_value(key: str, text: str, current: Any) -> Any:
             value = tuple(part.strip() for part in text.split(",") if part.strip())
         if not isinstance(value, (tuple, list)):
             value = (value,)
+        if current and all(type(x) is type(current[0]) for x in current) and isinstance(current[0], (bool, int, float, str)):
+            value = [v if type(v) is type(current[0]) else _parse_value(key, str(v), current[0]) for v in value]
         return tuple(value)
     try:
         return ast.literal_eval(text)
@@ -207,6 +213,7 @@ def validate(config: config_dict.ConfigDict) -> None:
         targets = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
         for t in targets:
             _require(t in MESH_AXES, f"config.sharding_rules: {logical!r} maps to unknown mesh axis {t!r}; mesh axes are {MESH_AXES}")
+        _require(len(set(targets)) == len(targets), f"config.sharding_rules: {logical!r} names a mesh axis twice: {targets}")
 
     m = c.model
     for key in ("vocab_size", "num_layers", "embed_dim", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
@@ -215,6 +222,10 @@ def validate(config: config_dict.ConfigDict) -> None:
     _require(m.head_dim % 2 == 0, f"config.model.head_dim={m.head_dim} must be even (rotary embedding)")
     _require(m.dtype in DTYPES, f"config.model.dtype={m.dtype!r} must be one of {DTYPES}")
     _require(m.param_dtype in DTYPES, f"config.model.param_dtype={m.param_dtype!r} must be one of {DTYPES}")
+    from gyre_jax.proxy.chat_template import TOOLS_FORMATS
+
+    _require(c.tokenizer.tools_format in TOOLS_FORMATS,
+             f"config.tokenizer.tools_format={c.tokenizer.tools_format!r} must be one of {TOOLS_FORMATS}")
     _require(c.tokenizer.kind == "byte", f"config.tokenizer.kind={c.tokenizer.kind!r}: only 'byte' is supported yet (checkpoint tokenizers come with the model-fidelity issue)")
     from gyre_jax.model.tokenizer import ByteTokenizer
 
@@ -240,6 +251,12 @@ def validate(config: config_dict.ConfigDict) -> None:
     _require(r.suite == "builtin", f"config.rollout.suite={r.suite!r}: only 'builtin' is supported yet")
     kinds = tuple(r.task_kinds)
     _require(len(kinds) > 0 and all(k in TASK_KINDS for k in kinds), f"config.rollout.task_kinds={kinds} must be a non-empty subset of {TASK_KINDS}")
+    from gyre_jax.rollout.tasks import ALPHABETS
+
+    _require(r.alphabet in ALPHABETS, f"config.rollout.alphabet={r.alphabet!r} must be one of {tuple(ALPHABETS)}")
+    _require(1 <= r.input_min_len <= r.input_max_len,
+             f"config.rollout.input_min_len={r.input_min_len}, input_max_len={r.input_max_len} must satisfy 1 <= min <= max")
+    _require(r.num_tasks >= 0, f"config.rollout.num_tasks={r.num_tasks} must be >= 0 (0 = fresh tasks every step)")
     _require(r.tasks_per_step >= 1, f"config.rollout.tasks_per_step={r.tasks_per_step} must be >= 1")
     _require(r.timeout_s > 0, f"config.rollout.timeout_s={r.timeout_s} must be > 0")
     _require(r.max_parallel >= 1, f"config.rollout.max_parallel={r.max_parallel} must be >= 1")
@@ -270,6 +287,15 @@ def validate(config: config_dict.ConfigDict) -> None:
     _require(w.steps >= 0, f"config.warm_start.steps={w.steps} must be >= 0")
     _require(w.batch_size >= 1, f"config.warm_start.batch_size={w.batch_size} must be >= 1")
     _require(w.learning_rate > 0, f"config.warm_start.learning_rate={w.learning_rate} must be > 0")
+    _require(w.warmup_steps >= 0, f"config.warm_start.warmup_steps={w.warmup_steps} must be >= 0")
+
+    e = c.eval
+    _require(e.split in ("train", "heldout"), f"config.eval.split={e.split!r} must be 'train' or 'heldout'")
+    _require(e.split == "heldout" or r.num_tasks > 0,
+             "config.eval.split='train' needs a fixed training set (config.rollout.num_tasks > 0); use eval.split=heldout")
+    _require(e.num_tasks >= 1, f"config.eval.num_tasks={e.num_tasks} must be >= 1")
+    _require(e.samples_per_task >= 0, f"config.eval.samples_per_task={e.samples_per_task} must be >= 0 (0 disables eval)")
+    _require(e.every_steps >= 0, f"config.eval.every_steps={e.every_steps} must be >= 0")
 
     _require(c.schedule.policy in POLICIES, f"config.schedule.policy={c.schedule.policy!r} must be one of {POLICIES}")
     _require(

@@ -37,7 +37,7 @@ from gyre_jax.elastic.cells import make_cells
 from gyre_jax.elastic.policies import Event, Role, Waterlevel, make_policy
 from gyre_jax.metrics import MetricsWriter, format_step_line
 from gyre_jax.model.config import ModelConfig
-from gyre_jax.model.sharding import init_params, make_mesh, reshard
+from gyre_jax.model.sharding import abstract_model, init_params, make_mesh, reshard
 from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.router import Router
@@ -101,7 +101,9 @@ class Trainer:
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", max_to_keep=config.keep_checkpoints)
         self.suite = BuiltinSuite(kinds=tuple(config.rollout.task_kinds), seed=config.seed, max_turns=config.rollout.max_turns,
                                   tool_latency_median_s=config.rollout.tool_latency_median_s,
-                                  tool_latency_sigma=config.rollout.tool_latency_sigma)
+                                  tool_latency_sigma=config.rollout.tool_latency_sigma, alphabet=config.rollout.alphabet,
+                                  min_len=config.rollout.input_min_len, max_len=config.rollout.input_max_len,
+                                  num_tasks=config.rollout.num_tasks)
         self.metrics = MetricsWriter(self.workdir, tensorboard=config.metrics.tensorboard)
         self.policy = make_policy(config.schedule.policy, len(self.cells))
         self.roles = self.policy.initial_roles()
@@ -141,7 +143,8 @@ class Trainer:
         self.proxy = ProxyServer(self.router, self.tokenizer, self.records, model_name=config.proxy.model_name,
                                  host=config.proxy.host, port=config.proxy.port,
                                  max_request_bytes=config.proxy.max_request_bytes, seed=config.seed,
-                                 default_max_tokens=config.rollout.max_tokens_per_call).start()
+                                 default_max_tokens=config.rollout.max_tokens_per_call,
+                                 tools_format=config.tokenizer.tools_format).start()
         self.executor = Executor(self.proxy, self.proxy.base_url, self.workdir / "executions",
                                  model_name=config.proxy.model_name, timeout_s=config.rollout.timeout_s,
                                  max_parallel=config.rollout.max_parallel, temperature=config.rollout.temperature,
@@ -152,8 +155,6 @@ class Trainer:
 
     # -- helpers ----------------------------------------------------------------------------------
     def _cell_param_shardings(self, engine: Engine):
-        from gyre_jax.model.sharding import abstract_model
-
         return engine.param_shardings(abstract_model(self.model_cfg)[1])
 
     def _set_roles(self, roles: list[Role], reason: str) -> None:
@@ -174,31 +175,39 @@ class Trainer:
         self._saved_step = next_step
 
     def request_stop(self, *_: Any) -> None:
-        """Stops the run at the next safe point: running harnesses are killed, a checkpoint is kept."""
-        if not self._stop.is_set():
-            log.warning("stop requested: finishing up and saving a checkpoint (send again to force)")
+        """Stops the run at the next safe point: running harnesses are killed, a checkpoint is kept.
+
+        A second request exits at once (status 130) without saving.
+        """
+        if self._stop.is_set():
+            log.error("second stop request: exiting now without saving")
+            os._exit(130)
+        log.warning("stop requested: finishing up and saving a checkpoint (send again to force)")
         self._stop.set()
-        self.executor.cancel() if hasattr(self, "executor") else None
+        if hasattr(self, "executor"):
+            self.executor.cancel()
 
     # -- warm start -------------------------------------------------------------------------------
     def warm_start(self, params):
         """Supervised warm start on the suite's demonstrations (a config option, logged as such)."""
         w = self.config.warm_start
         learner = Learner(self.model_cfg, self.graphdef, self.train_mesh, self.rules,
-                          OptimizerConfig(learning_rate=w.learning_rate, grad_clip_norm=self.config.optimizer.grad_clip_norm))
+                          OptimizerConfig(learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
+                                          grad_clip_norm=self.config.optimizer.grad_clip_norm))
         state = learner.init_state(params)
         tools = self.suite.tools
         t0 = time.time()
         for i in range(w.steps):
             demos = self.suite.demonstrations(w.batch_size, seed=self.config.seed * 100_003 + i)
-            convs = [render_demonstration(self.tokenizer, m, tools) for m in demos]
+            convs = [render_demonstration(self.tokenizer, m, tools, self.config.tokenizer.tools_format) for m in demos]
             seqs = [(c.ids, c.trainable) for c in convs]
             total = sum(sum(t[1:]) for _, t in seqs)
             mb = supervised_micro_batch(seqs, total, row_length(max(len(s) for s, _ in seqs) - 1))
             state, m = learner.step(state, [mb], kind="sft")
             if i % 25 == 0 or i == w.steps - 1:
                 log.info("warm start %d/%d  loss %.4f", i + 1, w.steps, m["loss"])
-            self.metrics.write(-1, {"warm_start_step": i, "warm_start_loss": m["loss"]}) if i == w.steps - 1 else None
+            if i == w.steps - 1:
+                self.metrics.write(-1, {"phase": "warm_start", "warm_start_steps": w.steps, "warm_start_loss": m["loss"]})
             if self._stop.is_set():
                 raise KeyboardInterrupt("stopped during warm start (nothing was saved; rerun to start over)")
         log.info("warm start: %d steps in %.1fs", w.steps, time.time() - t0)
@@ -220,14 +229,17 @@ class Trainer:
                     shutil.move(str(src), str(target))
         log.warning("set aside %d executions of an interrupted attempt in %s", len(stale), dest)
 
+    def _specs(self, prefix: str, tasks, samples: int, salt: int) -> list[ExecutionSpec]:
+        c = self.config
+        return [ExecutionSpec(execution_id=f"{prefix}{task.task_id}-g{j:02d}", task=task, group_id=f"{prefix}{task.task_id}",
+                              seed=(c.seed * 1_000_003 + salt * 1009 + i * 31 + j) % (2**31))
+                for i, task in enumerate(tasks) for j in range(samples)]
+
     def rollout(self, step: int, progress=None) -> list[ExecutionResult]:
         c = self.config
         tasks = self.suite.tasks_for_step(step, c.rollout.tasks_per_step)
-        specs = [ExecutionSpec(execution_id=f"{task.task_id}-g{j:02d}", task=task, group_id=task.task_id,
-                               seed=(c.seed * 1_000_003 + step * 1009 + i * 31 + j) % (2**31))
-                 for i, task in enumerate(tasks) for j in range(c.rl.group_size)]
+        specs = self._specs("", tasks, c.rl.group_size, step)
         self._set_aside_stale(specs)
-        self.waterlevel.dispatched += 0
         self._event("step_began", step, executions_in_step=len(specs))
         self.waterlevel.dispatched += len(specs)
 
@@ -291,12 +303,16 @@ class Trainer:
         self._saved_step = getattr(self, "_saved_step", self.start_step)
         try:
             while step < c.total_steps and not self._stop.is_set():
+                if self._eval_due(step) and self.evaluate(step) is None and self._stop.is_set():
+                    break
                 outcome = self.run_step(step)
                 if outcome is None:  # interrupted mid-rollout: nothing of this step is trained on
                     break
                 step += 1
                 if step % c.checkpoint_every == 0 or step == c.total_steps:
                     self.save_checkpoint(step)
+            if step == c.total_steps and not self._stop.is_set() and self._eval_due(step):
+                self.evaluate(step)
         finally:
             if self._saved_step != step:
                 self.save_checkpoint(step)
@@ -305,6 +321,46 @@ class Trainer:
         if self._stop.is_set() and step < c.total_steps:
             log.warning("stopped at step %d/%d; checkpoint saved. Run the same command again to resume.", step, c.total_steps)
         return step
+
+    # -- evaluation -------------------------------------------------------------------------------
+    def eval_tasks(self):
+        e = self.config.eval
+        return self.suite.pool() if e.split == "train" else self.suite.heldout_tasks(e.num_tasks)
+
+    def evaluate(self, step: int) -> dict[str, Any] | None:
+        """Scores the policy after ``step`` RL steps on the eval tasks (never trained on). None if interrupted."""
+        e = self.config.eval
+        if e.samples_per_task == 0:
+            return None
+        t0 = time.time()
+        specs = self._specs(f"eval{step:06d}-", self.eval_tasks(), e.samples_per_task, 10**6 + step)
+        self._set_aside_stale(specs)
+        results = self.executor.run(specs)
+        if self._stop.is_set():
+            return None
+        _fsync_write(self.workdir / "results" / f"eval_{step:06d}.jsonl", "".join(json.dumps(r.to_dict()) + "\n" for r in results))
+        valid = [r.reward for r in results if not r.excluded]
+        metrics = {
+            "phase": "eval",
+            "eval_split": e.split,
+            "eval_reward_mean": float(np.mean(valid)) if valid else float("nan"),
+            "eval_pass_rate": float(np.mean([v >= 1.0 for v in valid])) if valid else float("nan"),
+            "eval_executions": len(results),
+            "eval_excluded": sum(r.excluded for r in results),
+            "eval_timeouts": sum(r.status == "timeout" for r in results),
+            "eval_s": time.time() - t0,
+            "policy_version": int(self.state.step),
+        }
+        self.metrics.write(step, metrics)
+        print(f"eval after {step} RL steps ({e.split} tasks, {len(results)} executions): reward {metrics['eval_reward_mean']:.3f}  "
+              f"pass {metrics['eval_pass_rate']:.2f}  excluded {metrics['eval_excluded']}  ({metrics['eval_s']:.1f}s)", flush=True)
+        return metrics
+
+    def _eval_due(self, step: int) -> bool:
+        e = self.config.eval
+        if e.samples_per_task == 0 or (self.workdir / "results" / f"eval_{step:06d}.jsonl").exists():
+            return False
+        return step == 0 or step == self.config.total_steps or (e.every_steps > 0 and step % e.every_steps == 0)
 
     def run_step(self, step: int) -> StepOutcome | None:
         c = self.config
@@ -333,6 +389,7 @@ class Trainer:
         valid = [r.reward for r in results if not r.excluded]
         calls = [len(self.records.read(r.execution_id)) for r in results]
         metrics = {
+            "phase": "train",
             "reward_mean": float(np.mean(valid)) if valid else float("nan"),
             "pass_rate": float(np.mean([v >= 1.0 for v in valid])) if valid else float("nan"),
             "excluded": sum(r.excluded for r in results),

@@ -49,7 +49,7 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, mesh: Mesh
         chosen: list[str] = []
         size = 1
         for axis in _lookup(rules, name):
-            if axis not in mesh.shape or axis in used or mesh.shape[axis] == 1:
+            if axis not in mesh.shape or axis in used or axis in chosen or mesh.shape[axis] == 1:
                 continue
             if shape is not None and shape[dim] % (size * mesh.shape[axis]) != 0:
                 continue

@@ -29,6 +29,32 @@ _TOOLS_POSTAMBLE = (
 )
 
 
+TOOLS_FORMATS = ("qwen3", "compact")
+
+
+def _compact_signature(tool: dict) -> str:
+    """``name(arg: type, opt?: type) - description``: one line per tool, for tiny byte-level models."""
+    fn = tool.get("function", tool)
+    params = fn.get("parameters") or {}
+    required = set(params.get("required") or [])
+    args = []
+    for name, spec in (params.get("properties") or {}).items():
+        kind = spec.get("type", "any") if isinstance(spec, dict) else "any"
+        args.append(f"{name}{'' if name in required else '?'}: {kind}")
+    description = fn.get("description") or ""
+    return f"{fn.get('name', '')}({', '.join(args)})" + (f" - {description}" if description else "")
+
+
+def tools_block(tools: list[dict], tools_format: str) -> str:
+    """The text the system turn carries about ``tools`` (after the system prompt, before ``<|im_end|>``)."""
+    if tools_format == "qwen3":
+        return _TOOLS_PREAMBLE + "".join("\n" + tojson(t) for t in tools) + _TOOLS_POSTAMBLE
+    if tools_format == "compact":
+        lines = "".join(_compact_signature(t) + "\n" for t in tools)
+        return "# Tools\n<tools>\n" + lines + '</tools>\nCall a tool as <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call>'
+    raise ValueError(f"unknown tools_format {tools_format!r}: expected one of {TOOLS_FORMATS}")
+
+
 def tojson(x: Any) -> str:
     """Jinja's ``tojson`` as Hugging Face's chat templates define it."""
     return json.dumps(x, ensure_ascii=False)
@@ -71,10 +97,12 @@ def _render_tool_call(call: dict) -> str:
     return '<tool_call>\n{"name": "' + str(fn.get("name", "")) + '", "arguments": ' + args_text + "}\n</tool_call>"
 
 
-def render_segments(messages: list[dict], tools: list[dict] | None = None) -> list[str]:
+def render_segments(messages: list[dict], tools: list[dict] | None = None, tools_format: str = "qwen3") -> list[str]:
     """Renders each message to its text segment (same length as ``messages``), with full context.
 
-    ``"".join(segments)`` equals the Qwen3 template's output without the generation prompt.
+    ``"".join(segments)`` equals the Qwen3 template's output without the generation prompt. With
+    ``tools_format="compact"`` the tools are listed as one-line signatures instead of JSON schemas (the
+    chat format of the tiny byte-level models, where every byte is a token); all else is identical.
     """
     if not messages and not tools:
         return []
@@ -85,10 +113,7 @@ def render_segments(messages: list[dict], tools: list[dict] | None = None) -> li
         if messages and messages[0].get("role") == "system":
             head += _content_text(messages[0].get("content")) + "\n\n"
             start = 1
-        head += _TOOLS_PREAMBLE
-        for tool in tools:
-            head += "\n" + tojson(tool)
-        head += _TOOLS_POSTAMBLE + IM_END + "\n"
+        head += tools_block(tools, tools_format) + IM_END + "\n"
         if start == 0:
             # Tools without a system message: the preamble belongs to the first message's segment.
             segments_prefix = head
@@ -155,9 +180,10 @@ def render(
     tools: list[dict] | None = None,
     add_generation_prompt: bool = True,
     enable_thinking: bool | None = None,
+    tools_format: str = "qwen3",
 ) -> str:
     """The whole prompt text, as ``tokenizer.apply_chat_template(..., tokenize=False)`` gives it."""
-    text = "".join(render_segments(messages, tools))
+    text = "".join(render_segments(messages, tools, tools_format))
     if add_generation_prompt:
         text += generation_prompt(enable_thinking)
     return text

@@ -314,6 +314,7 @@ class ProxyServer:
         max_request_bytes: int = 4 * 1024 * 1024,
         seed: int = 0,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        tools_format: str = "qwen3",
     ) -> None:
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes={max_request_bytes} must be >= 1")
@@ -327,6 +328,7 @@ class ProxyServer:
         self.max_request_bytes = max_request_bytes
         self.seed = seed
         self.default_max_tokens = default_max_tokens
+        self.tools_format = tools_format
         self._requested_port = port
         self._lock = threading.Lock()  # guards the two maps below
         self._executions: dict[str, _Execution] = {}
@@ -605,7 +607,7 @@ class ProxyServer:
         with execution.lock:
             state = execution.threads.get(thread_id)
         try:
-            build = tito.build_prompt(self.tokenizer, messages, tools, state)
+            build = tito.build_prompt(self.tokenizer, messages, tools, state, tools_format=self.tools_format)
         except ValueError as exc:
             raise ProxyError(400, f"cannot render messages: {exc}", param="messages") from None
         with execution.lock:

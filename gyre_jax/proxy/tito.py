@@ -82,6 +82,7 @@ def build_prompt(
     tools: list[dict] | None,
     state: ThreadState | None,
     enable_thinking: bool | None = None,
+    tools_format: str = "qwen3",
 ) -> PromptBuild:
     """Prompt ids for ``messages``, reusing ``state``'s exact ids when the conversation continues it."""
     if state is not None and tools_key(tools) == state.tools_key:
@@ -89,13 +90,14 @@ def build_prompt(
         normalized = [normalize_message(m) for m in messages[: k + 1]]
         if len(messages) > k and normalized[:k] == state.messages and normalized[k] == state.returned:
             ids = list(state.prompt_ids) + list(state.completion_ids)
-            if not state.finished:
-                ids += tokenizer.encode(chat_template.IM_END)
+            if not state.finished or not ids or ids[-1] != tokenizer.token_id(chat_template.IM_END):
+                ids += tokenizer.encode(chat_template.IM_END)  # the turn was cut (length) or ended otherwise
             reused = len(ids)
-            suffix = chat_template.render_segments(messages, tools)[k + 1 :]
+            suffix = chat_template.render_segments(messages, tools, tools_format)[k + 1 :]
             ids += tokenizer.encode("\n" + "".join(suffix) + chat_template.generation_prompt(enable_thinking))
             return PromptBuild(prompt_ids=ids, reused_prefix_len=reused, continued=True)
-    text = chat_template.render(messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking)
+    text = chat_template.render(messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking,
+                                tools_format=tools_format)
     return PromptBuild(prompt_ids=tokenizer.encode(text), reused_prefix_len=0, continued=False)
 
 
@@ -107,7 +109,9 @@ class Conversation:
     trainable: list[bool] = field(default_factory=list)  # True on assistant-generated ids (incl. <|im_end|>)
 
 
-def render_demonstration(tokenizer: ByteTokenizer, messages: list[dict], tools: list[dict] | None) -> Conversation:
+def render_demonstration(
+    tokenizer: ByteTokenizer, messages: list[dict], tools: list[dict] | None, tools_format: str = "qwen3"
+) -> Conversation:
     """Token ids of a whole conversation as TITO builds it, with the assistant completions marked trainable."""
     im_end = tokenizer.token_id(chat_template.IM_END)
     state: ThreadState | None = None
@@ -115,7 +119,7 @@ def render_demonstration(tokenizer: ByteTokenizer, messages: list[dict], tools: 
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        build = build_prompt(tokenizer, messages[:i], tools, state)
+        build = build_prompt(tokenizer, messages[:i], tools, state, tools_format=tools_format)
         completion = tokenizer.encode(assistant_completion_text(message)) + [im_end]
         if not build.continued:
             conv = Conversation()  # a new branch: demonstrations here are single-branch

@@ -81,6 +81,12 @@ class Learner:
         _, abstract_params = abstract_model(model_cfg)
         self.param_shardings = param_shardings(abstract_params, rules, mesh)
         self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._abstract_params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                             abstract_params, self.param_shardings)
+        self.opt_shardings = optax.tree_map_params(
+            self.tx, lambda _, sh: sh, jax.eval_shape(self.tx.init, self._abstract_params), self.param_shardings,
+            transform_non_params=lambda _: self._replicated)
+        self._init_opt = jax.jit(self.tx.init, out_shardings=self.opt_shardings)
         self._rl_grads = jax.jit(self._rl_grads_impl, out_shardings=(self.param_shardings, self._replicated))
         self._sft_grads = jax.jit(self._sft_grads_impl, out_shardings=(self.param_shardings, self._replicated))
         self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,), out_shardings=self.param_shardings)
@@ -89,14 +95,15 @@ class Learner:
     # -- state ------------------------------------------------------------------------------------
     def init_state(self, params: nnx.State, step: int = 0) -> TrainState:
         params = jax.device_put(params, self.param_shardings)
-        opt_state = jax.jit(self.tx.init)(params)
-        return TrainState(params=params, opt_state=opt_state, step=jnp.asarray(step, jnp.int32))
+        opt_state = self._init_opt(params)
+        return TrainState(params=params, opt_state=opt_state,
+                          step=jax.device_put(jnp.asarray(step, jnp.int32), self._replicated))
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of a TrainState (the restore target for checkpoints)."""
-        return jax.eval_shape(lambda p: self.init_state(p), jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-            abstract_model(self.model_cfg)[1], self.param_shardings))
+        shapes = jax.eval_shape(lambda p: self.init_state(p), self._abstract_params)
+        shardings = TrainState(params=self.param_shardings, opt_state=self.opt_shardings, step=self._replicated)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
     def batch_shardings(self, mb: MicroBatch) -> MicroBatch:
         def one(x):
@@ -130,7 +137,7 @@ class Learner:
         return grads, aux
 
     def _apply_impl(self, state: TrainState, grads):
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path, PurePosixPath
 from typing import Any, Sequence
 
 import numpy as np
 
 KINDS: tuple[str, ...] = ("copy", "upper", "reverse")
+ALPHABETS: dict[str, str] = {"lowercase": "abcdefghijklmnopqrstuvwxyz", "digits": "0123456789"}
 INPUT_FILE = "input.txt"
 ANSWER_FILE = "answer.txt"
 
@@ -67,6 +68,9 @@ FINAL_MESSAGE = "Done."
 # Stream ids under the suite seed, so step tasks and demonstrations never share random numbers.
 _STEP_STREAM = 0
 _DEMO_STREAM = 1
+_POOL_STREAM = 2
+_EPOCH_STREAM = 3
+_HELDOUT_STREAM = 4
 
 
 def transform(kind: str, text: str) -> str:
@@ -192,7 +196,9 @@ def _tool_call_message(call_id: str, name: str, arguments: dict[str, str]) -> di
 
 
 class BuiltinSuite:
-    """Deterministic copy/upper/reverse tasks on 4..8 random lowercase letters.
+    """Deterministic copy/upper/reverse tasks on ``min_len..max_len`` random characters of ``alphabet``
+    (lowercase letters or digits; digits appear nowhere else in a prompt, which makes them easy for a
+    tiny model to attend to).
 
     ``tasks_for_step(step, n)`` depends only on ``(seed, step, n)`` (and the constructor arguments),
     so a resumed run regenerates exactly the tasks it would have had.
@@ -207,6 +213,8 @@ class BuiltinSuite:
         tool_latency_sigma: float = 0.0,
         min_len: int = 4,
         max_len: int = 8,
+        alphabet: str = "lowercase",
+        num_tasks: int = 0,
     ) -> None:
         kinds = tuple(kinds)
         bad = [k for k in kinds if k not in KINDS]
@@ -225,6 +233,13 @@ class BuiltinSuite:
         self.tool_latency_sigma = float(tool_latency_sigma)
         self.min_len = min_len
         self.max_len = max_len
+        if alphabet not in ALPHABETS:
+            raise ValueError(f"alphabet={alphabet!r}: expected one of {sorted(ALPHABETS)}")
+        self.alphabet = ALPHABETS[alphabet]
+        if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 0:
+            raise ValueError(f"num_tasks={num_tasks!r} must be an integer >= 0 (0 = a fresh task every time)")
+        self.num_tasks = num_tasks
+        self._pool: list[Task] | None = None
         if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"max_turns={max_turns!r} must be an integer >= 1")
         for name, value in (("tool_latency_median_s", self.tool_latency_median_s), ("tool_latency_sigma", self.tool_latency_sigma)):
@@ -239,7 +254,7 @@ class BuiltinSuite:
     def _make_task(self, rng: np.random.Generator, task_id: str) -> Task:
         kind = self.kinds[int(rng.integers(len(self.kinds)))]
         length = int(rng.integers(self.min_len, self.max_len + 1))
-        text = "".join(chr(ord("a") + int(c)) for c in rng.integers(0, 26, size=length))
+        text = "".join(self.alphabet[int(c)] for c in rng.integers(0, len(self.alphabet), size=length))
         return Task(
             task_id=task_id,
             kind=kind,
@@ -253,14 +268,41 @@ class BuiltinSuite:
             tool_latency_sigma=self.tool_latency_sigma,
         )
 
+    def pool(self) -> list[Task]:
+        """The suite's fixed training set (``num_tasks`` tasks, ids ``task-{k:05d}``); empty if unbounded."""
+        if self._pool is None:
+            rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(_POOL_STREAM,)))
+            self._pool = [self._make_task(rng, f"task-{k:05d}") for k in range(self.num_tasks)]
+        return list(self._pool)
+
     def tasks_for_step(self, step: int, n: int) -> list[Task]:
-        """``n`` tasks for training step ``step``, ids ``s{step:06d}-t{i}``; deterministic in (seed, step)."""
+        """``n`` tasks for training step ``step``, ids ``s{step:06d}-t{i}``; deterministic in (seed, step).
+
+        With ``num_tasks > 0`` the tasks come from the fixed pool, visited in epochs: the ``k``-th task of
+        the run is ``pool[perm_e[k % num_tasks]]`` with a fresh seeded permutation per epoch ``e``, so every
+        task is seen once per epoch, and a resumed run sees exactly the tasks it would have seen.
+        Without a pool, every step draws fresh random tasks.
+        """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be an integer >= 0")
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"n={n!r} must be an integer >= 0")
-        rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(_STEP_STREAM, step)))
-        return [self._make_task(rng, f"s{step:06d}-t{i}") for i in range(n)]
+        if self.num_tasks == 0:
+            rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(_STEP_STREAM, step)))
+            return [self._make_task(rng, f"s{step:06d}-t{i}") for i in range(n)]
+        pool = self.pool()
+        out = []
+        for i in range(n):
+            k = step * n + i
+            epoch, pos = divmod(k, self.num_tasks)
+            perm = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(_EPOCH_STREAM, epoch))).permutation(self.num_tasks)
+            out.append(replace(pool[int(perm[pos])], task_id=f"s{step:06d}-t{i}"))
+        return out
+
+    def heldout_tasks(self, n: int) -> list[Task]:
+        """``n`` tasks from a stream disjoint from training, pool and demonstrations (ids ``heldout-{k:05d}``)."""
+        rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(_HELDOUT_STREAM,)))
+        return [self._make_task(rng, f"heldout-{k:05d}") for k in range(n)]
 
     def demonstration_tasks(self, n: int, seed: int) -> list[Task]:
         """``n`` random tasks for warm-start demonstrations (a stream disjoint from the step tasks)."""

@@ -83,12 +83,20 @@ class ServingLoop:
         return self
 
     def stop(self) -> None:
+        """Stops the thread; requests still queued or running resolve as "cancelled"; later submits fail."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        with self._cv:
+            for slot in range(len(self._slots)):
+                self._finish(slot, "cancelled")
+            while self._queue:
+                req, fut = self._queue.popleft()
+                if not fut.done():
+                    fut.set_result(GenerationResult(req.request_id, [], [], [], "cancelled", len(req.prompt_ids), self.name))
 
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -106,6 +114,9 @@ class ServingLoop:
             future.set_exception(exc)
             return future
         with self._cv:
+            if self._stop:
+                future.set_exception(RuntimeError(f"serving loop {self.name} is stopped; submit to a running cell"))
+                return future
             if self.error is not None:
                 future.set_exception(RuntimeError(f"serving loop {self.name} has failed: {self.error!r}"))
                 return future

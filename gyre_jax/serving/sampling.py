@@ -53,5 +53,6 @@ def split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def key_for_seed(seed: int) -> jax.Array:
-    """Raw [2] uint32 key data for a request seed."""
-    return jax.random.key_data(jax.random.key(seed % (2**63)))
+    """Raw [2] uint32 key data for a request seed (all 63 bits count; equal to ``jax.random.key(seed)`` below 2**32)."""
+    seed %= 2**63
+    return jnp.asarray([seed >> 32, seed & 0xFFFFFFFF], jnp.uint32)

@@ -53,7 +53,10 @@ def build_branches(records: list[TitoRecord], main_thread: str = "main") -> list
     """All branches of an execution, in order of first appearance."""
     branches: list[Branch] = []
     threads_seen: dict[str, int] = {}
-    for rec in sorted(records, key=lambda r: r.call_index):
+    ordered = sorted(records, key=lambda r: r.call_index)
+    if ordered and not any(r.thread_id == main_thread for r in ordered):
+        main_thread = ordered[0].thread_id  # no thread is named "main": the first caller's thread is the main one
+    for rec in ordered:
         parent = None
         for b in branches:
             if len(b.tokens) <= len(rec.prompt_ids) and rec.prompt_ids[: len(b.tokens)] == b.tokens:
@@ -62,7 +65,7 @@ def build_branches(records: list[TitoRecord], main_thread: str = "main") -> list
         if parent is None:
             count = threads_seen.get(rec.thread_id, 0)
             threads_seen[rec.thread_id] = count + 1
-            is_main = rec.thread_id == main_thread or (not branches and main_thread not in threads_seen)
+            is_main = rec.thread_id == main_thread
             label = ("main" if count == 0 else "main-summary") if is_main else ("subagent" if count == 0 else "subagent-summary")
             parent = Branch(execution_id=rec.execution_id, thread_id=rec.thread_id, label=label)
             branches.append(parent)

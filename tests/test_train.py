@@ -1,0 +1,128 @@
+"""End to end: ``python -m gyre_jax.train`` as users run it, through the real proxy and harness processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# A small version of the default config: same parts, fewer and shorter rollouts.
+SMALL = [
+    "--config", "configs/tiny_cpu.py",
+    "--config.warm_start.steps=60",  # enough to learn the tool-call format, so calls chain
+    "--config.rollout.tasks_per_step=1",
+    "--config.rl.group_size=4",
+    "--config.rollout.num_tasks=2",
+    "--config.eval.samples_per_task=1",
+    "--config.metrics.progress_bar=false",
+]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the entry point must create its own virtual devices
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _train(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gyre_jax.train", *args], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _metric_steps(workdir: Path) -> list[int]:
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [m["step"] for m in lines if m.get("phase") == "train"]
+
+
+def _checkpoint_steps(workdir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("--config.rl.group_size=1", "rl.group_size"), ("--config.rl.group_szie=4", "group_szie"),
+     ("--config.mesh.data=3", "mesh"), ("--config.schedule.policy=nope", "schedule.policy")],
+)
+def test_bad_config_fails_before_work_with_one_line(tmp_path, override, key):
+    proc = _train("--config", "configs/tiny_cpu.py", f"--config.workdir={tmp_path / 'w'}", override, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and key in lines[0]
+    assert not (tmp_path / "w").exists(), "a bad config must fail before any work (no run directory)"
+
+
+@pytest.mark.slow
+def test_two_rl_steps_then_resume(tmp_path):
+    workdir = tmp_path / "run"
+    first = _train(*SMALL, f"--config.workdir={workdir}", "--config.total_steps=2")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert _metric_steps(workdir) == [0, 1]
+    assert 2 in _checkpoint_steps(workdir)
+    assert "step 2/2" in first.stdout
+    # Every execution ran through the proxy: TITO records exist and continued calls reuse exact ids.
+    records = sorted((workdir / "records").glob("s*.jsonl"))
+    assert len(records) == 2 * 4
+    evals = sorted((workdir / "records").glob("eval*.jsonl"))
+    assert len(evals) == 2 * 1 * 2, "eval before the first and after the last step: 2 tasks x 1 sample"
+    assert (workdir / "results" / "eval_000000.jsonl").exists() and (workdir / "results" / "eval_000002.jsonl").exists()
+    continued = 0
+    for path in records:
+        calls = [json.loads(line) for line in path.read_text().splitlines()]
+        assert calls and [c["call_index"] for c in calls] == list(range(len(calls)))
+        for prev, cur in zip(calls, calls[1:]):
+            if cur["reused_prefix_len"]:
+                continued += 1
+                assert cur["prompt_ids"][: len(prev["prompt_ids"]) + len(prev["completion_ids"])] == (
+                    prev["prompt_ids"] + prev["completion_ids"])
+    assert continued > 0, "some executions made several calls, each continuing the previous one's exact ids"
+    results = [json.loads(line) for line in (workdir / "results" / "step_000000.jsonl").read_text().splitlines()]
+    assert len(results) == 4 and all(r["status"] in ("finished", "timeout", "crashed") for r in results)
+    assert (workdir / "tensorboard").is_dir() and any((workdir / "tensorboard").iterdir())
+
+    second = _train(*SMALL, f"--config.workdir={workdir}", "--config.total_steps=3")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resumed" in second.stderr and "at step 2" in second.stderr
+    assert "warm start" not in second.stderr  # the warm start is part of checkpoint 0, never redone
+    assert _metric_steps(workdir) == [0, 1, 2], "a resumed run neither drops nor repeats a step"
+    assert 3 in _checkpoint_steps(workdir)
+    meta = json.loads((workdir / "checkpoints" / "3" / "meta" / "metadata").read_text())
+    assert meta["next_step"] == 3 and meta["policy_version"] <= 3
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "gyre_jax.train", *SMALL, f"--config.workdir={workdir}",
+                             "--config.total_steps=50"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            if (workdir / "metrics.jsonl").exists() and _metric_steps(workdir):
+                break
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.5)
+        else:
+            pytest.fail("no RL step finished in time")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped at step" in err
+    done = _metric_steps(workdir)
+    assert done == list(range(len(done))) and len(done) >= 1
+    assert _checkpoint_steps(workdir)[-1] == len(done), "the checkpoint cursor is the next step to run"
+    again = _train(*SMALL, f"--config.workdir={workdir}", f"--config.total_steps={len(done) + 1}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _metric_steps(workdir) == list(range(len(done) + 1))
