@@ -370,7 +370,7 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=c.rollout.tasks_per_step * c.rl.group_size, desc=f"step {step} rollouts", leave=False,
-                       unit="exec", dynamic_ncols=True)
+                       unit="exec", dynamic_ncols=True, disable=None)  # no bar when stderr is not a terminal
         try:
             results = self.rollout(step, progress=(lambda _: bar.update(1)) if bar is not None else None)
         finally:
