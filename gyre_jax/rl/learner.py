@@ -18,10 +18,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gyre_jax.model.attention import segment_causal_mask
 from gyre_jax.model.sharding import Rules, abstract_model, logical_sharding, param_shardings
 from gyre_jax.rl import losses
-from gyre_jax.trajectory.batch import MicroBatch
+from gyre_jax.trajectory.batch import MicroBatch, attention_mask
 
 
 @jax.tree_util.register_dataclass
@@ -61,7 +60,7 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, mb: MicroBatch) -> jax.Array:
     """log pi(targets | prefix) under temperature-scaled logits: [B, T] float32."""
     model = nnx.merge(graphdef, params)
-    logits, _ = model(mb.tokens, mb.positions, segment_causal_mask(mb.segment_ids))
+    logits, _ = model(mb.tokens, mb.positions, attention_mask(mb.segment_ids, mb.subtree_end))
     logits = logits / mb.temperature[..., None]
     logp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(logp, mb.targets[..., None], axis=-1)[..., 0]

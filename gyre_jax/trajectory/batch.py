@@ -3,6 +3,12 @@
 One sequence per row for now (rows padded to a length bucket); the per-sequence arrays are indexed by
 ``seq_index`` so packed layouts plug into the same loss. Inputs are ``tokens[:-1]`` and targets
 ``tokens[1:]`` of each branch; a target is trainable where the policy generated it.
+
+Attention is described by ``segment_ids`` and ``subtree_end``: token ``i`` may attend to token ``j``
+iff both are in the same non-zero segment, ``j <= i`` and ``i < subtree_end[j]`` (tokens laid out in
+depth-first order of a prefix tree; ``subtree_end[j]`` is one past the last token below ``j``). For a
+plain sequence ``subtree_end`` is the end of its segment and this is the usual causal mask; for a
+tree-packed row it is ancestor-only attention. ``attention_mask`` builds it inside jit.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gyre_jax.trajectory.branches import Branch
@@ -20,12 +27,13 @@ from gyre_jax.trajectory.branches import Branch
 @jax.tree_util.register_dataclass
 @dataclass
 class MicroBatch:
-    """tokens/positions/segment_ids/targets/seq_index: [B, T] int32; loss_mask/old_logprobs/temperature:
-    [B, T] float32; advantages/seq_weights: [S] float32 (S = B here)."""
+    """tokens/positions/segment_ids/subtree_end/targets/seq_index: [B, T] int32; loss_mask/old_logprobs/
+    temperature: [B, T] float32; advantages/seq_weights: [S] float32 (S = B here)."""
 
     tokens: np.ndarray
     positions: np.ndarray
     segment_ids: np.ndarray
+    subtree_end: np.ndarray
     targets: np.ndarray
     loss_mask: np.ndarray
     old_logprobs: np.ndarray
@@ -41,6 +49,27 @@ class MicroBatch:
     @property
     def num_target_tokens(self) -> int:
         return int(np.sum(self.loss_mask > 0))
+
+
+def attention_mask(segment_ids: jax.Array, subtree_end: jax.Array) -> jax.Array:
+    """[B, T] x2 -> [B, T, T] bool: query i sees key j iff same non-zero segment, j <= i < subtree_end[j]."""
+    t = segment_ids.shape[1]
+    idx = jnp.arange(t, dtype=jnp.int32)
+    causal = idx[None, :, None] >= idx[None, None, :]  # [1, q, k]
+    below = idx[None, :, None] < subtree_end[:, None, :]  # i < subtree_end[j]
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids != 0)[:, :, None]
+    return causal & below & same
+
+
+def _empty(b: int, t: int) -> "MicroBatch":
+    return MicroBatch(
+        tokens=np.zeros((b, t), np.int32), positions=np.zeros((b, t), np.int32),
+        segment_ids=np.zeros((b, t), np.int32), subtree_end=np.zeros((b, t), np.int32),
+        targets=np.zeros((b, t), np.int32), loss_mask=np.zeros((b, t), np.float32),
+        old_logprobs=np.zeros((b, t), np.float32), temperature=np.ones((b, t), np.float32),
+        seq_index=np.tile(np.arange(b, dtype=np.int32)[:, None], (1, t)),
+        advantages=np.zeros((b,), np.float32), seq_weights=np.zeros((b,), np.float32),
+    )
 
 
 def row_length(max_len: int, multiple: int = 128) -> int:
@@ -61,20 +90,14 @@ def make_micro_batches(
     out = []
     for start in range(0, len(branches), micro_batch_size):
         chunk = list(range(start, min(start + micro_batch_size, len(branches))))
-        b, t = micro_batch_size, length
-        mb = MicroBatch(
-            tokens=np.zeros((b, t), np.int32), positions=np.zeros((b, t), np.int32),
-            segment_ids=np.zeros((b, t), np.int32), targets=np.zeros((b, t), np.int32),
-            loss_mask=np.zeros((b, t), np.float32), old_logprobs=np.zeros((b, t), np.float32),
-            temperature=np.ones((b, t), np.float32), seq_index=np.tile(np.arange(b, dtype=np.int32)[:, None], (1, t)),
-            advantages=np.zeros((b,), np.float32), seq_weights=np.zeros((b,), np.float32),
-        )
+        mb = _empty(micro_batch_size, length)
         for row, i in enumerate(chunk):
             br = branches[i]
             n = len(br.tokens) - 1
             mb.tokens[row, :n] = br.tokens[:-1]
             mb.positions[row, :n] = np.arange(n)
             mb.segment_ids[row, :n] = 1
+            mb.subtree_end[row, :n] = n
             mb.targets[row, :n] = br.tokens[1:]
             mb.loss_mask[row, :n] = np.asarray(br.trainable[1:], np.float32)
             mb.old_logprobs[row, :n] = br.logprobs[1:]
@@ -87,19 +110,13 @@ def make_micro_batches(
 
 def supervised_micro_batch(sequences: list[tuple[list[int], list[bool]]], total_targets: int, length: int) -> MicroBatch:
     """A micro-batch for the supervised warm start: ``loss_mask`` holds per-token weights 1/total_targets."""
-    b = len(sequences)
-    mb = MicroBatch(
-        tokens=np.zeros((b, length), np.int32), positions=np.zeros((b, length), np.int32),
-        segment_ids=np.zeros((b, length), np.int32), targets=np.zeros((b, length), np.int32),
-        loss_mask=np.zeros((b, length), np.float32), old_logprobs=np.zeros((b, length), np.float32),
-        temperature=np.ones((b, length), np.float32), seq_index=np.tile(np.arange(b, dtype=np.int32)[:, None], (1, length)),
-        advantages=np.zeros((b,), np.float32), seq_weights=np.zeros((b,), np.float32),
-    )
+    mb = _empty(len(sequences), length)
     for row, (ids, trainable) in enumerate(sequences):
         n = min(len(ids) - 1, length)
         mb.tokens[row, :n] = ids[:n]
         mb.positions[row, :n] = np.arange(n)
         mb.segment_ids[row, :n] = 1
+        mb.subtree_end[row, :n] = n
         mb.targets[row, :n] = ids[1 : n + 1]
         mb.loss_mask[row, :n] = np.asarray(trainable[1 : n + 1], np.float32) / max(total_targets, 1)
     return mb

@@ -116,3 +116,22 @@ def test_supervised_micro_batch_truncates_to_length():
     np.testing.assert_array_equal(mb.tokens[0], [0, 1, 2, 3])
     np.testing.assert_array_equal(mb.targets[0], [1, 2, 3, 4])
     np.testing.assert_allclose(mb.loss_mask[0], [0.0, 0.25, 0.25, 0.25])
+
+
+def test_attention_mask_is_segment_causal_for_plain_rows_and_ancestor_only_for_trees():
+    import jax.numpy as jnp
+
+    from gyre_jax.model.attention import segment_causal_mask
+    from gyre_jax.trajectory.batch import attention_mask
+
+    # Plain packing: two sequences (lengths 3 and 2) and padding; subtree_end = end of each segment.
+    seg = np.array([[1, 1, 1, 2, 2, 0]], np.int32)
+    end = np.array([[3, 3, 3, 5, 5, 0]], np.int32)
+    np.testing.assert_array_equal(np.asarray(attention_mask(jnp.asarray(seg), jnp.asarray(end))),
+                                  np.asarray(segment_causal_mask(jnp.asarray(seg))))
+    # A tree in depth-first order: root 0 -> 1 -> {2, 3}: token 3 must not see its sibling 2.
+    seg = np.array([[1, 1, 1, 1]], np.int32)
+    end = np.array([[4, 4, 3, 4]], np.int32)
+    mask = np.asarray(attention_mask(jnp.asarray(seg), jnp.asarray(end)))[0]
+    expected = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]], bool)
+    np.testing.assert_array_equal(mask, expected)
