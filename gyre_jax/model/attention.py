@@ -15,7 +15,7 @@ from flax import nnx
 
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import Einsum, RMSNorm
-from gyre_jax.model.positional_embeddings import apply_rope
+from gyre_jax.model.positional_embeddings import apply_rope, rope_frequencies
 
 
 @jax.tree_util.register_dataclass
@@ -58,10 +58,12 @@ class Attention(nnx.Module):
         e, h, k, d = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pd = cfg.weight_dtype
         self.cfg = cfg
-        self.q_proj = Einsum((e, h, d), ("embed", "heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs)
-        self.k_proj = Einsum((e, k, d), ("embed", "kv_heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs)
-        self.v_proj = Einsum((e, k, d), ("embed", "kv_heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs)
-        self.o_proj = Einsum((h, d, e), ("heads", "head_dim", "embed"), fan_in=h * d, param_dtype=pd, rngs=rngs)
+        bias = 2 if cfg.attention_bias else 0
+        self.q_proj = Einsum((e, h, d), ("embed", "heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias)
+        self.k_proj = Einsum((e, k, d), ("embed", "kv_heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias)
+        self.v_proj = Einsum((e, k, d), ("embed", "kv_heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias)
+        self.o_proj = Einsum((h, d, e), ("heads", "head_dim", "embed"), fan_in=h * d, param_dtype=pd, rngs=rngs,
+                             bias_dims=bias // 2)
         self.q_norm = RMSNorm(d, "head_dim", eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
         self.k_norm = RMSNorm(d, "head_dim", eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
 
@@ -76,10 +78,12 @@ class Attention(nnx.Module):
         q = self.q_norm(self.q_proj("bte,ehd->bthd", x))
         k = self.k_norm(self.k_proj("bte,ekd->btkd", x))
         v = self.v_proj("bte,ekd->btkd", x)
-        q = apply_rope(q, positions, self.cfg.rope_theta)
-        k = apply_rope(k, positions, self.cfg.rope_theta)
+        inv_freq, scale = rope_frequencies(self.cfg)  # numpy constants, folded at trace time
+        q = apply_rope(q, positions, self.cfg.rope_theta, inv_freq=inv_freq, scale=scale)
+        k = apply_rope(k, positions, self.cfg.rope_theta, inv_freq=inv_freq, scale=scale)
         if cache is not None:
             cache = LayerCache(k=write_cache(cache.k, k, positions), v=write_cache(cache.v, v, positions))
             k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, :, :])  # [B, T, H, D]
+        impl = None if self.cfg.attention_impl == "xla" else self.cfg.attention_impl
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, :, :], implementation=impl)  # [B, T, H, D]
         return self.o_proj("bthd,hde->bte", out), cache

@@ -1,16 +1,34 @@
-"""Frozen model configuration (one dataclass per architecture, Flax-gemma style) and presets."""
+"""Frozen model configuration (one dataclass for the Qwen3 family, Flax-gemma style), HF config mapping, presets.
+
+``ModelConfig`` describes both Qwen3 dense (``Qwen3ForCausalLM``) and Qwen3 MoE
+(``Qwen3MoeForCausalLM``): ``num_experts == 0`` is dense. ``from_config_dict`` reads our
+``config.model`` section; ``from_hf_config`` / ``to_hf_config`` translate a Hugging Face
+``config.json``. It also owns the parameter and FLOP counts the benchmarks use.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import jax.numpy as jnp
+
+ROPE_TYPES = ("default", "linear", "yarn")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+MOE_IMPLS = ("ragged", "dense")
+ATTENTION_IMPLS = ("xla", "cudnn")
+HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+class ConfigMismatchError(ValueError):
+    """A Hugging Face config.json describes a model this implementation does not compute."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Qwen3-style dense decoder."""
+    """A Qwen3 decoder: dense when ``num_experts == 0``, else MoE in the layers ``is_moe_layer`` selects."""
 
     vocab_size: int
     num_layers: int
@@ -18,13 +36,80 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    mlp_dim: int
+    mlp_dim: int  # dense MLP hidden size (HF intermediate_size)
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     tie_embeddings: bool = True
-    dtype: str = "float32"  # compute dtype
+    dtype: str = "float32"  # compute dtype ("bfloat16" with param_dtype "float32" = bf16 compute on fp32 master weights)
     param_dtype: str = "float32"
+    attention_bias: bool = False  # q/k/v/o projection biases (HF attention_bias)
+    # RoPE scaling (HF rope_scaling / rope_parameters): "default", "linear" (positions / factor) or "yarn".
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_max_position: int = 0  # yarn: original_max_position_embeddings
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float = 0.0  # yarn: cos/sin scale; 0 = 0.1 * ln(factor) + 1
+    rope_truncate: bool = True
+    # Mixture of experts (Qwen3-MoE). num_experts = 0: every layer is a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_mlp_dim: int = 0  # each expert's hidden size (HF moe_intermediate_size)
+    norm_topk_prob: bool = False  # renormalize the top-k router probabilities to sum to 1
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss (see Transformer(..., return_aux=True))
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 and i not in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()
+    moe_impl: str = "ragged"  # "ragged": sorted tokens + ragged_dot (k experts per token); "dense": all experts, masked
+    # Memory: rematerialize each block in the backward pass ("none" keeps all activations).
+    remat_policy: str = "none"
+    attention_impl: str = "xla"  # jax.nn.dot_product_attention implementation: "xla" (any platform) or "cudnn" (NVIDIA GPU)
 
+    def __post_init__(self):
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid ModelConfig: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every inconsistency of this config, as messages naming the field (empty when valid)."""
+        out = []
+        for name in ("vocab_size", "num_layers", "embed_dim", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+            if getattr(self, name) < 1:
+                out.append(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_kv_heads >= 1 and self.num_heads % self.num_kv_heads:
+            out.append(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            out.append(f"head_dim={self.head_dim} must be even (rotary embedding)")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                out.append(f"{name}={getattr(self, name)!r} must be float32, bfloat16 or float16")
+        if self.rope_type not in ROPE_TYPES:
+            out.append(f"rope_type={self.rope_type!r} must be one of {ROPE_TYPES}")
+        if self.rope_type != "default" and self.rope_factor <= 0:
+            out.append(f"rope_factor={self.rope_factor} must be > 0")
+        if self.rope_type == "yarn" and self.rope_original_max_position < 1:
+            out.append("rope_type='yarn' needs rope_original_max_position >= 1 (HF original_max_position_embeddings)")
+        if self.remat_policy not in REMAT_POLICIES:
+            out.append(f"remat_policy={self.remat_policy!r} must be one of {REMAT_POLICIES}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            out.append(f"attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS}")
+        if self.moe_impl not in MOE_IMPLS:
+            out.append(f"moe_impl={self.moe_impl!r} must be one of {MOE_IMPLS}")
+        if self.num_experts < 0:
+            out.append(f"num_experts={self.num_experts} must be >= 0 (0 = dense)")
+        if self.num_experts > 0:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                out.append(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]")
+            if self.moe_mlp_dim < 1:
+                out.append(f"moe_mlp_dim={self.moe_mlp_dim} must be >= 1 for a MoE model")
+            if self.decoder_sparse_step < 1:
+                out.append(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            out.append(f"mlp_only_layers={self.mlp_only_layers} has layers outside [0, {self.num_layers})")
+        return out
+
+    # -- derived ---------------------------------------------------------------------------------
     @property
     def compute_dtype(self):
         return jnp.dtype(self.dtype)
@@ -34,15 +119,203 @@ class ModelConfig:
         return jnp.dtype(self.param_dtype)
 
     @property
-    def num_params(self) -> int:
-        e, h, k, d, m, v = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim, self.vocab_size
-        per_layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * m + 2 * e + 2 * d
-        return self.num_layers * per_layer + v * e * (1 if self.tie_embeddings else 2) + e
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
+    def is_moe_layer(self, i: int) -> bool:
+        """HF Qwen3-MoE's rule for which decoder layers get a sparse MoE block instead of a dense MLP."""
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def _attn_params(self) -> int:
+        e, h, k, d = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim
+        bias = (h * d + 2 * k * d + e) if self.attention_bias else 0
+        return e * h * d + 2 * e * k * d + h * d * e + 2 * d + bias
+
+    def _mlp_params(self, layer: int, active: bool) -> int:
+        e = self.embed_dim
+        if not self.is_moe_layer(layer):
+            return 3 * e * self.mlp_dim
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return e * self.num_experts + experts * 3 * e * self.moe_mlp_dim
+
+    @property
+    def num_params(self) -> int:
+        """All parameters (embedding and LM head included)."""
+        e, v = self.embed_dim, self.vocab_size
+        layers = sum(self._attn_params() + self._mlp_params(i, active=False) + 2 * e for i in range(self.num_layers))
+        return layers + v * e * (1 if self.tie_embeddings else 2) + e
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token passes through (top-k experts per MoE layer), embedding table counted once."""
+        e, v = self.embed_dim, self.vocab_size
+        layers = sum(self._attn_params() + self._mlp_params(i, active=True) + 2 * e for i in range(self.num_layers))
+        return layers + v * e * (1 if self.tie_embeddings else 2) + e
+
+    def train_flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of forward + backward per token of a causal row of ``seq_len`` tokens (MaxText-style).
+
+        3 x forward; forward = 2 x (active matmul parameters, with the LM head, without the embedding
+        lookup) + causal attention 2 x 2 x H x D x (seq_len / 2) per layer (QK^T and AV over the keys a
+        token sees on average). Norms, softmax and RoPE are not counted.
+        """
+        e, v = self.embed_dim, self.vocab_size
+        matmul = sum(self._attn_params() - 2 * self.head_dim - (self.attention_bias and
+                     (self.num_heads * self.head_dim + 2 * self.num_kv_heads * self.head_dim + e))
+                     + self._mlp_params(i, active=True) for i in range(self.num_layers)) + v * e
+        attention = self.num_layers * 2 * 2 * self.num_heads * self.head_dim * seq_len / 2
+        return 3.0 * (2.0 * matmul + attention)
+
+    # -- construction ----------------------------------------------------------------------------
     @classmethod
     def from_config_dict(cls, model_cfg) -> "ModelConfig":
+        """From our ``config.model`` section; keys that are not fields (e.g. ``checkpoint_dir``) are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in dict(model_cfg).items() if k in names})
 
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any], **overrides) -> "ModelConfig":
+        """From a Hugging Face Qwen3 / Qwen3-MoE ``config.json`` dict; ``overrides`` set our own fields (dtype, remat ...).
 
+        Raises ConfigMismatchError for a model type or feature this implementation does not compute.
+        """
+        model_type = hf.get("model_type")
+        if model_type not in HF_ARCHITECTURES:
+            raise ConfigMismatchError(
+                f"config.json model_type={model_type!r} is not supported: expected one of {tuple(HF_ARCHITECTURES)} "
+                f"({', '.join(HF_ARCHITECTURES.values())})")
+        archs = hf.get("architectures") or [HF_ARCHITECTURES[model_type]]
+        if archs[0] != HF_ARCHITECTURES[model_type]:
+            raise ConfigMismatchError(f"config.json architectures={archs} is not supported: expected "
+                                      f"[{HF_ARCHITECTURES[model_type]!r}] (a causal LM) for model_type {model_type!r}")
+        if hf.get("use_sliding_window"):
+            raise ConfigMismatchError("config.json use_sliding_window=true: sliding-window attention is not supported yet")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigMismatchError(f"config.json hidden_act={hf.get('hidden_act')!r}: only 'silu' (SwiGLU) is supported")
+        num_heads = int(hf["num_attention_heads"])
+        rope = dict(hf.get("rope_parameters") or {})  # transformers >= 5
+        legacy = hf.get("rope_scaling") or {}
+        rope = {**legacy, **rope}
+        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        if rope_type not in ROPE_TYPES:
+            raise ConfigMismatchError(f"config.json rope type {rope_type!r} is not supported yet; supported: {ROPE_TYPES}")
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ConfigMismatchError("config.json partial_rotary_factor != 1 is not supported yet")
+        kw: dict[str, Any] = dict(
+            vocab_size=int(hf["vocab_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            embed_dim=int(hf["hidden_size"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
+            mlp_dim=int(hf["intermediate_size"]),
+            rope_theta=rope_theta,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            rope_type=rope_type,
+        )
+        if rope_type != "default":
+            kw["rope_factor"] = float(rope["factor"])
+        if rope_type == "yarn":
+            factor = kw["rope_factor"]
+            kw["rope_original_max_position"] = int(rope["original_max_position_embeddings"])
+            kw["rope_beta_fast"] = float(rope.get("beta_fast") or 32.0)
+            kw["rope_beta_slow"] = float(rope.get("beta_slow") or 1.0)
+            kw["rope_truncate"] = bool(rope.get("truncate", True))
+            attention_factor = rope.get("attention_factor")
+            if attention_factor is None:
+                mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
+                attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                                    if mscale and mscale_all else _yarn_mscale(factor))
+            kw["rope_attention_factor"] = float(attention_factor)
+        if model_type == "qwen3_moe":
+            kw.update(
+                num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0))),
+                num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                moe_mlp_dim=int(hf["moe_intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+                decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+            )
+        kw.update(overrides)
+        try:
+            return cls(**kw)
+        except ValueError as exc:
+            raise ConfigMismatchError(f"config.json gives an invalid model: {exc}") from None
+
+    def to_hf_config(self, torch_dtype: str | None = None) -> dict[str, Any]:
+        """A Hugging Face ``config.json`` dict (transformers 4.x and 5.x both read it)."""
+        model_type = "qwen3_moe" if self.is_moe else "qwen3"
+        rope_scaling = None
+        if self.rope_type == "linear":
+            rope_scaling = {"rope_type": "linear", "factor": self.rope_factor}
+        elif self.rope_type == "yarn":
+            rope_scaling = {"rope_type": "yarn", "factor": self.rope_factor,
+                            "original_max_position_embeddings": self.rope_original_max_position,
+                            "beta_fast": self.rope_beta_fast, "beta_slow": self.rope_beta_slow,
+                            "attention_factor": self.yarn_attention_factor, "truncate": self.rope_truncate}
+        out: dict[str, Any] = {
+            "architectures": [HF_ARCHITECTURES[model_type]],
+            "model_type": model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.embed_dim,
+            "intermediate_size": self.mlp_dim,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "torch_dtype": torch_dtype or self.param_dtype,
+        }
+        if self.rope_type == "yarn":
+            out["max_position_embeddings"] = int(self.rope_original_max_position * self.rope_factor)
+        if self.is_moe:
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_mlp_dim, norm_topk_prob=self.norm_topk_prob,
+                       router_aux_loss_coef=self.router_aux_loss_coef, decoder_sparse_step=self.decoder_sparse_step,
+                       mlp_only_layers=list(self.mlp_only_layers))
+        return out
+
+    @property
+    def yarn_attention_factor(self) -> float:
+        return self.rope_attention_factor or _yarn_mscale(self.rope_factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+# -- presets ---------------------------------------------------------------------------------------
 TINY = ModelConfig(vocab_size=272, num_layers=2, embed_dim=128, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=384, rope_theta=10_000.0)
+# A tiny Qwen3-MoE (8 experts, top-2) for tests and CPU benchmarks.
+TINY_MOE = dataclasses.replace(TINY, num_experts=8, num_experts_per_tok=2, moe_mlp_dim=96, norm_topk_prob=True)
+# ~100M parameters (Qwen3-style proportions, 32K vocabulary): the CPU benchmark's "real" size.
+QWEN3_100M = ModelConfig(vocab_size=32768, num_layers=12, embed_dim=768, num_heads=12, num_kv_heads=4, head_dim=64,
+                         mlp_dim=2048, tie_embeddings=True)
+# Qwen3-0.6B / 1.7B shapes (https://huggingface.co/Qwen: config.json of each), random weights for benchmarks.
+QWEN3_0P6B = ModelConfig(vocab_size=151936, num_layers=28, embed_dim=1024, num_heads=16, num_kv_heads=8, head_dim=128,
+                         mlp_dim=3072, tie_embeddings=True)
+QWEN3_1P7B = ModelConfig(vocab_size=151936, num_layers=28, embed_dim=2048, num_heads=16, num_kv_heads=8, head_dim=128,
+                         mlp_dim=6144, tie_embeddings=True)
+# ~1.1B: Qwen3-1.7B's widths with 16 layers (the GPU benchmark's MFU target size).
+QWEN3_1B = dataclasses.replace(QWEN3_1P7B, num_layers=16)
+# Qwen3-30B-A3B's shapes (128 experts, top-8), the reference MoE.
+QWEN3_30B_A3B = ModelConfig(vocab_size=151936, num_layers=48, embed_dim=2048, num_heads=32, num_kv_heads=4, head_dim=128,
+                            mlp_dim=6144, tie_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_mlp_dim=768,
+                            norm_topk_prob=True)
+PRESETS = {"tiny": TINY, "tiny_moe": TINY_MOE, "qwen3_100m": QWEN3_100M, "qwen3_0p6b": QWEN3_0P6B,
+           "qwen3_1b": QWEN3_1B, "qwen3_1p7b": QWEN3_1P7B, "qwen3_30b_a3b": QWEN3_30B_A3B}

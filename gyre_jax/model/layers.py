@@ -1,7 +1,7 @@
 """Basic layers with logically-named parameter axes: RMSNorm, Embedder, Einsum projection.
 
 Parameters carry MaxText-style logical axis names (``embed``, ``heads``, ``kv_heads``, ``head_dim``,
-``mlp``, ``vocab``) via ``nnx.with_partitioning``; ``gyre_jax.model.sharding`` maps them to mesh axes.
+``mlp``, ``vocab``, ``exp``) via ``nnx.with_partitioning``; ``gyre_jax.model.sharding`` maps them to mesh axes.
 """
 
 from __future__ import annotations
@@ -26,14 +26,27 @@ class RMSNorm(nnx.Module):
 
 
 class Einsum(nnx.Module):
-    """A weight of ``shape`` with logical ``axes``, applied as ``einsum(eqn, x, w)``."""
+    """A weight of ``shape`` with logical ``axes``, applied as ``einsum(eqn, x, w)`` (+ an optional bias).
 
-    def __init__(self, shape: tuple[int, ...], axes: tuple[str | None, ...], *, fan_in: int, param_dtype, rngs: nnx.Rngs):
+    ``bias_dims``: how many trailing dimensions of ``shape`` the output ends with and the bias covers
+    (0 = no bias), e.g. q_proj ``[E, H, D]`` -> bias ``[H, D]`` with ``bias_dims=2``. Biases start at zero.
+    """
+
+    def __init__(self, shape: tuple[int, ...], axes: tuple[str | None, ...], *, fan_in: int, param_dtype, rngs: nnx.Rngs,
+                 bias_dims: int = 0):
         init = nnx.initializers.normal(stddev=fan_in**-0.5)
         self.w = nnx.Param(nnx.with_partitioning(init, axes)(rngs.params(), shape, param_dtype))
+        if bias_dims:
+            self.b = nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, axes[-bias_dims:])(
+                rngs.params(), shape[-bias_dims:], param_dtype))
+        else:
+            self.b = None
 
-    def __call__(self, eqn: str, x: jax.Array) -> jax.Array:
-        return jnp.einsum(eqn, x, self.w[...].astype(x.dtype))
+    def __call__(self, eqn: str, x: jax.Array, preferred_element_type=None) -> jax.Array:
+        y = jnp.einsum(eqn, x, self.w[...].astype(x.dtype), preferred_element_type=preferred_element_type)
+        if self.b is not None:
+            y = y + self.b[...].astype(y.dtype)
+        return y
 
 
 class Embedder(nnx.Module):
@@ -49,4 +62,4 @@ class Embedder(nnx.Module):
 
     def decode(self, x: jax.Array) -> jax.Array:
         """x: [B, T, E] -> logits [B, T, V] (float32)"""
-        return jnp.einsum("bte,ve->btv", x, self.table[...].astype(x.dtype)).astype(jnp.float32)
+        return jnp.einsum("bte,ve->btv", x, self.table[...].astype(x.dtype), preferred_element_type=jnp.float32)

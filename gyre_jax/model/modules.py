@@ -1,11 +1,15 @@
-"""The Qwen3-style decoder: SwiGLU MLP, pre-norm blocks, and the causal LM with an optional KV cache.
+"""The Qwen3 decoder: SwiGLU MLP or sparse MoE per layer, pre-norm blocks, and the causal LM with an optional KV cache.
 
 ``Transformer.__call__(tokens, positions, mask, cache)`` is the single forward: training passes a
 packed mask and no cache; serving passes a cache and a cache-causal mask. The cache is a plain
-pytree returned from the call, never hidden module state.
+pytree returned from the call, never hidden module state. ``return_aux=True`` adds a ``ModelAux``
+(MoE router logits and the load-balancing loss) as a third output. ``cfg.remat_policy`` wraps each
+block in ``nnx.remat`` so the backward pass recomputes its activations.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +18,27 @@ from flax import nnx
 from gyre_jax.model.attention import Attention, LayerCache
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import Einsum, Embedder, RMSNorm
+from gyre_jax.model.moe import MoEBlock, load_balancing_loss
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole block
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ModelAux:
+    """Auxiliary outputs of a forward pass.
+
+    router_logits: [L_moe, B*T, X] (one row per token of each MoE layer) or None for a dense model.
+    load_balancing_loss: [] float32, ``moe.load_balancing_loss`` over real tokens (rows of ``mask``
+    with at least one True); 0 for a dense model. Not multiplied by ``cfg.router_aux_loss_coef``.
+    """
+
+    router_logits: jax.Array | None
+    load_balancing_loss: jax.Array
 
 
 class MLP(nnx.Module):
@@ -30,27 +55,40 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    """Pre-norm decoder layer; ``moe`` selects the sparse MoE block instead of the dense MLP."""
+
+    def __init__(self, cfg: ModelConfig, *, moe: bool = False, rngs: nnx.Rngs):
         pd = cfg.weight_dtype
         self.input_norm = RMSNorm(cfg.embed_dim, "embed", eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.post_attn_norm = RMSNorm(cfg.embed_dim, "embed", eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        if moe:
+            self.moe = MoEBlock(cfg, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x, positions, mask, cache: LayerCache | None):
+        """x: [B, T, E] -> (x [B, T, E], cache, router logits [B*T, X] or None)."""
         h, cache = self.attn(self.input_norm(x), positions, mask, cache)
         x = x + h
-        x = x + self.mlp(self.post_attn_norm(x))
-        return x, cache
+        if hasattr(self, "moe"):
+            h, router_logits = self.moe(self.post_attn_norm(x))
+        else:
+            h, router_logits = self.mlp(self.post_attn_norm(x)), None
+        return x + h, cache, router_logits
+
+
+def _call_block(block: Block, x, positions, mask, cache):
+    return block(x, positions, mask, cache)
 
 
 class Transformer(nnx.Module):
-    """Qwen3-style causal LM."""
+    """Qwen3 causal LM (dense or MoE)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedder = Embedder(cfg.vocab_size, cfg.embed_dim, param_dtype=cfg.weight_dtype, rngs=rngs)
-        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, moe=cfg.is_moe_layer(i), rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.embed_dim, "embed", eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = Einsum((cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), fan_in=cfg.embed_dim,
@@ -62,17 +100,34 @@ class Transformer(nnx.Module):
         positions: jax.Array,
         mask: jax.Array,
         cache: list[LayerCache] | None = None,
-    ) -> tuple[jax.Array, list[LayerCache] | None]:
-        """tokens, positions: [B, T] int32; mask: [B, T, S] bool -> (logits [B, T, V] float32, cache)."""
+        *,
+        return_aux: bool = False,
+    ):
+        """tokens, positions: [B, T] int32; mask: [B, T, S] bool -> (logits [B, T, V] float32, cache)
+        or, with ``return_aux``, (logits, cache, ModelAux)."""
         x = self.embedder.encode(tokens, self.cfg.compute_dtype)
+        call = _call_block
+        if self.cfg.remat_policy != "none":
+            call = nnx.remat(_call_block, policy=REMAT_POLICIES[self.cfg.remat_policy], prevent_cse=True)
         new_cache = [] if cache is not None else None
+        router_logits = []
         for i, layer in enumerate(self.layers):
-            x, layer_cache = layer(x, positions, mask, None if cache is None else cache[i])
+            x, layer_cache, logits_i = call(layer, x, positions, mask, None if cache is None else cache[i])
             if new_cache is not None:
                 new_cache.append(layer_cache)
+            if logits_i is not None:
+                router_logits.append(logits_i)
         x = self.final_norm(x)
         if self.cfg.tie_embeddings:
             logits = self.embedder.decode(x)
         else:
-            logits = self.lm_head("bte,ev->btv", x).astype(jnp.float32)
-        return logits, new_cache
+            logits = self.lm_head("bte,ev->btv", x, preferred_element_type=jnp.float32).astype(jnp.float32)
+        if not return_aux:
+            return logits, new_cache
+        if router_logits:
+            stacked = jnp.stack(router_logits)  # [L_moe, B*T, X]
+            real = jnp.any(mask, axis=-1).reshape(-1)  # [B*T]: padding rows attend to nothing
+            lb = load_balancing_loss(stacked, self.cfg.num_experts_per_tok, real)
+        else:
+            stacked, lb = None, jnp.zeros((), jnp.float32)
+        return logits, new_cache, ModelAux(router_logits=stacked, load_balancing_loss=lb)

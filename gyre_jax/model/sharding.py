@@ -1,6 +1,6 @@
 """Logical-axis sharding: map parameter/activation logical axes to mesh axes by rules from the config.
 
-MaxText style: model code names axes (``embed``, ``heads``, ``mlp``, ``vocab``, ``batch`` ...); the
+MaxText style: model code names axes (``embed``, ``heads``, ``mlp``, ``vocab``, ``exp``, ``batch`` ...); the
 config's ``sharding_rules`` say which mesh axes each one is split over. A mesh axis is used at most
 once per array, and a dimension is only split over the mesh axes whose product divides it (others
 are dropped, left replicated), so one rule set works for every cell shape.
@@ -19,15 +19,47 @@ from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.modules import Transformer
 
 Rules = Sequence[tuple[str, "str | Sequence[str] | None"]]
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor")  # every mesh has these (size 1 when unused)
+EXPERT_AXIS = "expert"  # added when the shape names it: MoE experts split over it (expert parallelism)
+ALL_MESH_AXES = MESH_AXES + (EXPERT_AXIS,)
+
+# Named rule sets (logical axis -> mesh axes). Configs carry their own ``sharding_rules``; these are
+# the reference layouts tests and benchmarks use. Logical axes: batch (activations / decode slots),
+# vocab, embed, heads, kv_heads, head_dim, mlp (dense and expert hidden), exp (the expert index).
+RULES_DATA: tuple = (("batch", ("data", "fsdp", "tensor", "expert")),)  # pure data parallel: weights replicated
+RULES_FSDP_TENSOR: tuple = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("exp", None),
+    ("head_dim", None),
+)
+RULES_EXPERT: tuple = (  # experts over `expert` (tokens are data-parallel over it outside the MoE blocks)
+    ("batch", ("data", "fsdp", "expert")),
+    ("exp", "expert"),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+)
+RULE_SETS = {"data": RULES_DATA, "fsdp_tensor": RULES_FSDP_TENSOR, "expert": RULES_EXPERT}
 
 
 def make_mesh(devices: Sequence[jax.Device], shape: dict[str, int]) -> Mesh:
-    """A mesh over ``devices`` (in order) with axes ``data, fsdp, tensor`` of the given sizes."""
-    sizes = tuple(int(shape.get(a, 1)) for a in MESH_AXES)
+    """A mesh over ``devices`` (in order) with axes ``data, fsdp, tensor`` (+ ``expert`` when ``shape`` has it)."""
+    unknown = set(shape) - set(ALL_MESH_AXES)
+    if unknown:
+        raise ValueError(f"mesh shape {dict(shape)} names unknown axes {sorted(unknown)}; mesh axes are {ALL_MESH_AXES}")
+    axes = ALL_MESH_AXES if EXPERT_AXIS in shape else MESH_AXES
+    sizes = tuple(int(shape.get(a, 1)) for a in axes)
     if int(np.prod(sizes)) != len(devices):
-        raise ValueError(f"mesh shape {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, got {len(devices)}")
-    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES)
+        raise ValueError(f"mesh shape {dict(zip(axes, sizes))} needs {int(np.prod(sizes))} devices, got {len(devices)}")
+    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), axes)
 
 
 def _lookup(rules: Rules, name: str | None) -> tuple[str, ...]:

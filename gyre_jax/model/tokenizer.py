@@ -1,15 +1,54 @@
-"""Byte-level tokenizer for tiny models, with Qwen3's special and added tokens as single ids.
+"""The tokenizer interface, the byte-level tokenizer for tiny models, and ``load_tokenizer``.
 
-Ids 0..255 are raw bytes; the special/added tokens follow. Encoding is lossless for any text, and
-any special-token string that appears in the text is encoded as its single id (as Hugging Face
-tokenizers do for added tokens), so a rendered chat template round-trips exactly:
-``decode(encode(s)) == s``. Real checkpoints use their own ``tokenizer.json`` (model-fidelity issue).
+Every tokenizer has ``encode(text) -> ids``, ``decode(ids) -> text``, ``token_id(token)``, ``eos_ids``,
+``pad_id``, ``vocab_size`` and ``token_bytes(id)`` (the raw bytes one id stands for, for per-token
+byte lists next to log-probs). ``ByteTokenizer``: ids 0..255 are raw bytes; Qwen3's special/added
+tokens follow. Encoding is lossless for any text, and any special-token string that appears in the
+text is encoded as its single id (as Hugging Face tokenizers do for added tokens), so a rendered chat
+template round-trips exactly: ``decode(encode(s)) == s``. Real checkpoints use their own
+``tokenizer.json`` through ``gyre_jax.model.hf_tokenizer.HFTokenizer``.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+
+class Tokenizer(Protocol):
+    """What the proxy, the engine and the trainer need from a tokenizer."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def token_id(self, token: str) -> int: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+def load_tokenizer(kind: str = "byte", path: str | os.PathLike | None = None) -> Tokenizer:
+    """``kind="byte"``: the ByteTokenizer; ``kind="hf"``: the ``tokenizer.json`` of the checkpoint directory ``path``."""
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "hf":
+        if path is None:
+            raise ValueError("load_tokenizer(kind='hf') needs path=<checkpoint directory with tokenizer.json>")
+        from gyre_jax.model.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer.from_dir(path)
+    raise ValueError(f"tokenizer kind {kind!r} is not supported: use 'byte' or 'hf'")
 
 SPECIAL_TOKENS: tuple[str, ...] = (
     "<|endoftext|>",
@@ -66,6 +105,15 @@ class ByteTokenizer:
             else:
                 ids.extend(piece.encode("utf-8"))
         return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes id ``token_id`` stands for: one raw byte, a special token's UTF-8, or b"" for padding ids."""
+        i = int(token_id)
+        if 0 <= i < 256:
+            return bytes([i])
+        if 256 <= i < self.num_real_tokens:
+            return self.special_tokens[i - 256].encode("utf-8")
+        return b""
 
     def decode(self, ids: list[int] | tuple[int, ...]) -> str:
         """Decodes ids to text; invalid UTF-8 (e.g. a cut multi-byte char) becomes U+FFFD; ids past the

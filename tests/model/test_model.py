@@ -141,6 +141,9 @@ def test_logits_are_invariant_to_a_shift_of_all_positions(model_split) -> None:
     dataclasses.replace(CFG, tie_embeddings=False),
     dataclasses.replace(CFG, num_kv_heads=1, num_layers=3),
     dataclasses.replace(CFG, num_kv_heads=4, mlp_dim=96, vocab_size=264),
+    dataclasses.replace(CFG, attention_bias=True, tie_embeddings=False),
+    dataclasses.replace(CFG, num_layers=3, num_experts=4, num_experts_per_tok=2, moe_mlp_dim=24, mlp_only_layers=(1,)),
+    dataclasses.replace(CFG, num_layers=4, num_experts=6, num_experts_per_tok=1, moe_mlp_dim=8, decoder_sparse_step=2),
 ])
 def test_num_params_matches_the_initialized_model(cfg: ModelConfig) -> None:
     model = nnx.eval_shape(lambda: new_model(cfg))
@@ -152,6 +155,56 @@ def test_num_params_matches_the_initialized_model(cfg: ModelConfig) -> None:
     assert attn.k_proj.w.shape == attn.v_proj.w.shape == (e, k, d)
     assert attn.o_proj.w.shape == (h, d, e)
     assert hasattr(model, "lm_head") == (not cfg.tie_embeddings)
+    for i, layer in enumerate(model.layers):
+        assert hasattr(layer, "moe") == cfg.is_moe_layer(i) != hasattr(layer, "mlp")
+    active = sum(sizes) - sum(int(np.prod(layer.moe.gate_proj.shape)) * 3 * (1 - cfg.num_experts_per_tok / cfg.num_experts)
+                              for layer in model.layers if hasattr(layer, "moe"))
+    assert cfg.num_active_params == int(round(active))
+
+
+# -- memory and precision options ------------------------------------------------------------------
+
+
+def _nll(graphdef, state, tokens):
+    b, t = tokens.shape
+    logits, _ = nnx.merge(graphdef, state)(tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), causal(b, t))
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], axis=-1))
+
+
+@pytest.fixture(scope="module")
+def reference_grads(model_split):
+    graphdef, state = model_split
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, CFG.vocab_size, size=(2, 16)), jnp.int32)
+    return tokens, jax.jit(jax.value_and_grad(_nll, argnums=1), static_argnums=0)(graphdef, state, tokens)
+
+
+@pytest.mark.parametrize("policy", ["full", "dots_no_batch"])
+def test_rematerialization_keeps_loss_and_gradients(policy, model_split, reference_grads) -> None:
+    _, state = model_split
+    tokens, (loss, grads) = reference_grads
+    graphdef = nnx.split(nnx.eval_shape(lambda: new_model(dataclasses.replace(CFG, remat_policy=policy))))[0]
+    fn = jax.jit(jax.value_and_grad(_nll, argnums=1), static_argnums=0)
+    loss_r, grads_r = fn(graphdef, state, tokens)
+    assert "remat" in str(jax.make_jaxpr(lambda s: _nll(graphdef, s, tokens))(state))  # remat is really in the graph
+    np.testing.assert_allclose(float(loss_r), float(loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)  # fusion reorders sums
+
+
+def test_bf16_compute_on_fp32_master_weights(model_split, reference_grads) -> None:
+    """dtype=bfloat16, param_dtype=float32: weights and gradients stay fp32, logits are fp32 and close to fp32 compute."""
+    _, state = model_split
+    tokens, (loss, _) = reference_grads
+    cfg = dataclasses.replace(CFG, dtype="bfloat16")
+    graphdef = nnx.split(nnx.eval_shape(lambda: new_model(cfg)))[0]
+    loss_bf16, grads = jax.jit(jax.value_and_grad(_nll, argnums=1), static_argnums=0)(graphdef, state, tokens)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    assert abs(float(loss_bf16) - float(loss)) < 2e-2 * abs(float(loss))
+    logits, _ = forward((graphdef, state), tokens, np.broadcast_to(np.arange(16), (2, 16)), causal(2, 16))
+    full, _ = forward(model_split, tokens, np.broadcast_to(np.arange(16), (2, 16)), causal(2, 16))
+    assert logits.dtype == jnp.float32
+    err = float(jnp.max(jnp.abs(logits - full)) / jnp.max(jnp.abs(full)))
+    assert 1e-5 < err < 5e-2  # really computed in bf16, and still close
 
 
 def test_gqa_equals_mha_with_each_kv_head_repeated_for_its_query_group(model_split) -> None:

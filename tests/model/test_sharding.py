@@ -191,3 +191,37 @@ def test_reshard_between_disjoint_submeshes_keeps_values(single_device_reference
     # the moved params still compute the same logits on their new mesh
     graphdef = single_device_reference[0]
     np.testing.assert_allclose(_run(graphdef, moved), single_device_reference[2], atol=1e-5, rtol=0)
+
+
+# -- the expert axis -------------------------------------------------------------------------------
+
+
+def test_make_mesh_adds_the_expert_axis_only_when_asked() -> None:
+    mesh = make_mesh(jax.devices(), dict(fsdp=2, expert=4))
+    assert mesh.axis_names == ("data", "fsdp", "tensor", "expert")
+    assert dict(mesh.shape) == dict(data=1, fsdp=2, tensor=1, expert=4)
+    assert make_mesh(jax.devices()[:2], dict(data=2)).axis_names == MESH_AXES  # meshes without experts are unchanged
+    with pytest.raises(ValueError, match="unknown axes \\['pipeline'\\]"):
+        make_mesh(jax.devices(), dict(pipeline=8))
+    rules = (("exp", "expert"), ("embed", "fsdp"), ("mlp", "tensor"))
+    assert logical_to_spec(("exp", "embed", "mlp"), rules, mesh, (8, 64, 32)) == P("expert", "fsdp", None)
+    # on a mesh without the expert axis the same rules leave experts replicated
+    assert logical_to_spec(("exp", "embed", "mlp"), rules, mesh_222(), (8, 64, 32)) == P(None, "fsdp", "tensor")
+
+
+def test_config_validation_accepts_the_expert_axis_and_checks_moe_keys() -> None:
+    from gyre_jax.config import ConfigError, device_count, validate
+
+    c = load_config([])
+    c.mesh.data, c.mesh.expert = 2, 2
+    c.sharding_rules = tuple(c.sharding_rules) + (("exp", "expert"),)
+    c.model.num_experts, c.model.num_experts_per_tok, c.model.moe_mlp_dim = 8, 2, 64
+    assert device_count(c) == 8
+    validate(c)
+    c.model.num_experts_per_tok = 0
+    with pytest.raises(ConfigError, match="config.model: .*num_experts_per_tok=0 must be in \\[1, num_experts=8\\]"):
+        validate(c)
+    c.model.num_experts_per_tok = 2
+    c.model.remat_policy = "everything"
+    with pytest.raises(ConfigError, match="remat_policy='everything' must be one of"):
+        validate(c)

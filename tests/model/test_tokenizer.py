@@ -98,3 +98,11 @@ def test_decode_of_any_ids_returns_text(ids: list[int]) -> None:
     assert isinstance(text, str)
     # decoding is stable: re-encoding valid output and decoding again gives the same text
     assert TOK.decode(TOK.encode(text)) == text
+
+
+def test_token_bytes_of_every_id() -> None:
+    assert TOK.token_bytes(ord("a")) == b"a" and TOK.token_bytes(0xFF) == b"\xff"
+    assert TOK.token_bytes(TOK.token_id("<|im_end|>")) == b"<|im_end|>"
+    assert TOK.token_bytes(TOK.num_real_tokens) == b""  # padding rows of the embedding
+    text = "hé<think>🙂"
+    assert b"".join(TOK.token_bytes(i) for i in TOK.encode(text)) == text.encode("utf-8")

@@ -1,0 +1,300 @@
+"""Hugging Face checkpoint directories <-> sharded params: load tensor by tensor onto a mesh, save back.
+
+A checkpoint directory holds ``config.json``, one ``model.safetensors`` or several shards with
+``model.safetensors.index.json``, and the tokenizer files. Loading never builds a host copy of the
+model: each parameter is created with ``jax.make_array_from_callback`` on its target sharding, and
+each device's block is read from the memory-mapped safetensors file (``safe_open(...).get_slice``)
+with only the rows and columns that block needs (``hf_params.read_block``). The checkpoint is checked
+against the config before any tensor is read: every missing, unexpected or mis-shaped tensor is named.
+Saving streams one tensor (one expert) at a time to disk in HF layout, in shards of at most
+``max_shard_bytes``, and writes the index, ``config.json`` and optionally the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+
+from gyre_jax.model import hf_params
+from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.sharding import Rules, abstract_model, param_shardings
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# Tensors HF itself ignores on load (non-persistent buffers some old exports contain).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(jnp.bfloat16),
+           "F64": np.dtype(np.float64)}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's tensors do not match the model its config.json describes (names and shapes listed)."""
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found: a Hugging Face checkpoint directory needs config.json")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc}") from None
+
+
+class SafetensorsDir:
+    """Lazy, read-only view of the safetensors tensors of a checkpoint directory (a context manager)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no 'weight_map' object")
+            files = sorted(set(weight_map.values()))
+        elif (self.path / SINGLE_FILE).is_file():
+            files, weight_map = [SINGLE_FILE], None
+        else:
+            found = sorted(p.name for p in self.path.glob("*.safetensors"))
+            if len(found) != 1:
+                raise FileNotFoundError(
+                    f"{self.path}: expected {SINGLE_FILE}, or {INDEX_FILE} with its shards"
+                    + (f" (found {found} without an index)" if found else " (no *.safetensors file)"))
+            files, weight_map = found, None
+        self._handles = {}
+        self._where: dict[str, str] = {}
+        for name in files:
+            if not (self.path / name).is_file():
+                raise FileNotFoundError(f"{self.path / name} is listed in {INDEX_FILE} but does not exist")
+            handle = safe_open(str(self.path / name), framework="numpy")
+            self._handles[name] = handle
+            for key in handle.keys():
+                self._where[key] = name
+        if weight_map is not None:
+            wrong = sorted(k for k, f in weight_map.items() if self._where.get(k) != f)
+            if wrong:
+                raise CheckpointMismatchError(f"{self.path / INDEX_FILE} lists tensors that are not in the named shard: "
+                                              f"{_preview(wrong)}")
+
+    def __enter__(self) -> "SafetensorsDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def names(self) -> list[str]:
+        return sorted(self._where)
+
+    def _slice(self, name: str):
+        return self._handles[self._where[name]].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> np.dtype:
+        code = self._slice(name).get_dtype()
+        if code not in _DTYPES:
+            raise CheckpointMismatchError(f"{self.path}: tensor {name} has dtype {code}; supported: {sorted(_DTYPES)}")
+        return _DTYPES[code]
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """tensor[index] as a numpy array (only that block is read from disk)."""
+        return np.asarray(self._slice(name)[index])
+
+
+def _preview(names: Sequence[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return f"[{shown}{', ...' if len(names) > limit else ''}] ({len(names)})"
+
+
+def check_tensors(cfg: ModelConfig, ckpt: SafetensorsDir, ignore_unexpected: Iterable[str] = ()) -> None:
+    """Raises CheckpointMismatchError naming every missing, unexpected and mis-shaped tensor."""
+    expected = hf_params.hf_tensor_shapes(cfg)
+    ignore = set(ignore_unexpected)
+    present = [n for n in ckpt.names() if n not in ignore and not n.endswith(IGNORED_SUFFIXES)]
+    missing = sorted(set(expected) - set(present))
+    unexpected = sorted(set(present) - set(expected))
+    misshaped = sorted(f"{n}: {list(ckpt.shape(n))} != expected {list(expected[n])}" for n in set(present) & set(expected)
+                       if ckpt.shape(n) != expected[n])
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {_preview(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors {_preview(unexpected)}")
+    if misshaped:
+        problems.append(f"wrong shapes {_preview(misshaped)}")
+    if problems:
+        kind = "Qwen3MoeForCausalLM" if cfg.is_moe else "Qwen3ForCausalLM"
+        raise CheckpointMismatchError(
+            f"checkpoint {ckpt.path} does not match the {kind} its config describes ({cfg.num_layers} layers, "
+            f"hidden {cfg.embed_dim}, vocab {cfg.vocab_size}, tie_word_embeddings={cfg.tie_embeddings}"
+            + (f", {cfg.num_experts} experts" if cfg.is_moe else "") + "): " + "; ".join(problems)
+            + ". Check that config.json belongs to these weights.")
+
+
+def _path_key(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh, rules: Rules, *,
+                   ignore_unexpected: Iterable[str] = ()) -> tuple[nnx.GraphDef, nnx.State]:
+    """Reads the checkpoint at ``path`` into params of ``Transformer(cfg)`` placed with their target shardings.
+
+    Each parameter's device blocks are read straight from the memory-mapped files (a block shared
+    by several devices, e.g. a replicated one, is read once) and cast to ``cfg.param_dtype``.
+    """
+    graphdef, abstract_state = abstract_model(cfg)
+    shardings = param_shardings(abstract_state, rules, mesh)
+    specs = hf_params.param_specs(cfg)
+    with SafetensorsDir(path) as ckpt:
+        check_tensors(cfg, ckpt, ignore_unexpected)
+
+        def load(key_path, var, sharding_var):
+            spec = specs.get(_path_key(key_path))
+            if spec is None:  # the mapping and the model disagree: a bug here, not in the checkpoint
+                raise RuntimeError(f"no checkpoint mapping for parameter {'/'.join(_path_key(key_path))}")
+            if tuple(var.shape) != spec.shape:
+                raise RuntimeError(f"parameter {'/'.join(spec.path)} has shape {var.shape}, mapping says {spec.shape}")
+            blocks: dict[tuple, np.ndarray] = {}
+
+            def block(index):
+                key = tuple((s.start, s.stop) for s in index)
+                if key not in blocks:
+                    blocks[key] = hf_params.read_block(spec, ckpt.read, index).astype(var.dtype)
+                return blocks[key]
+
+            array = jax.make_array_from_callback(tuple(var.shape), sharding_var.get_value(), block)
+            return var.replace(array)
+
+        params = jax.tree_util.tree_map_with_path(load, abstract_state, shardings,
+                                                  is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return graphdef, params
+
+
+def load_hf_checkpoint(path: str | os.PathLike, mesh: Mesh, rules: Rules, *, ignore_unexpected: Iterable[str] = (),
+                       **overrides) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+    """config.json + weights -> (ModelConfig, graphdef, sharded params). ``overrides`` set ModelConfig fields
+    the checkpoint does not define (``dtype``, ``param_dtype``, ``remat_policy``, ``moe_impl``)."""
+    cfg = ModelConfig.from_hf_config(read_hf_config(path), **overrides)
+    graphdef, params = load_hf_params(path, cfg, mesh, rules, ignore_unexpected=ignore_unexpected)
+    return cfg, graphdef, params
+
+
+# -- saving ----------------------------------------------------------------------------------------
+
+
+def _write_safetensors(file: Path, entries: Sequence[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]]) -> None:
+    """Streams tensors into one safetensors file: header first (from known shapes), then each tensor's bytes."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype, _ in entries:
+        size = int(np.prod(shape)) * dtype.itemsize
+        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    tmp = file.with_name(file.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape, dtype, produce in entries:
+            array = np.ascontiguousarray(produce().astype(dtype))
+            if array.shape != tuple(shape):
+                raise RuntimeError(f"tensor {name}: produced shape {array.shape}, header says {shape}")
+            f.write(array.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, file)
+
+
+def save_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State, *, dtype: str | None = None,
+                       max_shard_bytes: int = 4 * 1024**3, tokenizer_dir: str | os.PathLike | None = None,
+                       base_config: dict | None = None) -> list[Path]:
+    """Writes ``params`` as a Hugging Face checkpoint directory; returns the safetensors files written.
+
+    dtype: the stored dtype ("bfloat16", "float32", "float16"); None keeps each parameter's own dtype
+    (so load -> save -> load is bit-identical). Peak host memory is one tensor (one expert of a MoE
+    layer). ``tokenizer_dir``: copy its tokenizer files alongside; ``base_config``: a source
+    config.json whose other keys (e.g. ``max_position_embeddings``, token ids) are kept.
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    target = np.dtype(jnp.bfloat16) if dtype == "bfloat16" else np.dtype(dtype) if dtype else None
+    specs = hf_params.param_specs(cfg)
+    by_path = {_path_key(p): v for p, v in
+               jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]}
+    missing = sorted("/".join(p) for p in set(specs) - set(by_path))
+    extra = sorted("/".join(p) for p in set(by_path) - set(specs))
+    if missing or extra:
+        raise ValueError(f"params do not match the config: missing {missing}, unexpected {extra}")
+
+    entries = []
+    for spec in specs.values():
+        var = by_path[spec.path]
+        array = var.get_value() if isinstance(var, nnx.Variable) else var
+        if isinstance(array, jax.Array) and not array.is_fully_addressable:
+            raise NotImplementedError("not supported yet: saving params that span several processes "
+                                      "(gather them to one host first)")
+        store = target or np.dtype(array.dtype)
+        if spec.layout == "stacked":
+            for j, name in enumerate(spec.hf_names):
+                entries.append((name, spec.hf_shape, store, lambda a=array, j=j, s=spec: hf_params.to_hf(s, np.asarray(a[j]))))
+        else:
+            entries.append((spec.hf_names[0], spec.hf_shape, store, lambda a=array, s=spec: hf_params.to_hf(s, np.asarray(a))))
+
+    shards: list[list] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = int(np.prod(entry[1])) * entry[2].itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_FILE]:
+        stale.unlink(missing_ok=True)
+    files = []
+    if len(shards) == 1:
+        files.append(out / SINGLE_FILE)
+        _write_safetensors(files[0], shards[0])
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            file = out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _write_safetensors(file, shard)
+            files.append(file)
+            weight_map.update({name: file.name for name, *_ in shard})
+        total = sum(int(np.prod(e[1])) * e[2].itemsize for e in entries)
+        (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+    stored = {np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+    torch_dtype = stored.get(target) if target is not None else stored.get(entries[0][2], cfg.param_dtype)
+    config = {k: v for k, v in (base_config or {}).items()
+              if k not in ("rope_parameters", "num_local_experts", "dtype", "transformers_version")}
+    config.update(cfg.to_hf_config(torch_dtype=torch_dtype))
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.is_file() and src.resolve() != (out / name).resolve():
+                shutil.copyfile(src, out / name)
+    return files

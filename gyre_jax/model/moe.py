@@ -1,0 +1,102 @@
+"""Qwen3-MoE sparse block: a softmax top-k router over stacked SwiGLU experts, and the load-balancing loss.
+
+Math as in transformers' ``Qwen3MoeSparseMoeBlock``: router logits ``x @ W_r`` -> softmax (float32) ->
+top-k -> optionally renormalized to sum to 1 (``norm_topk_prob``) -> each chosen expert's
+``down(silu(gate(x)) * up(x))`` weighted and summed. Two exact implementations:
+
+- ``ragged`` (default): the N*k (token, expert) pairs are sorted by expert and run through
+  ``jax.lax.ragged_dot`` (grouped matmul), so FLOPs scale with k, not with the number of experts.
+- ``dense``: every expert runs on every token and a [N, X] combine matrix that is zero off the top-k
+  selects; X/k times the FLOPs, but plain einsums that GSPMD splits over an ``expert`` mesh axis.
+
+Expert weights are ``[X, E, M]`` / ``[X, M, E]`` with logical axes ``exp``, ``embed``, ``mlp``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gyre_jax.model.config import ModelConfig
+
+
+def route(router_logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """router_logits: [N, X] -> (weights [N, k] float32, expert ids [N, k] int32), highest probability first."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+def load_balancing_loss(router_logits: jax.Array, k: int, token_mask: jax.Array | None = None) -> jax.Array:
+    """Switch-Transformer auxiliary loss over all MoE layers pooled, exactly as transformers computes it.
+
+    router_logits: [L, N, X] (L MoE layers, N tokens); token_mask: [N] (1 = real token, 0 = padding) or None.
+    Returns ``X * sum_x f_x * P_x`` where f_x is the fraction of (token, top-k slot) assignments that go
+    to expert x and P_x the mean router probability of x, both pooled over layers and real tokens
+    (a float32 scalar; 1.0 for a perfectly uniform router). The model does not multiply by
+    ``router_aux_loss_coef``; the caller does.
+    """
+    num_experts = router_logits.shape[-1]
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [L, N, X]
+    _, ids = jax.lax.top_k(probs, k)  # [L, N, k]
+    counts = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.float32), axis=2)  # [L, N, X]
+    if token_mask is None:
+        token_mask = jnp.ones(router_logits.shape[1], jnp.float32)
+    w = token_mask.astype(jnp.float32)[None, :, None]  # [1, N, 1]
+    rows = jnp.maximum(jnp.sum(w) * router_logits.shape[0], 1.0)
+    tokens_per_expert = jnp.sum(counts * w, axis=(0, 1)) / rows  # [X]
+    prob_per_expert = jnp.sum(probs * w, axis=(0, 1)) / rows  # [X]
+    return jnp.sum(tokens_per_expert * prob_per_expert) * num_experts
+
+
+def _ragged_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """x: [N, E]; weights, ids: [N, k]; w_gate, w_up: [X, E, M]; w_down: [X, M, E] -> [N, E]."""
+    n, k = ids.shape
+    num_experts = w_gate.shape[0]
+    flat_ids = ids.reshape(-1)  # [N*k]
+    order = jnp.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
+    token_of = order // k  # [N*k]
+    xs = jnp.take(x, token_of, axis=0)  # [N*k, E]
+    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)  # [X]
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(xs, w_up, group_sizes)  # [N*k, M]
+    ys = jax.lax.ragged_dot(h, w_down, group_sizes)  # [N*k, E]
+    ys = ys * jnp.take(weights.reshape(-1), order)[:, None].astype(ys.dtype)
+    return jnp.zeros_like(x).at[token_of].add(ys)
+
+
+def _dense_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """Same contract as ``_ragged_experts``; runs all X experts on all N tokens."""
+    num_experts = w_gate.shape[0]
+    combine = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.float32) * weights[..., None], axis=1)  # [N, X]
+    h = jax.nn.silu(jnp.einsum("ne,xem->nxm", x, w_gate)) * jnp.einsum("ne,xem->nxm", x, w_up)  # [N, X, M]
+    ys = jnp.einsum("nxm,xme->nxe", h, w_down)  # [N, X, E]
+    return jnp.einsum("nxe,nx->ne", ys, combine.astype(ys.dtype))
+
+
+class MoEBlock(nnx.Module):
+    """Router ``[E, X]`` + X stacked SwiGLU experts; ``__call__`` returns (output, router logits)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        e, x, m, pd = cfg.embed_dim, cfg.num_experts, cfg.moe_mlp_dim, cfg.weight_dtype
+        self.cfg = cfg
+        normal = nnx.initializers.normal
+        self.router = nnx.Param(nnx.with_partitioning(normal(stddev=e**-0.5), ("embed", None))(rngs.params(), (e, x), pd))
+        self.gate_proj = nnx.Param(nnx.with_partitioning(normal(stddev=e**-0.5), ("exp", "embed", "mlp"))(rngs.params(), (x, e, m), pd))
+        self.up_proj = nnx.Param(nnx.with_partitioning(normal(stddev=e**-0.5), ("exp", "embed", "mlp"))(rngs.params(), (x, e, m), pd))
+        self.down_proj = nnx.Param(nnx.with_partitioning(normal(stddev=m**-0.5), ("exp", "mlp", "embed"))(rngs.params(), (x, m, e), pd))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x: [B, T, E] -> (out [B, T, E], router logits [B*T, X] in x's dtype)."""
+        b, t, e = x.shape
+        flat = x.reshape(b * t, e)
+        dtype = x.dtype
+        router_logits = flat @ self.router[...].astype(dtype)  # [N, X]
+        weights, ids = route(router_logits, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        weights = weights.astype(dtype)  # HF casts the top-k weights back to the hidden dtype
+        experts = _ragged_experts if self.cfg.moe_impl == "ragged" else _dense_experts
+        out = experts(flat, weights, ids, self.gate_proj[...].astype(dtype), self.up_proj[...].astype(dtype),
+                      self.down_proj[...].astype(dtype))
+        return out.reshape(b, t, e), router_logits

@@ -1,0 +1,30 @@
+"""The model benchmark runs end to end (smoke suite on CPU, through the GPU script) and writes its JSON.
+Asserts structure and self-consistency only: never wall-clock speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def test_gpu_script_smoke_suite_runs_on_cpu_and_writes_json(tmp_path) -> None:
+    env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu", PYTHON=sys.executable)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(["bash", "benchmarks/gpu_model_bench.sh", "--smoke", "--only", "tiny_moe", "--steps", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "model_smoke.json").read_text())
+    assert report["suite"] == "smoke" and report["platform"] == "cpu" and report["peak"]["flops_per_s"] > 0
+    (row,) = report["results"]
+    assert row["name"] == "tiny_moe" and "error" not in row
+    assert row["active_params"] < row["params"]  # MoE: only top-k experts count towards the FLOPs
+    tokens = row["batch"] * row["seq_len"]
+    assert abs(row["tokens_per_s"] - tokens / row["step_s"]) < 1e-6 * row["tokens_per_s"]
+    assert abs(row["mfu"] - row["model_flops_per_s"] / report["peak"]["flops_per_s"]) < 1e-9
+    assert row["loss"] > 0
+    assert "tiny_moe" in proc.stdout and "MFU" in proc.stdout  # the printed table
