@@ -7,7 +7,7 @@ and fsynced before the HTTP response is sent), see docs/records.md:
      "prompt_ids": [int], "completion_ids": [int], "completion_logprobs": [float],
      "policy_versions": [int], "finish_reason": "stop" | "length" | "cancelled",
      "temperature": float, "reused_prefix_len": int, "t_start": float, "t_end": float,
-     "model": str}
+     "model": str, "api": "chat" | "completions" | "messages", "cell": str}
 
 ``reused_prefix_len`` is how many leading prompt ids were taken verbatim from an earlier call of the
 same execution (its prompt + completion): those tokens are exactly what the policy saw and produced,
@@ -40,6 +40,8 @@ class TitoRecord:
     t_start: float
     t_end: float
     model: str = ""
+    api: str = ""  # the API the call came through: chat (OpenAI chat), completions (OpenAI legacy), messages (Anthropic)
+    cell: str = ""  # the serving cell that produced the completion
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -76,6 +78,25 @@ class RecordStore:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
+
+    def count(self, execution_id: str) -> int:
+        """Number of complete records of an execution, without parsing them (a torn last line is not counted)."""
+        path = self.path(execution_id)
+        if not path.exists():
+            return 0
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.endswith(b"\n"))
+
+    def iter(self, execution_id: str):
+        """Records of an execution in file order, one at a time (memory: one record)."""
+        path = self.path(execution_id)
+        if not path.exists():
+            return
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    return
+                yield TitoRecord.from_json(line)
 
     def read(self, execution_id: str) -> list[TitoRecord]:
         """All records of an execution in call order (a torn last line from a crash is ignored)."""

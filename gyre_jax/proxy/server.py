@@ -1,12 +1,16 @@
-"""OpenAI-compatible HTTP proxy between black-box harnesses and the serving backend.
+"""OpenAI- and Anthropic-compatible HTTP proxy between black-box harnesses and the serving backend.
 
-Owns execution identity (one API key per execution), per-thread conversation state for
-token-in/token-out prompt building, and the durable TITO record of every served call: a call's
-record is fsynced before its response is sent, and a record is only ever appended to the file of
-the execution its API key was issued to.
+Owns execution identity (one API key per execution, sent as ``Authorization: Bearer`` or
+``x-api-key``), thread identity (a header where the harness sends one, else the structure of the
+conversation), per-thread conversation state for token-in/token-out prompt building, and the durable
+TITO record of every served call: a call's record is fsynced before its response is sent, and a
+record is only ever appended to the file of the execution its API key was issued to.
 
-Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions`` (plain and ``stream: true``), ``GET /health``.
-Every error is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
+Endpoints: ``GET /v1/models``; ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI);
+``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic; ``?beta=true`` accepted);
+``GET /health``. All calls may stream (SSE). Errors are OpenAI error bodies on the OpenAI routes and
+Anthropic error bodies on the Anthropic routes, always a 4xx for bad input; nothing a client sends
+takes the server down. See docs/proxy.md.
 """
 
 from __future__ import annotations
@@ -21,22 +25,23 @@ import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from gyre_jax.model.tokenizer import ByteTokenizer
-from gyre_jax.proxy import tito
+from gyre_jax.proxy import anthropic_api, openai_api, tito
 from gyre_jax.proxy.chat_template import ParsedCompletion, parse_completion
+from gyre_jax.proxy.errors import Api, ProxyError, internal_error, validation_error
 from gyre_jax.proxy.records import RecordStore, TitoRecord
 from gyre_jax.serving.types import (
     ContextTooLongError,
@@ -51,148 +56,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 4096  # completion budget when a request names none (always clipped to the context)
 THREAD_HEADERS = ("x-gyre-thread-id", "x-claude-code-session-id")  # first present one names the thread
 DEFAULT_THREAD = "main"
+MAX_THREADS_PER_EXECUTION = 256  # thread states kept per execution (least recently used forgotten first)
 _DISCONNECT_POLL_S = 0.1  # how often a waiting call checks whether its client went away
-_KEEPALIVE_S = 15.0  # SSE comment interval while a streamed call waits for its generation
+_KEEPALIVE_S = 15.0  # SSE keep-alive (OpenAI: comment; Anthropic: ping) interval while a streamed call waits
 _DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # an oversized body is read (and dropped) up to this, so the client sees the 413
 
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Errors
-
-
-class ProxyError(Exception):
-    """An error answered to the client as an OpenAI error body with ``status``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        code: str | None = None,
-        param: str | None = None,
-        error_type: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.error_type = error_type
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-def _internal_error() -> ProxyError:
-    return ProxyError(
-        500,
-        "internal error in the proxy while serving this call; the call was not recorded. Retry it; if it "
-        "repeats, the traceback is in the proxy's log.",
-        error_type="server_error",
-        code="internal_error",
-    )
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Request schema (validation only: the raw JSON messages and tools are what gets rendered, so key order is kept)
-
-
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class TextPart(_Lenient):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(_Lenient):
-    name: str
-    arguments: str | dict[str, Any] = "{}"
-
-
-class ToolCall(_Lenient):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Lenient):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
-    reasoning_content: str | None = None
-
-
-class FunctionDefinition(_Lenient):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-
-
-class FunctionTool(_Lenient):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class StreamOptions(_Lenient):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(_Lenient):
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[FunctionTool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    seed: int | None = None
-    n: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    stop: str | list[str] | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-
-
-def _validation_error(exc: pydantic.ValidationError) -> ProxyError:
-    errors = exc.errors(include_url=False)
-    parts = []
-    for err in errors[:5]:
-        loc = ".".join(str(p) for p in err["loc"]) or "body"
-        parts.append(f"{loc}: {err['msg']}")
-    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-    param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
-    return ProxyError(
-        400,
-        "invalid chat completion request: " + "; ".join(parts) + more + ". See the OpenAI chat completions API.",
-        param=param,
-    )
-
-
-def _check_supported(req: ChatCompletionRequest) -> None:
-    """Rejects valid OpenAI features this proxy does not implement, rather than silently ignoring them."""
-    if req.n not in (None, 1):
-        raise ProxyError(400, f"not supported yet: n={req.n}; request one choice (n=1) per call", param="n")
-    if req.stop:
-        raise ProxyError(
-            400,
-            "not supported yet: stop sequences; omit 'stop' (generation ends at the end-of-turn token)",
-            param="stop",
-        )
-    if req.tool_choice not in (None, "auto", "none"):
-        raise ProxyError(
-            400,
-            f"not supported yet: tool_choice={req.tool_choice!r}; use 'auto', 'none' or omit it",
-            param="tool_choice",
-        )
+# Kept importable from here (older code and tests import them from the server module).
+_internal_error = internal_error
+ChatCompletionRequest = openai_api.ChatCompletionRequest
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -206,18 +77,22 @@ class _Execution:
     next_record_index: int  # call_index of the next record; equals the number of recorded calls
     ended: bool = False
     started_calls: int = 0  # calls that reached the backend, for derived seeds
-    threads: dict[str, tito.ThreadState] = field(default_factory=dict)  # last call of each thread
+    # Last call of each thread, least recently used first; bounded by MAX_THREADS_PER_EXECUTION contexts.
+    threads: OrderedDict[str, tito.ThreadState] = field(default_factory=OrderedDict)
+    # (header thread, structure key) -> thread id, for threads told apart by structure; bounded the same way.
+    thread_names: OrderedDict[tuple[str, str], str] = field(default_factory=OrderedDict)
     in_flight: set[str] = field(default_factory=set)  # backend request ids
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
 class _Call:
-    """One validated chat call on its way through the backend."""
+    """One validated call on its way through the backend."""
 
+    api: str  # "chat" | "completions" | "messages"
     execution: _Execution
     thread_id: str
-    messages: list[dict]
+    messages: list[dict] | None  # internal (OpenAI-form) messages; None for a raw-prompt completion
     tools: list[dict] | None
     parse_tools: bool
     logprobs: bool
@@ -225,7 +100,7 @@ class _Call:
     build: tito.PromptBuild
     generation: GenerationRequest
     t_start: float
-    completion_id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
+    completion_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -233,8 +108,9 @@ class _Call:
 class _Completion:
     result: GenerationResult
     text_ids: list[int]  # completion ids without the trailing stop id
-    parsed: ParsedCompletion
-    finish_reason: str  # OpenAI finish reason
+    text: str  # decode(text_ids)
+    parsed: ParsedCompletion | None  # None for a raw-prompt completion
+    finish_reason: str  # OpenAI finish reason: stop | length | tool_calls
 
 
 def derive_seed(server_seed: int, execution_id: str, call_index: int) -> int:
@@ -243,7 +119,7 @@ def derive_seed(server_seed: int, execution_id: str, call_index: int) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-def _thread_id(request: Request) -> str:
+def _thread_base(request: Request) -> str:
     for header in THREAD_HEADERS:
         value = request.headers.get(header, "").strip()
         if value:
@@ -251,49 +127,34 @@ def _thread_id(request: Request) -> str:
     return DEFAULT_THREAD
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Response bodies
+def structure_key(messages: list[dict]) -> str:
+    """What tells threads apart when no header does: the first system prompt and the first user message.
+
+    A sub-agent, a summarizer or a side query starts from a different system prompt or first request
+    than the main conversation, and keeps them for its whole life.
+    """
+    system = next((m for m in messages[:1] if m.get("role") == "system"), None)
+    user = next((m for m in messages if m.get("role") == "user"), None)
+    parts = [tito.normalize_message(m)["content"] if m is not None else None for m in (system, user)]
+    return hashlib.sha256(json.dumps(parts).encode("utf-8")).hexdigest()[:12]
 
 
 def _parse(text: str, parse_tools: bool) -> ParsedCompletion:
     parsed = parse_completion(text)
     if parse_tools or not parsed.tool_calls:
         return parsed
-    # tool_choice="none": the model's tool-call text is returned as plain content.
+    # tool_choice none: the model's tool-call text is returned as plain content.
     body = text.split("</think>", 1)[1].lstrip("\n") if "</think>" in text else text
     return ParsedCompletion(content=body, reasoning=parsed.reasoning)
 
 
-def _returned_message(parsed: ParsedCompletion) -> dict[str, Any]:
-    """The assistant message as the client receives it (and, normalized, as the thread remembers it)."""
-    message: dict[str, Any] = {
-        "role": "assistant",
-        "content": None if (parsed.tool_calls and not parsed.content) else parsed.content,
-    }
-    if parsed.reasoning is not None:
-        message["reasoning_content"] = parsed.reasoning
-    if parsed.tool_calls:
-        message["tool_calls"] = parsed.tool_calls
-    return message
-
-
-def _logprob_entries(tokenizer: ByteTokenizer, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
-    entries = []
-    for token_id, logprob in zip(ids, logprobs):
-        text = tokenizer.decode([token_id])
-        raw = bytes([token_id]) if isinstance(tokenizer, ByteTokenizer) and token_id < 256 else text.encode("utf-8")
-        entries.append({"token": text, "logprob": float(logprob), "bytes": list(raw), "top_logprobs": []})
-    return entries
-
-
-def _usage(call: _Call, completion: _Completion) -> dict[str, int]:
-    prompt, generated = len(call.build.prompt_ids), len(completion.result.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
-
-
-def _sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
+def _token_bytes(tokenizer: tito.Tokenizer, token_id: int) -> bytes:
+    if isinstance(tokenizer, ByteTokenizer) and token_id < 256:
+        return bytes([token_id])
+    token_bytes = getattr(tokenizer, "token_bytes", None)
+    if callable(token_bytes):
+        return token_bytes(token_id)
+    return tokenizer.decode([token_id]).encode("utf-8")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -301,12 +162,19 @@ def _sse(payload: dict[str, Any] | str) -> str:
 
 
 class ProxyServer:
-    """OpenAI-compatible proxy over a ``GenerationBackend``; run it with ``start()``/``stop()`` or ``with``."""
+    """The proxy over a ``GenerationBackend``; run it with ``start()``/``stop()`` or ``with``.
+
+    ``tokenizer`` is anything with ``encode``, ``decode``, ``token_id`` and ``eos_ids`` (the byte
+    tokenizer, or a ``tokenizer.json`` wrapper). ``max_tokens_cap`` bounds every call's completion
+    whatever the client asks (None: only the context bounds it); ``default_max_tokens`` is the budget
+    of a request that names none. ``max_threads_per_execution`` bounds the per-thread state an
+    execution keeps (one context each), so memory stays bounded however long it runs.
+    """
 
     def __init__(
         self,
         backend: GenerationBackend,
-        tokenizer: ByteTokenizer,
+        tokenizer: tito.Tokenizer,
         record_store: RecordStore,
         model_name: str = "gyre-tiny",
         host: str = "127.0.0.1",
@@ -315,11 +183,17 @@ class ProxyServer:
         seed: int = 0,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         tools_format: str = "qwen3",
+        max_tokens_cap: int | None = None,
+        max_threads_per_execution: int = MAX_THREADS_PER_EXECUTION,
     ) -> None:
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes={max_request_bytes} must be >= 1")
         if default_max_tokens < 1:
             raise ValueError(f"default_max_tokens={default_max_tokens} must be >= 1")
+        if max_tokens_cap is not None and max_tokens_cap < 1:
+            raise ValueError(f"max_tokens_cap={max_tokens_cap} must be >= 1 (or None for no cap)")
+        if max_threads_per_execution < 1:
+            raise ValueError(f"max_threads_per_execution={max_threads_per_execution} must be >= 1")
         self.backend = backend
         self.tokenizer = tokenizer
         self.record_store = record_store
@@ -329,6 +203,8 @@ class ProxyServer:
         self.seed = seed
         self.default_max_tokens = default_max_tokens
         self.tools_format = tools_format
+        self.max_tokens_cap = max_tokens_cap
+        self.max_threads_per_execution = max_threads_per_execution
         self._requested_port = port
         self._lock = threading.Lock()  # guards the two maps below
         self._executions: dict[str, _Execution] = {}
@@ -409,6 +285,11 @@ class ProxyServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/v1"
 
+    @property
+    def anthropic_base_url(self) -> str:
+        """What ``ANTHROPIC_BASE_URL`` should be: the Anthropic SDK appends ``/v1/messages`` itself."""
+        return self.base_url.removesuffix("/v1")
+
     # -- execution identity ----------------------------------------------------------------------------------------
 
     def open_execution(self, execution_id: str) -> str:
@@ -420,7 +301,7 @@ class ProxyServer:
                     f"execution {execution_id!r} was already opened on this proxy; give each execution a new id"
                 )
         # An execution resumed after a proxy restart continues its call numbering.
-        recorded = len(self.record_store.read(execution_id))
+        recorded = self.record_store.count(execution_id)
         key = "gyre-" + secrets.token_hex(24)
         execution = _Execution(execution_id=execution_id, api_key=key, next_record_index=recorded)
         with self._lock:
@@ -439,12 +320,19 @@ class ProxyServer:
             execution.ended = True
             in_flight = list(execution.in_flight)
             execution.threads.clear()
+            execution.thread_names.clear()
         for request_id in in_flight:
             self.backend.cancel(request_id)
 
     def execution_calls(self, execution_id: str) -> int:
         """Number of calls recorded for the execution."""
         return self._execution(execution_id).next_record_index
+
+    def execution_threads(self, execution_id: str) -> list[str]:
+        """Thread ids the execution's live state knows (least recently used first)."""
+        execution = self._execution(execution_id)
+        with execution.lock:
+            return list(execution.threads)
 
     def _execution(self, execution_id: str) -> _Execution:
         with self._lock:
@@ -454,12 +342,15 @@ class ProxyServer:
         return execution
 
     def _authenticate(self, request: Request) -> _Execution:
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
+        key = request.headers.get("x-api-key", "").strip()
+        if not key:
+            scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+            key = bearer.strip() if scheme.lower() == "bearer" else ""
+        if not key:
             raise ProxyError(
                 401,
-                "missing API key: send 'Authorization: Bearer <key>' with the key issued for this execution",
+                "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>' with the key issued for "
+                "this execution",
                 code="invalid_api_key",
             )
         with self._lock:
@@ -478,27 +369,59 @@ class ProxyServer:
             )
         return execution
 
+    def _thread_for(self, execution: _Execution, base: str, messages: list[dict] | None) -> str:
+        """The thread id: the header's (or "main") for the first conversation structure seen under it,
+        ``<header>~<structure key>`` for each other one (a sub-agent sharing its parent's header)."""
+        if messages is None:
+            return base
+        key = structure_key(messages)
+        with execution.lock:
+            names = execution.thread_names
+            name = names.get((base, key))
+            if name is None:
+                name = base if not any(b == base for b, _ in names) else f"{base}~{key}"
+            names[(base, key)] = name
+            names.move_to_end((base, key))
+            while len(names) > self.max_threads_per_execution:
+                names.popitem(last=False)
+        return name
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ProxyError(
+                404,
+                f"model {model!r} does not exist; this proxy serves {self.model_name!r} (see GET /v1/models)",
+                code="model_not_found",
+                param="model",
+            )
+
     # -- app -------------------------------------------------------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="gyre-jax proxy", docs_url=None, redoc_url=None, openapi_url=None)
 
+        def api_of(request: Request) -> Api:
+            return "anthropic" if request.url.path.startswith("/v1/messages") else "openai"
+
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
             message = f"{request.method} {request.url.path}: {exc.detail}"
             if exc.status_code == 404:
-                message += "; this proxy serves GET /v1/models and POST /v1/chat/completions"
+                message += (
+                    "; this proxy serves GET /v1/models, POST /v1/chat/completions, POST /v1/completions, "
+                    "POST /v1/messages and POST /v1/messages/count_tokens"
+                )
             code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-            return ProxyError(exc.status_code, message, code=code).response()
+            return ProxyError(exc.status_code, message, code=code).response(api_of(request))
 
         @app.exception_handler(RequestValidationError)
-        async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-            return ProxyError(400, f"invalid request: {exc.errors()}").response()
+        async def validation_failed(request: Request, exc: RequestValidationError) -> JSONResponse:
+            return ProxyError(400, f"invalid request: {exc.errors()}").response(api_of(request))
 
         @app.exception_handler(Exception)
         async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
             logger.error("unexpected error serving %s %s", request.method, request.url.path, exc_info=exc)
-            return _internal_error().response()
+            return internal_error().response(api_of(request))
 
         @app.get("/health")
         async def health() -> dict[str, str]:
@@ -510,53 +433,31 @@ class ProxyServer:
                 self._authenticate(request)
             except ProxyError as err:
                 return err.response()
-            card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "gyre-jax"}
-            return JSONResponse({"object": "list", "data": [card]})
+            # One card readable by both SDKs (OpenAI: id/object/owned_by; Anthropic: type/display_name/created_at).
+            card = {"id": self.model_name, "object": "model", "type": "model", "display_name": self.model_name,
+                    "created": 0, "created_at": "1970-01-01T00:00:00Z", "owned_by": "gyre-jax"}  # fmt: skip
+            return JSONResponse({"object": "list", "data": [card], "has_more": False,
+                                 "first_id": self.model_name, "last_id": self.model_name})  # fmt: skip
 
-        @app.post("/v1/chat/completions")
-        async def chat_completions(request: Request) -> Response:
-            try:
-                return await self._chat_completions(request)
-            except ProxyError as err:
-                return err.response()
-            except Exception:
-                logger.exception("unexpected error in a chat completion")
-                return _internal_error().response()
+        def route(handler, api: Api):
+            async def endpoint(request: Request) -> Response:
+                try:
+                    return await handler(request)
+                except ProxyError as err:
+                    return err.response(api)
+                except Exception:
+                    logger.exception("unexpected error serving %s", request.url.path)
+                    return internal_error().response(api)
 
+            return endpoint
+
+        app.post("/v1/chat/completions")(route(self._chat_completions, "openai"))
+        app.post("/v1/completions")(route(self._completions, "openai"))
+        app.post("/v1/messages")(route(self._messages, "anthropic"))
+        app.post("/v1/messages/count_tokens")(route(self._count_tokens, "anthropic"))
         return app
 
-    # -- chat completions ------------------------------------------------------------------------------------------
-
-    async def _chat_completions(self, request: Request) -> Response:
-        t_start = time.time()
-        execution = self._authenticate(request)
-        body = await self._read_json(request)
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-        except pydantic.ValidationError as exc:
-            raise _validation_error(exc) from None
-        if req.model != self.model_name:
-            raise ProxyError(
-                404,
-                f"model {req.model!r} does not exist; this proxy serves {self.model_name!r} (see GET /v1/models)",
-                code="model_not_found",
-                param="model",
-            )
-        _check_supported(req)
-        call = self._prepare_call(execution, _thread_id(request), body, req, t_start)
-        if req.stream:
-            return StreamingResponse(
-                self._stream(call, request),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        result = None
-        async for item in self._wait(call, request):
-            result = item
-        if result is None:  # the client went away; nobody reads this
-            return Response(status_code=499)
-        completion = await self._commit(call, result)
-        return JSONResponse(self._completion_body(call, completion))
+    # -- reading requests ------------------------------------------------------------------------------------------
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         body = await self._read_body(request)
@@ -599,41 +500,245 @@ class ProxyServer:
             )
         return bytes(body)
 
-    def _prepare_call(
-        self, execution: _Execution, thread_id: str, body: dict[str, Any], req: ChatCompletionRequest, t_start: float
-    ) -> _Call:
-        messages: list[dict] = body["messages"]
-        tools: list[dict] | None = body.get("tools") or None
+    # -- OpenAI: chat completions ----------------------------------------------------------------------------------
+
+    async def _chat_completions(self, request: Request) -> Response:
+        t_start = time.time()
+        execution = self._authenticate(request)
+        body = await self._read_json(request)
+        try:
+            req = openai_api.ChatCompletionRequest.model_validate(body)
+        except pydantic.ValidationError as exc:
+            raise validation_error(exc, "chat completion request", "the OpenAI chat completions API") from None
+        self._check_model(req.model)
+        openai_api.check_chat_supported(req)
+        kwargs = req.chat_template_kwargs
+        call = self._prepare_chat(
+            "chat", execution, _thread_base(request), body["messages"], body.get("tools") or None,
+            enable_thinking=kwargs.enable_thinking if kwargs is not None else None,
+            parse_tools=req.tool_choice != "none", logprobs=bool(req.logprobs),
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            temperature=req.temperature, top_p=req.top_p, top_k=None,
+            max_tokens=req.max_completion_tokens or req.max_tokens, seed=req.seed, t_start=t_start,
+        )  # fmt: skip
+        call.completion_id = "chatcmpl-" + uuid.uuid4().hex
+        if req.stream:
+            return self._sse_response(self._chat_stream(call, request))
+        completion = await self._run(call, request)
+        if completion is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(self._chat_body(call, completion))
+
+    def _chat_logprobs(self, call: _Call, completion: _Completion) -> dict[str, Any] | None:
+        if not call.logprobs:
+            return None
+        entries = []
+        for token_id, logprob in zip(completion.text_ids, completion.result.logprobs):
+            raw = _token_bytes(self.tokenizer, token_id)
+            text = self.tokenizer.decode([token_id])
+            entries.append({"token": text, "logprob": float(logprob), "bytes": list(raw), "top_logprobs": []})
+        return {"content": entries}
+
+    def _usage(self, call: _Call, completion: _Completion) -> dict[str, int]:
+        return openai_api.usage(len(call.build.prompt_ids), len(completion.result.token_ids))
+
+    def _chat_body(self, call: _Call, completion: _Completion) -> dict[str, Any]:
+        assert completion.parsed is not None
+        return {
+            "id": call.completion_id,
+            "object": "chat.completion",
+            "created": call.created,
+            "model": self.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": openai_api.returned_message(completion.parsed),
+                    "logprobs": self._chat_logprobs(call, completion),
+                    "finish_reason": completion.finish_reason,
+                }
+            ],
+            "usage": self._usage(call, completion),
+        }
+
+    async def _chat_stream(self, call: _Call, request: Request) -> AsyncIterator[str]:
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield openai_api.chat_chunk(call.completion_id, call.created, self.model_name, [role])
+        async for item in self._stream_result(call, request, ": keep-alive\n\n", "openai"):
+            if isinstance(item, str):
+                yield item
+                continue
+            assert item.parsed is not None
+            for chunk in openai_api.chat_stream_chunks(
+                call.completion_id, call.created, self.model_name, openai_api.returned_message(item.parsed),
+                self._chat_logprobs(call, item), item.finish_reason,
+                self._usage(call, item) if call.include_usage else None,
+            ):  # fmt: skip
+                yield chunk
+            yield openai_api.sse("[DONE]")
+
+    # -- OpenAI: legacy completions --------------------------------------------------------------------------------
+
+    async def _completions(self, request: Request) -> Response:
+        t_start = time.time()
+        execution = self._authenticate(request)
+        body = await self._read_json(request)
+        try:
+            req = openai_api.CompletionRequest.model_validate(body)
+        except pydantic.ValidationError as exc:
+            raise validation_error(exc, "completion request", "the OpenAI completions API") from None
+        self._check_model(req.model)
+        openai_api.check_completion_supported(req)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            vocab = int(getattr(self.tokenizer, "vocab_size", 0) or 0)
+            bad = [t for t in prompt if t < 0 or (vocab and t >= vocab)]
+            if bad:
+                raise ProxyError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
+            prompt_ids = list(prompt)
+        else:
+            text = prompt[0] if isinstance(prompt, list) else prompt
+            prompt_ids = self.tokenizer.encode(text)
+        if not prompt_ids:
+            raise ProxyError(400, "the prompt is empty; send at least one token", param="prompt")
+        call = self._new_call(
+            "completions", execution, self._thread_for(execution, _thread_base(request), None), None, None,
+            tito.PromptBuild(prompt_ids=prompt_ids, reused_prefix_len=0, continued=False),
+            parse_tools=False, logprobs=req.logprobs is not None,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            temperature=req.temperature, top_p=req.top_p, top_k=None, max_tokens=req.max_tokens, seed=req.seed,
+            t_start=t_start,
+        )  # fmt: skip
+        call.completion_id = "cmpl-" + uuid.uuid4().hex
+        if req.stream:
+            return self._sse_response(self._completion_stream(call, request))
+        completion = await self._run(call, request)
+        if completion is None:
+            return Response(status_code=499)
+        choice = openai_api.completion_choice(completion.text, self._completion_logprobs(call, completion), completion.finish_reason)
+        return JSONResponse(
+            openai_api.text_completion_body(call.completion_id, call.created, self.model_name, choice, self._usage(call, completion))
+        )
+
+    def _completion_logprobs(self, call: _Call, completion: _Completion) -> dict[str, Any] | None:
+        if not call.logprobs:
+            return None
+        tokens, offsets, offset = [], [], 0
+        for token_id in completion.text_ids:
+            piece = self.tokenizer.decode([token_id])
+            tokens.append(piece)
+            offsets.append(offset)
+            offset += len(piece)
+        n = len(completion.text_ids)
+        return {"tokens": tokens, "token_logprobs": [float(x) for x in completion.result.logprobs[:n]],
+                "top_logprobs": None, "text_offset": offsets}  # fmt: skip
+
+    async def _completion_stream(self, call: _Call, request: Request) -> AsyncIterator[str]:
+        async for item in self._stream_result(call, request, ": keep-alive\n\n", "openai"):
+            if isinstance(item, str):
+                yield item
+                continue
+            choice = openai_api.completion_choice(item.text, self._completion_logprobs(call, item), item.finish_reason)
+            yield openai_api.sse(openai_api.text_completion_body(call.completion_id, call.created, self.model_name, choice, None))
+            if call.include_usage:
+                yield openai_api.sse({"id": call.completion_id, "object": "text_completion", "created": call.created,
+                                      "model": self.model_name, "choices": [], "usage": self._usage(call, item)})  # fmt: skip
+            yield openai_api.sse("[DONE]")
+
+    # -- Anthropic: messages ---------------------------------------------------------------------------------------
+
+    def _anthropic_request(self, body: dict[str, Any], schema: type[pydantic.BaseModel]) -> tuple[Any, anthropic_api.Converted]:
+        try:
+            req = schema.model_validate(body)
+        except pydantic.ValidationError as exc:
+            raise validation_error(exc, "messages request", "the Anthropic Messages API") from None
+        self._check_model(req.model)
+        try:
+            if isinstance(req, anthropic_api.MessagesRequest):
+                anthropic_api.check_supported(req)
+            converted = anthropic_api.to_internal(req)
+        except ValueError as exc:
+            raise ProxyError(400, f"invalid messages request: {exc}") from None
+        return req, converted
+
+    async def _messages(self, request: Request) -> Response:
+        t_start = time.time()
+        execution = self._authenticate(request)
+        body = await self._read_json(request)
+        req, converted = self._anthropic_request(body, anthropic_api.MessagesRequest)
+        call = self._prepare_chat(
+            "messages", execution, _thread_base(request), converted.messages, converted.tools,
+            enable_thinking=converted.enable_thinking, parse_tools=converted.parse_tools, logprobs=False,
+            include_usage=True, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            max_tokens=req.max_tokens, seed=None, t_start=t_start,
+        )  # fmt: skip
+        call.completion_id = "msg_" + uuid.uuid4().hex[:24]
+        if req.stream:
+            return self._sse_response(self._messages_stream(call, request))
+        completion = await self._run(call, request)
+        if completion is None:
+            return Response(status_code=499)
+        return JSONResponse(self._message_body(call, completion))
+
+    def _message_body(self, call: _Call, completion: _Completion) -> dict[str, Any]:
+        assert completion.parsed is not None
+        return anthropic_api.message_body(
+            call.completion_id, self.model_name, anthropic_api.content_blocks(completion.parsed),
+            anthropic_api.STOP_REASONS[completion.finish_reason], len(call.build.prompt_ids),
+            len(completion.result.token_ids),
+        )  # fmt: skip
+
+    async def _messages_stream(self, call: _Call, request: Request) -> AsyncIterator[str]:
+        start = anthropic_api.message_body(call.completion_id, self.model_name, None, None, len(call.build.prompt_ids), 0)
+        yield anthropic_api.sse("message_start", {"type": "message_start", "message": start})
+        yield anthropic_api.PING
+        async for item in self._stream_result(call, request, anthropic_api.PING, "anthropic"):
+            if isinstance(item, str):
+                yield item
+                continue
+            assert item.parsed is not None
+            blocks = anthropic_api.content_blocks(item.parsed)
+            for event in anthropic_api.stream_events(
+                blocks, anthropic_api.STOP_REASONS[item.finish_reason], len(item.result.token_ids)
+            ):
+                yield event
+
+    async def _count_tokens(self, request: Request) -> Response:
+        self._authenticate(request)
+        body = await self._read_json(request)
+        _, converted = self._anthropic_request(body, anthropic_api.CountTokensRequest)
+        try:
+            text = tito.chat_template.render(converted.messages, converted.tools, add_generation_prompt=True,
+                                             enable_thinking=converted.enable_thinking, tools_format=self.tools_format)  # fmt: skip
+        except ValueError as exc:
+            raise ProxyError(400, f"cannot render messages: {exc}", param="messages") from None
+        return JSONResponse({"input_tokens": len(self.tokenizer.encode(text))})
+
+    # -- the call pipeline shared by all APIs ----------------------------------------------------------------------
+
+    def _prepare_chat(
+        self, api: str, execution: _Execution, base: str, messages: list[dict], tools: list[dict] | None, *,
+        enable_thinking: bool | None, **kwargs: Any,
+    ) -> _Call:  # fmt: skip
+        thread_id = self._thread_for(execution, base, messages)
         with execution.lock:
             state = execution.threads.get(thread_id)
         try:
-            build = tito.build_prompt(self.tokenizer, messages, tools, state, tools_format=self.tools_format)
+            build = tito.build_prompt(self.tokenizer, messages, tools, state, enable_thinking=enable_thinking,
+                                      tools_format=self.tools_format)  # fmt: skip
         except ValueError as exc:
             raise ProxyError(400, f"cannot render messages: {exc}", param="messages") from None
+        return self._new_call(api, execution, thread_id, messages, tools, build, **kwargs)
+
+    def _new_call(
+        self, api: str, execution: _Execution, thread_id: str, messages: list[dict] | None, tools: list[dict] | None,
+        build: tito.PromptBuild, *, parse_tools: bool, logprobs: bool, include_usage: bool, temperature: float | None,
+        top_p: float | None, top_k: int | None, max_tokens: int | None, seed: int | None, t_start: float,
+    ) -> _Call:  # fmt: skip
         with execution.lock:
             call_number = execution.started_calls
             execution.started_calls += 1
-        sampling = self._sampling(req, len(build.prompt_ids), execution.execution_id, call_number)
-        generation = GenerationRequest(
-            prompt_ids=build.prompt_ids, sampling=sampling, session_id=f"{execution.execution_id}/{thread_id}"
-        )
-        return _Call(
-            execution=execution,
-            thread_id=thread_id,
-            messages=messages,
-            tools=tools,
-            parse_tools=req.tool_choice != "none",
-            logprobs=bool(req.logprobs),
-            include_usage=bool(req.stream_options and req.stream_options.include_usage),
-            build=build,
-            generation=generation,
-            t_start=t_start,
-        )
-
-    def _sampling(
-        self, req: ChatCompletionRequest, prompt_len: int, execution_id: str, call_number: int
-    ) -> SamplingParams:
         max_context = int(self.backend.max_context)
+        prompt_len = len(build.prompt_ids)
         room = max_context - prompt_len
         if room < 1:
             raise ProxyError(
@@ -644,17 +749,68 @@ class ProxyServer:
                 code="context_length_exceeded",
                 param="messages",
             )
-        requested = req.max_completion_tokens or req.max_tokens or self.default_max_tokens
+        requested = max_tokens or self.default_max_tokens
+        if self.max_tokens_cap is not None:
+            requested = min(requested, self.max_tokens_cap)
         sampling = SamplingParams(
-            temperature=1.0 if req.temperature is None else float(req.temperature),
-            top_p=1.0 if req.top_p is None else float(req.top_p),
+            temperature=1.0 if temperature is None else float(temperature),
+            top_p=1.0 if top_p is None else float(top_p),
+            top_k=int(top_k or 0),
             max_tokens=min(requested, room),
             stop_ids=tuple(self.tokenizer.eos_ids),
             # A client seed is folded into [0, 2**31) so every backend's PRNG accepts it.
-            seed=req.seed % 2**31 if req.seed is not None else derive_seed(self.seed, execution_id, call_number),
+            seed=seed % 2**31 if seed is not None else derive_seed(self.seed, execution.execution_id, call_number),
         )
         sampling.validate()
-        return sampling
+        generation = GenerationRequest(
+            prompt_ids=build.prompt_ids, sampling=sampling, session_id=f"{execution.execution_id}/{thread_id}"
+        )
+        return _Call(api=api, execution=execution, thread_id=thread_id, messages=messages, tools=tools,
+                     parse_tools=parse_tools, logprobs=logprobs, include_usage=include_usage, build=build,
+                     generation=generation, t_start=t_start)  # fmt: skip
+
+    @staticmethod
+    def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+
+    async def _run(self, call: _Call, request: Request) -> _Completion | None:
+        """Waits for the call's generation and commits it; None if the client went away meanwhile."""
+        result = None
+        async for item in self._wait(call, request):
+            result = item
+        if result is None:
+            return None
+        return await self._commit(call, result)
+
+    async def _stream_result(
+        self, call: _Call, request: Request, keepalive: str, api: Api
+    ) -> AsyncIterator[str | _Completion]:
+        """Yields ``keepalive`` while the call runs, then its committed completion, or one error event."""
+        try:
+            result = None
+            async for item in self._wait(call, request):
+                if item is None:
+                    yield keepalive
+                result = item
+            if result is None:
+                return
+            completion = await self._commit(call, result)
+        except ProxyError as err:
+            yield self._stream_error(err, api)
+            return
+        except Exception:
+            logger.exception("unexpected error in a streamed call")
+            yield self._stream_error(internal_error(), api)
+            return
+        yield completion
+
+    @staticmethod
+    def _stream_error(err: ProxyError, api: Api) -> str:
+        if api == "anthropic":
+            return anthropic_api.sse("error", err.body("anthropic"))
+        return openai_api.sse(err.body("openai"))
 
     async def _wait(self, call: _Call, request: Request) -> AsyncIterator[GenerationResult | None]:
         """Submits the call; yields None every keepalive interval while it runs, then its result.
@@ -712,7 +868,7 @@ class ProxyServer:
                 raise ProxyError(409, f"execution {call.execution.execution_id!r} has ended", code="execution_ended")
             raise ProxyError(
                 503,
-                "the serving backend cancelled this generation (e.g. its cell was drained); retry the call",
+                "the serving backend cancelled this generation and could not place it elsewhere; retry the call",
                 error_type="server_error",
                 code="generation_cancelled",
             )
@@ -723,12 +879,13 @@ class ProxyServer:
         stop_ids = call.generation.sampling.stop_ids
         ids = list(result.token_ids)
         text_ids = ids[:-1] if result.finish_reason == "stop" and ids and ids[-1] in stop_ids else ids
-        parsed = _parse(self.tokenizer.decode(text_ids), call.parse_tools)
-        if parsed.tool_calls:
+        text = self.tokenizer.decode(text_ids)
+        parsed = _parse(text, call.parse_tools) if call.messages is not None else None
+        if parsed is not None and parsed.tool_calls:
             finish = "tool_calls"
         else:
             finish = "stop" if result.finish_reason == "stop" else "length"
-        completion = _Completion(result=result, text_ids=text_ids, parsed=parsed, finish_reason=finish)
+        completion = _Completion(result=result, text_ids=text_ids, text=text, parsed=parsed, finish_reason=finish)
         await asyncio.to_thread(self._record, call, completion)
         return completion
 
@@ -756,96 +913,22 @@ class ProxyServer:
                 t_start=call.t_start,
                 t_end=time.time(),
                 model=self.model_name,
+                api=call.api,
+                cell=result.cell,
             )
             self.record_store.append(record)
             execution.next_record_index += 1
-            execution.threads[call.thread_id] = tito.ThreadState(
+            if call.messages is None or completion.parsed is None:
+                return
+            threads = execution.threads
+            threads[call.thread_id] = tito.ThreadState(
                 messages=[tito.normalize_message(m) for m in call.messages],
                 tools_key=tito.tools_key(call.tools),
                 prompt_ids=list(call.build.prompt_ids),
                 completion_ids=list(result.token_ids),
-                returned=tito.normalize_message(_returned_message(completion.parsed)),
+                returned=tito.normalize_message(openai_api.returned_message(completion.parsed)),
                 finished=result.finish_reason == "stop",
             )
-
-    def _logprobs(self, call: _Call, completion: _Completion) -> dict[str, Any] | None:
-        if not call.logprobs:
-            return None
-        n = len(completion.text_ids)
-        return {"content": _logprob_entries(self.tokenizer, completion.text_ids, completion.result.logprobs[:n])}
-
-    def _completion_body(self, call: _Call, completion: _Completion) -> dict[str, Any]:
-        return {
-            "id": call.completion_id,
-            "object": "chat.completion",
-            "created": call.created,
-            "model": self.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": _returned_message(completion.parsed),
-                    "logprobs": self._logprobs(call, completion),
-                    "finish_reason": completion.finish_reason,
-                }
-            ],
-            "usage": _usage(call, completion),
-        }
-
-    # -- streaming -------------------------------------------------------------------------------------------------
-
-    def _chunk(self, call: _Call, choices: list[dict[str, Any]], **extra: Any) -> str:
-        payload = {
-            "id": call.completion_id,
-            "object": "chat.completion.chunk",
-            "created": call.created,
-            "model": self.model_name,
-            "choices": choices,
-            **extra,
-        }
-        return _sse(payload)
-
-    def _stream_chunks(self, call: _Call, completion: _Completion) -> list[str]:
-        """The whole completion as chunks: reasoning, content (with logprobs), each tool call, the finish."""
-
-        def choice(delta: dict[str, Any], logprobs: dict[str, Any] | None = None, finish: str | None = None) -> dict:
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-
-        message = _returned_message(completion.parsed)
-        chunks = []
-        if message.get("reasoning_content") is not None:
-            chunks.append(self._chunk(call, [choice({"reasoning_content": message["reasoning_content"]})]))
-        if message["content"] or call.logprobs:
-            chunks.append(
-                self._chunk(call, [choice({"content": message["content"] or ""}, self._logprobs(call, completion))])
-            )
-        for index, tool_call in enumerate(message.get("tool_calls", [])):
-            delta = {"tool_calls": [{"index": index, **tool_call}]}
-            chunks.append(self._chunk(call, [choice(delta)]))
-        chunks.append(self._chunk(call, [choice({}, finish=completion.finish_reason)]))
-        if call.include_usage:
-            chunks.append(self._chunk(call, [], usage=_usage(call, completion)))
-        return chunks
-
-    async def _stream(self, call: _Call, request: Request) -> AsyncIterator[str]:
-        yield self._chunk(
-            call, [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-        )
-        try:
-            result = None
-            async for item in self._wait(call, request):
-                if item is None:
-                    yield ": keep-alive\n\n"
-                result = item
-            if result is None:
-                return
-            completion = await self._commit(call, result)
-        except ProxyError as err:
-            yield _sse(err.body())
-            return
-        except Exception:
-            logger.exception("unexpected error in a streamed chat completion")
-            yield _sse(_internal_error().body())
-            return
-        for chunk in self._stream_chunks(call, completion):
-            yield chunk
-        yield _sse("[DONE]")
+            threads.move_to_end(call.thread_id)
+            while len(threads) > self.max_threads_per_execution:
+                threads.popitem(last=False)

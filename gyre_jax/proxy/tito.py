@@ -11,10 +11,26 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, Sequence
 
-from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy import chat_template
+
+
+class Tokenizer(Protocol):
+    """What the proxy needs of a tokenizer (the byte tokenizer, or a ``tokenizer.json`` wrapper).
+
+    ``encode`` must map every special-token string in the text to its single id, and
+    ``decode(encode(s)) == s`` must hold for rendered chat text.
+    """
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def token_id(self, token: str) -> int: ...
 
 
 def assistant_completion_text(message: dict) -> str:
@@ -77,7 +93,7 @@ def tools_key(tools: list[dict] | None) -> str:
 
 
 def build_prompt(
-    tokenizer: ByteTokenizer,
+    tokenizer: Tokenizer,
     messages: list[dict],
     tools: list[dict] | None,
     state: ThreadState | None,
@@ -110,7 +126,7 @@ class Conversation:
 
 
 def render_demonstration(
-    tokenizer: ByteTokenizer, messages: list[dict], tools: list[dict] | None, tools_format: str = "qwen3"
+    tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None, tools_format: str = "qwen3"
 ) -> Conversation:
     """Token ids of a whole conversation as TITO builds it, with the assistant completions marked trainable."""
     im_end = tokenizer.token_id(chat_template.IM_END)

@@ -3,7 +3,8 @@
 It owns the life of one execution: workspace setup, opening/closing the execution at the proxy
 (the ``registry``), spawning the harness in its own process group, the wall-clock timeout (the whole
 group is killed), evaluation under its own timeout, and the ``ExecutionResult`` record. It does not
-know the model or the proxy's internals: a harness only gets ``OPENAI_BASE_URL``/``OPENAI_API_KEY``.
+know the model or the proxy's internals: a harness only gets ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` and
+``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY`` (the same per-execution key).
 
 Layout on disk, per execution, under ``root/<execution_id>/``::
 
@@ -17,15 +18,24 @@ Serialized form of an ``ExecutionResult`` (``to_dict``)::
 
     {"execution_id": str, "task_id": str, "group_id": str,
      "status": "finished" | "timeout" | "crashed", "reward": float | null, "excluded": bool,
-     "exclusion_reason": str | null, "returncode": int | null, "duration_s": float, "workspace": str}
+     "exclusion_reason": str | null, "returncode": int | null, "duration_s": float, "workspace": str,
+     "exclusion_kind": null | "evaluator_error" | "evaluator_timeout" | "evaluator_bad_value" | "setup_failed"
+                       | "executor_error" | "cancelled"}
+
+Harness command lines (and ``extra_env`` values) are templates: ``{task}`` (task.json path),
+``{task.FIELD}`` (any field of the task: strings verbatim, others as JSON), ``{model}``,
+``{temperature}``, ``{max_tokens}``, ``{seed}``, ``{workspace}``, ``{exec_dir}``, ``{execution_id}``,
+``{base_url}`` (OpenAI style, ends in /v1) and ``{anthropic_base_url}``. Other braces are left alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -38,11 +48,17 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+from gyre_jax.rollout.evaluators import CommandEvaluator
 from gyre_jax.rollout.tasks import Task, evaluate
 
 logger = logging.getLogger(__name__)
 
 STATUSES = ("finished", "timeout", "crashed")
+EXCLUSION_KINDS = ("evaluator_error", "evaluator_timeout", "evaluator_bad_value", "setup_failed", "executor_error", "cancelled")
+PLACEHOLDERS = ("task", "model", "temperature", "max_tokens", "seed", "workspace", "exec_dir", "execution_id", "base_url",
+                "anthropic_base_url")  # fmt: skip
+_TASK_FIELDS = tuple(f.name for f in dataclasses.fields(Task))
+_TASK_FIELD_RE = re.compile(r"\{task\.([A-Za-z_][A-Za-z0-9_]*)\}")
 
 # The harness command; placeholders {task} {model} {temperature} {max_tokens} {seed} {workspace}
 # are substituted per execution. ``Executor(harness_cmd=...)`` takes a list of the same form.
@@ -93,6 +109,7 @@ class ExecutionResult:
     returncode: int | None  # None when the harness never started
     duration_s: float  # harness wall time, spawn to exit or kill (evaluation not included)
     workspace: str
+    exclusion_kind: str | None = None  # why it is excluded, as one of EXCLUSION_KINDS (None when scored)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -101,6 +118,9 @@ class ExecutionResult:
             raise ValueError(f"execution {self.execution_id}: reward must be None exactly when excluded (reward={self.reward}, excluded={self.excluded})")
         if self.excluded != (self.exclusion_reason is not None):
             raise ValueError(f"execution {self.execution_id}: exclusion_reason must be set exactly when excluded")
+        if self.exclusion_kind is not None and (not self.excluded or self.exclusion_kind not in EXCLUSION_KINDS):
+            raise ValueError(f"execution {self.execution_id}: exclusion_kind {self.exclusion_kind!r} must be one of "
+                             f"{EXCLUSION_KINDS}, and only on an excluded execution")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,10 +128,28 @@ class ExecutionResult:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ExecutionResult":
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in data]
+        required = [f.name for f in fields(cls) if f.default is dataclasses.MISSING]
+        missing = [n for n in required if n not in data]
         if missing:
             raise ValueError(f"execution result is missing keys {missing}; expected {names}")
-        return cls(**{n: data[n] for n in names})
+        return cls(**{n: data[n] for n in names if n in data})
+
+
+def summarize(results: Sequence[ExecutionResult]) -> dict[str, float]:
+    """Counts for metrics: executions, finished / timeout / crashed, excluded, and evaluator failures
+    (crash, timeout or a bad value: excluded, not scored 0), with the mean reward of the scored ones."""
+    scored = [r.reward for r in results if r.reward is not None]
+    kinds = Counter(r.exclusion_kind for r in results if r.excluded)
+    return {
+        "executions": len(results),
+        "finished": sum(r.status == "finished" for r in results),
+        "timeouts": sum(r.status == "timeout" for r in results),
+        "crashed": sum(r.status == "crashed" for r in results),
+        "excluded": sum(r.excluded for r in results),
+        "evaluator_failures": sum(kinds[k] for k in ("evaluator_error", "evaluator_timeout", "evaluator_bad_value")),
+        "evaluator_timeouts": kinds["evaluator_timeout"],
+        "reward_mean": sum(scored) / len(scored) if scored else float("nan"),
+    }
 
 
 def _kill_group(pgid: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -145,12 +183,14 @@ class Executor:
     SIGINT handler) kills the running harnesses and makes ``run`` return promptly; it is sticky: a
     cancelled executor starts nothing more.
 
-    ``harness_cmd`` is an argv list in which ``{task}`` (task.json path), ``{model}``,
-    ``{temperature}``, ``{max_tokens}``, ``{seed}`` and ``{workspace}`` are substituted per execution
-    (default ``DEFAULT_HARNESS_CMD``: the reference harness). The harness runs with the workspace as
+    ``harness_cmd`` is an argv list of templates (placeholders in the module docstring: ``{task}``,
+    ``{task.instruction}``, ``{model}``, ``{workspace}`` ...), filled per execution (default
+    ``DEFAULT_HARNESS_CMD``: the reference harness). The harness runs with the workspace as
     its cwd and an environment holding only a few basics (PATH, HOME, locale, ...), PYTHONPATH to
-    this checkout, ``extra_env``, and ``OPENAI_BASE_URL``/``OPENAI_API_KEY``. ``evaluator(task,
-    workspace) -> float in [0, 1]`` runs in a daemon thread under ``evaluator_timeout_s``; a raise,
+    this checkout, ``extra_env`` (values templated like the command), ``OPENAI_BASE_URL``/``OPENAI_API_KEY``
+    and ``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY``. ``evaluator`` is a command (list of str, see
+    ``evaluators.CommandEvaluator``) or a callable ``evaluator(task, workspace) -> float in [0, 1]``;
+    it runs in a daemon thread under ``evaluator_timeout_s``; a raise,
     a timeout or an out-of-range value excludes the execution (a hung evaluator thread is abandoned,
     since Python threads cannot be killed).
     """
@@ -167,7 +207,7 @@ class Executor:
         max_tokens: int,
         evaluator_timeout_s: float = 30.0,
         harness_cmd: Sequence[str] | None = None,
-        evaluator: Evaluator = evaluate,
+        evaluator: Evaluator | Sequence[str] = evaluate,
         kill_grace_s: float = 2.0,
         extra_env: dict[str, str] | None = None,
     ) -> None:
@@ -190,9 +230,17 @@ class Executor:
         self.max_tokens = max_tokens
         self.evaluator_timeout_s = float(evaluator_timeout_s)
         self.harness_cmd = list(harness_cmd) if harness_cmd is not None else list(DEFAULT_HARNESS_CMD)
+        if isinstance(evaluator, (list, tuple)):  # a command: runs in the workspace, prints a score in [0, 1]
+            evaluator = CommandEvaluator(evaluator, timeout_s=self.evaluator_timeout_s, kill_grace_s=min(float(kill_grace_s), 1.0))
+        if not callable(evaluator):
+            raise ValueError(f"evaluator={evaluator!r} must be a callable (task, workspace) -> float or a command (list of str)")
         self.evaluator = evaluator
         self.kill_grace_s = float(kill_grace_s)
         self.extra_env = dict(extra_env or {})
+        for arg in [*self.harness_cmd, *self.extra_env.values()]:
+            for name in _TASK_FIELD_RE.findall(arg):
+                if name not in _TASK_FIELDS:
+                    raise ValueError(f"placeholder {{task.{name}}} in {arg!r} names no task field; task fields: {_TASK_FIELDS}")
         self._lock = threading.Lock()
         self._callback_lock = threading.Lock()
         self._cancelled = threading.Event()
@@ -267,7 +315,8 @@ class Executor:
         exec_dir = self.root / spec.execution_id
         workspace = exec_dir / "workspace"
 
-        def result(status: str, reward: float | None, reason: str | None, returncode: int | None, duration: float) -> ExecutionResult:
+        def result(status: str, reward: float | None, reason: str | None, returncode: int | None, duration: float,
+                   kind: str | None = None) -> ExecutionResult:
             r = ExecutionResult(
                 execution_id=spec.execution_id,
                 task_id=spec.task.task_id,
@@ -279,37 +328,38 @@ class Executor:
                 returncode=returncode,
                 duration_s=duration,
                 workspace=str(workspace),
+                exclusion_kind=kind if reason is not None else None,
             )
             _write_result(exec_dir, r)
             return r
 
         if self._cancelled.is_set():
-            return result("crashed", None, "cancelled", None, 0.0)
+            return result("crashed", None, "cancelled", None, 0.0, "cancelled")
         try:
             task_path = self._prepare(spec, exec_dir, workspace)
         except Exception as exc:  # noqa: BLE001 - infrastructure failure: exclude, never score
             logger.exception("workspace setup failed for execution %s", spec.execution_id)
-            return result("crashed", None, f"workspace setup failed: {type(exc).__name__}: {exc}", None, 0.0)
+            return result("crashed", None, f"workspace setup failed: {type(exc).__name__}: {exc}", None, 0.0, "setup_failed")
         try:
             api_key = self.registry.open_execution(spec.execution_id)
         except Exception as exc:  # noqa: BLE001
             logger.exception("open_execution failed for execution %s", spec.execution_id)
-            return result("crashed", None, f"open_execution failed: {type(exc).__name__}: {exc}", None, 0.0)
+            return result("crashed", None, f"open_execution failed: {type(exc).__name__}: {exc}", None, 0.0, "setup_failed")
 
         try:
             status, returncode, duration, cancelled = self._spawn_and_wait(spec, exec_dir, workspace, task_path, api_key)
         except Exception as exc:  # noqa: BLE001 - an executor fault (not the harness's): exclude
             logger.exception("running the harness of execution %s failed", spec.execution_id)
-            return result("crashed", None, f"executor error: {type(exc).__name__}: {exc}", None, 0.0)
+            return result("crashed", None, f"executor error: {type(exc).__name__}: {exc}", None, 0.0, "executor_error")
         finally:
             try:
                 self.registry.close_execution(spec.execution_id)
             except Exception:  # noqa: BLE001 - the harness is done; a failed close must not lose the result
                 logger.exception("close_execution failed for execution %s", spec.execution_id)
         if cancelled:
-            return result("crashed", None, "cancelled", returncode, duration)
-        reward, reason = self._evaluate(spec.task, workspace)
-        return result(status, reward, reason, returncode, duration)
+            return result("crashed", None, "cancelled", returncode, duration, "cancelled")
+        reward, reason, kind = self._evaluate(spec.task, workspace)
+        return result(status, reward, reason, returncode, duration, kind)
 
     def _prepare(self, spec: ExecutionSpec, exec_dir: Path, workspace: Path) -> Path:
         if exec_dir.exists():  # a re-run of the same execution starts from a fresh workspace
@@ -323,7 +373,12 @@ class Executor:
         task_path.write_text(spec.task.to_json(), encoding="utf-8")
         return task_path
 
-    def _command(self, spec: ExecutionSpec, task_path: Path, workspace: Path) -> list[str]:
+    @property
+    def anthropic_base_url(self) -> str:
+        """``base_url`` without its ``/v1``: the Anthropic SDK appends ``/v1/messages`` itself."""
+        return self.base_url.rstrip("/").removesuffix("/v1")
+
+    def _values(self, spec: ExecutionSpec, task_path: Path, workspace: Path) -> dict[str, str]:
         values = {
             "{task}": str(task_path),
             "{model}": self.model_name,
@@ -331,22 +386,35 @@ class Executor:
             "{max_tokens}": str(int(self.max_tokens)),
             "{seed}": str(int(spec.seed)),
             "{workspace}": str(workspace),
+            "{exec_dir}": str(task_path.parent),
+            "{execution_id}": spec.execution_id,
+            "{base_url}": self.base_url,
+            "{anthropic_base_url}": self.anthropic_base_url,
         }
-        cmd = []
-        for arg in self.harness_cmd:
-            for key, value in values.items():
-                arg = arg.replace(key, value)
-            cmd.append(arg)
-        return cmd
+        for name in _TASK_FIELDS:
+            value = getattr(spec.task, name)
+            values["{task." + name + "}"] = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        return values
 
-    def _env(self, api_key: str) -> dict[str, str]:
+    @staticmethod
+    def _fill(template: str, values: dict[str, str]) -> str:
+        # One pass over the template: a substituted value is never expanded again.
+        return re.sub(r"\{(?:task\.)?[A-Za-z_][A-Za-z0-9_]*\}", lambda m: values.get(m.group(0), m.group(0)), template)
+
+    def _command(self, spec: ExecutionSpec, task_path: Path, workspace: Path) -> list[str]:
+        values = self._values(spec, task_path, workspace)
+        return [self._fill(arg, values) for arg in self.harness_cmd]
+
+    def _env(self, api_key: str, values: dict[str, str] | None = None) -> dict[str, str]:
         env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
         pythonpath = os.environ.get("PYTHONPATH")
         env["PYTHONPATH"] = str(_REPO_ROOT) + (os.pathsep + pythonpath if pythonpath else "")
         env["PYTHONUNBUFFERED"] = "1"
-        env.update(self.extra_env)
+        env.update({k: self._fill(v, values) if values else v for k, v in self.extra_env.items()})
         env["OPENAI_BASE_URL"] = self.base_url
         env["OPENAI_API_KEY"] = api_key
+        env["ANTHROPIC_BASE_URL"] = self.anthropic_base_url
+        env["ANTHROPIC_API_KEY"] = api_key
         return env
 
     def _spawn_and_wait(
@@ -354,6 +422,7 @@ class Executor:
     ) -> tuple[str, int | None, float, bool]:
         """Runs the harness to its end; returns (status, returncode, duration_s, cancelled)."""
         cmd = self._command(spec, task_path, workspace)
+        env = self._env(api_key, self._values(spec, task_path, workspace))
         start = time.monotonic()
         with open(exec_dir / "harness.stdout", "wb") as out, open(exec_dir / "harness.stderr", "wb") as err:
             with self._lock:
@@ -361,7 +430,7 @@ class Executor:
                     return "crashed", None, 0.0, True
                 try:
                     proc = subprocess.Popen(
-                        cmd, cwd=workspace, env=self._env(api_key), stdin=subprocess.DEVNULL,
+                        cmd, cwd=workspace, env=env, stdin=subprocess.DEVNULL,
                         stdout=out, stderr=err, start_new_session=True,
                     )  # fmt: skip
                 except OSError as exc:
@@ -400,8 +469,8 @@ class Executor:
             return "timeout", returncode, duration, False
         return ("finished" if returncode == 0 else "crashed"), returncode, duration, False
 
-    def _evaluate(self, task: Task, workspace: Path) -> tuple[float | None, str | None]:
-        """(reward, None) or (None, why it is excluded). The evaluator runs in a daemon thread."""
+    def _evaluate(self, task: Task, workspace: Path) -> tuple[float | None, str | None, str | None]:
+        """(reward, None, None) or (None, why it is excluded, exclusion kind). The evaluator runs in a daemon thread."""
         box: dict[str, Any] = {}
 
         def target() -> None:
@@ -417,16 +486,18 @@ class Executor:
             thread.join(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
         if thread.is_alive():
             if self._cancelled.is_set():
-                return None, "cancelled during evaluation"
-            # A Python thread cannot be killed: it is left to finish in the background (daemon).
-            return None, f"evaluator exceeded evaluator_timeout_s={self.evaluator_timeout_s}"
+                return None, "cancelled during evaluation", "cancelled"
+            # A Python thread cannot be killed: it is left to finish in the background (daemon). A command
+            # evaluator kills its own process group at the same limit.
+            return None, f"evaluator exceeded evaluator_timeout_s={self.evaluator_timeout_s}", "evaluator_timeout"
         if "error" in box:
             exc = box["error"]
-            return None, f"evaluator raised {type(exc).__name__}: {exc}"
+            kind = "evaluator_timeout" if isinstance(exc, TimeoutError) else "evaluator_error"
+            return None, f"evaluator raised {type(exc).__name__}: {exc}", kind
         reward = box.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
-            return None, f"evaluator returned {reward!r}; expected a float in [0, 1]"
-        return float(reward), None
+            return None, f"evaluator returned {reward!r}; expected a float in [0, 1]", "evaluator_bad_value"
+        return float(reward), None, None
 
 
 def _check_execution_id(execution_id: str) -> None:

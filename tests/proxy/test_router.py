@@ -123,11 +123,75 @@ def test_max_context_submit_failure_and_construction() -> None:
     router = Router(backends)
     assert router.max_context == 2048 and router.names == ("a", "b")
     router.submit(request("s1"))  # to a
+    moved = request("s2")
+    router.submit(moved)  # b is least loaded but refuses: a takes it
+    assert backend_of(backends, moved) == "a" and router.in_flight("b") == 0 and router.in_flight("a") == 2
+    backends["a"].fail_submit = True
     with pytest.raises(RuntimeError, match="refused"):
-        router.submit(request("s2"))  # b is least loaded and refuses
-    assert router.in_flight("b") == 0
+        router.submit(request("s3"))
+    assert router.in_flight("a") == 2 and router.in_flight("b") == 0
     with pytest.raises(ValueError, match="at least one backend"):
         Router({})
+    with pytest.raises(ValueError, match="max_retries"):
+        Router(backends, max_retries=-1)
+
+
+def test_drain_with_cancel_moves_in_flight_requests_transparently() -> None:
+    backends = {"a": HeldBackend(), "b": HeldBackend()}
+    router = Router(backends)
+    req = request("s1")
+    future = router.submit(req)
+    assert backend_of(backends, req) == "a"
+    router.drain("a", cancel_in_flight=True)
+    # The backend cancelled it; the router re-submitted the same request to b, and the caller still waits.
+    assert backends["a"].cancelled == [req.request_id] and not future.done()
+    assert [r.request_id for r in backends["b"].received] == [req.request_id]
+    assert (router.in_flight("a"), router.in_flight("b"), router.retries) == (0, 1, 1)
+    backends["b"].finish(req.request_id)
+    assert future.result().finish_reason == "stop" and router.in_flight("b") == 0
+    assert router.session_backend("s1") == "b"
+
+
+def test_lost_request_is_parked_until_a_backend_is_undrained() -> None:
+    backends = {"a": HeldBackend(), "b": HeldBackend()}
+    router = Router(backends)
+    req = request("s1")
+    future = router.submit(req)
+    router.drain("b")
+    router.drain("a", cancel_in_flight=True)  # nowhere to go: it waits
+    assert router.parked() == 1 and not future.done()
+    router.undrain("b")
+    assert router.parked() == 0
+    assert [r.request_id for r in backends["b"].received] == [req.request_id]
+    backends["b"].finish(req.request_id)
+    assert future.result().finish_reason == "stop"
+    # A parked request cancelled by its caller resolves "cancelled" at once and is never re-submitted.
+    other = request("s2")
+    other_future = router.submit(other)
+    router.drain("a")
+    router.drain(backend_of(backends, other), cancel_in_flight=True)
+    assert router.parked() == 1
+    router.cancel(other.request_id)
+    assert other_future.result().finish_reason == "cancelled" and router.parked() == 0
+    router.undrain("a")
+    assert sum(r.request_id == other.request_id for b in backends.values() for r in b.received) == 1
+
+
+def test_a_backend_that_stops_mid_request_is_retried_elsewhere_and_caller_cancel_is_not() -> None:
+    backends = {"a": HeldBackend(), "b": HeldBackend()}
+    router = Router(backends, max_retries=1)
+    req = request("s1")
+    future = router.submit(req)
+    backends["a"].pending.pop(req.request_id).set_exception(RuntimeError("serving loop a is stopped"))
+    assert [r.request_id for r in backends["b"].received] == [req.request_id] and not future.done()
+    # The second loss exceeds max_retries=1: the caller gets the outcome.
+    backends["b"].finish(req.request_id, "cancelled")
+    assert future.result().finish_reason == "cancelled" and router.retries == 1
+    # A cancel the caller asked for is final.
+    mine = request("s2")
+    mine_future = router.submit(mine)
+    router.cancel(mine.request_id)
+    assert mine_future.result().finish_reason == "cancelled" and router.retries == 1
 
 
 def test_session_table_is_bounded() -> None:

@@ -316,3 +316,69 @@ def test_execution_result_invariants():
         ExecutionResult(status="done", reward=1.0, excluded=False, exclusion_reason=None, **common)
     with pytest.raises(ValueError, match="missing keys"):
         ExecutionResult.from_dict({"execution_id": "e"})
+
+
+def test_anthropic_env_and_templated_command_and_env(tmp_path):
+    """Both SDKs' variables carry the execution's key; {task.FIELD} and the other placeholders fill argv and env."""
+    registry = FakeRegistry()
+    cmd = [*HARNESS_CMD, "--instruction={task.instruction}", "{task.files}", "{execution_id}", "{anthropic_base_url}",
+           "{not_a_placeholder}", "{task.kind}{model}"]  # fmt: skip
+    executor = make_executor(tmp_path, registry, harness_cmd=cmd, extra_env={"HOME": "{exec_dir}/home", "PLAIN": "x{y}"})
+    task = make_task("ok")
+    [result] = executor.run([ExecutionSpec("e0", task, task.task_id, seed=7)])
+    assert result.status == "finished" and result.reward == 1.0 and result.exclusion_kind is None
+    exec_dir = tmp_path / "runs" / "e0"
+    seen = json.loads((exec_dir / "workspace" / "seen.json").read_text())
+    assert seen["env"]["ANTHROPIC_API_KEY"] == seen["env"]["OPENAI_API_KEY"] == "key-e0"
+    assert seen["env"]["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:1" and seen["env"]["OPENAI_BASE_URL"] == BASE_URL
+    assert seen["env"]["HOME"] == f"{exec_dir}/home" and seen["env"]["PLAIN"] == "x{y}"
+    assert seen["argv"][5:] == ["--instruction=ok", json.dumps({INPUT_FILE: "qkzmt"}), "e0", "http://127.0.0.1:1",
+                                "{not_a_placeholder}", "uppertiny"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"\{task.nope\}.*names no task field"):
+        make_executor(tmp_path, registry, harness_cmd=["x", "{task.nope}"])
+
+
+def test_command_evaluator_scores_or_excludes_and_failures_are_counted(tmp_path):
+    from gyre_jax.rollout.executor import summarize
+
+    script = ("import sys, pathlib; a = pathlib.Path('answer.txt'); mode = sys.argv[1]\n"
+              "if mode == 'score': print('checking'); print(1.0 if a.read_text() == sys.argv[2] else 0.25)\n"
+              "elif mode == 'crash': sys.exit('boom')\n"
+              "elif mode == 'hang': import time; time.sleep(60)\n"
+              "elif mode == 'words': print('pass')\n"
+              "else: print(mode)\n")  # fmt: skip
+    registry = FakeRegistry()
+    results = {}
+    for mode in ["score", "crash", "hang", "words", "7", "nan-text"]:
+        executor = make_executor(tmp_path, registry, evaluator=[sys.executable, "-c", script, mode, "{task.expected}"],
+                                 evaluator_timeout_s=1.5)  # fmt: skip
+        [results[mode]] = executor.run([ExecutionSpec(f"e-{mode}", make_task("ok"), "t0", seed=0)])
+    assert results["score"].reward == 0.25  # argv got the expected mapping as JSON, not the answer text
+    assert results["words"].reward == 1.0
+    assert (results["crash"].excluded, results["crash"].exclusion_kind) == (True, "evaluator_error")
+    assert "boom" in results["crash"].exclusion_reason
+    assert results["hang"].exclusion_kind == "evaluator_timeout"
+    assert results["7"].exclusion_kind == "evaluator_error" and "[0, 1]" in results["7"].exclusion_reason
+    assert results["nan-text"].exclusion_kind == "evaluator_error"
+    counts = summarize(list(results.values()))
+    assert counts["evaluator_failures"] == 4 and counts["evaluator_timeouts"] == 1 and counts["excluded"] == 4
+    assert counts["reward_mean"] == pytest.approx((0.25 + 1.0) / 2) and counts["finished"] == 6
+
+
+def test_command_evaluator_kills_its_process_group_on_timeout(tmp_path):
+    from gyre_jax.rollout.evaluators import CommandEvaluator
+
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    script = ("import subprocess, sys, time\n"
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+              "open('child.pid', 'w').write(str(c.pid)); time.sleep(60)\n")  # fmt: skip
+    with pytest.raises(TimeoutError, match="exceeded"):
+        CommandEvaluator([sys.executable, "-c", script], timeout_s=1.0)(make_task("ok"), workspace)
+    assert wait_dead(int((workspace / "child.pid").read_text()))
+    with pytest.raises(FileNotFoundError):
+        CommandEvaluator(["true"])(make_task("ok"), tmp_path / "missing")
+    with pytest.raises(ValueError, match="non-empty"):
+        CommandEvaluator([])
+    assert ExecutionResult.from_dict({k: v for k, v in json.loads(json.dumps(ExecutionResult(
+        "e", "t", "g", "finished", 0.5, False, None, 0, 1.0, "/w").to_dict())).items() if k != "exclusion_kind"}).reward == 0.5

@@ -1,0 +1,334 @@
+"""The Anthropic Messages API in the proxy's terms: request validation, conversion, responses, SSE events.
+
+Owns the mapping between Anthropic's content blocks and the internal (OpenAI-style) message form that
+the chat template renders and token-in/token-out compares:
+
+    system (string or text blocks)      -> {"role": "system", "content": text}            (first message)
+    user text blocks                    -> {"role": "user", "content": texts joined by "\\n\\n"}
+    user tool_result blocks             -> {"role": "tool", "tool_call_id": id, "content": text}, before the text
+    a "system" message (Claude Code)    -> {"role": "system", "content": text}            (rendered in place)
+    assistant thinking blocks           -> "reasoning_content" (joined by "\\n")
+    assistant text blocks               -> "content"
+    assistant tool_use blocks           -> "tool_calls": [{"id", "type": "function", "function": {"name", "arguments"}}]
+    tools [{name, description, input_schema}] -> [{"type": "function", "function": {name, description, parameters}}]
+
+and back: a parsed completion becomes thinking / text / tool_use blocks, returned as one ``message`` object
+or as the SSE event sequence (``message_start``, per block ``content_block_start`` / ``_delta`` /
+``_stop``, ``message_delta`` with ``stop_reason`` and ``usage``, ``message_stop``; ``ping`` while
+waiting). Unknown request fields (``metadata``, ``context_management``, ``output_config``,
+``cache_control`` ...) are ignored. Images, documents and server tools fail with "not supported yet".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gyre_jax.proxy.chat_template import ParsedCompletion, tojson
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+ERROR_TYPES = {  # HTTP status -> Anthropic error type
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextBlock(_Lenient):
+    type: str
+    text: str
+
+
+class AnthropicMessage(_Lenient):
+    role: str = Field(pattern="^(user|assistant|system)$")
+    content: str | list[dict[str, Any]]
+
+
+class AnthropicTool(_Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
+
+
+class ThinkingConfig(_Lenient):
+    type: str = Field(pattern="^(enabled|disabled|adaptive)$")
+    budget_tokens: int | None = None
+
+
+class MessagesRequest(_Lenient):
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: ThinkingConfig | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+
+
+class CountTokensRequest(_Lenient):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    thinking: ThinkingConfig | None = None
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"), "message": message}}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Request -> internal messages
+
+
+@dataclass
+class Converted:
+    """An Anthropic request in the proxy's internal chat form."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    enable_thinking: bool | None  # False when thinking is disabled: the prompt closes an empty <think> block
+    parse_tools: bool  # False for tool_choice {"type": "none"}
+
+
+def _system_text(system: str | list[TextBlock] | None) -> str | None:
+    if system is None:
+        return None
+    if isinstance(system, str):
+        return system
+    return "\n\n".join(block.text for block in system if block.type == "text")
+
+
+def _block_type(block: Any, where: str) -> str:
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        raise ValueError(f"{where}: a content block must be an object with a string 'type'")
+    return block["type"]
+
+
+def _text_of(block: dict, where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: a text block needs a string 'text'")
+    return text
+
+
+def _tool_result_text(block: dict, where: str) -> str:
+    content = block.get("content", "")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: tool_result 'content' must be a string or a list of text blocks")
+    parts = []
+    for k, part in enumerate(content):
+        kind = _block_type(part, f"{where}.content.{k}")
+        if kind != "text":
+            raise ValueError(f"{where}.content.{k}: not supported yet: {kind!r} blocks in a tool_result; send text")
+        parts.append(_text_of(part, f"{where}.content.{k}"))
+    return "\n\n".join(parts)
+
+
+def _user_messages(content: list[dict], where: str) -> list[dict[str, Any]]:
+    tool_messages, texts = [], []
+    for k, block in enumerate(content):
+        at = f"{where}.content.{k}"
+        kind = _block_type(block, at)
+        if kind == "text":
+            texts.append(_text_of(block, at))
+        elif kind == "tool_result":
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ValueError(f"{at}: a tool_result block needs a string 'tool_use_id'")
+            tool_messages.append({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, at)})
+        else:
+            raise ValueError(f"{at}: not supported yet: {kind!r} blocks in a user message; send text or tool_result blocks")
+    out = list(tool_messages)
+    if texts or not tool_messages:
+        out.append({"role": "user", "content": "\n\n".join(texts)})
+    return out
+
+
+def _assistant_message(content: list[dict], where: str) -> dict[str, Any]:
+    texts, thoughts, calls = [], [], []
+    for k, block in enumerate(content):
+        at = f"{where}.content.{k}"
+        kind = _block_type(block, at)
+        if kind == "text":
+            texts.append(_text_of(block, at))
+        elif kind == "thinking":
+            thinking = block.get("thinking")
+            if not isinstance(thinking, str):
+                raise ValueError(f"{at}: a thinking block needs a string 'thinking'")
+            thoughts.append(thinking)
+        elif kind == "redacted_thinking":
+            continue  # opaque to us; nothing of it was generated by this policy
+        elif kind == "tool_use":
+            call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
+            if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(args, dict):
+                raise ValueError(f"{at}: a tool_use block needs a string 'id', a string 'name' and an object 'input'")
+            calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": tojson(args)}})
+        else:
+            raise ValueError(f"{at}: not supported yet: {kind!r} blocks in an assistant message")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if thoughts:
+        message["reasoning_content"] = "\n".join(thoughts)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def convert_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    out = []
+    for k, tool in enumerate(tools):
+        if tool.type not in (None, "custom") and tool.input_schema is None:
+            raise ValueError(f"tools.{k}: not supported yet: server tool {tool.type!r}; send client tools with an input_schema")
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description is not None:
+            function["description"] = tool.description
+        function["parameters"] = tool.input_schema if tool.input_schema is not None else {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def to_internal(req: MessagesRequest | CountTokensRequest) -> Converted:
+    """The request's conversation, tools and thinking switch in internal form; ValueError names what is wrong."""
+    messages: list[dict[str, Any]] = []
+    system = _system_text(req.system)
+    if system is not None:
+        messages.append({"role": "system", "content": system})
+    for i, message in enumerate(req.messages):
+        where = f"messages.{i}"
+        content = message.content
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        if message.role == "user":
+            messages.extend(_user_messages(content, where))
+        elif message.role == "assistant":
+            messages.append(_assistant_message(content, where))
+        else:  # "system" inside messages (sent by current Claude Code): a system turn in place
+            texts = []
+            for k, block in enumerate(content):
+                if _block_type(block, f"{where}.content.{k}") != "text":
+                    raise ValueError(f"{where}.content.{k}: a system message may only hold text blocks")
+                texts.append(_text_of(block, f"{where}.content.{k}"))
+            messages.append({"role": "system", "content": "\n\n".join(texts)})
+    thinking = req.thinking.type if req.thinking is not None else None
+    choice = getattr(req, "tool_choice", None) or {}
+    return Converted(
+        messages=messages,
+        tools=convert_tools(req.tools),
+        enable_thinking=False if thinking == "disabled" else None,
+        parse_tools=choice.get("type") != "none",
+    )
+
+
+def check_supported(req: MessagesRequest) -> None:
+    """Raises ValueError for valid Anthropic features this proxy does not implement."""
+    if req.stop_sequences:
+        raise ValueError("not supported yet: stop_sequences; omit them (generation ends at the end-of-turn token)")
+    choice = req.tool_choice
+    if choice is not None and choice.get("type") not in ("auto", "any", "tool", "none"):
+        raise ValueError(f"tool_choice {choice!r}: expected type 'auto', 'any', 'tool' or 'none'")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Completion -> Anthropic content blocks, message and SSE events
+
+
+def tool_use_id(openai_id: str) -> str:
+    return "toolu_" + openai_id.removeprefix("call_")
+
+
+def signature(thinking: str) -> str:
+    """A stable signature for a thinking block (clients send it back; the proxy never checks it)."""
+    return "gyre-" + hashlib.sha256(thinking.encode("utf-8")).hexdigest()[:32]
+
+
+def content_blocks(parsed: ParsedCompletion) -> list[dict[str, Any]]:
+    """thinking (if the model thought), text (if any), then one tool_use block per tool call."""
+    blocks: list[dict[str, Any]] = []
+    if parsed.reasoning is not None:
+        blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": signature(parsed.reasoning)})
+    if parsed.content or not parsed.tool_calls:
+        blocks.append({"type": "text", "text": parsed.content})
+    for call in parsed.tool_calls:
+        fn = call["function"]
+        blocks.append({"type": "tool_use", "id": tool_use_id(call["id"]), "name": fn["name"], "input": json.loads(fn["arguments"])})
+    return blocks
+
+
+def message_body(
+    message_id: str, model: str, blocks: list[dict[str, Any]] | None, stop_reason: str | None, input_tokens: int, output_tokens: int
+) -> dict[str, Any]:
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks if blocks is not None else [],
+        "stop_reason": stop_reason,
+        "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
+    }
+
+
+def sse(event: str, data: dict[str, Any]) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+PING = sse("ping", {"type": "ping"})
+
+
+def stream_events(blocks: list[dict[str, Any]], stop_reason: str, output_tokens: int) -> list[str]:
+    """Everything after ``message_start``: each block as start / delta(s) / stop, then the message's end."""
+    events = []
+    for index, block in enumerate(blocks):
+        kind = block["type"]
+        if kind == "thinking":
+            start = {"type": "thinking", "thinking": "", "signature": ""}
+            deltas = [{"type": "thinking_delta", "thinking": block["thinking"]},
+                      {"type": "signature_delta", "signature": block["signature"]}]  # fmt: skip
+        elif kind == "text":
+            start = {"type": "text", "text": ""}
+            deltas = [{"type": "text_delta", "text": block["text"]}] if block["text"] else []
+        else:
+            start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+            deltas = [{"type": "input_json_delta", "partial_json": tojson(block["input"])}]
+        events.append(sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": start}))
+        for delta in deltas:
+            events.append(sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
+        events.append(sse("content_block_stop", {"type": "content_block_stop", "index": index}))
+    events.append(
+        sse(
+            "message_delta",
+            {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+             "usage": {"output_tokens": output_tokens}},
+        )  # fmt: skip
+    )
+    events.append(sse("message_stop", {"type": "message_stop"}))
+    return events

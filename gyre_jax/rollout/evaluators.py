@@ -1,0 +1,97 @@
+"""Evaluators: what turns a preserved workspace into a reward in [0, 1].
+
+An evaluator is any callable ``(task, workspace) -> float``. ``CommandEvaluator`` runs a command in
+(or over) the workspace, for suites whose scoring is a script or a test run: the command prints a
+score in [0, 1] as the last non-empty line of its stdout (``pass``/``fail`` and ``true``/``false``
+count as 1/0); a non-zero exit, a missing or out-of-range score or a timeout raises, and the
+executor then *excludes* the execution (it is not scored 0). The command runs in its own process
+group, which is killed on timeout, with the workspace as its cwd and placeholders ``{workspace}``
+and ``{task.FIELD}`` (strings verbatim, other fields as JSON) filled in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Sequence
+
+from gyre_jax.rollout.tasks import Task
+
+_WORDS = {"pass": 1.0, "passed": 1.0, "true": 1.0, "fail": 0.0, "failed": 0.0, "false": 0.0}
+
+
+class CommandEvaluator:
+    """Scores a workspace with a command (see the module docstring); raises on any evaluator failure."""
+
+    def __init__(
+        self, cmd: Sequence[str], timeout_s: float = 60.0, env: dict[str, str] | None = None, kill_grace_s: float = 1.0
+    ) -> None:
+        if not cmd or not all(isinstance(a, str) for a in cmd):
+            raise ValueError(f"evaluator command {cmd!r} must be a non-empty list of strings")
+        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+        self.cmd = list(cmd)
+        self.timeout_s = float(timeout_s)
+        self.env = dict(env) if env is not None else None
+        self.kill_grace_s = kill_grace_s
+
+    def command(self, task: Task, workspace: Path) -> list[str]:
+        values = {"{workspace}": str(workspace)}
+        for f in dataclasses.fields(Task):
+            value = getattr(task, f.name)
+            values["{task." + f.name + "}"] = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        pattern = re.compile(r"\{(?:task\.)?[A-Za-z_][A-Za-z0-9_]*\}")
+        return [pattern.sub(lambda m: values.get(m.group(0), m.group(0)), arg) for arg in self.cmd]
+
+    def __call__(self, task: Task, workspace: Path) -> float:
+        workspace = Path(workspace)
+        if not workspace.is_dir():
+            raise FileNotFoundError(f"workspace {workspace} of task {task.task_id} does not exist; cannot evaluate")
+        cmd = self.command(task, workspace)
+        env = {**os.environ, **self.env} if self.env is not None else None
+        proc = subprocess.Popen(cmd, cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc, self.kill_grace_s)
+            raise TimeoutError(f"evaluator command {cmd[0]!r} exceeded {self.timeout_s} s and was killed") from None
+        stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        if proc.returncode != 0:
+            tail = (stderr.strip() or stdout.strip())[-400:]
+            raise RuntimeError(f"evaluator command {cmd[0]!r} exited with status {proc.returncode}: {tail}")
+        lines = [line.strip() for line in stdout.splitlines() if line.strip()]
+        if not lines:
+            raise ValueError(f"evaluator command {cmd[0]!r} printed no score; print a number in [0, 1] last")
+        last = lines[-1]
+        score = _WORDS.get(last.lower())
+        if score is None:
+            try:
+                score = float(last)
+            except ValueError:
+                raise ValueError(f"evaluator command {cmd[0]!r} printed {last[:80]!r} last; expected a number in [0, 1]") from None
+        if not (math.isfinite(score) and 0.0 <= score <= 1.0):
+            raise ValueError(f"evaluator command {cmd[0]!r} printed the score {score}; expected a number in [0, 1]")
+        return score
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

@@ -1,0 +1,192 @@
+"""Shared fixtures for the integration tests: a tiny model served by the real engine behind the real proxy.
+
+One session-wide stack (compiled once): a byte-level BPE tokenizer trained here on this checkout's own
+docs and sources (with Qwen3's special tokens; about 2.9 characters per token, so a coding CLI's
+request of about 36 KB rendered text is about 12K tokens instead of 36K bytes), a 2-layer Qwen3-style
+model on a 4-device cell submesh (random weights, then 40 Adam steps teaching it to answer
+``Done.<|im_end|>`` after any context, so agent turns end instead of running to the token cap), ``Engine`` + ``ServingLoop`` (chunked prefill,
+session prefix cache), a ``Router``, and the ``ProxyServer`` on 127.0.0.1. The model emits garbage;
+what these tests check is the plumbing: that real clients run to their end against it, and that the
+records hold exactly the tokens the clients were served.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from gyre_jax.config import load_config
+from gyre_jax.model.attention import segment_causal_mask
+from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.sharding import init_params, make_mesh
+from gyre_jax.model.tokenizer import SPECIAL_TOKENS
+from gyre_jax.proxy.chat_template import ParsedCompletion, parse_completion
+from gyre_jax.proxy.records import RecordStore, TitoRecord
+from gyre_jax.proxy.router import Router
+from gyre_jax.proxy.server import ProxyServer
+from gyre_jax.serving.engine import Engine
+from gyre_jax.serving.loop import ServingLoop
+
+REPO = Path(__file__).resolve().parents[2]
+NPM_DIR = Path(__file__).resolve().parent / "npm"
+MODEL = "gyre-tiny"
+VOCAB = 4096
+MAX_SEQ_LEN = 16384  # a Claude Code request is about 12K tokens of this tokenizer
+MAX_TOKENS_CAP = 24  # completion budget of every call: random weights rarely sample <|im_end|>
+
+
+class BpeTokenizer:
+    """A ``tokenizers`` byte-level BPE with Qwen3's special tokens, in the interface the proxy uses."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.vocab_size = tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int:
+        token_id = self.tok.token_to_id(token)
+        if token_id is None:
+            raise KeyError(f"{token!r} is not in the vocabulary")
+        return token_id
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return (self.token_id("<|im_end|>"), self.token_id("<|endoftext|>"))
+
+
+def train_tokenizer(vocab_size: int = VOCAB) -> BpeTokenizer:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    corpus = sorted(glob.glob(str(REPO / "gyre_jax" / "**" / "*.py"), recursive=True))
+    corpus += sorted(glob.glob(str(REPO / "docs" / "*.md"))) + [str(REPO / "README.md")]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train(corpus, trainer)
+    return BpeTokenizer(tok)
+
+
+ANSWER = "Done."
+
+
+def brief_training(graphdef, params, tokenizer: BpeTokenizer, steps: int = 40, batch: int = 8, length: int = 64):
+    """Teaches the random model to answer ``ANSWER<|im_end|>`` after ``<|im_start|>assistant\n`` whatever came
+    before (random token contexts).
+
+    The attention output projections are scaled down to 2% and frozen first: the model then behaves
+    nearly as a bigram model, so what it learned on 64-token contexts holds on 13K-token prompts
+    (attention still runs over the whole KV cache and still moves the log-probs a little).
+    """
+    rng = np.random.default_rng(0)
+    tail = tokenizer.encode("<|im_start|>assistant\n" + ANSWER + "<|im_end|>")
+    answer_len = len(tokenizer.encode(ANSWER + "<|im_end|>"))
+    tokens = np.zeros((batch, length), np.int32)
+    weights = np.zeros((batch, length), np.float32)  # on the targets (next tokens) of the answer
+    segments = np.zeros((batch, length), np.int32)
+    for row in range(batch):
+        n = int(rng.integers(8, length - len(tail)))
+        seq = rng.integers(len(SPECIAL_TOKENS), tokenizer.vocab_size, size=n).tolist() + tail
+        tokens[row, : len(seq)] = seq
+        segments[row, : len(seq)] = 1
+        weights[row, len(seq) - answer_len - 1 : len(seq) - 1] = 1.0
+    tokens, weights, segments = jnp.asarray(tokens), jnp.asarray(weights), jnp.asarray(segments)
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    optimizer = optax.adam(2e-2)
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    params = jax.device_put(params, jax.devices()[0])  # one device: faster than 4 virtual ones for this size
+    frozen = jax.tree_util.tree_map_with_path(lambda path, _: "o_proj" in jax.tree_util.keystr(path), params)
+    params = jax.tree.map(lambda x, f: x * 0.02 if f else x, params, frozen)
+
+    def loss_fn(p):
+        logits, _ = nnx.merge(graphdef, p)(tokens, positions, segment_causal_mask(segments))
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+        return jnp.sum(nll * weights[:, :-1]) / jnp.sum(weights)
+
+    @jax.jit
+    def step(p, opt_state):
+        loss, grads = jax.value_and_grad(loss_fn)(p)
+        grads = jax.tree.map(lambda g, f: jnp.zeros_like(g) if f else g, grads, frozen)
+        updates, opt_state = optimizer.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state, loss
+
+    opt_state = optimizer.init(params)
+    for _ in range(steps):
+        params, opt_state, loss = step(params, opt_state)
+    assert float(loss) < 0.1, f"brief training did not converge (loss {float(loss):.3f})"
+    return jax.device_put(params, shardings)
+
+
+class Stack:
+    """The running stack: proxy (with ``base_url``), router, loop, tokenizer and record store."""
+
+    def __init__(self, proxy: ProxyServer, router: Router, loop: ServingLoop, tokenizer: BpeTokenizer, records: RecordStore):
+        self.proxy, self.router, self.loop, self.tokenizer, self.records = proxy, router, loop, tokenizer, records
+
+    def completion_text(self, record: TitoRecord) -> str:
+        ids = record.completion_ids
+        if record.finish_reason == "stop" and ids and ids[-1] in self.tokenizer.eos_ids:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids)
+
+    def parsed(self, record: TitoRecord) -> ParsedCompletion:
+        """What the client was served, re-derived from the record's token ids alone."""
+        return parse_completion(self.completion_text(record))
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tokenizer = train_tokenizer()
+    assert tokenizer.vocab_size == VOCAB
+    cfg = ModelConfig(vocab_size=VOCAB, num_layers=2, embed_dim=64, num_heads=2, num_kv_heads=1, head_dim=32,
+                      mlp_dim=128, rope_theta=10_000.0)  # fmt: skip
+    rules = tuple((k, v) for k, v in load_config([]).sharding_rules)
+    mesh = make_mesh(jax.devices()[4:8], dict(data=4))
+    graphdef, params = init_params(cfg, mesh, rules, seed=0)
+    params = brief_training(graphdef, params, tokenizer)
+    engine = Engine(cfg, graphdef, mesh, rules, max_concurrent_decodes=4, max_seq_len=MAX_SEQ_LEN,
+                    max_prefill_length=1024, prefill_buckets=(128, 1024))  # fmt: skip
+    loop = ServingLoop(engine, params, policy_version=0, name="cell0", seed=0).start()
+    router = Router({"cell0": loop})
+    records = RecordStore(tmp_path_factory.mktemp("records"))
+    proxy = ProxyServer(router, tokenizer, records, model_name=MODEL, tools_format="compact", max_tokens_cap=MAX_TOKENS_CAP,
+                        max_request_bytes=1024 * 1024, seed=0).start()  # fmt: skip
+    try:
+        yield Stack(proxy, router, loop, tokenizer, records)
+    finally:
+        proxy.stop()
+        loop.stop()
+        assert loop.error is None, loop.error
+
+
+@pytest.fixture(scope="session")
+def claude_bin() -> Path:
+    """The Claude Code CLI from npm, installed from the committed package-lock.json (``npm ci``) when missing."""
+    binary = NPM_DIR / "node_modules" / ".bin" / "claude"
+    if not binary.exists():
+        npm = shutil.which("npm")
+        if npm is None:
+            pytest.fail("npm is needed to install @anthropic-ai/claude-code for this test (apt-get install npm)")
+        done = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NPM_DIR, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"npm ci failed in {NPM_DIR}:\n{done.stdout}\n{done.stderr}"
+    check = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60, env={**os.environ})
+    assert check.returncode == 0 and "Claude Code" in check.stdout, check.stderr
+    return binary

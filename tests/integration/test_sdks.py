@@ -1,0 +1,154 @@
+"""The real ``openai`` and ``anthropic`` SDKs, streaming and not, with tools, against the tiny model served by
+the real engine through the proxy: every call is recorded with the exact ids the client was served."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+
+from gyre_jax.proxy import anthropic_api, openai_api
+
+TOOLS_OPENAI = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.",
+                 "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]  # fmt: skip
+TOOLS_ANTHROPIC = [{"name": "read_file", "description": "Read a file.",
+                    "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]  # fmt: skip
+
+
+def check_record(stack, record, max_tokens: int) -> None:
+    n = len(record.completion_ids)
+    assert 1 <= n <= max_tokens and len(record.completion_logprobs) == n and record.policy_versions == [0] * n
+    assert all(np.isfinite(record.completion_logprobs)) and max(record.completion_logprobs) <= 0
+    assert record.cell == "cell0" and record.temperature == 1.0
+
+
+def test_openai_sdk_plain_and_streaming_with_tools(stack) -> None:
+    key = stack.proxy.open_execution("sdk-openai")
+    client = openai.OpenAI(base_url=stack.proxy.base_url, api_key=key, max_retries=0, timeout=120)
+    messages = [{"role": "system", "content": "Solve the task."}, {"role": "user", "content": "Read input.txt."}]
+    first = client.chat.completions.create(model="gyre-tiny", messages=messages, tools=TOOLS_OPENAI, max_tokens=12,
+                                           logprobs=True)  # fmt: skip
+    message = first.choices[0].message
+    messages.append(openai_api.returned_message(stack.parsed(stack.records.read("sdk-openai")[0])) | {"content": message.content})
+    messages.append({"role": "user", "content": "Go on."})
+    content, finish = "", None
+    for chunk in client.chat.completions.create(model="gyre-tiny", messages=messages, tools=TOOLS_OPENAI, max_tokens=12,
+                                                stream=True):  # fmt: skip
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    r1, r2 = stack.records.read("sdk-openai")
+    for record in (r1, r2):
+        check_record(stack, record, 12)
+    # What each client received is exactly what the recorded ids decode and parse to.
+    assert (message.content or "") == stack.parsed(r1).content and content == stack.parsed(r2).content
+    assert [e.logprob for e in first.choices[0].logprobs.content] == r1.completion_logprobs[: len(first.choices[0].logprobs.content)]
+    assert first.usage.prompt_tokens == len(r1.prompt_ids) and r1.api == "chat"
+    # The second call reuses the first call's prompt and completion ids verbatim (token-in/token-out).
+    assert r2.reused_prefix_len >= len(r1.prompt_ids) + len(r1.completion_ids)
+    assert r2.prompt_ids[: len(r1.prompt_ids) + len(r1.completion_ids)] == r1.prompt_ids + r1.completion_ids
+    assert stack.tokenizer.decode(r1.prompt_ids).startswith("<|im_start|>system\nSolve the task.\n\n# Tools\n<tools>\nread_file(path: string)")
+    stack.proxy.close_execution("sdk-openai")
+
+
+def test_anthropic_sdk_plain_and_streaming_with_tools(stack) -> None:
+    key = stack.proxy.open_execution("sdk-anthropic")
+    client = anthropic.Anthropic(base_url=stack.proxy.anthropic_base_url, api_key=key, max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Read input.txt."}]
+    first = client.messages.create(model="gyre-tiny", max_tokens=12, system="Solve the task.", tools=TOOLS_ANTHROPIC,
+                                   messages=messages)  # fmt: skip
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                 {"role": "user", "content": "Go on."}]  # fmt: skip
+    with client.messages.stream(model="gyre-tiny", max_tokens=12, system="Solve the task.", tools=TOOLS_ANTHROPIC,
+                                messages=messages) as stream:  # fmt: skip
+        second = stream.get_final_message()
+    r1, r2 = stack.records.read("sdk-anthropic")
+    for record, reply in ((r1, first), (r2, second)):
+        check_record(stack, record, 12)
+        expected = anthropic_api.content_blocks(stack.parsed(record))
+        got = [b.model_dump(exclude_none=True) for b in reply.content]
+        for block in expected + got:
+            block.pop("id", None)
+            block.pop("citations", None)
+        assert got == expected
+        assert reply.usage.input_tokens == len(record.prompt_ids) and reply.usage.output_tokens == len(record.completion_ids)
+        assert reply.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[record.finish_reason] or reply.stop_reason == "tool_use"
+    assert r2.prompt_ids[: len(r1.prompt_ids) + len(r1.completion_ids)] == r1.prompt_ids + r1.completion_ids
+    # Sampling is seeded per (server seed, execution, call): the same call again gives the same tokens.
+    key2 = stack.proxy.open_execution("sdk-anthropic-again")
+    again = anthropic.Anthropic(base_url=stack.proxy.anthropic_base_url, api_key=key2, max_retries=0, timeout=120)
+    body = {"model": "gyre-tiny", "max_tokens": 12, "system": "Solve the task.", "tools": TOOLS_ANTHROPIC,
+            "messages": [{"role": "user", "content": "Read input.txt."}]}  # fmt: skip
+    again.messages.create(**body)
+    (r_again,) = stack.records.read("sdk-anthropic-again")
+    assert r_again.prompt_ids == r1.prompt_ids
+
+
+def test_drained_cell_request_is_retried_transparently(stack) -> None:
+    """A request cancelled by its cell being drained mid-generation is re-run; the client sees one answer."""
+    key = stack.proxy.open_execution("sdk-drain")
+    router, loop = stack.router, stack.loop
+    results: dict[str, httpx.Response] = {}
+
+    def call() -> None:
+        results["r"] = httpx.post(f"{stack.proxy.base_url}/chat/completions", timeout=120,
+                                  headers={"Authorization": f"Bearer {key}"},
+                                  json={"model": "gyre-tiny", "max_tokens": 24,
+                                        "messages": [{"role": "user", "content": "x " * 3000}]})  # fmt: skip
+
+    thread = threading.Thread(target=call)
+    thread.start()
+
+    deadline = time.monotonic() + 60
+    while router.in_flight("cell0") == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    retries = router.retries
+    router.drain("cell0", cancel_in_flight=True)  # the only cell: the request waits, parked
+    time.sleep(0.2)
+    router.undrain("cell0")
+    thread.join(120)
+    assert results["r"].status_code == 200, results["r"].text
+    (record,) = stack.records.read("sdk-drain")
+    assert record.finish_reason in ("stop", "length") and router.retries == retries + 1
+    assert results["r"].json()["choices"][0]["message"]["content"] == stack.parsed(record).content
+    stack.proxy.close_execution("sdk-drain")
+
+
+def test_bad_input_burst_against_the_real_engine_then_valid(stack) -> None:
+    """Malformed requests of both APIs get 4xx error bodies; a client gone mid-stream frees its decode slot."""
+    key = stack.proxy.open_execution("sdk-burst")
+    oai, anth = f"{stack.proxy.base_url}/chat/completions", f"{stack.proxy.anthropic_base_url}/v1/messages"
+    auth = {"Authorization": f"Bearer {key}"}
+    good_oai = {"model": "gyre-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    good_anth = {"model": "gyre-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    huge = "word " * 20000  # about 20K tokens: over the 16K context
+    for url, body, status in [
+        (oai, b"{oops", 400), (anth, b"{oops", 400), (oai, {**good_oai, "temperature": "warm"}, 400),
+        (anth, {**good_anth, "max_tokens": None}, 400), (oai, {**good_oai, "model": "gpt-5"}, 404),
+        (anth, {**good_anth, "model": "claude-x"}, 404), (oai, {"model": "gyre-tiny"}, 400), (anth, {"model": "gyre-tiny"}, 400),
+        (oai, {**good_oai, "messages": [{"role": "user", "content": huge}]}, 400),
+        (anth, {**good_anth, "messages": [{"role": "user", "content": huge}]}, 400),
+        (anth, {**good_anth, "messages": [{"role": "user", "content": "x" * (2 * 1024 * 1024)}]}, 413),
+    ]:  # fmt: skip
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = httpx.post(url, content=content, headers={**auth, "content-type": "application/json"}, timeout=60)
+        assert response.status_code == status, (url, response.text)
+        error = response.json()
+        assert (error["type"] == "error" and error["error"]["message"]) if url == anth else error["error"]["message"]
+    with httpx.stream("POST", anth, json={**good_anth, "max_tokens": 24, "stream": True,
+                                          "messages": [{"role": "user", "content": "x " * 1500}]},
+                      headers=auth, timeout=60) as response:  # fmt: skip
+        assert next(response.iter_lines()) == "event: message_start"
+    deadline = time.monotonic() + 60
+    while stack.loop.num_in_flight() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stack.loop.num_in_flight() == 0 and stack.router.in_flight("cell0") == 0
+    assert stack.proxy.execution_calls("sdk-burst") == 0
+    assert httpx.post(oai, json=good_oai, headers=auth, timeout=60).status_code == 200
+    assert httpx.post(anth, json=good_anth, headers=auth, timeout=60).status_code == 200
+    assert stack.proxy.execution_calls("sdk-burst") == 2
