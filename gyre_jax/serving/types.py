@@ -24,6 +24,11 @@ class SamplingParams:
 
     Log-probs are always those of the temperature-scaled distribution (``softmax(logits / T)``; ``T = 1``
     for greedy), before top-k/top-p truncation: that is the distribution the trainer re-computes.
+
+    Generation stops after a token in ``stop_ids`` or after the token that completes one of
+    ``stop_strings`` in the detokenized completion (that token is kept: the result holds exact token ids,
+    and the caller cuts the text at the stop string). ``stop_strings`` need a loop built with a
+    ``detokenize`` callable. ``seed`` fixes the sampling key (None: the loop derives one).
     """
 
     temperature: float = 1.0
@@ -32,6 +37,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop_ids: tuple[int, ...] = ()
     seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
 
     def validate(self) -> None:
         if not self.temperature >= 0:
@@ -42,6 +48,8 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+        if isinstance(self.stop_strings, str) or not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise ValueError(f"stop_strings={self.stop_strings!r} must be a tuple of non-empty strings")
 
 
 @dataclass
@@ -61,8 +69,10 @@ class GenerationResult:
     token_ids / logprobs / policy_versions: [N] each; logprobs are behaviour log-probs of each sampled
     token, policy_versions the weight version that produced each token (they can differ within one
     completion if weights were updated while it was in flight). ``finish_reason`` is ``"stop"`` (a stop
-    id was sampled; it is included in ``token_ids``), ``"length"`` (max_tokens or context limit),
-    or ``"cancelled"``.
+    id was sampled, or a stop string completed; the token that did it is included in ``token_ids``),
+    ``"length"`` (max_tokens or context limit), or ``"cancelled"``. ``stop_reason`` is the stop id or stop
+    string that ended it (None otherwise). ``cached_tokens`` is how many leading prompt tokens were not
+    prefilled because their KV was reused (session prefix cache, or a migrated session).
     """
 
     request_id: str
@@ -72,6 +82,8 @@ class GenerationResult:
     finish_reason: str
     prompt_len: int
     cell: str = ""
+    cached_tokens: int = 0
+    stop_reason: int | str | None = None
 
 
 class ContextTooLongError(ValueError):

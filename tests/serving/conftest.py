@@ -23,6 +23,8 @@ SLOTS = 4
 MAX_SEQ_LEN = 128
 MAX_PREFILL = 64
 BUCKETS = (16, 32, 64)
+DECODE_WINDOWS = (64,)  # generate attends over 64 cache positions while every slot fits, else all 128
+DECODE_SLOT_BUCKETS = (2,)  # ... and steps slots 0-1 only while the others are empty (slots split over 4 devices)
 REF_LEN = MAX_SEQ_LEN  # the reference pads every sequence to this length (one compile)
 
 
@@ -95,7 +97,8 @@ def model_params(cell_mesh, rules):
 @pytest.fixture(scope="session")
 def engine(model_params, cell_mesh, rules):
     return Engine(CFG, model_params[0], cell_mesh, rules, max_concurrent_decodes=SLOTS, max_seq_len=MAX_SEQ_LEN,
-                  max_prefill_length=MAX_PREFILL, prefill_buckets=BUCKETS)
+                  max_prefill_length=MAX_PREFILL, prefill_buckets=BUCKETS, decode_windows=DECODE_WINDOWS,
+                  decode_slot_buckets=DECODE_SLOT_BUCKETS)
 
 
 @pytest.fixture(scope="session")
@@ -108,3 +111,19 @@ def prompts():
     """Prompts of mixed lengths (three prefill buckets)."""
     rng = np.random.default_rng(0)
     return [rng.integers(0, 256, size=n).tolist() for n in (5, 13, 1, 22, 9, 40, 3, 16)]
+
+
+@pytest.fixture(scope="session")
+def other_mesh():
+    """A second cell on the other 4 devices: KV and sessions migrate to it device to device."""
+    return make_mesh(jax.devices()[0:4], dict(data=4))
+
+
+@pytest.fixture(scope="session")
+def other_engine(model_params, other_mesh, rules):
+    """The same model's engine on ``other_mesh`` (same layout as ``engine``), with params resharded onto it."""
+    graphdef, params, params_b = model_params
+    eng = Engine(CFG, graphdef, other_mesh, rules, max_concurrent_decodes=SLOTS, max_seq_len=MAX_SEQ_LEN,
+                 max_prefill_length=MAX_PREFILL, prefill_buckets=BUCKETS, decode_windows=DECODE_WINDOWS)
+    shardings = jax.tree.map(lambda x: jax.sharding.NamedSharding(other_mesh, x.sharding.spec), params)
+    return eng, jax.device_put(params, shardings), jax.device_put(params_b, shardings)

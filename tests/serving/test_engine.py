@@ -35,7 +35,10 @@ class Driver:
 
     def generate(self, steps: int) -> None:
         for _ in range(steps):
-            self.state, result = self.engine.generate(self.params, self.state)
+            # the longest live cache: decode attends over the smallest window above it (64, later 128)
+            longest = max(len(r["prompt"]) + len(r["tokens"]) - 1 for r in self.live.values())
+            self.state, result = self.engine.generate(self.params, self.state, max_length=longest,
+                                                      slot_limit=max(self.live) + 1)
             assert result.tokens.shape == result.logprobs.shape == result.lengths.shape == (self.engine.max_concurrent_decodes,)
             for slot, rec in self.live.items():
                 rec["tokens"].append(int(result.tokens[slot]))
@@ -52,6 +55,10 @@ def test_engine_properties_and_decode_state_layout(engine, cell_mesh) -> None:
     assert engine.max_prefill_length == 64
     assert engine.mesh is cell_mesh
     assert engine.prefill_buckets == (16, 32, 64, 128)  # buckets end at max_seq_len
+    assert engine.decode_windows == (64, 128)
+    assert [engine.decode_window(n) for n in (None, 0, 63, 64, 127, 500)] == [128, 64, 64, 128, 128, 128]
+    assert engine.decode_slot_buckets == (2, 4)
+    assert [engine.decode_slots(n) for n in (None, 1, 2, 3, 4)] == [4, 2, 2, 4, 4]
     state = engine.init_decode_state()
     assert state.cache[0].k.shape == (4, 128, engine.cfg.num_kv_heads, engine.cfg.head_dim)
     assert state.cache[0].k.sharding.spec == P("data", None, None, None)  # slots split over the cell's data axis
@@ -64,7 +71,9 @@ def test_greedy_generation_equals_uncached_step_by_step_decoding(engine, model_p
     """Slots join while others are mid-generation; a slot is reused by a shorter prompt after a longer one."""
     _, params, _ = model_params
     d = Driver(engine, params)
-    d.insert(2, prompts[0])  # 5 tokens
+    d.insert(1, prompts[7])  # 16 tokens, alone in slot 1: steps run over slots 0-1 only
+    d.generate(2)
+    d.insert(2, prompts[0])  # 5 tokens: now all 4 slots are stepped
     d.generate(3)
     d.insert(0, prompts[1])  # 13 tokens, joins while slot 2 is mid-generation
     d.generate(2)
@@ -76,8 +85,10 @@ def test_greedy_generation_equals_uncached_step_by_step_decoding(engine, model_p
     d.insert(0, prompts[6])  # 3 tokens: slot 0's cache still holds the 45 stale positions of the last occupant
     d.insert(3, prompts[4])  # 9 tokens
     d.generate(6)
+    d.insert(2, (prompts[5] * 2)[:60])  # 60 tokens: the decode window grows from 64 to 128 positions mid-run
+    d.generate(8)
     records = d.finish()
-    assert len(records) == 7 and min(len(r["tokens"]) for r in records) >= 6
+    assert len(records) == 9 and min(len(r["tokens"]) for r in records) >= 3
 
     for rec in records:
         want_tokens, want_logprobs = reference.greedy(params, rec["prompt"], len(rec["tokens"]))
@@ -140,3 +151,178 @@ def test_prompts_that_do_not_fit_are_rejected(engine, model_params, cell_mesh, r
     with pytest.raises(ContextTooLongError):
         full.prefill(params=params, tokens=[1] * 33, sampling_params=GREEDY, key=key)
     assert issubclass(ContextTooLongError, ValueError)
+
+
+def _chunked_prefix(engine, params, prompt, chunks, sp=GREEDY, seed=0, fresh_first=False):
+    """Prefills ``prompt`` in chunks of the given sizes, each on top of the previous (the request key every time),
+    starting from the engine's empty full-length prefix (or, ``fresh_first``, from a bucket-sized first chunk)."""
+    prefix, start = (None if fresh_first else engine.empty_prefix(key_for_seed(seed))), 0
+    assert prefix is None or int(prefix.length) == 0
+    for n in chunks:
+        prefix = engine.prefill(params=params, tokens=prompt[start:start + n], sampling_params=sp, key=key_for_seed(seed),
+                                existing_prefix=prefix)
+        start += n
+    assert start == len(prompt) and int(prefix.length) == len(prompt)
+    return prefix
+
+
+def test_chunked_prefill_equals_uncached_greedy_and_keeps_seeded_sampling(engine, model_params, reference, prompts) -> None:
+    """Prompts prefilled in chunks (including one longer than max_prefill_length) decode like the uncached model."""
+    _, params, _ = model_params
+    long_prompt = (prompts[5] * 3)[:100]  # > max_prefill_length=64: needs two prefill calls
+    cases = [(prompts[5], (16, 16, 8), True), (prompts[3], (1, 21), False), (long_prompt, (64, 36), False),
+             (prompts[0], (5,), False)]
+    state = engine.init_decode_state()
+    streams = {}
+    for slot, (prompt, chunks, fresh_first) in enumerate(cases):
+        prefix = _chunked_prefix(engine, params, prompt, chunks, fresh_first=fresh_first)
+        assert prefix.cache[0].k.shape[1] == engine.max_seq_len  # on top of a prefix: full-length cache
+        state = engine.insert(prefix, state, slot, GREEDY)
+        streams[slot] = [int(prefix.token)], [float(prefix.logprob)]
+    for _ in range(6):
+        state, result = engine.generate(params, state)
+        assert result.valid.all()
+        for slot in streams:
+            streams[slot][0].append(int(result.tokens[slot]))
+            streams[slot][1].append(float(result.logprobs[slot]))
+    for slot, (prompt, _, _) in enumerate(cases):
+        want_tokens, want_logprobs = reference.greedy(params, prompt, 7)
+        assert streams[slot][0] == want_tokens, slot
+        np.testing.assert_allclose(streams[slot][1], want_logprobs, atol=1e-4, rtol=0)
+
+    # sampling: the first token depends on the whole prompt and the key, not on how it was chunked
+    sp = SamplingParams(temperature=1.0)
+    whole = engine.prefill(params=params, tokens=prompts[5], sampling_params=sp, key=key_for_seed(3))
+    firsts = set()
+    for chunks in ((20, 20), (1, 39), (8, 8, 8, 8, 8)):
+        chunked = _chunked_prefix(engine, params, prompts[5], chunks, sp=sp, seed=3)
+        assert int(chunked.token) == int(whole.token)
+        np.testing.assert_allclose(float(chunked.logprob), float(whole.logprob), atol=1e-5)
+        np.testing.assert_array_equal(chunked.key, whole.key)
+    for seed in range(12):  # different keys do sample different tokens here, so the equality above is not vacuous
+        firsts.add(int(engine.prefill(params=params, tokens=prompts[5], sampling_params=sp, key=key_for_seed(seed)).token))
+    assert len(firsts) > 1
+    with pytest.raises(ContextTooLongError, match="no room to generate"):
+        _chunked_prefix(engine, params, long_prompt + [1] * 28, (64, 64))
+
+
+def test_a_slot_beyond_the_decode_window_samples_nothing(engine, model_params, reference, prompts) -> None:
+    """A too-small max_length hint never corrupts a slot: it is reported invalid and left as it was."""
+    _, params, _ = model_params
+    state = engine.init_decode_state()
+    long_prompt = (prompts[5] * 2)[:64]
+    for slot, p in ((0, prompts[0]), (1, long_prompt)):
+        state = engine.insert(engine.prefill(params=params, tokens=p, sampling_params=GREEDY, key=key_for_seed(0)),
+                              state, slot, GREEDY)
+    state, result = engine.generate(params, state, max_length=len(prompts[0]))  # window 64: position 64 is outside
+    np.testing.assert_array_equal(result.valid, [True, False, False, False])
+    np.testing.assert_array_equal(result.lengths[:2], [len(prompts[0]) + 1, 64])
+    state, result = engine.generate(params, state, max_length=64)  # window 128: slot 1 continues, unharmed
+    assert result.valid[:2].all()
+    assert int(result.tokens[1]) == reference.greedy(params, long_prompt, 2)[0][1]
+    state = engine.insert(engine.prefill(params=params, tokens=prompts[2], sampling_params=GREEDY, key=key_for_seed(0)),
+                          state, 3, GREEDY)
+    lengths = np.asarray(state.lengths)
+    state, result = engine.generate(params, state, max_length=70, slot_limit=2)  # slot 3 is left out
+    np.testing.assert_array_equal(result.valid, [True, True, False, False])
+    np.testing.assert_array_equal(result.lengths, lengths + [1, 1, 0, 0])
+    state, result = engine.generate(params, state, max_length=70)  # all slots: slot 3 continues, unharmed
+    assert result.valid[[0, 1, 3]].all()
+    assert int(result.tokens[3]) == reference.greedy(params, prompts[2], 2)[0][1]
+
+
+def test_released_slots_are_invalid_and_write_nothing(engine, model_params, prompts) -> None:
+    _, params, _ = model_params
+    state = engine.init_decode_state()
+    state, result = engine.generate(params, state)
+    assert not result.valid.any()  # no slot holds a request yet
+    for slot in (0, 1):
+        state = engine.insert(engine.prefill(params=params, tokens=prompts[slot], sampling_params=GREEDY, key=key_for_seed(0)),
+                              state, slot, GREEDY)
+    state = engine.release(state, 1)
+    before = np.asarray(state.cache[0].k[1])
+    state, result = engine.generate(params, state)
+    np.testing.assert_array_equal(result.valid, [True, False, False, False])
+    np.testing.assert_array_equal(result.lengths[:2], [len(prompts[0]) + 1, len(prompts[1])])
+    np.testing.assert_array_equal(np.asarray(state.cache[0].k[1]), before)  # the released slot's KV is untouched
+
+
+def test_slot_kv_through_pages_continues_like_the_uncached_model(engine, model_params, reference, prompts) -> None:
+    """save_slot -> pool pages -> load_prefix -> prefill only the new tokens: what the session prefix cache does."""
+    _, params, _ = model_params
+    p = engine.page_size
+    assert engine.max_seq_len % p == 0 and engine.pages_per_seq == engine.max_seq_len // p
+    pool = engine.init_page_pool(24)
+    assert pool.pages[0].k.shape == (24, p, engine.cfg.num_kv_heads, engine.cfg.head_dim)
+    state = engine.init_decode_state()
+    prompt = prompts[3]  # 22 tokens
+    prefix = engine.prefill(params=params, tokens=prompt, sampling_params=GREEDY, key=key_for_seed(0))
+    state = engine.insert(prefix, state, 2, GREEDY)
+    turn1 = [int(prefix.token)]
+    for _ in range(9):
+        state, result = engine.generate(params, state)
+        turn1.append(int(result.tokens[2]))
+    assert turn1 == reference.greedy(params, prompt, 10)[0]
+    kv_tokens = prompt + turn1[:-1]  # 31 tokens are in the slot's cache
+    pages = [7, 3, 20]  # scattered, out of order: 3 pages of 16 hold 31 tokens
+    pool = engine.save_slot(pool, state, 2, pages)
+    state = engine.release(state, 2)
+
+    # the next turn extends the conversation; only the tokens after the cached 31 are prefilled
+    turn2_prompt = prompt + turn1 + [5, 6, 7]
+    for reused in (len(kv_tokens), 17):  # the whole entry, or only part of it (a shorter common prefix)
+        loaded = engine.load_prefix(pool, pages, reused, key_for_seed(1))
+        prefix = engine.prefill(params=params, tokens=turn2_prompt[reused:], sampling_params=GREEDY, key=key_for_seed(1),
+                                existing_prefix=loaded)
+        state = engine.insert(prefix, state, 0, GREEDY)
+        tokens = [int(prefix.token)]
+        for _ in range(5):
+            state, result = engine.generate(params, state)
+            tokens.append(int(result.tokens[0]))
+        assert tokens == reference.greedy(params, turn2_prompt, 6)[0], reused
+    with pytest.raises(ValueError, match="length=49"):
+        engine.load_prefix(pool, pages, 49, key_for_seed(1))
+
+
+def test_kv_export_import_to_another_submesh_continues_identically(engine, other_engine, model_params, reference, prompts) -> None:
+    """A decoding slot moves to an engine on other devices mid-generation: greedy and seeded sampled streams
+    are token for token those of the unmigrated run."""
+    _, params, _ = model_params
+    engine_b, params_on_b, _ = other_engine
+    assert not set(engine_b.mesh.devices.flat) & set(engine.mesh.devices.flat)
+    cases = [(prompts[1], GREEDY, 0), (prompts[4], SamplingParams(temperature=1.0), 5)]
+
+    def run(prompt, sp, seed, migrate_after=None):
+        eng, prm, state = engine, params, engine.init_decode_state()
+        prefix = eng.prefill(params=prm, tokens=prompt, sampling_params=sp, key=key_for_seed(seed))
+        state = eng.insert(prefix, state, 1, sp)
+        tokens, logprobs = [int(prefix.token)], [float(prefix.logprob)]
+        for step in range(12):
+            if step == migrate_after:
+                kv = eng.export_slot(state, 1, len(prompt) + len(tokens) - 1)
+                key = state.keys[1]
+                moved = engine_b.to_mesh(kv)
+                assert set(moved.pages[0].k.sharding.device_set) <= set(engine_b.mesh.devices.flat)
+                eng, prm, state = engine_b, params_on_b, engine_b.init_decode_state()
+                prefix = eng.prefix_from_pages(moved, len(prompt) + len(tokens) - 1, jax.device_put(key, eng._replicated),
+                                               token=tokens[-1], logprob=logprobs[-1])
+                state = eng.insert(prefix, state, 3, sp)  # another slot index on the new engine
+            slot = 1 if eng is engine else 3
+            state, result = eng.generate(prm, state)
+            tokens.append(int(result.tokens[slot]))
+            logprobs.append(float(result.logprobs[slot]))
+        return tokens, logprobs
+
+    for prompt, sp, seed in cases:
+        base_tokens, base_logprobs = run(prompt, sp, seed)
+        for migrate_after in (0, 5):
+            tokens, logprobs = run(prompt, sp, seed, migrate_after)
+            assert tokens == base_tokens, (len(prompt), migrate_after)
+            np.testing.assert_allclose(logprobs, base_logprobs, atol=1e-5, rtol=0)
+        if sp.temperature == 0:
+            assert base_tokens == reference.greedy(params, prompt, 13)[0]
+
+    bad = engine.export_slot(engine.init_decode_state(), 0, 16)
+    bad.pages = bad.pages[:1]
+    with pytest.raises(ValueError, match="do not match this engine's layout"):
+        engine_b.to_mesh(bad)

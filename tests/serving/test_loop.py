@@ -25,8 +25,8 @@ class SlowEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(self, params, decode_state):
-        out = self._engine.generate(params, decode_state)
+    def generate(self, params, decode_state, **kw):
+        out = self._engine.generate(params, decode_state, **kw)
         time.sleep(self._step_s)
         return out
 
@@ -169,11 +169,13 @@ def test_cancel_frees_the_slot(slow_loop, model_params, reference, prompts) -> N
 
 def test_prompts_that_do_not_fit_fail_their_future_and_the_loop_serves_on(loop, model_params, reference, prompts) -> None:
     _, params, _ = model_params
-    too_long_for_prefill = loop.submit(GenerationRequest(prompt_ids=[1] * (loop.engine.max_prefill_length + 1)))
-    too_long_for_context = loop.submit(GenerationRequest(prompt_ids=[1] * loop.max_context))
-    for fut in (too_long_for_prefill, too_long_for_context):
-        with pytest.raises(ContextTooLongError, match="does not fit"):
-            fut.result(TIMEOUT)
+    for n in (loop.max_context, loop.max_context + 50):
+        with pytest.raises(ContextTooLongError, match=f"prompt of {n} tokens does not fit .* at most {loop.max_context - 1}"):
+            loop.submit(GenerationRequest(prompt_ids=[1] * n)).result(TIMEOUT)
+    # longer than one prefill call (max_prefill_length) but within the context: prefilled in chunks
+    long_prompt = (prompts[5] * 3)[: loop.engine.max_prefill_length + 30]
+    result = loop.submit(GenerationRequest(prompt_ids=long_prompt, sampling=greedy(4))).result(TIMEOUT)
+    reference.check_teacher_forced(params, long_prompt, result.token_ids, result.logprobs)
     with pytest.raises(ValueError, match="empty prompt"):
         loop.submit(GenerationRequest(prompt_ids=[])).result(TIMEOUT)
     with pytest.raises(ValueError, match="temperature"):
@@ -238,3 +240,212 @@ def test_stop_ends_the_thread(engine, model_params) -> None:
     assert thread is not None and thread.is_alive()
     loop.stop()
     assert not thread.is_alive() and loop.error is None
+
+
+# -- chunked prefill -------------------------------------------------------------------------------
+
+
+class RecordingEngine(SlowEngine):
+    """Records the order of prefill and generate calls (and can slow both down)."""
+
+    def __init__(self, engine, step_s: float = 0.0, prefill_s: float = 0.0):
+        super().__init__(engine, step_s)
+        self._prefill_s = prefill_s
+        self.calls: list[tuple] = []
+
+    def prefill(self, **kw):
+        self.calls.append(("prefill", len(kw["tokens"]), kw["existing_prefix"] is not None))
+        out = self._engine.prefill(**kw)
+        time.sleep(self._prefill_s)
+        return out
+
+    def generate(self, params, decode_state, **kw):
+        self.calls.append(("generate",))
+        return super().generate(params, decode_state, **kw)
+
+
+def test_chunked_prefill_interleaves_with_decoding(engine, model_params, reference, prompts) -> None:
+    """A 100-token prompt (longer than one prefill call) joins while another request decodes: it is prefilled
+    16 tokens per step between generate steps, and both streams are the uncached model's greedy ones."""
+    _, params, _ = model_params
+    rec = RecordingEngine(engine, step_s=0.005)
+    loop = _start(rec, params, prefill_chunk=16)
+    try:
+        running = loop.submit(GenerationRequest(prompt_ids=prompts[0], sampling=greedy(80)))
+        _wait_until(lambda: loop.stats.tokens_generated >= 2)
+        mark = len(rec.calls)
+        long_prompt = (prompts[5] * 3)[:100]
+        joined = loop.submit(GenerationRequest(prompt_ids=long_prompt, sampling=greedy(5))).result(TIMEOUT)
+        assert running.result(TIMEOUT).token_ids == reference.greedy(params, prompts[0], 80)[0]
+    finally:
+        loop.stop()
+    reference.check_teacher_forced(params, long_prompt, joined.token_ids, joined.logprobs)
+    chunks = [c for c in rec.calls[mark:] if c[0] == "prefill"]
+    assert [c[1] for c in chunks] == [16] * 6 + [4] and all(c[2] for c in chunks)  # each on top of the last
+    after = rec.calls[mark:]
+    first, last = after.index(chunks[0]), len(after) - 1 - after[::-1].index(chunks[-1])
+    window = after[first:last + 1]
+    # never two prefill calls in a row: the running request got a generate step after every chunk
+    assert all(not (a[0] == b[0] == "prefill") for a, b in zip(window, window[1:])), window
+    assert loop.stats.prefill_calls == 1 + 7
+
+
+def test_cancel_during_chunked_prefill_frees_the_slot(engine, model_params, reference, prompts) -> None:
+    _, params, _ = model_params
+    rec = RecordingEngine(engine, step_s=0.002, prefill_s=0.05)
+    loop = _start(rec, params, prefill_chunk=16)
+    try:
+        keep_busy = loop.submit(GenerationRequest(prompt_ids=prompts[2], sampling=greedy(1000)))
+        long_req = GenerationRequest(prompt_ids=(prompts[5] * 3)[:100], sampling=greedy(5))
+        long_future = loop.submit(long_req)
+        _wait_until(lambda: sum(c[0] == "prefill" and c[2] for c in rec.calls) >= 1)  # its 2nd chunk is done
+        loop.cancel(long_req.request_id)
+        result = long_future.result(TIMEOUT)
+        assert (result.finish_reason, result.token_ids) == ("cancelled", [])
+        assert sum(c[0] == "prefill" and c[1] == 4 for c in rec.calls) == 0  # its last chunk never ran
+        short = loop.submit(GenerationRequest(prompt_ids=prompts[6], sampling=greedy(3))).result(TIMEOUT)
+        assert short.token_ids == reference.greedy(params, prompts[6], 3)[0]
+        loop.cancel("no-such-request")  # unknown ids are harmless
+        assert not keep_busy.done()
+    finally:
+        loop.stop()
+    assert keep_busy.result(TIMEOUT).finish_reason == "cancelled" and loop.error is None
+
+
+# -- session prefix cache --------------------------------------------------------------------------
+
+
+def _turns(loop, reference, params, session_id, first_prompt, turns, *, extra=(7, 8, 9), n=6):
+    """Runs a multi-turn session (each prompt = previous prompt + completion + new tokens); checks every
+    completion against the uncached model; returns the results."""
+    prompt, results = list(first_prompt), []
+    for turn in range(turns):
+        result = loop.submit(GenerationRequest(prompt_ids=prompt, sampling=greedy(n), session_id=session_id)).result(TIMEOUT)
+        want_tokens, want_logprobs = reference.greedy(params, prompt, n)
+        assert result.token_ids == want_tokens, (session_id, turn)
+        np.testing.assert_allclose(result.logprobs, want_logprobs, atol=1e-4, rtol=0)
+        results.append((list(prompt), result))
+        prompt = prompt + result.token_ids + [x + turn for x in extra]
+    return results
+
+
+def test_session_prefix_cache_prefills_only_new_tokens(loop, model_params, reference, prompts) -> None:
+    _, params, _ = model_params
+    before = loop.stats.prefill_tokens
+    results = _turns(loop, reference, params, "exec-1/main", prompts[4], 5)
+    prefilled = loop.stats.prefill_tokens - before
+    assert results[0][1].cached_tokens == 0
+    for (prev_prompt, prev), (prompt, result) in zip(results, results[1:]):
+        # everything but the previous completion's last token (sampled, never fed) came from the cache
+        assert result.cached_tokens == len(prev_prompt) + len(prev.token_ids) - 1
+    final_context = len(results[-1][0])
+    assert prefilled == sum(len(p) - r.cached_tokens for p, r in results)
+    assert prefilled <= final_context  # without the cache every turn would prefill its whole prompt:
+    assert sum(len(p) for p, _ in results) > 2.5 * final_context
+    cache = loop.stats.cache
+    assert (cache.hits, cache.misses, cache.tokens_reused) == (4, 1, sum(r.cached_tokens for _, r in results))
+    assert cache.entries == 1 and cache.pages_used == -(-(final_context + 5) // loop.engine.page_size)
+
+    # a new branch of the same session (e.g. after a context summary) reuses only the common prefix
+    branch = results[2][0][:10] + [1, 2, 3]
+    result = loop.submit(GenerationRequest(prompt_ids=branch, sampling=greedy(4), session_id="exec-1/main")).result(TIMEOUT)
+    assert result.cached_tokens == 10 and result.token_ids == reference.greedy(params, branch, 4)[0]
+
+
+def test_prefix_cache_evicts_least_recently_used_sessions_within_its_page_budget(engine, model_params, reference, prompts) -> None:
+    _, params, _ = model_params
+    loop = _start(engine, params, kv_pages=5)  # 5 pages x 16 tokens: two sessions of ~30 tokens fit, not three
+    try:
+        sessions = {f"s{i}": prompts[i + 3] for i in range(3)}  # 22, 9 and 40 tokens
+        first = {sid: _turns(loop, reference, params, sid, p, 1)[0] for sid, p in sessions.items()}
+        cache = loop.stats.cache
+        assert cache.evictions >= 1 and cache.pages_used <= 5 and "s0" not in loop.prefix_cache
+        assert loop.prefix_cache.sessions()[-1] == "s2"  # the most recent one stays
+        for sid in ("s2", "s0"):  # s2 hits; s0 was evicted: a full prefill, still correct
+            prompt, prev = first[sid]
+            nxt = prompt + prev.token_ids + [1, 2]
+            result = loop.submit(GenerationRequest(prompt_ids=nxt, sampling=greedy(4), session_id=sid)).result(TIMEOUT)
+            assert result.token_ids == reference.greedy(params, nxt, 4)[0]
+            assert result.cached_tokens == (0 if sid == "s0" else len(prompt) + len(prev.token_ids) - 1)
+        assert loop.stats.cache.pages_used <= 5
+    finally:
+        loop.stop()
+
+
+def test_prefix_cache_and_weight_updates(engine, model_params, reference, prompts) -> None:
+    """Default: KV of an older policy is never reused (every prompt is computed by the current weights);
+    reuse_stale_kv=True keeps it."""
+    _, params, params_b = model_params
+    for reuse in (False, True):
+        loop = _start(engine, params, reuse_stale_kv=reuse)
+        try:
+            (prompt, r1), = _turns(loop, reference, params, "s", prompts[1], 1)
+            loop.update_params(params_b, version=1)
+            nxt = prompt + r1.token_ids + [4, 5]
+            r2 = loop.submit(GenerationRequest(prompt_ids=nxt, sampling=greedy(5), session_id="s")).result(TIMEOUT)
+            assert r2.policy_versions == [1] * 5
+            if reuse:
+                assert r2.cached_tokens == len(prompt) + len(r1.token_ids) - 1
+            else:
+                assert r2.cached_tokens == 0 and loop.stats.cache.stale_drops == 1
+                assert r2.token_ids == reference.greedy(params_b, nxt, 5)[0]
+                nxt2 = nxt + r2.token_ids + [6]  # the entry stored under version 1 is reused under version 1
+                r3 = loop.submit(GenerationRequest(prompt_ids=nxt2, sampling=greedy(3), session_id="s")).result(TIMEOUT)
+                assert r3.cached_tokens == len(nxt) + 4 and r3.token_ids == reference.greedy(params_b, nxt2, 3)[0]
+        finally:
+            loop.stop()
+
+
+def test_recompute_on_update_continues_in_flight_requests_under_the_new_weights(engine, model_params, reference, prompts) -> None:
+    _, params, params_b = model_params
+    loop = _start(SlowEngine(engine), params, on_update="recompute")
+    try:
+        req = GenerationRequest(prompt_ids=prompts[3], sampling=greedy(1000))
+        fut = loop.submit(req)
+        _wait_until(lambda: loop.stats.tokens_generated >= 3)
+        prefilled = loop.stats.prefill_tokens
+        loop.update_params(params_b, version=1)
+        _wait_until(lambda: loop.stats.tokens_generated >= 12)
+        loop.cancel(req.request_id)
+        result = fut.result(TIMEOUT)
+    finally:
+        loop.stop()
+    old = result.policy_versions.count(0)
+    assert old >= 4 and result.policy_versions == [0] * old + [1] * (len(result.token_ids) - old)
+    assert loop.stats.prefill_tokens == prefilled + len(prompts[3]) + old - 1  # its whole KV, once more
+    reference.check_teacher_forced(params, prompts[3], result.token_ids[:old], result.logprobs[:old])
+    # after the update: exactly the new policy's greedy continuation of everything so far
+    reference.check_teacher_forced(params_b, prompts[3] + result.token_ids[:old], result.token_ids[old:],
+                                   result.logprobs[old:])
+    with pytest.raises(ValueError, match="on_update"):
+        ServingLoop(engine, params, on_update="restart")
+
+
+# -- stop strings ----------------------------------------------------------------------------------
+
+
+def _one_char_per_token(ids) -> str:
+    """A detokenizer with one distinct character per id (the byte tokenizer would turn random bytes into U+FFFD)."""
+    return "".join(chr(0x4E00 + int(i)) for i in ids)
+
+
+def test_stop_strings_end_the_completion_at_the_completing_token(engine, model_params, reference, prompts) -> None:
+    _, params, _ = model_params
+    ref = reference.greedy(params, prompts[1], 12)[0]
+    stop = _one_char_per_token(ref[5:7])
+    end = next(i + 1 for i in range(1, 12) if stop in _one_char_per_token(ref[:i + 1]))
+    loop = _start(engine, params, detokenize=_one_char_per_token)
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=12, stop_strings=("never", stop))
+        result = loop.submit(GenerationRequest(prompt_ids=prompts[1], sampling=sp)).result(TIMEOUT)
+        assert (result.finish_reason, result.stop_reason, result.token_ids) == ("stop", stop, ref[:end])
+        # a stop string inside the prompt does not count
+        sp = SamplingParams(temperature=0.0, max_tokens=3, stop_strings=(_one_char_per_token(prompts[1][:2]),))
+        result = loop.submit(GenerationRequest(prompt_ids=prompts[1], sampling=sp)).result(TIMEOUT)
+        assert result.finish_reason == "length" and result.stop_reason is None
+    finally:
+        loop.stop()
+    with pytest.raises(ValueError, match="no detokenize function"):
+        _start(engine, params).submit(GenerationRequest(prompt_ids=[1], sampling=sp)).result(TIMEOUT)
+    with pytest.raises(ValueError, match="non-empty strings"):
+        SamplingParams(stop_strings=("",)).validate()
