@@ -1,8 +1,10 @@
-"""Packed micro-batches for the learner: fixed-shape arrays built from branches.
+"""Micro-batches for the learner: the ``MicroBatch`` record, its attention mask, and simple builders.
 
-One sequence per row for now (rows padded to a length bucket); the per-sequence arrays are indexed by
-``seq_index`` so packed layouts plug into the same loss. Inputs are ``tokens[:-1]`` and targets
-``tokens[1:]`` of each branch; a target is trainable where the policy generated it.
+Every token array is ``[B, T]``; every token belongs to one sequence ``seq_index`` whose per-sequence
+values (``advantages``, ``seq_weights``) are ``[S]``. Inputs are ``tokens[:-1]`` and targets
+``tokens[1:]`` of each branch; a target is trainable where the policy generated it. The trajectory
+pipeline (``packing.py``) fills micro-batches with tree-packed or plainly packed rows; the builders
+here (``make_micro_batches``: one branch per row; ``supervised_micro_batch``) are the simple layouts.
 
 Attention is described by ``segment_ids`` and ``subtree_end``: token ``i`` may attend to token ``j``
 iff both are in the same non-zero segment, ``j <= i`` and ``i < subtree_end[j]`` (tokens laid out in
@@ -28,7 +30,12 @@ from gyre_jax.trajectory.branches import Branch
 @dataclass
 class MicroBatch:
     """tokens/positions/segment_ids/subtree_end/targets/seq_index: [B, T] int32; loss_mask/old_logprobs/
-    temperature: [B, T] float32; advantages/seq_weights: [S] float32 (S = B here)."""
+    temperature: [B, T] float32; advantages/seq_weights: [S] float32; versions: [B, T] int32 or None.
+
+    ``positions`` are RoPE positions (a token's index in its own sequence: its depth in a tree);
+    ``versions`` is the policy version that sampled each trainable target (-1 elsewhere), for
+    staleness metrics; it is not used by the loss.
+    """
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -41,6 +48,7 @@ class MicroBatch:
     seq_index: np.ndarray
     advantages: np.ndarray
     seq_weights: np.ndarray
+    versions: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -61,15 +69,22 @@ def attention_mask(segment_ids: jax.Array, subtree_end: jax.Array) -> jax.Array:
     return causal & below & same
 
 
-def _empty(b: int, t: int) -> "MicroBatch":
+def empty_micro_batch(b: int, t: int, s: int) -> "MicroBatch":
+    """An all-padding micro-batch: [b, t] token arrays, [s] sequence arrays."""
     return MicroBatch(
         tokens=np.zeros((b, t), np.int32), positions=np.zeros((b, t), np.int32),
         segment_ids=np.zeros((b, t), np.int32), subtree_end=np.zeros((b, t), np.int32),
         targets=np.zeros((b, t), np.int32), loss_mask=np.zeros((b, t), np.float32),
         old_logprobs=np.zeros((b, t), np.float32), temperature=np.ones((b, t), np.float32),
-        seq_index=np.tile(np.arange(b, dtype=np.int32)[:, None], (1, t)),
-        advantages=np.zeros((b,), np.float32), seq_weights=np.zeros((b,), np.float32),
+        seq_index=np.zeros((b, t), np.int32), advantages=np.zeros((s,), np.float32),
+        seq_weights=np.zeros((s,), np.float32), versions=np.full((b, t), -1, np.int32),
     )
+
+
+def _empty(b: int, t: int) -> "MicroBatch":
+    mb = empty_micro_batch(b, t, b)
+    mb.seq_index[:] = np.arange(b, dtype=np.int32)[:, None]  # one sequence per row
+    return mb
 
 
 def row_length(max_len: int, multiple: int = 128) -> int:
@@ -102,6 +117,7 @@ def make_micro_batches(
             mb.loss_mask[row, :n] = np.asarray(br.trainable[1:], np.float32)
             mb.old_logprobs[row, :n] = br.logprobs[1:]
             mb.temperature[row, :n] = br.temperature[1:]
+            mb.versions[row, :n] = br.versions[1:]
             mb.advantages[row] = advantages[i]
             mb.seq_weights[row] = seq_weights[i]
         out.append(mb)

@@ -221,3 +221,40 @@ def test_first_thread_stands_in_for_main_consistently_when_no_main_thread_is_nam
     assert [b.label for b in branches] == ["main", "main-summary", "subagent"]
     # With J_max = 2 the main thread's summary must outrank the sub-agent.
     assert [b.tokens[0] for b in select_branches(branches, 2)] == [1, 40]
+
+
+# -- labels from structure (no thread metadata) ----------------------------------------------------------------------
+
+END = 99  # stands for <|im_end|>: the first message (system prompt) ends at its first occurrence
+
+
+def test_structure_tells_subagents_from_summaries_within_one_thread():
+    sys_main, sys_sub = [1, 1, END], [2, 2, END]
+    records = [
+        rec(0, sys_main + [5, END], [6, END], thread="sess"),               # main
+        rec(1, sys_main + [5, END, 6, END, 7], [8], thread="sess"),         # continues main
+        rec(2, sys_sub + [9, END], [10], thread="sess"),                    # own system prompt: a sub-agent
+        rec(3, sys_sub + [9, END, 10, 11], [12], thread="sess"),            # continues the sub-agent
+        rec(4, sys_main + [30, END], [31], thread="sess"),                  # same system prompt, new history: summary
+        rec(5, sys_sub + [40, END], [41], thread="sess"),                   # the sub-agent restarted: its summary
+        rec(6, [3, 3, END, 50], [51], thread="sess"),                       # a second sub-agent
+        rec(7, sys_main + [5, END], [60], thread="sess"),                   # a retry of call 0 (shares the prompt)
+    ]
+    branches = build_branches(records, message_end_id=END)
+    assert [b.label for b in branches] == ["main", "subagent", "main-summary", "subagent-summary", "subagent",
+                                           "main-summary"]
+    assert [b.agent for b in branches] == [0, 1, 0, 1, 2, 0]
+    # Explicit thread ids win over structure: a different thread is always another agent.
+    records[4] = rec(4, sys_main + [30, END], [31], thread="other")
+    assert build_branches(records, message_end_id=END)[2].label == "subagent"
+    # Without a message end id, structure is not used: new branches of a thread are that thread's summaries.
+    assert [b.label for b in build_branches(records[:4])] == ["main", "main-summary"]
+
+
+def test_branch_builder_takes_records_in_call_order_only():
+    from gyre_jax.trajectory.branches import BranchBuilder
+
+    builder = BranchBuilder()
+    builder.add(rec(1, [1], [2]))
+    with pytest.raises(ValueError, match="call order"):
+        builder.add(rec(0, [1], [2]))
