@@ -1,15 +1,33 @@
-"""The learner: jitted gradient micro-steps and optimizer steps on a training mesh.
+"""The learner: the core training cell's optimizer and its streaming optimizer step.
 
-An optimizer step is the sum of gradients of its micro-batches (each micro-batch's loss already
-carries the step's global normalization), then one AdamW update. Weights stay fixed while the
-micro-steps of a step are computed, so their order does not change the result. A step whose
-gradients are not finite is skipped (parameters and optimizer state unchanged) and reported.
+An optimizer step is the sum of the gradients of its micro-steps, then one AdamW update (with global
+norm clipping and a learning-rate schedule). Micro-steps are claimed from a ``MicroStepQueue`` as their
+packed micro-batches become ready, by the core cell and by any satellite cells (``GradWorker``-s on
+other submeshes that pull a weight snapshot); their gradients are summed on the core's shardings by a
+``GradAccumulator``. Weights stay fixed while a step's micro-steps are computed, and the ordered
+accumulator adds gradients in slot order, so neither claim order nor who computed what changes the
+result. Each micro-batch's loss already carries the step's normalization (``seq_weights``); a step
+may also be given one more scalar (``grad_scale``, e.g. 1 / executions when that count is only known
+at the end of a streamed step).
+
+A step whose loss or gradients are not finite is skipped: parameters, optimizer state and the step
+counter are left exactly as they were (a checkpoint saved after it is the previous one's state), a
+log line says so, and ``Learner.skipped_steps`` counts it.
+
+jit boundaries: ``GradWorker`` micro-steps (params/grads on param shardings, batch over ``batch`` rows);
+``_apply`` (state and grads in with their shardings, state donated, out on the same shardings);
+the accumulator's add (donated running sum).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
+import threading
+import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +36,18 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gyre_jax.model.sharding import Rules, abstract_model, logical_sharding, param_shardings
+from gyre_jax.model.sharding import Rules, abstract_model, param_shardings
 from gyre_jax.rl import losses
-from gyre_jax.trajectory.batch import MicroBatch, attention_mask
+from gyre_jax.rl.accumulator import GradAccumulator
+from gyre_jax.rl.micro_step import GradWorker, token_logprobs
+from gyre_jax.rl.microstep_queue import MicroStepQueue, QueueAborted
+from gyre_jax.trajectory.batch import MicroBatch
+
+__all__ = ["Learner", "OptimizerConfig", "TrainState", "make_optimizer", "token_logprobs", "count_tokens", "SCHEDULES"]
+
+log = logging.getLogger("gyre_jax.learner")
+
+SCHEDULES = ("constant", "cosine", "linear")
 
 
 @jax.tree_util.register_dataclass
@@ -33,12 +60,27 @@ class TrainState:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
+    """AdamW with global-norm clipping. Learning rate: linear warmup over ``warmup_steps``, then
+    ``schedule``: ``constant``, or ``cosine`` / ``linear`` decay to ``learning_rate * min_lr_ratio`` over
+    the next ``decay_steps`` optimizer steps (constant afterwards)."""
+
     learning_rate: float
     warmup_steps: int = 0
     b1: float = 0.9
     b2: float = 0.99
     weight_decay: float = 0.0
     grad_clip_norm: float = 1.0
+    schedule: str = "constant"
+    decay_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optimizer schedule {self.schedule!r} must be one of {SCHEDULES}")
+        if self.schedule != "constant" and self.decay_steps < 1:
+            raise ValueError(f"optimizer schedule {self.schedule!r} needs decay_steps >= 1 (got {self.decay_steps})")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optimizer min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
 
     @classmethod
     def from_config_dict(cls, c) -> "OptimizerConfig":
@@ -46,50 +88,74 @@ class OptimizerConfig:
         return cls(**{k: v for k, v in dict(c).items() if k in names})
 
 
-def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-    if cfg.warmup_steps > 0:
-        lr = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    peak, end = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(peak, cfg.decay_steps, alpha=cfg.min_lr_ratio)
+    elif cfg.schedule == "linear":
+        decay = optax.linear_schedule(peak, end, cfg.decay_steps)
     else:
-        lr = cfg.learning_rate
+        decay = optax.constant_schedule(peak)
+    if cfg.warmup_steps == 0:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, cfg.warmup_steps), decay], [cfg.warmup_steps])
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    lr = learning_rate_schedule(cfg) if (cfg.warmup_steps > 0 or cfg.schedule != "constant") else cfg.learning_rate
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip_norm),
         optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
     )
 
 
-def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, mb: MicroBatch) -> jax.Array:
-    """log pi(targets | prefix) under temperature-scaled logits: [B, T] float32."""
-    model = nnx.merge(graphdef, params)
-    logits, _ = model(mb.tokens, mb.positions, attention_mask(mb.segment_ids, mb.subtree_end))
-    logits = logits / mb.temperature[..., None]
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return jnp.take_along_axis(logp, mb.targets[..., None], axis=-1)[..., 0]
-
-
 class Learner:
-    """Owns the optimizer and the jitted micro-step / apply functions for one training mesh."""
+    """The core training cell: params + the only optimizer state, its own ``GradWorker``, and the step.
+
+    Positional arguments as before; the objective is chosen by keyword (see ``losses.LossConfig``):
+    ``loss`` (gspo | gspo_token | grpo), ``clip_low`` / ``clip_high`` (None = the loss's default),
+    ``kl_coef``, ``recompute_behaviour``, ``behaviour_is_cap``. ``ordered_accumulation`` (default True)
+    makes the summed gradients bit-identical for every claim order.
+    """
 
     def __init__(self, model_cfg, graphdef: nnx.GraphDef, mesh: Mesh, rules: Rules, opt_cfg: OptimizerConfig,
-                 clip_low: float = 3e-4, clip_high: float = 4e-4):
+                 clip_low: float | None = None, clip_high: float | None = None, *, loss: str = "gspo",
+                 kl_coef: float = 0.0, recompute_behaviour: bool = False, behaviour_is_cap: float = 0.0,
+                 ordered_accumulation: bool = True, name: str = "core"):
         self.model_cfg = model_cfg
         self.graphdef = graphdef
         self.mesh = mesh
         self.rules = rules
+        self.loss_cfg = losses.LossConfig(name=loss, clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef,
+                                          recompute_behaviour=recompute_behaviour, behaviour_is_cap=behaviour_is_cap)
+        self.clip_low, self.clip_high = self.loss_cfg.clip_low, self.loss_cfg.clip_high
+        self.ordered_accumulation = ordered_accumulation
         self.tx = make_optimizer(opt_cfg)
-        self.clip_low, self.clip_high = clip_low, clip_high
-        _, abstract_params = abstract_model(model_cfg)
-        self.param_shardings = param_shardings(abstract_params, rules, mesh)
+        self.worker = GradWorker(model_cfg, graphdef, mesh, rules, self.loss_cfg, name=name)
+        self.param_shardings = self.worker.param_shardings
         self._replicated = NamedSharding(mesh, PartitionSpec())
+        _, abstract_params = abstract_model(model_cfg)
         self._abstract_params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                              abstract_params, self.param_shardings)
         self.opt_shardings = optax.tree_map_params(
             self.tx, lambda _, sh: sh, jax.eval_shape(self.tx.init, self._abstract_params), self.param_shardings,
             transform_non_params=lambda _: self._replicated)
-        self._init_opt = jax.jit(self.tx.init, out_shardings=self.opt_shardings)
-        self._rl_grads = jax.jit(self._rl_grads_impl, out_shardings=(self.param_shardings, self._replicated))
-        self._sft_grads = jax.jit(self._sft_grads_impl, out_shardings=(self.param_shardings, self._replicated))
-        self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,), out_shardings=self.param_shardings)
-        self._apply = jax.jit(self._apply_impl, donate_argnums=(0, 1))
+        self.state_shardings = TrainState(params=self.param_shardings, opt_state=self.opt_shardings, step=self._replicated)
+        self._init_opt = jax.jit(self.tx.init, in_shardings=(self.param_shardings,), out_shardings=self.opt_shardings)
+        r = self._replicated
+        self._apply = jax.jit(self._apply_impl, donate_argnums=(0,),
+                              in_shardings=(self.state_shardings, self.param_shardings, r, r),
+                              out_shardings=(self.state_shardings, r))
+        self.skipped_steps = 0  # optimizer steps skipped for non-finite loss/gradients, over this learner's life
+
+    @classmethod
+    def from_config(cls, model_cfg, graphdef: nnx.GraphDef, mesh: Mesh, rules: Rules, config, name: str = "core") -> "Learner":
+        """The RL learner a run's ``config`` describes (``config.rl`` objective keys, ``config.optimizer``)."""
+        rl = config.rl
+        return cls(model_cfg, graphdef, mesh, rules, OptimizerConfig.from_config_dict(config.optimizer),
+                   clip_low=rl.clip_low, clip_high=rl.clip_high, loss=rl.loss, kl_coef=rl.get("kl_coef", 0.0),
+                   recompute_behaviour=rl.get("recompute_behaviour", False),
+                   behaviour_is_cap=rl.get("behaviour_is_cap", 0.0), name=name)
 
     # -- state ------------------------------------------------------------------------------------
     def init_state(self, params: nnx.State, step: int = 0) -> TrainState:
@@ -101,43 +167,23 @@ class Learner:
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of a TrainState (the restore target for checkpoints)."""
         shapes = jax.eval_shape(lambda p: self.init_state(p), self._abstract_params)
-        shardings = TrainState(params=self.param_shardings, opt_state=self.opt_shardings, step=self._replicated)
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings)
 
     def batch_shardings(self, mb: MicroBatch) -> MicroBatch:
-        def one(x):
-            axes = ("batch",) + (None,) * (x.ndim - 1)
-            return logical_sharding(axes, self.rules, self.mesh, x.shape)
-
-        return jax.tree.map(one, mb)
+        return self.worker.batch_shardings(mb)
 
     def put_batch(self, mb: MicroBatch) -> MicroBatch:
-        return jax.device_put(mb, self.batch_shardings(mb))
+        return self.worker.put_batch(mb)
 
-    # -- jitted bodies ----------------------------------------------------------------------------
-    def _rl_grads_impl(self, params, mb: MicroBatch):
-        def loss_fn(p):
-            logp = token_logprobs(self.graphdef, p, mb)
-            loss, aux = losses.gspo_loss(logp, mb.old_logprobs, mb.loss_mask, mb.seq_index, mb.advantages,
-                                         mb.seq_weights, self.clip_low, self.clip_high)
-            gap = jnp.sum(jnp.abs(jax.lax.stop_gradient(logp) - mb.old_logprobs) * mb.loss_mask)
-            aux = dict(aux, logprob_gap_sum=gap, target_tokens=jnp.sum(mb.loss_mask), loss=loss)
-            return loss, aux
+    def make_satellite(self, mesh: Mesh, name: str) -> GradWorker:
+        """A ``GradWorker`` with this learner's objective on another (disjoint) mesh: a satellite cell."""
+        return GradWorker(self.model_cfg, self.graphdef, mesh, self.rules, self.loss_cfg, name=name)
 
-        grads, aux = jax.grad(loss_fn, has_aux=True)(params)
-        return grads, aux
-
-    def _sft_grads_impl(self, params, mb: MicroBatch):
-        def loss_fn(p):
-            loss = losses.token_nll_loss(token_logprobs(self.graphdef, p, mb), mb.loss_mask)
-            return loss, {"loss": loss}
-
-        grads, aux = jax.grad(loss_fn, has_aux=True)(params)
-        return grads, aux
-
-    def _apply_impl(self, state: TrainState, grads):
+    # -- jitted apply -----------------------------------------------------------------------------
+    def _apply_impl(self, state: TrainState, grads, loss, grad_scale):
+        grads = jax.tree.map(lambda g: g * grad_scale, grads)
         grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm)
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss * grad_scale)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
@@ -149,32 +195,116 @@ class Learner:
         return new_state, {"grad_norm": grad_norm, "skipped": 1 - finite.astype(jnp.int32)}
 
     # -- steps ------------------------------------------------------------------------------------
-    def micro_step(self, params: nnx.State, mb: MicroBatch, kind: str = "rl"):
-        """Gradients of one micro-batch's share of the step loss (params are not changed)."""
-        fn = self._rl_grads if kind == "rl" else self._sft_grads
-        return fn(params, self.put_batch(mb))
+    def micro_step(self, params: nnx.State, mb: MicroBatch, kind: str = "rl", ref_params: nnx.State | None = None):
+        """Gradients of one micro-batch's share of the step loss on the core mesh (params are not changed)."""
+        return self.worker.micro_step(params, mb, kind, ref_params)
 
-    def step(self, state: TrainState, micro_batches: list[MicroBatch], kind: str = "rl") -> tuple[TrainState, dict]:
-        """One optimizer step over ``micro_batches`` (summed gradients). Returns the new state and metrics."""
+    def step(self, state: TrainState, micro_batches: list[MicroBatch], kind: str = "rl", *,
+             ref_params: nnx.State | None = None, satellites: Sequence[GradWorker] = (),
+             grad_scale: float = 1.0) -> tuple[TrainState, dict]:
+        """One optimizer step over ``micro_batches`` (all known up front). Returns the new state and metrics.
+
+        ``state`` is donated: use the returned one."""
         if not micro_batches:
             raise ValueError("an optimizer step needs at least one micro-batch")
-        total = None
-        aux_sum: dict[str, float] = {}
+        queue = MicroStepQueue(len(micro_batches))
         for mb in micro_batches:
-            grads, aux = self.micro_step(state.params, mb, kind)
-            total = grads if total is None else self._add(total, grads)
-            for k, v in jax.device_get(aux).items():
-                aux_sum[k] = aux_sum.get(k, 0.0) + float(v)
-        state, apply_metrics = self._apply(state, total)
-        metrics = dict(aux_sum)
-        metrics.update({k: float(v) for k, v in jax.device_get(apply_metrics).items()})
+            queue.put(mb)
+        queue.close()
+        return self.stream_step(state, queue, kind, ref_params=ref_params, satellites=satellites, grad_scale=grad_scale)
+
+    def stream_step(self, state: TrainState, queue: MicroStepQueue, kind: str = "rl", *,
+                    ref_params: nnx.State | None = None, satellites: Sequence[GradWorker] = (),
+                    grad_scale: float = 1.0, timeout: float | None = None) -> tuple[TrainState, dict]:
+        """One optimizer step whose micro-batches arrive in ``queue`` while it runs.
+
+        The core claims micro-steps in this thread; each satellite in its own thread first pulls a snapshot
+        of ``state.params`` (and ``ref_params``) onto its mesh, then claims. A satellite that fails gives its
+        claim back and stops (logged, counted in ``worker_errors``); a failure on the core aborts the step
+        and raises, leaving ``state`` untouched. ``timeout``: seconds any worker may wait for a micro-batch.
+        """
+        t0 = time.perf_counter()
+        acc = GradAccumulator(self.param_shardings, queue.num_micro_steps, ordered=self.ordered_accumulation)
+        errors: list[tuple[str, BaseException]] = []
+        threads = []
+        for sat in satellites:
+            th = threading.Thread(target=self._satellite_loop, name=f"microsteps-{sat.name}", daemon=True,
+                                  args=(sat, state.params, ref_params, queue, acc, kind, timeout, errors))
+            th.start()
+            threads.append(th)
+        try:
+            self._work(self.worker, state.params, ref_params, queue, acc, kind, timeout)
+            queue.wait()
+        except BaseException as e:
+            queue.abort(e)
+            raise
+        finally:
+            for th in threads:
+                th.join()
+        for i in queue.empty_slots():
+            acc.mark_empty(i)
+        grads, aux, num_micro = acc.result()
+        t_grads = time.perf_counter() - t0
+        loss = aux.get("loss", 0.0)
+        state, applied = self._apply(state, grads, jnp.asarray(loss, jnp.float32), jnp.asarray(grad_scale, jnp.float32))
+        applied = {k: float(v) for k, v in jax.device_get(applied).items()}
+        metrics = self._finish_metrics(aux, kind, grad_scale)
+        metrics.update(applied)
+        metrics.update(micro_steps=num_micro, micro_steps_core=queue.completed_by.get(self.worker.name, 0),
+                       micro_steps_released=queue.released, worker_errors=len(errors), grads_s=t_grads,
+                       learner_s=time.perf_counter() - t0)
+        if metrics["skipped"]:
+            self.skipped_steps += 1
+            what = "loss" if not math.isfinite(metrics["loss"]) else "gradients"
+            log.error("optimizer step skipped: non-finite %s (loss %s, grad norm %s); params, optimizer state and "
+                      "policy version %d unchanged (%d skipped so far)", what, metrics["loss"], metrics["grad_norm"],
+                      int(state.step), self.skipped_steps)
+        metrics["skipped_total"] = self.skipped_steps
+        return state, metrics
+
+    # -- internals --------------------------------------------------------------------------------
+    @staticmethod
+    def _work(worker: GradWorker, params, ref_params, queue: MicroStepQueue, acc: GradAccumulator, kind: str,
+              timeout: float | None) -> None:
+        """Claims, computes and completes micro-steps until the step is done."""
+        while (claim := queue.claim(worker.name, timeout)) is not None:
+            try:
+                grads, aux = worker.micro_step(params, claim.batch, kind, ref_params)
+                acc.add(claim.index, grads, aux)
+            except BaseException:
+                try:
+                    queue.release(claim)
+                except (QueueAborted, ValueError):
+                    pass
+                raise
+            queue.complete(claim)
+
+    def _satellite_loop(self, sat: GradWorker, core_params, ref_params, queue: MicroStepQueue, acc: GradAccumulator,
+                        kind: str, timeout: float | None, errors: list) -> None:
+        try:
+            params = sat.snapshot(core_params)
+            ref = sat.snapshot(ref_params) if ref_params is not None and self.loss_cfg.kl_coef > 0 else None
+            self._work(sat, params, ref, queue, acc, kind, timeout)
+        except QueueAborted:
+            pass  # the core failed and already raises
+        except BaseException as e:  # noqa: BLE001 - a satellite failure must not take the step down
+            errors.append((sat.name, e))
+            log.error("satellite %s failed during a step (its micro-step goes back to the queue): %r", sat.name, e)
+
+    @staticmethod
+    def _finish_metrics(aux: dict[str, float], kind: str, grad_scale: float) -> dict:
+        metrics = dict(aux)
+        metrics["loss"] = metrics.get("loss", 0.0) * grad_scale
         if kind == "rl":
+            metrics["policy_loss"] = metrics.get("policy_loss", 0.0) * grad_scale
             n = max(metrics.pop("target_tokens", 0.0), 1.0)
             metrics["logprob_gap"] = metrics.pop("logprob_gap_sum", 0.0) / n
             w = max(metrics.pop("weight_sum", 0.0), 1e-12)
             metrics["clip_fraction"] = metrics.get("clip_fraction", 0.0) / w
             metrics["ratio_mean"] = metrics.get("ratio_mean", 0.0) / w
-        return state, metrics
+            if "kl" in metrics:
+                metrics["kl"] = metrics["kl"] / w
+        return metrics
 
 
 def count_tokens(micro_batches: list[MicroBatch]) -> tuple[int, int]:

@@ -1,0 +1,138 @@
+"""Gradient micro-steps on one mesh: the unit of work a training cell (core or satellite) performs.
+
+A ``GradWorker`` owns the jitted ``params, micro-batch -> (grads, metrics)`` function for one mesh, with
+explicit shardings: params in and grads out on the mesh's parameter shardings (from the logical-axis
+rules), the micro-batch split over ``batch`` rows, metrics replicated. It holds no optimizer state:
+the core cell's ``Learner`` owns that, and a satellite cell is just another ``GradWorker`` on its own
+submesh that pulls a weight snapshot (``snapshot``: device-to-device ``jax.device_put``) at step start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from gyre_jax.model.sharding import Rules, abstract_model, logical_sharding, param_shardings
+from gyre_jax.rl import losses
+from gyre_jax.trajectory.batch import MicroBatch, attention_mask
+
+KINDS = ("rl", "sft")
+
+
+def _logprobs_and_aux(graphdef: nnx.GraphDef, params: nnx.State, mb: MicroBatch, with_aux: bool):
+    """([B, T] log-probs of the targets, [] MoE load-balancing loss or None)."""
+    model = nnx.merge(graphdef, params)
+    mask = attention_mask(mb.segment_ids, mb.subtree_end)  # [B, T, T] bool
+    if with_aux:
+        logits, _, aux = model(mb.tokens, mb.positions, mask, return_aux=True)  # logits: [B, T, V]
+        lb = aux.load_balancing_loss
+    else:
+        (logits, _), lb = model(mb.tokens, mb.positions, mask), None
+    logits = logits / mb.temperature[..., None]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(logp, mb.targets[..., None], axis=-1)[..., 0], lb
+
+
+def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, mb: MicroBatch) -> jax.Array:
+    """log pi(targets | prefix) under temperature-scaled logits: [B, T] float32."""
+    return _logprobs_and_aux(graphdef, params, mb, with_aux=False)[0]
+
+
+class GradWorker:
+    """Jitted gradient micro-steps for one mesh. ``micro_step`` never changes the params it is given."""
+
+    def __init__(self, model_cfg, graphdef: nnx.GraphDef, mesh: Mesh, rules: Rules,
+                 loss_cfg: losses.LossConfig | None = None, name: str = "core"):
+        self.model_cfg = model_cfg
+        self.graphdef = graphdef
+        self.mesh = mesh
+        self.rules = rules
+        self.loss_cfg = loss_cfg or losses.LossConfig()
+        self.name = name
+        # MoE models add router_aux_loss_coef x the load-balancing loss, weighted by each micro-batch's share
+        # of the step's loss weight (so micro-steps still sum to the step's objective).
+        self.moe_coef = float(model_cfg.router_aux_loss_coef) if getattr(model_cfg, "is_moe", False) else 0.0
+        _, abstract_params = abstract_model(model_cfg)
+        self.param_shardings = param_shardings(abstract_params, rules, mesh)
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        # Batch shardings are stated by ``put_batch`` (their shapes vary per micro-batch); params are fixed.
+        grads_out = (self.param_shardings, self.replicated)
+        self._rl_grads = jax.jit(self._rl_grads_impl, in_shardings=(self.param_shardings, None, None),
+                                 out_shardings=grads_out)
+        self._sft_grads = jax.jit(self._sft_grads_impl, in_shardings=(self.param_shardings, None), out_shardings=grads_out)
+
+    # -- placement ------------------------------------------------------------------------------
+    def snapshot(self, params: nnx.State) -> nnx.State:
+        """``params`` (from any mesh) on this worker's parameter shardings: a device-to-device copy, or the
+        same arrays when they already live there."""
+        return jax.device_put(params, self.param_shardings)
+
+    def batch_shardings(self, mb: MicroBatch) -> MicroBatch:
+        """Rows (dimension 0 of every array, ``[S]`` per-sequence arrays too) over the ``batch`` rule's axes."""
+
+        def one(x):
+            axes = ("batch",) + (None,) * (x.ndim - 1)
+            return logical_sharding(axes, self.rules, self.mesh, x.shape)
+
+        return jax.tree.map(one, mb)
+
+    def put_batch(self, mb: MicroBatch) -> MicroBatch:
+        """The micro-batch on this mesh. Fields the objective does not read (``versions``: staleness
+        bookkeeping) stay on the host, so they neither travel nor change the jitted signature."""
+        if getattr(mb, "versions", None) is not None:
+            mb = dataclasses.replace(mb, versions=None)
+        return jax.device_put(mb, self.batch_shardings(mb))
+
+    # -- jitted bodies ----------------------------------------------------------------------------
+    def _rl_grads_impl(self, params, mb: MicroBatch, ref_params):
+        ref_logp = None
+        if ref_params is not None:
+            ref_logp = jax.lax.stop_gradient(token_logprobs(self.graphdef, ref_params, mb))
+
+        def loss_fn(p):
+            logp, lb = _logprobs_and_aux(self.graphdef, p, mb, with_aux=self.moe_coef > 0)
+            loss, aux = losses.rl_objective(logp, mb.old_logprobs, mb.loss_mask, mb.seq_index, mb.advantages,
+                                            mb.seq_weights, self.loss_cfg, ref_logp)
+            if lb is not None:
+                share = jnp.sum(losses.token_weights(mb.loss_mask, mb.seq_index, mb.seq_weights)[1])
+                loss, aux = self._add_load_balancing(loss, aux, lb, share)
+            return loss, aux
+
+        grads, aux = jax.grad(loss_fn, has_aux=True)(params)
+        return grads, aux
+
+    def _add_load_balancing(self, loss, aux, lb, share):
+        term = self.moe_coef * lb * share
+        return loss + term, dict(aux, loss=aux["loss"] + term, load_balancing_loss=lb * share)
+
+    def _sft_grads_impl(self, params, mb: MicroBatch):
+        def loss_fn(p):
+            logp, lb = _logprobs_and_aux(self.graphdef, p, mb, with_aux=self.moe_coef > 0)
+            loss = losses.token_nll_loss(logp, mb.loss_mask)
+            aux = {"loss": loss}
+            if lb is not None:  # loss_mask holds the step-normalized token weights: their sum is this share
+                loss, aux = self._add_load_balancing(loss, aux, lb, jnp.sum(mb.loss_mask))
+            return loss, aux
+
+        grads, aux = jax.grad(loss_fn, has_aux=True)(params)
+        return grads, aux
+
+    # -- the micro-step -------------------------------------------------------------------------
+    def micro_step(self, params: nnx.State, mb: MicroBatch, kind: str = "rl", ref_params: nnx.State | None = None):
+        """(grads on this mesh's param shardings, metrics dict of [] arrays) of one micro-batch's share of
+        the step loss. ``params`` (and ``ref_params``) must already be on this mesh (see ``snapshot``)."""
+        if kind not in KINDS:
+            raise ValueError(f"micro-step kind {kind!r} must be one of {KINDS}")
+        batch = self.put_batch(mb)
+        if kind == "sft":
+            return self._sft_grads(params, batch)
+        if self.loss_cfg.kl_coef > 0.0 and ref_params is None:
+            raise ValueError(f"loss kl_coef={self.loss_cfg.kl_coef} > 0 needs ref_params (the reference policy's "
+                             "params on this mesh); pass ref_params= or set kl_coef=0")
+        if self.loss_cfg.kl_coef == 0.0:
+            ref_params = None  # no reference forward pass when the KL term is off
+        return self._rl_grads(params, batch, ref_params)
