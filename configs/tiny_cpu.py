@@ -62,8 +62,12 @@ def get_config() -> config_dict.ConfigDict:
     c.serving = config_dict.ConfigDict()
     c.serving.max_concurrent_decodes = 16  # decode slots per cell
     c.serving.max_seq_len = 1024  # KV cache length per slot (prompt + completion)
-    c.serving.max_prefill_length = 1024
+    c.serving.max_prefill_length = 256  # tokens per prefill call: longer prompts are prefilled in chunks between decode steps
     c.serving.prefill_buckets = (128, 256, 512, 1024)
+    c.serving.page_size = 16  # tokens per KV page (divides max_seq_len)
+    c.serving.kv_pages = 1024  # session prefix cache budget per cell, in pages (0 = no cache); 1024 x 16 = 16K tokens
+    c.serving.on_weight_update = "continue"  # in-flight requests: continue on their KV | recompute it under the new weights
+    c.serving.reuse_stale_kv = False  # reuse cached KV computed by an older policy version (off: flushed on update)
 
     c.proxy = config_dict.ConfigDict()
     c.proxy.host = "127.0.0.1"
@@ -95,6 +99,19 @@ def get_config() -> config_dict.ConfigDict:
     c.rl.clip_high = 4e-4
     c.rl.max_branches = 5  # J_max
     c.rl.micro_batch_size = 8  # sequences per micro-step
+    # Objective (docs/learner.md): loss in gspo | gspo_token | grpo (grpo: set clip_low=0.2, clip_high=0.28).
+    c.rl.kl_coef = 0.0  # k3 KL to the reference (warm-start) policy; 0 = off, no reference forward pass
+    c.rl.recompute_behaviour = False  # False: pi_old = behaviour log-probs recorded by the proxy
+    c.rl.behaviour_is_cap = 0.0  # with recompute_behaviour: truncated behaviour importance weight (0 = off)
+    c.rl.max_staleness = 4  # eta: executions more policy versions behind are dropped (-1 = no bound)
+    c.rl.micro_steps_per_step = 0  # fixed micro-steps per optimizer step; 0 = as many as the step's data needs
+
+    # Trajectory processor (docs/trajectory.md): records -> trees -> J_max branches (rl.max_branches) -> packed rows.
+    c.trajectory = config_dict.ConfigDict()
+    c.trajectory.packing = "tree"  # tree: shared prefixes computed once (ancestor-only attention) | plain: one branch per sequence
+    c.trajectory.row_length = 1024  # tokens per packed row; >= serving.max_seq_len so every branch fits a row
+    c.trajectory.tokens_per_micro_batch = 8192  # rows per micro-batch = this / row_length (fixed shape: one compile)
+    c.trajectory.max_sequences_per_micro_batch = 64  # sequence slots per micro-batch (GSPO ratios, advantages, weights)
 
     c.optimizer = config_dict.ConfigDict()
     c.optimizer.learning_rate = 3e-4
@@ -103,6 +120,9 @@ def get_config() -> config_dict.ConfigDict:
     c.optimizer.b2 = 0.99
     c.optimizer.weight_decay = 0.0
     c.optimizer.grad_clip_norm = 1.0
+    c.optimizer.schedule = "constant"  # after warmup: constant | cosine | linear decay over decay_steps
+    c.optimizer.decay_steps = 0
+    c.optimizer.min_lr_ratio = 0.0  # the decayed learning rate ends at learning_rate * min_lr_ratio
 
     # Supervised warm start on the suite's built-in demonstrations, before RL step 0.
     c.warm_start = config_dict.ConfigDict()

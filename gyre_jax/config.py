@@ -22,10 +22,12 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny_cpu.py"
 
 POLICIES = ("colocated", "async", "elastic")
 SUPPORTED_POLICIES = ("colocated",)
-LOSSES = ("gspo",)
+LOSSES = ("gspo", "gspo_token", "grpo")  # gyre_jax.rl.losses.POLICY_LOSSES
+SCHEDULES = ("constant", "cosine", "linear")  # gyre_jax.rl.learner.SCHEDULES
 PLATFORMS = ("cpu", "gpu", "tpu")
 DTYPES = ("float32", "bfloat16")
 MESH_AXES = ("data", "fsdp", "tensor")
+OPTIONAL_MESH_AXES = ("expert",)  # config.mesh.expert (default 1): MoE experts split over it
 TASK_KINDS = ("copy", "upper", "reverse")
 
 
@@ -178,7 +180,7 @@ def _require(cond: bool, message: str) -> None:
 
 
 def device_count(config: config_dict.ConfigDict) -> int:
-    return config.mesh.data * config.mesh.fsdp * config.mesh.tensor
+    return config.mesh.data * config.mesh.fsdp * config.mesh.tensor * config.mesh.get("expert", 1)
 
 
 def validate(config: config_dict.ConfigDict) -> None:
@@ -196,7 +198,7 @@ def validate(config: config_dict.ConfigDict) -> None:
     if c.devices.platform == "cpu":
         _require(
             n == c.devices.num_cpu_devices,
-            f"config.mesh data*fsdp*tensor = {n} must equal config.devices.num_cpu_devices={c.devices.num_cpu_devices}",
+            f"config.mesh data*fsdp*tensor*expert = {n} must equal config.devices.num_cpu_devices={c.devices.num_cpu_devices}",
         )
     _require(c.cells.num_cells >= 1, f"config.cells.num_cells={c.cells.num_cells} must be >= 1")
     _require(n % c.cells.num_cells == 0, f"config.cells.num_cells={c.cells.num_cells} must divide the {n} devices of the mesh")
@@ -212,7 +214,8 @@ def validate(config: config_dict.ConfigDict) -> None:
     for logical, mesh_axes in rules:
         targets = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
         for t in targets:
-            _require(t in MESH_AXES, f"config.sharding_rules: {logical!r} maps to unknown mesh axis {t!r}; mesh axes are {MESH_AXES}")
+            _require(t in MESH_AXES + OPTIONAL_MESH_AXES,
+                     f"config.sharding_rules: {logical!r} maps to unknown mesh axis {t!r}; mesh axes are {MESH_AXES + OPTIONAL_MESH_AXES}")
         _require(len(set(targets)) == len(targets), f"config.sharding_rules: {logical!r} names a mesh axis twice: {targets}")
 
     m = c.model
@@ -222,6 +225,12 @@ def validate(config: config_dict.ConfigDict) -> None:
     _require(m.head_dim % 2 == 0, f"config.model.head_dim={m.head_dim} must be even (rotary embedding)")
     _require(m.dtype in DTYPES, f"config.model.dtype={m.dtype!r} must be one of {DTYPES}")
     _require(m.param_dtype in DTYPES, f"config.model.param_dtype={m.param_dtype!r} must be one of {DTYPES}")
+    from gyre_jax.model.config import ModelConfig
+
+    try:  # MoE, RoPE scaling, remat and the other optional model keys
+        ModelConfig.from_config_dict(m)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config.model: {exc}") from None
     from gyre_jax.proxy.chat_template import TOOLS_FORMATS
 
     _require(c.tokenizer.tools_format in TOOLS_FORMATS,
@@ -242,6 +251,13 @@ def validate(config: config_dict.ConfigDict) -> None:
              f"config.serving.prefill_buckets={buckets} must be a non-empty increasing sequence of lengths")
     _require(buckets[-1] >= s.max_prefill_length,
              f"config.serving.prefill_buckets={buckets}: the largest bucket must be >= serving.max_prefill_length={s.max_prefill_length}")
+    _require(s.page_size >= 1 and s.max_seq_len % s.page_size == 0,
+             f"config.serving.page_size={s.page_size} must be >= 1 and divide serving.max_seq_len={s.max_seq_len}")
+    _require(s.kv_pages >= 0, f"config.serving.kv_pages={s.kv_pages} must be >= 0 (0 disables the session prefix cache)")
+    _require(s.on_weight_update in ("continue", "recompute"),
+             f"config.serving.on_weight_update={s.on_weight_update!r} must be 'continue' or 'recompute'")
+    _require(not (s.on_weight_update == "recompute" and s.reuse_stale_kv),
+             "config.serving.reuse_stale_kv=True contradicts on_weight_update='recompute' (which recomputes KV under new weights)")
 
     p = c.proxy
     _require(0 <= p.port <= 65535, f"config.proxy.port={p.port} must be in [0, 65535] (0 picks a free port)")
@@ -275,6 +291,23 @@ def validate(config: config_dict.ConfigDict) -> None:
     _require(rl.clip_high >= 0, f"config.rl.clip_high={rl.clip_high} must be >= 0")
     _require(rl.max_branches >= 1, f"config.rl.max_branches={rl.max_branches} must be >= 1")
     _require(rl.micro_batch_size >= 1, f"config.rl.micro_batch_size={rl.micro_batch_size} must be >= 1")
+    _require(rl.get("kl_coef", 0.0) >= 0, f"config.rl.kl_coef={rl.get('kl_coef')} must be >= 0 (0 turns the KL term off)")
+    _require(rl.get("behaviour_is_cap", 0.0) >= 0, f"config.rl.behaviour_is_cap={rl.get('behaviour_is_cap')} must be >= 0 (0 = off)")
+    _require(rl.get("behaviour_is_cap", 0.0) == 0 or rl.get("recompute_behaviour", False),
+             "config.rl.behaviour_is_cap > 0 needs config.rl.recompute_behaviour=True")
+    _require(rl.get("max_staleness", -1) >= -1, f"config.rl.max_staleness={rl.get('max_staleness')} must be >= 0 (or -1: no bound)")
+    _require(rl.get("micro_steps_per_step", 0) >= 0,
+             f"config.rl.micro_steps_per_step={rl.get('micro_steps_per_step')} must be >= 0 (0 = as many as the data needs)")
+    if "trajectory" in c:
+        t = c.trajectory
+        _require(t.packing in ("tree", "plain"), f"config.trajectory.packing={t.packing!r} must be 'tree' or 'plain'")
+        _require(t.row_length >= s.max_seq_len, f"config.trajectory.row_length={t.row_length} must be >= "
+                 f"serving.max_seq_len={s.max_seq_len} (a branch can be that long and must fit one row)")
+        _require(t.tokens_per_micro_batch >= t.row_length and t.tokens_per_micro_batch % t.row_length == 0,
+                 f"config.trajectory.tokens_per_micro_batch={t.tokens_per_micro_batch} must be a positive multiple of "
+                 f"trajectory.row_length={t.row_length} (micro-batches are rows x row_length tokens)")
+        _require(t.max_sequences_per_micro_batch >= 1,
+                 f"config.trajectory.max_sequences_per_micro_batch={t.max_sequences_per_micro_batch} must be >= 1")
 
     o = c.optimizer
     _require(o.learning_rate > 0 and math.isfinite(o.learning_rate), f"config.optimizer.learning_rate={o.learning_rate} must be > 0")
@@ -282,6 +315,10 @@ def validate(config: config_dict.ConfigDict) -> None:
     _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"config.optimizer.b1={o.b1}, b2={o.b2} must be in [0, 1)")
     _require(o.weight_decay >= 0, f"config.optimizer.weight_decay={o.weight_decay} must be >= 0")
     _require(o.grad_clip_norm > 0, f"config.optimizer.grad_clip_norm={o.grad_clip_norm} must be > 0")
+    _require(o.get("schedule", "constant") in SCHEDULES, f"config.optimizer.schedule={o.get('schedule')!r} must be one of {SCHEDULES}")
+    _require(o.get("schedule", "constant") == "constant" or o.get("decay_steps", 0) >= 1,
+             f"config.optimizer.schedule={o.get('schedule')!r} needs config.optimizer.decay_steps >= 1")
+    _require(0 <= o.get("min_lr_ratio", 0.0) <= 1, f"config.optimizer.min_lr_ratio={o.get('min_lr_ratio')} must be in [0, 1]")
 
     w = c.warm_start
     _require(w.steps >= 0, f"config.warm_start.steps={w.steps} must be >= 0")

@@ -45,7 +45,7 @@ from gyre_jax.proxy.server import ProxyServer
 from gyre_jax.proxy.tito import render_demonstration
 from gyre_jax.rl.advantages import group_advantages
 from gyre_jax.rl.learner import Learner, OptimizerConfig, TrainState, count_tokens
-from gyre_jax.rollout.executor import ExecutionResult, ExecutionSpec, Executor
+from gyre_jax.rollout.executor import ExecutionResult, ExecutionSpec, Executor, summarize
 from gyre_jax.rollout.tasks import BuiltinSuite
 from gyre_jax.serving.engine import Engine
 from gyre_jax.serving.loop import ServingLoop
@@ -144,6 +144,7 @@ class Trainer:
                                  host=config.proxy.host, port=config.proxy.port,
                                  max_request_bytes=config.proxy.max_request_bytes, seed=config.seed,
                                  default_max_tokens=config.rollout.max_tokens_per_call,
+                                 max_tokens_cap=config.rollout.max_tokens_per_call,
                                  tools_format=config.tokenizer.tools_format).start()
         self.executor = Executor(self.proxy, self.proxy.base_url, self.workdir / "executions",
                                  model_name=config.proxy.model_name, timeout_s=config.rollout.timeout_s,
@@ -388,14 +389,17 @@ class Trainer:
         t_train = time.time() - t1
         valid = [r.reward for r in results if not r.excluded]
         calls = [len(self.records.read(r.execution_id)) for r in results]
+        counts = summarize(results)
         metrics = {
             "phase": "train",
-            "reward_mean": float(np.mean(valid)) if valid else float("nan"),
+            "reward_mean": counts["reward_mean"],
             "pass_rate": float(np.mean([v >= 1.0 for v in valid])) if valid else float("nan"),
-            "excluded": sum(r.excluded for r in results),
-            "timeouts": sum(r.status == "timeout" for r in results),
-            "crashed": sum(r.status == "crashed" for r in results),
-            "executions": len(results),
+            "excluded": counts["excluded"],
+            "timeouts": counts["timeouts"],
+            "crashed": counts["crashed"],
+            "evaluator_failures": counts["evaluator_failures"],
+            "evaluator_timeouts": counts["evaluator_timeouts"],
+            "executions": counts["executions"],
             "calls_per_execution": float(np.mean(calls)) if calls else 0.0,
             "rollout_s": t_rollout,
             "train_s": t_train,

@@ -1,16 +1,43 @@
-"""Scheduling policies: plain Python objects (no JAX) that decide each cell's role from rollout events.
+"""Scheduling policies: plain Python objects (no JAX) that decide each cell's role and how many executions
+to dispatch, from rollout events and the facts the driver keeps.
 
-The same policy objects drive the real controller and the simulator. A policy sees events (a step
-began, an execution was dispatched / started / finished, a step finished training) together with
-the rollout waterlevel (counters d dispatched, p started, f finished; outstanding w = d - f), and
-returns the roles it wants every cell to have.
+The same policy objects drive the real controller and the simulator (``gyre_jax.sim``). The driver (the
+controller or the simulator) owns the facts: cell roles, slots per cell, the rollout waterlevel
+(counters d dispatched, p started, f finished; outstanding w = d - f), the policy version, and where
+the step being trained stands. After every event it calls
+
+    decision = policy.plan(event, state)        # Event, ClusterState -> Decision
+
+and carries the decision out:
+
+1. ``decision.roles[c]`` is the role cell ``c`` should have (SERVING or TRAINING). For a cell whose
+   current role differs and that is not already switching, the driver starts a switch: the role becomes
+   SWITCHING at once (a training cell finishes its micro-step first) and a ``switched`` event follows
+   when the cell has its new role. A serving cell that leaves stops taking new sessions and moves its
+   sessions to the serving cell that stays longest (the last one in the leave order).
+2. ``decision.dispatch`` more executions may be launched now, the next ones in task order (step by
+   step). Each starts on a serving cell with a free slot or waits for one (dispatched, not started).
+3. Cells in the TRAINING role claim micro-steps of step ``state.version`` from the shared queue
+   (fast cells take more); the core cell (cell 0) holds the only optimizer state and applies the
+   optimizer step once every micro-step of the step is done. Weights stay fixed within a step.
+
+Events the driver must send (one event may stand for several executions that changed at the same
+instant; the counters in ``state`` carry the numbers): ``started``, ``finished`` (the harness ended:
+finished, timed out or crashed; its slot is free), ``data_ready`` (an execution was evaluated and its
+micro-steps are in the queue), ``micro_step_done``, ``step_trained`` (the optimizer step was applied;
+``state.version`` already counts it), ``switched``. Optional: ``step_began``, ``dispatched``, ``tick``.
+
+A policy's decisions depend only on the events and states it was given, so the same sequence gives the
+same decisions in the controller and in the simulator (tested in ``tests/elastic/test_policies.py``).
+The trainer's older call ``decide(event, waterlevel, roles) -> roles`` still works for the colocated
+policy: the policy then keeps the step facts itself from the events.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class Role(str, enum.Enum):
@@ -21,29 +48,118 @@ class Role(str, enum.Enum):
 
 @dataclass
 class Waterlevel:
-    dispatched: int = 0  # d(t)
-    started: int = 0  # p(t)
-    finished: int = 0  # f(t)
+    dispatched: int = 0  # d(t): executions handed to the executor
+    started: int = 0  # p(t): executions whose session holds a serving slot
+    finished: int = 0  # f(t): executions whose harness ended (finished, timed out or crashed)
 
     @property
     def outstanding(self) -> int:
         """w = d - f: executions dispatched and not yet finished."""
         return self.dispatched - self.finished
 
+    @property
+    def queued(self) -> int:
+        """d - p: executions dispatched that wait for a serving slot."""
+        return self.dispatched - self.started
+
+
+EVENT_KINDS = ("step_began", "dispatched", "started", "finished", "data_ready", "micro_step_done", "step_trained",
+               "switched", "tick")
+
 
 @dataclass(frozen=True)
 class Event:
-    """kind: "step_began" | "dispatched" | "started" | "finished" | "step_trained"."""
+    """kind: one of ``EVENT_KINDS``; ``step`` is the RL step the event belongs to; ``time`` in seconds.
+
+    ``executions_in_step`` is set on ``step_began``; ``cell`` on ``switched`` and ``micro_step_done``.
+    """
 
     kind: str
     step: int
     time: float
     execution_id: str | None = None
     executions_in_step: int = 0
+    cell: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in EVENT_KINDS:
+            raise ValueError(f"unknown event kind {self.kind!r} (expected one of {', '.join(EVENT_KINDS)})")
+
+
+@dataclass
+class ClusterState:
+    """The facts a policy decides from, kept by the driver and handed over with every event.
+
+    Per-cell lists have one entry per cell (cell 0 is the core). ``targets[c]`` is the role a SWITCHING
+    cell is moving to (None for cells that are not switching). ``busy[c]`` is True while a training cell
+    computes a micro-step or the optimizer step. The ``step_*`` counters, ``ready`` and ``in_flight``
+    describe step ``version`` (the step that trains next): its executions dispatched, finished (harness
+    ended) and processed (micro-steps queued), micro-steps ready to claim and being computed.
+    ``batch_size`` is the number of executions per step (N); ``undispatched`` how many executions the run
+    still has to dispatch before its last step (None: no end in sight). ``due_outstanding`` counts the
+    executions of steps <= ``version`` dispatched and not finished (w restricted to the steps the
+    trainer is waiting for); ``held`` the sessions that lost their slot to a leaving cell and wait for one.
+    """
+
+    time: float
+    roles: list[Role]
+    capacity: list[int]
+    waterlevel: Waterlevel = field(default_factory=Waterlevel)
+    targets: list[Role | None] | None = None
+    busy: list[bool] | None = None
+    version: int = 0
+    batch_size: int = 0
+    step_dispatched: int = 0
+    step_finished: int = 0
+    step_processed: int = 0
+    ready: int = 0
+    in_flight: int = 0
+    undispatched: int | None = None
+    due_outstanding: int = 0
+    held: int = 0
+
+    @property
+    def num_cells(self) -> int:
+        return len(self.roles)
+
+    def effective_role(self, cell: int) -> Role:
+        """The role a cell has, or is switching to."""
+        role = self.roles[cell]
+        if role is Role.SWITCHING:
+            target = self.targets[cell] if self.targets is not None else None
+            if target is None:
+                raise ValueError(f"cell {cell} is switching but state.targets[{cell}] is not set")
+            return target
+        return role
+
+    def is_busy(self, cell: int) -> bool:
+        return bool(self.busy[cell]) if self.busy is not None else False
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``roles``: the role each cell should have (SERVING or TRAINING); ``dispatch``: executions that may be
+    launched now (0 or more)."""
+
+    roles: list[Role]
+    dispatch: int = 0
+
+
+def admissible(state: ClusterState, max_staleness: int) -> int:
+    """Executions that may be dispatched under staleness bound eta (AReaL's admission rule).
+
+    Batch k (executions k*N ... (k+1)*N - 1) may start once the policy version is at least k - eta, so at
+    most (eta + version + 1) * N executions are ever dispatched: none is trained more than eta versions
+    after the weights it started with.
+    """
+    if state.batch_size <= 0:
+        return 0
+    allowed = max(0, (max_staleness + state.version + 1) * state.batch_size - state.waterlevel.dispatched)
+    return allowed if state.undispatched is None else min(allowed, state.undispatched)
 
 
 class SchedulingPolicy(abc.ABC):
-    """Interface: ``decide(event, waterlevel, roles) -> roles`` (one role per cell)."""
+    """Interface: ``initial_roles()`` and ``plan(event, state) -> Decision`` (see the module docstring)."""
 
     name = "base"
 
@@ -51,36 +167,220 @@ class SchedulingPolicy(abc.ABC):
         if num_cells < 1:
             raise ValueError(f"num_cells={num_cells} must be >= 1")
         self.num_cells = num_cells
+        self._compat: _CompatState | None = None
 
     def initial_roles(self) -> list[Role]:
         return [Role.SERVING] * self.num_cells
 
     @abc.abstractmethod
+    def plan(self, event: Event, state: ClusterState) -> Decision:
+        """The roles every cell should have after ``event``, and how many executions to dispatch now."""
+
     def decide(self, event: Event, waterlevel: Waterlevel, roles: list[Role]) -> list[Role]:
-        """The roles every cell should have after ``event``."""
+        """Older call used by the trainer: roles only; the step facts are kept here from the events
+        (``step_began`` with ``executions_in_step``, ``finished``, ``step_trained``)."""
+        if self._compat is None:
+            self._compat = _CompatState()
+        state = self._compat.update(event, waterlevel, roles)
+        return self.plan(event, state).roles
+
+    def _check(self, state: ClusterState) -> None:
+        if state.num_cells != self.num_cells:
+            raise ValueError(f"{self.name} policy has {self.num_cells} cells but the state has {state.num_cells}")
+
+
+class _CompatState:
+    """Step facts for ``decide(event, waterlevel, roles)``, derived from the events alone."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.batch_size = 0
+        self.finished_before_step = 0
+
+    def update(self, event: Event, waterlevel: Waterlevel, roles: list[Role]) -> ClusterState:
+        if event.kind == "step_began":
+            self.batch_size = event.executions_in_step
+            self.finished_before_step = waterlevel.finished
+        elif event.kind == "step_trained":
+            self.version += 1
+            self.batch_size = 0
+        return ClusterState(time=event.time, roles=list(roles), capacity=[0] * len(roles), waterlevel=waterlevel,
+                            version=self.version, batch_size=self.batch_size,
+                            step_finished=waterlevel.finished - self.finished_before_step)
 
 
 class ColocatedPolicy(SchedulingPolicy):
-    """All cells serve until every execution of the step has finished, then all cells train."""
+    """All cells serve until every execution of the step has finished, then all cells train; on-policy.
+
+    The next step's executions are dispatched once the step is trained (staleness 0).
+    """
 
     name = "colocated"
 
-    def __init__(self, num_cells: int):
+    def plan(self, event: Event, state: ClusterState) -> Decision:
+        self._check(state)
+        done = (state.batch_size > 0 and state.step_finished >= state.batch_size
+                and state.waterlevel.outstanding == 0)
+        role = Role.TRAINING if done else Role.SERVING
+        return Decision(roles=[role] * self.num_cells, dispatch=0 if done else admissible(state, 0))
+
+
+class AsyncPolicy(SchedulingPolicy):
+    """A fixed split: cells ``0 .. training_cells - 1`` train (cell 0 is the core), the others serve.
+
+    Executions are dispatched as far ahead as the staleness bound ``max_staleness`` (eta) allows.
+    """
+
+    name = "async"
+
+    def __init__(self, num_cells: int, training_cells: int | None = None, max_staleness: int = 1):
         super().__init__(num_cells)
-        self._expected = 0
+        if num_cells < 2:
+            raise ValueError(f"the async policy needs >= 2 cells (one trains, one serves), got num_cells={num_cells}")
+        training_cells = num_cells // 2 if training_cells is None else training_cells
+        if not 1 <= training_cells <= num_cells - 1:
+            raise ValueError(f"async training_cells={training_cells} must be in [1, {num_cells - 1}] "
+                             f"(at least one cell trains and one serves)")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness={max_staleness} must be >= 0")
+        self.training_cells = training_cells
+        self.max_staleness = max_staleness
+        self._roles = [Role.TRAINING] * training_cells + [Role.SERVING] * (num_cells - training_cells)
 
-    def decide(self, event: Event, waterlevel: Waterlevel, roles: list[Role]) -> list[Role]:
-        if event.kind == "step_began":
-            self._expected = waterlevel.dispatched + event.executions_in_step
-            return [Role.SERVING] * self.num_cells
-        if event.kind == "finished" and waterlevel.finished >= self._expected and waterlevel.outstanding == 0:
-            return [Role.TRAINING] * self.num_cells
-        if event.kind == "step_trained":
-            return [Role.SERVING] * self.num_cells
-        return list(roles)
+    def initial_roles(self) -> list[Role]:
+        return list(self._roles)
+
+    def plan(self, event: Event, state: ClusterState) -> Decision:
+        self._check(state)
+        return Decision(roles=list(self._roles), dispatch=admissible(state, self.max_staleness))
 
 
-def make_policy(name: str, num_cells: int) -> SchedulingPolicy:
+class ElasticPolicy(SchedulingPolicy):
+    """Waterlevel scheduling: cells leave serving as the rollout waterlevel falls and return on demand.
+
+    Executions of steps up to ``version`` are *due* (the step being trained needs them); executions of
+    later steps, dispatched early within the staleness bound eta, are *ahead*: they fill serving slots
+    nobody else needs and yield them when a cell leaves (the driver moves them or they wait for a slot,
+    their timeout clock paused).
+
+    - Leave: the next serving cell in the fixed order (the core, cell 0, first; then satellites 1, 2, ...)
+      may switch to training only if w <= C_R - C_e, where w counts the due executions outstanding
+      (after this decision's dispatch) and C_R - C_e is the slots left on the cells that keep serving.
+      One cell leaves at a time (none while another is still switching out). ``leave_on`` says when a
+      cell wants to leave: ``"backlog"`` (default) while micro-steps of step ``version`` are ready and no
+      training cell is free to take them; ``"waterlevel"`` (the published rule) whenever step ``version``
+      has executions dispatched and not yet trained on.
+    - Return: training cells go back to serving in reverse order, as many as the waiting executions
+      need: when due executions wait for a slot (a cell computing a micro-step finishes it first), or,
+      while training has no backlog, when ahead executions or moved sessions wait (cells idle for at
+      least ``idle_before_return_s``, so that a cell does not bounce between roles). The
+      core returns last: not while micro-steps of its step are ready or running, and for ahead
+      executions not while its step has data to come.
+    - Dispatch: due executions always (they wait for a slot if none is free); ahead executions, up to
+      the staleness bound eta (AReaL's rule), only into free slots and only while training has no backlog.
+    Training cells claim micro-steps as executions are evaluated (streaming); the driver does that.
+    """
+
+    name = "elastic"
+    LEAVE_RULES = ("backlog", "waterlevel")
+
+    def __init__(self, num_cells: int, max_staleness: int = 1, leave_on: str = "waterlevel",
+                 idle_before_return_s: float = 0.0, yield_ahead: bool = False):
+        super().__init__(num_cells)
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness={max_staleness} must be >= 0")
+        if leave_on not in self.LEAVE_RULES:
+            raise ValueError(f"leave_on={leave_on!r} must be one of {', '.join(self.LEAVE_RULES)}")
+        if idle_before_return_s < 0:
+            raise ValueError(f"idle_before_return_s={idle_before_return_s} must be >= 0")
+        self.max_staleness = max_staleness
+        self.leave_on = leave_on
+        self.idle_before_return_s = idle_before_return_s
+        self.yield_ahead = yield_ahead
+        self._idle_since = [0.0] * num_cells  # when each cell last finished a micro-step or a switch
+
+    def plan(self, event: Event, state: ClusterState) -> Decision:
+        self._check(state)
+        n = self.num_cells
+        if event.cell is not None and event.kind in ("micro_step_done", "switched"):
+            self._idle_since[event.cell] = event.time
+        current = state.roles
+        if Role.SWITCHING in current:
+            roles = [state.effective_role(c) for c in range(n)]
+        else:
+            roles = list(current)
+        capacity = state.capacity
+        if capacity.count(capacity[0]) == n:  # equal cells (the usual case): count instead of summing
+            serving_capacity = roles.count(Role.SERVING) * capacity[0]
+        else:
+            serving_capacity = sum([cap for r, cap in zip(roles, capacity) if r is Role.SERVING])
+        allowed = admissible(state, self.max_staleness)
+        due_new = min(allowed, max(0, (state.version + 1) * state.batch_size - state.waterlevel.dispatched))
+        backlog = state.ready > 0
+        # Data of the step that trains next is on its way (evaluating) and no cell trains yet: keep freed
+        # slots free, or ahead executions would take the capacity the step is about to need.
+        imminent = state.step_finished > state.step_processed and Role.TRAINING not in roles
+        free = serving_capacity - state.waterlevel.outstanding - due_new
+        ahead_new = 0 if (backlog or imminent) else max(0, min(allowed - due_new, free))
+        dispatch = due_new + ahead_new
+        due_outstanding = state.due_outstanding + due_new
+        due_waiting = due_outstanding - serving_capacity
+        ahead_waiting = 0 if backlog else state.held + (allowed - dispatch)
+        returned = False
+        if due_waiting > 0 or ahead_waiting > 0:
+            due = due_waiting > 0  # due executions come first: a busy cell finishes its micro-step, then moves
+            waiting = due_waiting if due else ahead_waiting
+            # The core keeps training while its step has work now; for ahead executions, also while data is coming.
+            core_needed = backlog or state.in_flight > 0 or (not due and state.step_dispatched > 0
+                                                             and state.step_processed < state.step_dispatched)
+            for c in range(n - 1, -1, -1):
+                if waiting <= 0:
+                    break
+                if current[c] is not Role.TRAINING:  # a switching cell finishes its switch first
+                    continue
+                if not due and (state.is_busy(c) or backlog
+                                or state.time - self._idle_since[c] < self.idle_before_return_s):
+                    continue
+                if c == 0 and (core_needed or Role.TRAINING in roles[1:]):
+                    continue
+                roles[c] = Role.SERVING
+                waiting -= capacity[c]
+                returned = True
+        if due_waiting <= 0 and not returned:
+            step_open = state.step_dispatched > 0 and not (state.step_processed >= state.batch_size
+                                                           and state.ready == 0 and state.in_flight == 0)
+            wants = backlog if self.leave_on == "backlog" else step_open
+            leaving = Role.SWITCHING in current and any(
+                r is Role.SWITCHING and t is Role.TRAINING for r, t in zip(current, roles))
+            if wants and not leaving:
+                w = due_outstanding if self.yield_ahead else state.waterlevel.outstanding + dispatch
+                for c in range(n):
+                    if roles[c] is Role.SERVING:
+                        if current[c] is Role.SERVING and w <= serving_capacity - capacity[c]:
+                            roles[c] = Role.TRAINING
+                        break
+        return Decision(roles=roles, dispatch=dispatch)
+
+
+POLICY_NAMES = ("colocated", "async", "elastic")
+
+
+def make_policy(name: str, num_cells: int, **options) -> SchedulingPolicy:
+    """The policy ``name`` for ``num_cells`` cells. Options: async ``training_cells``, ``max_staleness``;
+    elastic ``max_staleness``, ``leave_on``, ``idle_before_return_s``; colocated none."""
     if name == "colocated":
+        if options:
+            raise ValueError(f"the colocated policy takes no options, got {sorted(options)}")
         return ColocatedPolicy(num_cells)
-    raise ValueError(f"scheduling policy {name!r} is not supported yet (available: colocated)")
+    if name == "async":
+        unknown = set(options) - {"training_cells", "max_staleness"}
+        if unknown:
+            raise ValueError(f"unknown async policy options {sorted(unknown)} (known: training_cells, max_staleness)")
+        return AsyncPolicy(num_cells, **options)
+    if name == "elastic":
+        unknown = set(options) - {"max_staleness", "leave_on", "idle_before_return_s", "yield_ahead"}
+        if unknown:
+            raise ValueError(f"unknown elastic policy options {sorted(unknown)} "
+                             f"(known: max_staleness, leave_on, idle_before_return_s, yield_ahead)")
+        return ElasticPolicy(num_cells, **options)
+    raise ValueError(f"unknown scheduling policy {name!r} (available: {', '.join(POLICY_NAMES)})")

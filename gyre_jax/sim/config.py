@@ -1,0 +1,99 @@
+"""From a simulator preset (an ml_collections ConfigDict, ``presets.py`` / ``configs/sim_*.py``) to a typed
+``SimConfig``, with ``--config.a.b=value`` overrides typed by the field they replace.
+
+``load_sim_config("deepswe", {"schedule.policy": "async"})`` takes a preset name or a config file path.
+The cost model is derived from the preset's model and hardware specs (``roofline_cost_model``) unless
+``cost_model_file`` names a cost model JSON (for example one measured by a real run).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ml_collections import config_dict
+
+from gyre_jax.config import ConfigError, _load_file, apply_override
+from gyre_jax.sim.cost_model import (
+    CostModel,
+    HardwareSpec,
+    ModelSpec,
+    PipelineCost,
+    SwitchCost,
+    roofline_cost_model,
+)
+from gyre_jax.sim.presets import PRESETS
+from gyre_jax.sim.simulator import SimConfig, SimConfigError
+from gyre_jax.sim.workload import Dist, WorkloadSpec
+
+_DISTS = ("turns", "gen_tokens", "obs_tokens", "tool_s", "setup_s", "eval_s")
+
+
+def preset(name_or_path: str) -> config_dict.ConfigDict:
+    """The ConfigDict of a preset name (``deepswe``, ``terminal``, ``nl2repo``, ``flagship``, ``tiny``) or
+    of a config file defining ``get_config()``."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]()
+    if name_or_path.endswith(".py") or Path(name_or_path).exists():
+        return _load_file(name_or_path)
+    raise ConfigError(f"unknown simulator preset {name_or_path!r} (presets: {', '.join(PRESETS)}; "
+                      f"or a configs/sim_*.py file)")
+
+
+def apply_overrides(config: config_dict.ConfigDict, overrides: Mapping[str, Any] | Sequence[tuple[str, Any]]) -> None:
+    items = overrides.items() if isinstance(overrides, Mapping) else overrides
+    for key, value in items:
+        text = value if isinstance(value, str) else repr(value) if isinstance(value, (tuple, list)) else str(value)
+        apply_override(config, key, text)
+
+
+def cost_model(c: config_dict.ConfigDict) -> CostModel:
+    if c.get("cost_model_file"):
+        return CostModel.load(c.cost_model_file)
+    k = c.cost
+    return roofline_cost_model(
+        ModelSpec(**c.model.to_dict()), HardwareSpec(**c.hardware.to_dict()),
+        replica_accelerators=k.replica_accelerators, slots_per_replica=k.slots_per_replica,
+        reference_cell_accelerators=k.reference_cell_accelerators, min_cell_accelerators=k.min_cell_accelerators,
+        train_mfu=k.train_mfu, decode_mbu=k.decode_mbu, prefill_mfu=k.prefill_mfu,
+        decode_overhead_s=k.decode_overhead_s, scaling_exponent=k.scaling_exponent,
+        micro_step_tokens=k.micro_step_tokens, micro_step_overhead_s=k.micro_step_overhead_s,
+        optimizer_step_s=k.optimizer_step_s, grad_reduce_s=k.grad_reduce_s,
+        switch=SwitchCost(serving_to_training_s=k.serving_to_training_s, training_to_serving_s=k.training_to_serving_s,
+                          weight_sync_s=k.weight_sync_s, kv_migration_s_per_token=k.kv_migration_s_per_token),
+        pipeline=PipelineCost(processing_s_per_token=k.processing_s_per_token, workers=k.pipeline_workers),
+        source=f"roofline: {c.hardware.name}, {c.model.total_params / 1e9:.0f}B params ({c.name} preset)")
+
+
+def workload(c: config_dict.ConfigDict) -> WorkloadSpec:
+    w = c.workload.to_dict()
+    for key in _DISTS:
+        w[key] = Dist(**{k: float(v) for k, v in w[key].items()})
+    return WorkloadSpec(name=c.name, **w)
+
+
+def sim_config(c: config_dict.ConfigDict) -> SimConfig:
+    """A validated ``SimConfig`` from a preset ConfigDict. Raises ``ConfigError`` naming the bad field."""
+    try:
+        s = c.schedule
+        options: dict[str, Any] = {}
+        if s.policy == "async":
+            cells = c.cluster.accelerators // c.cluster.cell_accelerators
+            options = {"training_cells": s.training_cells or max(1, cells // 2), "max_staleness": s.max_staleness}
+        elif s.policy == "elastic":
+            options = {"max_staleness": s.max_staleness}
+        return SimConfig(workload=workload(c), cost=cost_model(c), accelerators=c.cluster.accelerators,
+                         cell_accelerators=c.cluster.cell_accelerators, policy=s.policy,
+                         policy_options=tuple(sorted(options.items())), steps=c.steps,
+                         tasks_per_step=c.tasks_per_step, group_size=c.group_size, seed=c.seed,
+                         max_branches=c.max_branches or None, streaming=s.streaming, segments=c.segments, name=c.name)
+    except (SimConfigError, ValueError, TypeError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"simulator config {c.get('name', '?')}: {exc}") from None
+
+
+def load_sim_config(name_or_path: str, overrides: Mapping[str, Any] | Sequence[tuple[str, Any]] = ()) -> SimConfig:
+    c = preset(name_or_path)
+    apply_overrides(c, overrides)
+    return sim_config(c)

@@ -1,0 +1,338 @@
+"""The simulator's cost model: what serving, training, role switches and the data pipeline cost in time.
+
+Every number is either configured (a preset derives it from model and hardware specs with
+``roofline_cost_model``, stating its assumptions) or measured (``fit_cost_model`` fits it to timings
+recorded by a real run). Serialized form (``CostModel.to_json`` / ``CostModel.load``):
+
+    {"format": "gyre-jax/cost-model", "version": 1, "source": "roofline: ..." | "measured: <run>",
+     "serving":  {"replica_accelerators": 8, "slots_per_replica": 8,
+                  "decode_base_s": ..., "decode_per_seq_s": ..., "decode_per_context_token_s": ...,
+                  "prefill_base_s": ..., "prefill_per_token_s": ..., "prefill_per_token_context_s": ...},
+     "training": {"flops_per_token": ..., "flops_per_token_sq": ..., "accelerator_flops": ...,
+                  "reference_cell_accelerators": 32, "scaling_exponent": 0.95, "min_cell_accelerators": 16,
+                  "micro_step_tokens": 262144, "micro_step_overhead_s": ..., "optimizer_step_s": ...,
+                  "grad_reduce_s": ...},
+     "switch":   {"serving_to_training_s": 8.52, "training_to_serving_s": 3.46, "weight_sync_s": ...,
+                  "kv_migration_s_per_token": ...},
+     "pipeline": {"processing_s_per_token": ..., "workers": 64}}
+
+Formulas (one serving replica decoding B sessions whose contexts sum to X tokens; a cell of n
+accelerators holds n / replica_accelerators replicas and n / replica_accelerators * slots_per_replica
+sessions):
+
+    decode step (one token for each of the B sessions) = decode_base_s + decode_per_seq_s * B
+                                                          + decode_per_context_token_s * X
+    prefill of q new tokens onto a context of c tokens  = prefill_base_s + prefill_per_token_s * q
+                                                          + prefill_per_token_context_s * q * c
+    forward + backward of a branch of l tokens (FLOPs)   = flops_per_token * l + flops_per_token_sq * l^2
+    training rate of a cell of n accelerators (FLOP/s)   = accelerator_flops * r * (n / r) ** scaling_exponent,
+                                                          r = reference_cell_accelerators
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+FORMAT = "gyre-jax/cost-model"
+VERSION = 1
+
+
+class CostModelError(ValueError):
+    """A cost model file or value is invalid; the message names the field and what is allowed."""
+
+
+@dataclass(frozen=True)
+class ServingCost:
+    replica_accelerators: int
+    slots_per_replica: int
+    decode_base_s: float
+    decode_per_seq_s: float
+    decode_per_context_token_s: float
+    prefill_base_s: float
+    prefill_per_token_s: float
+    prefill_per_token_context_s: float
+
+    def decode_step_s(self, batch: float, context_tokens: float) -> float:
+        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_context_token_s * context_tokens
+
+    def prefill_s(self, new_tokens, context_tokens):
+        """Works on scalars and numpy arrays alike."""
+        return (self.prefill_base_s + self.prefill_per_token_s * new_tokens
+                + self.prefill_per_token_context_s * new_tokens * context_tokens)
+
+
+@dataclass(frozen=True)
+class TrainingCost:
+    flops_per_token: float
+    flops_per_token_sq: float
+    accelerator_flops: float  # achieved FLOP/s per accelerator in a reference-size cell (peak x MFU)
+    reference_cell_accelerators: int
+    scaling_exponent: float = 1.0
+    min_cell_accelerators: int = 1  # the smallest cell that can hold a training replica
+    micro_step_tokens: int = 262_144
+    micro_step_overhead_s: float = 0.0
+    optimizer_step_s: float = 0.0
+    grad_reduce_s: float = 0.0  # summing satellites' gradients onto the core, once per step
+
+    def branch_flops(self, length):
+        """Forward + backward FLOPs of a branch of ``length`` tokens (scalar or array)."""
+        return self.flops_per_token * length + self.flops_per_token_sq * np.square(length, dtype=np.float64)
+
+    def cell_flops(self, accelerators: int) -> float:
+        ref = self.reference_cell_accelerators
+        return self.accelerator_flops * ref * (accelerators / ref) ** self.scaling_exponent
+
+    @property
+    def micro_step_flops(self) -> float:
+        """The work one micro-step carries: ``micro_step_tokens`` tokens of linear cost."""
+        return self.flops_per_token * self.micro_step_tokens
+
+
+@dataclass(frozen=True)
+class SwitchCost:
+    serving_to_training_s: float
+    training_to_serving_s: float
+    weight_sync_s: float  # serving cells pause this long for a new policy version; satellites pull it
+    kv_migration_s_per_token: float = 0.0  # moving a session's KV cache to another cell
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    processing_s_per_token: float = 0.0  # trajectory processing (trees, selection, packing) on the host
+    workers: int = 1  # host processes that process a whole batch in parallel (non-streaming)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    serving: ServingCost
+    training: TrainingCost
+    switch: SwitchCost
+    pipeline: PipelineCost = field(default_factory=PipelineCost)
+    source: str = "configured"
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # -- serialization ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "source": self.source,
+                "serving": dataclasses.asdict(self.serving), "training": dataclasses.asdict(self.training),
+                "switch": dataclasses.asdict(self.switch), "pipeline": dataclasses.asdict(self.pipeline)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "cost model") -> "CostModel":
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise CostModelError(f"{where}: not a cost model (expected \"format\": \"{FORMAT}\")")
+        if data.get("version") != VERSION:
+            raise CostModelError(f"{where}: cost model version {data.get('version')!r} (this reader knows {VERSION})")
+        parts = {}
+        for name, kind in (("serving", ServingCost), ("training", TrainingCost), ("switch", SwitchCost),
+                           ("pipeline", PipelineCost)):
+            section = data.get(name, {} if name == "pipeline" else None)
+            if not isinstance(section, dict):
+                raise CostModelError(f"{where}: missing section {name!r}")
+            known = {f.name: f for f in dataclasses.fields(kind)}
+            unknown = set(section) - set(known)
+            if unknown:
+                raise CostModelError(f"{where}: unknown field(s) {sorted(unknown)} in {name!r} (known: {sorted(known)})")
+            required = [f.name for f in known.values()
+                        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+            missing = [k for k in required if k not in section]
+            if missing:
+                raise CostModelError(f"{where}: {name!r} is missing {missing}")
+            values = {}
+            for key, value in section.items():
+                expected = int if known[key].type in ("int", int) else float
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise CostModelError(f"{where}: {name}.{key}={value!r} must be a number")
+                if expected is int and value != int(value):
+                    raise CostModelError(f"{where}: {name}.{key}={value!r} must be an integer")
+                values[key] = expected(value)
+            parts[name] = kind(**values)
+        return cls(source=str(data.get("source", "configured")), **parts)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CostModel":
+        path = Path(path)
+        if not path.is_file():
+            raise CostModelError(f"cost model {path} not found")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise CostModelError(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_dict(data, where=str(path))
+
+    def replace(self, **sections: Any) -> "CostModel":
+        """A copy with fields replaced per section: ``cm.replace(switch={"weight_sync_s": 1.0})``."""
+        parts = {}
+        for name, changes in sections.items():
+            if name == "source":
+                parts[name] = changes
+                continue
+            current = getattr(self, name)
+            parts[name] = dataclasses.replace(current, **changes)
+        return dataclasses.replace(self, **parts)
+
+
+def _validate(cm: CostModel) -> None:
+    def positive(section: str, obj: Any, names: Sequence[str], strict: bool = True) -> None:
+        for n in names:
+            v = getattr(obj, n)
+            if not np.isfinite(v) or (v <= 0 if strict else v < 0):
+                raise CostModelError(f"cost model {section}.{n}={v!r} must be {'> 0' if strict else '>= 0'}")
+
+    s, t, w, p = cm.serving, cm.training, cm.switch, cm.pipeline
+    positive("serving", s, ("replica_accelerators", "slots_per_replica", "decode_base_s"))
+    positive("serving", s, ("decode_per_seq_s", "decode_per_context_token_s", "prefill_base_s",
+                            "prefill_per_token_s", "prefill_per_token_context_s"), strict=False)
+    positive("training", t, ("flops_per_token", "accelerator_flops", "reference_cell_accelerators",
+                             "min_cell_accelerators", "micro_step_tokens"))
+    positive("training", t, ("flops_per_token_sq", "micro_step_overhead_s", "optimizer_step_s", "grad_reduce_s"),
+             strict=False)
+    if not 0.5 <= t.scaling_exponent <= 1.0:
+        raise CostModelError(f"cost model training.scaling_exponent={t.scaling_exponent} must be in [0.5, 1]")
+    positive("switch", w, ("serving_to_training_s", "training_to_serving_s", "weight_sync_s",
+                           "kv_migration_s_per_token"), strict=False)
+    positive("pipeline", p, ("processing_s_per_token",), strict=False)
+    positive("pipeline", p, ("workers",))
+
+
+# -- configured from model and hardware specs ---------------------------------------------------------
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the cost formulas need to know about the model."""
+
+    total_params: float
+    active_params: float  # per token (MoE: the experts a token uses)
+    layers: int
+    kv_heads: int
+    head_dim: int
+    attention_dim: int  # query heads x head dim
+    serving_bytes_per_param: float = 1.0  # FP8 serving weights
+    kv_bytes_per_element: float = 2.0  # BF16 KV cache
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes_per_element
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One accelerator."""
+
+    name: str
+    flops: float  # dense BF16 peak FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    memory_bytes: float
+
+
+def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, *, replica_accelerators: int, slots_per_replica: int,
+                        reference_cell_accelerators: int, min_cell_accelerators: int, train_mfu: float,
+                        decode_mbu: float, prefill_mfu: float, decode_overhead_s: float, switch: SwitchCost,
+                        micro_step_tokens: int = 262_144, micro_step_overhead_s: float = 1.0,
+                        optimizer_step_s: float = 5.0, grad_reduce_s: float = 5.0, scaling_exponent: float = 0.95,
+                        pipeline: PipelineCost | None = None, source: str = "") -> CostModel:
+    """A cost model from first principles (memory-bound decode, compute-bound prefill and training).
+
+    - decode step: all serving weights read once per step (an MoE at batch >= 8 touches nearly every
+      expert), plus the batch's KV cache, at ``decode_mbu`` of HBM bandwidth, plus a fixed overhead;
+      2 * active_params FLOPs per sequence at ``prefill_mfu``.
+    - prefill: 2 * active_params FLOPs per token plus attention, 4 * layers * attention_dim FLOPs per
+      (new token, context token) pair, at ``prefill_mfu``.
+    - training: 6 * active_params FLOPs per token plus causal attention forward + backward,
+      6 * layers * attention_dim per token pair, at ``train_mfu``.
+    """
+    g = replica_accelerators
+    serving = ServingCost(
+        replica_accelerators=g, slots_per_replica=slots_per_replica,
+        decode_base_s=decode_overhead_s + model.total_params * model.serving_bytes_per_param / (g * hw.hbm_bandwidth * decode_mbu),
+        decode_per_seq_s=2 * model.active_params / (g * hw.flops * prefill_mfu),
+        decode_per_context_token_s=model.kv_bytes_per_token / (g * hw.hbm_bandwidth * decode_mbu),
+        prefill_base_s=decode_overhead_s,
+        prefill_per_token_s=2 * model.active_params / (g * hw.flops * prefill_mfu),
+        prefill_per_token_context_s=4 * model.layers * model.attention_dim / (g * hw.flops * prefill_mfu),
+    )
+    training = TrainingCost(
+        flops_per_token=6 * model.active_params, flops_per_token_sq=6 * model.layers * model.attention_dim,
+        accelerator_flops=hw.flops * train_mfu, reference_cell_accelerators=reference_cell_accelerators,
+        scaling_exponent=scaling_exponent, min_cell_accelerators=min_cell_accelerators,
+        micro_step_tokens=micro_step_tokens, micro_step_overhead_s=micro_step_overhead_s,
+        optimizer_step_s=optimizer_step_s, grad_reduce_s=grad_reduce_s)
+    return CostModel(serving=serving, training=training, switch=switch, pipeline=pipeline or PipelineCost(),
+                     source=source or f"roofline: {hw.name}, {model.total_params / 1e9:.0f}B params")
+
+
+# -- measured: fitted to a real run's timings -----------------------------------------------------------
+def _fit_linear(rows: Sequence[Sequence[float]], features, names: Sequence[str], what: str) -> list[float]:
+    """Non-negative least squares by active-set elimination (few features, so this is exact enough)."""
+    data = np.asarray(rows, dtype=np.float64)
+    if data.ndim != 2 or len(data) < len(names):
+        raise CostModelError(f"measurements: {what} needs at least {len(names)} samples, got {len(data)}")
+    x = np.stack([f(data) for f in features], axis=1)
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-300)  # features differ by orders of magnitude (1 vs FLOPs)
+    x = x / scale
+    y = data[:, -1]
+    active = list(range(len(names)))
+    coef = np.zeros(len(names))
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))  # drop the most negative coefficient and refit
+    return (coef / scale).tolist()
+
+
+def fit_cost_model(measurements: dict[str, Any], base: CostModel) -> CostModel:
+    """A cost model whose measured parts come from a real run; what was not measured stays from ``base``.
+
+    ``measurements`` (JSON written by the controller; every key optional):
+      ``decode_steps``: [[batch, context_tokens_in_batch, seconds], ...]  (one serving replica)
+      ``prefills``: [[new_tokens, context_tokens, seconds], ...]
+      ``micro_steps``: [[flops, seconds], ...]  (on cells of ``cell_accelerators``)
+      ``cell_accelerators``: int, ``optimizer_steps``: [seconds], ``serving_to_training``: [seconds],
+      ``training_to_serving``: [seconds], ``weight_syncs``: [seconds], ``source``: str
+    """
+    serving, training, switch = {}, {}, {}
+    if measurements.get("decode_steps"):
+        b, per_seq, per_ctx = _fit_linear(measurements["decode_steps"],
+                                          [lambda d: np.ones(len(d)), lambda d: d[:, 0], lambda d: d[:, 1]],
+                                          ("decode_base_s", "decode_per_seq_s", "decode_per_context_token_s"),
+                                          "decode_steps")
+        serving.update(decode_base_s=max(b, 1e-9), decode_per_seq_s=per_seq, decode_per_context_token_s=per_ctx)
+    if measurements.get("prefills"):
+        b, per_tok, per_tok_ctx = _fit_linear(measurements["prefills"],
+                                              [lambda d: np.ones(len(d)), lambda d: d[:, 0], lambda d: d[:, 0] * d[:, 1]],
+                                              ("prefill_base_s", "prefill_per_token_s", "prefill_per_token_context_s"),
+                                              "prefills")
+        serving.update(prefill_base_s=b, prefill_per_token_s=per_tok, prefill_per_token_context_s=per_tok_ctx)
+    if measurements.get("micro_steps"):
+        cell = int(measurements.get("cell_accelerators", base.training.reference_cell_accelerators))
+        overhead, s_per_flop = _fit_linear(measurements["micro_steps"],
+                                           [lambda d: np.ones(len(d)), lambda d: d[:, 0]],
+                                           ("micro_step_overhead_s", "seconds_per_flop"), "micro_steps")
+        if s_per_flop <= 0:
+            raise CostModelError("measurements: micro_steps do not grow with their FLOPs; cannot fit a training rate")
+        training.update(micro_step_overhead_s=overhead, reference_cell_accelerators=cell, scaling_exponent=1.0,
+                        accelerator_flops=1.0 / (s_per_flop * cell))
+    for key, section, name in (("optimizer_steps", training, "optimizer_step_s"),
+                               ("serving_to_training", switch, "serving_to_training_s"),
+                               ("training_to_serving", switch, "training_to_serving_s"),
+                               ("weight_syncs", switch, "weight_sync_s")):
+        if measurements.get(key):
+            section[name] = float(np.mean(measurements[key]))
+    source = "measured: " + str(measurements.get("source", "a real run"))
+    return base.replace(serving=serving, training=training, switch=switch, source=source)

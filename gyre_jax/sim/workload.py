@@ -1,0 +1,231 @@
+"""Workloads: what an execution does (model calls, tokens, tool and environment time, timeouts), sampled
+per step from a seeded spec, or replayed from a real run's TITO records.
+
+An execution is a sequence of calls. Call t prefills the ``obs`` tokens appended since the previous call
+(tool output, messages) onto the session's context, decodes ``gen`` tokens, then waits ``tool`` seconds
+for the tool / environment. The context grows by obs + gen per call; when it would pass the context
+window, the harness compacts it (a summary call that decodes ``summary_tokens``) and continues from the
+initial context plus the summary. The simulator does not follow single calls: it groups each
+execution's calls into at most ``segments`` segments and times a segment from its sums and the load of
+the cell serving it when the segment starts (``SegmentPlan``).
+
+Executions of step k are sampled from ``numpy.random.default_rng([seed, k])``, so every policy simulated
+with the same seed sees exactly the same executions (common random numbers).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from gyre_jax.sim.cost_model import ServingCost
+from gyre_jax.sim.trajectory_cost import TrajectoryShape
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Log-normal with the given median and sigma (sigma 0: constant), clipped to [lo, hi]."""
+
+    median: float
+    sigma: float = 0.0
+    lo: float = 0.0
+    hi: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.median < 0 or self.sigma < 0 or self.lo > self.hi:
+            raise ValueError(f"bad distribution {self}: median and sigma must be >= 0 and lo <= hi")
+
+    def sample(self, rng: np.random.Generator, size) -> np.ndarray:
+        if self.sigma == 0:
+            x = np.full(size, float(self.median))
+        else:
+            x = self.median * np.exp(self.sigma * rng.standard_normal(size))
+        return np.clip(x, self.lo, self.hi)
+
+    @property
+    def mean(self) -> float:
+        """Mean of the unclipped log-normal."""
+        return self.median * math.exp(self.sigma ** 2 / 2)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """One workload preset; ``configs/sim_*.py`` say where each number comes from."""
+
+    name: str
+    turns: Dist  # model calls per execution (rounded, >= 1)
+    task_sigma: float  # per-task difficulty: the turns of a task's G executions share a log-normal factor
+    gen_tokens: Dist  # decoded tokens per call
+    obs_tokens: Dist  # tokens appended to the context per call besides the decoded ones
+    initial_context: int  # system prompt + tools + task
+    tool_s: Dist  # tool / environment seconds after each call
+    setup_s: Dist  # environment start before the first call
+    eval_s: Dist  # evaluator seconds after the harness ends (tests on the workspace)
+    timeout_s: float  # harness wall-clock limit (from the moment the session gets a slot)
+    context_window: int = 0  # compaction threshold in tokens (0: never)
+    summary_tokens: int = 0
+    subagent_fraction: float = 0.0  # trajectory shape for training cost (trajectory_cost.py)
+    subagent_tokens: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"workload {self.name}: timeout_s={self.timeout_s} must be > 0")
+        if self.task_sigma < 0:
+            raise ValueError(f"workload {self.name}: task_sigma={self.task_sigma} must be >= 0")
+        self.trajectory_shape()  # validates the context window / summary / sub-agent numbers
+
+    def trajectory_shape(self) -> TrajectoryShape:
+        return TrajectoryShape(context_window=self.context_window, summary_tokens=self.summary_tokens,
+                               initial_context=self.initial_context, subagent_fraction=self.subagent_fraction,
+                               subagent_tokens=self.subagent_tokens)
+
+
+@dataclass
+class SegmentPlan:
+    """The executions of one step, each cut into segments. Flat per-segment arrays; execution j owns
+    segments ``offset[j] .. offset[j] + count[j] - 1``.
+
+    Per segment: ``tool_s`` (tool + environment seconds), ``prefill_s`` (prefill seconds, load-free),
+    ``gen`` (decoded tokens), ``ctx`` (mean context of the session while decoding, tokens),
+    ``tokens_end`` (trajectory tokens when the segment ends). Per execution: ``turns``, ``tokens``
+    (trajectory tokens at the end), ``eval_s``, ``compactions``.
+    """
+
+    offset: list[int]
+    count: list[int]
+    tool_s: list[float]
+    prefill_s: list[float]
+    gen: list[float]
+    ctx: list[float]
+    tokens_end: list[float]
+    turns: np.ndarray
+    tokens: np.ndarray
+    eval_s: list[float]
+    compactions: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return len(self.count)
+
+
+def sample_turns(spec: WorkloadSpec, rng: np.random.Generator, tasks: int, group_size: int) -> list[np.ndarray]:
+    """Per-call arrays for tasks x group_size executions: (turns [E], obs [C], gen [C], tool [C], setup [E])."""
+    n = tasks * group_size
+    factor = np.repeat(np.exp(spec.task_sigma * rng.standard_normal(tasks)), group_size) if spec.task_sigma else 1.0
+    turns = np.maximum(1, np.rint(np.clip(spec.turns.sample(rng, n) * factor, spec.turns.lo, spec.turns.hi))).astype(np.int64)
+    calls = int(turns.sum())
+    return [turns, spec.obs_tokens.sample(rng, calls), spec.gen_tokens.sample(rng, calls), spec.tool_s.sample(rng, calls),
+            spec.setup_s.sample(rng, n)]
+
+
+def build_plan(turns: np.ndarray, obs: np.ndarray, gen: np.ndarray, tool: np.ndarray, setup: np.ndarray,
+               eval_s: np.ndarray, spec: WorkloadSpec, serving: ServingCost, segments: int) -> SegmentPlan:
+    """Per-call arrays (concatenated over executions in order) -> segments.
+
+    turns, setup, eval_s: [E]; obs, gen, tool: [C] with C = turns.sum().
+    """
+    if segments < 1:
+        raise ValueError(f"segments={segments} must be >= 1")
+    e = len(turns)
+    starts = np.concatenate([[0], np.cumsum(turns)[:-1]])  # [E] first call of each execution
+    added = obs + gen  # [C]
+    exec_of_call = np.repeat(np.arange(e), turns)
+    cum = np.cumsum(added)
+    grown_before = cum - added - (cum - added)[starts][exec_of_call]  # [C] tokens added before this call
+    l0 = float(spec.initial_context)
+    w = float(spec.context_window)
+    gen_total = gen.copy()
+    new_prefill = obs.copy()
+    if w > 0:
+        first_room = w - l0  # tokens added before the first compaction
+        room = w - l0 - spec.summary_tokens  # tokens added between later compactions
+
+        def cycle(g):  # how many compactions happened once g tokens were added
+            return np.where(g < first_room, 0.0, 1.0 + np.floor(np.maximum(g - first_room, 0.0) / room))
+
+        k_before = cycle(grown_before)
+        ctx_before = np.where(k_before == 0, l0 + grown_before,
+                              l0 + spec.summary_tokens + np.mod(np.maximum(grown_before - first_room, 0.0), room))
+        compacted = cycle(grown_before + added) > k_before  # this call fills the window: a summary call follows
+        gen_total = gen_total + compacted * spec.summary_tokens
+        new_prefill = new_prefill + compacted * (l0 + spec.summary_tokens)  # the compacted context, re-rendered
+    else:
+        compacted = np.zeros(len(gen), dtype=bool)
+        ctx_before = l0 + grown_before
+    prefill = serving.prefill_s(new_prefill, ctx_before)
+    decode_ctx = ctx_before + obs + gen / 2.0  # mean context while this call decodes
+    tool = tool.copy()
+    tool[starts] += setup  # environment start before the first call
+
+    # Segment boundaries: execution j's calls split into min(turns_j, segments) near-equal runs.
+    seg_count = np.minimum(turns, segments)
+    call_in_exec = np.arange(len(gen)) - starts[exec_of_call]
+    seg_in_exec = (call_in_exec * seg_count[exec_of_call]) // turns[exec_of_call]
+    seg_offset = np.concatenate([[0], np.cumsum(seg_count)[:-1]])
+    seg_id = seg_offset[exec_of_call] + seg_in_exec  # [C] nondecreasing
+    n_seg = int(seg_count.sum())
+    bounds = np.flatnonzero(np.diff(seg_id, prepend=-1))  # first call of each segment
+    seg_tool = np.add.reduceat(tool, bounds)
+    seg_prefill = np.add.reduceat(prefill, bounds)
+    seg_gen = np.add.reduceat(gen_total, bounds)
+    seg_ctx = np.add.reduceat(gen_total * decode_ctx, bounds) / np.maximum(seg_gen, 1e-9)
+    traj = l0 + grown_before + added  # trajectory tokens after each call (all branches together)
+    last_call = np.concatenate([bounds[1:], [len(gen)]]) - 1
+    seg_tokens_end = traj[last_call]
+    assert len(seg_tool) == n_seg
+    tokens = traj[starts + turns - 1]
+    compactions = np.bincount(exec_of_call, weights=compacted.astype(np.float64), minlength=e)
+    return SegmentPlan(offset=seg_offset.tolist(), count=seg_count.tolist(), tool_s=seg_tool.tolist(),
+                       prefill_s=seg_prefill.tolist(), gen=seg_gen.tolist(), ctx=seg_ctx.tolist(),
+                       tokens_end=seg_tokens_end.tolist(), turns=turns, tokens=tokens, eval_s=eval_s.tolist(),
+                       compactions=compactions)
+
+
+def sample_step(spec: WorkloadSpec, serving: ServingCost, *, step: int, tasks: int, group_size: int, seed: int,
+                segments: int) -> SegmentPlan:
+    """The executions of RL step ``step`` (tasks x group_size), from ``default_rng([seed, step])``."""
+    rng = np.random.default_rng([seed, step])
+    turns, obs, gen, tool, setup = sample_turns(spec, rng, tasks, group_size)
+    eval_s = spec.eval_s.sample(rng, len(turns))
+    return build_plan(turns, obs, gen, tool, setup, eval_s, spec, serving, segments)
+
+
+# -- replay of a real run ----------------------------------------------------------------------------
+@dataclass
+class RecordedExecution:
+    """One execution of a real run, as its TITO records show it: per call the new prompt tokens (not
+    reused from the previous call), the decoded tokens and the gap until the next call (tool time)."""
+
+    execution_id: str
+    obs: list[float]
+    gen: list[float]
+    tool_s: list[float]
+    eval_s: float = 0.0
+
+
+def recorded_execution(records: Sequence, eval_s: float = 0.0, setup_s: float = 0.0) -> RecordedExecution:
+    """From ``TitoRecord``s of one execution (any order): obs = prompt tokens not reused from the previous
+    call, gen = completion tokens, tool = time from one call's end to the next call's start."""
+    if not records:
+        raise ValueError("an execution needs at least one record to replay")
+    recs = sorted(records, key=lambda r: r.call_index)
+    obs = [float(len(r.prompt_ids) - r.reused_prefix_len) for r in recs]
+    gen = [float(len(r.completion_ids)) for r in recs]
+    tool = [max(0.0, recs[i + 1].t_start - recs[i].t_end) for i in range(len(recs) - 1)] + [0.0]
+    tool[0] += setup_s
+    return RecordedExecution(execution_id=recs[0].execution_id, obs=obs, gen=gen, tool_s=tool, eval_s=eval_s)
+
+
+def replay_plan(executions: Sequence[RecordedExecution], spec: WorkloadSpec, serving: ServingCost,
+                segments: int) -> SegmentPlan:
+    """A SegmentPlan of recorded executions (one step), for calibration against the run they came from."""
+    turns = np.array([len(x.gen) for x in executions], dtype=np.int64)
+
+    def cat(key: str) -> np.ndarray:  # per-call values of every execution, concatenated in order
+        return np.concatenate([np.asarray(getattr(x, key), dtype=np.float64) for x in executions])
+
+    return build_plan(turns, cat("obs"), cat("gen"), cat("tool_s"), np.zeros(len(executions)),
+                      np.array([x.eval_s for x in executions]), spec, serving, segments)
