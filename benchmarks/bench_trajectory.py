@@ -24,7 +24,7 @@ numbers of executions, against a named baseline measured in the same run (parsin
 files with ``RecordStore.read``), and the peak Python heap (``tracemalloc``) while streaming: it must
 stay flat as the number of executions grows.
 
-    python benchmarks/bench_trajectory.py                 # the cpu suite (about 3-6 minutes on 2 cores)
+    python benchmarks/bench_trajectory.py                 # the cpu suite (10-30 minutes on 2 shared cores)
     python benchmarks/bench_trajectory.py --suite smoke   # seconds; the same code path, for tests
     python benchmarks/bench_trajectory.py --shape context_limit=3000 --shape num_calls=96 --row-length 4096
 

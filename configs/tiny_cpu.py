@@ -1,7 +1,8 @@
 """Default config: a tiny Qwen3-style agent trained with GSPO on CPU with 8 virtual devices.
 
 Run: python -m gyre_jax.train --config configs/tiny_cpu.py [--config.a.b=value ...]
-Two cells of 4 devices serve rollouts; in the colocated schedule all 8 devices then train together.
+Two cells of 4 devices: each serves rollouts and trains (cell 0, the core, holds the optimizer state);
+the scheduling policy (config.schedule.policy) decides when each cell does which.
 """
 
 from ml_collections import config_dict
@@ -30,6 +31,7 @@ def get_config() -> config_dict.ConfigDict:
     c.cells.data = 4
     c.cells.fsdp = 1
     c.cells.tensor = 1
+    c.cells.sessions_per_cell = 0  # executions a serving cell holds at once (0 = serving.max_concurrent_decodes)
     # Logical axis -> mesh axes (MaxText style). Changing parallelism never touches model code.
     c.sharding_rules = (
         ("batch", ("data", "fsdp")),
@@ -54,6 +56,7 @@ def get_config() -> config_dict.ConfigDict:
     c.model.tie_embeddings = True
     c.model.dtype = "float32"  # compute dtype
     c.model.param_dtype = "float32"
+    c.model.checkpoint_dir = ""  # a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json); "" = random init
 
     c.tokenizer = config_dict.ConfigDict()
     c.tokenizer.kind = "byte"
@@ -110,8 +113,9 @@ def get_config() -> config_dict.ConfigDict:
     c.trajectory = config_dict.ConfigDict()
     c.trajectory.packing = "tree"  # tree: shared prefixes computed once (ancestor-only attention) | plain: one branch per sequence
     c.trajectory.row_length = 1024  # tokens per packed row; >= serving.max_seq_len so every branch fits a row
-    c.trajectory.tokens_per_micro_batch = 8192  # rows per micro-batch = this / row_length (fixed shape: one compile)
+    c.trajectory.tokens_per_micro_batch = 2048  # rows per micro-batch = this / row_length (fixed shape: one compile)
     c.trajectory.max_sequences_per_micro_batch = 64  # sequence slots per micro-batch (GSPO ratios, advantages, weights)
+    c.trajectory.stream_order = "task"  # groups enter the pipeline in task order (deterministic) | arrival (sooner)
 
     c.optimizer = config_dict.ConfigDict()
     c.optimizer.learning_rate = 3e-4
@@ -139,8 +143,25 @@ def get_config() -> config_dict.ConfigDict:
     c.eval.samples_per_task = 2
     c.eval.every_steps = 0
 
+    # Scheduling (docs/elastic.md): colocated (all cells serve, then all train) | async (a fixed split; cells
+    # 0 .. training_cells-1 train) | elastic (cells leave serving as the rollout waterlevel falls, core first).
     c.schedule = config_dict.ConfigDict()
     c.schedule.policy = "colocated"
+    c.schedule.max_staleness = 1  # async/elastic: executions start at most this many policy versions early (eta)
+    c.schedule.training_cells = 0  # async: cells that train (0 = half)
+    c.schedule.leave_on = "waterlevel"  # elastic: waterlevel (the published rule) | backlog (only with micro-steps waiting)
+    c.schedule.idle_before_return_s = 0.0  # elastic: a training cell idle this long may return for ahead executions
+
+    # Multi-process runs (docs/multihost.md): jax.distributed from these keys, or auto-detected (Slurm, TPU).
+    c.distributed = config_dict.ConfigDict()
+    c.distributed.enabled = False
+    c.distributed.coordinator_address = ""  # host:port of process 0 ("" = auto-detect)
+    c.distributed.num_processes = 0  # 0 = auto-detect
+    c.distributed.process_id = -1  # -1 = auto-detect
+    c.distributed.local_device_ids = ()
+    c.distributed.initialization_timeout_s = 300.0
+    c.distributed.heartbeat_timeout_s = 30.0
+    c.distributed.shutdown_timeout_s = 60.0
 
     c.metrics = config_dict.ConfigDict()
     c.metrics.tensorboard = True

@@ -21,7 +21,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny_cpu.py"
 
 POLICIES = ("colocated", "async", "elastic")
-SUPPORTED_POLICIES = ("colocated",)
+SUPPORTED_POLICIES = POLICIES
+LEAVE_RULES = ("waterlevel", "backlog")  # gyre_jax.elastic.policies.ElasticPolicy.LEAVE_RULES
+STREAM_ORDERS = ("task", "arrival")  # gyre_jax.elastic.controller.STREAM_ORDERS
 LOSSES = ("gspo", "gspo_token", "grpo")  # gyre_jax.rl.losses.POLICY_LOSSES
 SCHEDULES = ("constant", "cosine", "linear")  # gyre_jax.rl.learner.SCHEDULES
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -203,11 +205,21 @@ def validate(config: config_dict.ConfigDict) -> None:
     _require(c.cells.num_cells >= 1, f"config.cells.num_cells={c.cells.num_cells} must be >= 1")
     _require(n % c.cells.num_cells == 0, f"config.cells.num_cells={c.cells.num_cells} must divide the {n} devices of the mesh")
     per_cell = n // c.cells.num_cells
-    cell_devices = c.cells.data * c.cells.fsdp * c.cells.tensor
+    cell_devices = c.cells.data * c.cells.fsdp * c.cells.tensor * c.cells.get("expert", 1)
     _require(
         cell_devices == per_cell,
-        f"config.cells data*fsdp*tensor = {cell_devices} must equal the {per_cell} devices of each of the {c.cells.num_cells} cells",
+        f"config.cells data*fsdp*tensor*expert = {cell_devices} must equal the {per_cell} devices of each of the {c.cells.num_cells} cells",
     )
+    m = c.model
+    ct, cf = c.cells.tensor, c.cells.fsdp
+    if not m.get("checkpoint_dir", ""):
+        for key in ("num_heads", "num_kv_heads", "mlp_dim"):
+            _require(m[key] % ct == 0, f"config.model.{key}={m[key]} does not split over config.cells.tensor={ct}: a "
+                                       f"tensor group cannot fit a cell; pick a cells.tensor that divides it")
+        _require(m.embed_dim % cf == 0, f"config.model.embed_dim={m.embed_dim} does not split over config.cells.fsdp={cf}")
+        ne = m.get("num_experts", 0)
+        _require(not ne or ne % c.cells.get("expert", 1) == 0,
+                 f"config.model.num_experts={ne} does not split over config.cells.expert={c.cells.get('expert', 1)}")
     rules = c.sharding_rules
     _require(isinstance(rules, (tuple, list)) and all(isinstance(r, (tuple, list)) and len(r) == 2 for r in rules),
              "config.sharding_rules must be a sequence of (logical_axis, mesh_axes) pairs")
@@ -235,10 +247,10 @@ def validate(config: config_dict.ConfigDict) -> None:
 
     _require(c.tokenizer.tools_format in TOOLS_FORMATS,
              f"config.tokenizer.tools_format={c.tokenizer.tools_format!r} must be one of {TOOLS_FORMATS}")
-    _require(c.tokenizer.kind == "byte", f"config.tokenizer.kind={c.tokenizer.kind!r}: only 'byte' is supported yet (checkpoint tokenizers come with the model-fidelity issue)")
+    _require(c.tokenizer.kind in ("byte", "hf"), f"config.tokenizer.kind={c.tokenizer.kind!r} must be 'byte' or 'hf'")
     from gyre_jax.model.tokenizer import ByteTokenizer
 
-    _require(m.vocab_size >= ByteTokenizer().num_real_tokens,
+    _require(c.tokenizer.kind != "byte" or m.vocab_size >= ByteTokenizer().num_real_tokens,
              f"config.model.vocab_size={m.vocab_size} must be >= {ByteTokenizer().num_real_tokens} for the byte tokenizer")
 
     s = c.serving
@@ -334,11 +346,55 @@ def validate(config: config_dict.ConfigDict) -> None:
     _require(e.samples_per_task >= 0, f"config.eval.samples_per_task={e.samples_per_task} must be >= 0 (0 disables eval)")
     _require(e.every_steps >= 0, f"config.eval.every_steps={e.every_steps} must be >= 0")
 
-    _require(c.schedule.policy in POLICIES, f"config.schedule.policy={c.schedule.policy!r} must be one of {POLICIES}")
-    _require(
-        c.schedule.policy in SUPPORTED_POLICIES,
-        f"config.schedule.policy={c.schedule.policy!r} is not supported yet (only {SUPPORTED_POLICIES}); async and elastic come with the elastic-cells work",
-    )
+    sc = c.schedule
+    _require(sc.policy in POLICIES, f"config.schedule.policy={sc.policy!r} must be one of {POLICIES}")
+    k = c.cells.num_cells
+    _require(sc.policy == "colocated" or k >= 2,
+             f"config.schedule.policy={sc.policy!r} needs config.cells.num_cells >= 2 (one cell trains while another "
+             f"serves); got {k}")
+    _require(sc.get("max_staleness", 1) >= 0, f"config.schedule.max_staleness={sc.get('max_staleness')} must be >= 0")
+    eta_drop = c.rl.get("max_staleness", -1)
+    _require(sc.policy == "colocated" or eta_drop < 0 or eta_drop >= sc.get("max_staleness", 1),
+             f"config.rl.max_staleness={eta_drop} (the drop bound) must be >= config.schedule.max_staleness="
+             f"{sc.get('max_staleness', 1)} (the dispatch bound), or executions would be dropped routinely")
+    tc = sc.get("training_cells", 0)
+    _require(tc == 0 or 1 <= tc <= k - 1, f"config.schedule.training_cells={tc} must be 0 (half the cells) or in [1, {k - 1}]")
+    _require(sc.get("leave_on", "waterlevel") in LEAVE_RULES,
+             f"config.schedule.leave_on={sc.get('leave_on')!r} must be one of {LEAVE_RULES}")
+    _require(sc.get("idle_before_return_s", 0.0) >= 0, f"config.schedule.idle_before_return_s must be >= 0")
+    _require(c.cells.get("sessions_per_cell", 0) >= 0,
+             f"config.cells.sessions_per_cell={c.cells.get('sessions_per_cell')} must be >= 0 (0 = serving.max_concurrent_decodes)")
+    if "trajectory" in c:
+        _require(c.trajectory.get("stream_order", "task") in STREAM_ORDERS,
+                 f"config.trajectory.stream_order={c.trajectory.get('stream_order')!r} must be one of {STREAM_ORDERS}")
+    ckpt = c.model.get("checkpoint_dir", "")
+    if ckpt:
+        _require(Path(ckpt, "config.json").is_file(),
+                 f"config.model.checkpoint_dir={ckpt!r} has no config.json (a Hugging Face checkpoint directory is expected)")
+        _require(c.tokenizer.kind == "hf", "config.model.checkpoint_dir is set: set config.tokenizer.kind='hf' so the "
+                                           "checkpoint's tokenizer.json is used")
+    else:
+        _require(c.tokenizer.kind == "byte", f"config.tokenizer.kind={c.tokenizer.kind!r} needs config.model.checkpoint_dir "
+                                             f"(the directory with tokenizer.json); without one use 'byte'")
+    if "distributed" in c:
+        from gyre_jax import distributed
+
+        try:
+            distributed.validate_distributed(c)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+def policy_options(config: config_dict.ConfigDict) -> dict:
+    """Keyword options for ``make_policy`` from ``config.schedule``."""
+    sc = config.schedule
+    if sc.policy == "async":
+        tc = sc.get("training_cells", 0)
+        return {"max_staleness": sc.get("max_staleness", 1), **({"training_cells": tc} if tc else {})}
+    if sc.policy == "elastic":
+        return {"max_staleness": sc.get("max_staleness", 1), "leave_on": sc.get("leave_on", "waterlevel"),
+                "idle_before_return_s": float(sc.get("idle_before_return_s", 0.0))}
+    return {}
 
 
 def to_json_dict(config: config_dict.ConfigDict) -> dict:

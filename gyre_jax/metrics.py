@@ -47,6 +47,6 @@ def format_step_line(step: int, total: int, m: dict[str, Any]) -> str:
         f"step {step}/{total}  reward {m.get('reward_mean', float('nan')):.3f}  pass {m.get('pass_rate', float('nan')):.2f}  "
         f"excluded {m.get('excluded', 0)}  timeouts {m.get('timeouts', 0)}  crashed {m.get('crashed', 0)}  "
         f"tokens {m.get('tokens_trained', 0)}  gnorm {m.get('grad_norm', float('nan')):.3f}  "
-        f"rollout {m.get('rollout_s', 0):.1f}s  train {m.get('train_s', 0):.1f}s  step {m.get('step_s', 0):.1f}s  "
-        f"v{m.get('policy_version', 0)}"
+        f"micro-steps {m.get('micro_steps', 0)}  stale {m.get('staleness_mean', 0):.2f}  idle {m.get('idle_fraction', 0):.2f}  "
+        f"step {m.get('step_s', 0):.1f}s  v{m.get('policy_version', 0)}"
     )

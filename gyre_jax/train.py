@@ -42,6 +42,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("absl", "jax._src", "orbax", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if config.get("distributed") is not None and config.distributed.enabled:
+        # gyre_jax.distributed initializes processes, broadcasts decisions and fails fast; the trainer does not
+        # drive cells on other processes yet (docs/multihost.md says what exists and what is missing).
+        print("error: config.distributed.enabled=True: multi-process training runs are not supported yet "
+              "(gyre_jax.distributed and the presets are ready; the trainer runs in one process: set "
+              "config.distributed.enabled=False)", file=sys.stderr)
+        return 2
     configure_devices(config)
 
     from gyre_jax.trainer import Trainer

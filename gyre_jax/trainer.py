@@ -1,21 +1,29 @@
 """The training run: warm start, then RL steps of rollouts through the proxy and GSPO updates.
 
-``Trainer`` wires the parts together for one run directory: the model on a training mesh, one
-serving engine + loop per cell, the router and the OpenAI-compatible proxy, the executor that runs
-black-box harness processes, the learner, checkpoints and metrics. The scheduling policy decides
-when cells serve and when they train (the colocated policy: all serve, then all train).
+``Trainer`` wires the parts together for one run directory: the model (random init, or a Hugging Face
+checkpoint), the cells (each a submesh with a serving engine + loop and a gradient worker; cell 0 is
+the core with the learner's params and optimizer state), the router and the OpenAI/Anthropic-compatible
+proxy, the executor that runs black-box harness processes, the trajectory pipeline, checkpoints and
+metrics. The ``Controller`` (``gyre_jax/elastic/controller.py``) runs the RL steps under the configured
+scheduling policy (colocated, async or elastic); evaluation runs between controller segments, with
+every cell serving.
 
 Run directory layout (see docs/records.md):
     checkpoints/<step>/      orbax: train state + JSON meta (policy version, data cursor)
     records/<exec>.jsonl     TITO records, one per model call (fsynced before the call returns)
     executions/<exec>/       workspace, task.json, harness stdout/stderr, result.json
     results/step_<k>.jsonl   the step's execution results (fsynced before training on them)
-    metrics.jsonl, tensorboard/, timeline.jsonl, config.json
+    trajectory/queue.jsonl   the execution queue the trajectory pipeline reads (docs/trajectory.md)
+    timeline/step<k>.json    Chrome-trace timeline of the run attempt that started at step k
+    decisions.jsonl          every scheduling decision with its event and cluster state
+    cost_measurements.json   measured serving/training/switch costs (the simulator's calibration input)
+    metrics.jsonl, tensorboard/, config.json
     aborted/<time>/          records/executions of an interrupted step, set aside on resume
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,7 +31,6 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,23 +41,24 @@ from ml_collections import config_dict
 from gyre_jax import config as config_lib
 from gyre_jax.checkpoint import Checkpointer
 from gyre_jax.elastic.cells import make_cells
-from gyre_jax.elastic.policies import Event, Role, Waterlevel, make_policy
+from gyre_jax.elastic.controller import CellRuntime, Controller, ControllerConfig
+from gyre_jax.elastic.policies import make_policy
+from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.metrics import MetricsWriter, format_step_line
 from gyre_jax.model.config import ModelConfig
-from gyre_jax.model.sharding import abstract_model, init_params, make_mesh, reshard
-from gyre_jax.model.tokenizer import ByteTokenizer
+from gyre_jax.model.sharding import abstract_model, init_params, make_mesh
+from gyre_jax.model.tokenizer import load_tokenizer
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.router import Router
 from gyre_jax.proxy.server import ProxyServer
 from gyre_jax.proxy.tito import render_demonstration
-from gyre_jax.rl.advantages import group_advantages
-from gyre_jax.rl.learner import Learner, OptimizerConfig, TrainState, count_tokens
+from gyre_jax.rl.learner import Learner, OptimizerConfig, TrainState
 from gyre_jax.rollout.executor import ExecutionResult, ExecutionSpec, Executor, summarize
 from gyre_jax.rollout.tasks import BuiltinSuite
 from gyre_jax.serving.engine import Engine
 from gyre_jax.serving.loop import ServingLoop
-from gyre_jax.trajectory.batch import make_micro_batches, row_length, supervised_micro_batch
-from gyre_jax.trajectory.branches import build_branches, select_branches
+from gyre_jax.trajectory.batch import row_length, supervised_micro_batch
+from gyre_jax.trajectory.pipeline import TrajectoryConfig, TrajectoryPipeline
 
 log = logging.getLogger("gyre_jax")
 
@@ -65,12 +73,6 @@ def _fsync_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-@dataclass
-class StepOutcome:
-    metrics: dict[str, Any]
-    results: list[ExecutionResult]
-
-
 class Trainer:
     """One run: build everything from ``config``, then ``run()`` until ``total_steps`` or a signal."""
 
@@ -80,8 +82,8 @@ class Trainer:
         self.workdir = config_lib.resolve_workdir(config)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._stop = threading.Event()
-        self.tokenizer = ByteTokenizer()
-        self.model_cfg = ModelConfig.from_config_dict(config.model)
+        ckpt_dir = config.model.get("checkpoint_dir", "") or None
+        self.tokenizer = load_tokenizer(config.tokenizer.kind, ckpt_dir)
         self.rules = tuple((k, v) for k, v in config.sharding_rules)
         n = config_lib.device_count(config)
         devices = jax.devices()
@@ -93,11 +95,19 @@ class Trainer:
         self.devices = devices[:n]
         self.train_mesh = make_mesh(self.devices, dict(config.mesh))
         self.cells = make_cells(self.devices, config.cells.num_cells,
-                                dict(data=config.cells.data, fsdp=config.cells.fsdp, tensor=config.cells.tensor))
-        self.graphdef, params = init_params(self.model_cfg, self.train_mesh, self.rules, config.seed)
-        self.learner = Learner(self.model_cfg, self.graphdef, self.train_mesh, self.rules,
-                               OptimizerConfig.from_config_dict(config.optimizer),
-                               clip_low=config.rl.clip_low, clip_high=config.rl.clip_high)
+                                dict(data=config.cells.data, fsdp=config.cells.fsdp, tensor=config.cells.tensor,
+                                     **({"expert": config.cells.expert} if config.cells.get("expert", 1) > 1 else {})))
+        if ckpt_dir is not None:  # a Hugging Face checkpoint: its config.json defines the architecture
+            from gyre_jax.model.hf_checkpoint import load_hf_checkpoint
+
+            self.model_cfg, self.graphdef, params = load_hf_checkpoint(
+                ckpt_dir, self.train_mesh, self.rules, dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+            log.info("loaded %s (%.1fM params)", ckpt_dir, self.model_cfg.num_params / 1e6)
+        else:
+            self.model_cfg = ModelConfig.from_config_dict(config.model)
+            self.graphdef, params = init_params(self.model_cfg, self.train_mesh, self.rules, config.seed)
+        # The core cell (cell 0) holds the authoritative params and the only optimizer state.
+        self.learner = Learner.from_config(self.model_cfg, self.graphdef, self.cells[0].mesh, self.rules, config)
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", max_to_keep=config.keep_checkpoints)
         self.suite = BuiltinSuite(kinds=tuple(config.rollout.task_kinds), seed=config.seed, max_turns=config.rollout.max_turns,
                                   tool_latency_median_s=config.rollout.tool_latency_median_s,
@@ -105,41 +115,53 @@ class Trainer:
                                   min_len=config.rollout.input_min_len, max_len=config.rollout.input_max_len,
                                   num_tasks=config.rollout.num_tasks)
         self.metrics = MetricsWriter(self.workdir, tensorboard=config.metrics.tensorboard)
-        self.policy = make_policy(config.schedule.policy, len(self.cells))
-        self.roles = self.policy.initial_roles()
-        self.waterlevel = Waterlevel()
-        self._timeline_path = self.workdir / "timeline.jsonl"
         _fsync_write(self.workdir / "config.json", json.dumps(config.to_dict(), indent=2, default=str))
 
+        message_end = self.tokenizer.token_id("<|im_end|>") if hasattr(self.tokenizer, "token_id") else None
+        self.trajectory_cfg = dataclasses.replace(TrajectoryConfig.from_config(config, message_end_id=message_end),
+                                                  vocab_size=self.model_cfg.vocab_size)
         latest = self.checkpointer.latest_step()
         if latest is not None:
             self.state, meta = self.checkpointer.restore(latest, self.learner.abstract_state())
             self.start_step = int(meta["next_step"])
+            pipeline_state = meta.get("pipeline")
             log.info("resumed from %s at step %d (policy version %d)", self.workdir / "checkpoints", self.start_step,
                      int(self.state.step))
         else:
             self.start_step = 0
+            pipeline_state = None
             if config.warm_start.steps > 0:
                 params = self.warm_start(params)
             self.state = self.learner.init_state(params)
+        del params
+        self.records = RecordStore(self.workdir / "records")
+        self.pipeline = TrajectoryPipeline(self.workdir / "records", self.workdir / "trajectory", self.trajectory_cfg,
+                                           state=pipeline_state)
+        self._pipeline_state = self.pipeline.get_state()
+        if latest is None:
             self.save_checkpoint(0)
 
+        s = config.serving
         self.engines: list[Engine] = []
         self.loops: list[ServingLoop] = []
+        runtimes: list[CellRuntime] = []
+        version = int(self.state.step)
+        abstract_params = abstract_model(self.model_cfg)[1]
         for cell in self.cells:
             engine = Engine(self.model_cfg, self.graphdef, cell.mesh, self.rules,
-                            max_concurrent_decodes=config.serving.max_concurrent_decodes,
-                            max_seq_len=config.serving.max_seq_len, max_prefill_length=config.serving.max_prefill_length,
-                            prefill_buckets=tuple(config.serving.prefill_buckets))
+                            max_concurrent_decodes=s.max_concurrent_decodes, max_seq_len=s.max_seq_len,
+                            max_prefill_length=s.max_prefill_length, prefill_buckets=tuple(s.prefill_buckets),
+                            page_size=s.page_size)
+            shardings = engine.param_shardings(abstract_params)
+            loop = ServingLoop(engine, jax.device_put(self.state.params, shardings, may_alias=False),
+                               policy_version=version, name=cell.name, seed=config.seed + 7919 * cell.index,
+                               kv_pages=s.kv_pages, on_update=s.on_weight_update, reuse_stale_kv=s.reuse_stale_kv,
+                               detokenize=self.tokenizer.decode).start()
+            worker = self.learner.worker if cell.index == 0 else self.learner.make_satellite(cell.mesh, cell.name)
             self.engines.append(engine)
-        self._serving_shardings = [self._cell_param_shardings(e) for e in self.engines]
-        version = int(self.state.step)
-        for cell, engine, shardings in zip(self.cells, self.engines, self._serving_shardings):
-            loop = ServingLoop(engine, reshard(self.state.params, shardings), policy_version=version, name=cell.name,
-                               seed=config.seed + 7919 * cell.index)
-            self.loops.append(loop.start())
+            self.loops.append(loop)
+            runtimes.append(CellRuntime(cell=cell, loop=loop, serving_shardings=shardings, worker=worker))
         self.router = Router({loop.name: loop for loop in self.loops})
-        self.records = RecordStore(self.workdir / "records")
         self.proxy = ProxyServer(self.router, self.tokenizer, self.records, model_name=config.proxy.model_name,
                                  host=config.proxy.host, port=config.proxy.port,
                                  max_request_bytes=config.proxy.max_request_bytes, seed=config.seed,
@@ -151,28 +173,30 @@ class Trainer:
                                  max_parallel=config.rollout.max_parallel, temperature=config.rollout.temperature,
                                  max_tokens=config.rollout.max_tokens_per_call,
                                  evaluator_timeout_s=config.rollout.evaluator_timeout_s)
-        log.info("proxy serving on %s; %d cells x %d devices; model %.2fM params", self.proxy.base_url, len(self.cells),
-                 len(self.cells[0].devices), self.model_cfg.num_params / 1e6)
+        sched = config.schedule
+        self.policy = make_policy(sched.policy, len(self.cells), **config_lib.policy_options(config))
+        self.timeline = TimelineWriter(self.workdir / "timeline" / f"step{self.start_step:06d}.json",
+                                       [c.name for c in self.cells], source="run", t0=time.time())
+        for c in range(len(self.cells)):
+            self.timeline.role(time.time(), c, "serving", reason="start")
+        self.controller = Controller(cfg=ControllerConfig.from_config(config), cells=runtimes, learner=self.learner,
+                                     state=self.state, policy=self.policy, router=self.router, executor=self.executor,
+                                     records=self.records, pipeline=self.pipeline, make_specs=self._step_specs,
+                                     on_step=self._on_step, timeline=self.timeline, stop=self._stop,
+                                     decisions_path=self.workdir / "decisions.jsonl",
+                                     measurements_path=self.workdir / "cost_measurements.json")
+        log.info("proxy serving on %s; %s policy; %d cells x %d devices (cell0 = core); model %.2fM params",
+                 self.proxy.base_url, sched.policy, len(self.cells), len(self.cells[0].devices),
+                 self.model_cfg.num_params / 1e6)
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _cell_param_shardings(self, engine: Engine):
-        return engine.param_shardings(abstract_model(self.model_cfg)[1])
-
-    def _set_roles(self, roles: list[Role], reason: str) -> None:
-        if roles == self.roles:
-            return
-        self.roles = list(roles)
-        with open(self._timeline_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"time": time.time(), "reason": reason, "roles": {c.name: r.value for c, r in zip(self.cells, roles)}}) + "\n")
-
-    def _event(self, kind: str, step: int, **kw) -> None:
-        event = Event(kind=kind, step=step, time=time.time(), **kw)
-        self._set_roles(self.policy.decide(event, self.waterlevel, self.roles), kind)
-
     def save_checkpoint(self, next_step: int) -> None:
-        meta = {"next_step": next_step, "policy_version": int(self.state.step), "seed": self.config.seed,
-                "warm_start_done": True, "time": time.time()}
-        self.checkpointer.save(next_step, self.state, meta)
+        """Train state + meta (the pipeline state at the last step boundary: a resumed run neither drops nor
+        repeats an execution)."""
+        state = self.controller.state if hasattr(self, "controller") else self.state
+        meta = {"next_step": next_step, "policy_version": int(state.step), "seed": self.config.seed,
+                "warm_start_done": True, "time": time.time(), "pipeline": self._pipeline_state}
+        self.checkpointer.save(next_step, state, meta)
         self._saved_step = next_step
 
     def request_stop(self, *_: Any) -> None:
@@ -236,65 +260,52 @@ class Trainer:
                               seed=(c.seed * 1_000_003 + salt * 1009 + i * 31 + j) % (2**31))
                 for i, task in enumerate(tasks) for j in range(samples)]
 
-    def rollout(self, step: int, progress=None) -> list[ExecutionResult]:
+    def _step_specs(self, step: int) -> list[ExecutionSpec]:
+        """Step ``step``'s executions in task order (leftovers of an interrupted attempt are set aside first)."""
         c = self.config
-        tasks = self.suite.tasks_for_step(step, c.rollout.tasks_per_step)
-        specs = self._specs("", tasks, c.rl.group_size, step)
+        specs = self._specs("", self.suite.tasks_for_step(step, c.rollout.tasks_per_step), c.rl.group_size, step)
         self._set_aside_stale(specs)
-        self._event("step_began", step, executions_in_step=len(specs))
-        self.waterlevel.dispatched += len(specs)
+        return specs
 
-        def on_done(result: ExecutionResult) -> None:
-            self.waterlevel.finished += 1
-            self._event("finished", step, execution_id=result.execution_id)
-            if progress is not None:
-                progress(result)
-
-        return self.executor.run(specs, on_done=on_done)
-
-    def train_on(self, step: int, results: list[ExecutionResult]) -> dict[str, Any]:
+    def _on_step(self, step: int, state: TrainState, learner_metrics: dict[str, Any], results: list[ExecutionResult],
+                 pipeline_state: dict[str, Any]) -> None:
+        """Called by the controller right after step ``step``'s optimizer update: results, metrics, checkpoint."""
         c = self.config
-        rewards = {r.execution_id: (None if r.excluded else r.reward) for r in results}
-        groups = {r.execution_id: r.group_id for r in results}
-        adv = group_advantages(rewards, groups)
-        branches, advantages, per_exec = [], [], []
-        for r in results:
-            if r.execution_id not in adv.advantages:
-                continue
-            chosen = select_branches(build_branches(self.records.read(r.execution_id)), c.rl.max_branches)
-            if chosen:
-                per_exec.append((r.execution_id, chosen))
-        num_exec = len(per_exec)
-        seq_weights = []
-        for eid, chosen in per_exec:
-            for b in chosen:
-                branches.append(b)
-                advantages.append(adv.advantages[eid])
-                seq_weights.append(1.0 / (num_exec * len(chosen)))
-        metrics: dict[str, Any] = {"skipped_groups": adv.skipped_groups, "executions_trained": num_exec,
-                                   "sequences": len(branches)}
-        if not branches:
-            log.warning("step %d: no trainable executions (all excluded, skipped or empty); no optimizer step", step)
-            metrics.update(tokens_trained=0, tokens_computed=0, optimizer_skipped=1)
-            return metrics
-        mbs = make_micro_batches(branches, advantages, seq_weights, c.rl.micro_batch_size)
-        computed, trained = count_tokens(mbs)
-        self.state, m = self.learner.step(self.state, mbs, kind="rl")
-        if m.get("skipped"):
-            log.error("step %d: non-finite gradients (grad norm %s); update skipped, weights unchanged", step, m["grad_norm"])
-        metrics.update(m)
-        metrics.update(tokens_trained=trained, tokens_computed=computed, micro_batches=len(mbs))
-        return metrics
-
-    def publish_weights(self) -> None:
-        """Serving cells get the new policy (device-to-device reshard onto each cell's mesh)."""
-        version = int(self.state.step)
-        for loop, shardings in zip(self.loops, self._serving_shardings):
-            loop.update_params(reshard(self.state.params, shardings), version)
+        self.state = state
+        self._pipeline_state = pipeline_state
+        _fsync_write(self.workdir / "results" / f"step_{step:06d}.jsonl",
+                     "".join(json.dumps(r.to_dict()) + "\n" for r in results))
+        valid = [r.reward for r in results if not r.excluded]
+        calls = [len(self.records.read(r.execution_id)) for r in results]
+        counts = summarize(results)
+        metrics = {
+            "phase": "train",
+            "policy": c.schedule.policy,
+            "reward_mean": counts["reward_mean"],
+            "pass_rate": float(np.mean([v >= 1.0 for v in valid])) if valid else float("nan"),
+            "excluded": counts["excluded"],
+            "timeouts": counts["timeouts"],
+            "crashed": counts["crashed"],
+            "evaluator_failures": counts["evaluator_failures"],
+            "evaluator_timeouts": counts["evaluator_timeouts"],
+            "executions": counts["executions"],
+            "calls_per_execution": float(np.mean(calls)) if calls else 0.0,
+            "policy_version": int(state.step),
+            **learner_metrics,
+        }
+        self.metrics.write(step, metrics)
+        if self._bar is not None:
+            self._bar.update(1)
+        print(format_step_line(step + 1, c.total_steps, metrics), flush=True)
+        if (step + 1) % c.checkpoint_every == 0 or step + 1 == c.total_steps:
+            self.save_checkpoint(step + 1)
 
     # -- the run ----------------------------------------------------------------------------------
     def run(self) -> int:
-        """Runs RL steps from the checkpointed cursor to ``total_steps``. Returns the next step index."""
+        """Runs RL steps from the checkpointed cursor to ``total_steps``. Returns the next step index.
+
+        The controller runs the steps between evaluations as one segment (executions of later steps may
+        start early within a segment under the async and elastic policies, never across an evaluation)."""
         c = self.config
         handlers = {}
         if threading.current_thread() is threading.main_thread():
@@ -302,16 +313,23 @@ class Trainer:
                 handlers[sig] = signal.signal(sig, self.request_stop)
         step = self.start_step
         self._saved_step = getattr(self, "_saved_step", self.start_step)
+        self._bar = None
         try:
             while step < c.total_steps and not self._stop.is_set():
                 if self._eval_due(step) and self.evaluate(step) is None and self._stop.is_set():
                     break
-                outcome = self.run_step(step)
-                if outcome is None:  # interrupted mid-rollout: nothing of this step is trained on
-                    break
-                step += 1
-                if step % c.checkpoint_every == 0 or step == c.total_steps:
-                    self.save_checkpoint(step)
+                end = self._next_eval_step(step)
+                if c.metrics.progress_bar:
+                    from tqdm import tqdm
+
+                    self._bar = tqdm(total=end - step, desc=f"steps {step}-{end - 1} ({c.schedule.policy})", leave=False,
+                                     unit="step", dynamic_ncols=True, disable=None)  # no bar when stderr is not a terminal
+                try:
+                    step = self.controller.run(step, end)
+                finally:
+                    if self._bar is not None:
+                        self._bar.close()
+                        self._bar = None
             if step == c.total_steps and not self._stop.is_set() and self._eval_due(step):
                 self.evaluate(step)
         finally:
@@ -322,6 +340,13 @@ class Trainer:
         if self._stop.is_set() and step < c.total_steps:
             log.warning("stopped at step %d/%d; checkpoint saved. Run the same command again to resume.", step, c.total_steps)
         return step
+
+    def _next_eval_step(self, step: int) -> int:
+        """The end of the controller segment starting at ``step``: the next step with an evaluation, or the last."""
+        e, total = self.config.eval, self.config.total_steps
+        if e.samples_per_task == 0 or e.every_steps <= 0:
+            return total
+        return min(total, (step // e.every_steps + 1) * e.every_steps)
 
     # -- evaluation -------------------------------------------------------------------------------
     def eval_tasks(self):
@@ -363,56 +388,10 @@ class Trainer:
             return False
         return step == 0 or step == self.config.total_steps or (e.every_steps > 0 and step % e.every_steps == 0)
 
-    def run_step(self, step: int) -> StepOutcome | None:
-        c = self.config
-        t0 = time.time()
-        bar = None
-        if c.metrics.progress_bar:
-            from tqdm import tqdm
-
-            bar = tqdm(total=c.rollout.tasks_per_step * c.rl.group_size, desc=f"step {step} rollouts", leave=False,
-                       unit="exec", dynamic_ncols=True, disable=None)  # no bar when stderr is not a terminal
-        try:
-            results = self.rollout(step, progress=(lambda _: bar.update(1)) if bar is not None else None)
-        finally:
-            if bar is not None:
-                bar.close()
-        if self._stop.is_set():
-            return None
-        t_rollout = time.time() - t0
-        _fsync_write(self.workdir / "results" / f"step_{step:06d}.jsonl",
-                     "".join(json.dumps(r.to_dict()) + "\n" for r in results))
-        t1 = time.time()
-        train_metrics = self.train_on(step, results)
-        self.publish_weights()
-        self._event("step_trained", step)
-        t_train = time.time() - t1
-        valid = [r.reward for r in results if not r.excluded]
-        calls = [len(self.records.read(r.execution_id)) for r in results]
-        counts = summarize(results)
-        metrics = {
-            "phase": "train",
-            "reward_mean": counts["reward_mean"],
-            "pass_rate": float(np.mean([v >= 1.0 for v in valid])) if valid else float("nan"),
-            "excluded": counts["excluded"],
-            "timeouts": counts["timeouts"],
-            "crashed": counts["crashed"],
-            "evaluator_failures": counts["evaluator_failures"],
-            "evaluator_timeouts": counts["evaluator_timeouts"],
-            "executions": counts["executions"],
-            "calls_per_execution": float(np.mean(calls)) if calls else 0.0,
-            "rollout_s": t_rollout,
-            "train_s": t_train,
-            "step_s": time.time() - t0,
-            "policy_version": int(self.state.step),
-            **train_metrics,
-        }
-        self.metrics.write(step, metrics)
-        print(format_step_line(step + 1, c.total_steps, metrics), flush=True)
-        return StepOutcome(metrics=metrics, results=results)
-
     def close(self) -> None:
-        for closer in (self.proxy.stop, *[loop.stop for loop in self.loops], self.metrics.close, self.checkpointer.close):
+        closers = (self.proxy.stop, *[loop.stop for loop in self.loops], self.controller.close,
+                   lambda: self.timeline.close(time.time()), self.metrics.close, self.checkpointer.close)
+        for closer in closers:
             try:
                 closer()
             except Exception:  # noqa: BLE001 - best effort on shutdown; the first error is logged

@@ -49,7 +49,8 @@ def _checkpoint_steps(workdir: Path) -> list[int]:
 @pytest.mark.parametrize(
     "override, key",
     [("--config.rl.group_size=1", "rl.group_size"), ("--config.rl.group_szie=4", "group_szie"),
-     ("--config.mesh.data=3", "mesh"), ("--config.schedule.policy=nope", "schedule.policy")],
+     ("--config.mesh.data=3", "mesh"), ("--config.schedule.policy=nope", "schedule.policy"),
+     ("--config.distributed.enabled=true", "config.distributed")],
 )
 def test_bad_config_fails_before_work_with_one_line(tmp_path, override, key):
     proc = _train("--config", "configs/tiny_cpu.py", f"--config.workdir={tmp_path / 'w'}", override, timeout=120)
@@ -126,3 +127,26 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     again = _train(*SMALL, f"--config.workdir={workdir}", f"--config.total_steps={len(done) + 1}")
     assert again.returncode == 0, again.stderr[-3000:]
     assert _metric_steps(workdir) == list(range(len(done) + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["async", "elastic"])
+def test_async_and_elastic_policies_run_end_to_end_with_a_timeline(tmp_path, policy):
+    """``--config.schedule.policy=P`` on 8 virtual CPU devices (colocated is the default, run above)."""
+    workdir = tmp_path / "run"
+    proc = _train(*SMALL, f"--config.workdir={workdir}", "--config.total_steps=2", "--config.eval.samples_per_task=0",
+                  f"--config.schedule.policy={policy}", "--config.rollout.tool_latency_median_s=0.1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _metric_steps(workdir) == [0, 1]
+    metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    for m in (m for m in metrics if m.get("phase") == "train"):
+        assert m["policy"] == policy and m["executions"] == 4
+        assert 0.0 <= m["idle_fraction/cell0"] <= 1.0 and 0.0 <= m["idle_fraction/cell1"] <= 1.0
+    from gyre_jax.elastic.timeline import load_timeline
+
+    tl = load_timeline(workdir / "timeline" / "step000000.json")
+    assert tl.cells == ["cell0", "cell1"]
+    assert any(s.name == "training" for s in tl.roles[0]), "the core trains"
+    assert len(tl.optimizer_steps) == 2 and len(tl.executions) == 2 * 4
+    if policy == "async":  # a fixed split: cell 1 never leaves serving
+        assert {s.name for s in tl.roles[1]} == {"serving"}

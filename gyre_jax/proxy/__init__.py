@@ -1,1 +1,1 @@
-"""The OpenAI-compatible proxy: chat templates, token-in/token-out prompts, routing and TITO records."""
+"""The OpenAI- and Anthropic-compatible proxy: chat templates, token-in/token-out prompts, routing and TITO records."""

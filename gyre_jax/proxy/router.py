@@ -105,6 +105,13 @@ class Router:
         for request_id in moving:
             self._backends[name].cancel(request_id)
 
+    def repin(self, session_id: str, name: str) -> None:
+        """Pins ``session_id`` to backend ``name`` (its KV moved there, e.g. when a cell left serving), so the
+        session's next call goes where its prefix cache is."""
+        self._check_name(name)
+        with self._lock:
+            self._pin(session_id, name)
+
     def undrain(self, name: str) -> None:
         """Lets ``name`` take new requests again (and the parked ones)."""
         self._check_name(name)

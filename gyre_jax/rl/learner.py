@@ -241,6 +241,17 @@ class Learner:
         finally:
             for th in threads:
                 th.join()
+        return self.finish_step(state, queue, acc, kind, grad_scale=grad_scale, t0=t0,
+                                extra={"worker_errors": len(errors)})
+
+    def finish_step(self, state: TrainState, queue: MicroStepQueue, acc: GradAccumulator, kind: str = "rl", *,
+                    grad_scale: float = 1.0, t0: float | None = None, extra: dict | None = None) -> tuple[TrainState, dict]:
+        """The optimizer step once ``queue`` is done: sums the accumulated gradients (empty slots marked),
+        applies AdamW (or skips a non-finite step) and returns the new state and the step's metrics.
+
+        Used by ``stream_step`` and by the elastic controller, whose training cells claim micro-steps
+        themselves. ``state`` is donated: use the returned one."""
+        t0 = time.perf_counter() if t0 is None else t0
         for i in queue.empty_slots():
             acc.mark_empty(i)
         grads, aux, num_micro = acc.result()
@@ -251,8 +262,8 @@ class Learner:
         metrics = self._finish_metrics(aux, kind, grad_scale)
         metrics.update(applied)
         metrics.update(micro_steps=num_micro, micro_steps_core=queue.completed_by.get(self.worker.name, 0),
-                       micro_steps_released=queue.released, worker_errors=len(errors), grads_s=t_grads,
-                       learner_s=time.perf_counter() - t0)
+                       micro_steps_released=queue.released, grads_s=t_grads,
+                       learner_s=time.perf_counter() - t0, **(extra or {}))
         if metrics["skipped"]:
             self.skipped_steps += 1
             what = "loss" if not math.isfinite(metrics["loss"]) else "gradients"

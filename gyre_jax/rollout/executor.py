@@ -309,6 +309,30 @@ class Executor:
             ) from exc
         return results
 
+    def submit(self, spec: ExecutionSpec, on_done: Callable[[ExecutionResult], None]) -> threading.Thread:
+        """Starts one execution in its own thread and returns at once; ``on_done(result)`` is called from that
+        thread when it ends (finished, timed out, crashed or cancelled). The caller bounds concurrency (the
+        elastic controller starts an execution only when a serving slot is free)."""
+        _check_execution_id(spec.execution_id)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+        def work() -> None:
+            try:
+                result = self._run_one(spec)
+            except Exception as exc:  # noqa: BLE001 - recorded as a crashed execution; the run goes on
+                logger.exception("execution %s failed in the executor", spec.execution_id)
+                result = ExecutionResult(execution_id=spec.execution_id, task_id=spec.task.task_id,
+                                         group_id=spec.group_id, status="crashed", reward=None, excluded=True,
+                                         exclusion_reason=f"executor error: {type(exc).__name__}: {exc}",
+                                         returncode=None, duration_s=0.0,
+                                         workspace=str(self.root / spec.execution_id / "workspace"),
+                                         exclusion_kind="executor_error")
+            on_done(result)
+
+        thread = threading.Thread(target=work, name=f"gyre-exec-{spec.execution_id}", daemon=True)
+        thread.start()
+        return thread
+
     # -- one execution --------------------------------------------------------------------------
 
     def _run_one(self, spec: ExecutionSpec) -> ExecutionResult:

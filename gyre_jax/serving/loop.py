@@ -163,6 +163,9 @@ class ServingLoop:
         self._cache = PrefixCache(kv_pages, engine.page_size) if kv_pages > 0 else None
         self._pool: KVPages | None = None
         self.stats = LoopStats()
+        # one entry per loop iteration that did work: (decode batch, context tokens of that batch, tokens
+        # prefilled, seconds); the controller turns these into the simulator's measured serving costs
+        self.step_log: collections.deque[tuple[int, int, int, float]] = collections.deque(maxlen=50_000)
         self.error: BaseException | None = None
         self._refresh_cache_stats()
 
@@ -657,13 +660,19 @@ class ServingLoop:
                         self._cv.wait(timeout=0.05)
                         continue
                 t0 = time.perf_counter()
+                prefilled = self.stats.prefill_tokens
                 self._prefill_step()
                 # pipelined: step k+1 is dispatched before step k's tokens are read, so the device never waits
                 # for this thread; a request that ends at step k wastes its token of step k+1
                 previous = self._pending
                 self._pending = self._dispatch_generate(previous)
                 self._collect(previous)
-                self.stats.busy_s += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.stats.busy_s += dt
+                if previous is not None or self.stats.prefill_tokens > prefilled:
+                    jobs = previous.jobs.values() if previous is not None else ()
+                    context = sum(len(j.request.prompt_ids) + len(j.tokens) for j in jobs)
+                    self.step_log.append((len(jobs), context, self.stats.prefill_tokens - prefilled, dt))
         except BaseException as exc:  # the loop must never die silently: fail every waiter with the cause
             log.exception("serving loop %s failed", self.name)
             with self._cv:

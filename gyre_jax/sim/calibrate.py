@@ -117,7 +117,7 @@ def recorded_steps(run_dir: str | os.PathLike, steps: int) -> list[list[Recorded
     store = RecordStore(run / "records")
     out = []
     for k in range(steps):
-        path = run / "results" / f"step_{k}.jsonl"
+        path = run / "results" / f"step_{k:06d}.jsonl"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: the run has fewer than {steps} steps of results")
         step = []

@@ -181,6 +181,9 @@ class LoadExecution(grain.transforms.Map):
         self.config = config
 
     def map(self, entry: QueuedExecution) -> LoadedExecution:
+        if entry.weight == 0.0:  # queued for the record only (see ExecutionQueue.append_step): not read, not trained
+            return LoadedExecution(entry=entry, excluded="weight 0: left out by the trainer (its group was skipped "
+                                                          "or it is over the staleness bound)")
         path = self.record_dir / f"{entry.execution_id}.jsonl"
         try:
             builder = BranchBuilder(main_thread=self.config.main_thread, message_end_id=self.config.message_end_id)
@@ -388,10 +391,12 @@ class TrajectoryPipeline:
             if dropped:
                 log.warning("dropped %d queued executions of an earlier attempt that no checkpoint holds", dropped)
 
-    def enqueue(self, step: int, executions: list[tuple[str, float]], normalizer: int | None = None) -> None:
+    def enqueue(self, step: int, executions: list[tuple[str, float]], normalizer: int | None = None, *,
+                last: bool = True, untrained: frozenset[str] | set[str] = frozenset()) -> None:
         """Queues one optimizer step's finished executions ``(execution_id, advantage)``; each weighs
-        ``1 / normalizer`` (default: how many are given). Durable (fsynced) when this returns."""
-        self.queue.append_step(step, executions, normalizer)
+        ``1 / normalizer`` (default: how many are given). Durable (fsynced) when this returns. ``last=False``
+        leaves the step open for more parts; ``untrained`` executions weigh 0 (``ExecutionQueue.append_step``)."""
+        self.queue.append_step(step, executions, normalizer, last=last, untrained=untrained)
 
     def __iter__(self):
         return self._iter

@@ -60,9 +60,15 @@ class ExecutionQueue:
             self._end = (offset, index)
         return self._end
 
-    def append_step(self, step: int, executions: list[tuple[str, float]], normalizer: int | None = None) -> list[QueuedExecution]:
+    def append_step(self, step: int, executions: list[tuple[str, float]], normalizer: int | None = None, *,
+                    last: bool = True, untrained: frozenset[str] | set[str] = frozenset()) -> list[QueuedExecution]:
         """Appends one optimizer step's executions ``(execution_id, advantage)``; each gets weight ``1 / normalizer``
-        (default: the number of executions given). Written and fsynced before returning."""
+        (default: the number of executions given). Written and fsynced before returning.
+
+        A step may be appended in parts (a streaming trainer appends each task group as it completes):
+        ``last=False`` leaves the step open; the part with ``last=True`` ends it. Executions in ``untrained``
+        (their group was skipped, or they are over the staleness bound) get weight 0: they are queued so the
+        step's record is complete, and the pipeline reports them as left out without reading their records."""
         if not executions:
             raise ValueError(f"step {step}: nothing to enqueue (a step needs at least one execution)")
         n = len(executions) if normalizer is None else int(normalizer)
@@ -79,7 +85,8 @@ class ExecutionQueue:
                 raise ValueError(f"step {step}: execution {eid!r} has a non-finite advantage {adv!r}")
         end_offset, first = self.end()
         entries = [QueuedExecution(index=first + i, execution_id=eid, step=int(step), advantage=float(adv),
-                                   weight=1.0 / n, last_in_step=i == len(executions) - 1)
+                                   weight=0.0 if eid in untrained else 1.0 / n,
+                                   last_in_step=last and i == len(executions) - 1)
                    for i, (eid, adv) in enumerate(executions)]
         data = "".join(e.to_json() + "\n" for e in entries).encode("utf-8")
         with open(self.path, "r+b") as f:

@@ -43,7 +43,7 @@ def run_dir(tmp_path_factory):
                 prompt += new + gen
                 t += 1.0 + float(rng.exponential(20.0))
             lines.append(json.dumps({"execution_id": eid, "status": "finished", "reward": 1.0}))
-        (run / "results" / f"step_{k}.jsonl").write_text("\n".join(lines) + "\n")
+        (run / "results" / f"step_{k:06d}.jsonl").write_text("\n".join(lines) + "\n")
     executions = recorded_steps(run, base.steps)
     measured = np.array(step_times(predict(base.replace(cost=truth), executions)))
     measured *= 1 + 0.03 * rng.standard_normal(len(measured))  # timing noise of a real machine

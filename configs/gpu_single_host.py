@@ -1,0 +1,59 @@
+"""Preset: one host with 8 GPUs (e.g. 8 x H100 80 GB), one process, Qwen3-1.7B shapes.
+
+Run: python -m gyre_jax.train --config configs/gpu_single_host.py [--config.a.b=value ...]
+     (add --config.model.checkpoint_dir=/path/to/Qwen3-1.7B --config.tokenizer.kind=hf for real weights)
+
+Built on configs/tiny_cpu.py (every other key keeps its value there). Parallelism: the training mesh is
+fsdp=4 x tensor=2 over the 8 GPUs; 4 cells of 2 GPUs (tensor=2: a cell is a part of the host, its tensor
+pair shares NVLink). One process drives all 8 GPUs, so config.distributed stays disabled. Memory
+(estimates, not measured here): the core cell holds fp32 master weights, gradients and Adam moments, about
+16 bytes x 2.0B parameters = 32 GB over 2 GPUs, plus its KV cache (8 slots x 32K tokens x 112 KB =
+29 GB) and activations (remat on).
+"""
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+from gyre_jax import distributed
+from gyre_jax.model.config import QWEN3_1P7B
+
+
+def _tiny_cpu():
+    spec = importlib.util.spec_from_file_location("gyre_config_tiny_cpu_base", Path(__file__).with_name("tiny_cpu.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def get_config():
+    c = _tiny_cpu()
+    c.workdir = "runs/gpu_single_host"
+    c.devices.platform = "gpu"
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 4, 2
+    c.cells.num_cells = 4
+    c.cells.data, c.cells.fsdp, c.cells.tensor = 1, 1, 2
+    for field in dataclasses.fields(QWEN3_1P7B):  # Qwen3-1.7B's shapes (random init unless checkpoint_dir is set)
+        c.model[field.name] = getattr(QWEN3_1P7B, field.name)
+    c.model.dtype = "bfloat16"  # bf16 compute on fp32 master weights
+    c.model.param_dtype = "float32"
+    c.model.remat_policy = "full"
+
+    c.serving.max_concurrent_decodes = 8  # decode slots per cell
+    c.serving.max_seq_len = 32768
+    c.serving.max_prefill_length = 4096
+    c.serving.prefill_buckets = (512, 1024, 2048, 4096)
+    c.serving.page_size = 64
+    c.serving.kv_pages = 2048  # 128K tokens of session prefix cache per cell
+    c.trajectory.row_length = 32768
+    c.trajectory.tokens_per_micro_batch = 32768
+
+    c.rollout.tasks_per_step = 8
+    c.rollout.max_parallel = 64
+    c.rollout.max_tokens_per_call = 4096
+    c.rollout.timeout_s = 3600.0
+    c.rl.group_size = 16  # GSPO rollouts per task (published setting)
+    c.warm_start.steps = 0  # a real checkpoint needs no format warm start
+
+    c.distributed = distributed.default_config()  # one process: disabled
+    return c

@@ -1,0 +1,154 @@
+"""The elastic controller's invariants, on a real run: 8 virtual CPU devices in 2 cells of 4, the real
+serving engines behind the real proxy, real harness subprocesses with long-tailed tool times, the Grain
+trajectory pipeline and orbax checkpoints.
+
+One elastic run of 3 steps (module fixture) with serving capacity for exactly one step's executions, so
+the core leaves serving while sessions are still running there (they move, KV and requests in flight,
+to the other cell) and a satellite trains too. Then:
+
+- the same micro-step contents give the same parameters whichever cells computed them (the step is
+  recomputed from the saved pipeline state on the core alone and compared with the checkpoint);
+- no execution is lost or counted twice across switches;
+- no harness sees an error while its cell switches;
+- on the same event sequence, the policy decides the same inside the controller as when driven alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from gyre_jax import config as config_lib
+from gyre_jax.elastic.controller import state_from_dict
+from gyre_jax.elastic.policies import Event, Role, make_policy
+from gyre_jax.elastic.timeline import load_timeline
+from gyre_jax.trajectory.pipeline import TrajectoryPipeline
+
+STEPS = 3
+N = 16  # 2 tasks x G=8
+
+
+def _config(workdir: Path, policy: str = "elastic"):
+    return config_lib.load_config([
+        f"--config.workdir={workdir}", f"--config.total_steps={STEPS}", "--config.warm_start.steps=0",
+        "--config.eval.samples_per_task=0", f"--config.schedule.policy={policy}", "--config.metrics.progress_bar=False",
+        "--config.metrics.tensorboard=False", "--config.checkpoint_every=1", "--config.keep_checkpoints=4",
+        "--config.cells.sessions_per_cell=8",  # two cells hold exactly one step: the core leaves with sessions on it
+        "--config.rollout.tool_latency_median_s=0.2", "--config.rollout.tool_latency_sigma=1.0",
+        "--config.rollout.max_tokens_per_call=48", "--config.trajectory.tokens_per_micro_batch=1024",
+    ])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from gyre_jax.trainer import Trainer
+
+    workdir = tmp_path_factory.mktemp("elastic")
+    config = _config(workdir)
+    trainer = Trainer(config)
+    try:
+        assert trainer.run() == STEPS
+        retries = trainer.router.retries
+        learner = trainer.learner
+        trajectory_cfg = trainer.trajectory_cfg
+        checkpointer = trainer.checkpointer
+        abstract = learner.abstract_state()
+        checkpoints = {k: checkpointer.restore(k, abstract) for k in range(STEPS + 1)}
+    finally:
+        trainer.close()
+    metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return dict(workdir=workdir, config=config, retries=retries, learner=learner, trajectory_cfg=trajectory_cfg,
+                checkpoints=checkpoints, metrics=[m for m in metrics if m.get("phase") == "train"])
+
+
+def test_the_core_left_serving_with_sessions_on_it_and_a_satellite_trained(run):
+    tl = load_timeline(next((run["workdir"] / "timeline").glob("*.json")))
+    assert [c for c in tl.cells] == ["cell0", "cell1"]
+    for cell in (0, 1):
+        names = [s.name for s in tl.roles[cell]]
+        assert "training" in names and "switching" in names, names
+    # cell 0 (the core) left first: its first training span starts before cell 1's
+    first_training = [min(s.start for s in tl.roles[c] if s.name == "training") for c in (0, 1)]
+    assert first_training[0] < first_training[1]
+    # the core left while executions of the step were still running (sessions moved to cell 1)
+    executions = [s for s in tl.executions.values()]
+    assert any(s.start < first_training[0] < s.end for s in executions)
+    per_cell = {c: sum(m[f"micro_steps/cell{c}"] for m in run["metrics"]) for c in (0, 1)}
+    assert per_cell[0] > 0 and per_cell[1] > 0, per_cell
+    for m in run["metrics"]:
+        assert 0.0 <= m["idle_fraction/cell0"] <= 1.0 and 0.0 <= m["idle_fraction/cell1"] <= 1.0
+        assert m["switch_s"] >= 0.0
+
+
+def test_same_micro_step_contents_give_the_same_params_whichever_cells_computed_them(run):
+    """Each step is recomputed from the checkpointed pipeline state on the core alone, in one call."""
+    learner, ckpts = run["learner"], run["checkpoints"]
+    for k in range(STEPS):
+        state_k, meta_k = ckpts[k]
+        pipeline = TrajectoryPipeline(run["workdir"] / "records", run["workdir"] / "trajectory", run["trajectory_cfg"],
+                                      state=meta_k["pipeline"], discard_unsaved=False)
+        batches = pipeline.next_step()
+        assert batches.step == k
+        assert len(batches.micro_batches) == run["metrics"][k]["micro_batches"]
+        state = jax.tree.map(lambda x: x.copy(), state_k)
+        recomputed, _ = learner.step(state, batches.micro_batches)
+        expected, _ = ckpts[k + 1]
+        got = jax.tree.leaves(jax.device_get(recomputed.params))
+        want = jax.tree.leaves(jax.device_get(expected.params))
+        assert int(recomputed.step) == int(expected.step) == k + 1
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_no_execution_is_lost_or_counted_twice(run):
+    workdir = run["workdir"]
+    queued = [json.loads(line) for line in (workdir / "trajectory" / "queue.jsonl").read_text().splitlines()]
+    ids = [q["execution_id"] for q in queued]
+    assert len(ids) == len(set(ids)) == STEPS * N
+    for k in range(STEPS):
+        results = [json.loads(line) for line in (workdir / "results" / f"step_{k:06d}.jsonl").read_text().splitlines()]
+        step_ids = [r["execution_id"] for r in results]
+        assert len(step_ids) == len(set(step_ids)) == N
+        assert sorted(step_ids) == sorted(q["execution_id"] for q in queued if q["step"] == k)
+        assert sum(q["last_in_step"] for q in queued if q["step"] == k) == 1
+    # every record file belongs to a queued execution, and every queued execution has its records
+    recorded = {p.stem for p in (workdir / "records").glob("*.jsonl")}
+    assert recorded == set(ids)
+    decisions = [json.loads(line) for line in (workdir / "decisions.jsonl").read_text().splitlines()]
+    last = decisions[-1]["state"]["waterlevel"]
+    assert last["dispatched"] == last["started"] == last["finished"] == STEPS * N
+
+
+def test_no_harness_sees_an_error_while_its_cell_switches(run):
+    workdir = run["workdir"]
+    for k in range(STEPS):
+        for line in (workdir / "results" / f"step_{k:06d}.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            assert r["status"] == "finished", r
+            assert r["returncode"] == 0, r
+            assert not r["excluded"], r
+    for stderr in (workdir / "executions").glob("*/harness.stderr"):
+        text = stderr.read_text()
+        assert "Error" not in text and "Traceback" not in text, (stderr, text[-500:])
+    for m in run["metrics"]:
+        assert m["crashed"] == 0 and m["timeouts"] == 0
+
+
+def test_the_policy_decides_the_same_alone_on_the_same_event_sequence(run):
+    config = run["config"]
+    policy = make_policy(config.schedule.policy, config.cells.num_cells, **config_lib.policy_options(config))
+    lines = [json.loads(line) for line in (run["workdir"] / "decisions.jsonl").read_text().splitlines()]
+    assert len(lines) > 10
+    left = 0
+    for line in lines:
+        event = Event(**line["event"])
+        state = state_from_dict(line["state"])
+        decision = policy.plan(event, state)
+        assert [r.value for r in decision.roles] == line["roles"], line
+        assert decision.dispatch == line["dispatch"], line
+        left += any(r is Role.TRAINING and s is Role.SERVING for r, s in zip(decision.roles, state.roles))
+    assert left > 0  # the sequence holds real decisions: cells left serving
