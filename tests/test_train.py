@@ -135,7 +135,8 @@ def test_async_and_elastic_policies_run_end_to_end_with_a_timeline(tmp_path, pol
     """``--config.schedule.policy=P`` on 8 virtual CPU devices (colocated is the default, run above)."""
     workdir = tmp_path / "run"
     proc = _train(*SMALL, f"--config.workdir={workdir}", "--config.total_steps=2", "--config.eval.samples_per_task=0",
-                  f"--config.schedule.policy={policy}", "--config.rollout.tool_latency_median_s=0.1")
+                  "--config.warm_start.steps=0", f"--config.schedule.policy={policy}",
+                  "--config.rollout.tool_latency_median_s=0.1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert _metric_steps(workdir) == [0, 1]
     metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]

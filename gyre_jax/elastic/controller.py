@@ -560,7 +560,7 @@ class Controller:
         th = threading.Thread(target=self._switch, args=(c, to, target, int(self.state.step)),
                               name=f"switch-{c.name}", daemon=True)
         th.start()
-        self._switch_threads.append(th)
+        self._switch_threads = [t for t in self._switch_threads if t.is_alive()] + [th]
 
     def _migration_target(self, leaving: CellRuntime) -> CellRuntime | None:
         """The serving cell that stays longest: cells leave in index order, so the highest-index one."""
