@@ -115,6 +115,7 @@ def get_config() -> config_dict.ConfigDict:
     c.trajectory.row_length = 1024  # tokens per packed row; >= serving.max_seq_len so every branch fits a row
     c.trajectory.tokens_per_micro_batch = 2048  # rows per micro-batch = this / row_length (fixed shape: one compile)
     c.trajectory.max_sequences_per_micro_batch = 64  # sequence slots per micro-batch (GSPO ratios, advantages, weights)
+    c.trajectory.open_micro_batches = 4  # micro-batches filled at once: more packs tighter, 1 streams each as soon as full
     c.trajectory.stream_order = "task"  # groups enter the pipeline in task order (deterministic) | arrival (sooner)
 
     c.optimizer = config_dict.ConfigDict()

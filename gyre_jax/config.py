@@ -318,6 +318,8 @@ def validate(config: config_dict.ConfigDict) -> None:
         _require(t.tokens_per_micro_batch >= t.row_length and t.tokens_per_micro_batch % t.row_length == 0,
                  f"config.trajectory.tokens_per_micro_batch={t.tokens_per_micro_batch} must be a positive multiple of "
                  f"trajectory.row_length={t.row_length} (micro-batches are rows x row_length tokens)")
+        _require(t.get("open_micro_batches", 4) >= 1,
+                 f"config.trajectory.open_micro_batches={t.get('open_micro_batches')} must be >= 1")
         _require(t.max_sequences_per_micro_batch >= 1,
                  f"config.trajectory.max_sequences_per_micro_batch={t.max_sequences_per_micro_batch} must be >= 1")
 

@@ -1,12 +1,14 @@
-"""Calibration: does the simulator predict a real run's step times from that run's measured costs?
+"""Calibration: does the simulator predict a real run's step times from that run's own measurements?
 
-The path: a real run writes its measured costs (``cost_measurements.json``, format in
-``cost_model.fit_cost_model``), its per-step wall times (``metrics.jsonl``, field ``step_s``) and its
-TITO records (``records/<execution_id>.jsonl``) with step results (``results/step_<k>.jsonl``).
-``calibrate_run`` fits a cost model to the measurements, replays the run's own executions (their
-calls, tokens and tool gaps, ``workload.recorded_execution``) under the run's policy and cluster, and
-compares the predicted step times with the measured ones (``compare_step_times``). The published bar
-is a prediction within 15% per step.
+A real run directory (``python -m gyre_jax.train``) holds ``config.json``, ``cost_measurements.json``
+(format in ``cost_model.fit_cost_model``), ``metrics.jsonl`` (``step_s`` per step), ``records/`` (TITO
+records with each call's ``t_start`` / ``t_end``), ``results/step_<k>.jsonl`` and ``timeline/*.json``.
+``calibrate`` builds the simulator config of the run's shape (``run_sim_config``), fits the cost model to
+the measurements without the warm-up (``warm_measurements``; the serving pause and training delay at step
+boundaries from ``step_boundary_costs``), replays the run's own executions with their harness setup,
+teardown and evaluation time (``recorded_steps``, ``execution_timing``) and the warm-up's compiles as
+measured (``warmup_call_delays``), and compares the predicted step times with the measured ones
+(``compare_step_times``, ``CalibrationReport``). The bar: within 15% per step.
 """
 
 from __future__ import annotations
@@ -19,9 +21,22 @@ from typing import Sequence
 
 import numpy as np
 
-from gyre_jax.sim.cost_model import CostModel, CostModelError, fit_cost_model
+from gyre_jax.sim.cost_model import (
+    CostModel,
+    CostModelError,
+    ServingCost,
+    SwitchCost,
+    TrainingCost,
+    fit_cost_model,
+)
 from gyre_jax.sim.simulator import SimConfig, SimResult, Simulator
-from gyre_jax.sim.workload import RecordedExecution, recorded_execution, replay_plan
+from gyre_jax.sim.workload import (
+    Dist,
+    RecordedExecution,
+    WorkloadSpec,
+    recorded_execution,
+    replay_plan,
+)
 
 MEASUREMENTS_FILE = "cost_measurements.json"
 
@@ -36,6 +51,7 @@ class CalibrationReport:
     mean_abs_error: float
     max_abs_error: float
     tolerance: float
+    steps: list[int] | None = None  # the run's step numbers (None: 0, 1, ...)
 
     @property
     def within_tolerance(self) -> bool:
@@ -46,7 +62,8 @@ class CalibrationReport:
 
     def table(self) -> str:
         lines = ["step  measured_s  predicted_s  error"]
-        for i, (m, p, e) in enumerate(zip(self.measured_s, self.predicted_s, self.relative_error)):
+        steps = self.steps if self.steps is not None else range(len(self.measured_s))
+        for i, m, p, e in zip(steps, self.measured_s, self.predicted_s, self.relative_error):
             lines.append(f"{i:4d}  {m:10.2f}  {p:11.2f}  {e:+6.1%}")
         lines.append(f"mean |error| {self.mean_abs_error:.1%}, max |error| {self.max_abs_error:.1%} "
                      f"(tolerance {self.tolerance:.0%}: {'within' if self.within_tolerance else 'NOT within'})")
@@ -74,12 +91,14 @@ def compare_step_times(predicted: Sequence[float], measured: Sequence[float], to
     err = p / m - 1.0
     return CalibrationReport(predicted_s=p.tolist(), measured_s=m.tolist(), relative_error=err.tolist(),
                              mean_abs_error=float(np.mean(np.abs(err))), max_abs_error=float(np.max(np.abs(err))),
-                             tolerance=tolerance)
+                             tolerance=tolerance, steps=list(range(skip_first, len(measured))))
 
 
-def predict(config: SimConfig, executions: Sequence[Sequence[RecordedExecution]] | None = None) -> SimResult:
+def predict(config: SimConfig, executions: Sequence[Sequence[RecordedExecution]] | None = None,
+            **simulator_options) -> SimResult:
     """Simulates ``config``; with ``executions`` (one list per step, in task order, ``batch_size`` each) the
-    run's own executions are replayed instead of sampled from the workload spec."""
+    run's own executions are replayed instead of sampled from the workload spec. ``simulator_options`` go to
+    ``Simulator`` (e.g. ``timeline=``, ``trace_executions=True``)."""
     plans = None
     if executions is not None:
         if len(executions) != config.steps:
@@ -90,7 +109,7 @@ def predict(config: SimConfig, executions: Sequence[Sequence[RecordedExecution]]
                 raise ValueError(f"step {k} has {len(step)} recorded executions; the config runs "
                                  f"{config.batch_size} (tasks_per_step x group_size) per step")
             plans.append(replay_plan(step, config.workload, config.cost.serving, config.segments))
-    return Simulator(config, plans=plans).run()
+    return Simulator(config, plans=plans, **simulator_options).run()
 
 
 # -- reading a real run ---------------------------------------------------------------------------------
@@ -109,12 +128,62 @@ def measured_step_times(run_dir: str | os.PathLike) -> list[float]:
     return [out[k] for k in sorted(out)]
 
 
-def recorded_steps(run_dir: str | os.PathLike, steps: int) -> list[list[RecordedExecution]]:
-    """Each step's executions, replayable, from ``results/step_<k>.jsonl`` and ``records/``."""
+@dataclass(frozen=True)
+class ExecutionTiming:
+    """Where an execution's time went outside its model calls and tool gaps (seconds): ``setup_s`` from
+    getting its slot to the harness's first call (workspace, process start, imports), ``teardown_s`` from
+    its last call's end to the harness's exit, ``eval_s`` from the exit until the controller saw it scored.
+    The three add up to the execution's whole span minus first-call-start .. last-call-end."""
+
+    setup_s: float
+    teardown_s: float
+    eval_s: float
+
+
+def execution_spans(run_dir: str | os.PathLike) -> dict[str, tuple[float, float]]:
+    """Execution id -> (slot taken, harness ended and scored), wall-clock seconds, from every timeline file of
+    the run (``timeline/*.json``: one per run segment; the controller writes an execution's span from the
+    moment it is submitted to the harness to the moment its scored result reaches the driver)."""
+    from gyre_jax.elastic.timeline import load_timeline
+
+    spans: dict[str, tuple[float, float]] = {}
+    for path in sorted((Path(run_dir) / "timeline").glob("*.json")):
+        tl = load_timeline(path)
+        for eid, span in tl.executions.items():
+            if np.isfinite(span.end):
+                spans[eid] = (tl.t0 + span.start, tl.t0 + span.end)
+    return spans
+
+
+def execution_timing(records: Sequence, result: dict, span: tuple[float, float] | None) -> ExecutionTiming | None:
+    """Setup, teardown and evaluation time of one execution from its records (first / last call), its result
+    (``duration_s``: harness spawn to exit) and its timeline span; None without a span."""
+    if span is None or not records:
+        return None
+    start, end = span
+    first = min(r.t_start for r in records)
+    last = max(r.t_end for r in records)
+    exit_t = min(max(start + float(result.get("duration_s") or 0.0), last), end)  # harness exit, in [last, end]
+    return ExecutionTiming(setup_s=max(0.0, first - start), teardown_s=max(0.0, exit_t - last),
+                           eval_s=max(0.0, end - exit_t))
+
+
+def recorded_steps(run_dir: str | os.PathLike, steps: int, with_timing: bool = True,
+                   missing: list[str] | None = None,
+                   call_delays: dict[str, list[float]] | None = None) -> list[list[RecordedExecution]]:
+    """Each step's executions, replayable, from ``results/step_<k>.jsonl`` and ``records/``.
+
+    ``with_timing``: each execution's harness setup, teardown and evaluation time (``ExecutionTiming``) are
+    measured from the run's timeline and added to its replay (setup before the first call, teardown after
+    the last, evaluation after the harness ends); executions the timeline does not show replay without them
+    and their ids are appended to ``missing``. ``call_delays``: execution id -> seconds to wait before each of
+    its calls (``warmup_call_delays``).
+    """
     from gyre_jax.proxy.records import RecordStore
 
     run = Path(run_dir)
     store = RecordStore(run / "records")
+    spans = execution_spans(run) if with_timing else {}
     out = []
     for k in range(steps):
         path = run / "results" / f"step_{k:06d}.jsonl"
@@ -125,29 +194,406 @@ def recorded_steps(run_dir: str | os.PathLike, steps: int) -> list[list[Recorded
             if not line.strip():
                 continue
             result = json.loads(line)
-            records = store.read(result["execution_id"])
+            eid = result["execution_id"]
+            records = store.read(eid)
             if not records:
-                raise ValueError(f"{result['execution_id']}: no TITO records to replay (it never called the model)")
-            step.append(recorded_execution(records))
+                raise ValueError(f"{eid}: no TITO records to replay (it never called the model)")
+            timing = execution_timing(records, result, spans.get(eid)) if with_timing else None
+            if timing is None:
+                if with_timing and missing is not None:
+                    missing.append(eid)
+                step.append(recorded_execution(records))
+            else:
+                step.append(recorded_execution(records, eval_s=timing.eval_s, setup_s=timing.setup_s,
+                                               teardown_s=timing.teardown_s))
+            delays = (call_delays or {}).get(eid)
+            if delays:  # a wait before call c is tool time after call c - 1 (before call 0: its setup)
+                x = step[-1]
+                for c, d in enumerate(delays[: len(x.tool_s)]):
+                    x.tool_s[max(0, c - 1)] += d
         out.append(step)
     return out
 
 
-def calibrate_run(run_dir: str | os.PathLike, config: SimConfig, tolerance: float = 0.15,
-                  skip_first: int = 1) -> tuple[CalibrationReport, CostModel]:
-    """Fits the run's measured costs onto ``config.cost``, replays the run and compares step times."""
-    run = Path(run_dir)
-    path = run / MEASUREMENTS_FILE
+# -- a real run's measured costs, warm-up left out ------------------------------------------------------
+# a serving sample this long, and COMPILE_FACTOR x the median, is a stall, not a steady step: a jit compile, or
+# the pause at a step boundary (measured separately, step_boundary_costs)
+COMPILE_MIN_S = 1.0
+COMPILE_FACTOR = 20.0
+
+
+def read_measurements(run_dir: str | os.PathLike) -> dict:
+    path = Path(run_dir) / MEASUREMENTS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: the controller writes it (see gyre_jax/sim/cost_model.py "
                                 f"fit_cost_model for the format)")
     try:
-        measurements = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise CostModelError(f"{path}: not valid JSON ({exc})") from None
-    cost = fit_cost_model(measurements, config.cost)
+
+
+def warm_measurements(run_dir: str | os.PathLike, skip_first: int = 1) -> tuple[dict, dict]:
+    """The run's measured costs without its warm-up (the steps ``< skip_first``, whose times include the jit
+    compiles and are not compared), and a note of what was left out.
+
+    - Micro-steps, optimizer steps and switches are taken from the run's timeline, where each carries its
+      step (micro-steps, optimizer steps) or time (switches: the step whose optimizer step ends after the
+      switch starts); the timeline's switch spans include the driver noticing the switch's end.
+    - Serving samples (``decode_steps``, ``prefills``) carry no time: a sample longer than ``COMPILE_MIN_S``
+      and ``COMPILE_FACTOR`` x the median is a stall, not a steady step (a jit compile: first decode of a
+      cell, first prefill of a bucket; or the pause at a step boundary, which ``step_boundary_costs``
+      measures from the calls) and is left out.
+    - Each cell's first micro-step and the first optimizer step, less a steady one, are the compiles
+      (``warmup_micro_steps``, ``warmup_optimizer_steps``); the serving pause and training delay at step
+      boundaries replace the controller's ``weight_syncs`` where they can be measured.
+    Without a timeline the controller's lists are used as they are.
+    """
+    from gyre_jax.elastic.timeline import load_timeline
+
+    m = dict(read_measurements(run_dir))
+    note: dict = {}
+    for key in ("decode_steps", "prefills"):
+        rows = m.get(key) or []
+        if rows:
+            t = np.asarray([r[-1] for r in rows], dtype=np.float64)
+            cut = max(COMPILE_MIN_S, COMPILE_FACTOR * float(np.median(t)))
+            keep = t <= cut
+            m[key] = [r for r, k in zip(rows, keep) if k]
+            note[key] = {"samples": len(rows), "left_out": int((~keep).sum()), "left_out_s": float(t[~keep].sum()),
+                         "threshold_s": cut}
+    paths = sorted((Path(run_dir) / "timeline").glob("*.json"))
+    if not paths:
+        note["timeline"] = "none: micro-steps, optimizer steps and switches as the controller listed them (warm-up included)"
+        return m, note
+    micro, optim, to_train, to_serve = [], [], [], []
+    first_micro: dict[int, list[float]] = {}  # cell -> [FLOPs, seconds] of its first micro-step
+    first_optim: list[float] = []
+    for path in paths:
+        tl = load_timeline(path)
+        ends = sorted((o.args.get("step", 0), o.end) for o in tl.optimizer_steps)
+        for o in sorted(tl.optimizer_steps, key=lambda o: o.start):
+            if not first_optim:
+                first_optim.append(o.duration)
+            elif o.args.get("step", 0) >= skip_first:
+                optim.append(o.duration)
+        for c, cell in enumerate(tl.micro_steps):
+            for ms in sorted(cell, key=lambda ms: ms.start):
+                if "work" not in ms.args:
+                    continue
+                if c not in first_micro:
+                    first_micro[c] = [float(ms.args["work"]), ms.duration]
+                elif ms.args.get("step", 0) >= skip_first:
+                    micro.append([float(ms.args["work"]), ms.duration])
+        for cell in tl.roles:
+            for span in cell:
+                if span.name != "switching" or span.args.get("to") not in ("training", "serving"):
+                    continue
+                step = next((k for k, end in ends if end >= span.start), None)
+                if step is None or step < skip_first:
+                    continue
+                (to_train if span.args["to"] == "training" else to_serve).append(span.duration)
+    for key, values in (("micro_steps", micro), ("optimizer_steps", optim), ("serving_to_training", to_train),
+                        ("training_to_serving", to_serve)):
+        note[key] = {"controller_samples": len(m.get(key) or []), "after_warm_up": len(values)}
+        m[key] = values
+    if micro and first_micro:  # a cell's first micro-step beyond a steady one of the same FLOPs: its compile
+        s_per_flop = sum(s for _, s in micro) / sum(f for f, _ in micro)
+        m["warmup_micro_steps"] = [max(0.0, s - f * s_per_flop) for f, s in first_micro.values()]
+        note["warmup_micro_steps"] = m["warmup_micro_steps"]
+    if optim and first_optim:
+        m["warmup_optimizer_steps"] = [max(0.0, first_optim[0] - float(np.mean(optim)))]
+        note["warmup_optimizer_steps"] = m["warmup_optimizer_steps"]
+    pauses, boundaries = step_boundary_costs(run_dir, skip_first)
+    if pauses:
+        note["weight_syncs"] = {"controller_s": float(np.mean(m["weight_syncs"])) if m.get("weight_syncs") else None,
+                                "serving_pause_s": pauses}
+        m["weight_syncs"] = pauses
+    if boundaries:
+        note["step_boundaries"] = boundaries
+        m["step_boundaries"] = boundaries
+    return m, note
+
+
+def _boundaries(run: Path) -> list[tuple[int, float]]:
+    """(step, wall-clock end) of every optimizer step in the run's timeline files."""
+    from gyre_jax.elastic.timeline import load_timeline
+
+    return sorted((int(o.args.get("step", 0)), tl.t0 + o.end)
+                  for tl in (load_timeline(p) for p in sorted((run / "timeline").glob("*.json")))
+                  for o in tl.optimizer_steps)
+
+
+def call_latency_model(run_dir: str | os.PathLike, skip_first: int = 1) -> tuple[np.ndarray, int]:
+    """``latency = a + b x completion tokens + c x new prompt tokens`` (coefficients [a, b, c], seconds) fitted
+    to the run's model calls of steps >= ``skip_first`` that span no step boundary, and how many calls."""
+    run = Path(run_dir)
+    ups = np.asarray([u for _, u in _boundaries(run)])
+    rows = []
+    for k, calls in _calls_by_step(run).items():
+        if k < skip_first:
+            continue
+        for r in calls:
+            if not ((r.t_start < ups) & (ups < r.t_end)).any():
+                rows.append([1.0, len(r.completion_ids), len(r.prompt_ids) - r.reused_prefix_len, r.t_end - r.t_start])
+    if len(rows) < 3:
+        return np.zeros(3), len(rows)
+    a = np.asarray(rows)
+    coef, *_ = np.linalg.lstsq(a[:, :3], a[:, 3], rcond=None)
+    return coef, len(rows)
+
+
+def _calls_by_step(run: Path) -> dict[int, list]:
+    from gyre_jax.proxy.records import RecordStore
+
+    store = RecordStore(run / "records")
+    out, k = {}, 0
+    while (path := run / "results" / f"step_{k:06d}.jsonl").is_file():
+        out[k] = [r for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
+                  for r in store.read(json.loads(line)["execution_id"])]
+        k += 1
+    return out
+
+
+def warmup_call_delays(run_dir: str | os.PathLike, skip_first: int = 1) -> dict[str, list[float]]:
+    """Per execution, per call: how much longer the call took than ``call_latency_model`` says (>= 0), for
+    calls that started during the warm-up (before the optimizer step of step ``skip_first - 1`` ended: the
+    serving jit compiles at first use), whichever step they belong to (async and elastic run later steps'
+    executions during the warm-up); 0 for later calls. ``calibrate`` replays these as waits before the
+    calls, so the pipeline enters the first compared step as late as the run did."""
+    run = Path(run_dir)
+    coef, n = call_latency_model(run, skip_first)
+    ends = [u for k, u in _boundaries(run) if k == skip_first - 1]
+    if n < 3 or not ends or skip_first < 1:
+        return {}
+    warm_end = ends[0]
+    out: dict[str, list[float]] = {}
+    for calls in _calls_by_step(run).values():
+        for r in sorted(calls, key=lambda r: (r.execution_id, r.call_index)):
+            model = coef @ [1.0, len(r.completion_ids), len(r.prompt_ids) - r.reused_prefix_len]
+            late = max(0.0, (r.t_end - r.t_start) - float(model)) if r.t_start < warm_end else 0.0
+            out.setdefault(r.execution_id, []).append(late)
+    return {eid: d for eid, d in out.items() if any(d)}
+
+
+def step_boundary_costs(run_dir: str | os.PathLike, skip_first: int = 1) -> tuple[list[float], list[float]]:
+    """What a step boundary (an optimizer step's end, time u) costs the run, measured from its records and
+    timeline: (serving pauses, training delays), one value per boundary where it can be measured.
+
+    - *Serving pause*: the model calls in flight at u take longer than calls of the same size that span no
+      boundary (the serving loop takes the new weights while the host runs the step's bookkeeping and the
+      pipeline); per boundary, the mean excess latency of its calls over ``latency = a + b x completion
+      tokens + c x new prompt tokens`` fitted to the calls that span none. The simulator's
+      ``weight_sync_s`` is this pause (the controller's ``weight_syncs`` time only the hand-over call).
+      Not measurable where no call spans a boundary (colocated: nothing serves while a step trains).
+    - *Training delay*: from u to the first micro-step of the next step, at boundaries where that step's
+      first group of executions (in task order) had already ended before u, so its data only waited for
+      the boundary: ``pipeline.step_boundary_s``.
+    """
+    from gyre_jax.elastic.timeline import load_timeline
+
+    run = Path(run_dir)
+    paths = sorted((run / "timeline").glob("*.json"))
+    if not paths:
+        return [], []
+    tls = [load_timeline(p) for p in paths]
+    ups = _boundaries(run)
+    if not ups:
+        return [], []
+    calls = [r for rs in _calls_by_step(run).values() for r in rs]
+    coef, n = call_latency_model(run, skip_first)
+    pauses: list[float] = []
+    if calls and n >= 3:
+        t = np.asarray([[r.t_start, r.t_end] for r in calls], dtype=np.float64)
+        x = np.asarray([[1.0, len(r.completion_ids), len(r.prompt_ids) - r.reused_prefix_len] for r in calls])
+        excess = (t[:, 1] - t[:, 0]) - x @ coef
+        u = np.asarray([v for _, v in ups])
+        spans = (t[:, :1] < u[None, :]) & (u[None, :] < t[:, 1:])  # [calls, boundaries]
+        pauses = [max(0.0, float(excess[spans[:, j]].mean())) for j in range(len(ups)) if spans[:, j].any()]
+    # training delay: boundaries whose next step's first group had ended before them
+    ends: dict[int, dict[str, float]] = {}
+    for tl in tls:
+        for eid, span in tl.executions.items():
+            if np.isfinite(span.end) and "step" in span.args:
+                ends.setdefault(int(span.args["step"]), {})[eid] = tl.t0 + span.end
+    first_micro: dict[int, float] = {}
+    for tl in tls:
+        for cell in tl.micro_steps:
+            for ms in cell:
+                k = int(ms.args.get("step", -1))
+                first_micro[k] = min(first_micro.get(k, np.inf), tl.t0 + ms.start)
+    boundaries = []
+    for k, u_k in ups:
+        nxt = k + 1
+        group = _first_group(run, nxt)
+        if nxt not in first_micro or not group or nxt not in ends:
+            continue
+        if all(ends[nxt].get(e, np.inf) < u_k for e in group):
+            boundaries.append(max(0.0, first_micro[nxt] - u_k))
+    return pauses, boundaries
+
+
+def _first_group(run: Path, step: int) -> list[str]:
+    """Execution ids of the first task group (task order) of ``step`` from its results file."""
+    path = run / "results" / f"step_{step:06d}.jsonl"
+    if not path.is_file():
+        return []
+    results = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    if not results:
+        return []
+    group = results[0].get("group_id")
+    return [r["execution_id"] for r in results if r.get("group_id") == group]
+
+
+# -- a real run's shape as a simulator config ------------------------------------------------------------
+def read_run_config(run_dir: str | os.PathLike) -> dict:
+    """The run's ``config.json`` (written by ``python -m gyre_jax.train``) as a dict."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: point at a run directory written by python -m gyre_jax.train")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _get(config: dict, key: str, default=None):
+    node = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            if default is None:
+                raise KeyError(f"config.json has no {key!r}: is this a gyre_jax run directory?")
+            return default
+        node = node[part]
+    return node
+
+
+def _pipeline_default(name: str):
+    """A default of the real trajectory pipeline's config (what a run used when its config.json omits it)."""
+    import dataclasses as dc
+
+    from gyre_jax.trajectory.pipeline import TrajectoryConfig
+
+    return next(f.default for f in dc.fields(TrajectoryConfig) if f.name == name)
+
+
+def run_sim_config(run_dir: str | os.PathLike, steps: int | None = None, segments: int | None = None) -> SimConfig:
+    """A ``SimConfig`` of the run's shape, from its ``config.json``: cluster (cells x devices per cell), one
+    serving engine per cell with ``cells.sessions_per_cell`` slots (0: ``serving.max_concurrent_decodes``),
+    tasks per step, group size, steps (``total_steps``, or ``steps``), the policy and its options, J_max,
+    the harness timeout, micro-steps of ``trajectory.tokens_per_micro_batch`` tokens, the model's training
+    FLOPs (the controller's formula: 6 x params per token + 6 x layers x heads x head_dim per token pair),
+    sessions placed on the least loaded cell (the proxy's router). Costs are placeholders until
+    ``fit_cost_model`` puts the run's measurements in (``calibrate_run``). ``segments`` defaults to one per
+    model call (``rollout.max_turns``): the simulator's reference resolution.
+    """
+    from gyre_jax.model.config import ModelConfig
+
+    c = read_run_config(run_dir)
+    num_cells = int(_get(c, "cells.num_cells"))
+    cell = 1
+    for axis in ("data", "fsdp", "tensor", "expert"):
+        cell *= int(_get(c, f"cells.{axis}", 1))
+    slots = int(_get(c, "cells.sessions_per_cell", 0)) or int(_get(c, "serving.max_concurrent_decodes"))
+    model = ModelConfig.from_config_dict(_get(c, "model"))
+    sched = _get(c, "schedule")
+    policy = sched["policy"]
+    options: dict = {}
+    if policy == "async":
+        options = {"max_staleness": int(sched.get("max_staleness", 1)),
+                   "training_cells": int(sched.get("training_cells", 0)) or max(1, num_cells // 2)}
+    elif policy == "elastic":
+        options = {"max_staleness": int(sched.get("max_staleness", 1)), "leave_on": sched.get("leave_on", "waterlevel"),
+                   "idle_before_return_s": float(sched.get("idle_before_return_s", 0.0))}
+    cost = CostModel(
+        serving=ServingCost(replica_accelerators=cell, slots_per_replica=slots, decode_base_s=1e-3, decode_per_seq_s=0.0,
+                            decode_per_context_token_s=0.0, prefill_base_s=0.0, prefill_per_token_s=0.0,
+                            prefill_per_token_context_s=0.0),
+        training=TrainingCost(flops_per_token=6.0 * model.num_params,
+                              flops_per_token_sq=3.0 * model.num_layers * model.num_heads * model.head_dim,
+                              accelerator_flops=1e9, reference_cell_accelerators=cell, scaling_exponent=1.0,
+                              min_cell_accelerators=cell,
+                              micro_step_tokens=int(_get(c, "trajectory.tokens_per_micro_batch"))),
+        switch=SwitchCost(serving_to_training_s=0.0, training_to_serving_s=0.0, weight_sync_s=0.0),
+        source=f"placeholder for {run_dir}")
+    timeout = float(_get(c, "rollout.timeout_s"))
+    spec = WorkloadSpec(name=f"run:{Path(run_dir).name}", turns=Dist(1.0), task_sigma=0.0, gen_tokens=Dist(1.0),
+                        obs_tokens=Dist(1.0), initial_context=0, tool_s=Dist(0.0), setup_s=Dist(0.0), eval_s=Dist(0.0),
+                        timeout_s=timeout)  # only the timeout and the context shape matter for a replay
+    return SimConfig(workload=spec, cost=cost, accelerators=num_cells * cell, cell_accelerators=cell, policy=policy,
+                     policy_options=tuple(sorted(options.items())), steps=int(steps or _get(c, "total_steps")),
+                     tasks_per_step=int(_get(c, "rollout.tasks_per_step")), group_size=int(_get(c, "rl.group_size")),
+                     seed=int(_get(c, "seed", 0)), max_branches=int(_get(c, "rl.max_branches", 0)) or None,
+                     streaming=True, segments=int(segments or _get(c, "rollout.max_turns", 8)), placement="balanced",
+                     prefill_interference=True,
+                     stream_unit="group_in_order" if _get(c, "trajectory.stream_order", "task") == "task" else "group",
+                     pack_lookahead=int(_get(c, "trajectory.open_micro_batches", _pipeline_default("open_micro_batches"))),
+                     name=f"run:{Path(run_dir).name}")
+
+
+@dataclass
+class RunCalibration:
+    """Everything one calibration computed: the simulated config (with the fitted costs), its result, the
+    comparison, and what the measurements left out (``notes``)."""
+
+    run_dir: str
+    config: SimConfig
+    result: SimResult
+    report: CalibrationReport
+    measured_s: list[float]  # every step, warm-up included
+    notes: dict
+
+
+def calibrate(run_dir: str | os.PathLike, config: SimConfig | None = None, tolerance: float = 0.15,
+              skip_first: int = 1, with_timing: bool = True, warm_up: bool = True, warmup_replay: bool = True,
+              serving_pause: bool = True, **simulator_options) -> RunCalibration:
+    """Predicts a real run's step times from its own measurements and compares them with ``metrics.jsonl``'s.
+
+    - Costs: the run's ``cost_measurements.json`` fitted onto ``config.cost`` (default: ``run_sim_config``,
+      the run's own shape); with ``warm_up`` the warm-up steps (< ``skip_first``) are left out of the fit
+      (``warm_measurements``), and (``serving_pause``) the serving pause at each step boundary is measured
+      from the calls in flight across it (``step_boundary_costs``).
+    - Executions: the run's own, replayed (``recorded_steps``) with each one's harness setup, teardown and
+      evaluation time (``with_timing``).
+    - Warm-up (``warmup_replay``, needs ``warm_up``): the jit compiles of the warm-up are replayed as measured
+      (each cell's first micro-step, the first optimizer step, the warm-up calls' excess latency), so the
+      pipeline enters the first compared step in the state the run did (async and elastic dispatch ahead).
+    The first ``skip_first`` steps are simulated but not compared.
+    """
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"{run} is not a directory: point at a run directory written by python -m gyre_jax.train")
+    if warm_up:
+        measurements, notes = warm_measurements(run, skip_first)
+        if not warmup_replay:
+            for key in ("warmup_micro_steps", "warmup_optimizer_steps"):
+                measurements.pop(key, None)
+        if not serving_pause:
+            measurements["weight_syncs"] = read_measurements(run).get("weight_syncs") or []
+    else:
+        measurements, notes = read_measurements(run), {}
     measured = measured_step_times(run)
+    if config is None:
+        config = run_sim_config(run, steps=len(measured))
+    cost = fit_cost_model(measurements, config.cost)
     steps = min(len(measured), config.steps)
     cfg = config.replace(cost=cost, steps=steps)
-    result = predict(cfg, recorded_steps(run, steps))
-    return compare_step_times(step_times(result), measured[:steps], tolerance, skip_first), cost
+    missing: list[str] = []
+    delays = warmup_call_delays(run, skip_first) if (warm_up and warmup_replay and with_timing) else {}
+    if delays:
+        notes["warmup_call_delay_s"] = float(sum(map(sum, delays.values())))
+    result = predict(cfg, recorded_steps(run, steps, with_timing=with_timing, missing=missing, call_delays=delays),
+                     **simulator_options)
+    if missing:
+        notes["executions_without_timing"] = len(missing)
+    report = compare_step_times(step_times(result), measured[:steps], tolerance, skip_first)
+    return RunCalibration(run_dir=str(run), config=cfg, result=result, report=report, measured_s=measured[:steps],
+                          notes=notes)
+
+
+def calibrate_run(run_dir: str | os.PathLike, config: SimConfig | None = None, tolerance: float = 0.15,
+                  skip_first: int = 1, with_timing: bool = True, warm_up: bool = True
+                  ) -> tuple[CalibrationReport, CostModel]:
+    """``calibrate`` reduced to (report, fitted cost model)."""
+    c = calibrate(run_dir, config, tolerance, skip_first, with_timing, warm_up)
+    return c.report, c.config.cost

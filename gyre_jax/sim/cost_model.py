@@ -11,10 +11,10 @@ recorded by a real run). Serialized form (``CostModel.to_json`` / ``CostModel.lo
      "training": {"flops_per_token": ..., "flops_per_token_sq": ..., "accelerator_flops": ...,
                   "reference_cell_accelerators": 32, "scaling_exponent": 0.95, "min_cell_accelerators": 16,
                   "micro_step_tokens": 262144, "micro_step_overhead_s": ..., "optimizer_step_s": ...,
-                  "grad_reduce_s": ...},
+                  "grad_reduce_s": ..., "warmup_micro_step_s": 0.0, "warmup_optimizer_step_s": 0.0},
      "switch":   {"serving_to_training_s": 8.52, "training_to_serving_s": 3.46, "weight_sync_s": ...,
                   "kv_migration_s_per_token": ...},
-     "pipeline": {"processing_s_per_token": ..., "workers": 64}}
+     "pipeline": {"processing_s_per_token": ..., "workers": 64, "step_boundary_s": 0.0}}
 
 Formulas (one serving replica decoding B sessions whose contexts sum to X tokens; a cell of n
 accelerators holds n / replica_accelerators replicas and n / replica_accelerators * slots_per_replica
@@ -80,6 +80,8 @@ class TrainingCost:
     micro_step_overhead_s: float = 0.0
     optimizer_step_s: float = 0.0
     grad_reduce_s: float = 0.0  # summing satellites' gradients onto the core, once per step
+    warmup_micro_step_s: float = 0.0  # a cell's first micro-step takes this much longer (its jit compile)
+    warmup_optimizer_step_s: float = 0.0  # the first optimizer step takes this much longer (its jit compile)
 
     def branch_flops(self, length):
         """Forward + backward FLOPs of a branch of ``length`` tokens (scalar or array)."""
@@ -107,6 +109,9 @@ class SwitchCost:
 class PipelineCost:
     processing_s_per_token: float = 0.0  # trajectory processing (trees, selection, packing) on the host
     workers: int = 1  # host processes that process a whole batch in parallel (non-streaming)
+    # host time after each optimizer step before the next step's micro-steps can be claimed (the data of
+    # the next step that waited for it goes through the pipeline, the step's queue is set up)
+    step_boundary_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -200,13 +205,13 @@ def _validate(cm: CostModel) -> None:
                             "prefill_per_token_s", "prefill_per_token_context_s"), strict=False)
     positive("training", t, ("flops_per_token", "accelerator_flops", "reference_cell_accelerators",
                              "min_cell_accelerators", "micro_step_tokens"))
-    positive("training", t, ("flops_per_token_sq", "micro_step_overhead_s", "optimizer_step_s", "grad_reduce_s"),
-             strict=False)
+    positive("training", t, ("flops_per_token_sq", "micro_step_overhead_s", "optimizer_step_s", "grad_reduce_s",
+                             "warmup_micro_step_s", "warmup_optimizer_step_s"), strict=False)
     if not 0.5 <= t.scaling_exponent <= 1.0:
         raise CostModelError(f"cost model training.scaling_exponent={t.scaling_exponent} must be in [0.5, 1]")
     positive("switch", w, ("serving_to_training_s", "training_to_serving_s", "weight_sync_s",
                            "kv_migration_s_per_token"), strict=False)
-    positive("pipeline", p, ("processing_s_per_token",), strict=False)
+    positive("pipeline", p, ("processing_s_per_token", "step_boundary_s"), strict=False)
     positive("pipeline", p, ("workers",))
 
 
@@ -304,9 +309,12 @@ def fit_cost_model(measurements: dict[str, Any], base: CostModel) -> CostModel:
       ``prefills``: [[new_tokens, context_tokens, seconds], ...]
       ``micro_steps``: [[flops, seconds], ...]  (on cells of ``cell_accelerators``)
       ``cell_accelerators``: int, ``optimizer_steps``: [seconds], ``serving_to_training``: [seconds],
-      ``training_to_serving``: [seconds], ``weight_syncs``: [seconds], ``source``: str
+      ``training_to_serving``: [seconds], ``weight_syncs``: [seconds], ``step_boundaries``: [seconds]
+      (host time after an optimizer step before the next step's first micro-step), ``warmup_micro_steps``:
+      [seconds] (a cell's first micro-step beyond a steady one: its compile), ``warmup_optimizer_steps``:
+      [seconds], ``source``: str
     """
-    serving, training, switch = {}, {}, {}
+    serving, training, switch, pipeline = {}, {}, {}, {}
     if measurements.get("decode_steps"):
         b, per_seq, per_ctx = _fit_linear(measurements["decode_steps"],
                                           [lambda d: np.ones(len(d)), lambda d: d[:, 0], lambda d: d[:, 1]],
@@ -321,9 +329,15 @@ def fit_cost_model(measurements: dict[str, Any], base: CostModel) -> CostModel:
         serving.update(prefill_base_s=b, prefill_per_token_s=per_tok, prefill_per_token_context_s=per_tok_ctx)
     if measurements.get("micro_steps"):
         cell = int(measurements.get("cell_accelerators", base.training.reference_cell_accelerators))
-        overhead, s_per_flop = _fit_linear(measurements["micro_steps"],
-                                           [lambda d: np.ones(len(d)), lambda d: d[:, 0]],
-                                           ("micro_step_overhead_s", "seconds_per_flop"), "micro_steps")
+        d = np.asarray(measurements["micro_steps"], dtype=np.float64)
+        if d.ndim == 2 and len(d) and d.shape[1] == 2 and (d[:, 0] > 0).all() and d[:, 0].std() < 0.1 * d[:, 0].mean():
+            # Micro-batches of one fixed shape (the FLOPs barely vary): the slope cannot be told from the
+            # intercept; the mean rate keeps the total micro-step time.
+            overhead, s_per_flop = 0.0, float(d[:, 1].sum() / d[:, 0].sum())
+        else:
+            overhead, s_per_flop = _fit_linear(measurements["micro_steps"],
+                                               [lambda d: np.ones(len(d)), lambda d: d[:, 0]],
+                                               ("micro_step_overhead_s", "seconds_per_flop"), "micro_steps")
         if s_per_flop <= 0:
             raise CostModelError("measurements: micro_steps do not grow with their FLOPs; cannot fit a training rate")
         training.update(micro_step_overhead_s=overhead, reference_cell_accelerators=cell, scaling_exponent=1.0,
@@ -331,8 +345,11 @@ def fit_cost_model(measurements: dict[str, Any], base: CostModel) -> CostModel:
     for key, section, name in (("optimizer_steps", training, "optimizer_step_s"),
                                ("serving_to_training", switch, "serving_to_training_s"),
                                ("training_to_serving", switch, "training_to_serving_s"),
-                               ("weight_syncs", switch, "weight_sync_s")):
+                               ("weight_syncs", switch, "weight_sync_s"),
+                               ("step_boundaries", pipeline, "step_boundary_s"),
+                               ("warmup_micro_steps", training, "warmup_micro_step_s"),
+                               ("warmup_optimizer_steps", training, "warmup_optimizer_step_s")):
         if measurements.get(key):
             section[name] = float(np.mean(measurements[key]))
     source = "measured: " + str(measurements.get("source", "a real run"))
-    return base.replace(serving=serving, training=training, switch=switch, source=source)
+    return base.replace(serving=serving, training=training, switch=switch, pipeline=pipeline, source=source)

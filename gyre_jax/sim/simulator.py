@@ -44,8 +44,10 @@ from gyre_jax.sim.trajectory_cost import branches, capped_flops
 from gyre_jax.sim.workload import SegmentPlan, WorkloadSpec, sample_step
 
 SERVING, TRAINING, SWITCHING = Role.SERVING, Role.TRAINING, Role.SWITCHING
-_SEG, _EVAL, _BATCH, _MICRO, _OPT, _SWITCH, _PULL = range(7)
+_SEG, _EVAL, _BATCH, _MICRO, _OPT, _SWITCH, _PULL, _BOUNDARY = range(8)
 _EPS = 1e-6
+PLACEMENTS = ("last", "balanced")
+STREAM_UNITS = ("execution", "group", "group_in_order")
 
 
 class SimConfigError(ValueError):
@@ -68,6 +70,23 @@ class SimConfig:
     streaming: bool = True
     segments: int = 8  # segments per execution (resolution of the serving model)
     train_work_scale: float = 1.0  # multiplies every execution's training work (e.g. a measured cap ratio)
+    # where a new or moved session goes: "last" = the serving cell with a free slot that stays serving
+    # longest (highest index); "balanced" = the serving cell with the fewest sessions (ties: lowest index),
+    # what the real proxy's router does (least in flight)
+    placement: str = "last"
+    # a serving loop that runs prefills between decode steps stalls every decoding session while it prefills
+    # another: a session decodes at step time x (1 + rho), rho = the rate at which the replica's other
+    # sessions prefill (each one's prefill time / its segment time, summed): the prefill seconds that fall
+    # into each second of its decoding
+    prefill_interference: bool = False
+    # what enters the micro-step queue at once when streaming: "execution" (each as it is evaluated),
+    # "group" (a task's G executions once all are evaluated: the real controller's stream_order="arrival")
+    # or "group_in_order" (whole groups in task order: stream_order="task", its default)
+    stream_unit: str = "execution"
+    # micro-batches the packer keeps open while a step's data streams in (the real packer fills up to
+    # open_micro_batches at once and finishes the oldest only when a chunk fits none): the newest this
+    # many micro-steps' worth of a step's data is claimable only once the step's data is complete
+    pack_lookahead: int = 0
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -84,8 +103,14 @@ class SimConfig:
         for key in ("steps", "tasks_per_step", "group_size", "segments"):
             if getattr(self, key) < 1:
                 raise SimConfigError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.pack_lookahead < 0:
+            raise SimConfigError(f"pack_lookahead={self.pack_lookahead} must be >= 0")
         if not self.train_work_scale > 0:
             raise SimConfigError(f"train_work_scale={self.train_work_scale} must be > 0")
+        if self.stream_unit not in STREAM_UNITS:
+            raise SimConfigError(f"stream_unit={self.stream_unit!r} must be one of {', '.join(STREAM_UNITS)}")
+        if self.placement not in PLACEMENTS:
+            raise SimConfigError(f"placement={self.placement!r} must be one of {', '.join(PLACEMENTS)}")
         if self.max_branches is not None and self.max_branches < 1:
             raise SimConfigError(f"max_branches={self.max_branches} must be >= 1 (or None for uncapped)")
         make_policy(self.policy, self.num_cells, **dict(self.policy_options))  # validates name and options
@@ -214,6 +239,7 @@ class Simulator:
         self.resident = [0] * k
         self.load_b = [0.0] * k
         self.load_x = [0.0] * k
+        self.load_p = [0.0] * k  # sum of the resident sessions' prefill shares (prefill_interference)
         self.sessions: list[set[int]] = [set() for _ in range(k)]
         self.wver = [0] * k  # weight version held by a training cell
         self.switch_tok = [0] * k
@@ -228,6 +254,8 @@ class Simulator:
         self.micro_time = [0.0] * k
         self.opt_time = 0.0
         self.micro_count = 0
+        self.warm = [False] * k  # the cell has run a micro-step (its gradient step is compiled)
+        self.opt_warm = False
         self.switch_count = {"serving_to_training": 0, "training_to_serving": 0, "migrations": 0, "waited": 0}
 
         # executions (global index i: step i // n, position i % n)
@@ -245,6 +273,7 @@ class Simulator:
         self.tok = [0] * e
         self.timed = [False] * e
         self.duty = [0.0] * e
+        self.pduty = [0.0] * e  # share of the current segment spent prefilling
         self.ctx = [0.0] * e
         self.deadline = [0.0] * e
         self.held_frac: dict[int, float] = {}  # session -> share of its segment still to run
@@ -265,6 +294,8 @@ class Simulator:
         self.fin_count = [0] * s
         self.eval_count = [0] * s
         self.queued_count = [0] * s  # executions whose micro-steps are in the queue
+        self.group_evals: dict[tuple[int, int], int] = {}  # (step, task) -> executions evaluated (stream_unit)
+        self.group_next = [0] * s  # the next task whose group enters the queue (stream_unit="group_in_order")
         self.ready_work = [0.0] * s
         self.total_work = [0.0] * s
         self.in_flight = [0] * s
@@ -272,6 +303,7 @@ class Simulator:
         self.version = 0
         self.due_out = 0  # executions of steps <= version dispatched and not finished
         self.opt_running = False
+        self.boundary_until = 0.0  # no micro-step is claimed before (pipeline.step_boundary_s after a step)
         self.step_end: list[float] = []
         self.staleness: list[int] = []
 
@@ -293,7 +325,7 @@ class Simulator:
         heap, pop = self.heap, heapq.heappop
         handlers = {_SEG: self._on_segment_end, _EVAL: self._on_eval, _BATCH: self._on_batch_ready,
                     _MICRO: self._on_micro_done, _OPT: self._on_optimizer_done, _SWITCH: self._on_switch_done,
-                    _PULL: self._on_pull_done}
+                    _PULL: self._on_pull_done, _BOUNDARY: self._on_boundary_done}
         seg_handler = self._on_segment_end
         tok = self.tok
         while heap and not self.done:
@@ -324,11 +356,13 @@ class Simulator:
         if v >= self.cfg.steps:
             return 0
         w = self.ready_work[v]
+        complete = self.queued_count[v] == self.n
+        if not complete:
+            w -= self.cfg.pack_lookahead * self.micro_flops  # still in the packer's open micro-batches
         if w <= _EPS:
             return 0
         full = int(w // self.micro_flops)
         rest = w - full * self.micro_flops
-        complete = self.queued_count[v] == self.n
         return full + (1 if complete and rest > _EPS else 0)
 
     def _replan(self, kind: str, execution: int | None, cell: int | None = None) -> None:
@@ -418,8 +452,16 @@ class Simulator:
 
     def _best_cell(self, exclude: int = -1) -> int:
         """Where a session goes: the serving cell with a free slot that stays serving longest (the highest
-        index: cells leave in index order), so cells next in line to leave hold few sessions."""
+        index: cells leave in index order), so cells next in line to leave hold few sessions; with
+        ``placement="balanced"`` the serving cell with the fewest sessions."""
         role, resident, slots = self.role, self.resident, self.slots
+        if self.cfg.placement == "balanced":
+            best = -1
+            for c in range(self.k):
+                if role[c] is SERVING and c != exclude and resident[c] < slots and (
+                        best < 0 or resident[c] < resident[best]):
+                    best = c
+            return best
         for c in range(self.k - 1, -1, -1):
             if role[c] is SERVING and c != exclude and resident[c] < slots:
                 return c
@@ -477,11 +519,12 @@ class Simulator:
         d = self.duty[i]
         self.load_b[c] -= d
         self.load_x[c] -= d * self.ctx[i]
+        self.load_p[c] -= self.pduty[i]
         self.resident[c] -= 1
         self.sessions[c].discard(i)
         self.no_free_slot = False
         if self.resident[c] == 0:
-            self.load_b[c] = self.load_x[c] = 0.0
+            self.load_b[c] = self.load_x[c] = self.load_p[c] = 0.0
         self.tok[i] += 1
         full = self.seg_full[i]
         return max(0.0, self.seg_end[i] - max(self.now, self.seg_t0[i])) / full if full > 0 else 0.0
@@ -494,10 +537,16 @@ class Simulator:
         ctx = p.ctx[k]
         load_b, load_x = self.load_b, self.load_x
         step_s = self.dec_base + self.dec_seq * (load_b[c] + 1.0) + self.dec_ctx * (load_x[c] + ctx)
-        model_s = p.prefill_s[k] + p.gen[k] * step_s
+        if self.cfg.prefill_interference:
+            step_s *= 1.0 + max(0.0, self.load_p[c] / self.replicas)
+        prefill = p.prefill_s[k]
+        model_s = prefill + p.gen[k] * step_s
         dur = p.tool_s[k] + model_s
         duty = model_s / dur if dur > 0 else 0.0
         self.duty[i] = duty
+        pduty = prefill / dur if dur > 0 else 0.0
+        self.pduty[i] = pduty
+        self.load_p[c] += pduty
         self.ctx[i] = ctx
         load_b[c] += duty
         load_x[c] += duty * ctx
@@ -518,6 +567,7 @@ class Simulator:
         d = self.duty[i]
         self.load_b[c] -= d
         self.load_x[c] -= d * self.ctx[i]
+        self.load_p[c] -= self.pduty[i]
         step, j = divmod(i, self.n)
         p = self.plans[step]
         k = p.offset[j] + self.seg[i]
@@ -544,7 +594,7 @@ class Simulator:
         self.sessions[c].discard(i)
         self.no_free_slot = False
         if self.resident[c] == 0:
-            self.load_b[c] = self.load_x[c] = 0.0
+            self.load_b[c] = self.load_x[c] = self.load_p[c] = 0.0
         self.tok[i] += 1
         step, j = divmod(i, self.n)
         self.fin_count[step] += 1
@@ -569,8 +619,8 @@ class Simulator:
         self.eval_count[step] += 1
         self.total_work[step] += self.exec_work[i]
         if self.cfg.streaming:
-            self.queued_count[step] += 1
-            self.ready_work[step] += self.exec_work[i]
+            if not self._stream(i, step):
+                return
         elif self.eval_count[step] == self.n:
             tokens = float(np.sum(self.plans[step].tokens))
             pipe = self.cfg.cost.pipeline
@@ -582,6 +632,36 @@ class Simulator:
         self._check_step()
         self._replan("data_ready", i)
 
+    def _stream(self, i: int, step: int) -> bool:
+        """Puts what execution i's evaluation completes into the micro-step queue (``stream_unit``); False if
+        nothing entered it."""
+        unit = self.cfg.stream_unit
+        if unit == "execution":
+            self.queued_count[step] += 1
+            self.ready_work[step] += self.exec_work[i]
+            return True
+        g = self.cfg.group_size
+        task = (i % self.n) // g
+        done = self.group_evals.get((step, task), 0) + 1
+        self.group_evals[(step, task)] = done
+        if unit == "group":
+            if done < g:
+                return False
+            self._queue_group(step, task)
+            return True
+        released = False
+        while self.group_evals.get((step, self.group_next[step]), 0) == g:
+            self._queue_group(step, self.group_next[step])
+            self.group_next[step] += 1
+            released = True
+        return released
+
+    def _queue_group(self, step: int, task: int) -> None:
+        g = self.cfg.group_size
+        first = step * self.n + task * g
+        self.queued_count[step] += g
+        self.ready_work[step] += sum(self.exec_work[first:first + g])
+
     def _on_batch_ready(self, step: int, _: int) -> None:
         self.queued_count[step] = self.n
         self.ready_work[step] = self.total_work[step]
@@ -592,19 +672,20 @@ class Simulator:
     # == training =================================================================================
     def _claim(self) -> None:
         v = self.version
-        if v >= self.cfg.steps or self.opt_running:
+        if v >= self.cfg.steps or self.opt_running or self.now < self.boundary_until:
             return
         ready = self.ready_work[v]
         if ready <= _EPS:
             return
         complete = self.queued_count[v] == self.n
         m = self.micro_flops
+        held = 0.0 if complete else self.cfg.pack_lookahead * m  # in the packer's open micro-batches
         tr = self.cfg.cost.training
         role, busy, pending, wver = self.role, self.busy, self.pending_switch, self.wver
         for c in range(self.k):
             if role[c] is not TRAINING or busy[c] or pending[c] is not None or wver[c] != v:
                 continue
-            if ready < m - _EPS and not complete:
+            if ready - held < m - _EPS and not complete:
                 break
             w = min(m, ready)
             ready -= w
@@ -615,7 +696,9 @@ class Simulator:
             if c != 0:
                 self.sat_used[v] = True
             self.switch_tok[c] += 1
-            self._push(self.now + tr.micro_step_overhead_s + w / self.rate, _MICRO, c, self.switch_tok[c])
+            compile_s = 0.0 if self.warm[c] else tr.warmup_micro_step_s
+            self.warm[c] = True
+            self._push(self.now + tr.micro_step_overhead_s + w / self.rate + compile_s, _MICRO, c, self.switch_tok[c])
             if ready <= _EPS:
                 ready = 0.0
                 break
@@ -646,6 +729,9 @@ class Simulator:
             return  # the core applies the optimizer step once it is training and free
         tr = self.cfg.cost.training
         dur = tr.optimizer_step_s + (tr.grad_reduce_s if self.sat_used[v] else 0.0)
+        if not self.opt_warm:
+            dur += tr.warmup_optimizer_step_s
+            self.opt_warm = True
         self.opt_running = True
         self.busy[0] = True
         self.micro_t0[0] = self.now
@@ -669,6 +755,10 @@ class Simulator:
         if self.version >= self.cfg.steps:
             self.done = True
             return
+        boundary = self.cfg.cost.pipeline.step_boundary_s
+        if boundary > 0:
+            self.boundary_until = self.now + boundary
+            self._push(self.boundary_until, _BOUNDARY, self.version)
         if self.pending_switch[0] is not None:
             want = self.pending_switch[0]
             self.pending_switch[0] = None
@@ -692,6 +782,11 @@ class Simulator:
                 self.busy[c] = True
                 self.switch_tok[c] += 1
                 self._push(self.now + sync, _PULL, c, self.switch_tok[c])
+
+    def _on_boundary_done(self, v: int, _: int) -> None:
+        self._claim()
+        self._check_step()
+        self._replan("data_ready", None)
 
     def _on_pull_done(self, c: int, _: int) -> None:
         self.busy[c] = False

@@ -206,9 +206,13 @@ class RecordedExecution:
     eval_s: float = 0.0
 
 
-def recorded_execution(records: Sequence, eval_s: float = 0.0, setup_s: float = 0.0) -> RecordedExecution:
+def recorded_execution(records: Sequence, eval_s: float = 0.0, setup_s: float = 0.0,
+                       teardown_s: float = 0.0) -> RecordedExecution:
     """From ``TitoRecord``s of one execution (any order): obs = prompt tokens not reused from the previous
-    call, gen = completion tokens, tool = time from one call's end to the next call's start."""
+    call, gen = completion tokens, tool = time from one call's end to the next call's start.
+
+    ``setup_s`` (harness start until its first call) is added before the first call, ``teardown_s`` (its last
+    call's end until the harness exits) after the last one; ``eval_s`` is the evaluator's time after that."""
     if not records:
         raise ValueError("an execution needs at least one record to replay")
     recs = sorted(records, key=lambda r: r.call_index)
@@ -216,6 +220,7 @@ def recorded_execution(records: Sequence, eval_s: float = 0.0, setup_s: float = 
     gen = [float(len(r.completion_ids)) for r in recs]
     tool = [max(0.0, recs[i + 1].t_start - recs[i].t_end) for i in range(len(recs) - 1)] + [0.0]
     tool[0] += setup_s
+    tool[-1] += teardown_s
     return RecordedExecution(execution_id=recs[0].execution_id, obs=obs, gen=gen, tool_s=tool, eval_s=eval_s)
 
 

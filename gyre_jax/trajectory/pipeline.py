@@ -94,7 +94,8 @@ class TrajectoryConfig:
             message_end_id = ByteTokenizer().token_id("<|im_end|>")
         return cls(max_branches=int(config.rl.max_branches), packing=t.packing, row_length=int(t.row_length),
                    rows=int(t.tokens_per_micro_batch) // int(t.row_length),
-                   max_sequences=int(t.max_sequences_per_micro_batch), seed=int(config.seed),
+                   max_sequences=int(t.max_sequences_per_micro_batch),
+                   open_micro_batches=int(t.get("open_micro_batches", 4)), seed=int(config.seed),
                    message_end_id=message_end_id, vocab_size=int(config.model.vocab_size))
 
 
