@@ -276,7 +276,6 @@ class Trainer:
         _fsync_write(self.workdir / "results" / f"step_{step:06d}.jsonl",
                      "".join(json.dumps(r.to_dict()) + "\n" for r in results))
         valid = [r.reward for r in results if not r.excluded]
-        calls = [len(self.records.read(r.execution_id)) for r in results]
         counts = summarize(results)
         metrics = {
             "phase": "train",
@@ -289,7 +288,6 @@ class Trainer:
             "evaluator_failures": counts["evaluator_failures"],
             "evaluator_timeouts": counts["evaluator_timeouts"],
             "executions": counts["executions"],
-            "calls_per_execution": float(np.mean(calls)) if calls else 0.0,
             "policy_version": int(state.step),
             **learner_metrics,
         }

@@ -108,6 +108,7 @@ class StepRun:
     fed_groups: set[str] = field(default_factory=set)
     completed_groups: list[str] = field(default_factory=list)  # in completion order
     staleness: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)  # model calls (TITO records) per execution
     dropped_stale: int = 0
     skipped_groups: int = 0
     pipeline_stats: collections.Counter = field(default_factory=collections.Counter)
@@ -403,7 +404,9 @@ class Controller:
         for eid in eids:
             r = run.results[eid]
             rewards[eid] = None if r.excluded else r.reward
-            versions = [v for rec in self.records.read(eid) for v in rec.policy_versions]
+            records = self.records.read(eid)
+            run.calls[eid] = len(records)
+            versions = [v for rec in records for v in rec.policy_versions]
             if versions:
                 run.staleness[eid] = version - min(versions)
                 if self.cfg.max_staleness >= 0 and run.staleness[eid] > self.cfg.max_staleness:
@@ -533,6 +536,7 @@ class Controller:
         stats = dict(run.pipeline_stats)
         return {
             "step_s": wall,
+            "calls_per_execution": float(np.mean(list(run.calls.values()))) if run.calls else 0.0,
             "staleness_mean": float(np.mean(stale)) if stale else 0.0,
             "staleness_max": int(max(stale)) if stale else 0,
             "dropped_stale": run.dropped_stale,
