@@ -630,6 +630,11 @@ class Controller:
                 self.timeline.role(now, c.index, Role.SERVING, reason="end of segment")
             self.router.undrain(c.name)
         self._mq.abort("the run segment ended")
+        while True:  # events of this segment (e.g. the joined switches') must not reach the next one
+            try:
+                self._events.get_nowait()
+            except queue_lib.Empty:
+                break
         if self._decisions is not None:
             self._decisions.flush()
         self.timeline.flush()

@@ -152,3 +152,35 @@ def test_the_policy_decides_the_same_alone_on_the_same_event_sequence(run):
         assert decision.dispatch == line["dispatch"], line
         left += any(r is Role.TRAINING and s is Role.SERVING for r, s in zip(decision.roles, state.roles))
     assert left > 0  # the sequence holds real decisions: cells left serving
+
+
+def test_segments_between_evaluations_start_from_a_clean_state(tmp_path):
+    """With an evaluation after every step the controller runs one segment per step: each starts with every
+    cell serving and none of the previous segment's events, and the evaluations run on serving cells."""
+    from gyre_jax.trainer import Trainer
+
+    config = config_lib.load_config([
+        f"--config.workdir={tmp_path}", "--config.total_steps=2", "--config.warm_start.steps=0",
+        "--config.schedule.policy=elastic", "--config.metrics.progress_bar=False", "--config.metrics.tensorboard=False",
+        "--config.rollout.tasks_per_step=1", "--config.rl.group_size=4", "--config.rollout.num_tasks=2",
+        "--config.eval.samples_per_task=1", "--config.eval.every_steps=1", "--config.cells.sessions_per_cell=2",
+        "--config.rollout.max_tokens_per_call=32"])
+    trainer = Trainer(config)
+    try:
+        assert trainer.run() == 2
+        assert all(c.role is Role.SERVING for c in trainer.controller.cells)
+        assert trainer.controller._events.empty()  # noqa: SLF001
+    finally:
+        trainer.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if m.get("phase") == "train"] == [0, 1]
+    assert [m["step"] for m in lines if m.get("phase") == "eval"] == [0, 1, 2]
+    for m in (m for m in lines if m.get("phase") == "eval"):
+        assert m["eval_executions"] == 2 and m["eval_excluded"] == 0
+    policy = make_policy("elastic", 2, **config_lib.policy_options(config))
+    for line in (tmp_path / "decisions.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        if d["event"]["kind"] == "step_began" and d["state"]["waterlevel"]["dispatched"] == 0:  # a segment starts
+            assert all(r == "serving" for r in d["state"]["roles"])
+        decision = policy.plan(Event(**d["event"]), state_from_dict(d["state"]))
+        assert [r.value for r in decision.roles] == d["roles"] and decision.dispatch == d["dispatch"]
