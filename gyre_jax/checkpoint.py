@@ -8,14 +8,26 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, max_to_keep: int = 2):
+    """``primary_only``: in a multi-process run, only process 0 saves and restores (its state lives on its own
+    devices: the core cell); the other processes take no part. Otherwise every process writes its shards."""
+
+    def __init__(self, directory: str | Path, max_to_keep: int = 2, primary_only: bool = False):
         self.directory = Path(directory).resolve()
         self.directory.mkdir(parents=True, exist_ok=True)
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False)
+        extra = {}
+        # Orbax refuses arrays held by one process of several ("host local"): process 0 saves a host copy
+        # (same on-disk arrays; ``restore`` puts them back on the given shardings).
+        self._host_copy = primary_only and jax.process_count() > 1
+        if self._host_copy:
+            extra["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
+                primary_host=0, active_processes={0}, barrier_sync_key_prefix="core")
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=not extra,  # made above
+                                               enable_async_checkpointing=False, **extra)
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
     def latest_step(self) -> int | None:
@@ -26,16 +38,24 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Writes checkpoint ``step`` and waits until it is complete on disk."""
+        if self._host_copy:
+            state = jax.device_get(state)
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
                            force=True)
         self._manager.wait_until_finished()
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Restores checkpoint ``step`` onto the shardings given by ``abstract_state`` (ShapeDtypeStructs)."""
+        target = abstract_state
+        if self._host_copy:
+            target = jax.tree.map(lambda a: np.empty(a.shape, a.dtype), abstract_state)
         restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
         )
-        return restored["state"], dict(restored["meta"])
+        state = restored["state"]
+        if self._host_copy:
+            state = jax.device_put(state, jax.tree.map(lambda a: a.sharding, abstract_state))
+        return state, dict(restored["meta"])
 
     def close(self) -> None:
         self._manager.close()

@@ -42,14 +42,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("absl", "jax._src", "orbax", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if config.get("distributed") is not None and config.distributed.enabled:
-        # gyre_jax.distributed initializes processes, broadcasts decisions and fails fast; the trainer does not
-        # drive cells on other processes yet (docs/multihost.md says what exists and what is missing).
-        print("error: config.distributed.enabled=True: multi-process training runs are not supported yet "
-              "(gyre_jax.distributed and the presets are ready; the trainer runs in one process: set "
-              "config.distributed.enabled=False)", file=sys.stderr)
-        return 2
-    configure_devices(config)
+    multi = config.get("distributed") is not None and config.distributed.enabled
+    if multi:  # joins the run (jax.distributed); a lost or failed peer stops every process (docs/multihost.md)
+        from gyre_jax import distributed
+
+        try:
+            distributed.initialize(config)
+        except distributed.DistributedError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    else:
+        configure_devices(config)
 
     from gyre_jax.trainer import Trainer
 
@@ -58,7 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         step = trainer.run()
     finally:
         trainer.close()
-    print(f"done: {step} steps in {trainer.workdir}", flush=True)
+    if trainer.is_leader:
+        print(f"done: {step} steps in {trainer.workdir}", flush=True)
+    if multi:
+        distributed.shutdown()
     return 0
 
 

@@ -39,10 +39,12 @@ import numpy as np
 from ml_collections import config_dict
 
 from gyre_jax import config as config_lib
+from gyre_jax import distributed
 from gyre_jax.checkpoint import Checkpointer
 from gyre_jax.elastic.cells import make_cells
 from gyre_jax.elastic.controller import CellRuntime, Controller, ControllerConfig
 from gyre_jax.elastic.policies import make_policy
+from gyre_jax.elastic.remote import Follower, FollowerCell, RemoteLoop, RemoteProcess, RemoteWorker
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.metrics import MetricsWriter, format_step_line
 from gyre_jax.model.config import ModelConfig
@@ -53,6 +55,7 @@ from gyre_jax.proxy.router import Router
 from gyre_jax.proxy.server import ProxyServer
 from gyre_jax.proxy.tito import render_demonstration
 from gyre_jax.rl.learner import Learner, OptimizerConfig, TrainState
+from gyre_jax.rl.micro_step import GradWorker
 from gyre_jax.rollout.executor import ExecutionResult, ExecutionSpec, Executor, summarize
 from gyre_jax.rollout.tasks import BuiltinSuite
 from gyre_jax.serving.engine import Engine
@@ -92,11 +95,31 @@ class Trainer:
                 f"the config needs {n} devices but JAX sees {len(devices)} ({devices[0].platform}); "
                 f"on CPU set config.devices.num_cpu_devices before JAX starts (python -m gyre_jax.train does this)"
             )
-        self.devices = devices[:n]
-        self.train_mesh = make_mesh(self.devices, dict(config.mesh))
-        self.cells = make_cells(self.devices, config.cells.num_cells,
-                                dict(data=config.cells.data, fsdp=config.cells.fsdp, tensor=config.cells.tensor,
-                                     **({"expert": config.cells.expert} if config.cells.get("expert", 1) > 1 else {})))
+        cell_shape = dict(data=config.cells.data, fsdp=config.cells.fsdp, tensor=config.cells.tensor,
+                          **({"expert": config.cells.expert} if config.cells.get("expert", 1) > 1 else {}))
+        # Multi-process (docs/multihost.md): process 0 leads (proxy, executor, records, pipeline, controller,
+        # core cell); every other process follows, running the cells on its own devices.
+        self.process_id = jax.process_index()
+        self.multi_process = jax.process_count() > 1
+        self.is_leader = self.process_id == 0
+        if self.multi_process:
+            if n != len(devices):
+                raise RuntimeError(f"a multi-process run uses every device of every process: the config asks for {n} "
+                                   f"but the processes hold {len(devices)}")
+            self.devices = list(distributed.host_ordered(devices))
+            self.train_mesh = distributed.make_global_mesh(dict(config.mesh), self.devices)
+            self.cells = distributed.make_global_cells(self.devices, config.cells.num_cells, cell_shape)
+            for cell in self.cells:
+                procs = distributed.cell_processes(cell)
+                if len(procs) > 1:
+                    raise distributed.DistributedError(
+                        f"not supported yet: {cell.name} spans processes {list(procs)} (a cell over several hosts needs "
+                        f"its serving steps in lockstep on all of them); use cells of one host or less: "
+                        f"config.cells.num_cells >= the number of processes")
+        else:
+            self.devices = devices[:n]
+            self.train_mesh = make_mesh(self.devices, dict(config.mesh))
+            self.cells = make_cells(self.devices, config.cells.num_cells, cell_shape)
         if ckpt_dir is not None:  # a Hugging Face checkpoint: its config.json defines the architecture
             from gyre_jax.model.hf_checkpoint import load_hf_checkpoint
 
@@ -106,14 +129,19 @@ class Trainer:
         else:
             self.model_cfg = ModelConfig.from_config_dict(config.model)
             self.graphdef, params = init_params(self.model_cfg, self.train_mesh, self.rules, config.seed)
-        # The core cell (cell 0) holds the authoritative params and the only optimizer state.
-        self.learner = Learner.from_config(self.model_cfg, self.graphdef, self.cells[0].mesh, self.rules, config)
-        self.checkpointer = Checkpointer(self.workdir / "checkpoints", max_to_keep=config.keep_checkpoints)
         self.suite = BuiltinSuite(kinds=tuple(config.rollout.task_kinds), seed=config.seed, max_turns=config.rollout.max_turns,
                                   tool_latency_median_s=config.rollout.tool_latency_median_s,
                                   tool_latency_sigma=config.rollout.tool_latency_sigma, alphabet=config.rollout.alphabet,
                                   min_len=config.rollout.input_min_len, max_len=config.rollout.input_max_len,
                                   num_tasks=config.rollout.num_tasks)
+        if not self.is_leader:
+            self._init_follower(config, params)
+            return
+        # The core cell (cell 0) holds the authoritative params and the only optimizer state.
+        self.learner = Learner.from_config(self.model_cfg, self.graphdef, self.cells[0].mesh, self.rules, config)
+        # Multi-process: the core lives on process 0 alone, which saves and restores it (orbax, primary host).
+        self.checkpointer = Checkpointer(self.workdir / "checkpoints", max_to_keep=config.keep_checkpoints,
+                                         primary_only=self.multi_process)
         self.metrics = MetricsWriter(self.workdir, tensorboard=config.metrics.tensorboard)
         _fsync_write(self.workdir / "config.json", json.dumps(config.to_dict(), indent=2, default=str))
 
@@ -121,6 +149,8 @@ class Trainer:
         self.trajectory_cfg = dataclasses.replace(TrajectoryConfig.from_config(config, message_end_id=message_end),
                                                   vocab_size=self.model_cfg.vocab_size)
         latest = self.checkpointer.latest_step()
+        if self.multi_process:  # every process must agree on whether the (collective) warm start runs
+            distributed.broadcast_decision({"latest": latest})
         if latest is not None:
             self.state, meta = self.checkpointer.restore(latest, self.learner.abstract_state())
             self.start_step = int(meta["next_step"])
@@ -132,7 +162,7 @@ class Trainer:
             pipeline_state = None
             if config.warm_start.steps > 0:
                 params = self.warm_start(params)
-            self.state = self.learner.init_state(params)
+            self.state = self.learner.init_state(self._core_params(params))
         del params
         self.records = RecordStore(self.workdir / "records")
         self.pipeline = TrajectoryPipeline(self.workdir / "records", self.workdir / "trajectory", self.trajectory_cfg,
@@ -147,17 +177,24 @@ class Trainer:
         runtimes: list[CellRuntime] = []
         version = int(self.state.step)
         abstract_params = abstract_model(self.model_cfg)[1]
+        self.remotes: dict[int, RemoteProcess] = {}
         for cell in self.cells:
-            engine = Engine(self.model_cfg, self.graphdef, cell.mesh, self.rules,
-                            max_concurrent_decodes=s.max_concurrent_decodes, max_seq_len=s.max_seq_len,
-                            max_prefill_length=s.max_prefill_length, prefill_buckets=tuple(s.prefill_buckets),
-                            page_size=s.page_size)
+            engine = self._make_engine(cell)
             shardings = engine.param_shardings(abstract_params)
-            loop = ServingLoop(engine, jax.device_put(self.state.params, shardings, may_alias=False),
-                               policy_version=version, name=cell.name, seed=config.seed + 7919 * cell.index,
-                               kv_pages=s.kv_pages, on_update=s.on_weight_update, reuse_stale_kv=s.reuse_stale_kv,
-                               detokenize=self.tokenizer.decode).start()
-            worker = self.learner.worker if cell.index == 0 else self.learner.make_satellite(cell.mesh, cell.name)
+            owner = cell.devices[0].process_index
+            if owner != self.process_id:  # a follower's cell: stand-ins that drive it from here
+                proc = self.remotes.get(owner)
+                if proc is None:
+                    proc = self.remotes[owner] = RemoteProcess(distributed.runtime().client, owner,
+                                                               on_error=self._remote_failed)
+                loop = RemoteLoop(proc, cell.index, cell.name, engine.max_seq_len, shardings)
+                loop.update_params(self.state.params, version)
+                sat = self.learner.make_satellite(cell.mesh, cell.name)  # shardings only: it runs nothing here
+                worker = RemoteWorker(proc, cell.index, cell.name, sat.param_shardings, self.learner.param_shardings)
+            else:
+                loop = self._make_loop(engine, cell, jax.device_put(self.state.params, shardings, may_alias=False),
+                                       version)
+                worker = self.learner.worker if cell.index == 0 else self.learner.make_satellite(cell.mesh, cell.name)
             self.engines.append(engine)
             self.loops.append(loop)
             runtimes.append(CellRuntime(cell=cell, loop=loop, serving_shardings=shardings, worker=worker))
@@ -173,6 +210,8 @@ class Trainer:
                                  max_parallel=config.rollout.max_parallel, temperature=config.rollout.temperature,
                                  max_tokens=config.rollout.max_tokens_per_call,
                                  evaluator_timeout_s=config.rollout.evaluator_timeout_s)
+        if self.multi_process:  # a lost peer ends the run: kill the harnesses before this process exits
+            distributed.add_failure_hook(self.executor.cancel)
         sched = config.schedule
         self.policy = make_policy(sched.policy, len(self.cells), **config_lib.policy_options(config))
         self.timeline = TimelineWriter(self.workdir / "timeline" / f"step{self.start_step:06d}.json",
@@ -188,6 +227,56 @@ class Trainer:
         log.info("proxy serving on %s; %s policy; %d cells x %d devices (cell0 = core); model %.2fM params",
                  self.proxy.base_url, sched.policy, len(self.cells), len(self.cells[0].devices),
                  self.model_cfg.num_params / 1e6)
+
+    # -- building blocks shared by the leader and the followers ----------------------------------------------
+    def _make_engine(self, cell) -> Engine:
+        s = self.config.serving
+        return Engine(self.model_cfg, self.graphdef, cell.mesh, self.rules,
+                      max_concurrent_decodes=s.max_concurrent_decodes, max_seq_len=s.max_seq_len,
+                      max_prefill_length=s.max_prefill_length, prefill_buckets=tuple(s.prefill_buckets),
+                      page_size=s.page_size)
+
+    def _make_loop(self, engine: Engine, cell, params, version: int) -> ServingLoop:
+        s, c = self.config.serving, self.config
+        return ServingLoop(engine, params, policy_version=version, name=cell.name, seed=c.seed + 7919 * cell.index,
+                           kv_pages=s.kv_pages, on_update=s.on_weight_update, reuse_stale_kv=s.reuse_stale_kv,
+                           detokenize=self.tokenizer.decode).start()
+
+    def _core_params(self, params):
+        """Params from the training mesh onto the core cell. Across processes that is one collective program
+        (``publish_to_cells``: every process calls it; process 0 keeps cell 0's copy)."""
+        if not self.multi_process:
+            return params
+        workers = [GradWorker(self.model_cfg, self.graphdef, cell.mesh, self.rules) for cell in self.cells]
+        return distributed.publish_to_cells(params, [w.param_shardings for w in workers])[0]
+
+    def _init_follower(self, config, params) -> None:
+        """A follower process: takes part in the collective start (warm start, publishing the params), then
+        ``run`` serves its own cells as process 0's controller directs (``gyre_jax.elastic.remote``)."""
+        latest = distributed.broadcast_decision(None)["latest"]
+        if latest is None:
+            if config.warm_start.steps > 0:
+                params = self.warm_start(params)
+            self._core_params(params)
+        del params
+        abstract_params = abstract_model(self.model_cfg)[1]
+        learner = Learner.from_config(self.model_cfg, self.graphdef, self.cells[0].mesh, self.rules, config)
+        mine = []
+        for cell in self.cells:
+            if cell.devices[0].process_index != self.process_id:
+                continue
+            engine = self._make_engine(cell)
+            mine.append(FollowerCell(
+                index=cell.index, name=cell.name, serving_shardings=engine.param_shardings(abstract_params),
+                make_loop=lambda p, v, e=engine, c=cell: self._make_loop(e, c, p, v),
+                worker=learner.make_satellite(cell.mesh, cell.name)))
+        self.follower = Follower(distributed.runtime().client, self.process_id, mine, learner.param_shardings)
+        self._abstract_params = abstract_params
+        log.info("process %d follows process 0 with %s", self.process_id, ", ".join(c.name for c in mine))
+
+    def _remote_failed(self, message: str) -> None:
+        if hasattr(self, "controller"):
+            self.controller._post("error", message=message)
 
     # -- helpers ----------------------------------------------------------------------------------
     def save_checkpoint(self, next_step: int) -> None:
@@ -231,7 +320,7 @@ class Trainer:
             state, m = learner.step(state, [mb], kind="sft")
             if i % 25 == 0 or i == w.steps - 1:
                 log.info("warm start %d/%d  loss %.4f", i + 1, w.steps, m["loss"])
-            if i == w.steps - 1:
+            if i == w.steps - 1 and self.is_leader:
                 self.metrics.write(-1, {"phase": "warm_start", "warm_start_steps": w.steps, "warm_start_loss": m["loss"]})
             if self._stop.is_set():
                 raise KeyboardInterrupt("stopped during warm start (nothing was saved; rerun to start over)")
@@ -305,6 +394,9 @@ class Trainer:
         The controller runs the steps between evaluations as one segment (executions of later steps may
         start early within a segment under the async and elastic policies, never across an evaluation)."""
         c = self.config
+        if not self.is_leader:
+            self.follower.serve(self._abstract_params)
+            return c.total_steps
         handlers = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -387,7 +479,10 @@ class Trainer:
         return step == 0 or step == self.config.total_steps or (e.every_steps > 0 and step % e.every_steps == 0)
 
     def close(self) -> None:
-        closers = (self.proxy.stop, *[loop.stop for loop in self.loops], self.controller.close,
+        if not self.is_leader:
+            return
+        closers = (self.proxy.stop, *[loop.stop for loop in self.loops], *[p.close for p in self.remotes.values()],
+                   self.controller.close,
                    lambda: self.timeline.close(time.time()), self.metrics.close, self.checkpointer.close)
         for closer in closers:
             try:

@@ -89,6 +89,18 @@ class CellRuntime:
         return self.cell.index
 
     @property
+    def remote(self) -> bool:
+        """The cell runs on another process (``remote.RemoteLoop`` / ``RemoteWorker`` stand in for it)."""
+        return bool(getattr(self.loop, "remote", False))
+
+    def serving_params(self, params):
+        """``params`` (the core's) for ``loop.update_params``: a local cell gets them on its serving layout
+        (device to device); a remote loop moves them itself (a cross-process program with its process)."""
+        if self.remote:
+            return params
+        return jax.device_put(params, self.serving_shardings, may_alias=False)
+
+    @property
     def name(self) -> str:
         return self.cell.name
 
@@ -518,7 +530,7 @@ class Controller:
         for c in self.cells:
             if c.role is Role.SERVING or c.target is Role.SERVING:
                 with self._state_lock:
-                    params = jax.device_put(self.state.params, c.serving_shardings, may_alias=False)
+                    params = c.serving_params(self.state.params)
                 c.loop.update_params(params, version)
 
     def _step_metrics(self, run: StepRun, now: float) -> dict[str, Any]:
@@ -576,8 +588,14 @@ class Controller:
         t0 = time.perf_counter()
         try:
             if to is Role.TRAINING:
-                self.router.drain(c.name, cancel_in_flight=target is None)
-                if target is not None:
+                # Sessions move with their KV within a process; across processes (either end remote) the
+                # leaving cell's requests in flight are cancelled and re-run, same seed, on a cell that stays.
+                across = target is not None and (c.remote or target.remote)
+                self.router.drain(c.name, cancel_in_flight=target is None or across)
+                if across:
+                    for s in c.loop.drain():  # idle cached sessions: dropped (their next call prefills again)
+                        s.cancel()
+                elif target is not None:
                     states = c.loop.drain()
                     if states:
                         target.loop.import_sessions(states)
@@ -598,7 +616,7 @@ class Controller:
                 with self._state_lock:
                     version = int(self.state.step)
                     if c.loop.policy_version != version:
-                        params = jax.device_put(self.state.params, c.serving_shardings, may_alias=False)
+                        params = c.serving_params(self.state.params)
                         c.loop.update_params(params, version)
                 self.router.undrain(c.name)
         except BaseException as e:  # noqa: BLE001 - reported to the driver, which stops the run
@@ -623,7 +641,7 @@ class Controller:
             c.gate.clear()
             if c.role is not Role.SERVING or c.loop.policy_version != version:
                 with self._state_lock:
-                    c.loop.update_params(jax.device_put(self.state.params, c.serving_shardings, may_alias=False),
+                    c.loop.update_params(c.serving_params(self.state.params),
                                          version)
             if c.role is not Role.SERVING:
                 c.role, c.target = Role.SERVING, None
