@@ -1,14 +1,17 @@
-"""Preset: a Cloud TPU v5p-64 slice (32 chips, 8 hosts x 4 chips, 95 GB HBM per chip), Qwen3-30B-A3B.
+"""Preset: a Cloud TPU v5p-64 slice (32 chips, 8 hosts x 4 chips, 95 GB HBM per chip), Qwen3-8B.
 
 Launch the same command on every host (gcloud recipe in docs/multihost.md):
     python -m gyre_jax.train --config configs/tpu_pod.py [--config.a.b=value ...]
-(add --config.model.checkpoint_dir=/mnt/disks/models/Qwen3-30B-A3B --config.tokenizer.kind=hf for real weights)
+(add --config.model.checkpoint_dir=/mnt/disks/models/Qwen3-8B --config.tokenizer.kind=hf for real weights)
 
 Built on configs/tiny_cpu.py. JAX reads the worker id and the slice's hosts from the TPU VM metadata
-(config.distributed left to auto-detect). Parallelism: 4 cells of 8 chips, each cell two whole hosts
-(a v5p slice's chips are all connected by ICI, so a cell over 2 hosts is still one torus block); inside a
-cell, experts are split 8 ways. The training mesh is data=4 x expert=8. Memory (estimates, not measured
-here): the core's fp32 master weights, gradients and Adam moments are about 490 GB over 8 x 95 GB.
+(config.distributed left to auto-detect). Parallelism: 8 cells of 4 chips, each cell one whole host
+(worker 0's host is the core); inside a cell, tensor=4 (32 query / 8 KV heads split 4 ways). A cell
+over several hosts (needed for a core larger than one host's HBM, e.g. Qwen3-30B-A3B's ~490 GB of
+master weights, gradients and Adam moments) is not supported yet by the multi-process trainer. Memory
+(estimates, not measured here): the core's fp32 master weights, gradients and Adam moments are about
+16 bytes x 8.2B = 131 GB over 4 x 95 GB, with full remat for the 32K-token rows. The training mesh
+(data=8 x tensor=4) is used for initialization.
 """
 
 import dataclasses
@@ -16,8 +19,7 @@ import importlib.util
 from pathlib import Path
 
 from gyre_jax import distributed
-from gyre_jax.model.config import QWEN3_30B_A3B
-from gyre_jax.model.sharding import RULES_EXPERT
+from gyre_jax.model.config import QWEN3_8B
 
 
 def _tiny_cpu():
@@ -31,14 +33,11 @@ def get_config():
     c = _tiny_cpu()
     c.workdir = "/mnt/shared/runs/tpu_pod"  # a filesystem every host mounts (e.g. Filestore / GCS FUSE)
     c.devices.platform = "tpu"
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 4, 1, 1
-    c.mesh.expert = 8
-    c.cells.num_cells = 4  # 8 chips each = 2 whole hosts of 4 chips
-    c.cells.data, c.cells.fsdp, c.cells.tensor = 1, 1, 1
-    c.cells.expert = 8
-    c.sharding_rules = RULES_EXPERT
-    for field in dataclasses.fields(QWEN3_30B_A3B):
-        c.model[field.name] = getattr(QWEN3_30B_A3B, field.name)
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 8, 1, 4
+    c.cells.num_cells = 8  # 4 chips each = 1 whole host
+    c.cells.data, c.cells.fsdp, c.cells.tensor = 1, 1, 4
+    for field in dataclasses.fields(QWEN3_8B):
+        c.model[field.name] = getattr(QWEN3_8B, field.name)
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.model.remat_policy = "full"

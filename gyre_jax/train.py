@@ -3,6 +3,10 @@
 Loads and validates the config before any work starts (a bad config exits with status 2 and one
 line saying what is wrong), creates the devices the config asks for, then runs the ``Trainer``.
 Running again with the same ``workdir`` resumes from the last checkpoint; SIGINT/SIGTERM save and exit.
+
+Multi-process (one process per host, ``config.distributed``; docs/multihost.md): run the same command on
+every host. Process 0 leads (it prints the step lines); the others run their cells and exit with it. A
+lost or failed process stops all of them (exit code 75 on the survivors): rerun all to resume.
 """
 
 from __future__ import annotations

@@ -186,7 +186,8 @@ class Trainer:
                 proc = self.remotes.get(owner)
                 if proc is None:
                     proc = self.remotes[owner] = RemoteProcess(distributed.runtime().client, owner,
-                                                               on_error=self._remote_failed)
+                                                               on_error=self._remote_failed,
+                                                               on_stop=self._follower_asks_stop)
                 loop = RemoteLoop(proc, cell.index, cell.name, engine.max_seq_len, shardings)
                 loop.update_params(self.state.params, version)
                 sat = self.learner.make_satellite(cell.mesh, cell.name)  # shardings only: it runs nothing here
@@ -273,6 +274,11 @@ class Trainer:
         self.follower = Follower(distributed.runtime().client, self.process_id, mine, learner.param_shardings)
         self._abstract_params = abstract_params
         log.info("process %d follows process 0 with %s", self.process_id, ", ".join(c.name for c in mine))
+
+    def _follower_asks_stop(self) -> None:
+        """A follower got SIGINT/SIGTERM (e.g. every process got Slurm's): stop and save, once."""
+        if not self._stop.is_set():
+            self.request_stop()
 
     def _remote_failed(self, message: str) -> None:
         if hasattr(self, "controller"):

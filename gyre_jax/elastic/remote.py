@@ -34,8 +34,10 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import os
 import pickle
 import queue as queue_lib
+import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -101,8 +103,10 @@ class RemoteProcess:
 
     _collective_lock = threading.Lock()  # cross-process programs start in one order (all followers share it)
 
-    def __init__(self, client, process_id: int, on_error: Callable[[str], None] | None = None):
+    def __init__(self, client, process_id: int, on_error: Callable[[str], None] | None = None,
+                 on_stop: Callable[[], None] | None = None):
         self.process_id = process_id
+        self.on_stop = on_stop
         self.commands = Channel(client, f"to{process_id}")
         self.replies = Channel(client, f"from{process_id}")
         self.on_error = on_error
@@ -149,6 +153,11 @@ class RemoteProcess:
                 if not self._closed.is_set():
                     log.warning("process %d: reply channel closed (%s)", self.process_id, exc)
                 return
+            if kind == "stop":  # the follower got SIGINT/SIGTERM: the leader stops the run (and checkpoints)
+                log.warning("process %d asks to stop (%s)", self.process_id, value)
+                if self.on_stop is not None:
+                    self.on_stop()
+                continue
             if kind == "error" and token is None:
                 log.error("process %d failed: %s", self.process_id, value)
                 if self.on_error is not None:
@@ -303,6 +312,7 @@ class Follower:
         self.core_shardings = core_shardings  # the core's param layout (on process 0's devices)
         self._abstract_core = None
         self._stopped = threading.Event()
+        self._stop_requested = False
 
     def _reply(self, kind: str, token: Any, value: Any) -> None:
         self.replies.send((kind, token, value))
@@ -313,6 +323,9 @@ class Follower:
     def serve(self, abstract_params: Any) -> None:
         """The command loop (this thread runs every cross-process program, in the order sent)."""
         self._abstract_core = self._core_abstract(abstract_params)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):  # e.g. Slurm's preemption: process 0 stops and saves
+                signal.signal(sig, self._signalled)
         workers = [threading.Thread(target=self._compute, args=(c,), name=f"follower-{c.name}", daemon=True)
                    for c in self.cells.values()]
         for th in workers:
@@ -323,6 +336,10 @@ class Follower:
                     command = self.commands.recv()
                 except TimeoutError:
                     continue
+                except Exception as exc:  # noqa: BLE001 - the coordination service (process 0) is gone
+                    raise distributed.DistributedError(
+                        f"lost process 0's commands ({type(exc).__name__}: {str(exc)[:200]}); process 0 died or is "
+                        f"unreachable: restart all processes to resume from the last checkpoint") from None
                 try:
                     self._handle(*command)
                 except Exception as exc:  # noqa: BLE001 - reported; the leader stops the run
@@ -334,6 +351,14 @@ class Follower:
                 c.work.put(None)
                 if c.loop is not None:
                     c.loop.stop()
+
+    def _signalled(self, signum, _frame) -> None:
+        if self._stop_requested:
+            log.error("second stop request: exiting now (process 0 then stops the run)")
+            os._exit(130)
+        self._stop_requested = True
+        log.warning("signal %d: asking process 0 to stop the run and save a checkpoint (send again to force)", signum)
+        self._reply("stop", None, f"signal {signum}")
 
     def _handle(self, what: str, token: Any, *args: Any) -> None:
         if what == "submit":

@@ -313,9 +313,13 @@ QWEN3_1P7B = ModelConfig(vocab_size=151936, num_layers=28, embed_dim=2048, num_h
                          mlp_dim=6144, tie_embeddings=True)
 # ~1.1B: Qwen3-1.7B's widths with 16 layers (the GPU benchmark's MFU target size).
 QWEN3_1B = dataclasses.replace(QWEN3_1P7B, num_layers=16)
+# Qwen3-8B's shapes (untied head, rope_theta 1e6): the TPU pod preset's model, one host per cell.
+QWEN3_8B = ModelConfig(vocab_size=151936, num_layers=36, embed_dim=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                       mlp_dim=12288, tie_embeddings=False, rope_theta=1_000_000.0)
 # Qwen3-30B-A3B's shapes (128 experts, top-8), the reference MoE.
 QWEN3_30B_A3B = ModelConfig(vocab_size=151936, num_layers=48, embed_dim=2048, num_heads=32, num_kv_heads=4, head_dim=128,
                             mlp_dim=6144, tie_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_mlp_dim=768,
                             norm_topk_prob=True)
 PRESETS = {"tiny": TINY, "tiny_moe": TINY_MOE, "qwen3_100m": QWEN3_100M, "qwen3_0p6b": QWEN3_0P6B,
-           "qwen3_1b": QWEN3_1B, "qwen3_1p7b": QWEN3_1P7B, "qwen3_30b_a3b": QWEN3_30B_A3B}
+           "qwen3_1b": QWEN3_1B, "qwen3_1p7b": QWEN3_1P7B, "qwen3_8b": QWEN3_8B,
+           "qwen3_30b_a3b": QWEN3_30B_A3B}

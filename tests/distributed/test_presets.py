@@ -11,7 +11,7 @@ import pytest
 
 from gyre_jax import config as config_lib
 from gyre_jax import distributed
-from gyre_jax.model.config import QWEN3_1P7B, QWEN3_30B_A3B, ModelConfig
+from gyre_jax.model.config import QWEN3_1P7B, QWEN3_8B, QWEN3_30B_A3B, ModelConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakes import hosts  # noqa: E402
@@ -20,7 +20,7 @@ PRESETS = {
     # file: (platform, hosts, devices per host, model, multi-process, processes holding each cell)
     "configs/gpu_single_host.py": ("gpu", 1, 8, QWEN3_1P7B, False, [[0]] * 4),
     "configs/gpu_cluster.py": ("gpu", 4, 8, QWEN3_30B_A3B, True, [[0], [1], [2], [3]]),
-    "configs/tpu_pod.py": ("tpu", 8, 4, QWEN3_30B_A3B, True, [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    "configs/tpu_pod.py": ("tpu", 8, 4, QWEN3_8B, True, [[h] for h in range(8)]),
 }
 AXES = ("data", "fsdp", "tensor", "expert")
 
