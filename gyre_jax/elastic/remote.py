@@ -202,7 +202,6 @@ class RemoteLoop:
         self.max_context = max_context
         self.serving_shardings = serving_shardings
         self.policy_version = policy_version
-        self._futures: dict[str, concurrent.futures.Future] = {}
 
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
         token, fut = self.proc.expect()
@@ -315,7 +314,10 @@ class Follower:
         self._stop_requested = False
 
     def _reply(self, kind: str, token: Any, value: Any) -> None:
-        self.replies.send((kind, token, value))
+        try:
+            self.replies.send((kind, token, value))
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # e.g. an exception that cannot pickle
+            self.replies.send(("error", token, RemoteError(f"{value!r} (could not be sent: {exc})")))
 
     def _core_abstract(self, like: Any) -> Any:
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), like, self.core_shardings)
