@@ -188,7 +188,7 @@ class Trainer:
                     proc = self.remotes[owner] = RemoteProcess(distributed.runtime().client, owner,
                                                                on_error=self._remote_failed,
                                                                on_stop=self._follower_asks_stop)
-                loop = RemoteLoop(proc, cell.index, cell.name, engine.max_seq_len, shardings)
+                loop = RemoteLoop(proc, cell.index, cell.name, engine.max_seq_len, shardings, engine=engine)
                 loop.update_params(self.state.params, version)
                 sat = self.learner.make_satellite(cell.mesh, cell.name)  # shardings only: it runs nothing here
                 worker = RemoteWorker(proc, cell.index, cell.name, sat.param_shardings, self.learner.param_shardings)
@@ -262,16 +262,17 @@ class Trainer:
         del params
         abstract_params = abstract_model(self.model_cfg)[1]
         learner = Learner.from_config(self.model_cfg, self.graphdef, self.cells[0].mesh, self.rules, config)
-        mine = []
+        mine, engines = [], {}
         for cell in self.cells:
+            engine = engines[cell.index] = self._make_engine(cell)  # other processes' cells: their layouts only
             if cell.devices[0].process_index != self.process_id:
                 continue
-            engine = self._make_engine(cell)
             mine.append(FollowerCell(
                 index=cell.index, name=cell.name, serving_shardings=engine.param_shardings(abstract_params),
                 make_loop=lambda p, v, e=engine, c=cell: self._make_loop(e, c, p, v),
                 worker=learner.make_satellite(cell.mesh, cell.name)))
-        self.follower = Follower(distributed.runtime().client, self.process_id, mine, learner.param_shardings)
+        self.follower = Follower(distributed.runtime().client, self.process_id, mine, learner.param_shardings,
+                                 engines=engines)
         self._abstract_params = abstract_params
         log.info("process %d follows process 0 with %s", self.process_id, ", ".join(c.name for c in mine))
 

@@ -47,6 +47,7 @@ import jax
 import numpy as np
 
 from gyre_jax.elastic.cells import Cell
+from gyre_jax.elastic.remote import move_sessions
 from gyre_jax.elastic.policies import ClusterState, Decision, Event, Role, SchedulingPolicy, Waterlevel
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.rl.accumulator import GradAccumulator
@@ -588,17 +589,10 @@ class Controller:
         t0 = time.perf_counter()
         try:
             if to is Role.TRAINING:
-                # Sessions move with their KV within a process; across processes (either end remote) the
-                # leaving cell's requests in flight are cancelled and re-run, same seed, on a cell that stays.
-                across = target is not None and (c.remote or target.remote)
-                self.router.drain(c.name, cancel_in_flight=target is None or across)
-                if across:
-                    for s in c.loop.drain():  # idle cached sessions: dropped (their next call prefills again)
-                        s.cancel()
-                elif target is not None:
-                    states = c.loop.drain()
+                self.router.drain(c.name, cancel_in_flight=target is None)
+                if target is not None:  # KV included, also when either cell is on another process
+                    states = move_sessions(c.loop, target.loop, c.index, target.index)
                     if states:
-                        target.loop.import_sessions(states)
                         for s in states:
                             if s.session_id is not None:
                                 self.router.repin(s.session_id, target.name)

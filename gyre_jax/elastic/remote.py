@@ -46,7 +46,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from jax.sharding import NamedSharding
+
 from gyre_jax import distributed
+from gyre_jax.serving.engine import KVPages
+from gyre_jax.serving.session import SessionState
 from gyre_jax.serving.types import GenerationRequest
 
 log = logging.getLogger("gyre_jax.remote")
@@ -136,6 +140,13 @@ class RemoteProcess:
         except concurrent.futures.TimeoutError:
             raise RemoteError(f"process {self.process_id} did not answer {what!r} within {timeout_s} s") from None
 
+    @staticmethod
+    @contextmanager
+    def ordered():
+        """The lock under which cross-process programs are started (their commands sent inside it)."""
+        with RemoteProcess._collective_lock:
+            yield
+
     @contextmanager
     def collective(self, *command: Any):
         """Sends ``command`` and holds the lock while the leader runs its side of the cross-process program."""
@@ -195,20 +206,44 @@ class RemoteLoop:
     remote = True
 
     def __init__(self, proc: RemoteProcess, cell_index: int, name: str, max_context: int, serving_shardings: Any,
-                 policy_version: int = 0):
+                 policy_version: int = 0, engine: Any = None):
         self.proc = proc
         self.cell_index = cell_index
         self.name = name
         self.max_context = max_context
         self.serving_shardings = serving_shardings
         self.policy_version = policy_version
+        self.engine = engine  # the cell's Engine, built here for its shardings only (KV pages on its mesh)
+        self._futures: dict[str, concurrent.futures.Future] = {}  # request id -> the caller's future, until done
+        self._moved: dict[str, Any] = {}  # request id -> the loop it moved to (cancels follow it)
+        self._lock = threading.Lock()
 
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
         token, fut = self.proc.expect()
+        self.track(request.request_id, fut)
         self.proc.send("submit", token, self.cell_index, request)
         return fut
 
+    def track(self, request_id: str, fut: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._futures[request_id] = fut
+        fut.add_done_callback(lambda _: self._forget(request_id))
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._futures.pop(request_id, None)
+            self._moved.pop(request_id, None)
+
+    def future_of(self, request_id: str) -> concurrent.futures.Future | None:
+        with self._lock:
+            return self._futures.get(request_id)
+
     def cancel(self, request_id: str) -> None:
+        with self._lock:
+            moved = self._moved.get(request_id)
+        if moved is not None:
+            moved.cancel(request_id)  # the request now lives on another loop
+            return
         self.proc.send("cancel", None, self.cell_index, request_id)
 
     def update_params(self, params: Any, version: int) -> None:
@@ -229,18 +264,125 @@ class RemoteLoop:
 
     def drain(self) -> list:
         """Drops the remote loop's cached sessions and cancels what it still runs (the router re-submits it).
-        Returns no states: KV does not cross processes."""
-        self.proc.query("drain", self.cell_index)
+        To move them with their KV instead, use ``move_sessions``."""
+        self.proc.query("drain", self.cell_index, timeout_s=600.0)  # waits for the loop's step (a compile, maybe)
         return []
 
     def import_sessions(self, states) -> None:
-        raise NotImplementedError("not supported yet: moving sessions with their KV between processes")
+        raise NotImplementedError("sessions reach a cell on another process through move_sessions")
 
     def num_in_flight(self) -> int:
         return int(self.proc.query("in_flight", self.cell_index))
 
     def stop(self) -> None:
         pass  # the follower stops its loops when its RemoteProcess is closed
+
+
+_STATE_FIELDS = ("session_id", "kv_tokens", "kv_version", "request", "token_ids", "logprobs", "policy_versions", "key",
+                 "cached_tokens", "source")
+
+
+def _host_part(state: SessionState) -> dict:
+    part = {f: getattr(state, f) for f in _STATE_FIELDS}
+    part["key"] = None if state.key is None else np.asarray(state.key)
+    return part
+
+
+def _kv_layout(kv: KVPages | None) -> tuple[int, list] | None:
+    """(pages, [(shape, dtype, spec) per leaf]) of a KV to move, or None."""
+    if kv is None:
+        return None
+    return kv.num_pages, [(tuple(x.shape), x.dtype, x.sharding.spec) for x in jax.tree.leaves(kv)]
+
+
+def _abstract_kv(layout, mesh, like: KVPages) -> KVPages:
+    """``ShapeDtypeStruct`` leaves standing for a KV this process does not hold (``cell_put``'s source)."""
+    treedef = jax.tree.structure(like)
+    return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+                                        for shape, dtype, spec in layout[1]])
+
+
+def _chain(src: concurrent.futures.Future, dst: concurrent.futures.Future | None) -> None:
+    """When ``src`` resolves, ``dst`` (the caller's future) resolves the same way."""
+    if dst is None:
+        return
+
+    def done(f):
+        if dst.done():
+            return
+        exc = f.exception()
+        dst.set_exception(exc) if exc is not None else dst.set_result(f.result())
+
+    src.add_done_callback(done)
+
+
+def move_sessions(source: Any, target: Any, source_cell: int | None = None,
+                  target_cell: int | None = None) -> list[SessionState]:
+    """Moves every session of serving loop ``source`` into ``target``, KV included, whichever processes they
+    run on (``ServingLoop`` here, ``RemoteLoop`` for another process). Returns the moved states (host
+    parts; ``kv`` is None in them once moved across processes). A request in flight continues on
+    ``target`` where it stopped; its caller's future resolves from there; cancels follow it.
+    ``source_cell`` / ``target_cell``: the cells' indices (a ``RemoteLoop`` knows its own).
+
+    Across processes each KV crosses by one ``cell_put`` (started in the collective order); the rest is
+    host data on the command channels."""
+    src_remote, dst_remote = getattr(source, "remote", False), getattr(target, "remote", False)
+    src_cell = source.cell_index if src_remote else source_cell
+    dst_cell = target.cell_index if dst_remote else target_cell
+    if not src_remote and not dst_remote:
+        states = source.drain()
+        target.import_sessions(states)
+        return states
+    if src_remote and dst_remote and source.proc is target.proc:  # both cells on one follower
+        return source.proc.query("move_local", src_cell, dst_cell, timeout_s=600.0)
+    if src_remote:
+        parts = source.proc.query("export", src_cell, timeout_s=600.0)  # [(host part, token, layout)]
+        moving = [(part, source.future_of(part["request"].request_id) if part["request"] is not None else None,
+                   None, layout) for part, _, layout in parts]
+    else:
+        moving = [(_host_part(st), st.future, st, _kv_layout(st.kv)) for st in source.drain()]
+    out = []
+    for index, (part, caller, state, layout) in enumerate(moving):
+        if part["request"] is not None and (caller is None or caller.done()):
+            part = dict(part, request=None)  # nobody waits for it any more: its KV becomes a cache entry
+        rid = None if part["request"] is None else part["request"].request_id
+        kv = None
+        if not dst_remote:  # source on a follower, target here
+            if layout is not None:
+                like = target.engine.kv_pages_shardings(layout[0])
+                with source.proc.collective("kv_out", None, src_cell, index, dst_cell):
+                    kv = distributed.cell_put(_abstract_kv(layout, mesh_of(source), like), like)
+            moved = SessionState(kv=kv, future=caller, **part)
+            target.import_session(moved)
+            if rid is not None:
+                source._moved[rid] = target
+        else:
+            token = None
+            if rid is not None:
+                token, fut = target.proc.expect()
+                _chain(fut, caller)
+                target.track(rid, caller)
+            with RemoteProcess.ordered():
+                if src_remote:  # follower to follower: the two of them run the program
+                    source.proc.send("kv_out", None, src_cell, index, dst_cell)
+                    target.proc.send("kv_in", token, dst_cell, part, src_cell, layout)
+                else:
+                    target.proc.send("kv_in", token, dst_cell, part, src_cell, layout)
+                    if layout is not None:
+                        distributed.cell_put(state.kv, target.engine.kv_pages_shardings(layout[0]))
+            if rid is not None:
+                if src_remote:
+                    source._moved[rid] = target
+                else:
+                    state.moved_to = target  # the local loop forwards cancels
+            moved = SessionState(kv=None, future=caller, **part)
+        out.append(moved)
+    return out
+
+
+def mesh_of(loop: Any):
+    """The mesh of a serving loop's cell (a ``ServingLoop``'s engine, or a ``RemoteLoop``'s)."""
+    return loop.engine.mesh
 
 
 class RemoteWorker:
@@ -303,8 +445,12 @@ class FollowerCell:
 class Follower:
     """Runs a follower process's cells as the leader's commands say, until the leader sends ``stop``."""
 
-    def __init__(self, client, process_id: int, cells: list[FollowerCell], core_shardings: Any):
+    def __init__(self, client, process_id: int, cells: list[FollowerCell], core_shardings: Any,
+                 engines: dict[int, Any] | None = None):
         self.process_id = process_id
+        self.engines = engines or {}  # every cell's Engine (other processes' too: for their meshes and KV layouts)
+        self._tokens: dict[str, Any] = {}  # request id -> the leader's token for its result
+        self._outbox: dict[int, Any] = {}  # exported KV waiting for its kv_out program
         self.commands = Channel(client, f"to{process_id}")
         self.replies = Channel(client, f"from{process_id}")
         self.cells = {c.index: c for c in cells}
@@ -365,12 +511,32 @@ class Follower:
     def _handle(self, what: str, token: Any, *args: Any) -> None:
         if what == "submit":
             cell, request = args
+            self._tokens[request.request_id] = token
             try:
                 fut = self.cells[cell].loop.submit(request)
             except Exception as exc:  # noqa: BLE001 - e.g. a prompt that cannot fit: the caller's future raises
+                self._tokens.pop(request.request_id, None)
                 self._reply("error", token, exc)
                 return
-            fut.add_done_callback(lambda f, t=token: self._reply(*_outcome(f, t)))
+            fut.add_done_callback(lambda f, rid=request.request_id: self._done(rid, f))
+        elif what == "kv_out":
+            _cell, index, dest = args
+            kv = self._outbox.pop(index)
+            like = self.engines[dest].kv_pages_shardings(kv.num_pages)
+            jax.block_until_ready(distributed.cell_put(kv, like))
+        elif what == "kv_in":
+            cell, part, source, layout = args
+            c = self.cells[cell]
+            kv = None
+            if layout is not None:
+                like = c.loop.engine.kv_pages_shardings(layout[0])
+                kv = distributed.cell_put(_abstract_kv(layout, self.engines[source].mesh, like), like)
+            future = None
+            if part["request"] is not None:
+                future = concurrent.futures.Future()
+                self._tokens[part["request"].request_id] = token
+                future.add_done_callback(lambda f, rid=part["request"].request_id: self._done(rid, f))
+            c.loop.import_session(SessionState(kv=kv, future=future, **part))
         elif what == "cancel":
             (cell, request_id), c = args, self.cells[args[0]]
             if c.loop is not None:
@@ -416,9 +582,25 @@ class Follower:
             for s in states:
                 s.cancel()
             value = len(states)
+        elif what == "export":  # for move_sessions: host parts now, each KV by its kv_out program
+            value = []
+            for index, st in enumerate([] if c.loop is None else c.loop.drain()):
+                was = None if st.request is None else self._tokens.pop(st.request.request_id, None)
+                if st.kv is not None:
+                    self._outbox[index] = st.kv
+                value.append((_host_part(st), was, _kv_layout(st.kv)))
+        elif what == "move_local":
+            states = c.loop.drain()
+            self.cells[args[1]].loop.import_sessions(states)
+            value = [SessionState(kv=None, future=None, **_host_part(st)) for st in states]
         else:
             raise RemoteError(f"unknown query {what!r}")
         self._reply("ok", token, value)
+
+    def _done(self, request_id: str, fut: concurrent.futures.Future) -> None:
+        token = self._tokens.pop(request_id, None)
+        if token is not None:  # None: the request moved to another process, which answers for it
+            self._reply(*_outcome(fut, token))
 
     def _compute(self, c: FollowerCell) -> None:
         while True:

@@ -204,3 +204,27 @@ def test_a_cell_over_two_processes_is_refused_before_any_work(tmp_path):
     log0 = _log(workdir, 0)
     assert "not supported yet: cell0 spans processes [0, 1]" in log0, log0[-3000:]
     assert "warm start" not in log0 and not (workdir / "checkpoints").exists()
+
+
+def test_sessions_move_between_processes_with_their_kv(tmp_path):
+    """``move_sessions`` between a cell on process 0 and one on process 1, both directions, mid-generation
+    (``tests/distributed/migrate_worker.py``): requests continue token for token (greedy and seeded
+    sampling), cached sessions stay warm, a cancel follows a moved request."""
+    port = _free_port()
+    worker = REPO / "tests" / "distributed" / "migrate_worker.py"
+    logs = [open(tmp_path / f"p{pid}.log", "w") for pid in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(worker), str(pid), str(port), str(tmp_path)], cwd=REPO, env=_env(),
+                              stdout=log, stderr=subprocess.STDOUT) for pid, log in zip((0, 1), logs)]
+    codes = _wait(procs, timeout=600)
+    assert codes == [0, 0], (tmp_path / "p0.log").read_text()[-3000:] + (tmp_path / "p1.log").read_text()[-3000:]
+    r = json.loads((tmp_path / "migrate.json").read_text())
+    ref = r["unmoved"]
+    for key, cell, states in (("moved_1_to_0", "cell0", "moved_1_to_0_states"), ("moved_0_to_1", "cell1", "moved_0_to_1_states")):
+        for got, want in zip(r[key], ref):
+            assert got[0] == want[0] and got[2] == "length" and got[1] == cell, key  # same tokens, finished there
+            np.testing.assert_allclose(got[3], want[3], atol=1e-4)
+        in_flight = [n for busy, n in r[states] if busy]
+        assert len(in_flight) == 3 and all(0 < n < 40 for n in in_flight), r[states]  # moved mid-generation
+    assert sum(not busy for busy, _ in r["moved_0_to_1_states"]) >= 3  # idle cached sessions moved too
+    assert r["cancelled"] == ["cancelled"]
+    assert r["warm_cached_tokens"] >= r["warm_prompt_len"] - 16  # the moved prefix was reused (page granularity)

@@ -1,0 +1,132 @@
+"""One of 2 processes (4 virtual CPU devices each) moving serving sessions, KV included, between processes.
+
+    python tests/distributed/migrate_worker.py PID PORT OUT_DIR
+
+Cell 0 is on process 0 (a local ``ServingLoop``), cell 1 on process 1 (a ``Follower``'s loop, driven from
+process 0 through a ``RemoteLoop``). Both engines are slowed down per decode step so that process 0 can
+move requests while they generate. Process 0 writes ``OUT_DIR/migrate.json``: the completions of the same
+requests run without a move, moved from process 1 to process 0 mid-generation, and moved from process 0
+to process 1, plus a cached session that moved and a cancel that followed a moved request.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+STEP_S = 0.03  # per decode step: 40 tokens take > 1 s, so a move at 0.5 s lands mid-generation
+MAX_TOKENS = 40
+
+
+class SlowEngine:
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def generate(self, params, decode_state, **kw):
+        out = self._engine.generate(params, decode_state, **kw)
+        time.sleep(STEP_S)
+        return out
+
+
+def main() -> int:
+    pid, port, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    from gyre_jax import distributed
+    from gyre_jax.config import load_config
+
+    config = load_config([])
+    d = distributed.default_config()
+    d.enabled, d.coordinator_address, d.num_processes, d.process_id = True, f"127.0.0.1:{port}", 2, pid
+    d.heartbeat_timeout_s = 10.0
+    config.distributed = d
+    distributed.initialize(config)
+
+    import jax
+
+    from gyre_jax.elastic.remote import Follower, FollowerCell, RemoteLoop, RemoteProcess, move_sessions
+    from gyre_jax.model.config import ModelConfig
+    from gyre_jax.model.sharding import abstract_model, init_params
+    from gyre_jax.serving.engine import Engine
+    from gyre_jax.serving.loop import ServingLoop
+    from gyre_jax.serving.types import GenerationRequest, SamplingParams
+
+    rules = tuple((k, v) for k, v in config.sharding_rules)
+    cfg = ModelConfig(vocab_size=272, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                      mlp_dim=128, rope_theta=10000.0)
+    cells = distributed.make_global_cells(None, 2, {"data": 4})
+    mesh = distributed.make_global_mesh({"data": 8})
+    _, params = init_params(cfg, mesh, rules, seed=0)
+    graphdef = abstract_model(cfg)[0]
+    engines = {c.index: Engine(cfg, graphdef, c.mesh, rules, max_concurrent_decodes=4,
+                               max_seq_len=128, max_prefill_length=64, prefill_buckets=(16, 32, 64), page_size=16)
+               for c in cells}
+    abstract = abstract_model(cfg)[1]
+    per_cell = distributed.publish_to_cells(params, [engines[c.index].param_shardings(abstract) for c in cells])
+    mine = per_cell[pid]
+    client = distributed.runtime().client
+
+    if pid == 1:
+        loop = ServingLoop(SlowEngine(engines[1]), mine, name="cell1", kv_pages=64).start()
+        cell = FollowerCell(index=1, name="cell1", make_loop=None, serving_shardings=None, worker=None, loop=loop)
+        Follower(client, 1, [cell], core_shardings=None, engines=engines).serve(None)
+        distributed.shutdown()
+        return 0
+
+    a = ServingLoop(SlowEngine(engines[0]), mine, name="cell0", kv_pages=64).start()
+    proc = RemoteProcess(client, 1)
+    b = RemoteLoop(proc, 1, "cell1", engines[1].max_seq_len, None, engine=engines[1])
+    prompts = [[7, 8, 9, 10, 11], list(range(20, 33)), [42] * 22]
+    kinds = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+             SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=11),
+             SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)]
+
+    def batch(tag):
+        return [GenerationRequest(p, s, session_id=f"{tag}-{i}") for i, (p, s) in enumerate(zip(prompts, kinds))]
+
+    def tokens(futures):
+        return [(r.token_ids, r.cell, r.finish_reason, r.logprobs) for r in (f.result(timeout=120) for f in futures)]
+
+    result = {"unmoved": tokens([a.submit(r) for r in batch("ref")])}
+    tokens([b.submit(r) for r in batch("warm")])  # process 1's loop has compiled what the batch needs
+    # process 1 -> process 0, mid-generation
+    futures = [b.submit(r) for r in batch("p1")]
+    time.sleep(0.6)
+    moved = move_sessions(b, a, 1, 0)
+    result["moved_1_to_0"] = tokens(futures)
+    result["moved_1_to_0_states"] = [[s.request is not None, len(s.token_ids)] for s in moved]
+    # process 0 -> process 1, mid-generation; one of them cancelled after the move (the cancel follows it)
+    reqs = batch("p0")
+    futures = [a.submit(r) for r in reqs]
+    time.sleep(0.6)
+    moved = move_sessions(a, b, 0, 1)
+    result["moved_0_to_1_states"] = [[s.request is not None, len(s.token_ids)] for s in moved]
+    cancel = GenerationRequest(prompts[0], SamplingParams(temperature=0.0, max_tokens=120), session_id="c")
+    fc = a.submit(cancel)
+    time.sleep(0.3)
+    move_sessions(a, b, 0, 1)
+    a.cancel(cancel.request_id)  # a no longer holds it: the cancel must reach process 1
+    result["moved_0_to_1"] = tokens(futures)
+    result["cancelled"] = tokens([fc])[0][2:3]
+    # an idle session's cached KV moves too: its next call on process 1 reuses it
+    first = a.submit(GenerationRequest(prompts[1], kinds[0], session_id="warm")).result(timeout=120)
+    move_sessions(a, b, 0, 1)
+    follow = b.submit(GenerationRequest(prompts[1] + first.token_ids + [5, 6], SamplingParams(temperature=0.0, max_tokens=4),
+                                        session_id="warm")).result(timeout=120)
+    result["warm_cached_tokens"] = follow.cached_tokens
+    result["warm_prompt_len"] = len(prompts[1]) + len(first.token_ids) + 2
+    a.stop()
+    proc.close()
+    (out / "migrate.json").write_text(json.dumps(result))
+    distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
