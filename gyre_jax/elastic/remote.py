@@ -20,12 +20,11 @@ Two kinds of traffic:
   the order they were sent, so every process runs the cross-process programs in one order.
 
 Leader side: ``RemoteProcess`` (the channels and a reader thread), ``RemoteLoop`` (the ``ServingLoop``
-interface the router and controller use) and ``RemoteWorker`` (the ``GradWorker`` interface). Follower
-side: ``Follower``.
+interface the router and controller use), ``RemoteWorker`` (the ``GradWorker`` interface) and
+``move_sessions``. Follower side: ``Follower``.
 
-Session migration between cells on different processes moves no KV: a leaving cell's in-flight requests
-are cancelled and the router re-submits them, with the same seed, to a cell that stays (their tokens are
-sampled again from the start), and its cached prefixes are dropped.
+Sessions move between cells on different processes with their KV (``move_sessions``): host parts on the
+channels, each KV by one ``cell_put``; a request in flight continues where it stopped.
 """
 
 from __future__ import annotations

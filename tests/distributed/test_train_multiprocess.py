@@ -182,6 +182,7 @@ def test_killing_a_process_mid_run_stops_the_other_fast(tmp_path, victim):
     elapsed = time.time() - t_kill
     procs[victim].wait()
     log = _log(workdir, 1 - victim)
+    print(f"process {1 - victim} stopped (exit {code}) {elapsed:.1f} s after process {victim} was killed")
     assert elapsed < 60, f"took {elapsed:.0f} s to stop"
     if victim == 1:  # the leader survives: its watchdog reports the silent follower (and kills the harnesses)
         assert code == 75, log[-3000:]  # PEER_LOST_EXIT_CODE: restart all processes to resume
