@@ -229,3 +229,26 @@ def test_sessions_move_between_processes_with_their_kv(tmp_path):
     assert sum(not busy for busy, _ in r["moved_0_to_1_states"]) >= 3  # idle cached sessions moved too
     assert r["cancelled"] == ["cancelled"]
     assert r["warm_cached_tokens"] >= r["warm_prompt_len"] - 16  # the moved prefix was reused (page granularity)
+
+
+def test_sigterm_to_every_process_saves_a_checkpoint_and_all_exit_cleanly(reference, tmp_path):
+    """Slurm's preemption notice: SIGTERM to both processes. Process 0 stops at the next safe point and saves;
+    the follower's own request to stop is absorbed (not taken as a second, forcing, signal)."""
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(reference / "checkpoints" / "0", workdir / "checkpoints" / "0")
+    port = _free_port()
+    procs = [_start(workdir, pid, port, "--config.total_steps=50") for pid in (0, 1)]
+    deadline = time.time() + 300
+    while "step 1/50" not in _log(workdir, 0):
+        if time.time() > deadline or any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            pytest.fail(f"no RL step finished\n{_log(workdir, 0)[-3000:]}\n{_log(workdir, 1)[-3000:]}")
+        time.sleep(0.5)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    assert _wait(procs, timeout=120) == [0, 0], _log(workdir, 0)[-3000:] + _log(workdir, 1)[-3000:]
+    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved[-1] >= 1
+    assert "checkpoint saved. Run the same command again to resume" in _log(workdir, 0)
