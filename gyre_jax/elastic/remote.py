@@ -131,6 +131,11 @@ class RemoteProcess:
             self._pending[token] = fut
         return token, fut
 
+    def forget(self, token: Any) -> None:
+        """Stops waiting for ``token``'s reply (its future is resolved elsewhere now)."""
+        with self._lock:
+            self._pending.pop(token, None)
+
     def query(self, what: str, *args: Any, timeout_s: float = 120.0) -> Any:
         token, fut = self.expect()
         self.send("query", token, what, *args)
@@ -338,6 +343,8 @@ def move_sessions(source: Any, target: Any, source_cell: int | None = None,
         parts = source.proc.query("export", src_cell, timeout_s=600.0)  # [(host part, token, layout)]
         moving = [(part, source.future_of(part["request"].request_id) if part["request"] is not None else None,
                    None, layout) for part, _, layout in parts]
+        for _, was, _ in parts:  # the follower no longer answers for these: the importing loop does
+            source.proc.forget(was)
     else:
         moving = [(_host_part(st), st.future, st, _kv_layout(st.kv)) for st in source.drain()]
     out = []
