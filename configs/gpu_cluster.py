@@ -13,24 +13,16 @@ weights, gradients and Adam moments, about 16 bytes x 30.5B parameters = 490 GB 
 remat is on and the KV cache is kept to 16 slots x 32K tokens x 96 KB = 50 GB per cell.
 """
 
-import dataclasses
-import importlib.util
 from pathlib import Path
 
+from gyre_jax import config as config_lib
 from gyre_jax import distributed
 from gyre_jax.model.config import QWEN3_30B_A3B
 from gyre_jax.model.sharding import RULES_EXPERT
 
 
-def _tiny_cpu():
-    spec = importlib.util.spec_from_file_location("gyre_config_tiny_cpu_base", Path(__file__).with_name("tiny_cpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def get_config():
-    c = _tiny_cpu()
+    c = config_lib.base_config(Path(__file__).with_name("tiny_cpu.py"))
     c.workdir = "/shared/runs/gpu_cluster"  # every host must see the same directory (checkpoints, records)
     c.devices.platform = "gpu"
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 4, 1, 1
@@ -39,11 +31,7 @@ def get_config():
     c.cells.data, c.cells.fsdp, c.cells.tensor = 1, 1, 1
     c.cells.expert = 8
     c.sharding_rules = RULES_EXPERT  # experts over `expert`, tokens data-parallel over it outside the MoE blocks
-    for field in dataclasses.fields(QWEN3_30B_A3B):  # Qwen3-30B-A3B's shapes (random init unless checkpoint_dir is set)
-        c.model[field.name] = getattr(QWEN3_30B_A3B, field.name)
-    c.model.dtype = "bfloat16"
-    c.model.param_dtype = "float32"
-    c.model.remat_policy = "full"
+    config_lib.use_model(c, QWEN3_30B_A3B)  # bf16 compute on fp32 master weights, full remat
 
     c.serving.max_concurrent_decodes = 16
     c.serving.max_seq_len = 32768

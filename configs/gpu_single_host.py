@@ -11,33 +11,21 @@ pair shares NVLink). One process drives all 8 GPUs, so config.distributed stays 
 29 GB) and activations (remat on).
 """
 
-import dataclasses
-import importlib.util
 from pathlib import Path
 
+from gyre_jax import config as config_lib
 from gyre_jax import distributed
 from gyre_jax.model.config import QWEN3_1P7B
 
 
-def _tiny_cpu():
-    spec = importlib.util.spec_from_file_location("gyre_config_tiny_cpu_base", Path(__file__).with_name("tiny_cpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def get_config():
-    c = _tiny_cpu()
+    c = config_lib.base_config(Path(__file__).with_name("tiny_cpu.py"))
     c.workdir = "runs/gpu_single_host"
     c.devices.platform = "gpu"
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 4, 2
     c.cells.num_cells = 4
     c.cells.data, c.cells.fsdp, c.cells.tensor = 1, 1, 2
-    for field in dataclasses.fields(QWEN3_1P7B):  # Qwen3-1.7B's shapes (random init unless checkpoint_dir is set)
-        c.model[field.name] = getattr(QWEN3_1P7B, field.name)
-    c.model.dtype = "bfloat16"  # bf16 compute on fp32 master weights
-    c.model.param_dtype = "float32"
-    c.model.remat_policy = "full"
+    config_lib.use_model(c, QWEN3_1P7B)  # bf16 compute on fp32 master weights, full remat
 
     c.serving.max_concurrent_decodes = 8  # decode slots per cell
     c.serving.max_seq_len = 32768

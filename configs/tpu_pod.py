@@ -14,33 +14,21 @@ master weights, gradients and Adam moments) is not supported yet by the multi-pr
 (data=8 x tensor=4) is used for initialization.
 """
 
-import dataclasses
-import importlib.util
 from pathlib import Path
 
+from gyre_jax import config as config_lib
 from gyre_jax import distributed
 from gyre_jax.model.config import QWEN3_8B
 
 
-def _tiny_cpu():
-    spec = importlib.util.spec_from_file_location("gyre_config_tiny_cpu_base", Path(__file__).with_name("tiny_cpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def get_config():
-    c = _tiny_cpu()
+    c = config_lib.base_config(Path(__file__).with_name("tiny_cpu.py"))
     c.workdir = "/mnt/shared/runs/tpu_pod"  # a filesystem every host mounts (e.g. Filestore / GCS FUSE)
     c.devices.platform = "tpu"
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 8, 1, 4
     c.cells.num_cells = 8  # 4 chips each = 1 whole host
     c.cells.data, c.cells.fsdp, c.cells.tensor = 1, 1, 4
-    for field in dataclasses.fields(QWEN3_8B):
-        c.model[field.name] = getattr(QWEN3_8B, field.name)
-    c.model.dtype = "bfloat16"
-    c.model.param_dtype = "float32"
-    c.model.remat_policy = "full"
+    config_lib.use_model(c, QWEN3_8B)  # bf16 compute on fp32 master weights, full remat
 
     c.serving.max_concurrent_decodes = 16
     c.serving.max_seq_len = 32768

@@ -8,6 +8,8 @@ allowed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import ast
 import importlib.util
 import math
@@ -60,6 +62,20 @@ def _load_file(spec: str) -> config_dict.ConfigDict:
     if not isinstance(config, config_dict.ConfigDict):
         raise ConfigError(f"{path}: get_config() must return an ml_collections.ConfigDict, got {type(config).__name__}")
     return config
+
+
+def base_config(path: str | Path) -> config_dict.ConfigDict:
+    """The config of another config file (a preset built on ``configs/tiny_cpu.py`` loads it this way)."""
+    return _load_file(str(path))
+
+
+def use_model(config: config_dict.ConfigDict, model: Any, *, dtype: str = "bfloat16", param_dtype: str = "float32",
+              remat_policy: str = "full") -> None:
+    """Sets ``config.model`` to a ``ModelConfig`` preset's shapes (random init unless ``checkpoint_dir`` is set),
+    with bf16 compute on fp32 master weights and full remat by default."""
+    for field in dataclasses.fields(model):
+        config.model[field.name] = getattr(model, field.name)
+    config.model.dtype, config.model.param_dtype, config.model.remat_policy = dtype, param_dtype, remat_policy
 
 
 def _parse_value(key: str, text: str, current: Any) -> Any:
