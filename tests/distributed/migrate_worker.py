@@ -18,22 +18,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests" / "serving"))
 
 STEP_S = 0.03  # per decode step: 40 tokens take > 1 s, so a move at 0.5 s lands mid-generation
 MAX_TOKENS = 40
-
-
-class SlowEngine:
-    def __init__(self, engine):
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def generate(self, params, decode_state, **kw):
-        out = self._engine.generate(params, decode_state, **kw)
-        time.sleep(STEP_S)
-        return out
 
 
 def main() -> int:
@@ -56,6 +44,7 @@ def main() -> int:
     from gyre_jax.serving.engine import Engine
     from gyre_jax.serving.loop import ServingLoop
     from gyre_jax.serving.types import GenerationRequest, SamplingParams
+    from slow_engine import SlowEngine
 
     rules = tuple((k, v) for k, v in config.sharding_rules)
     cfg = ModelConfig(vocab_size=272, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -73,13 +62,13 @@ def main() -> int:
     client = distributed.runtime().client
 
     if pid == 1:
-        loop = ServingLoop(SlowEngine(engines[1]), mine, name="cell1", kv_pages=64).start()
+        loop = ServingLoop(SlowEngine(engines[1], STEP_S), mine, name="cell1", kv_pages=64).start()
         cell = FollowerCell(index=1, name="cell1", make_loop=None, serving_shardings=None, worker=None, loop=loop)
         Follower(client, 1, [cell], core_shardings=None, engines=engines).serve(None)
         distributed.shutdown()
         return 0
 
-    a = ServingLoop(SlowEngine(engines[0]), mine, name="cell0", kv_pages=64).start()
+    a = ServingLoop(SlowEngine(engines[0], STEP_S), mine, name="cell0", kv_pages=64).start()
     proc = RemoteProcess(client, 1)
     b = RemoteLoop(proc, 1, "cell1", engines[1].max_seq_len, None, engine=engines[1])
     prompts = [[7, 8, 9, 10, 11], list(range(20, 33)), [42] * 22]

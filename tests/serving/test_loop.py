@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,22 +15,10 @@ import pytest
 from gyre_jax.serving.loop import ServingLoop
 from gyre_jax.serving.types import ContextTooLongError, GenerationRequest, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slow_engine import SlowEngine  # noqa: E402
+
 TIMEOUT = 60.0
-
-
-class SlowEngine:
-    """The shared engine with a pause after every generate step, so a test can act while requests are running."""
-
-    def __init__(self, engine, step_s: float = 0.02):
-        self._engine, self._step_s = engine, step_s
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def generate(self, params, decode_state, **kw):
-        out = self._engine.generate(params, decode_state, **kw)
-        time.sleep(self._step_s)
-        return out
 
 
 def _start(engine, params, **kw) -> ServingLoop:

@@ -5,7 +5,9 @@ futures resolve, cancels follow the request, bad states are refused with a clear
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,20 +16,10 @@ from gyre_jax.serving.loop import ServingLoop
 from gyre_jax.serving.session import SessionState
 from gyre_jax.serving.types import GenerationRequest, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slow_engine import SlowEngine  # noqa: E402
+
 TIMEOUT = 60.0
-
-
-class SlowEngine:
-    def __init__(self, engine, step_s: float = 0.02):
-        self._engine, self._step_s = engine, step_s
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def generate(self, params, decode_state, **kw):
-        out = self._engine.generate(params, decode_state, **kw)
-        time.sleep(self._step_s)
-        return out
 
 
 def _wait_until(cond, timeout: float = TIMEOUT) -> None:
