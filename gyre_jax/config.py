@@ -122,7 +122,6 @@ def apply_override(config: config_dict.ConfigDict, key: str, text: str) -> None:
     parts = key.split(".")
     node = config
     for depth, part in enumerate(parts):
-        path = ".".join(parts[: depth + 1])
         if not isinstance(node, config_dict.ConfigDict) or part not in node:
             parent = ".".join(parts[:depth]) or "config"
             known = ", ".join(sorted(node.keys())) if isinstance(node, config_dict.ConfigDict) else "(not a section)"
@@ -379,7 +378,8 @@ def validate(config: config_dict.ConfigDict) -> None:
     _require(tc == 0 or 1 <= tc <= k - 1, f"config.schedule.training_cells={tc} must be 0 (half the cells) or in [1, {k - 1}]")
     _require(sc.get("leave_on", "waterlevel") in LEAVE_RULES,
              f"config.schedule.leave_on={sc.get('leave_on')!r} must be one of {LEAVE_RULES}")
-    _require(sc.get("idle_before_return_s", 0.0) >= 0, f"config.schedule.idle_before_return_s must be >= 0")
+    _require(sc.get("idle_before_return_s", 0.0) >= 0,
+             f"config.schedule.idle_before_return_s={sc.get('idle_before_return_s')} must be >= 0")
     _require(c.cells.get("sessions_per_cell", 0) >= 0,
              f"config.cells.sessions_per_cell={c.cells.get('sessions_per_cell')} must be >= 0 (0 = serving.max_concurrent_decodes)")
     if "trajectory" in c:

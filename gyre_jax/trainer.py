@@ -171,7 +171,6 @@ class Trainer:
         if latest is None:
             self.save_checkpoint(0)
 
-        s = config.serving
         self.engines: list[Engine] = []
         self.loops: list[ServingLoop] = []
         runtimes: list[CellRuntime] = []

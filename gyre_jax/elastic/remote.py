@@ -38,7 +38,6 @@ import pickle
 import queue as queue_lib
 import signal
 import threading
-import time
 from contextlib import contextmanager
 from typing import Any, Callable
 

@@ -36,7 +36,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gyre_jax.model.sharding import Rules, abstract_model, param_shardings
+from gyre_jax.model.sharding import Rules, abstract_model
 from gyre_jax.rl import losses
 from gyre_jax.rl.accumulator import GradAccumulator
 from gyre_jax.rl.micro_step import GradWorker, token_logprobs

@@ -18,7 +18,6 @@ KV buffers (per layer, ``LayerCache(k, v)``; K = kv heads, D = head dim):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Sequence
 

@@ -36,8 +36,6 @@ def main() -> int:
     config.distributed = d
     distributed.initialize(config)
 
-    import jax
-
     from gyre_jax.elastic.remote import Follower, FollowerCell, RemoteLoop, RemoteProcess, move_sessions
     from gyre_jax.model.config import ModelConfig
     from gyre_jax.model.sharding import abstract_model, init_params
