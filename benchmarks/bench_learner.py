@@ -60,10 +60,26 @@ from gyre_jax.rl.learner import Learner, OptimizerConfig  # noqa: E402
 from gyre_jax.trajectory.batch import MicroBatch, make_micro_batches  # noqa: E402
 from gyre_jax.trajectory.branches import Branch  # noqa: E402
 
-TINY = ModelConfig(vocab_size=272, num_layers=2, embed_dim=128, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=384,
-                   rope_theta=10_000.0)  # the default config's model
-SMALL = ModelConfig(vocab_size=272, num_layers=4, embed_dim=256, num_heads=8, num_kv_heads=4, head_dim=32, mlp_dim=768,
-                    rope_theta=10_000.0)
+TINY = ModelConfig(
+    vocab_size=272,
+    num_layers=2,
+    embed_dim=128,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    mlp_dim=384,
+    rope_theta=10_000.0,
+)  # the default config's model
+SMALL = ModelConfig(
+    vocab_size=272,
+    num_layers=4,
+    embed_dim=256,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=32,
+    mlp_dim=768,
+    rope_theta=10_000.0,
+)
 
 
 @dataclass(frozen=True)
@@ -82,12 +98,45 @@ class Suite:
 
 
 SUITES = {
-    "smoke": Suite("tiny", sequences=12, median_len=24, sigma=0.6, min_len=8, max_len=60, row_length=64, packed_rows=8,
-                   naive_rows=8, steps=1, peak_sizes=(256,)),
-    "cpu": Suite("tiny", sequences=96, median_len=160, sigma=0.8, min_len=24, max_len=1000, row_length=1024,
-                 packed_rows=8, naive_rows=8, steps=3, peak_sizes=(1024, 2048)),
-    "cpu-small": Suite("small", sequences=48, median_len=160, sigma=0.8, min_len=24, max_len=1000, row_length=1024,
-                       packed_rows=8, naive_rows=8, steps=2, peak_sizes=(1024, 2048)),
+    "smoke": Suite(
+        "tiny",
+        sequences=12,
+        median_len=24,
+        sigma=0.6,
+        min_len=8,
+        max_len=60,
+        row_length=64,
+        packed_rows=8,
+        naive_rows=8,
+        steps=1,
+        peak_sizes=(256,),
+    ),
+    "cpu": Suite(
+        "tiny",
+        sequences=96,
+        median_len=160,
+        sigma=0.8,
+        min_len=24,
+        max_len=1000,
+        row_length=1024,
+        packed_rows=8,
+        naive_rows=8,
+        steps=3,
+        peak_sizes=(1024, 2048),
+    ),
+    "cpu-small": Suite(
+        "small",
+        sequences=48,
+        median_len=160,
+        sigma=0.8,
+        min_len=24,
+        max_len=1000,
+        row_length=1024,
+        packed_rows=8,
+        naive_rows=8,
+        steps=2,
+        peak_sizes=(1024, 2048),
+    ),
 }
 MODELS = {"tiny": TINY, "small": SMALL}
 
@@ -96,8 +145,9 @@ MODELS = {"tiny": TINY, "small": SMALL}
 def synthetic_branches(suite: Suite, vocab: int, seed: int = 0) -> list[Branch]:
     """Agent-like trajectories: a prompt, then turns of completion (trainable) and tool output (not)."""
     rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(np.log(suite.median_len), suite.sigma, suite.sequences), suite.min_len,
-                      suite.max_len).astype(int)
+    lengths = np.clip(
+        rng.lognormal(np.log(suite.median_len), suite.sigma, suite.sequences), suite.min_len, suite.max_len
+    ).astype(int)
     out = []
     for i, n in enumerate(lengths):
         b = Branch(execution_id=f"e{i:03d}", thread_id="main", label="main")
@@ -107,8 +157,13 @@ def synthetic_branches(suite: Suite, vocab: int, seed: int = 0) -> list[Branch]:
         while len(b.tokens) < n:
             k = int(min(n - len(b.tokens), rng.integers(4, 40)))
             lp = (-np.log(vocab) + rng.normal(0, 0.05, k)).tolist() if trainable else None
-            b._append(rng.integers(0, 256, k).tolist(), trainable=trainable, logprobs=lp, temperature=1.0,
-                      versions=[0] * k if trainable else None)
+            b._append(
+                rng.integers(0, 256, k).tolist(),
+                trainable=trainable,
+                logprobs=lp,
+                temperature=1.0,
+                versions=[0] * k if trainable else None,
+            )
             trainable = not trainable
         out.append(b)
     return out
@@ -138,17 +193,24 @@ def pack_first_fit(branches: list[Branch], advantages, seq_weights, row_length: 
         else:
             row_fill.append(n)
             row_items.append([i])
-    groups = [row_items[k:k + rows] for k in range(0, len(row_items), rows)]
+    groups = [row_items[k : k + rows] for k in range(0, len(row_items), rows)]
     num_seqs = max(sum(len(r) for r in g) for g in groups)
     out = []
     for g in groups:
         shape = (rows, row_length)
-        mb = MicroBatch(tokens=np.zeros(shape, np.int32), positions=np.zeros(shape, np.int32),
-                        segment_ids=np.zeros(shape, np.int32), subtree_end=np.zeros(shape, np.int32),
-                        targets=np.zeros(shape, np.int32), loss_mask=np.zeros(shape, np.float32),
-                        old_logprobs=np.zeros(shape, np.float32), temperature=np.ones(shape, np.float32),
-                        seq_index=np.zeros(shape, np.int32), advantages=np.zeros(num_seqs, np.float32),
-                        seq_weights=np.zeros(num_seqs, np.float32))
+        mb = MicroBatch(
+            tokens=np.zeros(shape, np.int32),
+            positions=np.zeros(shape, np.int32),
+            segment_ids=np.zeros(shape, np.int32),
+            subtree_end=np.zeros(shape, np.int32),
+            targets=np.zeros(shape, np.int32),
+            loss_mask=np.zeros(shape, np.float32),
+            old_logprobs=np.zeros(shape, np.float32),
+            temperature=np.ones(shape, np.float32),
+            seq_index=np.zeros(shape, np.int32),
+            advantages=np.zeros(num_seqs, np.float32),
+            seq_weights=np.zeros(num_seqs, np.float32),
+        )
         s = 0
         for row, items in enumerate(g):
             lo = 0
@@ -176,8 +238,15 @@ def model_train_flops(cfg: ModelConfig, lengths) -> float:
     """Forward + backward model FLOPs of causal sequences of ``lengths`` tokens (dense model)."""
     if getattr(cfg, "num_experts", 0):
         raise ValueError("not supported yet: MoE FLOPs in this benchmark (count active experts)")
-    e, h, k, d, m, v, layers = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim,
-                                cfg.vocab_size, cfg.num_layers)
+    e, h, k, d, m, v, layers = (
+        cfg.embed_dim,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.mlp_dim,
+        cfg.vocab_size,
+        cfg.num_layers,
+    )
     matmul_params = layers * (e * h * d + 2 * e * k * d + h * d * e + 3 * e * m) + e * v  # q, k, v, o, MLP, LM head
     total = 0.0
     for n in lengths:
@@ -189,8 +258,15 @@ def model_train_flops(cfg: ModelConfig, lengths) -> float:
 def executed_train_flops(cfg: ModelConfig, micro_batches) -> float:
     """The FLOPs the step actually runs: every row position (padding too) through the matmuls, and every
     query-key pair of a row through attention (the [B, T, T] mask is applied, not skipped)."""
-    e, h, k, d, m, v, layers = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim,
-                                cfg.vocab_size, cfg.num_layers)
+    e, h, k, d, m, v, layers = (
+        cfg.embed_dim,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.mlp_dim,
+        cfg.vocab_size,
+        cfg.num_layers,
+    )
     matmul_params = layers * (e * h * d + 2 * e * k * d + h * d * e + 3 * e * m) + e * v
     total = 0.0
     for mb in micro_batches:
@@ -227,7 +303,9 @@ class Variant:
         graphdef, params = init_params(cfg, mesh, rules, seed=0)
         self.name, self.mesh, self.micro_batches, self.satellite_mesh = name, mesh, micro_batches, satellite_mesh
         self.learner = Learner(cfg, graphdef, mesh, rules, OptimizerConfig(learning_rate=1e-4))
-        self.satellites = [self.learner.make_satellite(satellite_mesh, "satellite")] if satellite_mesh is not None else []
+        self.satellites = (
+            [self.learner.make_satellite(satellite_mesh, "satellite")] if satellite_mesh is not None else []
+        )
         for sat in self.satellites:  # compile the satellite's micro-step too (whoever claims what in the steps)
             jax.block_until_ready(sat.micro_step(sat.snapshot(params), micro_batches[0]))
         self.state = self.learner.init_state(params)
@@ -252,13 +330,20 @@ class Variant:
 
     def summary(self) -> dict:
         mbs = self.micro_batches
-        return dict(name=self.name,
-                    devices=int(self.mesh.devices.size) + (int(self.satellite_mesh.devices.size) if self.satellite_mesh else 0),
-                    micro_batches=len(mbs), micro_batch_shape=list(mbs[0].tokens.shape),
-                    computed_tokens=int(sum(mb.tokens.size for mb in mbs)), compile_s=self.compile_s,
-                    step_s=statistics.median(self.times), step_s_min=min(self.times), step_s_all=self.times,
-                    micro_steps_on_core=self.on_core, first_step_loss=self.first["loss"],
-                    first_step_grad_norm=self.first["grad_norm"])
+        return dict(
+            name=self.name,
+            devices=int(self.mesh.devices.size) + (int(self.satellite_mesh.devices.size) if self.satellite_mesh else 0),
+            micro_batches=len(mbs),
+            micro_batch_shape=list(mbs[0].tokens.shape),
+            computed_tokens=int(sum(mb.tokens.size for mb in mbs)),
+            compile_s=self.compile_s,
+            step_s=statistics.median(self.times),
+            step_s_min=min(self.times),
+            step_s_all=self.times,
+            micro_steps_on_core=self.on_core,
+            first_step_loss=self.first["loss"],
+            first_step_grad_norm=self.first["grad_norm"],
+        )
 
 
 def main(argv=None) -> dict:
@@ -273,7 +358,9 @@ def main(argv=None) -> dict:
     cfg = MODELS[suite.model]
     devices = jax.devices()
     if len(devices) < 8:
-        raise SystemExit(f"this benchmark needs 8 devices (virtual CPU devices are made when run as a script); JAX sees {len(devices)}")
+        raise SystemExit(
+            f"this benchmark needs 8 devices (virtual CPU devices are made when run as a script); JAX sees {len(devices)}"
+        )
 
     branches = synthetic_branches(suite, cfg.vocab_size)
     adv, weights = step_weights(branches)
@@ -296,8 +383,11 @@ def main(argv=None) -> dict:
         ("packed/8dev", full, packed_mbs, None),
         ("packed/core+satellite", cell0.mesh, packed_mbs, cell1.mesh),
     ]
-    built = [Variant(name, cfg, mesh, mbs, sat) for name, mesh, mbs, sat in variants
-             if not args.only or name == "naive" or args.only in name]
+    built = [
+        Variant(name, cfg, mesh, mbs, sat)
+        for name, mesh, mbs, sat in variants
+        if not args.only or name == "naive" or args.only in name
+    ]
     # Timed steps round-robin over the variants: load from other processes on a shared machine hits all alike.
     for _ in range(steps):
         for v in built:
@@ -316,39 +406,64 @@ def main(argv=None) -> dict:
     base = results[0]
     for row in results:
         row["speedup_vs_naive"] = base["step_s"] / row["step_s"]
-        row["loss_rel_diff_vs_naive"] = abs(row["first_step_loss"] - base["first_step_loss"]) / max(abs(base["first_step_loss"]), 1e-12)
-        row["grad_norm_rel_diff_vs_naive"] = abs(row["first_step_grad_norm"] - base["first_step_grad_norm"]) / base["first_step_grad_norm"]
+        row["loss_rel_diff_vs_naive"] = abs(row["first_step_loss"] - base["first_step_loss"]) / max(
+            abs(base["first_step_loss"]), 1e-12
+        )
+        row["grad_norm_rel_diff_vs_naive"] = (
+            abs(row["first_step_grad_norm"] - base["first_step_grad_norm"]) / base["first_step_grad_norm"]
+        )
     same = all(r["loss_rel_diff_vs_naive"] < 1e-4 and r["grad_norm_rel_diff_vs_naive"] < 1e-3 for r in results)
     report = dict(
-        suite=args.suite, suite_config=asdict(suite), model=asdict(cfg), params=cfg.num_params,
+        suite=args.suite,
+        suite_config=asdict(suite),
+        model=asdict(cfg),
+        params=cfg.num_params,
         baseline="naive: unpacked rows padded to the step's longest trajectory, one device (speedup = naive step s / step s); "
-                 "mfu = model FLOP/s / fp32 matmul peak on one device, both measured in this run",
-        platform=devices[0].platform, device=str(getattr(devices[0], "device_kind", devices[0].platform)),
-        cpu_count=os.cpu_count(), jax_version=jax.__version__, python=platform.python_version(),
-        time=time.strftime("%Y-%m-%dT%H:%M:%S"), peak=peak, sequences=len(lengths), real_tokens=real_tokens,
+        "mfu = model FLOP/s / fp32 matmul peak on one device, both measured in this run",
+        platform=devices[0].platform,
+        device=str(getattr(devices[0], "device_kind", devices[0].platform)),
+        cpu_count=os.cpu_count(),
+        jax_version=jax.__version__,
+        python=platform.python_version(),
+        time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        peak=peak,
+        sequences=len(lengths),
+        real_tokens=real_tokens,
         length_stats=dict(min=min(lengths), median=float(np.median(lengths)), max=max(lengths)),
-        model_flops_per_step=flops, same_loss_and_grad_norm_as_naive=same, steps=steps, results=results,
-        load_average_before=load_before, load_average_after=os.getloadavg(),
+        model_flops_per_step=flops,
+        same_loss_and_grad_norm_as_naive=same,
+        steps=steps,
+        results=results,
+        load_average_before=load_before,
+        load_average_after=os.getloadavg(),
     )
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"learner_{args.suite}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
 
-    print(f"{report['device']} ({report['platform']}, {os.cpu_count()} cores), jax {jax.__version__}; fp32 matmul peak "
-          f"{peak['flops_per_s'] / 1e9:,.1f} GFLOP/s (n={peak.get('n')}); 1-min load average {load_before[0]:.1f} "
-          f"before, {report['load_average_after'][0]:.1f} after (other processes share the machine)")
-    print(f"step: {len(lengths)} trajectories, {real_tokens:,} tokens (length min/median/max {min(lengths)}/"
-          f"{int(np.median(lengths))}/{max(lengths)}), model {cfg.num_params / 1e6:.2f}M params, "
-          f"{flops / 1e9:,.1f} model GFLOP per optimizer step")
-    header = (f"{'variant':24s} {'dev':>3s} {'micro-batches':>15s} {'padding':>8s} {'run/model':>9s} {'step s':>8s} "
-              f"{'tokens/s':>10s} {'GFLOP/s':>8s} {'MFU':>6s} {'vs naive':>9s}")
+    print(
+        f"{report['device']} ({report['platform']}, {os.cpu_count()} cores), jax {jax.__version__}; fp32 matmul peak "
+        f"{peak['flops_per_s'] / 1e9:,.1f} GFLOP/s (n={peak.get('n')}); 1-min load average {load_before[0]:.1f} "
+        f"before, {report['load_average_after'][0]:.1f} after (other processes share the machine)"
+    )
+    print(
+        f"step: {len(lengths)} trajectories, {real_tokens:,} tokens (length min/median/max {min(lengths)}/"
+        f"{int(np.median(lengths))}/{max(lengths)}), model {cfg.num_params / 1e6:.2f}M params, "
+        f"{flops / 1e9:,.1f} model GFLOP per optimizer step"
+    )
+    header = (
+        f"{'variant':24s} {'dev':>3s} {'micro-batches':>15s} {'padding':>8s} {'run/model':>9s} {'step s':>8s} "
+        f"{'tokens/s':>10s} {'GFLOP/s':>8s} {'MFU':>6s} {'vs naive':>9s}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         shape = "x".join(str(x) for x in r["micro_batch_shape"])
-        print(f"{r['name']:24s} {r['devices']:>3d} {r['micro_batches']:>4d} x {shape:>8s} {r['padding_fraction']:8.1%} "
-              f"{r['executed_flops_per_step'] / flops:8.2f}x {r['step_s']:8.3f} {r['tokens_per_s']:10,.0f} {r['model_flops_per_s'] / 1e9:8.2f} {r['mfu']:6.1%} "
-              f"{r['speedup_vs_naive']:8.2f}x")
+        print(
+            f"{r['name']:24s} {r['devices']:>3d} {r['micro_batches']:>4d} x {shape:>8s} {r['padding_fraction']:8.1%} "
+            f"{r['executed_flops_per_step'] / flops:8.2f}x {r['step_s']:8.3f} {r['tokens_per_s']:10,.0f} {r['model_flops_per_s'] / 1e9:8.2f} {r['mfu']:6.1%} "
+            f"{r['speedup_vs_naive']:8.2f}x"
+        )
     print("run/model: FLOPs the step executes (padding, and every query-key pair of a row) / model FLOPs")
     print(f"same loss and grad norm as naive in every variant: {same}")
     print(f"wrote {out}")

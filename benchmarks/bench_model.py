@@ -55,29 +55,52 @@ class Case:
     attention: str = "xla"
 
     def model_config(self) -> ModelConfig:
-        return dataclasses.replace(PRESETS[self.preset], dtype=self.dtype, param_dtype=self.param_dtype,
-                                   remat_policy=self.remat, moe_impl=self.moe_impl, attention_impl=self.attention)
+        return dataclasses.replace(
+            PRESETS[self.preset],
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            remat_policy=self.remat,
+            moe_impl=self.moe_impl,
+            attention_impl=self.attention,
+        )
 
 
 SUITES: dict[str, dict] = {
-    "smoke": dict(peak_sizes=(256,), peak_dtype="float32", steps=2, cases=[
-        Case("tiny", "tiny", batch=2, seq_len=32),
-        Case("tiny_moe", "tiny_moe", batch=2, seq_len=32),
-        Case("tiny/remat", "tiny", batch=2, seq_len=32, remat="full"),
-    ]),
-    "cpu": dict(peak_sizes=(1024, 2048), peak_dtype="float32", steps=5, cases=[
-        Case("tiny", "tiny", batch=8, seq_len=256),
-        Case("tiny_moe", "tiny_moe", batch=8, seq_len=256),
-        Case("tiny_moe/dense_impl", "tiny_moe", batch=8, seq_len=256, moe_impl="dense"),
-        Case("qwen3_100m", "qwen3_100m", batch=2, seq_len=256),
-        Case("qwen3_100m/remat_full", "qwen3_100m", batch=2, seq_len=256, remat="full"),
-    ]),
-    "gpu": dict(peak_sizes=(4096, 8192), peak_dtype="bfloat16", steps=10, cases=[
-        Case("qwen3_1b/bf16", "qwen3_1b", batch=8, seq_len=2048, dtype="bfloat16"),
-        Case("qwen3_1b/bf16/remat_dots", "qwen3_1b", batch=16, seq_len=2048, dtype="bfloat16", remat="dots_no_batch"),
-        Case("qwen3_1b/bf16/cudnn", "qwen3_1b", batch=8, seq_len=2048, dtype="bfloat16", attention="cudnn"),
-        Case("qwen3_0p6b/bf16", "qwen3_0p6b", batch=16, seq_len=2048, dtype="bfloat16"),
-    ]),
+    "smoke": dict(
+        peak_sizes=(256,),
+        peak_dtype="float32",
+        steps=2,
+        cases=[
+            Case("tiny", "tiny", batch=2, seq_len=32),
+            Case("tiny_moe", "tiny_moe", batch=2, seq_len=32),
+            Case("tiny/remat", "tiny", batch=2, seq_len=32, remat="full"),
+        ],
+    ),
+    "cpu": dict(
+        peak_sizes=(1024, 2048),
+        peak_dtype="float32",
+        steps=5,
+        cases=[
+            Case("tiny", "tiny", batch=8, seq_len=256),
+            Case("tiny_moe", "tiny_moe", batch=8, seq_len=256),
+            Case("tiny_moe/dense_impl", "tiny_moe", batch=8, seq_len=256, moe_impl="dense"),
+            Case("qwen3_100m", "qwen3_100m", batch=2, seq_len=256),
+            Case("qwen3_100m/remat_full", "qwen3_100m", batch=2, seq_len=256, remat="full"),
+        ],
+    ),
+    "gpu": dict(
+        peak_sizes=(4096, 8192),
+        peak_dtype="bfloat16",
+        steps=10,
+        cases=[
+            Case("qwen3_1b/bf16", "qwen3_1b", batch=8, seq_len=2048, dtype="bfloat16"),
+            Case(
+                "qwen3_1b/bf16/remat_dots", "qwen3_1b", batch=16, seq_len=2048, dtype="bfloat16", remat="dots_no_batch"
+            ),
+            Case("qwen3_1b/bf16/cudnn", "qwen3_1b", batch=8, seq_len=2048, dtype="bfloat16", attention="cudnn"),
+            Case("qwen3_0p6b/bf16", "qwen3_0p6b", batch=16, seq_len=2048, dtype="bfloat16"),
+        ],
+    ),
 }
 
 
@@ -115,7 +138,9 @@ def run_case(case: Case, steps: int, device) -> dict:
     mesh = make_mesh([device], {})
     graphdef, params = init_params(cfg, mesh, RULES_DATA, seed=0)
     rng = np.random.default_rng(0)
-    tokens = jax.device_put(jnp.asarray(rng.integers(0, cfg.vocab_size, size=(case.batch, case.seq_len)), jnp.int32), device)
+    tokens = jax.device_put(
+        jnp.asarray(rng.integers(0, cfg.vocab_size, size=(case.batch, case.seq_len)), jnp.int32), device
+    )
     segments = jax.device_put(jnp.ones((case.batch, case.seq_len), jnp.int32), device)
     step = jax.jit(jax.value_and_grad(_loss, argnums=1), static_argnums=(0,))
     coef = jnp.float32(cfg.router_aux_loss_coef if cfg.is_moe else 0.0)
@@ -135,9 +160,15 @@ def run_case(case: Case, steps: int, device) -> dict:
     tokens_per_step = case.batch * case.seq_len
     flops_per_token = cfg.train_flops_per_token(case.seq_len)
     return dict(
-        params=cfg.num_params, active_params=cfg.num_active_params, compile_s=compile_s, step_s=step_s, step_s_all=times,
-        tokens_per_s=tokens_per_step / step_s, model_flops_per_token=flops_per_token,
-        model_flops_per_s=flops_per_token * tokens_per_step / step_s, loss=float(loss),
+        params=cfg.num_params,
+        active_params=cfg.num_active_params,
+        compile_s=compile_s,
+        step_s=step_s,
+        step_s_all=times,
+        tokens_per_s=tokens_per_step / step_s,
+        model_flops_per_token=flops_per_token,
+        model_flops_per_s=flops_per_token * tokens_per_step / step_s,
+        loss=float(loss),
     )
 
 
@@ -168,16 +199,24 @@ def main(argv=None) -> dict:
         results.append(row)
         jax.clear_caches()
     report = dict(
-        suite=args.suite, baseline="matmul peak measured in this run (mfu = model FLOP/s / peak)",
-        device=str(getattr(device, "device_kind", device.platform)), platform=device.platform,
-        jax_version=jax.__version__, python=platform.python_version(), time=time.strftime("%Y-%m-%dT%H:%M:%S"),
-        peak=peak, steps=steps, results=results,
+        suite=args.suite,
+        baseline="matmul peak measured in this run (mfu = model FLOP/s / peak)",
+        device=str(getattr(device, "device_kind", device.platform)),
+        platform=device.platform,
+        jax_version=jax.__version__,
+        python=platform.python_version(),
+        time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        peak=peak,
+        steps=steps,
+        results=results,
     )
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"model_{args.suite}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    print(f"device: {report['device']} ({device.platform}), jax {jax.__version__}; matmul peak "
-          f"{peak['flops_per_s'] / 1e9:,.1f} GFLOP/s ({peak['dtype']}, n={peak.get('n')})")
+    print(
+        f"device: {report['device']} ({device.platform}), jax {jax.__version__}; matmul peak "
+        f"{peak['flops_per_s'] / 1e9:,.1f} GFLOP/s ({peak['dtype']}, n={peak.get('n')})"
+    )
     header = f"{'case':28s} {'params':>9s} {'B x T':>10s} {'dtype':>9s} {'step s':>8s} {'tokens/s':>10s} {'GFLOP/s':>10s} {'MFU':>6s}"
     print(header)
     print("-" * len(header))
@@ -185,8 +224,10 @@ def main(argv=None) -> dict:
         if "error" in r:
             print(f"{r['name']:28s} error: {r['error'][:80]}")
             continue
-        print(f"{r['name']:28s} {r['params'] / 1e6:8.1f}M {r['batch']:>4d} x {r['seq_len']:<4d} {r['dtype']:>9s} "
-              f"{r['step_s']:8.3f} {r['tokens_per_s']:10,.0f} {r['model_flops_per_s'] / 1e9:10,.1f} {r['mfu']:6.1%}")
+        print(
+            f"{r['name']:28s} {r['params'] / 1e6:8.1f}M {r['batch']:>4d} x {r['seq_len']:<4d} {r['dtype']:>9s} "
+            f"{r['step_s']:8.3f} {r['tokens_per_s']:10,.0f} {r['model_flops_per_s'] / 1e9:10,.1f} {r['mfu']:6.1%}"
+        )
     print(f"wrote {out}")
     return report
 

@@ -85,12 +85,19 @@ def _payloads() -> dict:
     from gyre_jax.serving.types import GenerationRequest, SamplingParams
 
     rng = np.random.default_rng(0)
-    request = GenerationRequest(prompt_ids=[int(t) for t in rng.integers(0, VOCAB, PROMPT_TOKENS)],
-                                sampling=SamplingParams(), session_id="bench-session-0")
+    request = GenerationRequest(
+        prompt_ids=[int(t) for t in rng.integers(0, VOCAB, PROMPT_TOKENS)],
+        sampling=SamplingParams(),
+        session_id="bench-session-0",
+    )
     shape = (MB_ROWS, MB_ROW_LEN)
-    micro_batch = {name: rng.integers(0, 1000, shape, dtype=np.int32)
-                   for name in ("tokens", "positions", "segment_ids", "subtree_end", "targets", "seq_index", "versions")}
-    micro_batch.update({name: rng.random(shape, dtype=np.float32) for name in ("loss_mask", "old_logprobs", "temperature")})
+    micro_batch = {
+        name: rng.integers(0, 1000, shape, dtype=np.int32)
+        for name in ("tokens", "positions", "segment_ids", "subtree_end", "targets", "seq_index", "versions")
+    }
+    micro_batch.update(
+        {name: rng.random(shape, dtype=np.float32) for name in ("loss_mask", "old_logprobs", "temperature")}
+    )
     micro_batch.update({name: rng.random(64, dtype=np.float32) for name in ("advantages", "seq_weights")})
     return {"small": request, "large": micro_batch}
 
@@ -193,11 +200,15 @@ def _bench_weights(pid: int, warmup: int, repeats: int) -> dict:
     rules = tuple(tuple(r) for r in load_config([]).sharding_rules)
     cells = distributed.make_global_cells(None, 2, {"data": DEVICES_PER_PROCESS})
     devs = distributed.host_ordered()  # 0-3 on process 0, 4-7 on process 1
-    mesh01, mesh23, mesh45 = (make_mesh(devs[i:i + 2], {"data": 2}) for i in (0, 2, 4))
+    mesh01, mesh23, mesh45 = (make_mesh(devs[i : i + 2], {"data": 2}) for i in (0, 2, 4))
     _, abstract = abstract_model(TINY)
-    sh = {"cell0": param_shardings(abstract, rules, cells[0].mesh), "cell1": param_shardings(abstract, rules, cells[1].mesh),
-          "m01": param_shardings(abstract, rules, mesh01), "m23": param_shardings(abstract, rules, mesh23),
-          "m45": param_shardings(abstract, rules, mesh45)}
+    sh = {
+        "cell0": param_shardings(abstract, rules, cells[0].mesh),
+        "cell1": param_shardings(abstract, rules, cells[1].mesh),
+        "m01": param_shardings(abstract, rules, mesh01),
+        "m23": param_shardings(abstract, rules, mesh23),
+        "m45": param_shardings(abstract, rules, mesh45),
+    }
 
     def like(shardings):  # what a process that holds none of a mesh passes for it
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
@@ -213,15 +224,34 @@ def _bench_weights(pid: int, warmup: int, repeats: int) -> dict:
     param_bytes = _tree_bytes(abstract)
     # name -> (what it is, devices, bytes, cross-process?, call)
     variants = {
-        "cell_put_4to4_cross": ("cell_put across processes, 4-device cells", "0-3 -> 4-7", param_bytes, True,
-                                lambda: distributed.cell_put(params4, sh["cell1"])),
-        "cell_put_2to2_cross": ("cell_put across processes, 2-device meshes", "0-1 -> 4-5", param_bytes, True,
-                                lambda: distributed.cell_put(params2, sh["m45"])),
-        "device_put_2to2_local": ("jax.device_put within process 0, 2-device meshes", "0-1 -> 2-3", param_bytes,
-                                  False, lambda: jax.device_put(params2, sh["m23"])),
-        "cell_put_4to4_cross_4B": ("cell_put across processes, 4-device cells, one 4-byte array (latency floor)",
-                                   "0-3 -> 4-7", 4, True,
-                                   lambda: distributed.cell_put(tiny, NamedSharding(cells[1].mesh, PartitionSpec()))),
+        "cell_put_4to4_cross": (
+            "cell_put across processes, 4-device cells",
+            "0-3 -> 4-7",
+            param_bytes,
+            True,
+            lambda: distributed.cell_put(params4, sh["cell1"]),
+        ),
+        "cell_put_2to2_cross": (
+            "cell_put across processes, 2-device meshes",
+            "0-1 -> 4-5",
+            param_bytes,
+            True,
+            lambda: distributed.cell_put(params2, sh["m45"]),
+        ),
+        "device_put_2to2_local": (
+            "jax.device_put within process 0, 2-device meshes",
+            "0-1 -> 2-3",
+            param_bytes,
+            False,
+            lambda: jax.device_put(params2, sh["m23"]),
+        ),
+        "cell_put_4to4_cross_4B": (
+            "cell_put across processes, 4-device cells, one 4-byte array (latency floor)",
+            "0-3 -> 4-7",
+            4,
+            True,
+            lambda: distributed.cell_put(tiny, NamedSharding(cells[1].mesh, PartitionSpec())),
+        ),
     }
     distributed.sync("weights-ready", timeout_s=SETUP_TIMEOUT_S)
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -239,11 +269,24 @@ def _bench_weights(pid: int, warmup: int, repeats: int) -> dict:
             dest_bytes[name] = int(sum(s.data.nbytes for x in jax.tree.leaves(out) for s in x.addressable_shards))
             del out
     distributed.sync("weights-done", timeout_s=SETUP_TIMEOUT_S)
-    return {"model": "TINY", "param_bytes": param_bytes, "leaves": len(jax.tree.leaves(abstract)),
-            "warmup": warmup, "repeats": repeats,
-            "variants": {name: {"what": what, "devices": devices, "bytes": nbytes, "cross_process": cross,
-                                "times_s": times[name], "dest_device_bytes": dest_bytes.get(name, 0)}
-                         for name, (what, devices, nbytes, cross, _) in variants.items()}}
+    return {
+        "model": "TINY",
+        "param_bytes": param_bytes,
+        "leaves": len(jax.tree.leaves(abstract)),
+        "warmup": warmup,
+        "repeats": repeats,
+        "variants": {
+            name: {
+                "what": what,
+                "devices": devices,
+                "bytes": nbytes,
+                "cross_process": cross,
+                "times_s": times[name],
+                "dest_device_bytes": dest_bytes.get(name, 0),
+            }
+            for name, (what, devices, nbytes, cross, _) in variants.items()
+        },
+    }
 
 
 def child(pid: int, port: int, out_dir: Path, smoke: bool) -> None:
@@ -300,8 +343,17 @@ def run_children(tmp: Path, smoke: bool, timeout_s: float) -> list[dict]:
     for pid in range(NUM_PROCESSES):
         log = tmp / f"child_{pid}.log"
         logs.append(log)
-        cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--child", str(pid), "--port", str(port),
-               "--dir", str(tmp)] + (["--smoke"] if smoke else [])
+        cmd = [
+            sys.executable,
+            "-u",
+            str(Path(__file__).resolve()),
+            "--child",
+            str(pid),
+            "--port",
+            str(port),
+            "--dir",
+            str(tmp),
+        ] + (["--smoke"] if smoke else [])
         with open(log, "wb") as f:
             procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
 
@@ -327,18 +379,23 @@ def run_children(tmp: Path, smoke: bool, timeout_s: float) -> list[dict]:
         if hung and all(p.returncode in (None, 0) for p in procs):
             tails = "\n".join(f"  process {i}:\n{_tail(log)}" for i, log in enumerate(logs))  # before the kill
             kill_all()
-            raise SystemExit(f"bench_multiprocess: child process(es) {hung} did not finish within {timeout_s:.0f} s "
-                             f"(a hang?); killed them. Last lines of each before that:\n{tails}")
+            raise SystemExit(
+                f"bench_multiprocess: child process(es) {hung} did not finish within {timeout_s:.0f} s "
+                f"(a hang?); killed them. Last lines of each before that:\n{tails}"
+            )
     finally:
         kill_all()
     codes = [p.returncode for p in procs]
     if any(codes):
         # The one that failed first is the one whose exit code is not the watchdog's "peer lost" (75).
-        culprits = [i for i, c in enumerate(codes) if c not in (0, 75, -signal.SIGKILL)] or \
-                   [i for i, c in enumerate(codes) if c != 0]
+        culprits = [i for i, c in enumerate(codes) if c not in (0, 75, -signal.SIGKILL)] or [
+            i for i, c in enumerate(codes) if c != 0
+        ]
         i = culprits[0]
-        raise SystemExit(f"bench_multiprocess: child process {i} failed (exit code {codes[i]}; all: {codes}). "
-                         f"Last lines of its output:\n{_tail(logs[i])}")
+        raise SystemExit(
+            f"bench_multiprocess: child process {i} failed (exit code {codes[i]}; all: {codes}). "
+            f"Last lines of its output:\n{_tail(logs[i])}"
+        )
     return [json.loads((tmp / f"result_{pid}.json").read_text()) for pid in range(NUM_PROCESSES)]
 
 
@@ -353,17 +410,23 @@ def combine(results: list[dict], smoke: bool) -> dict:
         dest = v1 if v0["cross_process"] else v0  # timed where the bytes land, to completion
         med = _pct(dest["times_s"], 50)
         v = {k: v0[k] for k in ("what", "devices", "cross_process", "bytes")}
-        v.update(timed_on_process=1 if v0["cross_process"] else 0, dest_device_bytes=dest["dest_device_bytes"],
-                 median_s=med, p90_s=_pct(dest["times_s"], 90), mb_per_s=v["bytes"] / med / 1e6,
-                 times_s=dest["times_s"])
+        v.update(
+            timed_on_process=1 if v0["cross_process"] else 0,
+            dest_device_bytes=dest["dest_device_bytes"],
+            median_s=med,
+            p90_s=_pct(dest["times_s"], 90),
+            mb_per_s=v["bytes"] / med / 1e6,
+            times_s=dest["times_s"],
+        )
         if v0["cross_process"]:  # how long the leader's call takes (it returns once its side is dispatched)
             v["leader_median_s"] = _pct(v0["times_s"], 50)
         weights["variants"][name] = v
     base = weights["variants"]["device_put_2to2_local"]["median_s"]
     for v in weights["variants"].values():
         v["median_over_device_put_2to2"] = v["median_s"] / base
-    weights["cell_put_4to4_over_cell_put_2to2"] = (weights["variants"]["cell_put_4to4_cross"]["median_s"]
-                                                   / weights["variants"]["cell_put_2to2_cross"]["median_s"])
+    weights["cell_put_4to4_over_cell_put_2to2"] = (
+        weights["variants"]["cell_put_4to4_cross"]["median_s"] / weights["variants"]["cell_put_2to2_cross"]["median_s"]
+    )
     return {
         "benchmark": "bench_multiprocess",
         "smoke": smoke,
@@ -382,26 +445,42 @@ def combine(results: list[dict], smoke: bool) -> dict:
 
 
 def tables(res: dict) -> str:
-    lines = [("Channel round trip (process 0 -> process 1 -> process 0) vs queue.Queue between two threads, "
-              "same pickling:"), "",
-             ("| payload | pickled bytes | Channel median ms | Channel p90 ms | queue median ms | queue p90 ms | "
-              "median ratio | zlib-6 of the payload ms |"),
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        ("Channel round trip (process 0 -> process 1 -> process 0) vs queue.Queue between two threads, same pickling:"),
+        "",
+        (
+            "| payload | pickled bytes | Channel median ms | Channel p90 ms | queue median ms | queue p90 ms | "
+            "median ratio | zlib-6 of the payload ms |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, c in res["channel"].items():
-        lines.append(f"| {name}: {c['payload']} | {c['pickled_bytes']:,} | {c['channel']['median_ms']:.2f} | "
-                     f"{c['channel']['p90_ms']:.2f} | {c['queue']['median_ms']:.3f} | {c['queue']['p90_ms']:.3f} | "
-                     f"{c['median_ratio']:.0f} | {c['gzip6_ms']:.2f} |")
+        lines.append(
+            f"| {name}: {c['payload']} | {c['pickled_bytes']:,} | {c['channel']['median_ms']:.2f} | "
+            f"{c['channel']['p90_ms']:.2f} | {c['queue']['median_ms']:.3f} | {c['queue']['p90_ms']:.3f} | "
+            f"{c['median_ratio']:.0f} | {c['gzip6_ms']:.2f} |"
+        )
     w = res["weights"]
-    lines += ["", (f"Weights: {w['model']} params ({w['param_bytes']:,} bytes, {w['leaves']} arrays), "
-                   f"median of {w['repeats']} calls:"), "",
-              ("| move | devices | bytes | bytes on destination devices | median ms | p90 ms | MB/s | "
-               "vs device_put 2->2 | leader's call median ms |"),
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        (
+            f"Weights: {w['model']} params ({w['param_bytes']:,} bytes, {w['leaves']} arrays), "
+            f"median of {w['repeats']} calls:"
+        ),
+        "",
+        (
+            "| move | devices | bytes | bytes on destination devices | median ms | p90 ms | MB/s | "
+            "vs device_put 2->2 | leader's call median ms |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for v in w["variants"].values():
         leader = f"{v['leader_median_s'] * 1e3:.2f}" if "leader_median_s" in v else "-"
-        lines.append(f"| {v['what']} | {v['devices']} | {v['bytes']:,} | {v['dest_device_bytes']:,} | "
-                     f"{v['median_s'] * 1e3:.2f} | {v['p90_s'] * 1e3:.2f} | {v['mb_per_s']:.2f} | "
-                     f"{v['median_over_device_put_2to2']:.1f} | {leader} |")
+        lines.append(
+            f"| {v['what']} | {v['devices']} | {v['bytes']:,} | {v['dest_device_bytes']:,} | "
+            f"{v['median_s'] * 1e3:.2f} | {v['p90_s'] * 1e3:.2f} | {v['mb_per_s']:.2f} | "
+            f"{v['median_over_device_put_2to2']:.1f} | {leader} |"
+        )
     return "\n".join(lines)
 
 

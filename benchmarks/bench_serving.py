@@ -61,25 +61,61 @@ class Sizes:
     background_sessions: int
 
 
-FULL = Sizes(slots=32, max_seq_len=1024, buckets=(128, 256, 512, 1024), concurrency=(1, 8, 32), requests_per_session=2,
-             prompt_len=(32, 128), max_tokens=64, naive_requests=8, overhead_steps=150, repeats=5, turns=20,
-             first_prompt=96, turn_new_tokens=24, turn_completion=16, long_prompt=900, chunk=128, background_sessions=8)
-SMOKE = Sizes(slots=4, max_seq_len=128, buckets=(64,), concurrency=(1, 4), requests_per_session=1,
-              prompt_len=(8, 24), max_tokens=8, naive_requests=2, overhead_steps=10, repeats=1, turns=5,
-              first_prompt=16, turn_new_tokens=6, turn_completion=6, long_prompt=100, chunk=32, background_sessions=2)
+FULL = Sizes(
+    slots=32,
+    max_seq_len=1024,
+    buckets=(128, 256, 512, 1024),
+    concurrency=(1, 8, 32),
+    requests_per_session=2,
+    prompt_len=(32, 128),
+    max_tokens=64,
+    naive_requests=8,
+    overhead_steps=150,
+    repeats=5,
+    turns=20,
+    first_prompt=96,
+    turn_new_tokens=24,
+    turn_completion=16,
+    long_prompt=900,
+    chunk=128,
+    background_sessions=8,
+)
+SMOKE = Sizes(
+    slots=4,
+    max_seq_len=128,
+    buckets=(64,),
+    concurrency=(1, 4),
+    requests_per_session=1,
+    prompt_len=(8, 24),
+    max_tokens=8,
+    naive_requests=2,
+    overhead_steps=10,
+    repeats=1,
+    turns=5,
+    first_prompt=16,
+    turn_new_tokens=6,
+    turn_completion=6,
+    long_prompt=100,
+    chunk=32,
+    background_sessions=2,
+)
 
 
 def _setup_devices(n: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+        ).strip()
 
 
 # ------------------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the code paths in seconds")
-    ap.add_argument("--cell-devices", type=int, default=1, help="devices in the serving cell (slots are split over them)")
+    ap.add_argument(
+        "--cell-devices", type=int, default=1, help="devices in the serving cell (slots are split over them)"
+    )
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/serving[_smoke].json)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -106,8 +142,16 @@ def main(argv=None) -> int:
     vocab = 256  # byte tokens: ids any prompt could hold
 
     def make_engine(slots: int, max_prefill: int) -> Engine:
-        return Engine(cfg, graphdef, mesh, rules, max_concurrent_decodes=slots, max_seq_len=sz.max_seq_len,
-                      max_prefill_length=max_prefill, prefill_buckets=sz.buckets)
+        return Engine(
+            cfg,
+            graphdef,
+            mesh,
+            rules,
+            max_concurrent_decodes=slots,
+            max_seq_len=sz.max_seq_len,
+            max_prefill_length=max_prefill,
+            prefill_buckets=sz.buckets,
+        )
 
     engine = make_engine(sz.slots, sz.max_seq_len)
     engine1 = make_engine(1, sz.max_seq_len)
@@ -120,16 +164,24 @@ def main(argv=None) -> int:
         return [round(x, 2) for x in os.getloadavg()]
 
     report: dict = {
-        "benchmark": "serving", "smoke": args.smoke, "platform": jax.default_backend(), "python": platform.python_version(),
-        "jax": jax.__version__, "cell_devices": args.cell_devices, "model": {"layers": cfg.num_layers, "embed": cfg.embed_dim,
-        "params": cfg.num_params}, "sizes": sz.__dict__, "load_avg_start": load(),
+        "benchmark": "serving",
+        "smoke": args.smoke,
+        "platform": jax.default_backend(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "cell_devices": args.cell_devices,
+        "model": {"layers": cfg.num_layers, "embed": cfg.embed_dim, "params": cfg.num_params},
+        "sizes": sz.__dict__,
+        "load_avg_start": load(),
     }
 
     # -- warm-up: compile every shape the measurements use, so no compile is timed ---------------------------
     t_warm = time.perf_counter()
     for b in sz.buckets:
         for eng in (engine, engine1):
-            eng.prefill(params=params, tokens=prompt(min(b, sz.max_seq_len - 1)), sampling_params=greedy, key=key_for_seed(0))
+            eng.prefill(
+                params=params, tokens=prompt(min(b, sz.max_seq_len - 1)), sampling_params=greedy, key=key_for_seed(0)
+            )
     warm_loop = ServingLoop(engine, params, name="warm", prefill_chunk=sz.chunk).start()
     warm_sessions = [GenerationRequest(prompt_ids=prompt(sz.first_prompt), sampling=greedy, session_id="warm")]
     for req in warm_sessions + [GenerationRequest(prompt_ids=prompt(sz.long_prompt), sampling=greedy)]:
@@ -148,38 +200,65 @@ def main(argv=None) -> int:
     for c in sz.concurrency:
         loop = ServingLoop(engine, params, name=f"c{c}", kv_pages=0).start()
         naive, looped = [], []
-        for rep in range(sz.repeats):
+        for _ in range(sz.repeats):
             naive_prompts = [prompt(int(rng.integers(*sz.prompt_len))) for _ in range(sz.naive_requests)]
             naive.append(naive_generate(engine1, params, naive_prompts, greedy))
-            prompts_ = [[prompt(int(rng.integers(*sz.prompt_len))) for _ in range(sz.requests_per_session)] for _ in range(c)]
+            prompts_ = [
+                [prompt(int(rng.integers(*sz.prompt_len))) for _ in range(sz.requests_per_session)] for _ in range(c)
+            ]
             looped.append(closed_loop(loop, prompts_, greedy, GenerationRequest))
         loop.stop()
         best = max(looped) / max(naive)
-        median = statistics.median(l / n for l, n in zip(looped, naive))
-        tput[f"c{c}"] = {"tokens_per_s_best": max(looped), "naive_tokens_per_s_best": max(naive), "vs_naive_best": best,
-                         "vs_naive_median_of_pairs": median, "runs": looped, "naive_runs": naive}
-        rows.append((f"throughput, {c} concurrent sessions", f"{max(looped):,.0f} tok/s",
-                     f"{best:.2f}x naive one-at-a-time ({max(naive):,.0f} tok/s); median of paired runs {median:.2f}x"))
+        median = statistics.median(a / b for a, b in zip(looped, naive))
+        tput[f"c{c}"] = {
+            "tokens_per_s_best": max(looped),
+            "naive_tokens_per_s_best": max(naive),
+            "vs_naive_best": best,
+            "vs_naive_median_of_pairs": median,
+            "runs": looped,
+            "naive_runs": naive,
+        }
+        rows.append(
+            (
+                f"throughput, {c} concurrent sessions",
+                f"{max(looped):,.0f} tok/s",
+                f"{best:.2f}x naive one-at-a-time ({max(naive):,.0f} tok/s); median of paired runs {median:.2f}x",
+            )
+        )
     report["throughput"] = tput
 
     # -- loop overhead vs raw jitted decode steps (interleaved per repeat) --------------------------------------
     raw, raw_fetch, looped = [], [], []
-    for rep in range(sz.repeats):
+    for _ in range(sz.repeats):
         raw.append(raw_steps(engine, params, fill(engine, params, sz, prompt, greedy), sz.overhead_steps))
         looped.append(loop_steps(engine, params, sz, prompt, ServingLoop, GenerationRequest, SamplingParams))
         raw_fetch.append(fetch_steps(engine, params, fill(engine, params, sz, prompt, greedy), sz.overhead_steps))
-    over = {"raw_step_ms_best": 1e3 * min(raw), "raw_fetch_step_ms_best": 1e3 * min(raw_fetch),
-            "loop_step_ms_best": 1e3 * min(looped), "steps": sz.overhead_steps, "slots": sz.slots}
+    over = {
+        "raw_step_ms_best": 1e3 * min(raw),
+        "raw_fetch_step_ms_best": 1e3 * min(raw_fetch),
+        "loop_step_ms_best": 1e3 * min(looped),
+        "steps": sz.overhead_steps,
+        "slots": sz.slots,
+    }
     over["loop_vs_raw_best"] = min(looped) / min(raw)
-    over["loop_vs_raw_median_of_pairs"] = statistics.median(l / r for l, r in zip(looped, raw))
+    over["loop_vs_raw_median_of_pairs"] = statistics.median(a / b for a, b in zip(looped, raw))
     over["loop_vs_raw_fetch_best"] = min(looped) / min(raw_fetch)
     over["overhead_pct_best"] = 100 * (over["loop_vs_raw_best"] - 1)
     over["target_pct"] = 15.0
-    over["runs_ms"] = {"raw": [1e3 * x for x in raw], "raw_fetch": [1e3 * x for x in raw_fetch], "loop": [1e3 * x for x in looped]}
+    over["runs_ms"] = {
+        "raw": [1e3 * x for x in raw],
+        "raw_fetch": [1e3 * x for x in raw_fetch],
+        "loop": [1e3 * x for x in looped],
+    }
     report["overhead"] = over
-    rows.append((f"loop step, {sz.slots} slots busy", f"{over['loop_step_ms_best']:.2f} ms",
-                 f"{over['loop_vs_raw_best']:.3f}x raw jitted steps ({over['raw_step_ms_best']:.2f} ms); median of paired "
-                 f"runs {over['loop_vs_raw_median_of_pairs']:.3f}x; {over['loop_vs_raw_fetch_best']:.3f}x raw + token fetch"))
+    rows.append(
+        (
+            f"loop step, {sz.slots} slots busy",
+            f"{over['loop_step_ms_best']:.2f} ms",
+            f"{over['loop_vs_raw_best']:.3f}x raw jitted steps ({over['raw_step_ms_best']:.2f} ms); median of paired "
+            f"runs {over['loop_vs_raw_median_of_pairs']:.3f}x; {over['loop_vs_raw_fetch_best']:.3f}x raw + token fetch",
+        )
+    )
 
     # -- session prefix cache --------------------------------------------------------------------------------
     first = prompt(sz.first_prompt)
@@ -191,45 +270,70 @@ def main(argv=None) -> int:
         final, completions = session(loop, first, extra, sz.turn_completion, GenerationRequest, SamplingParams)
         wall = time.perf_counter() - t0
         loop.stop()
-        pc[name] = {"prefill_tokens": loop.stats.prefill_tokens, "final_context": final,
-                    "prefill_over_final_context": loop.stats.prefill_tokens / final, "wall_s": wall,
-                    "cache": loop.stats.cache.__dict__}
+        pc[name] = {
+            "prefill_tokens": loop.stats.prefill_tokens,
+            "final_context": final,
+            "prefill_over_final_context": loop.stats.prefill_tokens / final,
+            "wall_s": wall,
+            "cache": loop.stats.cache.__dict__,
+        }
         pc.setdefault("completions", completions)
         assert completions == pc["completions"], "the cache changed a greedy completion"
     pc["wall_with_over_without"] = pc["with_cache"]["wall_s"] / pc["without_cache"]["wall_s"]
     report["prefix_cache"] = pc
     for name in ("with_cache", "without_cache"):
         r = pc[name]
-        rows.append((f"{sz.turns}-turn session, {name.replace('_', ' ')}", f"{r['prefill_tokens']:,} prefill tokens",
-                     f"{r['prefill_over_final_context']:.2f}x final context ({r['final_context']} tokens), {r['wall_s']:.2f} s"))
+        rows.append(
+            (
+                f"{sz.turns}-turn session, {name.replace('_', ' ')}",
+                f"{r['prefill_tokens']:,} prefill tokens",
+                f"{r['prefill_over_final_context']:.2f}x final context ({r['final_context']} tokens), {r['wall_s']:.2f} s",
+            )
+        )
 
     # -- chunked prefill: decode pauses while a long prompt arrives -------------------------------------------
     ch: dict = {"long_prompt": sz.long_prompt, "chunk": sz.chunk, "background_sessions": sz.background_sessions}
     long_prompt = prompt(sz.long_prompt)
     for name, chunk in (("chunked", sz.chunk), ("one_call", sz.max_seq_len)):
         stalls, ttfts = [], []
-        for rep in range(sz.repeats):
-            stall, ttft = decode_pause(engine, params, sz, prompt, long_prompt, chunk, ServingLoop, GenerationRequest,
-                                       SamplingParams)
+        for _ in range(sz.repeats):
+            stall, ttft = decode_pause(
+                engine, params, sz, prompt, long_prompt, chunk, ServingLoop, GenerationRequest, SamplingParams
+            )
             stalls.append(stall)
             ttfts.append(ttft)
-        ch[name] = {"max_decode_pause_ms": 1e3 * statistics.median(stalls), "ttft_ms": 1e3 * statistics.median(ttfts),
-                    "runs_pause_ms": [1e3 * s for s in stalls], "runs_ttft_ms": [1e3 * t for t in ttfts]}
+        ch[name] = {
+            "max_decode_pause_ms": 1e3 * statistics.median(stalls),
+            "ttft_ms": 1e3 * statistics.median(ttfts),
+            "runs_pause_ms": [1e3 * s for s in stalls],
+            "runs_ttft_ms": [1e3 * t for t in ttfts],
+        }
     ch["pause_chunked_over_one_call"] = ch["chunked"]["max_decode_pause_ms"] / ch["one_call"]["max_decode_pause_ms"]
     ch["ttft_chunked_over_one_call"] = ch["chunked"]["ttft_ms"] / ch["one_call"]["ttft_ms"]
     report["chunked_prefill"] = ch
-    rows.append((f"longest decode pause, {sz.long_prompt}-token prompt joins", f"{ch['chunked']['max_decode_pause_ms']:.1f} ms",
-                 f"{ch['pause_chunked_over_one_call']:.2f}x one prefill call ({ch['one_call']['max_decode_pause_ms']:.1f} ms); "
-                 f"its TTFT {ch['ttft_chunked_over_one_call']:.2f}x"))
+    rows.append(
+        (
+            f"longest decode pause, {sz.long_prompt}-token prompt joins",
+            f"{ch['chunked']['max_decode_pause_ms']:.1f} ms",
+            f"{ch['pause_chunked_over_one_call']:.2f}x one prefill call ({ch['one_call']['max_decode_pause_ms']:.1f} ms); "
+            f"its TTFT {ch['ttft_chunked_over_one_call']:.2f}x",
+        )
+    )
 
     report["load_avg_end"] = load()
-    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / ("serving_smoke.json" if args.smoke else "serving.json")
+    out = (
+        Path(args.out)
+        if args.out
+        else REPO / "benchmarks" / "results" / ("serving_smoke.json" if args.smoke else "serving.json")
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     width = max(len(r[0]) for r in rows)
-    print(f"\nserving benchmark ({'smoke' if args.smoke else 'full'}; {jax.default_backend()}, {args.cell_devices}-device cell, "
-          f"{sz.slots} slots x {sz.max_seq_len} tokens, model {cfg.num_params / 1e6:.2f}M params; load avg "
-          f"{report['load_avg_start']} -> {report['load_avg_end']})")
+    print(
+        f"\nserving benchmark ({'smoke' if args.smoke else 'full'}; {jax.default_backend()}, {args.cell_devices}-device cell, "
+        f"{sz.slots} slots x {sz.max_seq_len} tokens, model {cfg.num_params / 1e6:.2f}M params; load avg "
+        f"{report['load_avg_start']} -> {report['load_avg_end']})"
+    )
     for name, value, ratio in rows:
         print(f"  {name:<{width}}  {value:>22}  {ratio}")
     print(f"wrote {out}")
@@ -374,7 +478,9 @@ def decode_pause(engine, params, sz, prompt, long_prompt, chunk, loop_cls, reque
     futures = [loop.submit(r) for r in background]
     _wait(lambda: loop.stats.generate_steps >= 5)
     t0 = time.perf_counter()
-    result = loop.submit(request_cls(prompt_ids=long_prompt, sampling=sampling_cls(temperature=0.0, max_tokens=1))).result()
+    result = loop.submit(
+        request_cls(prompt_ids=long_prompt, sampling=sampling_cls(temperature=0.0, max_tokens=1))
+    ).result()
     t1 = time.perf_counter()
     assert len(result.token_ids) == 1
     _wait(lambda: stamps[-1] > t1)  # the first decode step after the long prompt's prefill

@@ -63,18 +63,46 @@ from gyre_jax.rl.learner import Learner, OptimizerConfig  # noqa: E402
 from gyre_jax.trajectory.pipeline import TrajectoryConfig, TrajectoryPipeline  # noqa: E402
 from gyre_jax.trajectory.synthetic import MESSAGE_END, TraceShape, write_executions  # noqa: E402
 
-TINY = ModelConfig(vocab_size=272, num_layers=2, embed_dim=128, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=384,
-                   rope_theta=10_000.0)  # the default config's model
+TINY = ModelConfig(
+    vocab_size=272,
+    num_layers=2,
+    embed_dim=128,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    mlp_dim=384,
+    rope_theta=10_000.0,
+)  # the default config's model
 
 # A long-horizon run scaled to CPU rows: 48 calls, ~8K tokens of main-thread context compacted at 1.5K
 # (about five summaries), a 300-token system prompt shared by the main agent's branches, a sub-agent
 # every 12 calls, 5% retries. Every branch fits a row of 2048 tokens.
-TRAIN_SHAPE = TraceShape(num_calls=48, system_len=300, task_len=60, completion_len=(15, 100), tool_output_len=(15, 200),
-                         context_limit=1500, summary_len=120, subagent_every=12, subagent_calls=6,
-                         subagent_system_len=200, retry_prob=0.05)
-SMOKE_SHAPE = TraceShape(num_calls=8, system_len=20, task_len=8, completion_len=(3, 10), tool_output_len=(3, 12),
-                         context_limit=90, summary_len=8, subagent_every=4, subagent_calls=2, subagent_system_len=12,
-                         retry_prob=0.1)
+TRAIN_SHAPE = TraceShape(
+    num_calls=48,
+    system_len=300,
+    task_len=60,
+    completion_len=(15, 100),
+    tool_output_len=(15, 200),
+    context_limit=1500,
+    summary_len=120,
+    subagent_every=12,
+    subagent_calls=6,
+    subagent_system_len=200,
+    retry_prob=0.05,
+)
+SMOKE_SHAPE = TraceShape(
+    num_calls=8,
+    system_len=20,
+    task_len=8,
+    completion_len=(3, 10),
+    tool_output_len=(3, 12),
+    context_limit=90,
+    summary_len=8,
+    subagent_every=4,
+    subagent_calls=2,
+    subagent_system_len=12,
+    retry_prob=0.1,
+)
 
 
 @dataclass(frozen=True)
@@ -92,13 +120,39 @@ class Suite:
 
 
 SUITES = {
-    "smoke": Suite(executions=3, shape=SMOKE_SHAPE, row_length=256, rows=2, max_sequences=16, steps=1,
-                   pipeline_sizes=(4, 8), pipeline_shape=SMOKE_SHAPE, pipeline_row_length=256, group=2),
-    "cpu": Suite(executions=6, shape=TRAIN_SHAPE, row_length=2048, rows=2, max_sequences=32, steps=3,
-                 pipeline_sizes=(16, 32, 64), pipeline_shape=TraceShape(), pipeline_row_length=8192, group=8),
+    "smoke": Suite(
+        executions=3,
+        shape=SMOKE_SHAPE,
+        row_length=256,
+        rows=2,
+        max_sequences=16,
+        steps=1,
+        pipeline_sizes=(4, 8),
+        pipeline_shape=SMOKE_SHAPE,
+        pipeline_row_length=256,
+        group=2,
+    ),
+    "cpu": Suite(
+        executions=6,
+        shape=TRAIN_SHAPE,
+        row_length=2048,
+        rows=2,
+        max_sequences=32,
+        steps=3,
+        pipeline_sizes=(16, 32, 64),
+        pipeline_shape=TraceShape(),
+        pipeline_row_length=8192,
+        group=8,
+    ),
 }
-VARIANTS = (("uncapped", None, "plain"), ("J=5", 5, "plain"), ("J=3", 3, "plain"), ("J=1", 1, "plain"),
-            ("J=5 tree", 5, "tree"), ("uncapped tree", None, "tree"))
+VARIANTS = (
+    ("uncapped", None, "plain"),
+    ("J=5", 5, "plain"),
+    ("J=3", 3, "plain"),
+    ("J=1", 1, "plain"),
+    ("J=5 tree", 5, "tree"),
+    ("uncapped tree", None, "tree"),
+)
 REFERENCE = {"J=5": 0.748, "J=1": 0.414}  # published: fraction of the uncapped forward-backward time
 
 
@@ -154,24 +208,48 @@ def run_training(suite: Suite, shape: TraceShape, row_length: int, work: Path) -
     learner = Learner(TINY, graphdef, mesh, rules, OptimizerConfig(learning_rate=1e-4))
     steps = []
     for name, cap, packing in VARIANTS:
-        config = TrajectoryConfig(max_branches=cap, packing=packing, row_length=row_length, rows=suite.rows,
-                                  max_sequences=suite.max_sequences, seed=0, message_end_id=MESSAGE_END,
-                                  vocab_size=TINY.vocab_size)
+        config = TrajectoryConfig(
+            max_branches=cap,
+            packing=packing,
+            row_length=row_length,
+            rows=suite.rows,
+            max_sequences=suite.max_sequences,
+            seed=0,
+            message_end_id=MESSAGE_END,
+            vocab_size=TINY.vocab_size,
+        )
         step, pipeline_s = build_step(store, ids, work, name, config)
         if step.excluded:
-            raise SystemExit(f"{name}: executions excluded ({step.excluded[:2]}...): the comparison needs every execution; "
-                             f"raise --row-length")
+            raise SystemExit(
+                f"{name}: executions excluded ({step.excluded[:2]}...): the comparison needs every execution; "
+                f"raise --row-length"
+            )
         steps.append((step, pipeline_s))
     wall, cpu, firsts = time_steps(learner, params, [s.micro_batches for s, _ in steps], suite.steps)
     rows = []
     for (name, cap, packing), (step, pipeline_s), all_s, all_cpu, first in zip(VARIANTS, steps, wall, cpu, firsts):
         s = step.stats
-        rows.append(dict(name=name, max_branches=cap, packing=packing, branches=s["branches"], selected=s["selected"],
-                         micro_batches=s["micro_batches"], rows=s["rows"], fb_tokens=s["tokens_computed"],
-                         padded_tokens=s["micro_batches"] * suite.rows * row_length, trained_targets=s["tokens_trained"],
-                         step_cpu_s=statistics.median(all_cpu), step_cpu_s_all=all_cpu,
-                         step_s=statistics.median(all_s), step_s_all=all_s, pipeline_s=pipeline_s, loss=first["loss"],
-                         grad_norm=first["grad_norm"]))
+        rows.append(
+            dict(
+                name=name,
+                max_branches=cap,
+                packing=packing,
+                branches=s["branches"],
+                selected=s["selected"],
+                micro_batches=s["micro_batches"],
+                rows=s["rows"],
+                fb_tokens=s["tokens_computed"],
+                padded_tokens=s["micro_batches"] * suite.rows * row_length,
+                trained_targets=s["tokens_trained"],
+                step_cpu_s=statistics.median(all_cpu),
+                step_cpu_s_all=all_cpu,
+                step_s=statistics.median(all_s),
+                step_s_all=all_s,
+                pipeline_s=pipeline_s,
+                loss=first["loss"],
+                grad_norm=first["grad_norm"],
+            )
+        )
     base = rows[0]
     for r in rows:
         r["fb_tokens_vs_uncapped"] = r["fb_tokens"] / base["fb_tokens"]
@@ -181,12 +259,24 @@ def run_training(suite: Suite, shape: TraceShape, row_length: int, work: Path) -
     by = {r["name"]: r for r in rows}
     checks = {
         "tree_and_plain_J5_train_the_same_targets": by["J=5 tree"]["trained_targets"] == by["J=5"]["trained_targets"],
-        "tree_and_plain_J5_same_loss": abs(by["J=5 tree"]["loss"] - by["J=5"]["loss"]) <= 1e-4 * max(abs(by["J=5"]["loss"]), 1e-6),
-        "tree_and_plain_J5_same_grad_norm": abs(by["J=5 tree"]["grad_norm"] - by["J=5"]["grad_norm"]) <= 1e-3 * by["J=5"]["grad_norm"],
-        "uncapped_tree_and_plain_same_loss": abs(by["uncapped tree"]["loss"] - base["loss"]) <= 1e-4 * max(abs(base["loss"]), 1e-6),
+        "tree_and_plain_J5_same_loss": abs(by["J=5 tree"]["loss"] - by["J=5"]["loss"])
+        <= 1e-4 * max(abs(by["J=5"]["loss"]), 1e-6),
+        "tree_and_plain_J5_same_grad_norm": abs(by["J=5 tree"]["grad_norm"] - by["J=5"]["grad_norm"])
+        <= 1e-3 * by["J=5"]["grad_norm"],
+        "uncapped_tree_and_plain_same_loss": abs(by["uncapped tree"]["loss"] - base["loss"])
+        <= 1e-4 * max(abs(base["loss"]), 1e-6),
     }
-    return dict(executions=suite.executions, shape=asdict(shape), row_length=row_length, rows_per_micro_batch=suite.rows,
-                model=asdict(TINY), params=TINY.num_params, timed_rounds=suite.steps, variants=rows, checks=checks)
+    return dict(
+        executions=suite.executions,
+        shape=asdict(shape),
+        row_length=row_length,
+        rows_per_micro_batch=suite.rows,
+        model=asdict(TINY),
+        params=TINY.num_params,
+        timed_rounds=suite.steps,
+        variants=rows,
+        checks=checks,
+    )
 
 
 # -- part 2 ------------------------------------------------------------------------------------------------------------
@@ -219,8 +309,15 @@ def run_pipeline(suite: Suite, work: Path) -> dict:
     biggest = max(suite.pipeline_sizes)
     all_ids = [f"p{i:04d}" for i in range(biggest)]
     write_executions(store, all_ids, suite.pipeline_shape, seed=1)
-    config = TrajectoryConfig(max_branches=5, packing="tree", row_length=suite.pipeline_row_length, rows=4,
-                              max_sequences=64, message_end_id=MESSAGE_END, vocab_size=suite.pipeline_shape.vocab_size)
+    config = TrajectoryConfig(
+        max_branches=5,
+        packing="tree",
+        row_length=suite.pipeline_row_length,
+        rows=4,
+        max_sequences=64,
+        message_end_id=MESSAGE_END,
+        vocab_size=suite.pipeline_shape.vocab_size,
+    )
     record_bytes = sum(store.path(e).stat().st_size for e in all_ids) / biggest
     out = []
     for n in suite.pipeline_sizes:
@@ -231,15 +328,29 @@ def run_pipeline(suite: Suite, work: Path) -> dict:
         parse_s = time.perf_counter() - t0
         elapsed, _, trained, tokens = drain(store, ids, work, config, suite.group, trace_memory=False)
         _, peak, _, _ = drain(store, ids, work, config, suite.group, trace_memory=True)
-        out.append(dict(executions=n, trained=trained, seconds=elapsed, executions_per_s=n / elapsed,
-                        parse_only_s=parse_s, vs_parse_only=elapsed / parse_s, tokens_out=tokens,
-                        peak_heap_mb=peak / 2**20))
+        out.append(
+            dict(
+                executions=n,
+                trained=trained,
+                seconds=elapsed,
+                executions_per_s=n / elapsed,
+                parse_only_s=parse_s,
+                vs_parse_only=elapsed / parse_s,
+                tokens_out=tokens,
+                peak_heap_mb=peak / 2**20,
+            )
+        )
     first = out[0]["peak_heap_mb"]
     for r in out:
         r["peak_heap_vs_smallest"] = r["peak_heap_mb"] / first
-    return dict(shape=asdict(suite.pipeline_shape), row_length=suite.pipeline_row_length, group=suite.group,
-                record_mb_per_execution=record_bytes / 2**20, runs=out,
-                memory_flat=max(r["peak_heap_vs_smallest"] for r in out) < 1.5)
+    return dict(
+        shape=asdict(suite.pipeline_shape),
+        row_length=suite.pipeline_row_length,
+        group=suite.group,
+        record_mb_per_execution=record_bytes / 2**20,
+        runs=out,
+        memory_flat=max(r["peak_heap_vs_smallest"] for r in out) < 1.5,
+    )
 
 
 # -- main --------------------------------------------------------------------------------------------------------------
@@ -266,8 +377,13 @@ def parse_shape(base: TraceShape, items: list[str]) -> TraceShape:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--suite", choices=sorted(SUITES), default="cpu")
-    parser.add_argument("--shape", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a TraceShape field of the training workload (ranges: low,high)")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a TraceShape field of the training workload (ranges: low,high)",
+    )
     parser.add_argument("--executions", type=int, default=None, help="executions in the timed step")
     parser.add_argument("--row-length", type=int, default=None, help="tokens per packed row (training part)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per variant")
@@ -287,37 +403,55 @@ def main(argv=None) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     devices = jax.devices()
     report = dict(
-        suite=args.suite, time=time.strftime("%Y-%m-%dT%H:%M:%S"), platform=devices[0].platform,
-        device=str(getattr(devices[0], "device_kind", devices[0].platform)), cpu_count=os.cpu_count(),
-        jax_version=jax.__version__, python=platform.python_version(),
+        suite=args.suite,
+        time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        platform=devices[0].platform,
+        device=str(getattr(devices[0], "device_kind", devices[0].platform)),
+        cpu_count=os.cpu_count(),
+        jax_version=jax.__version__,
+        python=platform.python_version(),
         baseline="training: 'uncapped' (every branch, plain packing) in the same run; ratios = variant / uncapped "
-                 "(step time: median CPU seconds of the step over interleaved rounds; wall seconds also recorded). "
-                 "pipeline: parsing the same record files with RecordStore.read; memory: the smallest run's peak heap",
-        reference=REFERENCE, training=training, pipeline=pipeline,
+        "(step time: median CPU seconds of the step over interleaved rounds; wall seconds also recorded). "
+        "pipeline: parsing the same record files with RecordStore.read; memory: the smallest run's peak heap",
+        reference=REFERENCE,
+        training=training,
+        pipeline=pipeline,
     )
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"trajectory_{args.suite}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
 
     t = training
-    print(f"{report['device']} ({report['platform']}, {os.cpu_count()} cores), jax {jax.__version__}; model "
-          f"{TINY.num_params / 1e6:.2f}M params; {t['executions']} executions, micro-batches of {suite.rows} x {row_length}")
-    print(f"{'variant':<14} {'branches':>8} {'FB tokens':>10} {'vs uncapped':>11} {'rows':>5} {'micro-b.':>8} {'targets':>8} "
-          f"{'step cpu s':>10} {'vs uncapped':>11} {'published':>9} {'wall s':>7} {'loss':>10} {'grad norm':>9}")
+    print(
+        f"{report['device']} ({report['platform']}, {os.cpu_count()} cores), jax {jax.__version__}; model "
+        f"{TINY.num_params / 1e6:.2f}M params; {t['executions']} executions, micro-batches of {suite.rows} x {row_length}"
+    )
+    print(
+        f"{'variant':<14} {'branches':>8} {'FB tokens':>10} {'vs uncapped':>11} {'rows':>5} {'micro-b.':>8} {'targets':>8} "
+        f"{'step cpu s':>10} {'vs uncapped':>11} {'published':>9} {'wall s':>7} {'loss':>10} {'grad norm':>9}"
+    )
     for r in t["variants"]:
         ref = f"{r['reference_vs_uncapped']:.1%}" if r["reference_vs_uncapped"] else ""
-        print(f"{r['name']:<14} {r['selected']:>4}/{r['branches']:<3} {r['fb_tokens']:>10,} {r['fb_tokens_vs_uncapped']:>11.1%} "
-              f"{r['rows']:>5} {r['micro_batches']:>8} {r['trained_targets']:>8,} {r['step_cpu_s']:>10.2f} "
-              f"{r['step_time_vs_uncapped']:>11.1%} {ref:>9} {r['step_s']:>7.1f} {r['loss']:>10.4g} {r['grad_norm']:>9.4g}")
+        print(
+            f"{r['name']:<14} {r['selected']:>4}/{r['branches']:<3} {r['fb_tokens']:>10,} {r['fb_tokens_vs_uncapped']:>11.1%} "
+            f"{r['rows']:>5} {r['micro_batches']:>8} {r['trained_targets']:>8,} {r['step_cpu_s']:>10.2f} "
+            f"{r['step_time_vs_uncapped']:>11.1%} {ref:>9} {r['step_s']:>7.1f} {r['loss']:>10.4g} {r['grad_norm']:>9.4g}"
+        )
     print("checks: " + ", ".join(f"{k}={v}" for k, v in t["checks"].items()))
     if pipeline:
         p = pipeline
-        print(f"\npipeline (J=5, tree packing, rows of {p['row_length']}; {p['record_mb_per_execution']:.2f} MB of records "
-              f"per execution, {p['group']} executions per step)")
-        print(f"{'executions':>10} {'exec/s':>8} {'s':>7} {'vs parse-only':>13} {'peak heap MB':>12} {'vs smallest':>11}")
+        print(
+            f"\npipeline (J=5, tree packing, rows of {p['row_length']}; {p['record_mb_per_execution']:.2f} MB of records "
+            f"per execution, {p['group']} executions per step)"
+        )
+        print(
+            f"{'executions':>10} {'exec/s':>8} {'s':>7} {'vs parse-only':>13} {'peak heap MB':>12} {'vs smallest':>11}"
+        )
         for r in p["runs"]:
-            print(f"{r['executions']:>10} {r['executions_per_s']:>8.2f} {r['seconds']:>7.2f} {r['vs_parse_only']:>13.2f}x "
-                  f"{r['peak_heap_mb']:>12.1f} {r['peak_heap_vs_smallest']:>11.2f}")
+            print(
+                f"{r['executions']:>10} {r['executions_per_s']:>8.2f} {r['seconds']:>7.2f} {r['vs_parse_only']:>13.2f}x "
+                f"{r['peak_heap_mb']:>12.1f} {r['peak_heap_vs_smallest']:>11.2f}"
+            )
         print(f"memory flat: {p['memory_flat']}")
     print(f"wrote {out}")
     return report

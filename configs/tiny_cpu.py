@@ -56,7 +56,9 @@ def get_config() -> config_dict.ConfigDict:
     c.model.tie_embeddings = True
     c.model.dtype = "float32"  # compute dtype
     c.model.param_dtype = "float32"
-    c.model.checkpoint_dir = ""  # a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json); "" = random init
+    c.model.checkpoint_dir = (
+        ""  # a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json); "" = random init
+    )
 
     c.tokenizer = config_dict.ConfigDict()
     c.tokenizer.kind = "byte"
@@ -65,11 +67,15 @@ def get_config() -> config_dict.ConfigDict:
     c.serving = config_dict.ConfigDict()
     c.serving.max_concurrent_decodes = 16  # decode slots per cell
     c.serving.max_seq_len = 1024  # KV cache length per slot (prompt + completion)
-    c.serving.max_prefill_length = 256  # tokens per prefill call: longer prompts are prefilled in chunks between decode steps
+    c.serving.max_prefill_length = (
+        256  # tokens per prefill call: longer prompts are prefilled in chunks between decode steps
+    )
     c.serving.prefill_buckets = (128, 256, 512, 1024)
     c.serving.page_size = 16  # tokens per KV page (divides max_seq_len)
     c.serving.kv_pages = 1024  # session prefix cache budget per cell, in pages (0 = no cache); 1024 x 16 = 16K tokens
-    c.serving.on_weight_update = "continue"  # in-flight requests: continue on their KV | recompute it under the new weights
+    c.serving.on_weight_update = (
+        "continue"  # in-flight requests: continue on their KV | recompute it under the new weights
+    )
     c.serving.reuse_stale_kv = False  # reuse cached KV computed by an older policy version (off: flushed on update)
 
     c.proxy = config_dict.ConfigDict()
@@ -111,11 +117,15 @@ def get_config() -> config_dict.ConfigDict:
 
     # Trajectory processor (docs/trajectory.md): records -> trees -> J_max branches (rl.max_branches) -> packed rows.
     c.trajectory = config_dict.ConfigDict()
-    c.trajectory.packing = "tree"  # tree: shared prefixes computed once (ancestor-only attention) | plain: one branch per sequence
+    c.trajectory.packing = (
+        "tree"  # tree: shared prefixes computed once (ancestor-only attention) | plain: one branch per sequence
+    )
     c.trajectory.row_length = 1024  # tokens per packed row; >= serving.max_seq_len so every branch fits a row
     c.trajectory.tokens_per_micro_batch = 2048  # rows per micro-batch = this / row_length (fixed shape: one compile)
     c.trajectory.max_sequences_per_micro_batch = 64  # sequence slots per micro-batch (GSPO ratios, advantages, weights)
-    c.trajectory.open_micro_batches = 4  # micro-batches filled at once: more packs tighter, 1 streams each as soon as full
+    c.trajectory.open_micro_batches = (
+        4  # micro-batches filled at once: more packs tighter, 1 streams each as soon as full
+    )
     c.trajectory.stream_order = "task"  # groups enter the pipeline in task order (deterministic) | arrival (sooner)
 
     c.optimizer = config_dict.ConfigDict()
@@ -150,7 +160,9 @@ def get_config() -> config_dict.ConfigDict:
     c.schedule.policy = "colocated"
     c.schedule.max_staleness = 1  # async/elastic: executions start at most this many policy versions early (eta)
     c.schedule.training_cells = 0  # async: cells that train (0 = half)
-    c.schedule.leave_on = "waterlevel"  # elastic: waterlevel (the published rule) | backlog (only with micro-steps waiting)
+    c.schedule.leave_on = (
+        "waterlevel"  # elastic: waterlevel (the published rule) | backlog (only with micro-steps waiting)
+    )
     c.schedule.idle_before_return_s = 0.0  # elastic: a training cell idle this long may return for ahead executions
 
     # Multi-process runs (docs/multihost.md): jax.distributed from these keys, or auto-detected (Slurm, TPU).

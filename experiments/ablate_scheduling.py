@@ -45,21 +45,29 @@ for p in (REPO, REPO / "experiments"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from plot_timeline import draw_gantt  # noqa: E402
+
 from gyre_jax.elastic.timeline import TimelineWriter, load_timeline  # noqa: E402
 from gyre_jax.sim.config import load_sim_config  # noqa: E402
 from gyre_jax.sim.simulator import Simulator  # noqa: E402
-from plot_timeline import draw_gantt  # noqa: E402
 
 # Published speedups of elastic (QwenGyre), at matched accelerator budget and staleness (the seed articles).
 PUBLISHED = {
     "nl2repo": {"model": "Qwen3.6 122B", "vs_colocated": (1.36, 1.47), "vs_async": (1.42, 1.53)},
     "deepswe": {"model": "Qwen3.6 122B", "vs_colocated": (1.610, 1.824), "vs_async": (1.569, 1.572)},
     "terminal": {"model": "Qwen3.6 122B", "vs_colocated": (1.809, 1.849), "vs_async": (1.383, 1.430)},
-    "flagship": {"model": "Qwen3.8 2.4T", "vs_colocated": (1.21, 1.21), "vs_async": (1.78, 1.78),
-                 "hours_48_steps": {"elastic": 75.42, "colocated": 91.47, "async": 134.55}},
+    "flagship": {
+        "model": "Qwen3.8 2.4T",
+        "vs_colocated": (1.21, 1.21),
+        "vs_async": (1.78, 1.78),
+        "hours_48_steps": {"elastic": 75.42, "colocated": 91.47, "async": 134.55},
+    },
 }
-PUBLISHED_ABLATIONS = {"streaming_saves_over_async": 0.116, "elastic_over_colocated_plus_streaming": 1.19,
-                       "cells_4x8_instead_of_8x4_costs": 0.022}
+PUBLISHED_ABLATIONS = {
+    "streaming_saves_over_async": 0.116,
+    "elastic_over_colocated_plus_streaming": 1.19,
+    "cells_4x8_instead_of_8x4_costs": 0.022,
+}
 PRESETS = ("deepswe", "terminal", "nl2repo", "flagship")
 ELASTIC_122B_CELLS = (64, 128, 256)
 
@@ -79,8 +87,13 @@ def simulate_run(run: Run) -> dict:
     t0 = time.process_time()
     result = Simulator(cfg).run()
     out = result.to_dict()
-    out.update(label=run.label, preset=run.preset, overrides=run.overrides, cpu_s=time.process_time() - t0,
-               slots_per_cell=cfg.slots_per_cell)
+    out.update(
+        label=run.label,
+        preset=run.preset,
+        overrides=run.overrides,
+        cpu_s=time.process_time() - t0,
+        slots_per_cell=cfg.slots_per_cell,
+    )
     return out
 
 
@@ -90,33 +103,46 @@ def plan_runs(presets, steps: int, quick: bool) -> list[Run]:
     for p in presets:
         cells = load_sim_config(p).num_cells
         grid = sorted({t for t in (cells // 16, cells // 8, cells // 4, 3 * cells // 8) if 1 <= t < cells // 2})
-        runs += [Run(f"{p}/colocated", p, {**base, "schedule.policy": "colocated"}),
-                 Run(f"{p}/colocated-nostream", p, {**base, "schedule.policy": "colocated", "schedule.streaming": False}),
-                 Run(f"{p}/async-half", p, {**base, "schedule.policy": "async"}),
-                 Run(f"{p}/async-half-nostream", p, {**base, "schedule.policy": "async", "schedule.streaming": False}),
-                 Run(f"{p}/elastic", p, {**base}),
-                 Run(f"{p}/elastic-eta0", p, {**base, "schedule.max_staleness": 0}),
-                 Run(f"{p}/elastic-nostream", p, {**base, "schedule.streaming": False})]
+        runs += [
+            Run(f"{p}/colocated", p, {**base, "schedule.policy": "colocated"}),
+            Run(f"{p}/colocated-nostream", p, {**base, "schedule.policy": "colocated", "schedule.streaming": False}),
+            Run(f"{p}/async-half", p, {**base, "schedule.policy": "async"}),
+            Run(f"{p}/async-half-nostream", p, {**base, "schedule.policy": "async", "schedule.streaming": False}),
+            Run(f"{p}/elastic", p, {**base}),
+            Run(f"{p}/elastic-eta0", p, {**base, "schedule.max_staleness": 0}),
+            Run(f"{p}/elastic-nostream", p, {**base, "schedule.streaming": False}),
+        ]
         for t in grid:
             o = {**base, "schedule.policy": "async", "schedule.training_cells": t}
-            runs += [Run(f"{p}/async-T{t}", p, o), Run(f"{p}/async-T{t}-nostream", p, {**o, "schedule.streaming": False})]
+            runs += [
+                Run(f"{p}/async-T{t}", p, o),
+                Run(f"{p}/async-T{t}-nostream", p, {**o, "schedule.streaming": False}),
+            ]
         if quick:
             continue
         if p != "flagship":
-            runs += [Run(f"{p}/elastic-cell{c}", p, {**base, "cluster.cell_accelerators": c}) for c in ELASTIC_122B_CELLS]
+            runs += [
+                Run(f"{p}/elastic-cell{c}", p, {**base, "cluster.cell_accelerators": c}) for c in ELASTIC_122B_CELLS
+            ]
             small = {**base, "cluster.accelerators": 256, "tasks_per_step": 16}
-            runs += [Run(f"{p}/elastic-256acc-8x4", p, {**small, "cluster.cell_accelerators": 32}),
-                     Run(f"{p}/elastic-256acc-4x8", p, {**small, "cluster.cell_accelerators": 64})]
+            runs += [
+                Run(f"{p}/elastic-256acc-8x4", p, {**small, "cluster.cell_accelerators": 32}),
+                Run(f"{p}/elastic-256acc-4x8", p, {**small, "cluster.cell_accelerators": 64}),
+            ]
         if p in ("deepswe", "flagship"):
-            runs += [Run(f"{p}/elastic-leave-backlog", p, dict(base), {"max_staleness": 1, "leave_on": "backlog"}),
-                     Run(f"{p}/elastic-yield-ahead", p, dict(base), {"max_staleness": 1, "yield_ahead": True}),
-                     Run(f"{p}/elastic-return-after-30s", p, dict(base), {"max_staleness": 1, "idle_before_return_s": 30.0})]
+            runs += [
+                Run(f"{p}/elastic-leave-backlog", p, dict(base), {"max_staleness": 1, "leave_on": "backlog"}),
+                Run(f"{p}/elastic-yield-ahead", p, dict(base), {"max_staleness": 1, "yield_ahead": True}),
+                Run(f"{p}/elastic-return-after-30s", p, dict(base), {"max_staleness": 1, "idle_before_return_s": 30.0}),
+            ]
         if p == "flagship":
             for hours in (1.5, 3.0, 4.0):
                 o = {**base, "workload.timeout_s": hours * 3600}
-                runs += [Run(f"flagship/timeout{hours}h/colocated", p, {**o, "schedule.policy": "colocated"}),
-                         Run(f"flagship/timeout{hours}h/elastic", p, dict(o)),
-                         Run(f"flagship/timeout{hours}h/elastic-eta0", p, {**o, "schedule.max_staleness": 0})]
+                runs += [
+                    Run(f"flagship/timeout{hours}h/colocated", p, {**o, "schedule.policy": "colocated"}),
+                    Run(f"flagship/timeout{hours}h/elastic", p, dict(o)),
+                    Run(f"flagship/timeout{hours}h/elastic-eta0", p, {**o, "schedule.max_staleness": 0}),
+                ]
     return runs
 
 
@@ -140,7 +166,9 @@ def run_all(runs: list[Run], workers: int) -> dict[str, dict]:
 def summarize(res: dict[str, dict], presets) -> dict:
     s: dict = {"presets": {}, "ablations": {}}
     for p in presets:
-        step = {k.split("/", 1)[1]: v["step_time_s"] for k, v in res.items() if k.startswith(p + "/") and k.count("/") == 1}
+        step = {
+            k.split("/", 1)[1]: v["step_time_s"] for k, v in res.items() if k.startswith(p + "/") and k.count("/") == 1
+        }
         asyncs = {k: v for k, v in step.items() if k.startswith("async-") and "nostream" not in k}
         best_async = min(asyncs, key=asyncs.get)
         el, el0 = step["elastic"], step["elastic-eta0"]
@@ -152,14 +180,19 @@ def summarize(res: dict[str, dict], presets) -> dict:
             "best_elastic_vs_colocated": step["colocated"] / min(el, el0),
             "elastic_vs_async_half": step["async-half"] / el,
             "elastic_vs_async_best": step[best_async] / el,
-            "busy": {k.split("/", 1)[1]: v["busy_fraction"] for k, v in res.items()
-                     if k.startswith(p + "/") and k.count("/") == 1},
+            "busy": {
+                k.split("/", 1)[1]: v["busy_fraction"]
+                for k, v in res.items()
+                if k.startswith(p + "/") and k.count("/") == 1
+            },
             "timeout_fraction": res[f"{p}/colocated"]["executions"]["timeout_fraction"],
             "training_share_colocated": res[f"{p}/colocated"]["training_busy_fraction"],
             "published": PUBLISHED.get(p),
         }
         if p == "flagship":
-            row["hours_48_steps"] = {k: step[k] * 48 / 3600 for k in ("elastic", "elastic-eta0", "colocated", "async-half")}
+            row["hours_48_steps"] = {
+                k: step[k] * 48 / 3600 for k in ("elastic", "elastic-eta0", "colocated", "async-half")
+            }
         s["presets"][p] = row
     a = s["ablations"]
     for p in presets:
@@ -169,15 +202,25 @@ def summarize(res: dict[str, dict], presets) -> dict:
         if f"{best}-nostream" in st:
             a.setdefault("streaming_saves_over_async_best", {})[p] = 1 - st[best] / st[f"{best}-nostream"]
         a.setdefault("streaming_saves_over_colocated", {})[p] = 1 - st["colocated"] / st["colocated-nostream"]
-        a.setdefault("elastic_over_colocated_plus_streaming", {})[p] = st["colocated"] / min(st["elastic"], st["elastic-eta0"])
+        a.setdefault("elastic_over_colocated_plus_streaming", {})[p] = st["colocated"] / min(
+            st["elastic"], st["elastic-eta0"]
+        )
         a.setdefault("elastic_streaming_saves", {})[p] = 1 - st["elastic"] / st["elastic-nostream"]
         if "elastic-256acc-8x4" in st:
-            a.setdefault("cells_4x8_instead_of_8x4_costs", {})[p] = st["elastic-256acc-4x8"] / st["elastic-256acc-8x4"] - 1
+            a.setdefault("cells_4x8_instead_of_8x4_costs", {})[p] = (
+                st["elastic-256acc-4x8"] / st["elastic-256acc-8x4"] - 1
+            )
         cells = {c: st.get(f"elastic-cell{c}") for c in ELASTIC_122B_CELLS}
         if all(cells.values()):
-            a.setdefault("granularity_step_vs_32", {})[p] = {32: 1.0, **{c: v / st["elastic"] for c, v in cells.items()}}
-        variants = {k: v / st["elastic"] for k, v in st.items() if k.startswith("elastic-") and
-                    k.split("-", 1)[1] in ("leave-backlog", "yield-ahead", "return-after-30s")}
+            a.setdefault("granularity_step_vs_32", {})[p] = {
+                32: 1.0,
+                **{c: v / st["elastic"] for c, v in cells.items()},
+            }
+        variants = {
+            k: v / st["elastic"]
+            for k, v in st.items()
+            if k.startswith("elastic-") and k.split("-", 1)[1] in ("leave-backlog", "yield-ahead", "return-after-30s")
+        }
         if variants:
             a.setdefault("elastic_variants_step_vs_default", {})[p] = variants
     sweep = {}
@@ -189,35 +232,50 @@ def summarize(res: dict[str, dict], presets) -> dict:
         sweep["timeout2.0h"] = {pol: res[f"flagship/{pol}"] for pol in ("colocated", "elastic", "elastic-eta0")}
     if len(sweep) > 1:
         a["flagship_timeout_sweep"] = {
-            t: {"timeout_fraction": d["colocated"]["executions"]["timeout_fraction"],
+            t: {
+                "timeout_fraction": d["colocated"]["executions"]["timeout_fraction"],
                 "colocated_busy": d["colocated"]["busy_fraction"],
                 "elastic_vs_colocated": d["colocated"]["step_time_s"] / d["elastic"]["step_time_s"],
-                "elastic_eta0_vs_colocated": d["colocated"]["step_time_s"] / d["elastic-eta0"]["step_time_s"]}
-            for t, d in sorted(sweep.items(), key=lambda kv: float(kv[0][7:-1]))}
+                "elastic_eta0_vs_colocated": d["colocated"]["step_time_s"] / d["elastic-eta0"]["step_time_s"],
+            }
+            for t, d in sorted(sweep.items(), key=lambda kv: float(kv[0][7:-1]))
+        }
     return s
 
 
 def markdown(summary: dict, steps: int) -> str:
-    lines = [f"### Elastic speedups ({steps} steps; step time of the baseline / step time of elastic)", "",
-             "| preset | colocated min/step | async (half) | async (best split) | elastic eta=1 | elastic eta=0 | "
-             "vs colocated (eta=1 / eta=0) | published | vs async half / best | published | busy elastic / colocated |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### Elastic speedups ({steps} steps; step time of the baseline / step time of elastic)",
+        "",
+        "| preset | colocated min/step | async (half) | async (best split) | elastic eta=1 | elastic eta=0 | "
+        "vs colocated (eta=1 / eta=0) | published | vs async half / best | published | busy elastic / colocated |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for p, r in summary["presets"].items():
         st, pub = r["step_min"], r["published"] or {}
         pc = "{:.2f}-{:.2f}x".format(*pub["vs_colocated"]) if pub else "-"
         pa = "{:.2f}-{:.2f}x".format(*pub["vs_async"]) if pub else "-"
-        lines.append(f"| {p} | {st['colocated']:.1f} | {st['async-half']:.1f} | {st[r['best_async']]:.1f} "
-                     f"({r['best_async'][6:]}) | {st['elastic']:.1f} | {st['elastic-eta0']:.1f} | "
-                     f"{r['elastic_vs_colocated']:.2f}x / {r['elastic_eta0_vs_colocated']:.2f}x | {pc} | "
-                     f"{r['elastic_vs_async_half']:.2f}x / {r['elastic_vs_async_best']:.2f}x | {pa} | "
-                     f"{r['busy']['elastic']:.0%} / {r['busy']['colocated']:.0%} |")
+        lines.append(
+            f"| {p} | {st['colocated']:.1f} | {st['async-half']:.1f} | {st[r['best_async']]:.1f} "
+            f"({r['best_async'][6:]}) | {st['elastic']:.1f} | {st['elastic-eta0']:.1f} | "
+            f"{r['elastic_vs_colocated']:.2f}x / {r['elastic_eta0_vs_colocated']:.2f}x | {pc} | "
+            f"{r['elastic_vs_async_half']:.2f}x / {r['elastic_vs_async_best']:.2f}x | {pa} | "
+            f"{r['busy']['elastic']:.0%} / {r['busy']['colocated']:.0%} |"
+        )
     a = summary["ablations"]
-    lines += ["", "### Published ablations", "", "| ablation | published | " + " | ".join(summary["presets"]) + " |",
-              "|---|---|" + "---|" * len(summary["presets"])]
+    lines += [
+        "",
+        "### Published ablations",
+        "",
+        "| ablation | published | " + " | ".join(summary["presets"]) + " |",
+        "|---|---|" + "---|" * len(summary["presets"]),
+    ]
 
     def row(name, key, pub, fmt):
         vals = a.get(key, {})
-        lines.append(f"| {name} | {pub} | " + " | ".join(fmt(vals[p]) if p in vals else "" for p in summary["presets"]) + " |")
+        lines.append(
+            f"| {name} | {pub} | " + " | ".join(fmt(vals[p]) if p in vals else "" for p in summary["presets"]) + " |"
+        )
 
     row("streaming saves over async (half split)", "streaming_saves_over_async_half", "11.6%", lambda v: f"{v:.1%}")
     row("streaming saves over async (best split)", "streaming_saves_over_async_best", "11.6%", lambda v: f"{v:.1%}")
@@ -226,17 +284,28 @@ def markdown(summary: dict, steps: int) -> str:
     row("4 cells x 8 nodes instead of 8 x 4 costs", "cells_4x8_instead_of_8x4_costs", "2.2%", lambda v: f"{v:+.1%}")
     row("streaming saves, elastic", "elastic_streaming_saves", "", lambda v: f"{v:.1%}")
     if "granularity_step_vs_32" in a:
-        lines += ["", "### Cell granularity (elastic step time relative to cells of 32 accelerators, 1024 in all)", "",
-                  "| preset | 32 | 64 | 128 | 256 |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "### Cell granularity (elastic step time relative to cells of 32 accelerators, 1024 in all)",
+            "",
+            "| preset | 32 | 64 | 128 | 256 |",
+            "|---|---|---|---|---|",
+        ]
         for p, g in a["granularity_step_vs_32"].items():
             lines.append(f"| {p} | " + " | ".join(f"{g[c]:.3f}" for c in (32, 64, 128, 256)) + " |")
     if "flagship_timeout_sweep" in a:
-        lines += ["", "### Flagship: the elastic gain against the share of executions at the timeout", "",
-                  "| timeout | executions at the timeout | colocated busy | elastic eta=1 vs colocated | eta=0 vs colocated |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "### Flagship: the elastic gain against the share of executions at the timeout",
+            "",
+            "| timeout | executions at the timeout | colocated busy | elastic eta=1 vs colocated | eta=0 vs colocated |",
+            "|---|---|---|---|---|",
+        ]
         for t, d in a["flagship_timeout_sweep"].items():
-            lines.append(f"| {t[7:]} | {d['timeout_fraction']:.0%} | {d['colocated_busy']:.0%} | "
-                         f"{d['elastic_vs_colocated']:.2f}x | {d['elastic_eta0_vs_colocated']:.2f}x |")
+            lines.append(
+                f"| {t[7:]} | {d['timeout_fraction']:.0%} | {d['colocated_busy']:.0%} | "
+                f"{d['elastic_vs_colocated']:.2f}x | {d['elastic_eta0_vs_colocated']:.2f}x |"
+            )
     if "elastic_variants_step_vs_default" in a:
         lines += ["", "### Elastic rule variants (step time relative to the default rules)", ""]
         for p, v in a["elastic_variants_step_vs_default"].items():
@@ -248,17 +317,33 @@ def markdown(summary: dict, steps: int) -> str:
 def plot_speedups(summary: dict, out: Path) -> None:
     presets = list(summary["presets"])
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for ax, key, pubkey, title in ((axes[0], "elastic_vs_colocated", "vs_colocated", "elastic over colocated"),
-                                   (axes[1], "elastic_vs_async_half", "vs_async", "elastic over async")):
+    for ax, key, pubkey, title in (
+        (axes[0], "elastic_vs_colocated", "vs_colocated", "elastic over colocated"),
+        (axes[1], "elastic_vs_async_half", "vs_async", "elastic over async"),
+    ):
         x = range(len(presets))
         sim = [summary["presets"][p][key] for p in presets]
         ax.bar([i - 0.2 for i in x], sim, 0.4, label="simulated (eta=1; async: half the cells train)", color="#4C9BE8")
         if key == "elastic_vs_colocated":
-            ax.scatter([i - 0.2 for i in x], [summary["presets"][p]["elastic_eta0_vs_colocated"] for p in presets],
-                       color="k", marker="_", s=300, label="simulated, eta=0", zorder=3)
+            ax.scatter(
+                [i - 0.2 for i in x],
+                [summary["presets"][p]["elastic_eta0_vs_colocated"] for p in presets],
+                color="k",
+                marker="_",
+                s=300,
+                label="simulated, eta=0",
+                zorder=3,
+            )
         else:
-            ax.scatter([i - 0.2 for i in x], [summary["presets"][p]["elastic_vs_async_best"] for p in presets],
-                       color="k", marker="_", s=300, label="simulated, vs best async split", zorder=3)
+            ax.scatter(
+                [i - 0.2 for i in x],
+                [summary["presets"][p]["elastic_vs_async_best"] for p in presets],
+                color="k",
+                marker="_",
+                s=300,
+                label="simulated, vs best async split",
+                zorder=3,
+            )
         pub = [summary["presets"][p]["published"] for p in presets]
         lo = [v[pubkey][0] if v else 0.0 for v in pub]
         hi = [v[pubkey][1] if v else 0.0 for v in pub]
@@ -277,13 +362,21 @@ def plot_speedups(summary: dict, out: Path) -> None:
 
 def plot_utilization(summary: dict, out: Path) -> None:
     presets = list(summary["presets"])
-    policies = [("colocated", "colocated"), ("async-half", "async (half)"), ("elastic-eta0", "elastic eta=0"),
-                ("elastic", "elastic eta=1")]
+    policies = [
+        ("colocated", "colocated"),
+        ("async-half", "async (half)"),
+        ("elastic-eta0", "elastic eta=0"),
+        ("elastic", "elastic eta=1"),
+    ]
     fig, ax = plt.subplots(figsize=(9, 4))
     w = 0.8 / len(policies)
     for j, (key, name) in enumerate(policies):
-        ax.bar([i + (j - 1.5) * w for i in range(len(presets))], [summary["presets"][p]["busy"][key] for p in presets],
-               w, label=name)
+        ax.bar(
+            [i + (j - 1.5) * w for i in range(len(presets))],
+            [summary["presets"][p]["busy"][key] for p in presets],
+            w,
+            label=name,
+        )
     ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label="ideal")
     ax.set_xticks(range(len(presets)))
     ax.set_xticklabels(presets)
@@ -333,8 +426,11 @@ def plot_timeout_sweep(summary: dict, out: Path) -> None:
 
 def plot_gantts(presets, out_dir: Path, steps: int) -> list[Path]:
     paths = []
-    policies = (("colocated", {"schedule.policy": "colocated"}), ("async (half the cells train)", {"schedule.policy": "async"}),
-                ("elastic", {}))
+    policies = (
+        ("colocated", {"schedule.policy": "colocated"}),
+        ("async (half the cells train)", {"schedule.policy": "async"}),
+        ("elastic", {}),
+    )
     for p in presets:
         fig, axes = plt.subplots(len(policies), 1, figsize=(12, 3.2 * len(policies)))
         for ax, (name, ov) in zip(axes, policies):
@@ -342,8 +438,12 @@ def plot_gantts(presets, out_dir: Path, steps: int) -> list[Path]:
             tl = TimelineWriter(None, [f"cell{c}" for c in range(cfg.num_cells)], source="sim")
             result = Simulator(cfg, timeline=tl).run()
             tl.close(result.makespan_s)
-            draw_gantt(load_timeline(tl.events), ax, title=f"{p}: {name}, {steps} steps in "
-                       f"{result.makespan_s / 3600:.2f} h (busy {result.busy_fraction:.0%})")
+            draw_gantt(
+                load_timeline(tl.events),
+                ax,
+                title=f"{p}: {name}, {steps} steps in "
+                f"{result.makespan_s / 3600:.2f} h (busy {result.busy_fraction:.0%})",
+            )
         fig.tight_layout()
         path = out_dir / f"gantt_{p}.png"
         fig.savefig(path, dpi=100)
@@ -375,10 +475,17 @@ def main(argv=None) -> int:
     runs = plan_runs(presets, steps, args.quick)
     results = run_all(runs, args.workers)
     summary = summarize(results, presets)
-    report = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-              "steps": steps, "presets": presets, "published": {p: PUBLISHED.get(p) for p in presets},
-              "published_ablations": PUBLISHED_ABLATIONS, "summary": summary, "runs": results,
-              "wall_s": time.time() - t0, "cpu_count": os.cpu_count()}
+    report = {
+        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+        "steps": steps,
+        "presets": presets,
+        "published": {p: PUBLISHED.get(p) for p in presets},
+        "published_ablations": PUBLISHED_ABLATIONS,
+        "summary": summary,
+        "runs": results,
+        "wall_s": time.time() - t0,
+        "cpu_count": os.cpu_count(),
+    }
     (out / "ablate_scheduling.json").write_text(json.dumps(report, indent=1, default=float))
     md = markdown(summary, steps)
     (out / "summary.md").write_text(md)
@@ -388,7 +495,9 @@ def main(argv=None) -> int:
     plot_timeout_sweep(summary, out / "flagship_timeout.png")
     plot_gantts(presets, out, min(args.gantt_steps, steps))
     print(md)
-    print(f"{len(runs)} simulated runs in {time.time() - t0:.0f} s; wrote {out}/ablate_scheduling.json, summary.md and PNGs")
+    print(
+        f"{len(runs)} simulated runs in {time.time() - t0:.0f} s; wrote {out}/ablate_scheduling.json, summary.md and PNGs"
+    )
     return 0
 
 

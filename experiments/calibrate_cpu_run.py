@@ -77,8 +77,13 @@ def timing_summary(run: Path, steps: int) -> dict:
                 span = max(x.t_end for x in recs) - min(x.t_start for x in recs)
                 rows.append((t.setup_s, span, t.teardown_s, t.eval_s))
     a = np.asarray(rows) if rows else np.zeros((1, 4))
-    return {"executions": len(rows), **{f"{name}_mean_s": float(a[:, i].mean())
-                                         for i, name in enumerate(("setup", "calls_span", "teardown", "eval"))}}
+    return {
+        "executions": len(rows),
+        **{
+            f"{name}_mean_s": float(a[:, i].mean())
+            for i, name in enumerate(("setup", "calls_span", "teardown", "eval"))
+        },
+    }
 
 
 # One mechanism of the model left out at a time: (name, calibrate() options, SimConfig changes).
@@ -94,8 +99,12 @@ ABLATIONS = (
 
 
 def _summary(report) -> dict:
-    return {"mean_abs_error": report.mean_abs_error, "max_abs_error": report.max_abs_error,
-            "total_error": sum(report.predicted_s) / sum(report.measured_s) - 1, "within": report.within_tolerance}
+    return {
+        "mean_abs_error": report.mean_abs_error,
+        "max_abs_error": report.max_abs_error,
+        "total_error": sum(report.predicted_s) / sum(report.measured_s) - 1,
+        "within": report.within_tolerance,
+    }
 
 
 def calibrate_one(run: Path, skip_first: int, tolerance: float) -> dict:
@@ -113,9 +122,14 @@ def calibrate_one(run: Path, skip_first: int, tolerance: float) -> dict:
     cfg = model.config
     return {
         "run_dir": str(run),
-        "policy": cfg.policy, "policy_options": dict(cfg.policy_options), "cells": cfg.num_cells,
-        "cell_accelerators": cfg.cell_accelerators, "slots_per_cell": cfg.slots_per_cell,
-        "batch_size": cfg.batch_size, "steps": steps, "skip_first": skip_first,
+        "policy": cfg.policy,
+        "policy_options": dict(cfg.policy_options),
+        "cells": cfg.num_cells,
+        "cell_accelerators": cfg.cell_accelerators,
+        "slots_per_cell": cfg.slots_per_cell,
+        "batch_size": cfg.batch_size,
+        "steps": steps,
+        "skip_first": skip_first,
         "measured_s": model.measured_s,
         "model": model.report.to_dict(),
         "baseline_records_only": base.report.to_dict(),
@@ -131,27 +145,39 @@ def table(row: dict) -> str:
     m, b = row["model"], row["baseline_records_only"]
     ph_m = {p["step"]: p for p in row["phases"]["measured"]}
     ph_p = {p["step"]: p for p in row["phases"]["predicted"]}
-    lines = [(f"{row['run_dir']}  ({row['policy']}, {row['cells']} cells x {row['cell_accelerators']} devices, "
-              f"{row['slots_per_cell']} slots per cell, {row['batch_size']} executions per step)"),
-             "step  measured_s  predicted_s  error   baseline_s  error   rollout meas/pred  after-rollout meas/pred"]
+    lines = [
+        (
+            f"{row['run_dir']}  ({row['policy']}, {row['cells']} cells x {row['cell_accelerators']} devices, "
+            f"{row['slots_per_cell']} slots per cell, {row['batch_size']} executions per step)"
+        ),
+        "step  measured_s  predicted_s  error   baseline_s  error   rollout meas/pred  after-rollout meas/pred",
+    ]
     for i, k in enumerate(m["steps"]):
         pm, pp = ph_m.get(k, {}), ph_p.get(k, {})
-        lines.append(f"{k:4d}  {m['measured_s'][i]:10.2f}  {m['predicted_s'][i]:11.2f}  {m['relative_error'][i]:+6.1%}  "
-                     f"{b['predicted_s'][i]:10.2f}  {b['relative_error'][i]:+6.1%}   "
-                     f"{pm.get('rollout_s', float('nan')):6.2f} / {pp.get('rollout_s', float('nan')):6.2f}    "
-                     f"{pm.get('after_rollout_s', float('nan')):6.2f} / {pp.get('after_rollout_s', float('nan')):6.2f}")
+        lines.append(
+            f"{k:4d}  {m['measured_s'][i]:10.2f}  {m['predicted_s'][i]:11.2f}  {m['relative_error'][i]:+6.1%}  "
+            f"{b['predicted_s'][i]:10.2f}  {b['relative_error'][i]:+6.1%}   "
+            f"{pm.get('rollout_s', float('nan')):6.2f} / {pp.get('rollout_s', float('nan')):6.2f}    "
+            f"{pm.get('after_rollout_s', float('nan')):6.2f} / {pp.get('after_rollout_s', float('nan')):6.2f}"
+        )
     t = row["execution_timing"]
-    lines.append(f"model:    mean |error| {m['mean_abs_error']:.1%}, max {m['max_abs_error']:.1%}, total time "
-                 f"{sum(m['predicted_s']) / sum(m['measured_s']) - 1:+.1%} "
-                 f"({'within' if m['within_tolerance'] else 'NOT within'} {m['tolerance']:.0%} per step)")
-    lines.append(f"baseline: mean |error| {b['mean_abs_error']:.1%}, max {b['max_abs_error']:.1%}, total time "
-                 f"{sum(b['predicted_s']) / sum(b['measured_s']) - 1:+.1%} (records only: no harness start-up, "
-                 f"teardown or evaluation)")
+    lines.append(
+        f"model:    mean |error| {m['mean_abs_error']:.1%}, max {m['max_abs_error']:.1%}, total time "
+        f"{sum(m['predicted_s']) / sum(m['measured_s']) - 1:+.1%} "
+        f"({'within' if m['within_tolerance'] else 'NOT within'} {m['tolerance']:.0%} per step)"
+    )
+    lines.append(
+        f"baseline: mean |error| {b['mean_abs_error']:.1%}, max {b['max_abs_error']:.1%}, total time "
+        f"{sum(b['predicted_s']) / sum(b['measured_s']) - 1:+.1%} (records only: no harness start-up, "
+        f"teardown or evaluation)"
+    )
     lines.append("what each mechanism is worth (left out alone): mean |error| / max / total time")
     for name, a in row["ablations"].items():
         lines.append(f"  {name:<56s} {a['mean_abs_error']:6.1%} / {a['max_abs_error']:6.1%} / {a['total_error']:+6.1%}")
-    lines.append(f"per execution: setup {t['setup_mean_s']:.2f} s, calls {t['calls_span_mean_s']:.2f} s, teardown "
-                 f"{t['teardown_mean_s']:.2f} s, evaluation {t['eval_mean_s']:.2f} s (mean of {t['executions']})")
+    lines.append(
+        f"per execution: setup {t['setup_mean_s']:.2f} s, calls {t['calls_span_mean_s']:.2f} s, teardown "
+        f"{t['teardown_mean_s']:.2f} s, evaluation {t['eval_mean_s']:.2f} s (mean of {t['executions']})"
+    )
     return "\n".join(lines)
 
 
@@ -169,10 +195,18 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.plot(m["steps"], m["predicted_s"], "s-", color="#D9534F", label="simulated (model)")
         ax.plot(m["steps"], b["predicted_s"], "^--", color="#999999", label="simulated (records only)")
         lo = np.asarray(m["measured_s"])
-        ax.fill_between(m["steps"], lo * (1 - m["tolerance"]), lo * (1 + m["tolerance"]), color="black", alpha=0.08,
-                        label=f"measured +-{m['tolerance']:.0%}")
-        ax.set_title(f"{row['run_dir']}\n{row['policy']}: mean |error| {m['mean_abs_error']:.1%}, "
-                     f"max {m['max_abs_error']:.1%}", fontsize=9)
+        ax.fill_between(
+            m["steps"],
+            lo * (1 - m["tolerance"]),
+            lo * (1 + m["tolerance"]),
+            color="black",
+            alpha=0.08,
+            label=f"measured +-{m['tolerance']:.0%}",
+        )
+        ax.set_title(
+            f"{row['run_dir']}\n{row['policy']}: mean |error| {m['mean_abs_error']:.1%}, max {m['max_abs_error']:.1%}",
+            fontsize=9,
+        )
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylim(bottom=0)
@@ -201,12 +235,14 @@ def main(argv: list[str] | None = None) -> int:
         print(tables[-1] + "\n", flush=True)
         rows.append(row)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "calibration.json").write_text(json.dumps({"skip_first": args.skip_first, "tolerance": args.tolerance,
-                                                           "runs": rows}, indent=2) + "\n")
+    (args.out / "calibration.json").write_text(
+        json.dumps({"skip_first": args.skip_first, "tolerance": args.tolerance, "runs": rows}, indent=2) + "\n"
+    )
     plot(rows, args.out / "calibration.png")
     command = "python experiments/calibrate_cpu_run.py " + " ".join(str(r) for r in args.runs)
-    (args.out / "summary.md").write_text(f"# Simulator calibration against real CPU runs\n\n`{command}`\n\n```\n"
-                                         + "\n\n".join(tables) + "\n```\n")
+    (args.out / "summary.md").write_text(
+        f"# Simulator calibration against real CPU runs\n\n`{command}`\n\n```\n" + "\n\n".join(tables) + "\n```\n"
+    )
     print(f"wrote {args.out / 'calibration.json'}, {args.out / 'summary.md'} and {args.out / 'calibration.png'}")
     return 0
 

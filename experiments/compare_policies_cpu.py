@@ -31,7 +31,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = ("colocated", "async", "elastic")
 SHARED = [
-    "--config", "configs/tiny_cpu.py",
+    "--config",
+    "configs/tiny_cpu.py",
     "--config.eval.samples_per_task=0",
     "--config.metrics.progress_bar=false",
     "--config.metrics.tensorboard=false",
@@ -48,9 +49,22 @@ def run_policy(policy: str, steps: int, out: Path, extra: list[str]) -> dict:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "gyre_jax.train", *SHARED, f"--config.workdir={workdir}",
-                           f"--config.total_steps={steps}", f"--config.schedule.policy={policy}", *extra],
-                          cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gyre_jax.train",
+            *SHARED,
+            f"--config.workdir={workdir}",
+            f"--config.total_steps={steps}",
+            f"--config.schedule.policy={policy}",
+            *extra,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     (out / f"{policy}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"{policy} run failed (exit {proc.returncode}); see {out / f'{policy}.log'}")
@@ -60,9 +74,20 @@ def run_policy(policy: str, steps: int, out: Path, extra: list[str]) -> dict:
     later = train[1:]  # step 0 includes the jit compiles of every cell's serving and training functions
     meas = json.loads((workdir / "cost_measurements.json").read_text())
     timeline = sorted((workdir / "timeline").glob("*.json"))[-1]
-    subprocess.run([sys.executable, str(REPO / "experiments" / "plot_timeline.py"), str(timeline), "--out",
-                    str(out / f"gantt_{policy}.png"), "--title", f"{policy} on 8 virtual CPU devices (2 cells)"],
-                   cwd=REPO, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "experiments" / "plot_timeline.py"),
+            str(timeline),
+            "--out",
+            str(out / f"gantt_{policy}.png"),
+            "--title",
+            f"{policy} on 8 virtual CPU devices (2 cells)",
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
     return {
         "policy": policy,
         "wall_s": time.time() - t0,
@@ -93,19 +118,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"running {policy} ({args.steps} steps) ...", flush=True)
         rows.append(run_policy(policy, args.steps, args.out, args.extra))
     base = next((r for r in rows if r["policy"] == "colocated"), rows[0])
-    lines = ["| policy | mean step s (steps 2..) | speedup vs colocated | idle fraction | switch s->t / t->s (s, mean) | "
-             "weight sync s | staleness | micro-steps per cell |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| policy | mean step s (steps 2..) | speedup vs colocated | idle fraction | switch s->t / t->s (s, mean) | "
+        "weight sync s | staleness | micro-steps per cell |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         r["speedup_vs_colocated"] = base["mean_step_s"] / r["mean_step_s"]
         s2t = f"{np.mean(r['serving_to_training_s']):.3f}" if r["serving_to_training_s"] else "-"
         t2s = f"{np.mean(r['training_to_serving_s']):.3f}" if r["training_to_serving_s"] else "-"
-        lines.append(f"| {r['policy']} | {r['mean_step_s']:.1f} | {r['speedup_vs_colocated']:.2f}x | "
-                     f"{r['idle_fraction']:.2f} | {s2t} / {t2s} | {r['weight_sync_s']:.3f} | {r['staleness_mean']:.2f} | "
-                     f"{r['micro_steps_per_cell']} |")
+        lines.append(
+            f"| {r['policy']} | {r['mean_step_s']:.1f} | {r['speedup_vs_colocated']:.2f}x | "
+            f"{r['idle_fraction']:.2f} | {s2t} / {t2s} | {r['weight_sync_s']:.3f} | {r['staleness_mean']:.2f} | "
+            f"{r['micro_steps_per_cell']} |"
+        )
     table = "\n".join(lines)
     print(table)
-    (args.out / "compare_policies.json").write_text(json.dumps({"steps": args.steps, "shared_overrides": SHARED[2:],
-                                                                "extra_overrides": args.extra, "runs": rows}, indent=2))
+    (args.out / "compare_policies.json").write_text(
+        json.dumps(
+            {"steps": args.steps, "shared_overrides": SHARED[2:], "extra_overrides": args.extra, "runs": rows}, indent=2
+        )
+    )
     (args.out / "summary.md").write_text(f"# Policies on CPU ({args.steps} steps, same workload and seed)\n\n{table}\n")
     return 0
 

@@ -22,8 +22,13 @@ if str(REPO) not in sys.path:
 
 from gyre_jax.elastic.timeline import Timeline, load_timeline  # noqa: E402
 
-COLORS = {"serving": "#4C9BE8", "training": "#F2A541", "switching": "#B0B0B0", "micro_step": "#D9534F",
-          "optimizer_step": "#5CB85C"}
+COLORS = {
+    "serving": "#4C9BE8",
+    "training": "#F2A541",
+    "switching": "#B0B0B0",
+    "micro_step": "#D9534F",
+    "optimizer_step": "#5CB85C",
+}
 
 
 def _unit(span_s: float) -> tuple[float, str]:
@@ -47,26 +52,42 @@ def draw_gantt(tl: Timeline, ax, start: float = 0.0, end: float | None = None, t
                 continue
             x, w = clip(span)
             hatch = "///" if span.name == "training" else None
-            ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=COLORS[span.name], alpha=0.35 if hatch else 0.9,
-                           hatch=hatch, edgecolor="none")
+            ax.broken_barh(
+                [(x, w)],
+                (y - 0.4, 0.8),
+                facecolors=COLORS[span.name],
+                alpha=0.35 if hatch else 0.9,
+                hatch=hatch,
+                edgecolor="none",
+            )
         bars = [clip(s) for s in tl.micro_steps[c] if s.end > start and s.start < end]
         if bars:
             ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=COLORS["training"], edgecolor="none")
     opt = [clip(s) for s in tl.optimizer_steps if s.end > start and s.start < end]
     for (x, w), s in zip(opt, [s for s in tl.optimizer_steps if s.end > start and s.start < end]):
         y = n - 1 - s.args.get("cell", 0)
-        ax.broken_barh([(x, max(w, (end - start) / scale * 0.002))], (y - 0.45, 0.9), facecolors=COLORS["optimizer_step"])
+        ax.broken_barh(
+            [(x, max(w, (end - start) / scale * 0.002))], (y - 0.45, 0.9), facecolors=COLORS["optimizer_step"]
+        )
     ax.set_yticks(range(n))
     ax.set_yticklabels([tl.cells[n - 1 - i] for i in range(n)], fontsize=6 if n > 16 else 8)
     ax.set_xlim(0, (end - start) / scale)
     ax.set_xlabel(f"time ({unit})")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS["serving"]),
-               plt.Rectangle((0, 0), 1, 1, color=COLORS["training"]),
-               plt.Rectangle((0, 0), 1, 1, facecolor=COLORS["training"], alpha=0.35, hatch="///"),
-               plt.Rectangle((0, 0), 1, 1, color=COLORS["switching"]),
-               plt.Rectangle((0, 0), 1, 1, color=COLORS["optimizer_step"])]
-    ax.legend(handles, ["serving", "training (micro-step)", "training, idle", "switching", "optimizer step"],
-              loc="upper right", fontsize=7, ncol=5, framealpha=0.9)
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, color=COLORS["serving"]),
+        plt.Rectangle((0, 0), 1, 1, color=COLORS["training"]),
+        plt.Rectangle((0, 0), 1, 1, facecolor=COLORS["training"], alpha=0.35, hatch="///"),
+        plt.Rectangle((0, 0), 1, 1, color=COLORS["switching"]),
+        plt.Rectangle((0, 0), 1, 1, color=COLORS["optimizer_step"]),
+    ]
+    ax.legend(
+        handles,
+        ["serving", "training (micro-step)", "training, idle", "switching", "optimizer step"],
+        loc="upper right",
+        fontsize=7,
+        ncol=5,
+        framealpha=0.9,
+    )
     if title:
         ax.set_title(title, fontsize=10)
 
@@ -88,11 +109,21 @@ def draw_waterlevel(tl: Timeline, ax, start: float = 0.0, end: float | None = No
 
 def plot(path: str | Path, out: str | Path, start: float = 0.0, end: float | None = None, title: str = "") -> Path:
     tl = load_timeline(path)
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 2.5 + 0.22 * len(tl.cells) + 2), sharex=True,
-                                   gridspec_kw={"height_ratios": [max(2.0, 0.22 * len(tl.cells)), 1.5]})
+    fig, (ax1, ax2) = plt.subplots(
+        2,
+        1,
+        figsize=(12, 2.5 + 0.22 * len(tl.cells) + 2),
+        sharex=True,
+        gridspec_kw={"height_ratios": [max(2.0, 0.22 * len(tl.cells)), 1.5]},
+    )
     frac = tl.busy_fraction()
-    draw_gantt(tl, ax1, start, end, title or f"{Path(path).name}: {tl.source} timeline "
-               f"(micro-steps {frac.get('micro_step', 0):.0%} of cell-time)")
+    draw_gantt(
+        tl,
+        ax1,
+        start,
+        end,
+        title or f"{Path(path).name}: {tl.source} timeline (micro-steps {frac.get('micro_step', 0):.0%} of cell-time)",
+    )
     draw_waterlevel(tl, ax2, start, end)
     fig.tight_layout()
     out = Path(out)

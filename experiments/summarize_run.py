@@ -23,17 +23,27 @@ def summarize(run_dir: Path, window: int) -> dict:
     windows = []
     for start in range(0, len(train), window):
         chunk = train[start : start + window]
-        windows.append({
-            "steps": f"{chunk[0]['step'] + 1}-{chunk[-1]['step'] + 1}",
-            "reward_mean": statistics.mean(m["reward_mean"] for m in chunk),
-            "pass_rate": statistics.mean(m["pass_rate"] for m in chunk),
-            "step_s": statistics.mean(m["step_s"] for m in chunk),
-        })
+        windows.append(
+            {
+                "steps": f"{chunk[0]['step'] + 1}-{chunk[-1]['step'] + 1}",
+                "reward_mean": statistics.mean(m["reward_mean"] for m in chunk),
+                "pass_rate": statistics.mean(m["pass_rate"] for m in chunk),
+                "step_s": statistics.mean(m["step_s"] for m in chunk),
+            }
+        )
     return {
         "run_dir": str(run_dir),
         "steps": len(train),
-        "evals": [{"after_steps": m["step"], "split": m.get("eval_split"), "reward_mean": m["eval_reward_mean"],
-                   "pass_rate": m["eval_pass_rate"], "executions": m["eval_executions"]} for m in evals],
+        "evals": [
+            {
+                "after_steps": m["step"],
+                "split": m.get("eval_split"),
+                "reward_mean": m["eval_reward_mean"],
+                "pass_rate": m["eval_pass_rate"],
+                "executions": m["eval_executions"],
+            }
+            for m in evals
+        ],
         "train_windows": windows,
     }
 

@@ -25,9 +25,14 @@ class Checkpointer:
         self._host_copy = primary_only and jax.process_count() > 1
         if self._host_copy:
             extra["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
-                primary_host=0, active_processes={0}, barrier_sync_key_prefix="core")
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=not extra,  # made above
-                                               enable_async_checkpointing=False, **extra)
+                primary_host=0, active_processes={0}, barrier_sync_key_prefix="core"
+            )
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            create=not extra,  # made above
+            enable_async_checkpointing=False,
+            **extra,
+        )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
     def latest_step(self) -> int | None:
@@ -40,8 +45,9 @@ class Checkpointer:
         """Writes checkpoint ``step`` and waits until it is complete on disk."""
         if self._host_copy:
             state = jax.device_get(state)
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-                           force=True)
+        self._manager.save(
+            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
+        )
         self._manager.wait_until_finished()
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:

@@ -103,39 +103,60 @@ def validate_distributed(config) -> None:
             raise ValueError(message)
 
     need(isinstance(d.enabled, bool), f"config.distributed.enabled={d.enabled!r} must be true or false")
-    need(isinstance(d.coordinator_address, str), "config.distributed.coordinator_address must be a string 'host:port' (or '')")
+    need(
+        isinstance(d.coordinator_address, str),
+        "config.distributed.coordinator_address must be a string 'host:port' (or '')",
+    )
     if d.coordinator_address:
         host, sep, port = d.coordinator_address.rpartition(":")
-        need(bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536,
-             f"config.distributed.coordinator_address={d.coordinator_address!r} must be 'host:port' with a port in "
-             f"[1, 65535] (the address of process 0), or '' to auto-detect")
-    need(isinstance(d.num_processes, int) and d.num_processes >= 0,
-         f"config.distributed.num_processes={d.num_processes!r} must be >= 1, or 0 to auto-detect")
-    need(isinstance(d.process_id, int) and d.process_id >= -1,
-         f"config.distributed.process_id={d.process_id!r} must be >= 0, or -1 to auto-detect")
+        need(
+            bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536,
+            f"config.distributed.coordinator_address={d.coordinator_address!r} must be 'host:port' with a port in "
+            f"[1, 65535] (the address of process 0), or '' to auto-detect",
+        )
+    need(
+        isinstance(d.num_processes, int) and d.num_processes >= 0,
+        f"config.distributed.num_processes={d.num_processes!r} must be >= 1, or 0 to auto-detect",
+    )
+    need(
+        isinstance(d.process_id, int) and d.process_id >= -1,
+        f"config.distributed.process_id={d.process_id!r} must be >= 0, or -1 to auto-detect",
+    )
     if d.num_processes >= 1 and d.process_id >= 0:
-        need(d.process_id < d.num_processes,
-             f"config.distributed.process_id={d.process_id} must be < num_processes={d.num_processes} (ids are 0 .. N-1)")
+        need(
+            d.process_id < d.num_processes,
+            f"config.distributed.process_id={d.process_id} must be < num_processes={d.num_processes} (ids are 0 .. N-1)",
+        )
     ids = tuple(d.local_device_ids or ())
-    need(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) and len(set(ids)) == len(ids),
-         f"config.distributed.local_device_ids={ids!r} must be distinct device ids >= 0, or () for all")
+    need(
+        all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) and len(set(ids)) == len(ids),
+        f"config.distributed.local_device_ids={ids!r} must be distinct device ids >= 0, or () for all",
+    )
     for key in ("initialization_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s"):
-        need(isinstance(d[key], (int, float)) and not isinstance(d[key], bool) and d[key] >= 1,
-             f"config.distributed.{key}={d[key]!r} must be a number of seconds >= 1")
+        need(
+            isinstance(d[key], (int, float)) and not isinstance(d[key], bool) and d[key] >= 1,
+            f"config.distributed.{key}={d[key]!r} must be a number of seconds >= 1",
+        )
     platform = config.devices.platform if "devices" in config else "cpu"
     if d.enabled and platform == "cpu":
         n = config.devices.num_cpu_devices
-        need(d.num_processes >= 1,
-             "config.distributed.num_processes must be set on cpu (the config's devices.num_cpu_devices are split "
-             "over the processes; cluster auto-detection is for gpu/tpu)")
-        need(n % d.num_processes == 0,
-             f"config.devices.num_cpu_devices={n} (the run's total) must be a multiple of "
-             f"config.distributed.num_processes={d.num_processes}: every process gets the same number of devices")
+        need(
+            d.num_processes >= 1,
+            "config.distributed.num_processes must be set on cpu (the config's devices.num_cpu_devices are split "
+            "over the processes; cluster auto-detection is for gpu/tpu)",
+        )
+        need(
+            n % d.num_processes == 0,
+            f"config.devices.num_cpu_devices={n} (the run's total) must be a multiple of "
+            f"config.distributed.num_processes={d.num_processes}: every process gets the same number of devices",
+        )
         need(not ids, "config.distributed.local_device_ids selects GPUs; leave it () on cpu")
     if not d.enabled:
-        need(d.num_processes in (0, 1) and d.process_id in (-1, 0),
-             f"config.distributed.num_processes={d.num_processes}, process_id={d.process_id} describe a multi-process "
-             f"run but config.distributed.enabled is false; set enabled=true")
+        need(
+            d.num_processes in (0, 1) and d.process_id in (-1, 0),
+            f"config.distributed.num_processes={d.num_processes}, process_id={d.process_id} describe a multi-process "
+            f"run but config.distributed.enabled is false; set enabled=true",
+        )
 
 
 def local_cpu_device_count(config) -> int:
@@ -171,7 +192,8 @@ def _configure_platform(platform: str, cpu_devices: int) -> None:
             raise DistributedError(
                 f"JAX already started on {backend} with {jax.local_device_count()} local devices, but the config asks "
                 f"for {platform}{f' with {cpu_devices} devices' if platform == 'cpu' else ''}: call "
-                f"gyre_jax.distributed.initialize(config) before any JAX computation")
+                f"gyre_jax.distributed.initialize(config) before any JAX computation"
+            )
         return
     jax.config.update("jax_platforms", platform)
     if platform == "cpu":
@@ -189,8 +211,11 @@ class DistributedRuntime:
         self._acked: list[int] = []  # process 0: decisions whose keys may be deleted once every reader acked
         self._closed = False
         self._previous_excepthook = None
-        self.watchdog = (Watchdog(client, info.process_id, info.num_processes, heartbeat_timeout_s)
-                         if client is not None and info.num_processes > 1 else None)
+        self.watchdog = (
+            Watchdog(client, info.process_id, info.num_processes, heartbeat_timeout_s)
+            if client is not None and info.num_processes > 1
+            else None
+        )
 
     @property
     def multi_process(self) -> bool:
@@ -227,7 +252,9 @@ class DistributedRuntime:
         try:
             record = self.client.blocking_key_value_get_bytes(f"{key}/value", ms)
         except Exception as exc:  # deadline exceeded (the coordinator is alive but slow: the watchdog covers death)
-            raise DistributedError(f"no decision #{k} from process 0 within {timeout_s} s: {_first_line(exc)}") from None
+            raise DistributedError(
+                f"no decision #{k} from process 0 within {timeout_s} s: {_first_line(exc)}"
+            ) from None
         self.client.key_value_increment(f"{key}/acks", 1)
         if record[:1] == b"\x00":
             return record[1:], ""
@@ -263,11 +290,16 @@ class DistributedRuntime:
             except Exception:
                 pass
             others = {p: n for p, n in where.items() if n != name}
-            detail = (f"; at their sync #{k} other processes are at {others}: a process skipped or reordered a "
-                      f"sync" if others else "; a process is slower, hung, or took another path")
-            raise DistributedError(f"sync {name!r} (#{k} of process {self.info.process_id}) did not complete"
-                                   f"{'' if timeout_s is None else f' within {timeout_s} s'}{detail} "
-                                   f"({_first_line(exc)})") from None
+            detail = (
+                f"; at their sync #{k} other processes are at {others}: a process skipped or reordered a sync"
+                if others
+                else "; a process is slower, hung, or took another path"
+            )
+            raise DistributedError(
+                f"sync {name!r} (#{k} of process {self.info.process_id}) did not complete"
+                f"{'' if timeout_s is None else f' within {timeout_s} s'}{detail} "
+                f"({_first_line(exc)})"
+            ) from None
 
     # failure handling ------------------------------------------------------------------------------------
     def abort(self, message: str, exit_code: int = FAILED_EXIT_CODE) -> None:
@@ -349,23 +381,38 @@ def initialize(config) -> ProcessInfo:
         raise DistributedError(
             f"jax.distributed.initialize could not determine the run's processes ({exc}): set "
             f"config.distributed.coordinator_address=HOST:PORT, num_processes and process_id, or launch under "
-            f"Slurm (srun), Open MPI (mpirun) or on a Cloud TPU VM so that JAX detects them") from None
+            f"Slurm (srun), Open MPI (mpirun) or on a Cloud TPU VM so that JAX detects them"
+        ) from None
     except Exception as exc:  # e.g. the coordinator never came up within initialization_timeout_s
         raise DistributedError(
             f"joining the run as process {kwargs['process_id']} of {kwargs['num_processes']} via "
             f"{kwargs['coordinator_address'] or 'auto-detection'} failed: {_first_line(exc)} (is process 0 running "
-            f"and reachable? config.distributed.initialization_timeout_s={d.initialization_timeout_s})") from None
+            f"and reachable? config.distributed.initialization_timeout_s={d.initialization_timeout_s})"
+        ) from None
 
     from jax._src import distributed as jax_distributed
 
     client = jax_distributed.global_state.client
-    info = ProcessInfo(jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),
-                       platform, jax_distributed.global_state.coordinator_address or "")
+    info = ProcessInfo(
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+        platform,
+        jax_distributed.global_state.coordinator_address or "",
+    )
     _check_equal_local_devices(client, info)
     _RUNTIME = DistributedRuntime(info, client, heartbeat)
     _RUNTIME.install()
-    log.info("distributed: process %d of %d, %d local / %d global %s devices, coordinator %s", info.process_id,
-             info.num_processes, info.local_devices, info.global_devices, platform, info.coordinator_address)
+    log.info(
+        "distributed: process %d of %d, %d local / %d global %s devices, coordinator %s",
+        info.process_id,
+        info.num_processes,
+        info.local_devices,
+        info.global_devices,
+        platform,
+        info.coordinator_address,
+    )
     return info
 
 
@@ -375,17 +422,26 @@ def _check_equal_local_devices(client, info: ProcessInfo) -> None:
     client.wait_at_barrier(f"{_KEY}/local_devices", _FOREVER_MS)
     counts = {int(k.rsplit("/", 1)[1]): int(v) for k, v in client.key_value_dir_get(f"{_KEY}/local_devices/")}
     if len(set(counts.values())) != 1:
-        raise DistributedError(f"processes have different numbers of local devices {dict(sorted(counts.items()))}: "
-                               f"every host must contribute the same number (set config.distributed.local_device_ids "
-                               f"or launch the same number of processes per host)")
+        raise DistributedError(
+            f"processes have different numbers of local devices {dict(sorted(counts.items()))}: "
+            f"every host must contribute the same number (set config.distributed.local_device_ids "
+            f"or launch the same number of processes per host)"
+        )
 
 
 def runtime() -> DistributedRuntime:
     """The process's runtime; a single-process one if ``initialize`` was never called (tests, notebooks)."""
     global _RUNTIME
     if _RUNTIME is None:
-        _RUNTIME = DistributedRuntime(ProcessInfo(jax.process_index(), jax.process_count(), jax.local_device_count(),
-                                                  jax.device_count(), jax.default_backend()))
+        _RUNTIME = DistributedRuntime(
+            ProcessInfo(
+                jax.process_index(),
+                jax.process_count(),
+                jax.local_device_count(),
+                jax.device_count(),
+                jax.default_backend(),
+            )
+        )
     return _RUNTIME
 
 
@@ -448,10 +504,15 @@ def _encode_decision(obj: Any) -> tuple[bytes, str]:
     try:
         payload = json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
     except (TypeError, ValueError) as exc:
-        return b"", f"broadcast_decision: process 0's value is not JSON-able ({exc}); send plain dicts/lists/str/numbers"
+        return (
+            b"",
+            f"broadcast_decision: process 0's value is not JSON-able ({exc}); send plain dicts/lists/str/numbers",
+        )
     if len(payload) > MAX_DECISION_BYTES:
-        return b"", (f"broadcast_decision: process 0's value is {len(payload)} bytes as JSON, more than "
-                     f"{MAX_DECISION_BYTES}: decisions are small control messages; send data through the devices")
+        return b"", (
+            f"broadcast_decision: process 0's value is {len(payload)} bytes as JSON, more than "
+            f"{MAX_DECISION_BYTES}: decisions are small control messages; send data through the devices"
+        )
     return payload, ""
 
 
@@ -546,16 +607,19 @@ class Watchdog:
                 with self._lock:
                     self._beat += 1
                 self._publish()
-                statuses = {int(k.rsplit("/", 1)[1]): json.loads(v)
-                            for k, v in self.client.key_value_dir_get(f"{_KEY}/status/")}
+                statuses = {
+                    int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in self.client.key_value_dir_get(f"{_KEY}/status/")
+                }
                 first_error_at = None
             except Exception as exc:
                 if self._stop.is_set():
                     return
                 first_error_at = first_error_at or now
                 if now - first_error_at >= min(self.timeout_s, 2 * self.interval_s):
-                    self._exit(f"lost the coordination service (process 0, the coordinator, died or is unreachable): "
-                               f"{_first_line(exc)}")
+                    self._exit(
+                        f"lost the coordination service (process 0, the coordinator, died or is unreachable): "
+                        f"{_first_line(exc)}"
+                    )
                 continue
             for peer in range(self.num_processes):
                 if peer == self.process_id:
@@ -572,16 +636,20 @@ class Watchdog:
                     continue
                 silent = now - (prev[1] if st is not None else start)
                 if silent > self.timeout_s:
-                    self._exit(f"process {peer} stopped responding: no heartbeat for {silent:.1f} s "
-                               f"(> config.distributed.heartbeat_timeout_s={self.timeout_s:g}); it was killed, "
-                               f"crashed or its host is gone")
+                    self._exit(
+                        f"process {peer} stopped responding: no heartbeat for {silent:.1f} s "
+                        f"(> config.distributed.heartbeat_timeout_s={self.timeout_s:g}); it was killed, "
+                        f"crashed or its host is gone"
+                    )
 
     def _exit(self, reason: str) -> None:
         if self._stop.is_set():
             return
-        _write_stderr(f"error: gyre-jax process {self.process_id} of {self.num_processes} is stopping: {reason}. "
-                      f"See that process's log for the cause; restart all processes to resume from the last "
-                      f"checkpoint (exit code {PEER_LOST_EXIT_CODE}).")
+        _write_stderr(
+            f"error: gyre-jax process {self.process_id} of {self.num_processes} is stopping: {reason}. "
+            f"See that process's log for the cause; restart all processes to resume from the last "
+            f"checkpoint (exit code {PEER_LOST_EXIT_CODE})."
+        )
         hooks = [threading.Thread(target=_quietly, args=(h,), daemon=True) for h in self.hooks]
         for t in hooks:
             t.start()
@@ -625,8 +693,10 @@ def devices_per_process(devices: Sequence[jax.Device]) -> int:
     for d in devices:
         counts[d.process_index] = counts.get(d.process_index, 0) + 1
     if len(set(counts.values())) != 1:
-        raise DistributedError(f"processes hold different numbers of devices {dict(sorted(counts.items()))}: cells "
-                               f"over hosts need the same number on every host")
+        raise DistributedError(
+            f"processes hold different numbers of devices {dict(sorted(counts.items()))}: cells "
+            f"over hosts need the same number on every host"
+        )
     return next(iter(counts.values()))
 
 
@@ -638,7 +708,8 @@ def check_host_aligned(devices: Sequence[jax.Device], group: int, what: str) -> 
     if group % per_host and per_host % group:
         raise DistributedError(
             f"{what} of {group} devices over hosts of {per_host} devices would split a host between groups: a group "
-            f"must be whole hosts (a multiple of {per_host} devices) or part of one host (a divisor of {per_host})")
+            f"must be whole hosts (a multiple of {per_host} devices) or part of one host (a divisor of {per_host})"
+        )
 
 
 def _inner_group(shape: dict[str, int]) -> int:
@@ -772,8 +843,12 @@ def publish_to_cells(params: Any, cell_shardings: Sequence[Any]) -> list[Any]:
         same_set = set(order) == set(source.devices.flat)
         raise DistributedError(
             "publish_to_cells: the params' mesh must cover exactly the cells' devices, in the cells' order "
-            + ("(same devices, other order: build both with make_global_mesh / make_global_cells)" if same_set else
-               f"(params on {source.devices.size} devices, cells on {len(order)})"))
+            + (
+                "(same devices, other order: build both with make_global_mesh / make_global_cells)"
+                if same_set
+                else f"(params on {source.devices.size} devices, cells on {len(order)})"
+            )
+        )
     for i, s in enumerate(per_cell[1:], start=1):
         if [x.spec for x in s] != [x.spec for x in per_cell[0]]:
             raise DistributedError(f"publish_to_cells: cell {i}'s specs differ from cell 0's (cells share one layout)")
@@ -812,24 +887,31 @@ def cell_put(tree: Any, shardings: Any, *, may_alias: bool | None = None) -> Any
     local = set(jax.local_devices())
     if set(src_devs) | set(dst_devs) <= local:
         if not all(isinstance(x, jax.Array) for x in leaves):
-            raise DistributedError("cell_put: abstract (ShapeDtypeStruct) leaves only stand for a mesh this process "
-                                   "does not hold; this process holds both meshes, so pass the arrays")
+            raise DistributedError(
+                "cell_put: abstract (ShapeDtypeStruct) leaves only stand for a mesh this process "
+                "does not hold; this process holds both meshes, so pass the arrays"
+            )
         return jax.device_put(tree, shardings, may_alias=may_alias)
     if set(src_devs) & set(dst_devs):
-        raise DistributedError("cell_put across processes needs disjoint source and destination meshes "
-                               "(overlapping meshes are not supported yet: publish_to_cells covers the global mesh)")
+        raise DistributedError(
+            "cell_put across processes needs disjoint source and destination meshes "
+            "(overlapping meshes are not supported yet: publish_to_cells covers the global mesh)"
+        )
     if dict(src.shape) != dict(dst.shape) or src.axis_names != dst.axis_names:
-        raise DistributedError(f"cell_put across processes needs meshes of one shape: {dict(src.shape)} -> "
-                               f"{dict(dst.shape)} (not supported yet)")
+        raise DistributedError(
+            f"cell_put across processes needs meshes of one shape: {dict(src.shape)} -> "
+            f"{dict(dst.shape)} (not supported yet)"
+        )
     if not (set(src_devs) | set(dst_devs)) & local:  # this process holds neither mesh: nothing to run
         return jax.tree.unflatten(treedef, [_wrap(x.shape, x.dtype, t, {}) for x, t in zip(leaves, targets)])
     pair = Mesh(np.stack([src.devices, dst.devices]), ("cells",) + tuple(src.axis_names))
     shapes = [tuple(x.shape) if x.shape else (1,) for x in leaves]  # 0-d leaves travel as [1]
     zeros: list = [None] * len(leaves)
     if set(dst_devs) & local:  # our part of the destination half starts as zeros, in the source's layout
-        zeros = _jitted_zeros(tuple((shape, jnp.dtype(x.dtype)) for shape, x in zip(shapes, leaves)),
-                              tuple(NamedSharding(dst, x.sharding.spec if x.shape else PartitionSpec())
-                                    for x in leaves))()
+        zeros = _jitted_zeros(
+            tuple((shape, jnp.dtype(x.dtype)) for shape, x in zip(shapes, leaves)),
+            tuple(NamedSharding(dst, x.sharding.spec if x.shape else PartitionSpec()) for x in leaves),
+        )()
     ins, outs = [], []
     for x, target, shape, zero in zip(leaves, targets, shapes, zeros):
         held = x.addressable_shards if isinstance(x, jax.Array) else ()  # abstract leaf: a mesh this process lacks

@@ -95,8 +95,12 @@ class Trainer:
                 f"the config needs {n} devices but JAX sees {len(devices)} ({devices[0].platform}); "
                 f"on CPU set config.devices.num_cpu_devices before JAX starts (python -m gyre_jax.train does this)"
             )
-        cell_shape = dict(data=config.cells.data, fsdp=config.cells.fsdp, tensor=config.cells.tensor,
-                          **({"expert": config.cells.expert} if config.cells.get("expert", 1) > 1 else {}))
+        cell_shape = dict(
+            data=config.cells.data,
+            fsdp=config.cells.fsdp,
+            tensor=config.cells.tensor,
+            **({"expert": config.cells.expert} if config.cells.get("expert", 1) > 1 else {}),
+        )
         # Multi-process (docs/multihost.md): process 0 leads (proxy, executor, records, pipeline, controller,
         # core cell); every other process follows, running the cells on its own devices.
         self.process_id = jax.process_index()
@@ -104,8 +108,10 @@ class Trainer:
         self.is_leader = self.process_id == 0
         if self.multi_process:
             if n != len(devices):
-                raise RuntimeError(f"a multi-process run uses every device of every process: the config asks for {n} "
-                                   f"but the processes hold {len(devices)}")
+                raise RuntimeError(
+                    f"a multi-process run uses every device of every process: the config asks for {n} "
+                    f"but the processes hold {len(devices)}"
+                )
             self.devices = list(distributed.host_ordered(devices))
             self.train_mesh = distributed.make_global_mesh(dict(config.mesh), self.devices)
             self.cells = distributed.make_global_cells(self.devices, config.cells.num_cells, cell_shape)
@@ -115,7 +121,8 @@ class Trainer:
                     raise distributed.DistributedError(
                         f"not supported yet: {cell.name} spans processes {list(procs)} (a cell over several hosts needs "
                         f"its serving steps in lockstep on all of them); use cells of one host or less: "
-                        f"config.cells.num_cells >= the number of processes")
+                        f"config.cells.num_cells >= the number of processes"
+                    )
         else:
             self.devices = devices[:n]
             self.train_mesh = make_mesh(self.devices, dict(config.mesh))
@@ -124,30 +131,39 @@ class Trainer:
             from gyre_jax.model.hf_checkpoint import load_hf_checkpoint
 
             self.model_cfg, self.graphdef, params = load_hf_checkpoint(
-                ckpt_dir, self.train_mesh, self.rules, dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+                ckpt_dir, self.train_mesh, self.rules, dtype=config.model.dtype, param_dtype=config.model.param_dtype
+            )
             log.info("loaded %s (%.1fM params)", ckpt_dir, self.model_cfg.num_params / 1e6)
         else:
             self.model_cfg = ModelConfig.from_config_dict(config.model)
             self.graphdef, params = init_params(self.model_cfg, self.train_mesh, self.rules, config.seed)
-        self.suite = BuiltinSuite(kinds=tuple(config.rollout.task_kinds), seed=config.seed, max_turns=config.rollout.max_turns,
-                                  tool_latency_median_s=config.rollout.tool_latency_median_s,
-                                  tool_latency_sigma=config.rollout.tool_latency_sigma, alphabet=config.rollout.alphabet,
-                                  min_len=config.rollout.input_min_len, max_len=config.rollout.input_max_len,
-                                  num_tasks=config.rollout.num_tasks)
+        self.suite = BuiltinSuite(
+            kinds=tuple(config.rollout.task_kinds),
+            seed=config.seed,
+            max_turns=config.rollout.max_turns,
+            tool_latency_median_s=config.rollout.tool_latency_median_s,
+            tool_latency_sigma=config.rollout.tool_latency_sigma,
+            alphabet=config.rollout.alphabet,
+            min_len=config.rollout.input_min_len,
+            max_len=config.rollout.input_max_len,
+            num_tasks=config.rollout.num_tasks,
+        )
         if not self.is_leader:
             self._init_follower(config, params)
             return
         # The core cell (cell 0) holds the authoritative params and the only optimizer state.
         self.learner = Learner.from_config(self.model_cfg, self.graphdef, self.cells[0].mesh, self.rules, config)
         # Multi-process: the core lives on process 0 alone, which saves and restores it (orbax, primary host).
-        self.checkpointer = Checkpointer(self.workdir / "checkpoints", max_to_keep=config.keep_checkpoints,
-                                         primary_only=self.multi_process)
+        self.checkpointer = Checkpointer(
+            self.workdir / "checkpoints", max_to_keep=config.keep_checkpoints, primary_only=self.multi_process
+        )
         self.metrics = MetricsWriter(self.workdir, tensorboard=config.metrics.tensorboard)
         _fsync_write(self.workdir / "config.json", json.dumps(config.to_dict(), indent=2, default=str))
 
         message_end = self.tokenizer.token_id("<|im_end|>") if hasattr(self.tokenizer, "token_id") else None
-        self.trajectory_cfg = dataclasses.replace(TrajectoryConfig.from_config(config, message_end_id=message_end),
-                                                  vocab_size=self.model_cfg.vocab_size)
+        self.trajectory_cfg = dataclasses.replace(
+            TrajectoryConfig.from_config(config, message_end_id=message_end), vocab_size=self.model_cfg.vocab_size
+        )
         latest = self.checkpointer.latest_step()
         if self.multi_process:  # every process must agree on whether the (collective) warm start runs
             distributed.broadcast_decision({"latest": latest})
@@ -155,8 +171,12 @@ class Trainer:
             self.state, meta = self.checkpointer.restore(latest, self.learner.abstract_state())
             self.start_step = int(meta["next_step"])
             pipeline_state = meta.get("pipeline")
-            log.info("resumed from %s at step %d (policy version %d)", self.workdir / "checkpoints", self.start_step,
-                     int(self.state.step))
+            log.info(
+                "resumed from %s at step %d (policy version %d)",
+                self.workdir / "checkpoints",
+                self.start_step,
+                int(self.state.step),
+            )
         else:
             self.start_step = 0
             pipeline_state = None
@@ -165,8 +185,9 @@ class Trainer:
             self.state = self.learner.init_state(self._core_params(params))
         del params
         self.records = RecordStore(self.workdir / "records")
-        self.pipeline = TrajectoryPipeline(self.workdir / "records", self.workdir / "trajectory", self.trajectory_cfg,
-                                           state=pipeline_state)
+        self.pipeline = TrajectoryPipeline(
+            self.workdir / "records", self.workdir / "trajectory", self.trajectory_cfg, state=pipeline_state
+        )
         self._pipeline_state = self.pipeline.get_state()
         if latest is None:
             self.save_checkpoint(0)
@@ -184,63 +205,115 @@ class Trainer:
             if owner != self.process_id:  # a follower's cell: stand-ins that drive it from here
                 proc = self.remotes.get(owner)
                 if proc is None:
-                    proc = self.remotes[owner] = RemoteProcess(distributed.runtime().client, owner,
-                                                               on_error=self._remote_failed,
-                                                               on_stop=self._follower_asks_stop)
+                    proc = self.remotes[owner] = RemoteProcess(
+                        distributed.runtime().client,
+                        owner,
+                        on_error=self._remote_failed,
+                        on_stop=self._follower_asks_stop,
+                    )
                 loop = RemoteLoop(proc, cell.index, cell.name, engine.max_seq_len, shardings, engine=engine)
                 loop.update_params(self.state.params, version)
                 sat = self.learner.make_satellite(cell.mesh, cell.name)  # shardings only: it runs nothing here
                 worker = RemoteWorker(proc, cell.index, cell.name, sat.param_shardings, self.learner.param_shardings)
             else:
-                loop = self._make_loop(engine, cell, jax.device_put(self.state.params, shardings, may_alias=False),
-                                       version)
+                loop = self._make_loop(
+                    engine, cell, jax.device_put(self.state.params, shardings, may_alias=False), version
+                )
                 worker = self.learner.worker if cell.index == 0 else self.learner.make_satellite(cell.mesh, cell.name)
             self.engines.append(engine)
             self.loops.append(loop)
             runtimes.append(CellRuntime(cell=cell, loop=loop, serving_shardings=shardings, worker=worker))
         self.router = Router({loop.name: loop for loop in self.loops})
-        self.proxy = ProxyServer(self.router, self.tokenizer, self.records, model_name=config.proxy.model_name,
-                                 host=config.proxy.host, port=config.proxy.port,
-                                 max_request_bytes=config.proxy.max_request_bytes, seed=config.seed,
-                                 default_max_tokens=config.rollout.max_tokens_per_call,
-                                 max_tokens_cap=config.rollout.max_tokens_per_call,
-                                 tools_format=config.tokenizer.tools_format).start()
-        self.executor = Executor(self.proxy, self.proxy.base_url, self.workdir / "executions",
-                                 model_name=config.proxy.model_name, timeout_s=config.rollout.timeout_s,
-                                 max_parallel=config.rollout.max_parallel, temperature=config.rollout.temperature,
-                                 max_tokens=config.rollout.max_tokens_per_call,
-                                 evaluator_timeout_s=config.rollout.evaluator_timeout_s)
+        self.proxy = ProxyServer(
+            self.router,
+            self.tokenizer,
+            self.records,
+            model_name=config.proxy.model_name,
+            host=config.proxy.host,
+            port=config.proxy.port,
+            max_request_bytes=config.proxy.max_request_bytes,
+            seed=config.seed,
+            default_max_tokens=config.rollout.max_tokens_per_call,
+            max_tokens_cap=config.rollout.max_tokens_per_call,
+            tools_format=config.tokenizer.tools_format,
+        ).start()
+        self.executor = Executor(
+            self.proxy,
+            self.proxy.base_url,
+            self.workdir / "executions",
+            model_name=config.proxy.model_name,
+            timeout_s=config.rollout.timeout_s,
+            max_parallel=config.rollout.max_parallel,
+            temperature=config.rollout.temperature,
+            max_tokens=config.rollout.max_tokens_per_call,
+            evaluator_timeout_s=config.rollout.evaluator_timeout_s,
+        )
         if self.multi_process:  # a lost peer ends the run: kill the harnesses before this process exits
             distributed.add_failure_hook(self.executor.cancel)
         sched = config.schedule
         self.policy = make_policy(sched.policy, len(self.cells), **config_lib.policy_options(config))
-        self.timeline = TimelineWriter(self.workdir / "timeline" / f"step{self.start_step:06d}.json",
-                                       [c.name for c in self.cells], source="run", t0=time.time())
+        self.timeline = TimelineWriter(
+            self.workdir / "timeline" / f"step{self.start_step:06d}.json",
+            [c.name for c in self.cells],
+            source="run",
+            t0=time.time(),
+        )
         for c in range(len(self.cells)):
             self.timeline.role(time.time(), c, "serving", reason="start")
-        self.controller = Controller(cfg=ControllerConfig.from_config(config), cells=runtimes, learner=self.learner,
-                                     state=self.state, policy=self.policy, router=self.router, executor=self.executor,
-                                     records=self.records, pipeline=self.pipeline, make_specs=self._step_specs,
-                                     on_step=self._on_step, timeline=self.timeline, stop=self._stop,
-                                     decisions_path=self.workdir / "decisions.jsonl",
-                                     measurements_path=self.workdir / "cost_measurements.json")
-        log.info("proxy serving on %s; %s policy; %d cells x %d devices (cell0 = core); model %.2fM params",
-                 self.proxy.base_url, sched.policy, len(self.cells), len(self.cells[0].devices),
-                 self.model_cfg.num_params / 1e6)
+        self.controller = Controller(
+            cfg=ControllerConfig.from_config(config),
+            cells=runtimes,
+            learner=self.learner,
+            state=self.state,
+            policy=self.policy,
+            router=self.router,
+            executor=self.executor,
+            records=self.records,
+            pipeline=self.pipeline,
+            make_specs=self._step_specs,
+            on_step=self._on_step,
+            timeline=self.timeline,
+            stop=self._stop,
+            decisions_path=self.workdir / "decisions.jsonl",
+            measurements_path=self.workdir / "cost_measurements.json",
+        )
+        log.info(
+            "proxy serving on %s; %s policy; %d cells x %d devices (cell0 = core); model %.2fM params",
+            self.proxy.base_url,
+            sched.policy,
+            len(self.cells),
+            len(self.cells[0].devices),
+            self.model_cfg.num_params / 1e6,
+        )
 
     # -- building blocks shared by the leader and the followers ----------------------------------------------
     def _make_engine(self, cell) -> Engine:
         s = self.config.serving
-        return Engine(self.model_cfg, self.graphdef, cell.mesh, self.rules,
-                      max_concurrent_decodes=s.max_concurrent_decodes, max_seq_len=s.max_seq_len,
-                      max_prefill_length=s.max_prefill_length, prefill_buckets=tuple(s.prefill_buckets),
-                      page_size=s.page_size)
+        return Engine(
+            self.model_cfg,
+            self.graphdef,
+            cell.mesh,
+            self.rules,
+            max_concurrent_decodes=s.max_concurrent_decodes,
+            max_seq_len=s.max_seq_len,
+            max_prefill_length=s.max_prefill_length,
+            prefill_buckets=tuple(s.prefill_buckets),
+            page_size=s.page_size,
+        )
 
     def _make_loop(self, engine: Engine, cell, params, version: int) -> ServingLoop:
         s, c = self.config.serving, self.config
-        return ServingLoop(engine, params, policy_version=version, name=cell.name, seed=c.seed + 7919 * cell.index,
-                           kv_pages=s.kv_pages, on_update=s.on_weight_update, reuse_stale_kv=s.reuse_stale_kv,
-                           detokenize=self.tokenizer.decode).start()
+        return ServingLoop(
+            engine,
+            params,
+            policy_version=version,
+            name=cell.name,
+            seed=c.seed + 7919 * cell.index,
+            kv_pages=s.kv_pages,
+            on_update=s.on_weight_update,
+            reuse_stale_kv=s.reuse_stale_kv,
+            detokenize=self.tokenizer.decode,
+        ).start()
 
     def _core_params(self, params):
         """Params from the training mesh onto the core cell. Across processes that is one collective program
@@ -266,12 +339,18 @@ class Trainer:
             engine = engines[cell.index] = self._make_engine(cell)  # other processes' cells: their layouts only
             if cell.devices[0].process_index != self.process_id:
                 continue
-            mine.append(FollowerCell(
-                index=cell.index, name=cell.name, serving_shardings=engine.param_shardings(abstract_params),
-                make_loop=lambda p, v, e=engine, c=cell: self._make_loop(e, c, p, v),
-                worker=learner.make_satellite(cell.mesh, cell.name)))
-        self.follower = Follower(distributed.runtime().client, self.process_id, mine, learner.param_shardings,
-                                 engines=engines)
+            mine.append(
+                FollowerCell(
+                    index=cell.index,
+                    name=cell.name,
+                    serving_shardings=engine.param_shardings(abstract_params),
+                    make_loop=lambda p, v, e=engine, c=cell: self._make_loop(e, c, p, v),
+                    worker=learner.make_satellite(cell.mesh, cell.name),
+                )
+            )
+        self.follower = Follower(
+            distributed.runtime().client, self.process_id, mine, learner.param_shardings, engines=engines
+        )
         self._abstract_params = abstract_params
         log.info("process %d follows process 0 with %s", self.process_id, ", ".join(c.name for c in mine))
 
@@ -289,8 +368,14 @@ class Trainer:
         """Train state + meta (the pipeline state at the last step boundary: a resumed run neither drops nor
         repeats an execution)."""
         state = self.controller.state if hasattr(self, "controller") else self.state
-        meta = {"next_step": next_step, "policy_version": int(state.step), "seed": self.config.seed,
-                "warm_start_done": True, "time": time.time(), "pipeline": self._pipeline_state}
+        meta = {
+            "next_step": next_step,
+            "policy_version": int(state.step),
+            "seed": self.config.seed,
+            "warm_start_done": True,
+            "time": time.time(),
+            "pipeline": self._pipeline_state,
+        }
         self.checkpointer.save(next_step, state, meta)
         self._saved_step = next_step
 
@@ -311,9 +396,17 @@ class Trainer:
     def warm_start(self, params):
         """Supervised warm start on the suite's demonstrations (a config option, logged as such)."""
         w = self.config.warm_start
-        learner = Learner(self.model_cfg, self.graphdef, self.train_mesh, self.rules,
-                          OptimizerConfig(learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
-                                          grad_clip_norm=self.config.optimizer.grad_clip_norm))
+        learner = Learner(
+            self.model_cfg,
+            self.graphdef,
+            self.train_mesh,
+            self.rules,
+            OptimizerConfig(
+                learning_rate=w.learning_rate,
+                warmup_steps=w.warmup_steps,
+                grad_clip_norm=self.config.optimizer.grad_clip_norm,
+            ),
+        )
         state = learner.init_state(params)
         tools = self.suite.tools
         t0 = time.time()
@@ -327,7 +420,9 @@ class Trainer:
             if i % 25 == 0 or i == w.steps - 1:
                 log.info("warm start %d/%d  loss %.4f", i + 1, w.steps, m["loss"])
             if i == w.steps - 1 and self.is_leader:
-                self.metrics.write(-1, {"phase": "warm_start", "warm_start_steps": w.steps, "warm_start_loss": m["loss"]})
+                self.metrics.write(
+                    -1, {"phase": "warm_start", "warm_start_steps": w.steps, "warm_start_loss": m["loss"]}
+                )
             if self._stop.is_set():
                 raise KeyboardInterrupt("stopped during warm start (nothing was saved; rerun to start over)")
         log.info("warm start: %d steps in %.1fs", w.steps, time.time() - t0)
@@ -336,8 +431,11 @@ class Trainer:
     # -- one RL step ------------------------------------------------------------------------------
     def _set_aside_stale(self, specs: list[ExecutionSpec]) -> None:
         """Records/workspaces left by an interrupted attempt at this step are moved to aborted/ (never trained on)."""
-        stale = [s.execution_id for s in specs
-                 if self.records.path(s.execution_id).exists() or (self.executor.root / s.execution_id).exists()]
+        stale = [
+            s.execution_id
+            for s in specs
+            if self.records.path(s.execution_id).exists() or (self.executor.root / s.execution_id).exists()
+        ]
         if not stale:
             return
         dest = self.workdir / "aborted" / time.strftime("%Y%m%d-%H%M%S")
@@ -351,9 +449,16 @@ class Trainer:
 
     def _specs(self, prefix: str, tasks, samples: int, salt: int) -> list[ExecutionSpec]:
         c = self.config
-        return [ExecutionSpec(execution_id=f"{prefix}{task.task_id}-g{j:02d}", task=task, group_id=f"{prefix}{task.task_id}",
-                              seed=(c.seed * 1_000_003 + salt * 1009 + i * 31 + j) % (2**31))
-                for i, task in enumerate(tasks) for j in range(samples)]
+        return [
+            ExecutionSpec(
+                execution_id=f"{prefix}{task.task_id}-g{j:02d}",
+                task=task,
+                group_id=f"{prefix}{task.task_id}",
+                seed=(c.seed * 1_000_003 + salt * 1009 + i * 31 + j) % (2**31),
+            )
+            for i, task in enumerate(tasks)
+            for j in range(samples)
+        ]
 
     def _step_specs(self, step: int) -> list[ExecutionSpec]:
         """Step ``step``'s executions in task order (leftovers of an interrupted attempt are set aside first)."""
@@ -362,14 +467,22 @@ class Trainer:
         self._set_aside_stale(specs)
         return specs
 
-    def _on_step(self, step: int, state: TrainState, learner_metrics: dict[str, Any], results: list[ExecutionResult],
-                 pipeline_state: dict[str, Any]) -> None:
+    def _on_step(
+        self,
+        step: int,
+        state: TrainState,
+        learner_metrics: dict[str, Any],
+        results: list[ExecutionResult],
+        pipeline_state: dict[str, Any],
+    ) -> None:
         """Called by the controller right after step ``step``'s optimizer update: results, metrics, checkpoint."""
         c = self.config
         self.state = state
         self._pipeline_state = pipeline_state
-        _fsync_write(self.workdir / "results" / f"step_{step:06d}.jsonl",
-                     "".join(json.dumps(r.to_dict()) + "\n" for r in results))
+        _fsync_write(
+            self.workdir / "results" / f"step_{step:06d}.jsonl",
+            "".join(json.dumps(r.to_dict()) + "\n" for r in results),
+        )
         valid = [r.reward for r in results if not r.excluded]
         counts = summarize(results)
         metrics = {
@@ -418,8 +531,14 @@ class Trainer:
                 if c.metrics.progress_bar:
                     from tqdm import tqdm
 
-                    self._bar = tqdm(total=end - step, desc=f"steps {step}-{end - 1} ({c.schedule.policy})", leave=False,
-                                     unit="step", dynamic_ncols=True, disable=None)  # no bar when stderr is not a terminal
+                    self._bar = tqdm(
+                        total=end - step,
+                        desc=f"steps {step}-{end - 1} ({c.schedule.policy})",
+                        leave=False,
+                        unit="step",
+                        dynamic_ncols=True,
+                        disable=None,
+                    )  # no bar when stderr is not a terminal
                 try:
                     step = self.controller.run(step, end)
                 finally:
@@ -434,7 +553,9 @@ class Trainer:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
         if self._stop.is_set() and step < c.total_steps:
-            log.warning("stopped at step %d/%d; checkpoint saved. Run the same command again to resume.", step, c.total_steps)
+            log.warning(
+                "stopped at step %d/%d; checkpoint saved. Run the same command again to resume.", step, c.total_steps
+            )
         return step
 
     def _next_eval_step(self, step: int) -> int:
@@ -460,7 +581,10 @@ class Trainer:
         results = self.executor.run(specs)
         if self._stop.is_set():
             return None
-        _fsync_write(self.workdir / "results" / f"eval_{step:06d}.jsonl", "".join(json.dumps(r.to_dict()) + "\n" for r in results))
+        _fsync_write(
+            self.workdir / "results" / f"eval_{step:06d}.jsonl",
+            "".join(json.dumps(r.to_dict()) + "\n" for r in results),
+        )
         valid = [r.reward for r in results if not r.excluded]
         metrics = {
             "phase": "eval",
@@ -474,8 +598,11 @@ class Trainer:
             "policy_version": int(self.state.step),
         }
         self.metrics.write(step, metrics)
-        print(f"eval after {step} RL steps ({e.split} tasks, {len(results)} executions): reward {metrics['eval_reward_mean']:.3f}  "
-              f"pass {metrics['eval_pass_rate']:.2f}  excluded {metrics['eval_excluded']}  ({metrics['eval_s']:.1f}s)", flush=True)
+        print(
+            f"eval after {step} RL steps ({e.split} tasks, {len(results)} executions): reward {metrics['eval_reward_mean']:.3f}  "
+            f"pass {metrics['eval_pass_rate']:.2f}  excluded {metrics['eval_excluded']}  ({metrics['eval_s']:.1f}s)",
+            flush=True,
+        )
         return metrics
 
     def _eval_due(self, step: int) -> bool:
@@ -487,9 +614,15 @@ class Trainer:
     def close(self) -> None:
         if not self.is_leader:
             return
-        closers = (self.proxy.stop, *[loop.stop for loop in self.loops], *[p.close for p in self.remotes.values()],
-                   self.controller.close,
-                   lambda: self.timeline.close(time.time()), self.metrics.close, self.checkpointer.close)
+        closers = (
+            self.proxy.stop,
+            *[loop.stop for loop in self.loops],
+            *[p.close for p in self.remotes.values()],
+            self.controller.close,
+            lambda: self.timeline.close(time.time()),
+            self.metrics.close,
+            self.checkpointer.close,
+        )
         for closer in closers:
             try:
                 closer()

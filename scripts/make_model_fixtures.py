@@ -27,7 +27,14 @@ import numpy as np
 import torch
 import transformers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "model"
@@ -35,8 +42,10 @@ QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{
 # Qwen3's added tokens (ids follow the trained vocabulary): special ones are skipped by decode(skip_special_tokens)
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
     "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n",
@@ -61,23 +70,38 @@ TEXTS = [
 def build_tokenizer(path: Path) -> int:
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=330, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-                                  special_tokens=[])
+    trainer = trainers.BpeTrainer(
+        vocab_size=330, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False, special_tokens=[]
+    )
     tok.train_from_iterator(CORPUS, trainer=trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token=None, bos_token=None, model_max_length=4096)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        model_max_length=4096,
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
-    (path / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [fast.convert_tokens_to_ids("<|im_end|>"), fast.convert_tokens_to_ids("<|endoftext|>")],
-         "pad_token_id": fast.convert_tokens_to_ids("<|endoftext|>")}, indent=2))
+    (path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token_id": [fast.convert_tokens_to_ids("<|im_end|>"), fast.convert_tokens_to_ids("<|endoftext|>")],
+                "pad_token_id": fast.convert_tokens_to_ids("<|endoftext|>"),
+            },
+            indent=2,
+        )
+    )
     return len(fast)
 
 
@@ -116,20 +140,48 @@ def save(model, path: Path, tokenizer_dir: Path, max_shard_size: str) -> None:
 
 def rope_golden() -> dict:
     cases = {
-        "linear": Qwen3Config(head_dim=16, hidden_size=64, num_attention_heads=4,
-                              rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
-        "yarn": Qwen3Config(head_dim=128, hidden_size=1024, num_attention_heads=8, max_position_embeddings=131072,
-                            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
-                                             "rope_theta": 1000000.0}),
-        "yarn_small": Qwen3Config(head_dim=16, hidden_size=64, num_attention_heads=4, max_position_embeddings=512,
-                                  rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
-                                                   "rope_theta": 10000.0, "beta_fast": 16, "beta_slow": 2}),
+        "linear": Qwen3Config(
+            head_dim=16,
+            hidden_size=64,
+            num_attention_heads=4,
+            rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+        ),
+        "yarn": Qwen3Config(
+            head_dim=128,
+            hidden_size=1024,
+            num_attention_heads=8,
+            max_position_embeddings=131072,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32768,
+                "rope_theta": 1000000.0,
+            },
+        ),
+        "yarn_small": Qwen3Config(
+            head_dim=16,
+            hidden_size=64,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 10000.0,
+                "beta_fast": 16,
+                "beta_slow": 2,
+            },
+        ),
     }
     out = {}
     for name, cfg in cases.items():
         rope_type = cfg.rope_parameters["rope_type"]
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
-        out[name] = {"config": cfg.to_dict(), "inv_freq": inv_freq.float().tolist(), "attention_scaling": float(scaling)}
+        out[name] = {
+            "config": cfg.to_dict(),
+            "inv_freq": inv_freq.float().tolist(),
+            "attention_scaling": float(scaling),
+        }
     return out
 
 
@@ -158,10 +210,22 @@ def tokenizer_golden(path: Path) -> dict:
     cases = []
     for text in TEXTS:
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        cases.append({"text": text, "ids": ids, "decoded": tok.decode(ids),
-                      "decoded_skip_special": tok.decode(ids, skip_special_tokens=True)})
-    return {"vocab_size": len(tok), "eos_token": tok.eos_token, "pad_token": tok.pad_token, "cases": cases,
-            "token_bytes_hex": token_bytes, "transformers_version": transformers.__version__}
+        cases.append(
+            {
+                "text": text,
+                "ids": ids,
+                "decoded": tok.decode(ids),
+                "decoded_skip_special": tok.decode(ids, skip_special_tokens=True),
+            }
+        )
+    return {
+        "vocab_size": len(tok),
+        "eos_token": tok.eos_token,
+        "pad_token": tok.pad_token,
+        "cases": cases,
+        "token_bytes_hex": token_bytes,
+        "transformers_version": transformers.__version__,
+    }
 
 
 def main() -> None:
@@ -173,35 +237,66 @@ def main() -> None:
     n_tokens = build_tokenizer(tok_dir)
     vocab = (n_tokens + 15) // 16 * 16  # like Qwen3, the embedding is larger than the tokenizer
 
-    dense_cfg = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                            max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                            rms_norm_eps=1e-6, attn_implementation="eager")
+    dense_cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-6,
+        attn_implementation="eager",
+    )
     dense = Qwen3ForCausalLM(dense_cfg).float()
     randomize(dense, 1)
     np.savez(OUT / "qwen3_dense_golden.npz", **golden(dense, vocab, seed=11))
     save(dense, OUT / "qwen3_dense", tok_dir, max_shard_size="5GB")
 
-    moe_cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                             mlp_only_layers=[1], attention_bias=True, tie_word_embeddings=False, router_aux_loss_coef=0.01,
-                             max_position_embeddings=256,
-                             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                              "rope_theta": 10000.0},
-                             attn_implementation="eager")
+    moe_cfg = Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        attention_bias=True,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.01,
+        max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0,
+        },
+        attn_implementation="eager",
+    )
     moe = Qwen3MoeForCausalLM(moe_cfg).float()
     randomize(moe, 2)
     np.savez(OUT / "qwen3_moe_golden.npz", **golden(moe, vocab, seed=12, moe=True))
     save(moe, OUT / "qwen3_moe", tok_dir, max_shard_size="40KB")
 
     (OUT / "rope_golden.json").write_text(json.dumps(rope_golden(), indent=1))
-    (OUT / "tokenizer_golden.json").write_text(json.dumps(tokenizer_golden(OUT / "qwen3_dense"), indent=1, ensure_ascii=False))
+    (OUT / "tokenizer_golden.json").write_text(
+        json.dumps(tokenizer_golden(OUT / "qwen3_dense"), indent=1, ensure_ascii=False)
+    )
     shutil.rmtree(tok_dir)
     (OUT / "README.md").write_text(
         "Golden fixtures for tests/model (tiny random Qwen3 / Qwen3-MoE checkpoints, HF logits, tokenizer and RoPE\n"
         f"references). Generated by scripts/make_model_fixtures.py with transformers {transformers.__version__}, "
-        f"torch {torch.__version__}. Do not edit by hand; rerun the script.\n")
+        f"torch {torch.__version__}. Do not edit by hand; rerun the script.\n"
+    )
     total = sum(f.stat().st_size for f in OUT.rglob("*") if f.is_file())
     print(f"wrote {OUT} ({total / 1024:.0f} KiB)", file=sys.stderr)
 

@@ -13,8 +13,16 @@ from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import init_params, make_mesh
 from gyre_jax.rl.learner import Learner, OptimizerConfig, TrainState
 
-CFG = ModelConfig(vocab_size=272, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
-                  rope_theta=10000.0)
+CFG = ModelConfig(
+    vocab_size=272,
+    num_layers=2,
+    embed_dim=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    mlp_dim=128,
+    rope_theta=10000.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +35,9 @@ def learner_and_state():
     state = learner.init_state(params)
     # One AdamW update with a pseudo-gradient (the params themselves): non-zero mu/nu, count 1.
     updates, opt_state = jax.jit(learner.tx.update)(state.params, state.opt_state, state.params)
-    new_params = jax.jit(lambda p, u: jax.tree.map(jnp.add, p, u), out_shardings=learner.param_shardings)(state.params, updates)
+    new_params = jax.jit(lambda p, u: jax.tree.map(jnp.add, p, u), out_shardings=learner.param_shardings)(
+        state.params, updates
+    )
     return learner, TrainState(params=new_params, opt_state=opt_state, step=jnp.asarray(7, jnp.int32))
 
 
@@ -55,7 +65,13 @@ def test_abstract_state_carries_the_learner_shardings(learner_and_state):
 def test_save_restore_is_bit_identical_and_keeps_shardings(tmp_path, learner_and_state):
     learner, state = learner_and_state
     ckpt = Checkpointer(tmp_path / "checkpoints", max_to_keep=2)
-    meta = {"policy_version": 7, "data_cursor": {"step": 7, "seed": 0}, "done": ["warm_start"], "loss": 0.25, "note": None}
+    meta = {
+        "policy_version": 7,
+        "data_cursor": {"step": 7, "seed": 0},
+        "done": ["warm_start"],
+        "loss": 0.25,
+        "note": None,
+    }
     assert ckpt.latest_step() is None and ckpt.all_steps() == []
     ckpt.save(7, state, meta)
     assert ckpt.latest_step() == 7
@@ -73,8 +89,11 @@ def test_save_restore_is_bit_identical_and_keeps_shardings(tmp_path, learner_and
     # Parameters come back on the learner's (fsdp-sharded) shardings, not gathered on one device.
     for (path, r), sh in zip(leaves_with_paths(restored.params), jax.tree.leaves(learner.param_shardings)):
         assert r.sharding.is_equivalent_to(sh, r.ndim), (path, r.sharding, sh)
-    assert any(r.sharding.spec != jax.sharding.PartitionSpec(*(None,) * r.ndim)
-               for _, r in leaves_with_paths(restored.params) if hasattr(r.sharding, "spec"))
+    assert any(
+        r.sharding.spec != jax.sharding.PartitionSpec(*(None,) * r.ndim)
+        for _, r in leaves_with_paths(restored.params)
+        if hasattr(r.sharding, "spec")
+    )
     ckpt.close()
 
 
@@ -95,7 +114,7 @@ def test_latest_step_and_max_to_keep(tmp_path, learner_and_state):
     directory = tmp_path / "keep"
     ckpt = Checkpointer(directory, max_to_keep=2)
     for step in (1, 2, 5, 9):
-        ckpt.save(step, jax.tree.map(lambda x: x + step, small), {"step": step})
+        ckpt.save(step, jax.tree.map(lambda x, s=step: x + s, small), {"step": step})
     assert ckpt.latest_step() == 9
     assert sorted(ckpt.all_steps()) == [5, 9]
     restored, meta = ckpt.restore(5, abstract_like(small))

@@ -39,16 +39,18 @@ def test_default_config_loads_and_validates(base):
 
 
 def test_overrides_parse_with_the_type_of_the_field_they_replace():
-    c = load_config([
-        "--config.rl.group_size=4",              # int
-        "--config.optimizer.learning_rate=1",    # float field given an integer literal
-        "--config.rl.clip_low=2.5e-4",           # float
-        "--config.metrics.tensorboard=false",    # bool
-        "--config.metrics.progress_bar=1",       # bool from 1
-        "--config.workdir=/tmp/gyre run",        # str (kept verbatim)
-        "--config.rollout.task_kinds=copy,upper",          # tuple from comma list
-        "--config.serving.prefill_buckets=(256, 1536)",    # tuple from a literal
-    ])
+    c = load_config(
+        [
+            "--config.rl.group_size=4",  # int
+            "--config.optimizer.learning_rate=1",  # float field given an integer literal
+            "--config.rl.clip_low=2.5e-4",  # float
+            "--config.metrics.tensorboard=false",  # bool
+            "--config.metrics.progress_bar=1",  # bool from 1
+            "--config.workdir=/tmp/gyre run",  # str (kept verbatim)
+            "--config.rollout.task_kinds=copy,upper",  # tuple from comma list
+            "--config.serving.prefill_buckets=(256, 1536)",  # tuple from a literal
+        ]
+    )
     assert c.rl.group_size == 4 and type(c.rl.group_size) is int
     assert c.optimizer.learning_rate == 1.0 and type(c.optimizer.learning_rate) is float
     assert c.rl.clip_low == 2.5e-4 and type(c.rl.clip_low) is float
@@ -63,7 +65,9 @@ def test_overrides_parse_with_the_type_of_the_field_they_replace():
     assert load_config([]).seed == 0
 
 
-@pytest.mark.parametrize("text, expected", [("true", True), ("Yes", True), ("1", True), ("FALSE", False), ("no", False), ("0", False)])
+@pytest.mark.parametrize(
+    "text, expected", [("true", True), ("Yes", True), ("1", True), ("FALSE", False), ("no", False), ("0", False)]
+)
 def test_bool_spellings(text, expected):
     assert load_config([f"--config.metrics.tensorboard={text}"]).metrics.tensorboard is expected
 
@@ -116,48 +120,69 @@ def test_unknown_key_names_the_key_and_lists_known_ones():
     assert "section" in section and "group_size" in section
 
 
-@pytest.mark.parametrize("argv, key, words", [
-    (["--config.rl.group_size=1"], "rl.group_size", ">= 2"),
-    (["--config.mesh.data=2"], "config.mesh", "num_cpu_devices=8"),
-    (["--config.cells.num_cells=3"], "cells.num_cells", "divide"),
-    (["--config.cells.data=2"], "config.cells", "must equal"),
-    (["--config.schedule.policy=elastic", "--config.cells.num_cells=1", "--config.cells.data=8"], "schedule.policy",
-     "num_cells >= 2"),
-    (["--config.schedule.policy=async", "--config.schedule.training_cells=2"], "schedule.training_cells", "[1, 1]"),
-    (["--config.schedule.policy=async", "--config.rl.max_staleness=0", "--config.schedule.max_staleness=2"],
-     "rl.max_staleness", "dispatch bound"),
-    (["--config.cells.data=1", "--config.cells.tensor=4"], "model.num_kv_heads", "cannot fit a cell"),
-    (["--config.cells.data=1", "--config.cells.fsdp=4", "--config.model.embed_dim=126", "--config.model.num_heads=2",
-      "--config.model.num_kv_heads=2"], "model.embed_dim", "cells.fsdp=4"),
-    (["--config.schedule.leave_on=never"], "schedule.leave_on", "must be one of"),
-    (["--config.trajectory.stream_order=random"], "trajectory.stream_order", "must be one of"),
-    (["--config.tokenizer.kind=hf"], "tokenizer.kind", "checkpoint_dir"),
-    (["--config.schedule.policy=bogus"], "schedule.policy", "must be one of"),
-    (["--config.rl.clip_low=1.0"], "rl.clip_low", "[0, 1)"),
-    (["--config.optimizer.learning_rate=inf"], "optimizer.learning_rate", "> 0"),
-    (["--config.optimizer.learning_rate=0"], "optimizer.learning_rate", "> 0"),
-    (["--config.model.num_kv_heads=3"], "model.num_heads", "multiple"),
-    (["--config.model.vocab_size=100"], "model.vocab_size", "byte tokenizer"),
-    (["--config.rollout.task_kinds=copy,bogus"], "rollout.task_kinds", "subset"),
-    (["--config.serving.max_prefill_length=4096"], "serving.max_prefill_length", "max_seq_len"),
-    (["--config.workdir="], "workdir", "non-empty"),
-    (["--config.rl.group_size=x"], "rl.group_size", "integer"),
-    (["--config.rl.group_size=2.5"], "rl.group_size", "integer"),
-    (["--config.metrics.tensorboard=maybe"], "metrics.tensorboard", "boolean"),
-    (["--config.optimizer.b1=fast"], "optimizer.b1", "number"),
-])
+@pytest.mark.parametrize(
+    "argv, key, words",
+    [
+        (["--config.rl.group_size=1"], "rl.group_size", ">= 2"),
+        (["--config.mesh.data=2"], "config.mesh", "num_cpu_devices=8"),
+        (["--config.cells.num_cells=3"], "cells.num_cells", "divide"),
+        (["--config.cells.data=2"], "config.cells", "must equal"),
+        (
+            ["--config.schedule.policy=elastic", "--config.cells.num_cells=1", "--config.cells.data=8"],
+            "schedule.policy",
+            "num_cells >= 2",
+        ),
+        (["--config.schedule.policy=async", "--config.schedule.training_cells=2"], "schedule.training_cells", "[1, 1]"),
+        (
+            ["--config.schedule.policy=async", "--config.rl.max_staleness=0", "--config.schedule.max_staleness=2"],
+            "rl.max_staleness",
+            "dispatch bound",
+        ),
+        (["--config.cells.data=1", "--config.cells.tensor=4"], "model.num_kv_heads", "cannot fit a cell"),
+        (
+            [
+                "--config.cells.data=1",
+                "--config.cells.fsdp=4",
+                "--config.model.embed_dim=126",
+                "--config.model.num_heads=2",
+                "--config.model.num_kv_heads=2",
+            ],
+            "model.embed_dim",
+            "cells.fsdp=4",
+        ),
+        (["--config.schedule.leave_on=never"], "schedule.leave_on", "must be one of"),
+        (["--config.trajectory.stream_order=random"], "trajectory.stream_order", "must be one of"),
+        (["--config.tokenizer.kind=hf"], "tokenizer.kind", "checkpoint_dir"),
+        (["--config.schedule.policy=bogus"], "schedule.policy", "must be one of"),
+        (["--config.rl.clip_low=1.0"], "rl.clip_low", "[0, 1)"),
+        (["--config.optimizer.learning_rate=inf"], "optimizer.learning_rate", "> 0"),
+        (["--config.optimizer.learning_rate=0"], "optimizer.learning_rate", "> 0"),
+        (["--config.model.num_kv_heads=3"], "model.num_heads", "multiple"),
+        (["--config.model.vocab_size=100"], "model.vocab_size", "byte tokenizer"),
+        (["--config.rollout.task_kinds=copy,bogus"], "rollout.task_kinds", "subset"),
+        (["--config.serving.max_prefill_length=4096"], "serving.max_prefill_length", "max_seq_len"),
+        (["--config.workdir="], "workdir", "non-empty"),
+        (["--config.rl.group_size=x"], "rl.group_size", "integer"),
+        (["--config.rl.group_size=2.5"], "rl.group_size", "integer"),
+        (["--config.metrics.tensorboard=maybe"], "metrics.tensorboard", "boolean"),
+        (["--config.optimizer.b1=fast"], "optimizer.b1", "number"),
+    ],
+)
 def test_bad_values_raise_one_line_config_errors_naming_the_key(argv, key, words):
     message = config_error(argv)
     assert key in message and words in message, message
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--config", "no/such/config.py"], "not found"),
-    (["--config"], "needs a path"),
-    (["--config.rl.group_size"], "needs a value"),
-    (["--config.rl.group_size", "--config.seed=1"], "needs a value"),
-    (["positional"], "unrecognized argument"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--config", "no/such/config.py"], "not found"),
+        (["--config"], "needs a path"),
+        (["--config.rl.group_size"], "needs a value"),
+        (["--config.rl.group_size", "--config.seed=1"], "needs a value"),
+        (["positional"], "unrecognized argument"),
+    ],
+)
 def test_command_line_errors(argv, words):
     assert words in config_error(argv)
 
@@ -175,8 +200,16 @@ def test_broken_config_files(tmp_path):
 
 
 def test_config_from_dict_applies_python_values_and_validates(base):
-    c = config_from_dict(base, {"rl.group_size": 4, "optimizer.learning_rate": 1e-4, "metrics.tensorboard": False,
-                                "rollout.task_kinds": ("copy",), "workdir": "elsewhere"})
+    c = config_from_dict(
+        base,
+        {
+            "rl.group_size": 4,
+            "optimizer.learning_rate": 1e-4,
+            "metrics.tensorboard": False,
+            "rollout.task_kinds": ("copy",),
+            "workdir": "elsewhere",
+        },
+    )
     assert (c.rl.group_size, c.optimizer.learning_rate, c.metrics.tensorboard) == (4, 1e-4, False)
     assert c.rollout.task_kinds == ("copy",) and c.workdir == "elsewhere"
     assert base.rl.group_size == 8 and base.workdir != "elsewhere"  # the base is not modified

@@ -22,11 +22,22 @@ FIXTURE = Path(__file__).resolve().parent / "fixtures" / "model" / "qwen3_dense"
 
 
 def _config(workdir: Path, *extra: str):
-    return config_lib.load_config([
-        f"--config.workdir={workdir}", f"--config.model.checkpoint_dir={FIXTURE}", "--config.tokenizer.kind=hf",
-        "--config.total_steps=1", "--config.warm_start.steps=0", "--config.eval.samples_per_task=0",
-        "--config.rollout.tasks_per_step=1", "--config.rl.group_size=2", "--config.rollout.max_tokens_per_call=16",
-        "--config.metrics.progress_bar=False", "--config.metrics.tensorboard=False", *extra])
+    return config_lib.load_config(
+        [
+            f"--config.workdir={workdir}",
+            f"--config.model.checkpoint_dir={FIXTURE}",
+            "--config.tokenizer.kind=hf",
+            "--config.total_steps=1",
+            "--config.warm_start.steps=0",
+            "--config.eval.samples_per_task=0",
+            "--config.rollout.tasks_per_step=1",
+            "--config.rl.group_size=2",
+            "--config.rollout.max_tokens_per_call=16",
+            "--config.metrics.progress_bar=False",
+            "--config.metrics.tensorboard=False",
+            *extra,
+        ]
+    )
 
 
 def test_a_run_trains_from_a_hugging_face_checkpoint_with_its_tokenizer(tmp_path):
@@ -60,5 +71,6 @@ def test_a_checkpoint_without_the_hf_tokenizer_is_a_config_error(tmp_path):
     with pytest.raises(config_lib.ConfigError, match="tokenizer.kind='hf'"):
         config_lib.load_config([f"--config.workdir={tmp_path}", f"--config.model.checkpoint_dir={FIXTURE}"])
     with pytest.raises(config_lib.ConfigError, match="no config.json"):
-        config_lib.load_config([f"--config.workdir={tmp_path}", f"--config.model.checkpoint_dir={tmp_path}",
-                                "--config.tokenizer.kind=hf"])
+        config_lib.load_config(
+            [f"--config.workdir={tmp_path}", f"--config.model.checkpoint_dir={tmp_path}", "--config.tokenizer.kind=hf"]
+        )

@@ -14,6 +14,9 @@ def _name(req: str) -> str:
 def test_requirements_match_pyproject():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     declared = {_name(r): r for r in project["dependencies"] + project["optional-dependencies"]["test"]}
-    listed = {_name(line): line for line in (REPO / "requirements.txt").read_text().splitlines()
-              if line.strip() and not line.startswith("#")}
+    listed = {
+        _name(line): line
+        for line in (REPO / "requirements.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     assert declared == listed

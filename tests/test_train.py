@@ -15,7 +15,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 # A small version of the default config: same parts, fewer and shorter rollouts.
 SMALL = [
-    "--config", "configs/tiny_cpu.py",
+    "--config",
+    "configs/tiny_cpu.py",
     "--config.warm_start.steps=60",  # enough to learn the tool-call format, so calls chain
     "--config.rollout.tasks_per_step=1",
     "--config.rl.group_size=4",
@@ -33,8 +34,14 @@ def _env() -> dict[str, str]:
 
 
 def _train(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gyre_jax.train", *args], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "gyre_jax.train", *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _metric_steps(workdir: Path) -> list[int]:
@@ -48,9 +55,13 @@ def _checkpoint_steps(workdir: Path) -> list[int]:
 
 @pytest.mark.parametrize(
     "override, key",
-    [("--config.rl.group_size=1", "rl.group_size"), ("--config.rl.group_szie=4", "group_szie"),
-     ("--config.mesh.data=3", "mesh"), ("--config.schedule.policy=nope", "schedule.policy"),
-     ("--config.distributed.enabled=true", "config.distributed")],
+    [
+        ("--config.rl.group_size=1", "rl.group_size"),
+        ("--config.rl.group_szie=4", "group_szie"),
+        ("--config.mesh.data=3", "mesh"),
+        ("--config.schedule.policy=nope", "schedule.policy"),
+        ("--config.distributed.enabled=true", "config.distributed"),
+    ],
 )
 def test_bad_config_fails_before_work_with_one_line(tmp_path, override, key):
     proc = _train("--config", "configs/tiny_cpu.py", f"--config.workdir={tmp_path / 'w'}", override, timeout=120)
@@ -83,7 +94,8 @@ def test_two_rl_steps_then_resume(tmp_path):
             if cur["reused_prefix_len"]:
                 continued += 1
                 assert cur["prompt_ids"][: len(prev["prompt_ids"]) + len(prev["completion_ids"])] == (
-                    prev["prompt_ids"] + prev["completion_ids"])
+                    prev["prompt_ids"] + prev["completion_ids"]
+                )
     assert continued > 0, "some executions made several calls, each continuing the previous one's exact ids"
     results = [json.loads(line) for line in (workdir / "results" / "step_000000.jsonl").read_text().splitlines()]
     assert len(results) == 4 and all(r["status"] in ("finished", "timeout", "crashed") for r in results)
@@ -102,9 +114,14 @@ def test_two_rl_steps_then_resume(tmp_path):
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     workdir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "gyre_jax.train", *SMALL, f"--config.workdir={workdir}",
-                             "--config.total_steps=50"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gyre_jax.train", *SMALL, f"--config.workdir={workdir}", "--config.total_steps=50"],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline:
@@ -134,9 +151,15 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
 def test_async_and_elastic_policies_run_end_to_end_with_a_timeline(tmp_path, policy):
     """``--config.schedule.policy=P`` on 8 virtual CPU devices (colocated is the default, run above)."""
     workdir = tmp_path / "run"
-    proc = _train(*SMALL, f"--config.workdir={workdir}", "--config.total_steps=2", "--config.eval.samples_per_task=0",
-                  "--config.warm_start.steps=0", f"--config.schedule.policy={policy}",
-                  "--config.rollout.tool_latency_median_s=0.1")
+    proc = _train(
+        *SMALL,
+        f"--config.workdir={workdir}",
+        "--config.total_steps=2",
+        "--config.eval.samples_per_task=0",
+        "--config.warm_start.steps=0",
+        f"--config.schedule.policy={policy}",
+        "--config.rollout.tool_latency_median_s=0.1",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert _metric_steps(workdir) == [0, 1]
     metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]

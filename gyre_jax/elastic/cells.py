@@ -6,8 +6,8 @@ every cell mesh is built from one contiguous slice of the device list.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import jax
 from jax.sharding import Mesh

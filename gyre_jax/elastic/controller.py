@@ -39,16 +39,17 @@ import logging
 import queue as queue_lib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
 
 from gyre_jax.elastic.cells import Cell
-from gyre_jax.elastic.remote import move_sessions
 from gyre_jax.elastic.policies import ClusterState, Decision, Event, Role, SchedulingPolicy, Waterlevel
+from gyre_jax.elastic.remote import move_sessions
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.rl.accumulator import GradAccumulator
 from gyre_jax.rl.advantages import group_advantages
@@ -145,12 +146,18 @@ class ControllerConfig:
     tick_s: float = 1.0  # a "tick" event after this long without one (time-based rules, e.g. idle_before_return_s)
 
     @classmethod
-    def from_config(cls, config) -> "ControllerConfig":
+    def from_config(cls, config) -> ControllerConfig:
         c = config
         sessions = c.cells.get("sessions_per_cell", 0) or c.serving.max_concurrent_decodes
-        return cls(tasks_per_step=c.rollout.tasks_per_step, group_size=c.rl.group_size, sessions_per_cell=sessions,
-                   max_staleness=c.rl.get("max_staleness", -1), micro_steps_per_step=c.rl.get("micro_steps_per_step", 0),
-                   max_branches=c.rl.max_branches, stream_order=c.trajectory.get("stream_order", "task"))
+        return cls(
+            tasks_per_step=c.rollout.tasks_per_step,
+            group_size=c.rl.group_size,
+            sessions_per_cell=sessions,
+            max_staleness=c.rl.get("max_staleness", -1),
+            micro_steps_per_step=c.rl.get("micro_steps_per_step", 0),
+            max_branches=c.rl.max_branches,
+            stream_order=c.trajectory.get("stream_order", "task"),
+        )
 
     @property
     def batch_size(self) -> int:
@@ -166,11 +173,26 @@ class Controller:
     (``pipeline_state`` is the checkpointable pipeline state at that boundary).
     """
 
-    def __init__(self, *, cfg: ControllerConfig, cells: list[CellRuntime], learner: Learner, state: TrainState,
-                 policy: SchedulingPolicy, router, executor: Executor, records, pipeline,
-                 make_specs: Callable[[int], list[ExecutionSpec]], on_step: Callable[..., None],
-                 timeline: TimelineWriter, stop: threading.Event, decisions_path: Path | None = None,
-                 measurements_path: Path | None = None, rl_kind: str = "rl"):
+    def __init__(
+        self,
+        *,
+        cfg: ControllerConfig,
+        cells: list[CellRuntime],
+        learner: Learner,
+        state: TrainState,
+        policy: SchedulingPolicy,
+        router,
+        executor: Executor,
+        records,
+        pipeline,
+        make_specs: Callable[[int], list[ExecutionSpec]],
+        on_step: Callable[..., None],
+        timeline: TimelineWriter,
+        stop: threading.Event,
+        decisions_path: Path | None = None,
+        measurements_path: Path | None = None,
+        rl_kind: str = "rl",
+    ):
         if policy.num_cells != len(cells):
             raise ValueError(f"the policy has {policy.num_cells} cells but the controller {len(cells)}")
         self.cfg = cfg
@@ -199,9 +221,14 @@ class Controller:
         self._flops_per_token = 6.0 * m.num_params  # forward + backward, the simulator's training cost formula
         self._flops_per_token_pair = 6.0 * m.num_layers * m.num_heads * m.head_dim
         self.measurements: dict[str, Any] = {
-            "source": "gyre_jax controller", "cell_accelerators": len(cells[0].cell.devices),
-            "micro_steps": [], "optimizer_steps": [], "serving_to_training": [], "training_to_serving": [],
-            "weight_syncs": []}
+            "source": "gyre_jax controller",
+            "cell_accelerators": len(cells[0].cell.devices),
+            "micro_steps": [],
+            "optimizer_steps": [],
+            "serving_to_training": [],
+            "training_to_serving": [],
+            "weight_syncs": [],
+        }
 
     # == public ====================================================================================
     def run(self, start: int, end: int) -> int:
@@ -293,13 +320,23 @@ class Controller:
         counts = self._mq.counts()
         due = sum(r.dispatched - r.finished for s, r in self.steps.items() if s <= self.version)
         return ClusterState(
-            time=now, roles=[c.role for c in self.cells], capacity=[self.cfg.sessions_per_cell] * len(self.cells),
+            time=now,
+            roles=[c.role for c in self.cells],
+            capacity=[self.cfg.sessions_per_cell] * len(self.cells),
             waterlevel=Waterlevel(self.wl.dispatched, self.wl.started, self.wl.finished),
-            targets=[c.target for c in self.cells], busy=[c.busy for c in self.cells], version=self.version,
-            batch_size=self.cfg.batch_size, step_dispatched=run.dispatched if run else 0,
-            step_finished=run.finished if run else 0, step_processed=run.processed if run else 0,
-            ready=counts["ready"], in_flight=counts["claimed"], undispatched=self._total - self._dispatch_ptr,
-            due_outstanding=due, held=0)
+            targets=[c.target for c in self.cells],
+            busy=[c.busy for c in self.cells],
+            version=self.version,
+            batch_size=self.cfg.batch_size,
+            step_dispatched=run.dispatched if run else 0,
+            step_finished=run.finished if run else 0,
+            step_processed=run.processed if run else 0,
+            ready=counts["ready"],
+            in_flight=counts["claimed"],
+            undispatched=self._total - self._dispatch_ptr,
+            due_outstanding=due,
+            held=0,
+        )
 
     def _plan(self, event: Event) -> None:
         state = self._cluster_state(event.time)
@@ -308,11 +345,22 @@ class Controller:
 
     def _decide(self, event: Event, decision: Decision, state: ClusterState | None = None) -> None:
         if self._decisions is not None and state is not None:
-            self._decisions.write(json.dumps({"event": dataclasses.asdict(event), "state": _state_dict(state),
-                                              "roles": [r.value for r in decision.roles],
-                                              "dispatch": decision.dispatch}) + "\n")
-        moving = [(c, want) for c, want in zip(self.cells, decision.roles)
-                  if c.role is not Role.SWITCHING and want is not c.role]
+            self._decisions.write(
+                json.dumps(
+                    {
+                        "event": dataclasses.asdict(event),
+                        "state": _state_dict(state),
+                        "roles": [r.value for r in decision.roles],
+                        "dispatch": decision.dispatch,
+                    }
+                )
+                + "\n"
+            )
+        moving = [
+            (c, want)
+            for c, want in zip(self.cells, decision.roles)
+            if c.role is not Role.SWITCHING and want is not c.role
+        ]
         now = time.time()
         for c, want in moving:  # every role is set first, so a leaving cell's sessions go to a cell that stays
             c.role, c.target = Role.SWITCHING, want
@@ -466,8 +514,15 @@ class Controller:
                     c.busy = False
                     return
                 c.busy = False
-                self._post("micro_step_done", cell=c.index, step=step, slot=claim.index, t_start=t0, t_end=time.time(),
-                           flops=flops)
+                self._post(
+                    "micro_step_done",
+                    cell=c.index,
+                    step=step,
+                    slot=claim.index,
+                    t_start=t0,
+                    t_end=time.time(),
+                    flops=flops,
+                )
 
     def _micro_step_flops(self, mb) -> float:
         """Model FLOPs of a micro-batch (forward + backward): 6 x params per token plus causal attention,
@@ -499,13 +554,17 @@ class Controller:
         t0 = time.time()
         if self._mq.filled():
             with self._state_lock:
-                self.state, metrics = self.learner.finish_step(self.state, self._mq, self._acc, self.rl_kind,
-                                                               t0=time.perf_counter())
+                self.state, metrics = self.learner.finish_step(
+                    self.state, self._mq, self._acc, self.rl_kind, t0=time.perf_counter()
+                )
             for c in self.cells:  # satellites re-snapshot for the next step
                 c.snapshot = None
         else:
-            log.warning("step %d: nothing to train on (every execution excluded, stale or in a skipped group); "
-                        "no optimizer step", step)
+            log.warning(
+                "step %d: nothing to train on (every execution excluded, stale or in a skipped group); "
+                "no optimizer step",
+                step,
+            )
             metrics = {"optimizer_skipped": 1}
         t1 = time.time()
         version = int(self.state.step)
@@ -566,23 +625,29 @@ class Controller:
         }
 
     def _cell_marks(self) -> list[dict[str, float]]:
-        return [{"serve_busy": c.loop.stats.busy_s, "train": c.train_s, "switch": c.switch_s,
-                 "micro_steps": c.micro_steps} for c in self.cells]
+        return [
+            {"serve_busy": c.loop.stats.busy_s, "train": c.train_s, "switch": c.switch_s, "micro_steps": c.micro_steps}
+            for c in self.cells
+        ]
 
     # == switches =================================================================================
     def _start_switch(self, c: CellRuntime, to: Role) -> None:
         if to is Role.SERVING:
             c.gate.clear()
         target = self._migration_target(c) if to is Role.TRAINING else None
-        th = threading.Thread(target=self._switch, args=(c, to, target, int(self.state.step)),
-                              name=f"switch-{c.name}", daemon=True)
+        th = threading.Thread(
+            target=self._switch, args=(c, to, target, int(self.state.step)), name=f"switch-{c.name}", daemon=True
+        )
         th.start()
         self._switch_threads = [t for t in self._switch_threads if t.is_alive()] + [th]
 
     def _migration_target(self, leaving: CellRuntime) -> CellRuntime | None:
         """The serving cell that stays longest: cells leave in index order, so the highest-index one."""
-        staying = [c for c in self.cells if c is not leaving
-                   and (c.role is Role.SERVING and c.target is None or c.target is Role.SERVING)]
+        staying = [
+            c
+            for c in self.cells
+            if c is not leaving and (c.role is Role.SERVING and c.target is None or c.target is Role.SERVING)
+        ]
         return staying[-1] if staying else None
 
     def _switch(self, c: CellRuntime, to: Role, target: CellRuntime | None, version: int) -> None:
@@ -596,8 +661,13 @@ class Controller:
                         for s in states:
                             if s.session_id is not None:
                                 self.router.repin(s.session_id, target.name)
-                        log.info("%s -> %s: moved %d sessions (%d requests in flight)", c.name, target.name,
-                                 len(states), sum(s.request is not None for s in states))
+                        log.info(
+                            "%s -> %s: moved %d sessions (%d requests in flight)",
+                            c.name,
+                            target.name,
+                            len(states),
+                            sum(s.request is not None for s in states),
+                        )
                 if c.index != 0:  # the satellite's training snapshot, in its training layout
                     with self._state_lock:
                         c.snapshot = c.worker.snapshot(self.state.params)
@@ -635,8 +705,7 @@ class Controller:
             c.gate.clear()
             if c.role is not Role.SERVING or c.loop.policy_version != version:
                 with self._state_lock:
-                    c.loop.update_params(c.serving_params(self.state.params),
-                                         version)
+                    c.loop.update_params(c.serving_params(self.state.params), version)
             if c.role is not Role.SERVING:
                 c.role, c.target = Role.SERVING, None
                 self.timeline.role(now, c.index, Role.SERVING, reason="end of segment")
@@ -670,8 +739,9 @@ class Controller:
             coef, *_ = np.linalg.lstsq(x, d[:, 2], rcond=None)
         else:
             coef = np.zeros(3)
-        out["prefills"] = [[n, ctx + n, max(1e-6, s - (float(coef @ [1.0, b, ctx]) if b else 0.0))]
-                           for b, ctx, n, s in prefill]
+        out["prefills"] = [
+            [n, ctx + n, max(1e-6, s - (float(coef @ [1.0, b, ctx]) if b else 0.0))] for b, ctx, n, s in prefill
+        ]
         path.write_text(json.dumps(out) + "\n", encoding="utf-8")
 
     def close(self) -> None:

@@ -40,7 +40,7 @@ import enum
 from dataclasses import dataclass, field
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     SERVING = "serving"
     TRAINING = "training"
     SWITCHING = "switching"
@@ -63,8 +63,17 @@ class Waterlevel:
         return self.dispatched - self.started
 
 
-EVENT_KINDS = ("step_began", "dispatched", "started", "finished", "data_ready", "micro_step_done", "step_trained",
-               "switched", "tick")
+EVENT_KINDS = (
+    "step_began",
+    "dispatched",
+    "started",
+    "finished",
+    "data_ready",
+    "micro_step_done",
+    "step_trained",
+    "switched",
+    "tick",
+)
 
 
 @dataclass(frozen=True)
@@ -204,9 +213,15 @@ class _CompatState:
         elif event.kind == "step_trained":
             self.version += 1
             self.batch_size = 0
-        return ClusterState(time=event.time, roles=list(roles), capacity=[0] * len(roles), waterlevel=waterlevel,
-                            version=self.version, batch_size=self.batch_size,
-                            step_finished=waterlevel.finished - self.finished_before_step)
+        return ClusterState(
+            time=event.time,
+            roles=list(roles),
+            capacity=[0] * len(roles),
+            waterlevel=waterlevel,
+            version=self.version,
+            batch_size=self.batch_size,
+            step_finished=waterlevel.finished - self.finished_before_step,
+        )
 
 
 class ColocatedPolicy(SchedulingPolicy):
@@ -219,8 +234,7 @@ class ColocatedPolicy(SchedulingPolicy):
 
     def plan(self, event: Event, state: ClusterState) -> Decision:
         self._check(state)
-        done = (state.batch_size > 0 and state.step_finished >= state.batch_size
-                and state.waterlevel.outstanding == 0)
+        done = state.batch_size > 0 and state.step_finished >= state.batch_size and state.waterlevel.outstanding == 0
         role = Role.TRAINING if done else Role.SERVING
         return Decision(roles=[role] * self.num_cells, dispatch=0 if done else admissible(state, 0))
 
@@ -239,8 +253,10 @@ class AsyncPolicy(SchedulingPolicy):
             raise ValueError(f"the async policy needs >= 2 cells (one trains, one serves), got num_cells={num_cells}")
         training_cells = num_cells // 2 if training_cells is None else training_cells
         if not 1 <= training_cells <= num_cells - 1:
-            raise ValueError(f"async training_cells={training_cells} must be in [1, {num_cells - 1}] "
-                             f"(at least one cell trains and one serves)")
+            raise ValueError(
+                f"async training_cells={training_cells} must be in [1, {num_cells - 1}] "
+                f"(at least one cell trains and one serves)"
+            )
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
         self.training_cells = training_cells
@@ -284,8 +300,14 @@ class ElasticPolicy(SchedulingPolicy):
     name = "elastic"
     LEAVE_RULES = ("backlog", "waterlevel")
 
-    def __init__(self, num_cells: int, max_staleness: int = 1, leave_on: str = "waterlevel",
-                 idle_before_return_s: float = 0.0, yield_ahead: bool = False):
+    def __init__(
+        self,
+        num_cells: int,
+        max_staleness: int = 1,
+        leave_on: str = "waterlevel",
+        idle_before_return_s: float = 0.0,
+        yield_ahead: bool = False,
+    ):
         super().__init__(num_cells)
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
@@ -331,15 +353,19 @@ class ElasticPolicy(SchedulingPolicy):
             due = due_waiting > 0  # due executions come first: a busy cell finishes its micro-step, then moves
             waiting = due_waiting if due else ahead_waiting
             # The core keeps training while its step has work now; for ahead executions, also while data is coming.
-            core_needed = backlog or state.in_flight > 0 or (not due and state.step_dispatched > 0
-                                                             and state.step_processed < state.step_dispatched)
+            core_needed = (
+                backlog
+                or state.in_flight > 0
+                or (not due and state.step_dispatched > 0 and state.step_processed < state.step_dispatched)
+            )
             for c in range(n - 1, -1, -1):
                 if waiting <= 0:
                     break
                 if current[c] is not Role.TRAINING:  # a switching cell finishes its switch first
                     continue
-                if not due and (state.is_busy(c) or backlog
-                                or state.time - self._idle_since[c] < self.idle_before_return_s):
+                if not due and (
+                    state.is_busy(c) or backlog or state.time - self._idle_since[c] < self.idle_before_return_s
+                ):
                     continue
                 if c == 0 and (core_needed or Role.TRAINING in roles[1:]):
                     continue
@@ -347,11 +373,13 @@ class ElasticPolicy(SchedulingPolicy):
                 waiting -= capacity[c]
                 returned = True
         if due_waiting <= 0 and not returned:
-            step_open = state.step_dispatched > 0 and not (state.step_processed >= state.batch_size
-                                                           and state.ready == 0 and state.in_flight == 0)
+            step_open = state.step_dispatched > 0 and not (
+                state.step_processed >= state.batch_size and state.ready == 0 and state.in_flight == 0
+            )
             wants = backlog if self.leave_on == "backlog" else step_open
             leaving = Role.SWITCHING in current and any(
-                r is Role.SWITCHING and t is Role.TRAINING for r, t in zip(current, roles))
+                r is Role.SWITCHING and t is Role.TRAINING for r, t in zip(current, roles)
+            )
             if wants and not leaving:
                 w = due_outstanding if self.yield_ahead else state.waterlevel.outstanding + dispatch
                 for c in range(n):
@@ -380,7 +408,9 @@ def make_policy(name: str, num_cells: int, **options) -> SchedulingPolicy:
     if name == "elastic":
         unknown = set(options) - {"max_staleness", "leave_on", "idle_before_return_s", "yield_ahead"}
         if unknown:
-            raise ValueError(f"unknown elastic policy options {sorted(unknown)} "
-                             f"(known: max_staleness, leave_on, idle_before_return_s, yield_ahead)")
+            raise ValueError(
+                f"unknown elastic policy options {sorted(unknown)} "
+                f"(known: max_staleness, leave_on, idle_before_return_s, yield_ahead)"
+            )
         return ElasticPolicy(num_cells, **options)
     raise ValueError(f"unknown scheduling policy {name!r} (available: {', '.join(POLICY_NAMES)})")

@@ -38,12 +38,12 @@ import pickle
 import queue as queue_lib
 import signal
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
-
 from jax.sharding import NamedSharding
 
 from gyre_jax import distributed
@@ -105,8 +105,13 @@ class RemoteProcess:
 
     _collective_lock = threading.Lock()  # cross-process programs start in one order (all followers share it)
 
-    def __init__(self, client, process_id: int, on_error: Callable[[str], None] | None = None,
-                 on_stop: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        client,
+        process_id: int,
+        on_error: Callable[[str], None] | None = None,
+        on_stop: Callable[[], None] | None = None,
+    ):
         self.process_id = process_id
         self.on_stop = on_stop
         self.commands = Channel(client, f"to{process_id}")
@@ -208,8 +213,16 @@ class RemoteLoop:
 
     remote = True
 
-    def __init__(self, proc: RemoteProcess, cell_index: int, name: str, max_context: int, serving_shardings: Any,
-                 policy_version: int = 0, engine: Any = None):
+    def __init__(
+        self,
+        proc: RemoteProcess,
+        cell_index: int,
+        name: str,
+        max_context: int,
+        serving_shardings: Any,
+        policy_version: int = 0,
+        engine: Any = None,
+    ):
         self.proc = proc
         self.cell_index = cell_index
         self.name = name
@@ -281,8 +294,18 @@ class RemoteLoop:
         pass  # the follower stops its loops when its RemoteProcess is closed
 
 
-_STATE_FIELDS = ("session_id", "kv_tokens", "kv_version", "request", "token_ids", "logprobs", "policy_versions", "key",
-                 "cached_tokens", "source")
+_STATE_FIELDS = (
+    "session_id",
+    "kv_tokens",
+    "kv_version",
+    "request",
+    "token_ids",
+    "logprobs",
+    "policy_versions",
+    "key",
+    "cached_tokens",
+    "source",
+)
 
 
 def _host_part(state: SessionState) -> dict:
@@ -301,8 +324,10 @@ def _kv_layout(kv: KVPages | None) -> tuple[int, list] | None:
 def _abstract_kv(layout, mesh, like: KVPages) -> KVPages:
     """``ShapeDtypeStruct`` leaves standing for a KV this process does not hold (``cell_put``'s source)."""
     treedef = jax.tree.structure(like)
-    return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-                                        for shape, dtype, spec in layout[1]])
+    return jax.tree.unflatten(
+        treedef,
+        [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec)) for shape, dtype, spec in layout[1]],
+    )
 
 
 def _chain(src: concurrent.futures.Future, dst: concurrent.futures.Future | None) -> None:
@@ -319,8 +344,9 @@ def _chain(src: concurrent.futures.Future, dst: concurrent.futures.Future | None
     src.add_done_callback(done)
 
 
-def move_sessions(source: Any, target: Any, source_cell: int | None = None,
-                  target_cell: int | None = None) -> list[SessionState]:
+def move_sessions(
+    source: Any, target: Any, source_cell: int | None = None, target_cell: int | None = None
+) -> list[SessionState]:
     """Moves every session of serving loop ``source`` into ``target``, KV included, whichever processes they
     run on (``ServingLoop`` here, ``RemoteLoop`` for another process). Returns the moved states (host
     parts; ``kv`` is None in them once moved across processes). A request in flight continues on
@@ -340,8 +366,10 @@ def move_sessions(source: Any, target: Any, source_cell: int | None = None,
         return source.proc.query("move_local", src_cell, dst_cell, timeout_s=600.0)
     if src_remote:
         parts = source.proc.query("export", src_cell, timeout_s=600.0)  # [(host part, token, layout)]
-        moving = [(part, source.future_of(part["request"].request_id) if part["request"] is not None else None,
-                   None, layout) for part, _, layout in parts]
+        moving = [
+            (part, source.future_of(part["request"].request_id) if part["request"] is not None else None, None, layout)
+            for part, _, layout in parts
+        ]
         for _, was, _ in parts:  # the follower no longer answers for these: the importing loop does
             source.proc.forget(was)
     else:
@@ -400,8 +428,15 @@ class RemoteWorker:
 
     remote = True
 
-    def __init__(self, proc: RemoteProcess, cell_index: int, name: str, param_shardings: Any,
-                 core_shardings: Any, timeout_s: float = 3600.0):
+    def __init__(
+        self,
+        proc: RemoteProcess,
+        cell_index: int,
+        name: str,
+        param_shardings: Any,
+        core_shardings: Any,
+        timeout_s: float = 3600.0,
+    ):
         self.proc = proc
         self.cell_index = cell_index
         self.name = name
@@ -420,12 +455,15 @@ class RemoteWorker:
         try:
             aux, specs = fut.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
-            raise RemoteError(f"{self.name}: no gradients from process {self.proc.process_id} within "
-                              f"{self.timeout_s} s") from None
+            raise RemoteError(
+                f"{self.name}: no gradients from process {self.proc.process_id} within {self.timeout_s} s"
+            ) from None
         treedef = jax.tree.structure(self.core_shardings)
         mesh = jax.tree.leaves(self.param_shardings)[0].mesh
-        abstract = [jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
-                    for shape, dtype, spec in specs]
+        abstract = [
+            jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+            for shape, dtype, spec in specs
+        ]
         with self.proc.collective("send_grads", token, self.cell_index):
             grads = distributed.cell_put(jax.tree.unflatten(treedef, abstract), self.core_shardings)
         return grads, aux
@@ -450,8 +488,14 @@ class FollowerCell:
 class Follower:
     """Runs a follower process's cells as the leader's commands say, until the leader sends ``stop``."""
 
-    def __init__(self, client, process_id: int, cells: list[FollowerCell], core_shardings: Any,
-                 engines: dict[int, Any] | None = None):
+    def __init__(
+        self,
+        client,
+        process_id: int,
+        cells: list[FollowerCell],
+        core_shardings: Any,
+        engines: dict[int, Any] | None = None,
+    ):
         self.process_id = process_id
         self.engines = engines or {}  # every cell's Engine (other processes' too: for their meshes and KV layouts)
         self._tokens: dict[str, Any] = {}  # request id -> the leader's token for its result
@@ -479,8 +523,10 @@ class Follower:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):  # e.g. Slurm's preemption: process 0 stops and saves
                 signal.signal(sig, self._signalled)
-        workers = [threading.Thread(target=self._compute, args=(c,), name=f"follower-{c.name}", daemon=True)
-                   for c in self.cells.values()]
+        workers = [
+            threading.Thread(target=self._compute, args=(c,), name=f"follower-{c.name}", daemon=True)
+            for c in self.cells.values()
+        ]
         for th in workers:
             th.start()
         try:
@@ -492,7 +538,8 @@ class Follower:
                 except Exception as exc:  # noqa: BLE001 - the coordination service (process 0) is gone
                     raise distributed.DistributedError(
                         f"lost process 0's commands ({type(exc).__name__}: {str(exc)[:200]}); process 0 died or is "
-                        f"unreachable: restart all processes to resume from the last checkpoint") from None
+                        f"unreachable: restart all processes to resume from the last checkpoint"
+                    ) from None
                 try:
                     self._handle(*command)
                 except Exception as exc:  # noqa: BLE001 - reported; the leader stops the run

@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 FORMAT_VERSION = 1
 _CELLS_PID, _EXEC_PID = 1, 2
@@ -59,8 +60,16 @@ class TimelineWriter:
     Not thread-safe: the controller calls it from one thread.
     """
 
-    def __init__(self, path: str | os.PathLike | None, cell_names: Sequence[str], *, source: str, t0: float = 0.0,
-                 flush_every: int = 1, keep_in_memory: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike | None,
+        cell_names: Sequence[str],
+        *,
+        source: str,
+        t0: float = 0.0,
+        flush_every: int = 1,
+        keep_in_memory: bool = False,
+    ):
         if not cell_names:
             raise ValueError("a timeline needs at least one cell name")
         if flush_every < 1:
@@ -78,8 +87,15 @@ class TimelineWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "w", encoding="utf-8")
             self._file.write("[\n")
-        self._emit({"ph": "M", "name": "gyre_timeline", "pid": 0, "tid": 0,
-                    "args": {"version": FORMAT_VERSION, "source": source, "t0": self.t0, "cells": self.cell_names}})
+        self._emit(
+            {
+                "ph": "M",
+                "name": "gyre_timeline",
+                "pid": 0,
+                "tid": 0,
+                "args": {"version": FORMAT_VERSION, "source": source, "t0": self.t0, "cells": self.cell_names},
+            }
+        )
         self._emit({"ph": "M", "name": "process_name", "pid": _CELLS_PID, "args": {"name": "cells"}})
         self._emit({"ph": "M", "name": "process_name", "pid": _EXEC_PID, "args": {"name": "executions"}})
         for i, name in enumerate(self.cell_names):
@@ -118,33 +134,84 @@ class TimelineWriter:
         args: dict[str, Any] = {"reason": reason}
         if to is not None:
             args["to"] = _role_name(to)
-        self._emit({"ph": "B", "name": name, "cat": "role", "pid": _CELLS_PID, "tid": cell, "ts": self._ts(time),
-                    "args": args})
+        self._emit(
+            {"ph": "B", "name": name, "cat": "role", "pid": _CELLS_PID, "tid": cell, "ts": self._ts(time), "args": args}
+        )
         self._open_role[cell] = name
 
     def micro_step(self, t_start: float, t_end: float, cell: int, step: int, **args: Any) -> None:
         self._check_cell(cell)
-        self._emit({"ph": "X", "name": "micro_step", "cat": "train", "pid": _CELLS_PID, "tid": cell,
-                    "ts": self._ts(t_start), "dur": round((t_end - t_start) * 1e6, 3), "args": {"step": step, **args}})
+        self._emit(
+            {
+                "ph": "X",
+                "name": "micro_step",
+                "cat": "train",
+                "pid": _CELLS_PID,
+                "tid": cell,
+                "ts": self._ts(t_start),
+                "dur": round((t_end - t_start) * 1e6, 3),
+                "args": {"step": step, **args},
+            }
+        )
 
     def optimizer_step(self, t_start: float, t_end: float, cell: int, step: int, version: int) -> None:
         self._check_cell(cell)
-        self._emit({"ph": "X", "name": "optimizer_step", "cat": "train", "pid": _CELLS_PID, "tid": cell,
-                    "ts": self._ts(t_start), "dur": round((t_end - t_start) * 1e6, 3),
-                    "args": {"step": step, "version": version}})
+        self._emit(
+            {
+                "ph": "X",
+                "name": "optimizer_step",
+                "cat": "train",
+                "pid": _CELLS_PID,
+                "tid": cell,
+                "ts": self._ts(t_start),
+                "dur": round((t_end - t_start) * 1e6, 3),
+                "args": {"step": step, "version": version},
+            }
+        )
 
     def execution_started(self, time: float, execution_id: str, **args: Any) -> None:
-        self._emit({"ph": "b", "name": "execution", "cat": "execution", "id": execution_id, "pid": _EXEC_PID, "tid": 0,
-                    "ts": self._ts(time), "args": args})
+        self._emit(
+            {
+                "ph": "b",
+                "name": "execution",
+                "cat": "execution",
+                "id": execution_id,
+                "pid": _EXEC_PID,
+                "tid": 0,
+                "ts": self._ts(time),
+                "args": args,
+            }
+        )
 
     def execution_ended(self, time: float, execution_id: str, status: str, **args: Any) -> None:
-        self._emit({"ph": "e", "name": "execution", "cat": "execution", "id": execution_id, "pid": _EXEC_PID, "tid": 0,
-                    "ts": self._ts(time), "args": {"status": status, **args}})
+        self._emit(
+            {
+                "ph": "e",
+                "name": "execution",
+                "cat": "execution",
+                "id": execution_id,
+                "pid": _EXEC_PID,
+                "tid": 0,
+                "ts": self._ts(time),
+                "args": {"status": status, **args},
+            }
+        )
 
     def waterlevel(self, time: float, dispatched: int, started: int, finished: int) -> None:
-        self._emit({"ph": "C", "name": "waterlevel", "pid": _CELLS_PID, "ts": self._ts(time),
-                    "args": {"dispatched": dispatched, "started": started, "finished": finished,
-                             "outstanding": dispatched - finished}})
+        self._emit(
+            {
+                "ph": "C",
+                "name": "waterlevel",
+                "pid": _CELLS_PID,
+                "ts": self._ts(time),
+                "args": {
+                    "dispatched": dispatched,
+                    "started": started,
+                    "finished": finished,
+                    "outstanding": dispatched - finished,
+                },
+            }
+        )
 
     def instant(self, time: float, name: str, **args: Any) -> None:
         self._emit({"ph": "i", "name": name, "s": "g", "pid": _CELLS_PID, "tid": 0, "ts": self._ts(time), "args": args})
@@ -167,7 +234,7 @@ class TimelineWriter:
             self._file = None
         self._closed = True
 
-    def __enter__(self) -> "TimelineWriter":
+    def __enter__(self) -> TimelineWriter:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -296,5 +363,14 @@ def load_timeline(source: str | os.PathLike | list[dict]) -> Timeline:
             roles[cell].append(span)
     for span in optim:
         span.args.setdefault("cell", 0)
-    return Timeline(source=meta.get("source", ""), t0=float(meta.get("t0", 0.0)), cells=cells, roles=roles,
-                    micro_steps=micro, optimizer_steps=optim, executions=executions, waterlevel=waterlevel, t_end=t_end)
+    return Timeline(
+        source=meta.get("source", ""),
+        t0=float(meta.get("t0", 0.0)),
+        cells=cells,
+        roles=roles,
+        micro_steps=micro,
+        optimizer_steps=optim,
+        executions=executions,
+        waterlevel=waterlevel,
+        t_end=t_end,
+    )

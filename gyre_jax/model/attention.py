@@ -59,11 +59,18 @@ class Attention(nnx.Module):
         pd = cfg.weight_dtype
         self.cfg = cfg
         bias = 2 if cfg.attention_bias else 0
-        self.q_proj = Einsum((e, h, d), ("embed", "heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias)
-        self.k_proj = Einsum((e, k, d), ("embed", "kv_heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias)
-        self.v_proj = Einsum((e, k, d), ("embed", "kv_heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias)
-        self.o_proj = Einsum((h, d, e), ("heads", "head_dim", "embed"), fan_in=h * d, param_dtype=pd, rngs=rngs,
-                             bias_dims=bias // 2)
+        self.q_proj = Einsum(
+            (e, h, d), ("embed", "heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias
+        )
+        self.k_proj = Einsum(
+            (e, k, d), ("embed", "kv_heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias
+        )
+        self.v_proj = Einsum(
+            (e, k, d), ("embed", "kv_heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias
+        )
+        self.o_proj = Einsum(
+            (h, d, e), ("heads", "head_dim", "embed"), fan_in=h * d, param_dtype=pd, rngs=rngs, bias_dims=bias // 2
+        )
         self.q_norm = RMSNorm(d, "head_dim", eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
         self.k_norm = RMSNorm(d, "head_dim", eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -40,7 +41,9 @@ class ModelConfig:
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     tie_embeddings: bool = True
-    dtype: str = "float32"  # compute dtype ("bfloat16" with param_dtype "float32" = bf16 compute on fp32 master weights)
+    dtype: str = (
+        "float32"  # compute dtype ("bfloat16" with param_dtype "float32" = bf16 compute on fp32 master weights)
+    )
     param_dtype: str = "float32"
     attention_bias: bool = False  # q/k/v/o projection biases (HF attention_bias)
     # RoPE scaling (HF rope_scaling / rope_parameters): "default", "linear" (positions / factor) or "yarn".
@@ -62,7 +65,9 @@ class ModelConfig:
     moe_impl: str = "ragged"  # "ragged": sorted tokens + ragged_dot (k experts per token); "dense": all experts, masked
     # Memory: rematerialize each block in the backward pass ("none" keeps all activations).
     remat_policy: str = "none"
-    attention_impl: str = "xla"  # jax.nn.dot_product_attention implementation: "xla" (any platform) or "cudnn" (NVIDIA GPU)
+    attention_impl: str = (
+        "xla"  # jax.nn.dot_product_attention implementation: "xla" (any platform) or "cudnn" (NVIDIA GPU)
+    )
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -99,7 +104,9 @@ class ModelConfig:
             out.append(f"num_experts={self.num_experts} must be >= 0 (0 = dense)")
         if self.num_experts > 0:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
-                out.append(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]")
+                out.append(
+                    f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]"
+                )
             if self.moe_mlp_dim < 1:
                 out.append(f"moe_mlp_dim={self.moe_mlp_dim} must be >= 1 for a MoE model")
             if self.decoder_sparse_step < 1:
@@ -164,21 +171,28 @@ class ModelConfig:
         token sees on average). Norms, softmax and RoPE are not counted.
         """
         e, v = self.embed_dim, self.vocab_size
-        matmul = sum(self._attn_params() - 2 * self.head_dim - (self.attention_bias and
-                     (self.num_heads * self.head_dim + 2 * self.num_kv_heads * self.head_dim + e))
-                     + self._mlp_params(i, active=True) for i in range(self.num_layers)) + v * e
+        matmul = (
+            sum(
+                self._attn_params()
+                - 2 * self.head_dim
+                - (self.attention_bias and (self.num_heads * self.head_dim + 2 * self.num_kv_heads * self.head_dim + e))
+                + self._mlp_params(i, active=True)
+                for i in range(self.num_layers)
+            )
+            + v * e
+        )
         attention = self.num_layers * 2 * 2 * self.num_heads * self.head_dim * seq_len / 2
         return 3.0 * (2.0 * matmul + attention)
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
-    def from_config_dict(cls, model_cfg) -> "ModelConfig":
+    def from_config_dict(cls, model_cfg) -> ModelConfig:
         """From our ``config.model`` section; keys that are not fields (e.g. ``checkpoint_dir``) are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in dict(model_cfg).items() if k in names})
 
     @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any], **overrides) -> "ModelConfig":
+    def from_hf_config(cls, hf: Mapping[str, Any], **overrides) -> ModelConfig:
         """From a Hugging Face Qwen3 / Qwen3-MoE ``config.json`` dict; ``overrides`` set our own fields (dtype, remat ...).
 
         Raises ConfigMismatchError for a model type or feature this implementation does not compute.
@@ -187,15 +201,22 @@ class ModelConfig:
         if model_type not in HF_ARCHITECTURES:
             raise ConfigMismatchError(
                 f"config.json model_type={model_type!r} is not supported: expected one of {tuple(HF_ARCHITECTURES)} "
-                f"({', '.join(HF_ARCHITECTURES.values())})")
+                f"({', '.join(HF_ARCHITECTURES.values())})"
+            )
         archs = hf.get("architectures") or [HF_ARCHITECTURES[model_type]]
         if archs[0] != HF_ARCHITECTURES[model_type]:
-            raise ConfigMismatchError(f"config.json architectures={archs} is not supported: expected "
-                                      f"[{HF_ARCHITECTURES[model_type]!r}] (a causal LM) for model_type {model_type!r}")
+            raise ConfigMismatchError(
+                f"config.json architectures={archs} is not supported: expected "
+                f"[{HF_ARCHITECTURES[model_type]!r}] (a causal LM) for model_type {model_type!r}"
+            )
         if hf.get("use_sliding_window"):
-            raise ConfigMismatchError("config.json use_sliding_window=true: sliding-window attention is not supported yet")
+            raise ConfigMismatchError(
+                "config.json use_sliding_window=true: sliding-window attention is not supported yet"
+            )
         if hf.get("hidden_act", "silu") != "silu":
-            raise ConfigMismatchError(f"config.json hidden_act={hf.get('hidden_act')!r}: only 'silu' (SwiGLU) is supported")
+            raise ConfigMismatchError(
+                f"config.json hidden_act={hf.get('hidden_act')!r}: only 'silu' (SwiGLU) is supported"
+            )
         num_heads = int(hf["num_attention_heads"])
         rope = dict(hf.get("rope_parameters") or {})  # transformers >= 5
         legacy = hf.get("rope_scaling") or {}
@@ -203,7 +224,9 @@ class ModelConfig:
         rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
         if rope_type not in ROPE_TYPES:
-            raise ConfigMismatchError(f"config.json rope type {rope_type!r} is not supported yet; supported: {ROPE_TYPES}")
+            raise ConfigMismatchError(
+                f"config.json rope type {rope_type!r} is not supported yet; supported: {ROPE_TYPES}"
+            )
         if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ConfigMismatchError("config.json partial_rotary_factor != 1 is not supported yet")
         kw: dict[str, Any] = dict(
@@ -231,8 +254,11 @@ class ModelConfig:
             attention_factor = rope.get("attention_factor")
             if attention_factor is None:
                 mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
-                attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
-                                    if mscale and mscale_all else _yarn_mscale(factor))
+                attention_factor = (
+                    _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                    if mscale and mscale_all
+                    else _yarn_mscale(factor)
+                )
             kw["rope_attention_factor"] = float(attention_factor)
         if model_type == "qwen3_moe":
             kw.update(
@@ -257,10 +283,15 @@ class ModelConfig:
         if self.rope_type == "linear":
             rope_scaling = {"rope_type": "linear", "factor": self.rope_factor}
         elif self.rope_type == "yarn":
-            rope_scaling = {"rope_type": "yarn", "factor": self.rope_factor,
-                            "original_max_position_embeddings": self.rope_original_max_position,
-                            "beta_fast": self.rope_beta_fast, "beta_slow": self.rope_beta_slow,
-                            "attention_factor": self.yarn_attention_factor, "truncate": self.rope_truncate}
+            rope_scaling = {
+                "rope_type": "yarn",
+                "factor": self.rope_factor,
+                "original_max_position_embeddings": self.rope_original_max_position,
+                "beta_fast": self.rope_beta_fast,
+                "beta_slow": self.rope_beta_slow,
+                "attention_factor": self.yarn_attention_factor,
+                "truncate": self.rope_truncate,
+            }
         out: dict[str, Any] = {
             "architectures": [HF_ARCHITECTURES[model_type]],
             "model_type": model_type,
@@ -284,10 +315,15 @@ class ModelConfig:
         if self.rope_type == "yarn":
             out["max_position_embeddings"] = int(self.rope_original_max_position * self.rope_factor)
         if self.is_moe:
-            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                       moe_intermediate_size=self.moe_mlp_dim, norm_topk_prob=self.norm_topk_prob,
-                       router_aux_loss_coef=self.router_aux_loss_coef, decoder_sparse_step=self.decoder_sparse_step,
-                       mlp_only_layers=list(self.mlp_only_layers))
+            out.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_mlp_dim,
+                norm_topk_prob=self.norm_topk_prob,
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+            )
         return out
 
     @property
@@ -300,26 +336,86 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 # -- presets ---------------------------------------------------------------------------------------
-TINY = ModelConfig(vocab_size=272, num_layers=2, embed_dim=128, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=384, rope_theta=10_000.0)
+TINY = ModelConfig(
+    vocab_size=272,
+    num_layers=2,
+    embed_dim=128,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    mlp_dim=384,
+    rope_theta=10_000.0,
+)
 # A tiny Qwen3-MoE (8 experts, top-2) for tests and CPU benchmarks.
 TINY_MOE = dataclasses.replace(TINY, num_experts=8, num_experts_per_tok=2, moe_mlp_dim=96, norm_topk_prob=True)
 # ~100M parameters (Qwen3-style proportions, 32K vocabulary): the CPU benchmark's "real" size.
-QWEN3_100M = ModelConfig(vocab_size=32768, num_layers=12, embed_dim=768, num_heads=12, num_kv_heads=4, head_dim=64,
-                         mlp_dim=2048, tie_embeddings=True)
+QWEN3_100M = ModelConfig(
+    vocab_size=32768,
+    num_layers=12,
+    embed_dim=768,
+    num_heads=12,
+    num_kv_heads=4,
+    head_dim=64,
+    mlp_dim=2048,
+    tie_embeddings=True,
+)
 # Qwen3-0.6B / 1.7B shapes (https://huggingface.co/Qwen: config.json of each), random weights for benchmarks.
-QWEN3_0P6B = ModelConfig(vocab_size=151936, num_layers=28, embed_dim=1024, num_heads=16, num_kv_heads=8, head_dim=128,
-                         mlp_dim=3072, tie_embeddings=True)
-QWEN3_1P7B = ModelConfig(vocab_size=151936, num_layers=28, embed_dim=2048, num_heads=16, num_kv_heads=8, head_dim=128,
-                         mlp_dim=6144, tie_embeddings=True)
+QWEN3_0P6B = ModelConfig(
+    vocab_size=151936,
+    num_layers=28,
+    embed_dim=1024,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    mlp_dim=3072,
+    tie_embeddings=True,
+)
+QWEN3_1P7B = ModelConfig(
+    vocab_size=151936,
+    num_layers=28,
+    embed_dim=2048,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    mlp_dim=6144,
+    tie_embeddings=True,
+)
 # ~1.1B: Qwen3-1.7B's widths with 16 layers (the GPU benchmark's MFU target size).
 QWEN3_1B = dataclasses.replace(QWEN3_1P7B, num_layers=16)
 # Qwen3-8B's shapes (untied head, rope_theta 1e6): the TPU pod preset's model, one host per cell.
-QWEN3_8B = ModelConfig(vocab_size=151936, num_layers=36, embed_dim=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-                       mlp_dim=12288, tie_embeddings=False, rope_theta=1_000_000.0)
+QWEN3_8B = ModelConfig(
+    vocab_size=151936,
+    num_layers=36,
+    embed_dim=4096,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    mlp_dim=12288,
+    tie_embeddings=False,
+    rope_theta=1_000_000.0,
+)
 # Qwen3-30B-A3B's shapes (128 experts, top-8), the reference MoE.
-QWEN3_30B_A3B = ModelConfig(vocab_size=151936, num_layers=48, embed_dim=2048, num_heads=32, num_kv_heads=4, head_dim=128,
-                            mlp_dim=6144, tie_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_mlp_dim=768,
-                            norm_topk_prob=True)
-PRESETS = {"tiny": TINY, "tiny_moe": TINY_MOE, "qwen3_100m": QWEN3_100M, "qwen3_0p6b": QWEN3_0P6B,
-           "qwen3_1b": QWEN3_1B, "qwen3_1p7b": QWEN3_1P7B, "qwen3_8b": QWEN3_8B,
-           "qwen3_30b_a3b": QWEN3_30B_A3B}
+QWEN3_30B_A3B = ModelConfig(
+    vocab_size=151936,
+    num_layers=48,
+    embed_dim=2048,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    mlp_dim=6144,
+    tie_embeddings=False,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_mlp_dim=768,
+    norm_topk_prob=True,
+)
+PRESETS = {
+    "tiny": TINY,
+    "tiny_moe": TINY_MOE,
+    "qwen3_100m": QWEN3_100M,
+    "qwen3_0p6b": QWEN3_0P6B,
+    "qwen3_1b": QWEN3_1B,
+    "qwen3_1p7b": QWEN3_1P7B,
+    "qwen3_8b": QWEN3_8B,
+    "qwen3_30b_a3b": QWEN3_30B_A3B,
+}

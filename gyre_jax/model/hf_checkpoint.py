@@ -16,8 +16,8 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,13 +33,26 @@ from gyre_jax.model.sharding import Rules, abstract_model, param_shardings
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 # Tensors HF itself ignores on load (non-persistent buffers some old exports contain).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(jnp.bfloat16),
-           "F64": np.dtype(np.float64)}
+_DTYPES = {
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(jnp.bfloat16),
+    "F64": np.dtype(np.float64),
+}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -75,7 +88,8 @@ class SafetensorsDir:
             if len(found) != 1:
                 raise FileNotFoundError(
                     f"{self.path}: expected {SINGLE_FILE}, or {INDEX_FILE} with its shards"
-                    + (f" (found {found} without an index)" if found else " (no *.safetensors file)"))
+                    + (f" (found {found} without an index)" if found else " (no *.safetensors file)")
+                )
             files, weight_map = found, None
         self._handles = {}
         self._where: dict[str, str] = {}
@@ -89,10 +103,11 @@ class SafetensorsDir:
         if weight_map is not None:
             wrong = sorted(k for k, f in weight_map.items() if self._where.get(k) != f)
             if wrong:
-                raise CheckpointMismatchError(f"{self.path / INDEX_FILE} lists tensors that are not in the named shard: "
-                                              f"{_preview(wrong)}")
+                raise CheckpointMismatchError(
+                    f"{self.path / INDEX_FILE} lists tensors that are not in the named shard: {_preview(wrong)}"
+                )
 
-    def __enter__(self) -> "SafetensorsDir":
+    def __enter__(self) -> SafetensorsDir:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -133,8 +148,11 @@ def check_tensors(cfg: ModelConfig, ckpt: SafetensorsDir, ignore_unexpected: Ite
     present = [n for n in ckpt.names() if n not in ignore and not n.endswith(IGNORED_SUFFIXES)]
     missing = sorted(set(expected) - set(present))
     unexpected = sorted(set(present) - set(expected))
-    misshaped = sorted(f"{n}: {list(ckpt.shape(n))} != expected {list(expected[n])}" for n in set(present) & set(expected)
-                       if ckpt.shape(n) != expected[n])
+    misshaped = sorted(
+        f"{n}: {list(ckpt.shape(n))} != expected {list(expected[n])}"
+        for n in set(present) & set(expected)
+        if ckpt.shape(n) != expected[n]
+    )
     problems = []
     if missing:
         problems.append(f"missing tensors {_preview(missing)}")
@@ -147,16 +165,20 @@ def check_tensors(cfg: ModelConfig, ckpt: SafetensorsDir, ignore_unexpected: Ite
         raise CheckpointMismatchError(
             f"checkpoint {ckpt.path} does not match the {kind} its config describes ({cfg.num_layers} layers, "
             f"hidden {cfg.embed_dim}, vocab {cfg.vocab_size}, tie_word_embeddings={cfg.tie_embeddings}"
-            + (f", {cfg.num_experts} experts" if cfg.is_moe else "") + "): " + "; ".join(problems)
-            + ". Check that config.json belongs to these weights.")
+            + (f", {cfg.num_experts} experts" if cfg.is_moe else "")
+            + "): "
+            + "; ".join(problems)
+            + ". Check that config.json belongs to these weights."
+        )
 
 
 def _path_key(path) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh, rules: Rules, *,
-                   ignore_unexpected: Iterable[str] = ()) -> tuple[nnx.GraphDef, nnx.State]:
+def load_hf_params(
+    path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh, rules: Rules, *, ignore_unexpected: Iterable[str] = ()
+) -> tuple[nnx.GraphDef, nnx.State]:
     """Reads the checkpoint at ``path`` into params of ``Transformer(cfg)`` placed with their target shardings.
 
     Each parameter's device blocks are read straight from the memory-mapped files (a block shared
@@ -185,13 +207,15 @@ def load_hf_params(path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh, rules:
             array = jax.make_array_from_callback(tuple(var.shape), sharding_var.get_value(), block)
             return var.replace(array)
 
-        params = jax.tree_util.tree_map_with_path(load, abstract_state, shardings,
-                                                  is_leaf=lambda x: isinstance(x, nnx.Variable))
+        params = jax.tree_util.tree_map_with_path(
+            load, abstract_state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
     return graphdef, params
 
 
-def load_hf_checkpoint(path: str | os.PathLike, mesh: Mesh, rules: Rules, *, ignore_unexpected: Iterable[str] = (),
-                       **overrides) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+def load_hf_checkpoint(
+    path: str | os.PathLike, mesh: Mesh, rules: Rules, *, ignore_unexpected: Iterable[str] = (), **overrides
+) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
     """config.json + weights -> (ModelConfig, graphdef, sharded params). ``overrides`` set ModelConfig fields
     the checkpoint does not define (``dtype``, ``param_dtype``, ``remat_policy``, ``moe_impl``)."""
     cfg = ModelConfig.from_hf_config(read_hf_config(path), **overrides)
@@ -202,7 +226,9 @@ def load_hf_checkpoint(path: str | os.PathLike, mesh: Mesh, rules: Rules, *, ign
 # -- saving ----------------------------------------------------------------------------------------
 
 
-def _write_safetensors(file: Path, entries: Sequence[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]]) -> None:
+def _write_safetensors(
+    file: Path, entries: Sequence[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]]
+) -> None:
     """Streams tensors into one safetensors file: header first (from known shapes), then each tensor's bytes."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -226,9 +252,16 @@ def _write_safetensors(file: Path, entries: Sequence[tuple[str, tuple[int, ...],
     os.replace(tmp, file)
 
 
-def save_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State, *, dtype: str | None = None,
-                       max_shard_bytes: int = 4 * 1024**3, tokenizer_dir: str | os.PathLike | None = None,
-                       base_config: dict | None = None) -> list[Path]:
+def save_hf_checkpoint(
+    path: str | os.PathLike,
+    cfg: ModelConfig,
+    params: nnx.State,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = 4 * 1024**3,
+    tokenizer_dir: str | os.PathLike | None = None,
+    base_config: dict | None = None,
+) -> list[Path]:
     """Writes ``params`` as a Hugging Face checkpoint directory; returns the safetensors files written.
 
     dtype: the stored dtype ("bfloat16", "float32", "float16"); None keeps each parameter's own dtype
@@ -240,8 +273,10 @@ def save_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: nnx.St
     out.mkdir(parents=True, exist_ok=True)
     target = np.dtype(jnp.bfloat16) if dtype == "bfloat16" else np.dtype(dtype) if dtype else None
     specs = hf_params.param_specs(cfg)
-    by_path = {_path_key(p): v for p, v in
-               jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]}
+    by_path = {
+        _path_key(p): v
+        for p, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    }
     missing = sorted("/".join(p) for p in set(specs) - set(by_path))
     extra = sorted("/".join(p) for p in set(by_path) - set(specs))
     if missing or extra:
@@ -252,14 +287,19 @@ def save_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: nnx.St
         var = by_path[spec.path]
         array = var.get_value() if isinstance(var, nnx.Variable) else var
         if isinstance(array, jax.Array) and not array.is_fully_addressable:
-            raise NotImplementedError("not supported yet: saving params that span several processes "
-                                      "(gather them to one host first)")
+            raise NotImplementedError(
+                "not supported yet: saving params that span several processes (gather them to one host first)"
+            )
         store = target or np.dtype(array.dtype)
         if spec.layout == "stacked":
             for j, name in enumerate(spec.hf_names):
-                entries.append((name, spec.hf_shape, store, lambda a=array, j=j, s=spec: hf_params.to_hf(s, np.asarray(a[j]))))
+                entries.append(
+                    (name, spec.hf_shape, store, lambda a=array, j=j, s=spec: hf_params.to_hf(s, np.asarray(a[j])))
+                )
         else:
-            entries.append((spec.hf_names[0], spec.hf_shape, store, lambda a=array, s=spec: hf_params.to_hf(s, np.asarray(a))))
+            entries.append(
+                (spec.hf_names[0], spec.hf_shape, store, lambda a=array, s=spec: hf_params.to_hf(s, np.asarray(a)))
+            )
 
     shards: list[list] = [[]]
     size = 0
@@ -284,12 +324,17 @@ def save_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: nnx.St
             files.append(file)
             weight_map.update({name: file.name for name, *_ in shard})
         total = sum(int(np.prod(e[1])) * e[2].itemsize for e in entries)
-        (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (out / INDEX_FILE).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
 
     stored = {np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
     torch_dtype = stored.get(target) if target is not None else stored.get(entries[0][2], cfg.param_dtype)
-    config = {k: v for k, v in (base_config or {}).items()
-              if k not in ("rope_parameters", "num_local_experts", "dtype", "transformers_version")}
+    config = {
+        k: v
+        for k, v in (base_config or {}).items()
+        if k not in ("rope_parameters", "num_local_experts", "dtype", "transformers_version")
+    }
     config.update(cfg.to_hf_config(torch_dtype=torch_dtype))
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     if tokenizer_dir is not None:

@@ -15,8 +15,8 @@ only the rows and columns that block needs; ``to_hf`` converts a whole host arra
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -63,28 +63,51 @@ def param_specs(cfg: ModelConfig) -> dict[Path, ParamSpec]:
         ours = ("layers", str(i))
         hf = f"model.layers.{i}"
         attn = [
-            ("q_proj", (e,), (h, d)), ("k_proj", (e,), (k, d)), ("v_proj", (e,), (k, d)), ("o_proj", (h, d), (e,)),
+            ("q_proj", (e,), (h, d)),
+            ("k_proj", (e,), (k, d)),
+            ("v_proj", (e,), (k, d)),
+            ("o_proj", (h, d), (e,)),
         ]
         for name, in_dims, out_dims in attn:
-            specs.append(ParamSpec(ours + ("attn", name, "w"), (f"{hf}.self_attn.{name}.weight",), "linear", in_dims, out_dims))
+            specs.append(
+                ParamSpec(ours + ("attn", name, "w"), (f"{hf}.self_attn.{name}.weight",), "linear", in_dims, out_dims)
+            )
             if cfg.attention_bias:
-                specs.append(ParamSpec(ours + ("attn", name, "b"), (f"{hf}.self_attn.{name}.bias",), "reshape", out_dims=out_dims))
+                specs.append(
+                    ParamSpec(
+                        ours + ("attn", name, "b"), (f"{hf}.self_attn.{name}.bias",), "reshape", out_dims=out_dims
+                    )
+                )
         specs += [
             ParamSpec(ours + ("attn", "q_norm", "scale"), (f"{hf}.self_attn.q_norm.weight",), "reshape", out_dims=(d,)),
             ParamSpec(ours + ("attn", "k_norm", "scale"), (f"{hf}.self_attn.k_norm.weight",), "reshape", out_dims=(d,)),
             ParamSpec(ours + ("input_norm", "scale"), (f"{hf}.input_layernorm.weight",), "reshape", out_dims=(e,)),
-            ParamSpec(ours + ("post_attn_norm", "scale"), (f"{hf}.post_attention_layernorm.weight",), "reshape", out_dims=(e,)),
+            ParamSpec(
+                ours + ("post_attn_norm", "scale"), (f"{hf}.post_attention_layernorm.weight",), "reshape", out_dims=(e,)
+            ),
         ]
         if cfg.is_moe_layer(i):
             x, m = cfg.num_experts, cfg.moe_mlp_dim
-            specs.append(ParamSpec(ours + ("moe", "router"), (f"{hf}.mlp.gate.weight",), "linear", in_dims=(e,), out_dims=(x,)))
-            for name, in_dims, out_dims in (("gate_proj", (e,), (m,)), ("up_proj", (e,), (m,)), ("down_proj", (m,), (e,))):
+            specs.append(
+                ParamSpec(ours + ("moe", "router"), (f"{hf}.mlp.gate.weight",), "linear", in_dims=(e,), out_dims=(x,))
+            )
+            for name, in_dims, out_dims in (
+                ("gate_proj", (e,), (m,)),
+                ("up_proj", (e,), (m,)),
+                ("down_proj", (m,), (e,)),
+            ):
                 names = tuple(f"{hf}.mlp.experts.{j}.{name}.weight" for j in range(x))
                 specs.append(ParamSpec(ours + ("moe", name), names, "stacked", in_dims, out_dims))
         else:
             m = cfg.mlp_dim
-            for name, in_dims, out_dims in (("gate_proj", (e,), (m,)), ("up_proj", (e,), (m,)), ("down_proj", (m,), (e,))):
-                specs.append(ParamSpec(ours + ("mlp", name, "w"), (f"{hf}.mlp.{name}.weight",), "linear", in_dims, out_dims))
+            for name, in_dims, out_dims in (
+                ("gate_proj", (e,), (m,)),
+                ("up_proj", (e,), (m,)),
+                ("down_proj", (m,), (e,)),
+            ):
+                specs.append(
+                    ParamSpec(ours + ("mlp", name, "w"), (f"{hf}.mlp.{name}.weight",), "linear", in_dims, out_dims)
+                )
     return {s.path: s for s in specs}
 
 

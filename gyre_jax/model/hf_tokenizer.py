@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from tokenizers import Tokenizer as _HFTokenizerImpl
 
@@ -53,19 +53,27 @@ class HFTokenizer:
     be larger (Qwen3 pads it): ids past ``vocab_size`` decode to nothing and have no bytes.
     """
 
-    def __init__(self, tokenizer: _HFTokenizerImpl, *, eos_token: str | None = None, pad_token: str | None = None,
-                 extra_eos_ids: Sequence[int] = (), chat_template: str | None = None, source: str = "<memory>"):
+    def __init__(
+        self,
+        tokenizer: _HFTokenizerImpl,
+        *,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        extra_eos_ids: Sequence[int] = (),
+        chat_template: str | None = None,
+        source: str = "<memory>",
+    ):
         self._tok = tokenizer
         self.source = source
         self.chat_template = chat_template
         self._added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
         self.special_tokens: tuple[str, ...] = tuple(self._added[i] for i in sorted(self._added))
-        decoder = (json.loads(tokenizer.to_str()).get("decoder") or {})
+        decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
         self._byte_level = _uses(decoder, "ByteLevel")
         self._byte_table = byte_level_decoder() if self._byte_level else {}
         self._token_bytes: dict[int, bytes] = {}
         eos: list[int] = []
-        for tok in ([eos_token] if eos_token else []):
+        for tok in [eos_token] if eos_token else []:
             eos.append(self.token_id(tok))
         eos.extend(int(i) for i in extra_eos_ids)
         eos.extend(i for i in (tokenizer.token_to_id(t) for t in TURN_END_TOKENS) if i is not None)
@@ -79,13 +87,15 @@ class HFTokenizer:
             self._pad_id = endoftext if endoftext is not None else self._eos_ids[0]
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike) -> "HFTokenizer":
+    def from_dir(cls, path: str | os.PathLike) -> HFTokenizer:
         """Reads a checkpoint directory's tokenizer.json (+ tokenizer_config.json, generation_config.json)."""
         path = Path(path)
         file = path / TOKENIZER_FILE
         if not file.is_file():
-            raise FileNotFoundError(f"{file} not found: a checkpoint tokenizer needs tokenizer.json "
-                                    f"(slow-only tokenizers with just vocab files are not supported)")
+            raise FileNotFoundError(
+                f"{file} not found: a checkpoint tokenizer needs tokenizer.json "
+                f"(slow-only tokenizers with just vocab files are not supported)"
+            )
         try:
             tokenizer = _HFTokenizerImpl.from_file(str(file))
         except Exception as exc:  # the tokenizers library raises plain Exceptions on bad files
@@ -100,8 +110,14 @@ class HFTokenizer:
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         if template is None and (path / CHAT_TEMPLATE_FILE).is_file():
             template = (path / CHAT_TEMPLATE_FILE).read_text()
-        return cls(tokenizer, eos_token=_token_content(config.get("eos_token")), pad_token=_token_content(config.get("pad_token")),
-                   extra_eos_ids=eos_from_generation or (), chat_template=template, source=str(path))
+        return cls(
+            tokenizer,
+            eos_token=_token_content(config.get("eos_token")),
+            pad_token=_token_content(config.get("pad_token")),
+            extra_eos_ids=eos_from_generation or (),
+            chat_template=template,
+            source=str(path),
+        )
 
     # -- the tokenizer interface ---------------------------------------------------------------------
     @property

@@ -16,7 +16,9 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, dim: int, axis_name: str, *, eps: float, param_dtype, rngs: nnx.Rngs):
         self.eps = eps
-        self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, (axis_name,))(rngs.params(), (dim,), param_dtype))
+        self.scale = nnx.Param(
+            nnx.with_partitioning(nnx.initializers.ones, (axis_name,))(rngs.params(), (dim,), param_dtype)
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
@@ -32,13 +34,24 @@ class Einsum(nnx.Module):
     (0 = no bias), e.g. q_proj ``[E, H, D]`` -> bias ``[H, D]`` with ``bias_dims=2``. Biases start at zero.
     """
 
-    def __init__(self, shape: tuple[int, ...], axes: tuple[str | None, ...], *, fan_in: int, param_dtype, rngs: nnx.Rngs,
-                 bias_dims: int = 0):
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        axes: tuple[str | None, ...],
+        *,
+        fan_in: int,
+        param_dtype,
+        rngs: nnx.Rngs,
+        bias_dims: int = 0,
+    ):
         init = nnx.initializers.normal(stddev=fan_in**-0.5)
         self.w = nnx.Param(nnx.with_partitioning(init, axes)(rngs.params(), shape, param_dtype))
         if bias_dims:
-            self.b = nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, axes[-bias_dims:])(
-                rngs.params(), shape[-bias_dims:], param_dtype))
+            self.b = nnx.Param(
+                nnx.with_partitioning(nnx.initializers.zeros, axes[-bias_dims:])(
+                    rngs.params(), shape[-bias_dims:], param_dtype
+                )
+            )
         else:
             self.b = None
 
@@ -54,7 +67,9 @@ class Embedder(nnx.Module):
 
     def __init__(self, vocab_size: int, embed_dim: int, *, param_dtype, rngs: nnx.Rngs):
         init = nnx.initializers.normal(stddev=embed_dim**-0.5)  # tied logits start near unit scale
-        self.table = nnx.Param(nnx.with_partitioning(init, ("vocab", "embed"))(rngs.params(), (vocab_size, embed_dim), param_dtype))
+        self.table = nnx.Param(
+            nnx.with_partitioning(init, ("vocab", "embed"))(rngs.params(), (vocab_size, embed_dim), param_dtype)
+        )
 
     def encode(self, tokens: jax.Array, dtype) -> jax.Array:
         """tokens: [B, T] int32 -> [B, T, E]"""

@@ -51,7 +51,9 @@ class MLP(nnx.Module):
         self.down_proj = Einsum((m, e), ("mlp", "embed"), fan_in=m, param_dtype=pd, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj("btm,me->bte", jax.nn.silu(self.gate_proj("bte,em->btm", x)) * self.up_proj("bte,em->btm", x))
+        return self.down_proj(
+            "btm,me->bte", jax.nn.silu(self.gate_proj("bte,em->btm", x)) * self.up_proj("bte,em->btm", x)
+        )
 
 
 class Block(nnx.Module):
@@ -91,8 +93,13 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([Block(cfg, moe=cfg.is_moe_layer(i), rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.embed_dim, "embed", eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype, rngs=rngs)
         if not cfg.tie_embeddings:
-            self.lm_head = Einsum((cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), fan_in=cfg.embed_dim,
-                                  param_dtype=cfg.weight_dtype, rngs=rngs)
+            self.lm_head = Einsum(
+                (cfg.embed_dim, cfg.vocab_size),
+                ("embed", "vocab"),
+                fan_in=cfg.embed_dim,
+                param_dtype=cfg.weight_dtype,
+                rngs=rngs,
+            )
 
     def __call__(
         self,

@@ -83,10 +83,18 @@ class MoEBlock(nnx.Module):
         e, x, m, pd = cfg.embed_dim, cfg.num_experts, cfg.moe_mlp_dim, cfg.weight_dtype
         self.cfg = cfg
         normal = nnx.initializers.normal
-        self.router = nnx.Param(nnx.with_partitioning(normal(stddev=e**-0.5), ("embed", None))(rngs.params(), (e, x), pd))
-        self.gate_proj = nnx.Param(nnx.with_partitioning(normal(stddev=e**-0.5), ("exp", "embed", "mlp"))(rngs.params(), (x, e, m), pd))
-        self.up_proj = nnx.Param(nnx.with_partitioning(normal(stddev=e**-0.5), ("exp", "embed", "mlp"))(rngs.params(), (x, e, m), pd))
-        self.down_proj = nnx.Param(nnx.with_partitioning(normal(stddev=m**-0.5), ("exp", "mlp", "embed"))(rngs.params(), (x, m, e), pd))
+        self.router = nnx.Param(
+            nnx.with_partitioning(normal(stddev=e**-0.5), ("embed", None))(rngs.params(), (e, x), pd)
+        )
+        self.gate_proj = nnx.Param(
+            nnx.with_partitioning(normal(stddev=e**-0.5), ("exp", "embed", "mlp"))(rngs.params(), (x, e, m), pd)
+        )
+        self.up_proj = nnx.Param(
+            nnx.with_partitioning(normal(stddev=e**-0.5), ("exp", "embed", "mlp"))(rngs.params(), (x, e, m), pd)
+        )
+        self.down_proj = nnx.Param(
+            nnx.with_partitioning(normal(stddev=m**-0.5), ("exp", "mlp", "embed"))(rngs.params(), (x, m, e), pd)
+        )
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x: [B, T, E] -> (out [B, T, E], router logits [B*T, X] in x's dtype)."""
@@ -97,6 +105,12 @@ class MoEBlock(nnx.Module):
         weights, ids = route(router_logits, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
         weights = weights.astype(dtype)  # HF casts the top-k weights back to the hidden dtype
         experts = _ragged_experts if self.cfg.moe_impl == "ragged" else _dense_experts
-        out = experts(flat, weights, ids, self.gate_proj[...].astype(dtype), self.up_proj[...].astype(dtype),
-                      self.down_proj[...].astype(dtype))
+        out = experts(
+            flat,
+            weights,
+            ids,
+            self.gate_proj[...].astype(dtype),
+            self.up_proj[...].astype(dtype),
+            self.down_proj[...].astype(dtype),
+        )
         return out.reshape(b, t, e), router_logits

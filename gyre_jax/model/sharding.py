@@ -8,7 +8,7 @@ are dropped, left replicated), so one rule set works for every cell shape.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -54,7 +54,9 @@ def make_mesh(devices: Sequence[jax.Device], shape: dict[str, int]) -> Mesh:
     """A mesh over ``devices`` (in order) with axes ``data, fsdp, tensor`` (+ ``expert`` when ``shape`` has it)."""
     unknown = set(shape) - set(ALL_MESH_AXES)
     if unknown:
-        raise ValueError(f"mesh shape {dict(shape)} names unknown axes {sorted(unknown)}; mesh axes are {ALL_MESH_AXES}")
+        raise ValueError(
+            f"mesh shape {dict(shape)} names unknown axes {sorted(unknown)}; mesh axes are {ALL_MESH_AXES}"
+        )
     axes = ALL_MESH_AXES if EXPERT_AXIS in shape else MESH_AXES
     sizes = tuple(int(shape.get(a, 1)) for a in axes)
     if int(np.prod(sizes)) != len(devices):
@@ -73,7 +75,9 @@ def _lookup(rules: Rules, name: str | None) -> tuple[str, ...]:
     return ()
 
 
-def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, mesh: Mesh, shape: Sequence[int] | None = None) -> PartitionSpec:
+def logical_to_spec(
+    logical_axes: Sequence[str | None], rules: Rules, mesh: Mesh, shape: Sequence[int] | None = None
+) -> PartitionSpec:
     """PartitionSpec for an array whose dimensions carry ``logical_axes``."""
     used: set[str] = set()
     entries = []
@@ -92,7 +96,9 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, mesh: Mesh
     return PartitionSpec(*entries)
 
 
-def logical_sharding(logical_axes: Sequence[str | None], rules: Rules, mesh: Mesh, shape: Sequence[int] | None = None) -> NamedSharding:
+def logical_sharding(
+    logical_axes: Sequence[str | None], rules: Rules, mesh: Mesh, shape: Sequence[int] | None = None
+) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh, shape))
 
 

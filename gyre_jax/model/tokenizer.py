@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 
 class Tokenizer(Protocol):
@@ -50,6 +51,7 @@ def load_tokenizer(kind: str = "byte", path: str | os.PathLike | None = None) ->
         return HFTokenizer.from_dir(path)
     raise ValueError(f"tokenizer kind {kind!r} is not supported: use 'byte' or 'hf'")
 
+
 SPECIAL_TOKENS: tuple[str, ...] = (
     "<|endoftext|>",
     "<|im_start|>",
@@ -81,7 +83,9 @@ class ByteTokenizer:
         try:
             return 256 + self.special_tokens.index(token)
         except ValueError:
-            raise KeyError(f"{token!r} is not a special token of this tokenizer; known: {self.special_tokens}") from None
+            raise KeyError(
+                f"{token!r} is not a special token of this tokenizer; known: {self.special_tokens}"
+            ) from None
 
     @property
     def pad_id(self) -> int:

@@ -96,7 +96,13 @@ class CountTokensRequest(_Lenient):
 
 def error_body(status: int, message: str) -> dict[str, Any]:
     """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}}``."""
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"), "message": message}}
+    return {
+        "type": "error",
+        "error": {
+            "type": ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
+            "message": message,
+        },
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -164,7 +170,9 @@ def _user_messages(content: list[dict], where: str) -> list[dict[str, Any]]:
                 raise ValueError(f"{at}: a tool_result block needs a string 'tool_use_id'")
             tool_messages.append({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, at)})
         else:
-            raise ValueError(f"{at}: not supported yet: {kind!r} blocks in a user message; send text or tool_result blocks")
+            raise ValueError(
+                f"{at}: not supported yet: {kind!r} blocks in a user message; send text or tool_result blocks"
+            )
     out = list(tool_messages)
     if texts or not tool_messages:
         out.append({"role": "user", "content": "\n\n".join(texts)})
@@ -206,11 +214,15 @@ def convert_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | N
     out = []
     for k, tool in enumerate(tools):
         if tool.type not in (None, "custom") and tool.input_schema is None:
-            raise ValueError(f"tools.{k}: not supported yet: server tool {tool.type!r}; send client tools with an input_schema")
+            raise ValueError(
+                f"tools.{k}: not supported yet: server tool {tool.type!r}; send client tools with an input_schema"
+            )
         function: dict[str, Any] = {"name": tool.name}
         if tool.description is not None:
             function["description"] = tool.description
-        function["parameters"] = tool.input_schema if tool.input_schema is not None else {"type": "object", "properties": {}}
+        function["parameters"] = (
+            tool.input_schema if tool.input_schema is not None else {"type": "object", "properties": {}}
+        )
         out.append({"type": "function", "function": function})
     return out
 
@@ -278,12 +290,24 @@ def content_blocks(parsed: ParsedCompletion) -> list[dict[str, Any]]:
         blocks.append({"type": "text", "text": parsed.content})
     for call in parsed.tool_calls:
         fn = call["function"]
-        blocks.append({"type": "tool_use", "id": tool_use_id(call["id"]), "name": fn["name"], "input": json.loads(fn["arguments"])})
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": tool_use_id(call["id"]),
+                "name": fn["name"],
+                "input": json.loads(fn["arguments"]),
+            }
+        )
     return blocks
 
 
 def message_body(
-    message_id: str, model: str, blocks: list[dict[str, Any]] | None, stop_reason: str | None, input_tokens: int, output_tokens: int
+    message_id: str,
+    model: str,
+    blocks: list[dict[str, Any]] | None,
+    stop_reason: str | None,
+    input_tokens: int,
+    output_tokens: int,
 ) -> dict[str, Any]:
     return {
         "id": message_id,
@@ -319,15 +343,20 @@ def stream_events(blocks: list[dict[str, Any]], stop_reason: str, output_tokens:
         else:
             start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
             deltas = [{"type": "input_json_delta", "partial_json": tojson(block["input"])}]
-        events.append(sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": start}))
+        events.append(
+            sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": start})
+        )
         for delta in deltas:
             events.append(sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
         events.append(sse("content_block_stop", {"type": "content_block_stop", "index": index}))
     events.append(
         sse(
             "message_delta",
-            {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": None},
-             "usage": {"output_tokens": output_tokens}},
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+                "usage": {"output_tokens": output_tokens},
+            },
         )  # fmt: skip
     )
     events.append(sse("message_stop", {"type": "message_stop"}))

@@ -51,7 +51,11 @@ def tools_block(tools: list[dict], tools_format: str) -> str:
         return _TOOLS_PREAMBLE + "".join("\n" + tojson(t) for t in tools) + _TOOLS_POSTAMBLE
     if tools_format == "compact":
         lines = "".join(_compact_signature(t) + "\n" for t in tools)
-        return "# Tools\n<tools>\n" + lines + '</tools>\nCall a tool as <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call>'
+        return (
+            "# Tools\n<tools>\n"
+            + lines
+            + '</tools>\nCall a tool as <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call>'
+        )
     raise ValueError(f"unknown tools_format {tools_format!r}: expected one of {TOOLS_FORMATS}")
 
 
@@ -143,7 +147,9 @@ def render_segments(messages: list[dict], tools: list[dict] | None = None, tools
                     content = content.split("</think>")[-1].lstrip("\n")
             is_last = index == len(messages) - 1
             if index > last_query and (is_last or reasoning):
-                text = IM_START + "assistant\n<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
+                text = (
+                    IM_START + "assistant\n<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
+                )
             else:
                 text = IM_START + "assistant\n" + content
             for k, call in enumerate(m.get("tool_calls") or []):
@@ -195,7 +201,9 @@ class ParsedCompletion:
 
     content: str
     reasoning: str | None = None
-    tool_calls: list[dict] = field(default_factory=list)  # OpenAI form: {"id", "type", "function": {"name", "arguments": str}}
+    tool_calls: list[dict] = field(
+        default_factory=list
+    )  # OpenAI form: {"id", "type", "function": {"name", "arguments": str}}
     tool_call_errors: list[str] = field(default_factory=list)
 
 

@@ -148,7 +148,11 @@ def returned_message(parsed: ParsedCompletion) -> dict[str, Any]:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -157,7 +161,14 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 
 def chat_chunk(completion_id: str, created: int, model: str, choices: list[dict[str, Any]], **extra: Any) -> str:
-    payload = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices, **extra}
+    payload = {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        **extra,
+    }
     return sse(payload)
 
 
@@ -177,11 +188,17 @@ def chat_stream_chunks(
 
     chunks = []
     if message.get("reasoning_content") is not None:
-        chunks.append(chat_chunk(completion_id, created, model, [choice({"reasoning_content": message["reasoning_content"]})]))
+        chunks.append(
+            chat_chunk(completion_id, created, model, [choice({"reasoning_content": message["reasoning_content"]})])
+        )
     if message["content"] or logprobs is not None:
-        chunks.append(chat_chunk(completion_id, created, model, [choice({"content": message["content"] or ""}, logprobs)]))
+        chunks.append(
+            chat_chunk(completion_id, created, model, [choice({"content": message["content"] or ""}, logprobs)])
+        )
     for index, tool_call in enumerate(message.get("tool_calls", [])):
-        chunks.append(chat_chunk(completion_id, created, model, [choice({"tool_calls": [{"index": index, **tool_call}]})]))
+        chunks.append(
+            chat_chunk(completion_id, created, model, [choice({"tool_calls": [{"index": index, **tool_call}]})])
+        )
     chunks.append(chat_chunk(completion_id, created, model, [choice({}, finish=finish_reason)]))
     if usage_body is not None:
         chunks.append(chat_chunk(completion_id, created, model, [], usage=usage_body))

@@ -40,7 +40,9 @@ class TitoRecord:
     t_start: float
     t_end: float
     model: str = ""
-    api: str = ""  # the API the call came through: chat (OpenAI chat), completions (OpenAI legacy), messages (Anthropic)
+    api: str = (
+        ""  # the API the call came through: chat (OpenAI chat), completions (OpenAI legacy), messages (Anthropic)
+    )
     cell: str = ""  # the serving cell that produced the completion
 
     def __post_init__(self) -> None:
@@ -55,7 +57,7 @@ class TitoRecord:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, line: str) -> "TitoRecord":
+    def from_json(cls, line: str) -> TitoRecord:
         return cls(**json.loads(line))
 
 

@@ -47,7 +47,9 @@ class Router:
     passed to the caller.
     """
 
-    def __init__(self, backends: Mapping[str, GenerationBackend], max_sessions: int = 65536, max_retries: int = 8) -> None:
+    def __init__(
+        self, backends: Mapping[str, GenerationBackend], max_sessions: int = 65536, max_retries: int = 8
+    ) -> None:
         if not backends:
             raise ValueError("Router needs at least one backend, e.g. Router({'cell0': engine_loop})")
         if max_sessions < 1:
@@ -133,7 +135,9 @@ class Router:
                 name = self._place(request.session_id, exclude=tried)
                 if name is None:
                     if tried:
-                        raise RuntimeError(f"every available serving backend refused the request ({', '.join(sorted(tried))})")
+                        raise RuntimeError(
+                            f"every available serving backend refused the request ({', '.join(sorted(tried))})"
+                        )
                     raise RuntimeError(
                         f"all serving backends are drained ({', '.join(self._backends)}); undrain one (Router.undrain) "
                         "before submitting"
@@ -252,7 +256,9 @@ class Router:
                 )
                 return
             if cancelled:
-                self._resolve(routed, GenerationResult(request.request_id, [], [], [], "cancelled", len(request.prompt_ids)))
+                self._resolve(
+                    routed, GenerationResult(request.request_id, [], [], [], "cancelled", len(request.prompt_ids))
+                )
                 return
             try:
                 inner = self._backends[name].submit(request)

@@ -218,7 +218,7 @@ class ProxyServer:
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
-    def start(self, timeout_s: float = 30.0) -> "ProxyServer":
+    def start(self, timeout_s: float = 30.0) -> ProxyServer:
         """Serves in a daemon thread; returns once the server accepts connections."""
         if self._thread is not None:
             raise RuntimeError("ProxyServer.start() called twice; create a new ProxyServer to serve again")
@@ -268,7 +268,7 @@ class ProxyServer:
         if self._thread.is_alive():
             raise RuntimeError(f"proxy server on {self.base_url} did not stop within {timeout_s} s")
 
-    def __enter__(self) -> "ProxyServer":
+    def __enter__(self) -> ProxyServer:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -593,7 +593,9 @@ class ProxyServer:
             vocab = int(getattr(self.tokenizer, "vocab_size", 0) or 0)
             bad = [t for t in prompt if t < 0 or (vocab and t >= vocab)]
             if bad:
-                raise ProxyError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
+                raise ProxyError(
+                    400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt"
+                )
             prompt_ids = list(prompt)
         else:
             text = prompt[0] if isinstance(prompt, list) else prompt
@@ -614,9 +616,13 @@ class ProxyServer:
         completion = await self._run(call, request)
         if completion is None:
             return Response(status_code=499)
-        choice = openai_api.completion_choice(completion.text, self._completion_logprobs(call, completion), completion.finish_reason)
+        choice = openai_api.completion_choice(
+            completion.text, self._completion_logprobs(call, completion), completion.finish_reason
+        )
         return JSONResponse(
-            openai_api.text_completion_body(call.completion_id, call.created, self.model_name, choice, self._usage(call, completion))
+            openai_api.text_completion_body(
+                call.completion_id, call.created, self.model_name, choice, self._usage(call, completion)
+            )
         )
 
     def _completion_logprobs(self, call: _Call, completion: _Completion) -> dict[str, Any] | None:
@@ -638,7 +644,9 @@ class ProxyServer:
                 yield item
                 continue
             choice = openai_api.completion_choice(item.text, self._completion_logprobs(call, item), item.finish_reason)
-            yield openai_api.sse(openai_api.text_completion_body(call.completion_id, call.created, self.model_name, choice, None))
+            yield openai_api.sse(
+                openai_api.text_completion_body(call.completion_id, call.created, self.model_name, choice, None)
+            )
             if call.include_usage:
                 yield openai_api.sse({"id": call.completion_id, "object": "text_completion", "created": call.created,
                                       "model": self.model_name, "choices": [], "usage": self._usage(call, item)})  # fmt: skip
@@ -646,7 +654,9 @@ class ProxyServer:
 
     # -- Anthropic: messages ---------------------------------------------------------------------------------------
 
-    def _anthropic_request(self, body: dict[str, Any], schema: type[pydantic.BaseModel]) -> tuple[Any, anthropic_api.Converted]:
+    def _anthropic_request(
+        self, body: dict[str, Any], schema: type[pydantic.BaseModel]
+    ) -> tuple[Any, anthropic_api.Converted]:
         try:
             req = schema.model_validate(body)
         except pydantic.ValidationError as exc:
@@ -688,7 +698,9 @@ class ProxyServer:
         )  # fmt: skip
 
     async def _messages_stream(self, call: _Call, request: Request) -> AsyncIterator[str]:
-        start = anthropic_api.message_body(call.completion_id, self.model_name, None, None, len(call.build.prompt_ids), 0)
+        start = anthropic_api.message_body(
+            call.completion_id, self.model_name, None, None, len(call.build.prompt_ids), 0
+        )
         yield anthropic_api.sse("message_start", {"type": "message_start", "message": start})
         yield anthropic_api.PING
         async for item in self._stream_result(call, request, anthropic_api.PING, "anthropic"):

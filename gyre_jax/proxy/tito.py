@@ -10,8 +10,9 @@ sub-agent, a retry with edited history) is rendered in full and starts a new bra
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from gyre_jax.proxy import chat_template
 
@@ -59,7 +60,10 @@ def _normalize_args(args: Any) -> Any:
 
 def normalize_message(message: dict) -> dict:
     """The parts of a message that determine its tokens (ids, names and key order of clients vary)."""
-    out: dict[str, Any] = {"role": message.get("role"), "content": chat_template._content_text(message.get("content")).strip()}
+    out: dict[str, Any] = {
+        "role": message.get("role"),
+        "content": chat_template._content_text(message.get("content")).strip(),
+    }
     calls = []
     for call in message.get("tool_calls") or []:
         fn = call.get("function", call)
@@ -112,8 +116,9 @@ def build_prompt(
             suffix = chat_template.render_segments(messages, tools, tools_format)[k + 1 :]
             ids += tokenizer.encode("\n" + "".join(suffix) + chat_template.generation_prompt(enable_thinking))
             return PromptBuild(prompt_ids=ids, reused_prefix_len=reused, continued=True)
-    text = chat_template.render(messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking,
-                                tools_format=tools_format)
+    text = chat_template.render(
+        messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking, tools_format=tools_format
+    )
     return PromptBuild(prompt_ids=tokenizer.encode(text), reused_prefix_len=0, continued=False)
 
 

@@ -26,8 +26,8 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +83,7 @@ class OptimizerConfig:
             raise ValueError(f"optimizer min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
 
     @classmethod
-    def from_config_dict(cls, c) -> "OptimizerConfig":
+    def from_config_dict(cls, c) -> OptimizerConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in dict(c).items() if k in names})
 
@@ -118,16 +118,35 @@ class Learner:
     makes the summed gradients bit-identical for every claim order.
     """
 
-    def __init__(self, model_cfg, graphdef: nnx.GraphDef, mesh: Mesh, rules: Rules, opt_cfg: OptimizerConfig,
-                 clip_low: float | None = None, clip_high: float | None = None, *, loss: str = "gspo",
-                 kl_coef: float = 0.0, recompute_behaviour: bool = False, behaviour_is_cap: float = 0.0,
-                 ordered_accumulation: bool = True, name: str = "core"):
+    def __init__(
+        self,
+        model_cfg,
+        graphdef: nnx.GraphDef,
+        mesh: Mesh,
+        rules: Rules,
+        opt_cfg: OptimizerConfig,
+        clip_low: float | None = None,
+        clip_high: float | None = None,
+        *,
+        loss: str = "gspo",
+        kl_coef: float = 0.0,
+        recompute_behaviour: bool = False,
+        behaviour_is_cap: float = 0.0,
+        ordered_accumulation: bool = True,
+        name: str = "core",
+    ):
         self.model_cfg = model_cfg
         self.graphdef = graphdef
         self.mesh = mesh
         self.rules = rules
-        self.loss_cfg = losses.LossConfig(name=loss, clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef,
-                                          recompute_behaviour=recompute_behaviour, behaviour_is_cap=behaviour_is_cap)
+        self.loss_cfg = losses.LossConfig(
+            name=loss,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            kl_coef=kl_coef,
+            recompute_behaviour=recompute_behaviour,
+            behaviour_is_cap=behaviour_is_cap,
+        )
         self.clip_low, self.clip_high = self.loss_cfg.clip_low, self.loss_cfg.clip_high
         self.ordered_accumulation = ordered_accumulation
         self.tx = make_optimizer(opt_cfg)
@@ -135,39 +154,64 @@ class Learner:
         self.param_shardings = self.worker.param_shardings
         self._replicated = NamedSharding(mesh, PartitionSpec())
         _, abstract_params = abstract_model(model_cfg)
-        self._abstract_params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                             abstract_params, self.param_shardings)
+        self._abstract_params = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract_params, self.param_shardings
+        )
         self.opt_shardings = optax.tree_map_params(
-            self.tx, lambda _, sh: sh, jax.eval_shape(self.tx.init, self._abstract_params), self.param_shardings,
-            transform_non_params=lambda _: self._replicated)
-        self.state_shardings = TrainState(params=self.param_shardings, opt_state=self.opt_shardings, step=self._replicated)
+            self.tx,
+            lambda _, sh: sh,
+            jax.eval_shape(self.tx.init, self._abstract_params),
+            self.param_shardings,
+            transform_non_params=lambda _: self._replicated,
+        )
+        self.state_shardings = TrainState(
+            params=self.param_shardings, opt_state=self.opt_shardings, step=self._replicated
+        )
         self._init_opt = jax.jit(self.tx.init, in_shardings=(self.param_shardings,), out_shardings=self.opt_shardings)
         r = self._replicated
-        self._apply = jax.jit(self._apply_impl, donate_argnums=(0,),
-                              in_shardings=(self.state_shardings, self.param_shardings, r, r),
-                              out_shardings=(self.state_shardings, r))
+        self._apply = jax.jit(
+            self._apply_impl,
+            donate_argnums=(0,),
+            in_shardings=(self.state_shardings, self.param_shardings, r, r),
+            out_shardings=(self.state_shardings, r),
+        )
         self.skipped_steps = 0  # optimizer steps skipped for non-finite loss/gradients, over this learner's life
 
     @classmethod
-    def from_config(cls, model_cfg, graphdef: nnx.GraphDef, mesh: Mesh, rules: Rules, config, name: str = "core") -> "Learner":
+    def from_config(
+        cls, model_cfg, graphdef: nnx.GraphDef, mesh: Mesh, rules: Rules, config, name: str = "core"
+    ) -> Learner:
         """The RL learner a run's ``config`` describes (``config.rl`` objective keys, ``config.optimizer``)."""
         rl = config.rl
-        return cls(model_cfg, graphdef, mesh, rules, OptimizerConfig.from_config_dict(config.optimizer),
-                   clip_low=rl.clip_low, clip_high=rl.clip_high, loss=rl.loss, kl_coef=rl.get("kl_coef", 0.0),
-                   recompute_behaviour=rl.get("recompute_behaviour", False),
-                   behaviour_is_cap=rl.get("behaviour_is_cap", 0.0), name=name)
+        return cls(
+            model_cfg,
+            graphdef,
+            mesh,
+            rules,
+            OptimizerConfig.from_config_dict(config.optimizer),
+            clip_low=rl.clip_low,
+            clip_high=rl.clip_high,
+            loss=rl.loss,
+            kl_coef=rl.get("kl_coef", 0.0),
+            recompute_behaviour=rl.get("recompute_behaviour", False),
+            behaviour_is_cap=rl.get("behaviour_is_cap", 0.0),
+            name=name,
+        )
 
     # -- state ------------------------------------------------------------------------------------
     def init_state(self, params: nnx.State, step: int = 0) -> TrainState:
         params = jax.device_put(params, self.param_shardings)
         opt_state = self._init_opt(params)
-        return TrainState(params=params, opt_state=opt_state,
-                          step=jax.device_put(jnp.asarray(step, jnp.int32), self._replicated))
+        return TrainState(
+            params=params, opt_state=opt_state, step=jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
+        )
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of a TrainState (the restore target for checkpoints)."""
         shapes = jax.eval_shape(lambda p: self.init_state(p), self._abstract_params)
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings)
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
+        )
 
     def batch_shardings(self, mb: MicroBatch) -> MicroBatch:
         return self.worker.batch_shardings(mb)
@@ -199,9 +243,16 @@ class Learner:
         """Gradients of one micro-batch's share of the step loss on the core mesh (params are not changed)."""
         return self.worker.micro_step(params, mb, kind, ref_params)
 
-    def step(self, state: TrainState, micro_batches: list[MicroBatch], kind: str = "rl", *,
-             ref_params: nnx.State | None = None, satellites: Sequence[GradWorker] = (),
-             grad_scale: float = 1.0) -> tuple[TrainState, dict]:
+    def step(
+        self,
+        state: TrainState,
+        micro_batches: list[MicroBatch],
+        kind: str = "rl",
+        *,
+        ref_params: nnx.State | None = None,
+        satellites: Sequence[GradWorker] = (),
+        grad_scale: float = 1.0,
+    ) -> tuple[TrainState, dict]:
         """One optimizer step over ``micro_batches`` (all known up front). Returns the new state and metrics.
 
         ``state`` is donated: use the returned one."""
@@ -213,9 +264,17 @@ class Learner:
         queue.close()
         return self.stream_step(state, queue, kind, ref_params=ref_params, satellites=satellites, grad_scale=grad_scale)
 
-    def stream_step(self, state: TrainState, queue: MicroStepQueue, kind: str = "rl", *,
-                    ref_params: nnx.State | None = None, satellites: Sequence[GradWorker] = (),
-                    grad_scale: float = 1.0, timeout: float | None = None) -> tuple[TrainState, dict]:
+    def stream_step(
+        self,
+        state: TrainState,
+        queue: MicroStepQueue,
+        kind: str = "rl",
+        *,
+        ref_params: nnx.State | None = None,
+        satellites: Sequence[GradWorker] = (),
+        grad_scale: float = 1.0,
+        timeout: float | None = None,
+    ) -> tuple[TrainState, dict]:
         """One optimizer step whose micro-batches arrive in ``queue`` while it runs.
 
         The core claims micro-steps in this thread; each satellite in its own thread first pulls a snapshot
@@ -228,8 +287,12 @@ class Learner:
         errors: list[tuple[str, BaseException]] = []
         threads = []
         for sat in satellites:
-            th = threading.Thread(target=self._satellite_loop, name=f"microsteps-{sat.name}", daemon=True,
-                                  args=(sat, state.params, ref_params, queue, acc, kind, timeout, errors))
+            th = threading.Thread(
+                target=self._satellite_loop,
+                name=f"microsteps-{sat.name}",
+                daemon=True,
+                args=(sat, state.params, ref_params, queue, acc, kind, timeout, errors),
+            )
             th.start()
             threads.append(th)
         try:
@@ -241,11 +304,21 @@ class Learner:
         finally:
             for th in threads:
                 th.join()
-        return self.finish_step(state, queue, acc, kind, grad_scale=grad_scale, t0=t0,
-                                extra={"worker_errors": len(errors)})
+        return self.finish_step(
+            state, queue, acc, kind, grad_scale=grad_scale, t0=t0, extra={"worker_errors": len(errors)}
+        )
 
-    def finish_step(self, state: TrainState, queue: MicroStepQueue, acc: GradAccumulator, kind: str = "rl", *,
-                    grad_scale: float = 1.0, t0: float | None = None, extra: dict | None = None) -> tuple[TrainState, dict]:
+    def finish_step(
+        self,
+        state: TrainState,
+        queue: MicroStepQueue,
+        acc: GradAccumulator,
+        kind: str = "rl",
+        *,
+        grad_scale: float = 1.0,
+        t0: float | None = None,
+        extra: dict | None = None,
+    ) -> tuple[TrainState, dict]:
         """The optimizer step once ``queue`` is done: sums the accumulated gradients (empty slots marked),
         applies AdamW (or skips a non-finite step) and returns the new state and the step's metrics.
 
@@ -261,22 +334,40 @@ class Learner:
         applied = {k: float(v) for k, v in jax.device_get(applied).items()}
         metrics = self._finish_metrics(aux, kind, grad_scale)
         metrics.update(applied)
-        metrics.update(micro_steps=num_micro, micro_steps_core=queue.completed_by.get(self.worker.name, 0),
-                       micro_steps_released=queue.released, grads_s=t_grads,
-                       learner_s=time.perf_counter() - t0, **(extra or {}))
+        metrics.update(
+            micro_steps=num_micro,
+            micro_steps_core=queue.completed_by.get(self.worker.name, 0),
+            micro_steps_released=queue.released,
+            grads_s=t_grads,
+            learner_s=time.perf_counter() - t0,
+            **(extra or {}),
+        )
         if metrics["skipped"]:
             self.skipped_steps += 1
             what = "loss" if not math.isfinite(metrics["loss"]) else "gradients"
-            log.error("optimizer step skipped: non-finite %s (loss %s, grad norm %s); params, optimizer state and "
-                      "policy version %d unchanged (%d skipped so far)", what, metrics["loss"], metrics["grad_norm"],
-                      int(state.step), self.skipped_steps)
+            log.error(
+                "optimizer step skipped: non-finite %s (loss %s, grad norm %s); params, optimizer state and "
+                "policy version %d unchanged (%d skipped so far)",
+                what,
+                metrics["loss"],
+                metrics["grad_norm"],
+                int(state.step),
+                self.skipped_steps,
+            )
         metrics["skipped_total"] = self.skipped_steps
         return state, metrics
 
     # -- internals --------------------------------------------------------------------------------
     @staticmethod
-    def _work(worker: GradWorker, params, ref_params, queue: MicroStepQueue, acc: GradAccumulator, kind: str,
-              timeout: float | None) -> None:
+    def _work(
+        worker: GradWorker,
+        params,
+        ref_params,
+        queue: MicroStepQueue,
+        acc: GradAccumulator,
+        kind: str,
+        timeout: float | None,
+    ) -> None:
         """Claims, computes and completes micro-steps until the step is done."""
         while (claim := queue.claim(worker.name, timeout)) is not None:
             try:
@@ -290,8 +381,17 @@ class Learner:
                 raise
             queue.complete(claim)
 
-    def _satellite_loop(self, sat: GradWorker, core_params, ref_params, queue: MicroStepQueue, acc: GradAccumulator,
-                        kind: str, timeout: float | None, errors: list) -> None:
+    def _satellite_loop(
+        self,
+        sat: GradWorker,
+        core_params,
+        ref_params,
+        queue: MicroStepQueue,
+        acc: GradAccumulator,
+        kind: str,
+        timeout: float | None,
+        errors: list,
+    ) -> None:
         try:
             params = sat.snapshot(core_params)
             ref = sat.snapshot(ref_params) if ref_params is not None and self.loss_cfg.kl_coef > 0 else None

@@ -30,7 +30,9 @@ DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 
 LOSSES = tuple(DEFAULT_CLIP)
 
 
-def _sequence_sums(values: jax.Array, mask: jax.Array, seq_index: jax.Array, num_seqs: int) -> tuple[jax.Array, jax.Array]:
+def _sequence_sums(
+    values: jax.Array, mask: jax.Array, seq_index: jax.Array, num_seqs: int
+) -> tuple[jax.Array, jax.Array]:
     """([S] masked sums of ``values`` [B, T] per sequence, [S] mask sums)."""
     flat_idx = seq_index.reshape(-1)
     selected = jnp.where(mask > 0, values * mask, 0.0)
@@ -39,14 +41,17 @@ def _sequence_sums(values: jax.Array, mask: jax.Array, seq_index: jax.Array, num
     return total, count
 
 
-def sequence_mean(values: jax.Array, mask: jax.Array, seq_index: jax.Array, num_seqs: int) -> tuple[jax.Array, jax.Array]:
+def sequence_mean(
+    values: jax.Array, mask: jax.Array, seq_index: jax.Array, num_seqs: int
+) -> tuple[jax.Array, jax.Array]:
     """Masked mean of ``values`` [B, T] per sequence -> ([S] means, [S] token counts)."""
     total, count = _sequence_sums(values, mask, seq_index, num_seqs)
     return total / jnp.maximum(count, 1.0), count
 
 
-def sequence_log_ratio_sums(logprobs: jax.Array, old_logprobs: jax.Array, loss_mask: jax.Array, seq_index: jax.Array,
-                            num_seqs: int) -> tuple[jax.Array, jax.Array]:
+def sequence_log_ratio_sums(
+    logprobs: jax.Array, old_logprobs: jax.Array, loss_mask: jax.Array, seq_index: jax.Array, num_seqs: int
+) -> tuple[jax.Array, jax.Array]:
     """Per sequence: (sum of log pi - log pi_old over its trainable tokens [S], their count [S]).
 
     When a sequence is split over several micro-batches (a trajectory longer than a row), add these over
@@ -57,8 +62,9 @@ def sequence_log_ratio_sums(logprobs: jax.Array, old_logprobs: jax.Array, loss_m
     return _sequence_sums(logprobs - old_logprobs, loss_mask, seq_index, num_seqs)
 
 
-def token_weights(loss_mask: jax.Array, seq_index: jax.Array, seq_weights: jax.Array,
-                  seq_count: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def token_weights(
+    loss_mask: jax.Array, seq_index: jax.Array, seq_weights: jax.Array, seq_count: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The seq-mean-token-mean weights: token (b, t) of sequence i gets ``w_i / n_i`` (0 off the mask).
 
     ``n_i`` is the sequence's trainable-token count here, or ``seq_count`` [S] (its count over all the
@@ -80,7 +86,9 @@ def _token_advantages(advantages: jax.Array, seq_index: jax.Array) -> jax.Array:
     if advantages.ndim == 1:
         return advantages[seq_index]
     if advantages.shape != seq_index.shape:
-        raise ValueError(f"advantages must be [S] per sequence or [B, T]={seq_index.shape} per token, got {advantages.shape}")
+        raise ValueError(
+            f"advantages must be [S] per sequence or [B, T]={seq_index.shape} per token, got {advantages.shape}"
+        )
     return advantages
 
 
@@ -112,8 +120,18 @@ def gspo_loss(
     """
     if seq_log_ratio is not None or seq_count is not None:
         # The same objective written token by token (GSPO-token with A_i,t = A_i), which splits exactly.
-        return gspo_token_loss(logprobs, old_logprobs, loss_mask, seq_index, advantages, seq_weights, clip_low,
-                               clip_high, seq_log_ratio=seq_log_ratio, seq_count=seq_count)
+        return gspo_token_loss(
+            logprobs,
+            old_logprobs,
+            loss_mask,
+            seq_index,
+            advantages,
+            seq_weights,
+            clip_low,
+            clip_high,
+            seq_log_ratio=seq_log_ratio,
+            seq_count=seq_count,
+        )
     num_seqs = advantages.shape[0]
     log_ratio, count = sequence_mean(logprobs - old_logprobs, loss_mask, seq_index, num_seqs)
     ratio = jnp.exp(log_ratio)
@@ -212,8 +230,13 @@ def grpo_loss(
 
 
 def kl_k3(
-    logprobs: jax.Array, ref_logprobs: jax.Array, loss_mask: jax.Array, seq_index: jax.Array, seq_weights: jax.Array,
-    *, seq_count: jax.Array | None = None,
+    logprobs: jax.Array,
+    ref_logprobs: jax.Array,
+    loss_mask: jax.Array,
+    seq_index: jax.Array,
+    seq_weights: jax.Array,
+    *,
+    seq_count: jax.Array | None = None,
 ) -> jax.Array:
     """KL(pi || pi_ref) by Schulman's k3 estimator per sampled token, aggregated like the policy losses:
 
@@ -261,14 +284,18 @@ class LossConfig:
         object.__setattr__(self, "clip_low", float(low if self.clip_low is None else self.clip_low))
         object.__setattr__(self, "clip_high", float(high if self.clip_high is None else self.clip_high))
         if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:
-            raise ValueError(f"clip range [1 - {self.clip_low}, 1 + {self.clip_high}] must have 0 <= clip_low < 1 and clip_high >= 0")
+            raise ValueError(
+                f"clip range [1 - {self.clip_low}, 1 + {self.clip_high}] must have 0 <= clip_low < 1 and clip_high >= 0"
+            )
         if self.kl_coef < 0.0:
             raise ValueError(f"kl_coef={self.kl_coef} must be >= 0 (0 turns the KL term off)")
         if self.behaviour_is_cap < 0.0:
             raise ValueError(f"behaviour_is_cap={self.behaviour_is_cap} must be >= 0 (0 = off)")
         if self.behaviour_is_cap > 0.0 and not self.recompute_behaviour:
-            raise ValueError("behaviour_is_cap needs recompute_behaviour=True (with recorded pi_old the ratio already "
-                             "corrects for the behaviour policy)")
+            raise ValueError(
+                "behaviour_is_cap needs recompute_behaviour=True (with recorded pi_old the ratio already "
+                "corrects for the behaviour policy)"
+            )
 
 
 def rl_objective(
@@ -296,8 +323,9 @@ def rl_objective(
             seq_weights = seq_weights * jnp.minimum(jnp.exp(log_w), cfg.behaviour_is_cap)
     else:
         old = behaviour_logprobs
-    policy_loss, metrics = POLICY_LOSSES[cfg.name](logprobs, old, loss_mask, seq_index, advantages, seq_weights,
-                                                   cfg.clip_low, cfg.clip_high)
+    policy_loss, metrics = POLICY_LOSSES[cfg.name](
+        logprobs, old, loss_mask, seq_index, advantages, seq_weights, cfg.clip_low, cfg.clip_high
+    )
     loss = policy_loss
     metrics = dict(metrics, policy_loss=policy_loss)
     if cfg.kl_coef > 0.0:

@@ -45,8 +45,15 @@ def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, mb: MicroBatch) ->
 class GradWorker:
     """Jitted gradient micro-steps for one mesh. ``micro_step`` never changes the params it is given."""
 
-    def __init__(self, model_cfg, graphdef: nnx.GraphDef, mesh: Mesh, rules: Rules,
-                 loss_cfg: losses.LossConfig | None = None, name: str = "core"):
+    def __init__(
+        self,
+        model_cfg,
+        graphdef: nnx.GraphDef,
+        mesh: Mesh,
+        rules: Rules,
+        loss_cfg: losses.LossConfig | None = None,
+        name: str = "core",
+    ):
         self.model_cfg = model_cfg
         self.graphdef = graphdef
         self.mesh = mesh
@@ -61,9 +68,12 @@ class GradWorker:
         self.replicated = NamedSharding(mesh, PartitionSpec())
         # Batch shardings are stated by ``put_batch`` (their shapes vary per micro-batch); params are fixed.
         grads_out = (self.param_shardings, self.replicated)
-        self._rl_grads = jax.jit(self._rl_grads_impl, in_shardings=(self.param_shardings, None, None),
-                                 out_shardings=grads_out)
-        self._sft_grads = jax.jit(self._sft_grads_impl, in_shardings=(self.param_shardings, None), out_shardings=grads_out)
+        self._rl_grads = jax.jit(
+            self._rl_grads_impl, in_shardings=(self.param_shardings, None, None), out_shardings=grads_out
+        )
+        self._sft_grads = jax.jit(
+            self._sft_grads_impl, in_shardings=(self.param_shardings, None), out_shardings=grads_out
+        )
 
     # -- placement ------------------------------------------------------------------------------
     def snapshot(self, params: nnx.State) -> nnx.State:
@@ -95,8 +105,16 @@ class GradWorker:
 
         def loss_fn(p):
             logp, lb = _logprobs_and_aux(self.graphdef, p, mb, with_aux=self.moe_coef > 0)
-            loss, aux = losses.rl_objective(logp, mb.old_logprobs, mb.loss_mask, mb.seq_index, mb.advantages,
-                                            mb.seq_weights, self.loss_cfg, ref_logp)
+            loss, aux = losses.rl_objective(
+                logp,
+                mb.old_logprobs,
+                mb.loss_mask,
+                mb.seq_index,
+                mb.advantages,
+                mb.seq_weights,
+                self.loss_cfg,
+                ref_logp,
+            )
             if lb is not None:
                 share = jnp.sum(losses.token_weights(mb.loss_mask, mb.seq_index, mb.seq_weights)[1])
                 loss, aux = self._add_load_balancing(loss, aux, lb, share)
@@ -131,8 +149,10 @@ class GradWorker:
         if kind == "sft":
             return self._sft_grads(params, batch)
         if self.loss_cfg.kl_coef > 0.0 and ref_params is None:
-            raise ValueError(f"loss kl_coef={self.loss_cfg.kl_coef} > 0 needs ref_params (the reference policy's "
-                             "params on this mesh); pass ref_params= or set kl_coef=0")
+            raise ValueError(
+                f"loss kl_coef={self.loss_cfg.kl_coef} > 0 needs ref_params (the reference policy's "
+                "params on this mesh); pass ref_params= or set kl_coef=0"
+            )
         if self.loss_cfg.kl_coef == 0.0:
             ref_params = None  # no reference forward pass when the KL term is off
         return self._rl_grads(params, batch, ref_params)

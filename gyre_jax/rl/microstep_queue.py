@@ -64,9 +64,11 @@ class MicroStepQueue:
                     self._next_put += 1
                 index = self._next_put
                 if index >= self.num_micro_steps:
-                    raise ValueError(f"the step's {self.num_micro_steps} micro-step slots are all filled; the producer "
-                                     "made more micro-batches than rl.micro_steps_per_step (use larger micro-batches "
-                                     "or more micro-steps per step)")
+                    raise ValueError(
+                        f"the step's {self.num_micro_steps} micro-step slots are all filled; the producer "
+                        "made more micro-batches than rl.micro_steps_per_step (use larger micro-batches "
+                        "or more micro-steps per step)"
+                    )
             elif not 0 <= index < self.num_micro_steps:
                 raise ValueError(f"slot index {index} is outside [0, {self.num_micro_steps})")
             elif self._state[index] != PENDING:
@@ -106,7 +108,9 @@ class MicroStepQueue:
                     return None
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"worker {worker!r} waited {timeout}s for a micro-batch: {self._describe_locked()}")
+                    raise TimeoutError(
+                        f"worker {worker!r} waited {timeout}s for a micro-batch: {self._describe_locked()}"
+                    )
                 self._cond.wait(remaining)
 
     def complete(self, claim: Claim) -> None:
@@ -172,8 +176,10 @@ class MicroStepQueue:
     def _check_claimed(self, claim: Claim) -> None:
         self._raise_if_aborted()
         if self._state[claim.index] != CLAIMED or self._attempts[claim.index] != claim.attempt:
-            raise ValueError(f"slot {claim.index} is not claimed by this claim (state {self._state[claim.index]}, "
-                             f"attempt {self._attempts[claim.index]} vs {claim.attempt})")
+            raise ValueError(
+                f"slot {claim.index} is not claimed by this claim (state {self._state[claim.index]}, "
+                f"attempt {self._attempts[claim.index]} vs {claim.attempt})"
+            )
 
     def _describe_locked(self) -> str:
         counts = {s: self._state.count(s) for s in (PENDING, READY, CLAIMED, DONE)}

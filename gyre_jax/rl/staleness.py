@@ -10,8 +10,8 @@ dropped (they leave their advantage group) and counted; mean and max staleness a
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from gyre_jax.trajectory.branches import Branch
 
@@ -55,8 +55,9 @@ class StalenessReport:
         return {"staleness_mean": self.mean, "staleness_max": self.max, "stale_dropped": len(self.dropped)}
 
 
-def measure_staleness(branches_by_execution: Mapping[str, Sequence[Branch]], current_version: int,
-                      max_staleness: int | None = None) -> StalenessReport:
+def measure_staleness(
+    branches_by_execution: Mapping[str, Sequence[Branch]], current_version: int, max_staleness: int | None = None
+) -> StalenessReport:
     """Staleness of each execution (over its trainable tokens; executions without any are not measured) and
     the ones to drop: staleness > ``max_staleness`` (None: no bound, nothing dropped), or, under a bound, a
     trainable token without a version."""
@@ -76,12 +77,20 @@ def measure_staleness(branches_by_execution: Mapping[str, Sequence[Branch]], cur
             continue
         s = current_version - oldest
         if s < 0:
-            log.warning("execution %s has tokens of policy version %d, newer than the learner's %d", eid, oldest,
-                        current_version)
+            log.warning(
+                "execution %s has tokens of policy version %d, newer than the learner's %d",
+                eid,
+                oldest,
+                current_version,
+            )
         report.staleness[eid] = s
         if max_staleness is not None and s > max_staleness:
             report.dropped.append(eid)
     if report.dropped:
-        log.info("dropped %d executions over the staleness bound %s (or of unknown version): %s", len(report.dropped),
-                 max_staleness, report.dropped[:8])
+        log.info(
+            "dropped %d executions over the staleness bound %s (or of unknown version): %s",
+            len(report.dropped),
+            max_staleness,
+            report.dropped[:8],
+        )
     return report

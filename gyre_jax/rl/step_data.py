@@ -10,8 +10,8 @@ it branched. Pure Python over ``Branch`` lists; the trainer packs the result int
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from gyre_jax.rl.advantages import group_advantages
 from gyre_jax.rl.staleness import measure_staleness
@@ -66,6 +66,11 @@ def assemble_rl_step(
             out.advantages.append(adv.advantages[eid])
             out.seq_weights.append(w)
             out.execution_ids.append(eid)
-    out.metrics = {"skipped_groups": adv.skipped_groups, "group_excluded": adv.excluded, **report.metrics(),
-                   "executions_trained": num_exec, "sequences": len(out.branches)}
+    out.metrics = {
+        "skipped_groups": adv.skipped_groups,
+        "group_excluded": adv.excluded,
+        **report.metrics(),
+        "executions_trained": num_exec,
+        "sequences": len(out.branches),
+    }
     return out

@@ -19,8 +19,8 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from gyre_jax.rollout.tasks import Task
 
@@ -76,7 +76,9 @@ class CommandEvaluator:
             try:
                 score = float(last)
             except ValueError:
-                raise ValueError(f"evaluator command {cmd[0]!r} printed {last[:80]!r} last; expected a number in [0, 1]") from None
+                raise ValueError(
+                    f"evaluator command {cmd[0]!r} printed {last[:80]!r} last; expected a number in [0, 1]"
+                ) from None
         if not (math.isfinite(score) and 0.0 <= score <= 1.0):
             raise ValueError(f"evaluator command {cmd[0]!r} printed the score {score}; expected a number in [0, 1]")
         return score

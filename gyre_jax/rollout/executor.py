@@ -43,10 +43,11 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 from gyre_jax.rollout.evaluators import CommandEvaluator
 from gyre_jax.rollout.tasks import Task, evaluate
@@ -54,7 +55,14 @@ from gyre_jax.rollout.tasks import Task, evaluate
 logger = logging.getLogger(__name__)
 
 STATUSES = ("finished", "timeout", "crashed")
-EXCLUSION_KINDS = ("evaluator_error", "evaluator_timeout", "evaluator_bad_value", "setup_failed", "executor_error", "cancelled")
+EXCLUSION_KINDS = (
+    "evaluator_error",
+    "evaluator_timeout",
+    "evaluator_bad_value",
+    "setup_failed",
+    "executor_error",
+    "cancelled",
+)
 PLACEHOLDERS = ("task", "model", "temperature", "max_tokens", "seed", "workspace", "exec_dir", "execution_id", "base_url",
                 "anthropic_base_url")  # fmt: skip
 _TASK_FIELDS = tuple(f.name for f in dataclasses.fields(Task))
@@ -69,7 +77,19 @@ DEFAULT_HARNESS_CMD: tuple[str, ...] = (
 )  # fmt: skip
 
 # Environment variables a harness inherits (everything else, e.g. credentials, is dropped).
-_ENV_KEEP = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "SSL_CERT_FILE", "SSL_CERT_DIR")
+_ENV_KEEP = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "TMPDIR",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+)
 _REPO_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the gyre_jax package
 _POLL_S = 0.05
 
@@ -102,7 +122,9 @@ class ExecutionResult:
     execution_id: str
     task_id: str
     group_id: str
-    status: str  # "finished" (harness exited 0) | "timeout" (killed at the limit) | "crashed" (non-zero exit or no start)
+    status: (
+        str  # "finished" (harness exited 0) | "timeout" (killed at the limit) | "crashed" (non-zero exit or no start)
+    )
     reward: float | None
     excluded: bool  # True: do not train on it (evaluator failed or timed out, setup failed, cancelled)
     exclusion_reason: str | None
@@ -115,18 +137,22 @@ class ExecutionResult:
         if self.status not in STATUSES:
             raise ValueError(f"execution {self.execution_id}: status {self.status!r} must be one of {STATUSES}")
         if self.excluded != (self.reward is None):
-            raise ValueError(f"execution {self.execution_id}: reward must be None exactly when excluded (reward={self.reward}, excluded={self.excluded})")
+            raise ValueError(
+                f"execution {self.execution_id}: reward must be None exactly when excluded (reward={self.reward}, excluded={self.excluded})"
+            )
         if self.excluded != (self.exclusion_reason is not None):
             raise ValueError(f"execution {self.execution_id}: exclusion_reason must be set exactly when excluded")
         if self.exclusion_kind is not None and (not self.excluded or self.exclusion_kind not in EXCLUSION_KINDS):
-            raise ValueError(f"execution {self.execution_id}: exclusion_kind {self.exclusion_kind!r} must be one of "
-                             f"{EXCLUSION_KINDS}, and only on an excluded execution")
+            raise ValueError(
+                f"execution {self.execution_id}: exclusion_kind {self.exclusion_kind!r} must be one of "
+                f"{EXCLUSION_KINDS}, and only on an excluded execution"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ExecutionResult":
+    def from_dict(cls, data: dict[str, Any]) -> ExecutionResult:
         names = [f.name for f in fields(cls)]
         required = [f.name for f in fields(cls) if f.default is dataclasses.MISSING]
         missing = [n for n in required if n not in data]
@@ -231,16 +257,22 @@ class Executor:
         self.evaluator_timeout_s = float(evaluator_timeout_s)
         self.harness_cmd = list(harness_cmd) if harness_cmd is not None else list(DEFAULT_HARNESS_CMD)
         if isinstance(evaluator, (list, tuple)):  # a command: runs in the workspace, prints a score in [0, 1]
-            evaluator = CommandEvaluator(evaluator, timeout_s=self.evaluator_timeout_s, kill_grace_s=min(float(kill_grace_s), 1.0))
+            evaluator = CommandEvaluator(
+                evaluator, timeout_s=self.evaluator_timeout_s, kill_grace_s=min(float(kill_grace_s), 1.0)
+            )
         if not callable(evaluator):
-            raise ValueError(f"evaluator={evaluator!r} must be a callable (task, workspace) -> float or a command (list of str)")
+            raise ValueError(
+                f"evaluator={evaluator!r} must be a callable (task, workspace) -> float or a command (list of str)"
+            )
         self.evaluator = evaluator
         self.kill_grace_s = float(kill_grace_s)
         self.extra_env = dict(extra_env or {})
         for arg in [*self.harness_cmd, *self.extra_env.values()]:
             for name in _TASK_FIELD_RE.findall(arg):
                 if name not in _TASK_FIELDS:
-                    raise ValueError(f"placeholder {{task.{name}}} in {arg!r} names no task field; task fields: {_TASK_FIELDS}")
+                    raise ValueError(
+                        f"placeholder {{task.{name}}} in {arg!r} names no task field; task fields: {_TASK_FIELDS}"
+                    )
         self._lock = threading.Lock()
         self._callback_lock = threading.Lock()
         self._cancelled = threading.Event()
@@ -321,12 +353,19 @@ class Executor:
                 result = self._run_one(spec)
             except Exception as exc:  # noqa: BLE001 - recorded as a crashed execution; the run goes on
                 logger.exception("execution %s failed in the executor", spec.execution_id)
-                result = ExecutionResult(execution_id=spec.execution_id, task_id=spec.task.task_id,
-                                         group_id=spec.group_id, status="crashed", reward=None, excluded=True,
-                                         exclusion_reason=f"executor error: {type(exc).__name__}: {exc}",
-                                         returncode=None, duration_s=0.0,
-                                         workspace=str(self.root / spec.execution_id / "workspace"),
-                                         exclusion_kind="executor_error")
+                result = ExecutionResult(
+                    execution_id=spec.execution_id,
+                    task_id=spec.task.task_id,
+                    group_id=spec.group_id,
+                    status="crashed",
+                    reward=None,
+                    excluded=True,
+                    exclusion_reason=f"executor error: {type(exc).__name__}: {exc}",
+                    returncode=None,
+                    duration_s=0.0,
+                    workspace=str(self.root / spec.execution_id / "workspace"),
+                    exclusion_kind="executor_error",
+                )
             on_done(result)
 
         thread = threading.Thread(target=work, name=f"gyre-exec-{spec.execution_id}", daemon=True)
@@ -339,8 +378,14 @@ class Executor:
         exec_dir = self.root / spec.execution_id
         workspace = exec_dir / "workspace"
 
-        def result(status: str, reward: float | None, reason: str | None, returncode: int | None, duration: float,
-                   kind: str | None = None) -> ExecutionResult:
+        def result(
+            status: str,
+            reward: float | None,
+            reason: str | None,
+            returncode: int | None,
+            duration: float,
+            kind: str | None = None,
+        ) -> ExecutionResult:
             r = ExecutionResult(
                 execution_id=spec.execution_id,
                 task_id=spec.task.task_id,
@@ -363,15 +408,21 @@ class Executor:
             task_path = self._prepare(spec, exec_dir, workspace)
         except Exception as exc:  # noqa: BLE001 - infrastructure failure: exclude, never score
             logger.exception("workspace setup failed for execution %s", spec.execution_id)
-            return result("crashed", None, f"workspace setup failed: {type(exc).__name__}: {exc}", None, 0.0, "setup_failed")
+            return result(
+                "crashed", None, f"workspace setup failed: {type(exc).__name__}: {exc}", None, 0.0, "setup_failed"
+            )
         try:
             api_key = self.registry.open_execution(spec.execution_id)
         except Exception as exc:  # noqa: BLE001
             logger.exception("open_execution failed for execution %s", spec.execution_id)
-            return result("crashed", None, f"open_execution failed: {type(exc).__name__}: {exc}", None, 0.0, "setup_failed")
+            return result(
+                "crashed", None, f"open_execution failed: {type(exc).__name__}: {exc}", None, 0.0, "setup_failed"
+            )
 
         try:
-            status, returncode, duration, cancelled = self._spawn_and_wait(spec, exec_dir, workspace, task_path, api_key)
+            status, returncode, duration, cancelled = self._spawn_and_wait(
+                spec, exec_dir, workspace, task_path, api_key
+            )
         except Exception as exc:  # noqa: BLE001 - an executor fault (not the harness's): exclude
             logger.exception("running the harness of execution %s failed", spec.execution_id)
             return result("crashed", None, f"executor error: {type(exc).__name__}: {exc}", None, 0.0, "executor_error")
@@ -519,7 +570,12 @@ class Executor:
             kind = "evaluator_timeout" if isinstance(exc, TimeoutError) else "evaluator_error"
             return None, f"evaluator raised {type(exc).__name__}: {exc}", kind
         reward = box.get("reward")
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
+        if (
+            isinstance(reward, bool)
+            or not isinstance(reward, (int, float))
+            or not math.isfinite(reward)
+            or not 0.0 <= reward <= 1.0
+        ):
             return None, f"evaluator returned {reward!r}; expected a float in [0, 1]", "evaluator_bad_value"
         return float(reward), None, None
 
@@ -533,7 +589,9 @@ def _check_execution_id(execution_id: str) -> None:
         or "\\" in execution_id
         or "\0" in execution_id
     ):
-        raise ValueError(f"execution_id {execution_id!r} must be a non-empty name usable as a directory (no '/', not '.' or '..')")
+        raise ValueError(
+            f"execution_id {execution_id!r} must be a non-empty name usable as a directory (no '/', not '.' or '..')"
+        )
 
 
 def _write_result(exec_dir: Path, result: ExecutionResult) -> None:

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path, PurePosixPath
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -116,11 +117,17 @@ class Task:
             raise ValueError(f"task {self.task_id}: kind must be a non-empty string, got {self.kind!r}")
         for name in ("system", "instruction"):
             if not isinstance(getattr(self, name), str):
-                raise ValueError(f"task {self.task_id}: {name} must be a string, got {type(getattr(self, name)).__name__}")
+                raise ValueError(
+                    f"task {self.task_id}: {name} must be a string, got {type(getattr(self, name)).__name__}"
+                )
         for name in ("files", "expected"):
             mapping = getattr(self, name)
-            if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
-                raise ValueError(f"task {self.task_id}: {name} must map relative paths (str) to text (str), got {mapping!r}")
+            if not isinstance(mapping, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()
+            ):
+                raise ValueError(
+                    f"task {self.task_id}: {name} must map relative paths (str) to text (str), got {mapping!r}"
+                )
             for path in mapping:
                 _check_relative_path(path, f"task {self.task_id}: {name}")
         if not self.expected:
@@ -138,14 +145,16 @@ class Task:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Task":
+    def from_dict(cls, data: dict[str, Any]) -> Task:
         if not isinstance(data, dict):
             raise ValueError(f"a task must be a JSON object, got {type(data).__name__}")
         names = [f.name for f in fields(cls)]
         missing = [n for n in names if n not in data]
         unknown = sorted(set(data) - set(names))
         if missing or unknown:
-            raise ValueError(f"task JSON has missing keys {missing} and unknown keys {unknown}; expected exactly {names}")
+            raise ValueError(
+                f"task JSON has missing keys {missing} and unknown keys {unknown}; expected exactly {names}"
+            )
         return cls(**{n: data[n] for n in names})
 
     def to_json(self) -> str:
@@ -153,7 +162,7 @@ class Task:
         return json.dumps(self.to_dict(), ensure_ascii=False)
 
     @classmethod
-    def from_json(cls, text: str) -> "Task":
+    def from_json(cls, text: str) -> Task:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -190,7 +199,11 @@ def _tool_call_message(call_id: str, name: str, arguments: dict[str, str]) -> di
         "role": "assistant",
         "content": "",
         "tool_calls": [
-            {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+            }
         ],
     }
 
@@ -242,7 +255,10 @@ class BuiltinSuite:
         self._pool: list[Task] | None = None
         if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"max_turns={max_turns!r} must be an integer >= 1")
-        for name, value in (("tool_latency_median_s", self.tool_latency_median_s), ("tool_latency_sigma", self.tool_latency_sigma)):
+        for name, value in (
+            ("tool_latency_median_s", self.tool_latency_median_s),
+            ("tool_latency_sigma", self.tool_latency_sigma),
+        ):
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}={value!r} must be a finite number >= 0")
 
@@ -295,7 +311,9 @@ class BuiltinSuite:
         for i in range(n):
             k = step * n + i
             epoch, pos = divmod(k, self.num_tasks)
-            perm = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(_EPOCH_STREAM, epoch))).permutation(self.num_tasks)
+            perm = np.random.default_rng(
+                np.random.SeedSequence(self.seed, spawn_key=(_EPOCH_STREAM, epoch))
+            ).permutation(self.num_tasks)
             out.append(replace(pool[int(perm[pos])], task_id=f"s{step:06d}-t{i}"))
         return out
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -85,7 +85,7 @@ class ResultTokens:
         self._ints = _ints  # [3, slots] int32: tokens, valid, lengths
         self._logprobs = _logprobs  # [slots] f32
 
-    def to_host(self) -> "ResultTokens":
+    def to_host(self) -> ResultTokens:
         """The host copy (waits for the step to finish)."""
         ints, logprobs = jax.device_get((self._ints, self._logprobs))
         return ResultTokens(_ints=np.asarray(ints), _logprobs=np.asarray(logprobs))
@@ -160,14 +160,23 @@ class Engine:
         key_sharding = logical_sharding(("batch", None), rules, mesh, (self._slots, 2))
         self.decode_state_shardings = DecodeState(
             cache=[LayerCache(k=cache_sharding, v=cache_sharding) for _ in range(cfg.num_layers)],
-            tokens=slot_sharding, lengths=slot_sharding, active=slot_sharding, temperature=slot_sharding,
-            top_k=slot_sharding, top_p=slot_sharding, keys=key_sharding,
+            tokens=slot_sharding,
+            lengths=slot_sharding,
+            active=slot_sharding,
+            temperature=slot_sharding,
+            top_k=slot_sharding,
+            top_p=slot_sharding,
+            keys=key_sharding,
         )
         self._replicated = NamedSharding(mesh, PartitionSpec())
         if decode_slot_buckets is None:  # slicing slots split over devices would move them: only on one device
             one_device = cache_sharding.shard_shape(cache_shape)[0] == self._slots
-            decode_slot_buckets = [2 ** i for i in range(self._slots.bit_length()) if 2 ** i < self._slots] if one_device else []
-        self.decode_slot_buckets = tuple(sorted({b for b in decode_slot_buckets if 0 < b < self._slots})) + (self._slots,)
+            decode_slot_buckets = (
+                [2**i for i in range(self._slots.bit_length()) if 2**i < self._slots] if one_device else []
+            )
+        self.decode_slot_buckets = tuple(sorted({b for b in decode_slot_buckets if 0 < b < self._slots})) + (
+            self._slots,
+        )
         # jit boundaries: every device computation of serving is one of these.
         self._init_decode_state_jit = jax.jit(self._make_decode_state, out_shardings=self.decode_state_shardings)
         self._empty_prefix_jit = jax.jit(self._make_empty_prefix, out_shardings=self._replicated)
@@ -177,8 +186,12 @@ class Engine:
         self._prefill_extend_jit = jax.jit(self._prefill_extend_impl, static_argnums=(1,))
         self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self.decode_state_shardings)
         self._release_jit = jax.jit(self._release_impl, donate_argnums=(0,), out_shardings=self.decode_state_shardings)
-        self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(2,), static_argnums=(1, 3, 4),
-                                     out_shardings=(self.decode_state_shardings, self._replicated, self._replicated))
+        self._generate_jit = jax.jit(
+            self._generate_impl,
+            donate_argnums=(2,),
+            static_argnums=(1, 3, 4),
+            out_shardings=(self.decode_state_shardings, self._replicated, self._replicated),
+        )
         self._save_jit = jax.jit(self._save_impl, donate_argnums=(0,))
         self._load_jit = jax.jit(self._load_impl)
         self._export_jit = jax.jit(self._export_impl, static_argnums=(2,))
@@ -216,8 +229,13 @@ class Engine:
         return self._init_decode_state_jit()
 
     def _make_empty_prefix(self, key) -> Prefix:
-        return Prefix(cache=init_cache(self.cfg, 1, self.max_seq_len), length=jnp.int32(0), token=jnp.int32(0),
-                      logprob=jnp.float32(0), key=key)
+        return Prefix(
+            cache=init_cache(self.cfg, 1, self.max_seq_len),
+            length=jnp.int32(0),
+            token=jnp.int32(0),
+            logprob=jnp.float32(0),
+            key=key,
+        )
 
     def empty_prefix(self, key: jax.Array) -> Prefix:
         """A prefix of no tokens with a full-length cache [1, S]: start a prompt that is prefilled in several
@@ -228,7 +246,9 @@ class Engine:
         for b in self.prefill_buckets:
             if b >= n:
                 return b
-        raise ContextTooLongError(f"prompt chunk of {n} tokens exceeds the largest prefill bucket {self.prefill_buckets[-1]}")
+        raise ContextTooLongError(
+            f"prompt chunk of {n} tokens exceeds the largest prefill bucket {self.prefill_buckets[-1]}"
+        )
 
     # -- prefill ----------------------------------------------------------------------------------
     def _model(self, leaves, treedef):
@@ -261,19 +281,23 @@ class Engine:
         tb = tokens.shape[1]
         idx = jnp.arange(tb, dtype=jnp.int32)
         positions = jnp.where(idx < true_length, idx, tb)[None, :]  # padding writes are dropped
-        cache, token, logprob, key = self._forward_and_sample(params, init_cache(self.cfg, 1, tb), positions, tokens,
-                                                              true_length, temperature, top_k, top_p, key)
+        cache, token, logprob, key = self._forward_and_sample(
+            params, init_cache(self.cfg, 1, tb), positions, tokens, true_length, temperature, top_k, top_p, key
+        )
         return Prefix(cache=cache, length=true_length, token=token, logprob=logprob, key=key)
 
-    def _prefill_extend_impl(self, leaves, treedef, existing: Prefix, tokens, true_length, temperature, top_k, top_p, key):
+    def _prefill_extend_impl(
+        self, leaves, treedef, existing: Prefix, tokens, true_length, temperature, top_k, top_p, key
+    ):
         """Prefills tokens [1, Tb] (true_length real) at positions existing.length ...; cache grows to [1, S]."""
         params = (leaves, treedef)
         s = self.max_seq_len
         cache = [LayerCache(k=self._widen(c.k), v=self._widen(c.v)) for c in existing.cache]
         idx = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         positions = jnp.where(idx < true_length, existing.length + idx, s)[None, :]
-        cache, token, logprob, key = self._forward_and_sample(params, cache, positions, tokens, true_length,
-                                                              temperature, top_k, top_p, key)
+        cache, token, logprob, key = self._forward_and_sample(
+            params, cache, positions, tokens, true_length, temperature, top_k, top_p, key
+        )
         return Prefix(cache=cache, length=existing.length + true_length, token=token, logprob=logprob, key=key)
 
     def prefill(
@@ -296,18 +320,27 @@ class Engine:
         if n == 0:
             raise ValueError("cannot prefill an empty prompt")
         if n > self._max_prefill_length:
-            raise ContextTooLongError(f"prompt of {n} tokens exceeds max_prefill_length={self._max_prefill_length}; "
-                                      "prefill it in chunks, each on top of the previous (existing_prefix)")
+            raise ContextTooLongError(
+                f"prompt of {n} tokens exceeds max_prefill_length={self._max_prefill_length}; "
+                "prefill it in chunks, each on top of the previous (existing_prefix)"
+            )
         start = 0 if existing_prefix is None else int(existing_prefix.length)
         if start + n >= self.max_seq_len:
-            raise ContextTooLongError(f"prompt of {start + n} tokens leaves no room to generate within "
-                                      f"max_seq_len={self.max_seq_len}")
+            raise ContextTooLongError(
+                f"prompt of {start + n} tokens leaves no room to generate within max_seq_len={self.max_seq_len}"
+            )
         bucket = self._bucket(n)
         padded = np.zeros((1, bucket), np.int32)
         padded[0, :n] = tokens
         sp = sampling_params
-        args = (jnp.asarray(padded), jnp.int32(n), jnp.float32(sp.temperature), jnp.int32(sp.top_k),
-                jnp.float32(sp.top_p), key)
+        args = (
+            jnp.asarray(padded),
+            jnp.int32(n),
+            jnp.float32(sp.temperature),
+            jnp.int32(sp.top_k),
+            jnp.float32(sp.top_p),
+            key,
+        )
         if existing_prefix is None:
             return self._prefill_jit(*self._flat_params(params), *args)
         return self._prefill_extend_jit(*self._flat_params(params), existing_prefix, *args)
@@ -329,11 +362,19 @@ class Engine:
             keys=state.keys.at[slot].set(prefix.key),
         )
 
-    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, sampling_params: SamplingParams) -> DecodeState:
+    def insert(
+        self, prefix: Prefix, decode_state: DecodeState, slot: int, sampling_params: SamplingParams
+    ) -> DecodeState:
         """Places a prefilled prompt into decode slot ``slot`` and activates it (donates ``decode_state``)."""
         sp = sampling_params
-        return self._insert_jit(prefix, decode_state, jnp.int32(slot), jnp.float32(sp.temperature),
-                                jnp.int32(sp.top_k), jnp.float32(sp.top_p))
+        return self._insert_jit(
+            prefix,
+            decode_state,
+            jnp.int32(slot),
+            jnp.float32(sp.temperature),
+            jnp.int32(sp.top_k),
+            jnp.float32(sp.top_p),
+        )
 
     def _release_impl(self, state: DecodeState, slot) -> DecodeState:
         return dataclasses.replace(state, active=state.active.at[slot].set(False))
@@ -375,8 +416,13 @@ class Engine:
         def head(full, part):  # writes part: [k, ...] over full: [slots, ...]
             return jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
 
-        new_state = dataclasses.replace(state, cache=cache, tokens=head(state.tokens, tokens),
-                                        lengths=head(state.lengths, lengths), keys=head(state.keys, keys))
+        new_state = dataclasses.replace(
+            state,
+            cache=cache,
+            tokens=head(state.tokens, tokens),
+            lengths=head(state.lengths, lengths),
+            keys=head(state.keys, keys),
+        )
         pad = self._slots - k
         ints = jnp.stack([new_state.tokens, jnp.pad(ok, (0, pad)).astype(jnp.int32), new_state.lengths])
         return new_state, ints, jnp.pad(logprobs, (0, pad))
@@ -399,8 +445,14 @@ class Engine:
                 return b
         return self._slots
 
-    def generate(self, params: nnx.State, decode_state: DecodeState, max_length: int | None = None,
-                 slot_limit: int | None = None, wait: bool = True) -> tuple[DecodeState, ResultTokens]:
+    def generate(
+        self,
+        params: nnx.State,
+        decode_state: DecodeState,
+        max_length: int | None = None,
+        slot_limit: int | None = None,
+        wait: bool = True,
+    ) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot: feeds each slot's last token, samples the next (donates the state).
 
         ``wait=False`` returns at once with the result still on the device (its host copy started): the caller
@@ -415,8 +467,9 @@ class Engine:
             [0, slot_limit) is stepped.
         A slot left out by a wrong hint samples nothing: ``valid`` is False for it and its state is unchanged.
         """
-        state, ints, logprobs = self._generate_jit(*self._flat_params(params), decode_state,
-                                                   self.decode_window(max_length), self.decode_slots(slot_limit))
+        state, ints, logprobs = self._generate_jit(
+            *self._flat_params(params), decode_state, self.decode_window(max_length), self.decode_slots(slot_limit)
+        )
         result = ResultTokens(_ints=ints, _logprobs=logprobs)
         if wait:
             return state, result.to_host()
@@ -437,8 +490,14 @@ class Engine:
                 break
             n = min(b, self._max_prefill_length, self.max_seq_len - 1)
             for existing in (None, self.empty_prefix(key)):
-                state = self.insert(self.prefill(params=params, tokens=[0] * n, sampling_params=greedy, key=key,
-                                                 existing_prefix=existing), state, 0, greedy)
+                state = self.insert(
+                    self.prefill(
+                        params=params, tokens=[0] * n, sampling_params=greedy, key=key, existing_prefix=existing
+                    ),
+                    state,
+                    0,
+                    greedy,
+                )
                 count += 1
         for w in self.decode_windows:
             for k in self.decode_slot_buckets:
@@ -461,7 +520,8 @@ class Engine:
         if num_pages not in self._init_pool_jits:
             self._init_pool_jits[num_pages] = jax.jit(
                 lambda: KVPages(pages=init_cache(self.cfg, num_pages, self.page_size)),
-                out_shardings=self.kv_pages_shardings(num_pages))
+                out_shardings=self.kv_pages_shardings(num_pages),
+            )
         return self._init_pool_jits[num_pages]()
 
     def _page_ids(self, page_ids: Sequence[int], count: int, fill: int) -> jax.Array:
@@ -471,6 +531,7 @@ class Engine:
 
     def _save_impl(self, pool: KVPages, state: DecodeState, slot, page_ids) -> KVPages:
         """page_ids: [S / page_size]; page j of the slot goes to pool page page_ids[j] (out of range: skipped)."""
+
         def one(dst, src):  # dst: [P, p, K, D]; src: [slots, S, K, D]
             seq = jax.lax.dynamic_index_in_dim(src, slot, axis=0, keepdims=False)  # [S, K, D]
             return dst.at[page_ids].set(seq.reshape((-1,) + dst.shape[1:]).astype(dst.dtype), mode="drop")
@@ -480,10 +541,13 @@ class Engine:
     def save_slot(self, pool: KVPages, decode_state: DecodeState, slot: int, page_ids: Sequence[int]) -> KVPages:
         """Copies the first ``len(page_ids)`` pages of ``slot``'s KV into pool pages ``page_ids`` (donates ``pool``)."""
         num_pool = pool.num_pages
-        return self._save_jit(pool, decode_state, jnp.int32(slot), self._page_ids(page_ids, self.pages_per_seq, num_pool))
+        return self._save_jit(
+            pool, decode_state, jnp.int32(slot), self._page_ids(page_ids, self.pages_per_seq, num_pool)
+        )
 
     def _load_impl(self, pool: KVPages, page_ids, length, key) -> Prefix:
         """page_ids: [S / page_size] (padding: any valid id; positions >= length are never attended)."""
+
         def one(src):  # [P, p, K, D] -> [1, S, K, D]
             return src[page_ids].reshape((1, self.max_seq_len) + src.shape[2:])
 
@@ -538,9 +602,15 @@ class Engine:
         return self._export_pages_jit(pool, self._page_ids(page_ids, count, 0))
 
     def _import_pages_impl(self, pool: KVPages, kv: KVPages, page_ids) -> KVPages:
-        return KVPages(pages=[LayerCache(k=d.k.at[page_ids].set(s.k.astype(d.k.dtype), mode="drop"),
-                                         v=d.v.at[page_ids].set(s.v.astype(d.v.dtype), mode="drop"))
-                              for d, s in zip(pool.pages, kv.pages)])
+        return KVPages(
+            pages=[
+                LayerCache(
+                    k=d.k.at[page_ids].set(s.k.astype(d.k.dtype), mode="drop"),
+                    v=d.v.at[page_ids].set(s.v.astype(d.v.dtype), mode="drop"),
+                )
+                for d, s in zip(pool.pages, kv.pages)
+            ]
+        )
 
     def import_pages(self, pool: KVPages, kv: KVPages, page_ids: Sequence[int]) -> KVPages:
         """Writes the first ``len(page_ids)`` pages of ``kv`` (already on this mesh) into pool pages ``page_ids``."""
@@ -556,12 +626,16 @@ class Engine:
         cache = [LayerCache(k=one(c.k), v=one(c.v)) for c in kv.pages]
         return Prefix(cache=cache, length=length, token=token, logprob=logprob, key=key)
 
-    def prefix_from_pages(self, kv: KVPages, length: int, key: jax.Array, token: int = 0, logprob: float = 0.0) -> Prefix:
+    def prefix_from_pages(
+        self, kv: KVPages, length: int, key: jax.Array, token: int = 0, logprob: float = 0.0
+    ) -> Prefix:
         """A Prefix (cache [1, S]) from a session's KV pages (on this mesh): ``length`` tokens, next ``token``."""
         self.check_kv(kv)
         if not 0 < length <= min(kv.num_pages * self.page_size, self.max_seq_len - 1):
-            raise ContextTooLongError(f"a session of {length} cached tokens does not fit this engine "
-                                      f"(max_seq_len={self.max_seq_len}, {kv.num_pages} pages given)")
+            raise ContextTooLongError(
+                f"a session of {length} cached tokens does not fit this engine "
+                f"(max_seq_len={self.max_seq_len}, {kv.num_pages} pages given)"
+            )
         return self._prefix_from_pages_jit(kv, jnp.int32(length), jnp.int32(token), jnp.float32(logprob), key)
 
     def check_kv(self, kv: KVPages) -> None:
@@ -569,9 +643,11 @@ class Engine:
         want = (self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         got = tuple(kv.pages[0].k.shape[1:]) if kv.pages else None
         if len(kv.pages) != self.cfg.num_layers or got != want:
-            raise ValueError(f"KV pages of {len(kv.pages)} layers x [n, {got}] do not match this engine's layout "
-                             f"({self.cfg.num_layers} layers x [n, {want}] as [n, page_size, kv_heads, head_dim]); "
-                             "sessions move only between engines of the same model and page size")
+            raise ValueError(
+                f"KV pages of {len(kv.pages)} layers x [n, {got}] do not match this engine's layout "
+                f"({self.cfg.num_layers} layers x [n, {want}] as [n, page_size, kv_heads, head_dim]); "
+                "sessions move only between engines of the same model and page size"
+            )
 
     def to_mesh(self, kv: KVPages) -> KVPages:
         """Moves ``kv`` (possibly on another mesh) onto this engine's mesh: a device-to-device copy."""

@@ -38,8 +38,8 @@ import logging
 import threading
 import time
 import zlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -129,10 +129,14 @@ class ServingLoop:
         if on_update not in ON_UPDATE:
             raise ValueError(f"on_update={on_update!r} must be one of {ON_UPDATE}")
         if on_update == "recompute" and reuse_stale_kv:
-            raise ValueError("on_update='recompute' recomputes KV under new weights; it cannot be combined with reuse_stale_kv=True")
+            raise ValueError(
+                "on_update='recompute' recomputes KV under new weights; it cannot be combined with reuse_stale_kv=True"
+            )
         chunk = engine.max_prefill_length if prefill_chunk is None else prefill_chunk
         if not 1 <= chunk <= engine.max_prefill_length:
-            raise ValueError(f"prefill_chunk={prefill_chunk} must be in [1, engine.max_prefill_length={engine.max_prefill_length}]")
+            raise ValueError(
+                f"prefill_chunk={prefill_chunk} must be in [1, engine.max_prefill_length={engine.max_prefill_length}]"
+            )
         if kv_pages is None:
             kv_pages = engine.max_concurrent_decodes * engine.pages_per_seq
         if kv_pages < 0:
@@ -178,7 +182,7 @@ class ServingLoop:
     def prefix_cache(self) -> PrefixCache | None:
         return self._cache
 
-    def start(self) -> "ServingLoop":
+    def start(self) -> ServingLoop:
         if self._thread is None:
             self._ensure_state()
             self._thread = threading.Thread(target=self._run, name=f"serving-{self.name}", daemon=True)
@@ -246,7 +250,9 @@ class ServingLoop:
             time.sleep(0.005)
         return True
 
-    def export_sessions(self, session_ids: Iterable[str] | None = None, *, include_cached: bool = True) -> list[SessionState]:
+    def export_sessions(
+        self, session_ids: Iterable[str] | None = None, *, include_cached: bool = True
+    ) -> list[SessionState]:
         """Removes sessions from this loop and returns them, KV included, for ``import_session`` elsewhere.
 
         ``session_ids=None`` takes everything: cached sessions, requests in slots and queued requests
@@ -284,23 +290,36 @@ class ServingLoop:
                 f"prompt of {n} tokens does not fit this cell (context {self.max_context} tokens, at most "
                 f"{self.max_context - 1} prompt tokens); shorten the conversation"
             )
-        return _Job(request=request, future=future, target=list(request.prompt_ids), seq=next(self._seq),
-                    stop=self._stop_checker(request))
+        return _Job(
+            request=request,
+            future=future,
+            target=list(request.prompt_ids),
+            seq=next(self._seq),
+            stop=self._stop_checker(request),
+        )
 
     def _stop_checker(self, request: GenerationRequest) -> StopStrings | None:
         strings = request.sampling.stop_strings
         if not strings:
             return None
         if self._detokenize is None:
-            raise ValueError(f"stop_strings={strings!r} need detokenization, and serving loop {self.name} has no "
-                             "detokenize function; build it with ServingLoop(..., detokenize=tokenizer.decode) or use stop_ids")
+            raise ValueError(
+                f"stop_strings={strings!r} need detokenization, and serving loop {self.name} has no "
+                "detokenize function; build it with ServingLoop(..., detokenize=tokenizer.decode) or use stop_ids"
+            )
         return StopStrings(strings, self._detokenize)
 
     def _result(self, job: _Job, reason: str, stop_reason=None) -> GenerationResult:
         return GenerationResult(
-            request_id=job.request.request_id, token_ids=job.tokens, logprobs=job.logprobs,
-            policy_versions=job.versions, finish_reason=reason, prompt_len=len(job.request.prompt_ids),
-            cell=self.name, cached_tokens=job.cached_tokens, stop_reason=stop_reason,
+            request_id=job.request.request_id,
+            token_ids=job.tokens,
+            logprobs=job.logprobs,
+            policy_versions=job.versions,
+            finish_reason=reason,
+            prompt_len=len(job.request.prompt_ids),
+            cell=self.name,
+            cached_tokens=job.cached_tokens,
+            stop_reason=stop_reason,
         )
 
     def _resolve(self, job: _Job, reason: str, stop_reason=None) -> None:
@@ -503,10 +522,18 @@ class ServingLoop:
 
     def _state_of(self, job: _Job, kv: KVPages | None, kv_tokens: list[int], key) -> SessionState:
         state = SessionState(
-            session_id=job.request.session_id, kv=kv, kv_tokens=kv_tokens,
-            kv_version=self._version if job.kv_version is None else job.kv_version, request=job.request,
-            future=job.future, token_ids=job.tokens, logprobs=job.logprobs, policy_versions=job.versions, key=key,
-            cached_tokens=job.cached_tokens, source=self.name,
+            session_id=job.request.session_id,
+            kv=kv,
+            kv_tokens=kv_tokens,
+            kv_version=self._version if job.kv_version is None else job.kv_version,
+            request=job.request,
+            future=job.future,
+            token_ids=job.tokens,
+            logprobs=job.logprobs,
+            policy_versions=job.versions,
+            key=key,
+            cached_tokens=job.cached_tokens,
+            source=self.name,
         )
         rid = job.request.request_id
         self._moved[rid] = state
@@ -516,7 +543,9 @@ class ServingLoop:
     def _import(self, state: SessionState) -> None:
         kv = None if state.kv is None or not state.kv_tokens else self.engine.to_mesh(state.kv)
         if kv is not None and len(state.kv_tokens) > kv.num_pages * self.engine.page_size:
-            raise ValueError(f"session {state.session_id!r}: {len(state.kv_tokens)} kv_tokens but only {kv.num_pages} pages of KV")
+            raise ValueError(
+                f"session {state.session_id!r}: {len(state.kv_tokens)} kv_tokens but only {kv.num_pages} pages of KV"
+            )
         if state.request is None:  # an idle session: keep its KV as a cache entry here
             if self._cache is not None and state.session_id is not None and kv is not None and state.kv_tokens:
                 pages = self._cache.store(state.session_id, state.kv_tokens, state.kv_version)
@@ -531,23 +560,36 @@ class ServingLoop:
         prompt = list(request.prompt_ids)
         target = prompt + state.token_ids[:-1] if state.token_ids else prompt
         if state.kv_tokens != target[: len(state.kv_tokens)] or (kv is None and state.kv_tokens):
-            raise ValueError(f"session {state.session_id!r}: kv_tokens are not a prefix of the request's prompt + "
-                             "generated tokens; export states with ServingLoop.export_sessions")
+            raise ValueError(
+                f"session {state.session_id!r}: kv_tokens are not a prefix of the request's prompt + "
+                "generated tokens; export states with ServingLoop.export_sessions"
+            )
         try:
             stop = self._stop_checker(request)
             if len(prompt) + max(len(state.token_ids), 1) > self.max_context:
-                raise ContextTooLongError(f"request {request.request_id} ({len(prompt)} prompt + {len(state.token_ids)} "
-                                          f"generated tokens) does not fit serving loop {self.name} "
-                                          f"(context {self.max_context} tokens)")
+                raise ContextTooLongError(
+                    f"request {request.request_id} ({len(prompt)} prompt + {len(state.token_ids)} "
+                    f"generated tokens) does not fit serving loop {self.name} "
+                    f"(context {self.max_context} tokens)"
+                )
         except ValueError as exc:
             future.set_exception(exc)
             return
-        job = _Job(request=request, future=future, target=target, seq=next(self._seq),
-                   key=None if state.key is None else jnp.asarray(state.key, jnp.uint32),
-                   done=len(state.kv_tokens) if kv is not None else 0, kv=kv,
-                   kv_version=state.kv_version if kv is not None else None,
-                   tokens=list(state.token_ids), logprobs=list(state.logprobs), versions=list(state.policy_versions),
-                   cached_tokens=state.cached_tokens, stop=stop)
+        job = _Job(
+            request=request,
+            future=future,
+            target=target,
+            seq=next(self._seq),
+            key=None if state.key is None else jnp.asarray(state.key, jnp.uint32),
+            done=len(state.kv_tokens) if kv is not None else 0,
+            kv=kv,
+            kv_version=state.kv_version if kv is not None else None,
+            tokens=list(state.token_ids),
+            logprobs=list(state.logprobs),
+            versions=list(state.policy_versions),
+            cached_tokens=state.cached_tokens,
+            stop=stop,
+        )
         self._queue.appendleft(job)  # a moved request goes ahead of new ones
         state.moved_to = self
         self.stats.sessions_imported += 1
@@ -559,8 +601,10 @@ class ServingLoop:
     def _prefill_step(self) -> None:
         """Prefills up to ``prefill_chunk`` tokens of the slots still prefilling (oldest first); slots whose
         prompt is complete start decoding. With no slot decoding, goes on until one can start."""
-        pending = sorted(((slot, job) for slot, job in enumerate(self._slots) if job is not None and not job.decoding),
-                         key=lambda sj: sj[1].seq)
+        pending = sorted(
+            ((slot, job) for slot, job in enumerate(self._slots) if job is not None and not job.decoding),
+            key=lambda sj: sj[1].seq,
+        )
         if not pending:
             return
         must_start = not any(j is not None and j.decoding for j in self._slots)
@@ -573,9 +617,13 @@ class ServingLoop:
                 if job.prefix is None and n < len(job.target):  # chunks follow: all of them on a full-length cache
                     job.prefix = self.engine.empty_prefix(job.key)
                 try:
-                    job.prefix = self.engine.prefill(params=self._params, tokens=job.target[job.done: job.done + n],
-                                                     sampling_params=job.request.sampling, key=job.key,
-                                                     existing_prefix=job.prefix)
+                    job.prefix = self.engine.prefill(
+                        params=self._params,
+                        tokens=job.target[job.done : job.done + n],
+                        sampling_params=job.request.sampling,
+                        key=job.key,
+                        existing_prefix=job.prefix,
+                    )
                 except Exception as exc:  # this request fails; the loop serves on
                     log.warning("serving loop %s: prefill of %s failed: %s", self.name, job.request.request_id, exc)
                     with self._cv:
@@ -596,8 +644,9 @@ class ServingLoop:
     def _start_decoding(self, slot: int, job: _Job) -> None:
         prefix = job.prefix
         if job.resuming:  # insert the token sampled before the move/update, with the key state after it
-            prefix = dataclasses.replace(prefix, token=jnp.int32(job.tokens[-1]), logprob=jnp.float32(job.logprobs[-1]),
-                                         key=job.key)
+            prefix = dataclasses.replace(
+                prefix, token=jnp.int32(job.tokens[-1]), logprob=jnp.float32(job.logprobs[-1]), key=job.key
+            )
         sp = job.request.sampling
         self._state = self.engine.insert(prefix, self._state, slot, sp)
         job.prefix = None
@@ -618,9 +667,12 @@ class ServingLoop:
         if not decoding:
             return None
         owed = in_flight.jobs if in_flight is not None else {}
-        longest = max(len(j.request.prompt_ids) + len(j.tokens) - 1 + (owed.get(slot) is j) for slot, j in decoding.items())
-        self._state, result = self.engine.generate(self._params, self._state, max_length=longest,
-                                                   slot_limit=max(decoding) + 1, wait=False)
+        longest = max(
+            len(j.request.prompt_ids) + len(j.tokens) - 1 + (owed.get(slot) is j) for slot, j in decoding.items()
+        )
+        self._state, result = self.engine.generate(
+            self._params, self._state, max_length=longest, slot_limit=max(decoding) + 1, wait=False
+        )
         self.stats.generate_steps += 1
         return _Step(result=result, jobs=decoding, version=self._version)
 
@@ -636,8 +688,12 @@ class ServingLoop:
                 if self._slots[slot] is not job or not job.decoding:
                     continue
                 if not valid[slot]:  # cannot happen while budgets respect the context; never pass garbage on
-                    log.error("serving loop %s: slot %d sampled no valid token (request %s); ending it", self.name,
-                              slot, job.request.request_id)
+                    log.error(
+                        "serving loop %s: slot %d sampled no valid token (request %s); ending it",
+                        self.name,
+                        slot,
+                        job.request.request_id,
+                    )
                     self._finish(slot, "length")
                     continue
                 self.stats.tokens_generated += 1

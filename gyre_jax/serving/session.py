@@ -65,10 +65,18 @@ class SessionState:
         """Resolves the request (if any) as "cancelled" with what it generated so far: for a state that will
         not be imported anywhere (e.g. no serving cell is left). Its caller sees a cancelled generation."""
         if self.future is not None and not self.future.done():
-            self.future.set_result(GenerationResult(
-                request_id=self.request.request_id, token_ids=self.token_ids, logprobs=self.logprobs,
-                policy_versions=self.policy_versions, finish_reason="cancelled", prompt_len=len(self.request.prompt_ids),
-                cell=self.source, cached_tokens=self.cached_tokens))
+            self.future.set_result(
+                GenerationResult(
+                    request_id=self.request.request_id,
+                    token_ids=self.token_ids,
+                    logprobs=self.logprobs,
+                    policy_versions=self.policy_versions,
+                    finish_reason="cancelled",
+                    prompt_len=len(self.request.prompt_ids),
+                    cell=self.source,
+                    cached_tokens=self.cached_tokens,
+                )
+            )
 
     def describe(self) -> dict:
         """A JSON-able summary for logs: ids and lengths, no arrays."""

@@ -6,7 +6,7 @@ text cuts it at the stop string. Only generated text is searched, never the prom
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 Detokenize = Callable[[Sequence[int]], str]
 
@@ -27,7 +27,7 @@ class StopStrings:
 
     def check(self, token_ids: Sequence[int]) -> str | None:
         """The stop string that the text of ``token_ids`` (a completion so far) contains, or None."""
-        text = self._detokenize(list(token_ids[-self._window:]))
+        text = self._detokenize(list(token_ids[-self._window :]))
         for stop in self.stop_strings:
             if stop in text:
                 return stop

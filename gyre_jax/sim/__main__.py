@@ -44,18 +44,23 @@ def main(argv=None) -> int:
         return 2
     timeline = None
     if own.timeline:
-        timeline = TimelineWriter(own.timeline, [f"cell{c}" for c in range(config.num_cells)], source="sim",
-                                  flush_every=4096)
+        timeline = TimelineWriter(
+            own.timeline, [f"cell{c}" for c in range(config.num_cells)], source="sim", flush_every=4096
+        )
     t0 = time.process_time()
     result = Simulator(config, timeline=timeline, trace_executions=own.trace_executions).run()
     if timeline is not None:
         timeline.close(result.makespan_s)
     cpu = time.process_time() - t0
-    print(f"{config.name}: {config.policy} {dict(config.policy_options)} on {config.accelerators} accelerators "
-          f"({config.num_cells} cells), {config.steps} steps of {config.batch_size} executions")
-    print(f"  makespan {result.makespan_s / 3600:.2f} h, {result.step_time_s / 60:.1f} min/step, "
-          f"busy {result.busy_fraction:.1%} (serving {result.serving_busy_fraction:.1%}, "
-          f"training {result.training_busy_fraction:.1%}), staleness max {result.staleness['max']}")
+    print(
+        f"{config.name}: {config.policy} {dict(config.policy_options)} on {config.accelerators} accelerators "
+        f"({config.num_cells} cells), {config.steps} steps of {config.batch_size} executions"
+    )
+    print(
+        f"  makespan {result.makespan_s / 3600:.2f} h, {result.step_time_s / 60:.1f} min/step, "
+        f"busy {result.busy_fraction:.1%} (serving {result.serving_busy_fraction:.1%}, "
+        f"training {result.training_busy_fraction:.1%}), staleness max {result.staleness['max']}"
+    )
     print(f"  simulated in {cpu:.2f} s CPU ({result.sim['events']} events)")
     if own.out:
         with open(own.out, "w", encoding="utf-8") as f:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -65,8 +65,10 @@ class CalibrationReport:
         steps = self.steps if self.steps is not None else range(len(self.measured_s))
         for i, m, p, e in zip(steps, self.measured_s, self.predicted_s, self.relative_error):
             lines.append(f"{i:4d}  {m:10.2f}  {p:11.2f}  {e:+6.1%}")
-        lines.append(f"mean |error| {self.mean_abs_error:.1%}, max |error| {self.max_abs_error:.1%} "
-                     f"(tolerance {self.tolerance:.0%}: {'within' if self.within_tolerance else 'NOT within'})")
+        lines.append(
+            f"mean |error| {self.mean_abs_error:.1%}, max |error| {self.max_abs_error:.1%} "
+            f"(tolerance {self.tolerance:.0%}: {'within' if self.within_tolerance else 'NOT within'})"
+        )
         return "\n".join(lines)
 
 
@@ -76,8 +78,9 @@ def step_times(result: SimResult) -> list[float]:
     return [b - a for a, b in zip(ends, ends[1:])]
 
 
-def compare_step_times(predicted: Sequence[float], measured: Sequence[float], tolerance: float = 0.15,
-                       skip_first: int = 0) -> CalibrationReport:
+def compare_step_times(
+    predicted: Sequence[float], measured: Sequence[float], tolerance: float = 0.15, skip_first: int = 0
+) -> CalibrationReport:
     """Compares per-step times; ``skip_first`` leaves out warm-up steps (e.g. a real run's first step
     includes compilation, which the simulator does not model)."""
     if len(predicted) != len(measured):
@@ -89,13 +92,20 @@ def compare_step_times(predicted: Sequence[float], measured: Sequence[float], to
     if (m <= 0).any():
         raise ValueError("measured step times must be > 0")
     err = p / m - 1.0
-    return CalibrationReport(predicted_s=p.tolist(), measured_s=m.tolist(), relative_error=err.tolist(),
-                             mean_abs_error=float(np.mean(np.abs(err))), max_abs_error=float(np.max(np.abs(err))),
-                             tolerance=tolerance, steps=list(range(skip_first, len(measured))))
+    return CalibrationReport(
+        predicted_s=p.tolist(),
+        measured_s=m.tolist(),
+        relative_error=err.tolist(),
+        mean_abs_error=float(np.mean(np.abs(err))),
+        max_abs_error=float(np.max(np.abs(err))),
+        tolerance=tolerance,
+        steps=list(range(skip_first, len(measured))),
+    )
 
 
-def predict(config: SimConfig, executions: Sequence[Sequence[RecordedExecution]] | None = None,
-            **simulator_options) -> SimResult:
+def predict(
+    config: SimConfig, executions: Sequence[Sequence[RecordedExecution]] | None = None, **simulator_options
+) -> SimResult:
     """Simulates ``config``; with ``executions`` (one list per step, in task order, ``batch_size`` each) the
     run's own executions are replayed instead of sampled from the workload spec. ``simulator_options`` go to
     ``Simulator`` (e.g. ``timeline=``, ``trace_executions=True``)."""
@@ -106,8 +116,10 @@ def predict(config: SimConfig, executions: Sequence[Sequence[RecordedExecution]]
         plans = []
         for k, step in enumerate(executions):
             if len(step) != config.batch_size:
-                raise ValueError(f"step {k} has {len(step)} recorded executions; the config runs "
-                                 f"{config.batch_size} (tasks_per_step x group_size) per step")
+                raise ValueError(
+                    f"step {k} has {len(step)} recorded executions; the config runs "
+                    f"{config.batch_size} (tasks_per_step x group_size) per step"
+                )
             plans.append(replay_plan(step, config.workload, config.cost.serving, config.segments))
     return Simulator(config, plans=plans, **simulator_options).run()
 
@@ -164,13 +176,18 @@ def execution_timing(records: Sequence, result: dict, span: tuple[float, float] 
     first = min(r.t_start for r in records)
     last = max(r.t_end for r in records)
     exit_t = min(max(start + float(result.get("duration_s") or 0.0), last), end)  # harness exit, in [last, end]
-    return ExecutionTiming(setup_s=max(0.0, first - start), teardown_s=max(0.0, exit_t - last),
-                           eval_s=max(0.0, end - exit_t))
+    return ExecutionTiming(
+        setup_s=max(0.0, first - start), teardown_s=max(0.0, exit_t - last), eval_s=max(0.0, end - exit_t)
+    )
 
 
-def recorded_steps(run_dir: str | os.PathLike, steps: int, with_timing: bool = True,
-                   missing: list[str] | None = None,
-                   call_delays: dict[str, list[float]] | None = None) -> list[list[RecordedExecution]]:
+def recorded_steps(
+    run_dir: str | os.PathLike,
+    steps: int,
+    with_timing: bool = True,
+    missing: list[str] | None = None,
+    call_delays: dict[str, list[float]] | None = None,
+) -> list[list[RecordedExecution]]:
     """Each step's executions, replayable, from ``results/step_<k>.jsonl`` and ``records/``.
 
     ``with_timing``: each execution's harness setup, teardown and evaluation time (``ExecutionTiming``) are
@@ -204,8 +221,11 @@ def recorded_steps(run_dir: str | os.PathLike, steps: int, with_timing: bool = T
                     missing.append(eid)
                 step.append(recorded_execution(records))
             else:
-                step.append(recorded_execution(records, eval_s=timing.eval_s, setup_s=timing.setup_s,
-                                               teardown_s=timing.teardown_s))
+                step.append(
+                    recorded_execution(
+                        records, eval_s=timing.eval_s, setup_s=timing.setup_s, teardown_s=timing.teardown_s
+                    )
+                )
             delays = (call_delays or {}).get(eid)
             if delays:  # a wait before call c is tool time after call c - 1 (before call 0: its setup)
                 x = step[-1]
@@ -225,8 +245,9 @@ COMPILE_FACTOR = 20.0
 def read_measurements(run_dir: str | os.PathLike) -> dict:
     path = Path(run_dir) / MEASUREMENTS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: the controller writes it (see gyre_jax/sim/cost_model.py "
-                                f"fit_cost_model for the format)")
+        raise FileNotFoundError(
+            f"{path} not found: the controller writes it (see gyre_jax/sim/cost_model.py fit_cost_model for the format)"
+        )
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
@@ -260,11 +281,17 @@ def warm_measurements(run_dir: str | os.PathLike, skip_first: int = 1) -> tuple[
             cut = max(COMPILE_MIN_S, COMPILE_FACTOR * float(np.median(t)))
             keep = t <= cut
             m[key] = [r for r, k in zip(rows, keep) if k]
-            note[key] = {"samples": len(rows), "left_out": int((~keep).sum()), "left_out_s": float(t[~keep].sum()),
-                         "threshold_s": cut}
+            note[key] = {
+                "samples": len(rows),
+                "left_out": int((~keep).sum()),
+                "left_out_s": float(t[~keep].sum()),
+                "threshold_s": cut,
+            }
     paths = sorted((Path(run_dir) / "timeline").glob("*.json"))
     if not paths:
-        note["timeline"] = "none: micro-steps, optimizer steps and switches as the controller listed them (warm-up included)"
+        note["timeline"] = (
+            "none: micro-steps, optimizer steps and switches as the controller listed them (warm-up included)"
+        )
         return m, note
     micro, optim, to_train, to_serve = [], [], [], []
     first_micro: dict[int, list[float]] = {}  # cell -> [FLOPs, seconds] of its first micro-step
@@ -293,8 +320,12 @@ def warm_measurements(run_dir: str | os.PathLike, skip_first: int = 1) -> tuple[
                 if step is None or step < skip_first:
                     continue
                 (to_train if span.args["to"] == "training" else to_serve).append(span.duration)
-    for key, values in (("micro_steps", micro), ("optimizer_steps", optim), ("serving_to_training", to_train),
-                        ("training_to_serving", to_serve)):
+    for key, values in (
+        ("micro_steps", micro),
+        ("optimizer_steps", optim),
+        ("serving_to_training", to_train),
+        ("training_to_serving", to_serve),
+    ):
         note[key] = {"controller_samples": len(m.get(key) or []), "after_warm_up": len(values)}
         m[key] = values
     if micro and first_micro:  # a cell's first micro-step beyond a steady one of the same FLOPs: its compile
@@ -306,8 +337,10 @@ def warm_measurements(run_dir: str | os.PathLike, skip_first: int = 1) -> tuple[
         note["warmup_optimizer_steps"] = m["warmup_optimizer_steps"]
     pauses, boundaries = step_boundary_costs(run_dir, skip_first)
     if pauses:
-        note["weight_syncs"] = {"controller_s": float(np.mean(m["weight_syncs"])) if m.get("weight_syncs") else None,
-                                "serving_pause_s": pauses}
+        note["weight_syncs"] = {
+            "controller_s": float(np.mean(m["weight_syncs"])) if m.get("weight_syncs") else None,
+            "serving_pause_s": pauses,
+        }
         m["weight_syncs"] = pauses
     if boundaries:
         note["step_boundaries"] = boundaries
@@ -319,9 +352,11 @@ def _boundaries(run: Path) -> list[tuple[int, float]]:
     """(step, wall-clock end) of every optimizer step in the run's timeline files."""
     from gyre_jax.elastic.timeline import load_timeline
 
-    return sorted((int(o.args.get("step", 0)), tl.t0 + o.end)
-                  for tl in (load_timeline(p) for p in sorted((run / "timeline").glob("*.json")))
-                  for o in tl.optimizer_steps)
+    return sorted(
+        (int(o.args.get("step", 0)), tl.t0 + o.end)
+        for tl in (load_timeline(p) for p in sorted((run / "timeline").glob("*.json")))
+        for o in tl.optimizer_steps
+    )
 
 
 def call_latency_model(run_dir: str | os.PathLike, skip_first: int = 1) -> tuple[np.ndarray, int]:
@@ -349,8 +384,12 @@ def _calls_by_step(run: Path) -> dict[int, list]:
     store = RecordStore(run / "records")
     out, k = {}, 0
     while (path := run / "results" / f"step_{k:06d}.jsonl").is_file():
-        out[k] = [r for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
-                  for r in store.read(json.loads(line)["execution_id"])]
+        out[k] = [
+            r
+            for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip()
+            for r in store.read(json.loads(line)["execution_id"])
+        ]
         k += 1
     return out
 
@@ -500,35 +539,72 @@ def run_sim_config(run_dir: str | os.PathLike, steps: int | None = None, segment
     policy = sched["policy"]
     options: dict = {}
     if policy == "async":
-        options = {"max_staleness": int(sched.get("max_staleness", 1)),
-                   "training_cells": int(sched.get("training_cells", 0)) or max(1, num_cells // 2)}
+        options = {
+            "max_staleness": int(sched.get("max_staleness", 1)),
+            "training_cells": int(sched.get("training_cells", 0)) or max(1, num_cells // 2),
+        }
     elif policy == "elastic":
-        options = {"max_staleness": int(sched.get("max_staleness", 1)), "leave_on": sched.get("leave_on", "waterlevel"),
-                   "idle_before_return_s": float(sched.get("idle_before_return_s", 0.0))}
+        options = {
+            "max_staleness": int(sched.get("max_staleness", 1)),
+            "leave_on": sched.get("leave_on", "waterlevel"),
+            "idle_before_return_s": float(sched.get("idle_before_return_s", 0.0)),
+        }
     cost = CostModel(
-        serving=ServingCost(replica_accelerators=cell, slots_per_replica=slots, decode_base_s=1e-3, decode_per_seq_s=0.0,
-                            decode_per_context_token_s=0.0, prefill_base_s=0.0, prefill_per_token_s=0.0,
-                            prefill_per_token_context_s=0.0),
-        training=TrainingCost(flops_per_token=6.0 * model.num_params,
-                              flops_per_token_sq=3.0 * model.num_layers * model.num_heads * model.head_dim,
-                              accelerator_flops=1e9, reference_cell_accelerators=cell, scaling_exponent=1.0,
-                              min_cell_accelerators=cell,
-                              micro_step_tokens=int(_get(c, "trajectory.tokens_per_micro_batch"))),
+        serving=ServingCost(
+            replica_accelerators=cell,
+            slots_per_replica=slots,
+            decode_base_s=1e-3,
+            decode_per_seq_s=0.0,
+            decode_per_context_token_s=0.0,
+            prefill_base_s=0.0,
+            prefill_per_token_s=0.0,
+            prefill_per_token_context_s=0.0,
+        ),
+        training=TrainingCost(
+            flops_per_token=6.0 * model.num_params,
+            flops_per_token_sq=3.0 * model.num_layers * model.num_heads * model.head_dim,
+            accelerator_flops=1e9,
+            reference_cell_accelerators=cell,
+            scaling_exponent=1.0,
+            min_cell_accelerators=cell,
+            micro_step_tokens=int(_get(c, "trajectory.tokens_per_micro_batch")),
+        ),
         switch=SwitchCost(serving_to_training_s=0.0, training_to_serving_s=0.0, weight_sync_s=0.0),
-        source=f"placeholder for {run_dir}")
+        source=f"placeholder for {run_dir}",
+    )
     timeout = float(_get(c, "rollout.timeout_s"))
-    spec = WorkloadSpec(name=f"run:{Path(run_dir).name}", turns=Dist(1.0), task_sigma=0.0, gen_tokens=Dist(1.0),
-                        obs_tokens=Dist(1.0), initial_context=0, tool_s=Dist(0.0), setup_s=Dist(0.0), eval_s=Dist(0.0),
-                        timeout_s=timeout)  # only the timeout and the context shape matter for a replay
-    return SimConfig(workload=spec, cost=cost, accelerators=num_cells * cell, cell_accelerators=cell, policy=policy,
-                     policy_options=tuple(sorted(options.items())), steps=int(steps or _get(c, "total_steps")),
-                     tasks_per_step=int(_get(c, "rollout.tasks_per_step")), group_size=int(_get(c, "rl.group_size")),
-                     seed=int(_get(c, "seed", 0)), max_branches=int(_get(c, "rl.max_branches", 0)) or None,
-                     streaming=True, segments=int(segments or _get(c, "rollout.max_turns", 8)), placement="balanced",
-                     prefill_interference=True,
-                     stream_unit="group_in_order" if _get(c, "trajectory.stream_order", "task") == "task" else "group",
-                     pack_lookahead=int(_get(c, "trajectory.open_micro_batches", _pipeline_default("open_micro_batches"))),
-                     name=f"run:{Path(run_dir).name}")
+    spec = WorkloadSpec(
+        name=f"run:{Path(run_dir).name}",
+        turns=Dist(1.0),
+        task_sigma=0.0,
+        gen_tokens=Dist(1.0),
+        obs_tokens=Dist(1.0),
+        initial_context=0,
+        tool_s=Dist(0.0),
+        setup_s=Dist(0.0),
+        eval_s=Dist(0.0),
+        timeout_s=timeout,
+    )  # only the timeout and the context shape matter for a replay
+    return SimConfig(
+        workload=spec,
+        cost=cost,
+        accelerators=num_cells * cell,
+        cell_accelerators=cell,
+        policy=policy,
+        policy_options=tuple(sorted(options.items())),
+        steps=int(steps or _get(c, "total_steps")),
+        tasks_per_step=int(_get(c, "rollout.tasks_per_step")),
+        group_size=int(_get(c, "rl.group_size")),
+        seed=int(_get(c, "seed", 0)),
+        max_branches=int(_get(c, "rl.max_branches", 0)) or None,
+        streaming=True,
+        segments=int(segments or _get(c, "rollout.max_turns", 8)),
+        placement="balanced",
+        prefill_interference=True,
+        stream_unit="group_in_order" if _get(c, "trajectory.stream_order", "task") == "task" else "group",
+        pack_lookahead=int(_get(c, "trajectory.open_micro_batches", _pipeline_default("open_micro_batches"))),
+        name=f"run:{Path(run_dir).name}",
+    )
 
 
 @dataclass
@@ -544,9 +620,17 @@ class RunCalibration:
     notes: dict
 
 
-def calibrate(run_dir: str | os.PathLike, config: SimConfig | None = None, tolerance: float = 0.15,
-              skip_first: int = 1, with_timing: bool = True, warm_up: bool = True, warmup_replay: bool = True,
-              serving_pause: bool = True, **simulator_options) -> RunCalibration:
+def calibrate(
+    run_dir: str | os.PathLike,
+    config: SimConfig | None = None,
+    tolerance: float = 0.15,
+    skip_first: int = 1,
+    with_timing: bool = True,
+    warm_up: bool = True,
+    warmup_replay: bool = True,
+    serving_pause: bool = True,
+    **simulator_options,
+) -> RunCalibration:
     """Predicts a real run's step times from its own measurements and compares them with ``metrics.jsonl``'s.
 
     - Costs: the run's ``cost_measurements.json`` fitted onto ``config.cost`` (default: ``run_sim_config``,
@@ -562,7 +646,9 @@ def calibrate(run_dir: str | os.PathLike, config: SimConfig | None = None, toler
     """
     run = Path(run_dir)
     if not run.is_dir():
-        raise FileNotFoundError(f"{run} is not a directory: point at a run directory written by python -m gyre_jax.train")
+        raise FileNotFoundError(
+            f"{run} is not a directory: point at a run directory written by python -m gyre_jax.train"
+        )
     if warm_up:
         measurements, notes = warm_measurements(run, skip_first)
         if not warmup_replay:
@@ -582,18 +668,27 @@ def calibrate(run_dir: str | os.PathLike, config: SimConfig | None = None, toler
     delays = warmup_call_delays(run, skip_first) if (warm_up and warmup_replay and with_timing) else {}
     if delays:
         notes["warmup_call_delay_s"] = float(sum(map(sum, delays.values())))
-    result = predict(cfg, recorded_steps(run, steps, with_timing=with_timing, missing=missing, call_delays=delays),
-                     **simulator_options)
+    result = predict(
+        cfg,
+        recorded_steps(run, steps, with_timing=with_timing, missing=missing, call_delays=delays),
+        **simulator_options,
+    )
     if missing:
         notes["executions_without_timing"] = len(missing)
     report = compare_step_times(step_times(result), measured[:steps], tolerance, skip_first)
-    return RunCalibration(run_dir=str(run), config=cfg, result=result, report=report, measured_s=measured[:steps],
-                          notes=notes)
+    return RunCalibration(
+        run_dir=str(run), config=cfg, result=result, report=report, measured_s=measured[:steps], notes=notes
+    )
 
 
-def calibrate_run(run_dir: str | os.PathLike, config: SimConfig | None = None, tolerance: float = 0.15,
-                  skip_first: int = 1, with_timing: bool = True, warm_up: bool = True
-                  ) -> tuple[CalibrationReport, CostModel]:
+def calibrate_run(
+    run_dir: str | os.PathLike,
+    config: SimConfig | None = None,
+    tolerance: float = 0.15,
+    skip_first: int = 1,
+    with_timing: bool = True,
+    warm_up: bool = True,
+) -> tuple[CalibrationReport, CostModel]:
     """``calibrate`` reduced to (report, fitted cost model)."""
     c = calibrate(run_dir, config, tolerance, skip_first, with_timing, warm_up)
     return c.report, c.config.cost

@@ -8,8 +8,9 @@ The cost model is derived from the preset's model and hardware specs (``roofline
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ml_collections import config_dict
 
@@ -36,8 +37,9 @@ def preset(name_or_path: str) -> config_dict.ConfigDict:
         return PRESETS[name_or_path]()
     if name_or_path.endswith(".py") or Path(name_or_path).exists():
         return _load_file(name_or_path)
-    raise ConfigError(f"unknown simulator preset {name_or_path!r} (presets: {', '.join(PRESETS)}; "
-                      f"or a configs/sim_*.py file)")
+    raise ConfigError(
+        f"unknown simulator preset {name_or_path!r} (presets: {', '.join(PRESETS)}; or a configs/sim_*.py file)"
+    )
 
 
 def apply_overrides(config: config_dict.ConfigDict, overrides: Mapping[str, Any] | Sequence[tuple[str, Any]]) -> None:
@@ -52,17 +54,30 @@ def cost_model(c: config_dict.ConfigDict) -> CostModel:
         return CostModel.load(c.cost_model_file)
     k = c.cost
     return roofline_cost_model(
-        ModelSpec(**c.model.to_dict()), HardwareSpec(**c.hardware.to_dict()),
-        replica_accelerators=k.replica_accelerators, slots_per_replica=k.slots_per_replica,
-        reference_cell_accelerators=k.reference_cell_accelerators, min_cell_accelerators=k.min_cell_accelerators,
-        train_mfu=k.train_mfu, decode_mbu=k.decode_mbu, prefill_mfu=k.prefill_mfu,
-        decode_overhead_s=k.decode_overhead_s, scaling_exponent=k.scaling_exponent,
-        micro_step_tokens=k.micro_step_tokens, micro_step_overhead_s=k.micro_step_overhead_s,
-        optimizer_step_s=k.optimizer_step_s, grad_reduce_s=k.grad_reduce_s,
-        switch=SwitchCost(serving_to_training_s=k.serving_to_training_s, training_to_serving_s=k.training_to_serving_s,
-                          weight_sync_s=k.weight_sync_s, kv_migration_s_per_token=k.kv_migration_s_per_token),
+        ModelSpec(**c.model.to_dict()),
+        HardwareSpec(**c.hardware.to_dict()),
+        replica_accelerators=k.replica_accelerators,
+        slots_per_replica=k.slots_per_replica,
+        reference_cell_accelerators=k.reference_cell_accelerators,
+        min_cell_accelerators=k.min_cell_accelerators,
+        train_mfu=k.train_mfu,
+        decode_mbu=k.decode_mbu,
+        prefill_mfu=k.prefill_mfu,
+        decode_overhead_s=k.decode_overhead_s,
+        scaling_exponent=k.scaling_exponent,
+        micro_step_tokens=k.micro_step_tokens,
+        micro_step_overhead_s=k.micro_step_overhead_s,
+        optimizer_step_s=k.optimizer_step_s,
+        grad_reduce_s=k.grad_reduce_s,
+        switch=SwitchCost(
+            serving_to_training_s=k.serving_to_training_s,
+            training_to_serving_s=k.training_to_serving_s,
+            weight_sync_s=k.weight_sync_s,
+            kv_migration_s_per_token=k.kv_migration_s_per_token,
+        ),
         pipeline=PipelineCost(processing_s_per_token=k.processing_s_per_token, workers=k.pipeline_workers),
-        source=f"roofline: {c.hardware.name}, {c.model.total_params / 1e9:.0f}B params ({c.name} preset)")
+        source=f"roofline: {c.hardware.name}, {c.model.total_params / 1e9:.0f}B params ({c.name} preset)",
+    )
 
 
 def workload(c: config_dict.ConfigDict) -> WorkloadSpec:
@@ -82,11 +97,22 @@ def sim_config(c: config_dict.ConfigDict) -> SimConfig:
             options = {"training_cells": s.training_cells or max(1, cells // 2), "max_staleness": s.max_staleness}
         elif s.policy == "elastic":
             options = {"max_staleness": s.max_staleness}
-        return SimConfig(workload=workload(c), cost=cost_model(c), accelerators=c.cluster.accelerators,
-                         cell_accelerators=c.cluster.cell_accelerators, policy=s.policy,
-                         policy_options=tuple(sorted(options.items())), steps=c.steps,
-                         tasks_per_step=c.tasks_per_step, group_size=c.group_size, seed=c.seed,
-                         max_branches=c.max_branches or None, streaming=s.streaming, segments=c.segments, name=c.name)
+        return SimConfig(
+            workload=workload(c),
+            cost=cost_model(c),
+            accelerators=c.cluster.accelerators,
+            cell_accelerators=c.cluster.cell_accelerators,
+            policy=s.policy,
+            policy_options=tuple(sorted(options.items())),
+            steps=c.steps,
+            tasks_per_step=c.tasks_per_step,
+            group_size=c.group_size,
+            seed=c.seed,
+            max_branches=c.max_branches or None,
+            streaming=s.streaming,
+            segments=c.segments,
+            name=c.name,
+        )
     except (SimConfigError, ValueError, TypeError) as exc:
         if isinstance(exc, ConfigError):
             raise

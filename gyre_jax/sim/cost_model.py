@@ -34,9 +34,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -64,8 +65,11 @@ class ServingCost:
 
     def prefill_s(self, new_tokens, context_tokens):
         """Works on scalars and numpy arrays alike."""
-        return (self.prefill_base_s + self.prefill_per_token_s * new_tokens
-                + self.prefill_per_token_context_s * new_tokens * context_tokens)
+        return (
+            self.prefill_base_s
+            + self.prefill_per_token_s * new_tokens
+            + self.prefill_per_token_context_s * new_tokens * context_tokens
+        )
 
 
 @dataclass(frozen=True)
@@ -127,9 +131,15 @@ class CostModel:
 
     # -- serialization ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, "source": self.source,
-                "serving": dataclasses.asdict(self.serving), "training": dataclasses.asdict(self.training),
-                "switch": dataclasses.asdict(self.switch), "pipeline": dataclasses.asdict(self.pipeline)}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "source": self.source,
+            "serving": dataclasses.asdict(self.serving),
+            "training": dataclasses.asdict(self.training),
+            "switch": dataclasses.asdict(self.switch),
+            "pipeline": dataclasses.asdict(self.pipeline),
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -138,23 +148,32 @@ class CostModel:
         Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "cost model") -> "CostModel":
+    def from_dict(cls, data: dict[str, Any], where: str = "cost model") -> CostModel:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise CostModelError(f"{where}: not a cost model (expected \"format\": \"{FORMAT}\")")
+            raise CostModelError(f'{where}: not a cost model (expected "format": "{FORMAT}")')
         if data.get("version") != VERSION:
             raise CostModelError(f"{where}: cost model version {data.get('version')!r} (this reader knows {VERSION})")
         parts = {}
-        for name, kind in (("serving", ServingCost), ("training", TrainingCost), ("switch", SwitchCost),
-                           ("pipeline", PipelineCost)):
+        for name, kind in (
+            ("serving", ServingCost),
+            ("training", TrainingCost),
+            ("switch", SwitchCost),
+            ("pipeline", PipelineCost),
+        ):
             section = data.get(name, {} if name == "pipeline" else None)
             if not isinstance(section, dict):
                 raise CostModelError(f"{where}: missing section {name!r}")
             known = {f.name: f for f in dataclasses.fields(kind)}
             unknown = set(section) - set(known)
             if unknown:
-                raise CostModelError(f"{where}: unknown field(s) {sorted(unknown)} in {name!r} (known: {sorted(known)})")
-            required = [f.name for f in known.values()
-                        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+                raise CostModelError(
+                    f"{where}: unknown field(s) {sorted(unknown)} in {name!r} (known: {sorted(known)})"
+                )
+            required = [
+                f.name
+                for f in known.values()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            ]
             missing = [k for k in required if k not in section]
             if missing:
                 raise CostModelError(f"{where}: {name!r} is missing {missing}")
@@ -170,7 +189,7 @@ class CostModel:
         return cls(source=str(data.get("source", "configured")), **parts)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "CostModel":
+    def load(cls, path: str | os.PathLike) -> CostModel:
         path = Path(path)
         if not path.is_file():
             raise CostModelError(f"cost model {path} not found")
@@ -180,7 +199,7 @@ class CostModel:
             raise CostModelError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_dict(data, where=str(path))
 
-    def replace(self, **sections: Any) -> "CostModel":
+    def replace(self, **sections: Any) -> CostModel:
         """A copy with fields replaced per section: ``cm.replace(switch={"weight_sync_s": 1.0})``."""
         parts = {}
         for name, changes in sections.items():
@@ -201,16 +220,50 @@ def _validate(cm: CostModel) -> None:
 
     s, t, w, p = cm.serving, cm.training, cm.switch, cm.pipeline
     positive("serving", s, ("replica_accelerators", "slots_per_replica", "decode_base_s"))
-    positive("serving", s, ("decode_per_seq_s", "decode_per_context_token_s", "prefill_base_s",
-                            "prefill_per_token_s", "prefill_per_token_context_s"), strict=False)
-    positive("training", t, ("flops_per_token", "accelerator_flops", "reference_cell_accelerators",
-                             "min_cell_accelerators", "micro_step_tokens"))
-    positive("training", t, ("flops_per_token_sq", "micro_step_overhead_s", "optimizer_step_s", "grad_reduce_s",
-                             "warmup_micro_step_s", "warmup_optimizer_step_s"), strict=False)
+    positive(
+        "serving",
+        s,
+        (
+            "decode_per_seq_s",
+            "decode_per_context_token_s",
+            "prefill_base_s",
+            "prefill_per_token_s",
+            "prefill_per_token_context_s",
+        ),
+        strict=False,
+    )
+    positive(
+        "training",
+        t,
+        (
+            "flops_per_token",
+            "accelerator_flops",
+            "reference_cell_accelerators",
+            "min_cell_accelerators",
+            "micro_step_tokens",
+        ),
+    )
+    positive(
+        "training",
+        t,
+        (
+            "flops_per_token_sq",
+            "micro_step_overhead_s",
+            "optimizer_step_s",
+            "grad_reduce_s",
+            "warmup_micro_step_s",
+            "warmup_optimizer_step_s",
+        ),
+        strict=False,
+    )
     if not 0.5 <= t.scaling_exponent <= 1.0:
         raise CostModelError(f"cost model training.scaling_exponent={t.scaling_exponent} must be in [0.5, 1]")
-    positive("switch", w, ("serving_to_training_s", "training_to_serving_s", "weight_sync_s",
-                           "kv_migration_s_per_token"), strict=False)
+    positive(
+        "switch",
+        w,
+        ("serving_to_training_s", "training_to_serving_s", "weight_sync_s", "kv_migration_s_per_token"),
+        strict=False,
+    )
     positive("pipeline", p, ("processing_s_per_token", "step_boundary_s"), strict=False)
     positive("pipeline", p, ("workers",))
 
@@ -244,12 +297,27 @@ class HardwareSpec:
     memory_bytes: float
 
 
-def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, *, replica_accelerators: int, slots_per_replica: int,
-                        reference_cell_accelerators: int, min_cell_accelerators: int, train_mfu: float,
-                        decode_mbu: float, prefill_mfu: float, decode_overhead_s: float, switch: SwitchCost,
-                        micro_step_tokens: int = 262_144, micro_step_overhead_s: float = 1.0,
-                        optimizer_step_s: float = 5.0, grad_reduce_s: float = 5.0, scaling_exponent: float = 0.95,
-                        pipeline: PipelineCost | None = None, source: str = "") -> CostModel:
+def roofline_cost_model(
+    model: ModelSpec,
+    hw: HardwareSpec,
+    *,
+    replica_accelerators: int,
+    slots_per_replica: int,
+    reference_cell_accelerators: int,
+    min_cell_accelerators: int,
+    train_mfu: float,
+    decode_mbu: float,
+    prefill_mfu: float,
+    decode_overhead_s: float,
+    switch: SwitchCost,
+    micro_step_tokens: int = 262_144,
+    micro_step_overhead_s: float = 1.0,
+    optimizer_step_s: float = 5.0,
+    grad_reduce_s: float = 5.0,
+    scaling_exponent: float = 0.95,
+    pipeline: PipelineCost | None = None,
+    source: str = "",
+) -> CostModel:
     """A cost model from first principles (memory-bound decode, compute-bound prefill and training).
 
     - decode step: all serving weights read once per step (an MoE at batch >= 8 touches nearly every
@@ -262,8 +330,10 @@ def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, *, replica_accelerat
     """
     g = replica_accelerators
     serving = ServingCost(
-        replica_accelerators=g, slots_per_replica=slots_per_replica,
-        decode_base_s=decode_overhead_s + model.total_params * model.serving_bytes_per_param / (g * hw.hbm_bandwidth * decode_mbu),
+        replica_accelerators=g,
+        slots_per_replica=slots_per_replica,
+        decode_base_s=decode_overhead_s
+        + model.total_params * model.serving_bytes_per_param / (g * hw.hbm_bandwidth * decode_mbu),
         decode_per_seq_s=2 * model.active_params / (g * hw.flops * prefill_mfu),
         decode_per_context_token_s=model.kv_bytes_per_token / (g * hw.hbm_bandwidth * decode_mbu),
         prefill_base_s=decode_overhead_s,
@@ -271,13 +341,24 @@ def roofline_cost_model(model: ModelSpec, hw: HardwareSpec, *, replica_accelerat
         prefill_per_token_context_s=4 * model.layers * model.attention_dim / (g * hw.flops * prefill_mfu),
     )
     training = TrainingCost(
-        flops_per_token=6 * model.active_params, flops_per_token_sq=6 * model.layers * model.attention_dim,
-        accelerator_flops=hw.flops * train_mfu, reference_cell_accelerators=reference_cell_accelerators,
-        scaling_exponent=scaling_exponent, min_cell_accelerators=min_cell_accelerators,
-        micro_step_tokens=micro_step_tokens, micro_step_overhead_s=micro_step_overhead_s,
-        optimizer_step_s=optimizer_step_s, grad_reduce_s=grad_reduce_s)
-    return CostModel(serving=serving, training=training, switch=switch, pipeline=pipeline or PipelineCost(),
-                     source=source or f"roofline: {hw.name}, {model.total_params / 1e9:.0f}B params")
+        flops_per_token=6 * model.active_params,
+        flops_per_token_sq=6 * model.layers * model.attention_dim,
+        accelerator_flops=hw.flops * train_mfu,
+        reference_cell_accelerators=reference_cell_accelerators,
+        scaling_exponent=scaling_exponent,
+        min_cell_accelerators=min_cell_accelerators,
+        micro_step_tokens=micro_step_tokens,
+        micro_step_overhead_s=micro_step_overhead_s,
+        optimizer_step_s=optimizer_step_s,
+        grad_reduce_s=grad_reduce_s,
+    )
+    return CostModel(
+        serving=serving,
+        training=training,
+        switch=switch,
+        pipeline=pipeline or PipelineCost(),
+        source=source or f"roofline: {hw.name}, {model.total_params / 1e9:.0f}B params",
+    )
 
 
 # -- measured: fitted to a real run's timings -----------------------------------------------------------
@@ -316,16 +397,20 @@ def fit_cost_model(measurements: dict[str, Any], base: CostModel) -> CostModel:
     """
     serving, training, switch, pipeline = {}, {}, {}, {}
     if measurements.get("decode_steps"):
-        b, per_seq, per_ctx = _fit_linear(measurements["decode_steps"],
-                                          [lambda d: np.ones(len(d)), lambda d: d[:, 0], lambda d: d[:, 1]],
-                                          ("decode_base_s", "decode_per_seq_s", "decode_per_context_token_s"),
-                                          "decode_steps")
+        b, per_seq, per_ctx = _fit_linear(
+            measurements["decode_steps"],
+            [lambda d: np.ones(len(d)), lambda d: d[:, 0], lambda d: d[:, 1]],
+            ("decode_base_s", "decode_per_seq_s", "decode_per_context_token_s"),
+            "decode_steps",
+        )
         serving.update(decode_base_s=max(b, 1e-9), decode_per_seq_s=per_seq, decode_per_context_token_s=per_ctx)
     if measurements.get("prefills"):
-        b, per_tok, per_tok_ctx = _fit_linear(measurements["prefills"],
-                                              [lambda d: np.ones(len(d)), lambda d: d[:, 0], lambda d: d[:, 0] * d[:, 1]],
-                                              ("prefill_base_s", "prefill_per_token_s", "prefill_per_token_context_s"),
-                                              "prefills")
+        b, per_tok, per_tok_ctx = _fit_linear(
+            measurements["prefills"],
+            [lambda d: np.ones(len(d)), lambda d: d[:, 0], lambda d: d[:, 0] * d[:, 1]],
+            ("prefill_base_s", "prefill_per_token_s", "prefill_per_token_context_s"),
+            "prefills",
+        )
         serving.update(prefill_base_s=b, prefill_per_token_s=per_tok, prefill_per_token_context_s=per_tok_ctx)
     if measurements.get("micro_steps"):
         cell = int(measurements.get("cell_accelerators", base.training.reference_cell_accelerators))
@@ -335,20 +420,29 @@ def fit_cost_model(measurements: dict[str, Any], base: CostModel) -> CostModel:
             # intercept; the mean rate keeps the total micro-step time.
             overhead, s_per_flop = 0.0, float(d[:, 1].sum() / d[:, 0].sum())
         else:
-            overhead, s_per_flop = _fit_linear(measurements["micro_steps"],
-                                               [lambda d: np.ones(len(d)), lambda d: d[:, 0]],
-                                               ("micro_step_overhead_s", "seconds_per_flop"), "micro_steps")
+            overhead, s_per_flop = _fit_linear(
+                measurements["micro_steps"],
+                [lambda d: np.ones(len(d)), lambda d: d[:, 0]],
+                ("micro_step_overhead_s", "seconds_per_flop"),
+                "micro_steps",
+            )
         if s_per_flop <= 0:
             raise CostModelError("measurements: micro_steps do not grow with their FLOPs; cannot fit a training rate")
-        training.update(micro_step_overhead_s=overhead, reference_cell_accelerators=cell, scaling_exponent=1.0,
-                        accelerator_flops=1.0 / (s_per_flop * cell))
-    for key, section, name in (("optimizer_steps", training, "optimizer_step_s"),
-                               ("serving_to_training", switch, "serving_to_training_s"),
-                               ("training_to_serving", switch, "training_to_serving_s"),
-                               ("weight_syncs", switch, "weight_sync_s"),
-                               ("step_boundaries", pipeline, "step_boundary_s"),
-                               ("warmup_micro_steps", training, "warmup_micro_step_s"),
-                               ("warmup_optimizer_steps", training, "warmup_optimizer_step_s")):
+        training.update(
+            micro_step_overhead_s=overhead,
+            reference_cell_accelerators=cell,
+            scaling_exponent=1.0,
+            accelerator_flops=1.0 / (s_per_flop * cell),
+        )
+    for key, section, name in (
+        ("optimizer_steps", training, "optimizer_step_s"),
+        ("serving_to_training", switch, "serving_to_training_s"),
+        ("training_to_serving", switch, "training_to_serving_s"),
+        ("weight_syncs", switch, "weight_sync_s"),
+        ("step_boundaries", pipeline, "step_boundary_s"),
+        ("warmup_micro_steps", training, "warmup_micro_step_s"),
+        ("warmup_optimizer_steps", training, "warmup_optimizer_step_s"),
+    ):
         if measurements.get(key):
             section[name] = float(np.mean(measurements[key]))
     source = "measured: " + str(measurements.get("source", "a real run"))

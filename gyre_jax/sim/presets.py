@@ -36,12 +36,36 @@ from __future__ import annotations
 from ml_collections import config_dict
 
 H800 = dict(name="H800-class", flops=989e12, hbm_bandwidth=3.35e12, memory_bytes=80e9)
-QWEN_122B = dict(total_params=122e9, active_params=10e9, layers=64, kv_heads=4, head_dim=128, attention_dim=4096,
-                 serving_bytes_per_param=1.0, kv_bytes_per_element=2.0)
-QWEN_30B = dict(total_params=30e9, active_params=3e9, layers=48, kv_heads=4, head_dim=128, attention_dim=4096,
-                serving_bytes_per_param=1.0, kv_bytes_per_element=2.0)
-QWEN_2400B = dict(total_params=2.4e12, active_params=95e9, layers=96, kv_heads=8, head_dim=128, attention_dim=12288,
-                  serving_bytes_per_param=1.0, kv_bytes_per_element=2.0)
+QWEN_122B = dict(
+    total_params=122e9,
+    active_params=10e9,
+    layers=64,
+    kv_heads=4,
+    head_dim=128,
+    attention_dim=4096,
+    serving_bytes_per_param=1.0,
+    kv_bytes_per_element=2.0,
+)
+QWEN_30B = dict(
+    total_params=30e9,
+    active_params=3e9,
+    layers=48,
+    kv_heads=4,
+    head_dim=128,
+    attention_dim=4096,
+    serving_bytes_per_param=1.0,
+    kv_bytes_per_element=2.0,
+)
+QWEN_2400B = dict(
+    total_params=2.4e12,
+    active_params=95e9,
+    layers=96,
+    kv_heads=8,
+    head_dim=128,
+    attention_dim=12288,
+    serving_bytes_per_param=1.0,
+    kv_bytes_per_element=2.0,
+)
 
 
 def _dist(median: float, sigma: float = 0.0, lo: float = 0.0, hi: float = float("inf")) -> config_dict.ConfigDict:
@@ -60,24 +84,39 @@ def base(name: str, description: str) -> config_dict.ConfigDict:
     c.max_branches = 5  # J_max (published); 0 = uncapped
     c.segments = 8  # segments per execution: the serving model's time resolution
     c.cluster = config_dict.ConfigDict(dict(accelerators=1024, cell_accelerators=32))
-    c.schedule = config_dict.ConfigDict(dict(
-        policy="elastic",  # colocated | async | elastic
-        max_staleness=1,  # eta, for async and elastic (colocated is on-policy)
-        training_cells=0,  # async only: cells in the training pool (0 = half of them)
-        streaming=True))  # micro-steps claimable as each execution is evaluated
+    c.schedule = config_dict.ConfigDict(
+        dict(
+            policy="elastic",  # colocated | async | elastic
+            max_staleness=1,  # eta, for async and elastic (colocated is on-policy)
+            training_cells=0,  # async only: cells in the training pool (0 = half of them)
+            streaming=True,
+        )
+    )  # micro-steps claimable as each execution is evaluated
     c.model = config_dict.ConfigDict(dict(QWEN_122B))
     c.hardware = config_dict.ConfigDict(dict(H800))
-    c.cost = config_dict.ConfigDict(dict(
-        replica_accelerators=8,  # FP8 122B (122 GB) on one node per serving engine
-        slots_per_replica=8,  # 128 replicas x 8 = 1024 sessions: one batch when every cell serves
-        min_cell_accelerators=32,
-        reference_cell_accelerators=32,
-        train_mfu=0.25, decode_mbu=0.5, prefill_mfu=0.4, decode_overhead_s=0.005, scaling_exponent=0.95,
-        micro_step_tokens=262_144, micro_step_overhead_s=0.5, optimizer_step_s=5.0, grad_reduce_s=2.0,
-        serving_to_training_s=8.52, training_to_serving_s=3.46,  # published (2.4T over RDMA)
-        weight_sync_s=2.0,  # serving cells pause for a new version (122B BF16 over RDMA, with overhead)
-        kv_migration_s_per_token=3.3e-7,  # 131 KB/token over 8 x 50 GB/s
-        processing_s_per_token=2e-6, pipeline_workers=32))
+    c.cost = config_dict.ConfigDict(
+        dict(
+            replica_accelerators=8,  # FP8 122B (122 GB) on one node per serving engine
+            slots_per_replica=8,  # 128 replicas x 8 = 1024 sessions: one batch when every cell serves
+            min_cell_accelerators=32,
+            reference_cell_accelerators=32,
+            train_mfu=0.25,
+            decode_mbu=0.5,
+            prefill_mfu=0.4,
+            decode_overhead_s=0.005,
+            scaling_exponent=0.95,
+            micro_step_tokens=262_144,
+            micro_step_overhead_s=0.5,
+            optimizer_step_s=5.0,
+            grad_reduce_s=2.0,
+            serving_to_training_s=8.52,
+            training_to_serving_s=3.46,  # published (2.4T over RDMA)
+            weight_sync_s=2.0,  # serving cells pause for a new version (122B BF16 over RDMA, with overhead)
+            kv_migration_s_per_token=3.3e-7,  # 131 KB/token over 8 x 50 GB/s
+            processing_s_per_token=2e-6,
+            pipeline_workers=32,
+        )
+    )
     c.cost_model_file = ""  # a cost model JSON (e.g. measured by a real run) replaces the roofline numbers
     return c
 
@@ -121,7 +160,9 @@ def terminal() -> config_dict.ConfigDict:
 
 
 def nl2repo() -> config_dict.ConfigDict:
-    c = base("nl2repo", "repository generation (NL2Repo-like), Qwen3.6 122B: hundreds of calls, compactions, sub-agents")
+    c = base(
+        "nl2repo", "repository generation (NL2Repo-like), Qwen3.6 122B: hundreds of calls, compactions, sub-agents"
+    )
     w = c.workload = config_dict.ConfigDict()
     w.turns = _dist(140, 0.45, 30, 500)
     w.task_sigma = 0.3
@@ -142,8 +183,9 @@ def nl2repo() -> config_dict.ConfigDict:
 def flagship() -> config_dict.ConfigDict:
     c = nl2repo()
     c.name = "flagship"
-    c.description = ("the flagship case: NL2Repo on Qwen3.8 2.4T-A95B, ~700K tokens per rollout, "
-                     "durations clustered at the timeout")
+    c.description = (
+        "the flagship case: NL2Repo on Qwen3.8 2.4T-A95B, ~700K tokens per rollout, durations clustered at the timeout"
+    )
     c.model = config_dict.ConfigDict(dict(QWEN_2400B))
     c.cluster.accelerators = 4096
     c.cluster.cell_accelerators = 512  # the core's optimizer state needs ~480 accelerators

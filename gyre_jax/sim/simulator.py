@@ -32,8 +32,9 @@ import heapq
 import itertools
 import math
 import time as _time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -95,11 +96,15 @@ class SimConfig:
         if a < 1 or c < 1 or a % c:
             raise SimConfigError(f"accelerators={a} must be a positive multiple of cell_accelerators={c}")
         if c % r:
-            raise SimConfigError(f"cell_accelerators={c} must be a multiple of the serving replica size {r} "
-                                 f"(cost.serving.replica_accelerators)")
+            raise SimConfigError(
+                f"cell_accelerators={c} must be a multiple of the serving replica size {r} "
+                f"(cost.serving.replica_accelerators)"
+            )
         if c < self.cost.training.min_cell_accelerators:
-            raise SimConfigError(f"cell_accelerators={c} is below the {self.cost.training.min_cell_accelerators} "
-                                 f"accelerators a training replica needs (cost.training.min_cell_accelerators)")
+            raise SimConfigError(
+                f"cell_accelerators={c} is below the {self.cost.training.min_cell_accelerators} "
+                f"accelerators a training replica needs (cost.training.min_cell_accelerators)"
+            )
         for key in ("steps", "tasks_per_step", "group_size", "segments"):
             if getattr(self, key) < 1:
                 raise SimConfigError(f"{key}={getattr(self, key)} must be >= 1")
@@ -128,7 +133,7 @@ class SimConfig:
         s = self.cost.serving
         return self.cell_accelerators // s.replica_accelerators * s.slots_per_replica
 
-    def replace(self, **changes: Any) -> "SimConfig":
+    def replace(self, **changes: Any) -> SimConfig:
         import dataclasses
 
         if "policy_options" in changes and isinstance(changes["policy_options"], dict):
@@ -189,14 +194,23 @@ class Simulator:
     replays a real run's executions this way).
     """
 
-    def __init__(self, config: SimConfig, *, timeline: TimelineWriter | None = None, trace_executions: bool = False,
-                 counter_interval_s: float = 60.0, progress: Callable[[int, float], None] | None = None,
-                 plans: list[SegmentPlan] | None = None):
+    def __init__(
+        self,
+        config: SimConfig,
+        *,
+        timeline: TimelineWriter | None = None,
+        trace_executions: bool = False,
+        counter_interval_s: float = 60.0,
+        progress: Callable[[int, float], None] | None = None,
+        plans: list[SegmentPlan] | None = None,
+    ):
         self.cfg = config
         if plans is not None:
             if len(plans) != config.steps or any(p.size != config.batch_size for p in plans):
-                raise SimConfigError(f"plans: expected {config.steps} steps of {config.batch_size} executions, got "
-                                     f"{[p.size for p in plans]}")
+                raise SimConfigError(
+                    f"plans: expected {config.steps} steps of {config.batch_size} executions, got "
+                    f"{[p.size for p in plans]}"
+                )
         self.given_plans = plans
         self.policy: SchedulingPolicy = make_policy(config.policy, config.num_cells, **dict(config.policy_options))
         self.timeline = timeline
@@ -308,8 +322,15 @@ class Simulator:
         self.staleness: list[int] = []
 
         self.wl = Waterlevel()
-        self.state = ClusterState(time=0.0, roles=self.role, capacity=[self.slots] * k, waterlevel=self.wl,
-                                  targets=self.target, busy=self.busy, batch_size=self.n)
+        self.state = ClusterState(
+            time=0.0,
+            roles=self.role,
+            capacity=[self.slots] * k,
+            waterlevel=self.wl,
+            targets=self.target,
+            busy=self.busy,
+            batch_size=self.n,
+        )
         self._counter_t = -math.inf
         self._counter_pending: tuple | None = None
         tl = self.timeline
@@ -323,9 +344,16 @@ class Simulator:
         self._setup()
         self._replan("tick", None)
         heap, pop = self.heap, heapq.heappop
-        handlers = {_SEG: self._on_segment_end, _EVAL: self._on_eval, _BATCH: self._on_batch_ready,
-                    _MICRO: self._on_micro_done, _OPT: self._on_optimizer_done, _SWITCH: self._on_switch_done,
-                    _PULL: self._on_pull_done, _BOUNDARY: self._on_boundary_done}
+        handlers = {
+            _SEG: self._on_segment_end,
+            _EVAL: self._on_eval,
+            _BATCH: self._on_batch_ready,
+            _MICRO: self._on_micro_done,
+            _OPT: self._on_optimizer_done,
+            _SWITCH: self._on_switch_done,
+            _PULL: self._on_pull_done,
+            _BOUNDARY: self._on_boundary_done,
+        }
         seg_handler = self._on_segment_end
         tok = self.tok
         while heap and not self.done:
@@ -341,8 +369,10 @@ class Simulator:
             self.events += 1
             handlers[kind](x, y)
         if not self.done:
-            raise RuntimeError(f"simulation stalled at t={self.now:.0f}s after {self.version}/{self.cfg.steps} steps: "
-                               f"policy {self.cfg.policy} left no cell able to make progress (roles {self._roles_text()})")
+            raise RuntimeError(
+                f"simulation stalled at t={self.now:.0f}s after {self.version}/{self.cfg.steps} steps: "
+                f"policy {self.cfg.policy} left no cell able to make progress (roles {self._roles_text()})"
+            )
         return self._result(_time.perf_counter() - t_wall)
 
     def _push(self, t: float, kind: int, x: int, y: int = 0) -> None:
@@ -382,8 +412,13 @@ class Simulator:
                 st.in_flight = self.in_flight[v]
             else:
                 st.step_dispatched = st.step_finished = st.step_processed = st.ready = st.in_flight = 0
-            event = Event(kind, min(v, self.cfg.steps - 1), self.now,
-                          execution_id=None if execution is None else str(execution), cell=cell)
+            event = Event(
+                kind,
+                min(v, self.cfg.steps - 1),
+                self.now,
+                execution_id=None if execution is None else str(execution),
+                cell=cell,
+            )
             decision = self.policy.plan(event, st)
             self._apply_roles(decision.roles)
             n = min(decision.dispatch, self.total - self.next_exec)
@@ -409,7 +444,9 @@ class Simulator:
                 pending[c] = None
                 continue
             if want is not SERVING and want is not TRAINING:
-                raise RuntimeError(f"policy {self.cfg.policy} asked cell {c} for role {want!r} (SERVING or TRAINING only)")
+                raise RuntimeError(
+                    f"policy {self.cfg.policy} asked cell {c} for role {want!r} (SERVING or TRAINING only)"
+                )
             if busy[c]:
                 pending[c] = want  # finishes its micro-step / weight pull first
                 self.any_pending = True
@@ -424,11 +461,20 @@ class Simulator:
             if self.given_plans is not None:
                 plan = self.given_plans[step]
             else:
-                plan = sample_step(cfg.workload, cfg.cost.serving, step=step, tasks=cfg.tasks_per_step,
-                                   group_size=cfg.group_size, seed=cfg.seed, segments=cfg.segments)
+                plan = sample_step(
+                    cfg.workload,
+                    cfg.cost.serving,
+                    step=step,
+                    tasks=cfg.tasks_per_step,
+                    group_size=cfg.group_size,
+                    seed=cfg.seed,
+                    segments=cfg.segments,
+                )
             self.plans[step] = plan
             b = branches(plan.tokens, cfg.workload.trajectory_shape())
-            self.work_full[step] = (capped_flops(b, cfg.max_branches, cfg.cost.training) * cfg.train_work_scale).tolist()
+            self.work_full[step] = (
+                capped_flops(b, cfg.max_branches, cfg.cost.training) * cfg.train_work_scale
+            ).tolist()
         return plan
 
     def _work_for(self, tokens: float) -> float:
@@ -458,8 +504,12 @@ class Simulator:
         if self.cfg.placement == "balanced":
             best = -1
             for c in range(self.k):
-                if role[c] is SERVING and c != exclude and resident[c] < slots and (
-                        best < 0 or resident[c] < resident[best]):
+                if (
+                    role[c] is SERVING
+                    and c != exclude
+                    and resident[c] < slots
+                    and (best < 0 or resident[c] < resident[best])
+                ):
                     best = c
             return best
         for c in range(self.k - 1, -1, -1):
@@ -660,7 +710,7 @@ class Simulator:
         g = self.cfg.group_size
         first = step * self.n + task * g
         self.queued_count[step] += g
-        self.ready_work[step] += sum(self.exec_work[first:first + g])
+        self.ready_work[step] += sum(self.exec_work[first : first + g])
 
     def _on_batch_ready(self, step: int, _: int) -> None:
         self.queued_count[step] = self.n
@@ -722,8 +772,13 @@ class Simulator:
 
     def _check_step(self) -> None:
         v = self.version
-        if (v >= self.cfg.steps or self.opt_running or self.queued_count[v] < self.n or self.ready_work[v] > _EPS
-                or self.in_flight[v]):
+        if (
+            v >= self.cfg.steps
+            or self.opt_running
+            or self.queued_count[v] < self.n
+            or self.ready_work[v] > _EPS
+            or self.in_flight[v]
+        ):
             return
         if self.role[0] is not TRAINING or self.busy[0]:
             return  # the core applies the optimizer step once it is training and free
@@ -900,29 +955,51 @@ class Simulator:
         cell_time = k * end
         serving_busy = sum(max(0.0, self.occ_area[c] - self.pause_area[c]) / self.slots for c in range(k))
         training_busy = sum(self.micro_time) + self.opt_time
-        roles = {name: float(sum(self.role_time[c][name] for c in range(k)) / cell_time)
-                 for name in ("serving", "training", "switching")}
+        roles = {
+            name: float(sum(self.role_time[c][name] for c in range(k)) / cell_time)
+            for name in ("serving", "training", "switching")
+        }
         d = np.asarray(self.durations) if self.durations else np.zeros(1)
         waits = np.asarray(self.waits) if self.waits else np.zeros(1)
         stale = np.asarray(self.staleness) if self.staleness else np.zeros(1)
         return SimResult(
-            name=cfg.name or cfg.workload.name, policy=cfg.policy, policy_options=dict(cfg.policy_options),
-            streaming=cfg.streaming, seed=cfg.seed, steps=cfg.steps, accelerators=cfg.accelerators, num_cells=k,
-            cell_accelerators=cfg.cell_accelerators, batch_size=self.n, max_branches=cfg.max_branches,
-            makespan_s=float(end), step_end_s=[float(t) for t in self.step_end],
+            name=cfg.name or cfg.workload.name,
+            policy=cfg.policy,
+            policy_options=dict(cfg.policy_options),
+            streaming=cfg.streaming,
+            seed=cfg.seed,
+            steps=cfg.steps,
+            accelerators=cfg.accelerators,
+            num_cells=k,
+            cell_accelerators=cfg.cell_accelerators,
+            batch_size=self.n,
+            max_branches=cfg.max_branches,
+            makespan_s=float(end),
+            step_end_s=[float(t) for t in self.step_end],
             busy_fraction=(serving_busy + training_busy) / cell_time,
-            serving_busy_fraction=serving_busy / cell_time, training_busy_fraction=training_busy / cell_time,
+            serving_busy_fraction=serving_busy / cell_time,
+            training_busy_fraction=training_busy / cell_time,
             role_fractions=roles,
-            executions={"ended": len(self.durations), "timeout_fraction": self.timeouts / max(1, len(self.durations)),
-                        "duration_mean_s": float(d.mean()), "duration_p50_s": float(np.percentile(d, 50)),
-                        "duration_p90_s": float(np.percentile(d, 90)), "duration_max_s": float(d.max()),
-                        "wait_mean_s": float(waits.mean()),
-                        "tokens_mean": float(np.mean(self.tokens_done)) if self.tokens_done else 0.0},
+            executions={
+                "ended": len(self.durations),
+                "timeout_fraction": self.timeouts / max(1, len(self.durations)),
+                "duration_mean_s": float(d.mean()),
+                "duration_p50_s": float(np.percentile(d, 50)),
+                "duration_p90_s": float(np.percentile(d, 90)),
+                "duration_max_s": float(d.max()),
+                "wait_mean_s": float(waits.mean()),
+                "tokens_mean": float(np.mean(self.tokens_done)) if self.tokens_done else 0.0,
+            },
             staleness={"mean": float(stale.mean()), "max": int(stale.max())},
             switches=dict(self.switch_count),
-            training={"flops": float(sum(self.total_work[: cfg.steps])), "micro_steps": self.micro_count,
-                      "micro_step_cell_s": float(sum(self.micro_time)), "optimizer_s": self.opt_time},
-            sim={"wall_s": wall, "events": self.events})
+            training={
+                "flops": float(sum(self.total_work[: cfg.steps])),
+                "micro_steps": self.micro_count,
+                "micro_step_cell_s": float(sum(self.micro_time)),
+                "optimizer_s": self.opt_time,
+            },
+            sim={"wall_s": wall, "events": self.events},
+        )
 
 
 def simulate(config: SimConfig, **kwargs: Any) -> SimResult:

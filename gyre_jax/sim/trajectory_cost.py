@@ -33,8 +33,10 @@ class TrajectoryShape:
 
     def __post_init__(self) -> None:
         if self.context_window and self.context_window <= self.initial_context + self.summary_tokens:
-            raise ValueError(f"context_window={self.context_window} must exceed initial_context + summary_tokens "
-                             f"({self.initial_context} + {self.summary_tokens}) for compaction to make progress")
+            raise ValueError(
+                f"context_window={self.context_window} must exceed initial_context + summary_tokens "
+                f"({self.initial_context} + {self.summary_tokens}) for compaction to make progress"
+            )
         if not 0.0 <= self.subagent_fraction < 1.0:
             raise ValueError(f"subagent_fraction={self.subagent_fraction} must be in [0, 1)")
         if self.subagent_tokens <= 0:
@@ -91,8 +93,12 @@ def capped_flops(b: Branches, cap: int | None, cost: TrainingCost) -> np.ndarray
     has_last = (b.summary_last > 0) & (slots >= 1)
     slots = slots - has_last
     n_sub = np.minimum(b.sub_count, np.maximum(slots, 0))
-    return (cost.branch_flops(b.main) + n_full * cost.branch_flops(b.summary_len)
-            + np.where(has_last, cost.branch_flops(b.summary_last), 0.0) + n_sub * cost.branch_flops(b.sub_len))
+    return (
+        cost.branch_flops(b.main)
+        + n_full * cost.branch_flops(b.summary_len)
+        + np.where(has_last, cost.branch_flops(b.summary_last), 0.0)
+        + n_sub * cost.branch_flops(b.sub_len)
+    )
 
 
 def capped_tokens(b: Branches, cap: int | None) -> np.ndarray:

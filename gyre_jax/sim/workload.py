@@ -16,8 +16,8 @@ with the same seed sees exactly the same executions (common random numbers).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -48,7 +48,7 @@ class Dist:
     @property
     def mean(self) -> float:
         """Mean of the unclipped log-normal."""
-        return self.median * math.exp(self.sigma ** 2 / 2)
+        return self.median * math.exp(self.sigma**2 / 2)
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,13 @@ class WorkloadSpec:
         self.trajectory_shape()  # validates the context window / summary / sub-agent numbers
 
     def trajectory_shape(self) -> TrajectoryShape:
-        return TrajectoryShape(context_window=self.context_window, summary_tokens=self.summary_tokens,
-                               initial_context=self.initial_context, subagent_fraction=self.subagent_fraction,
-                               subagent_tokens=self.subagent_tokens)
+        return TrajectoryShape(
+            context_window=self.context_window,
+            summary_tokens=self.summary_tokens,
+            initial_context=self.initial_context,
+            subagent_fraction=self.subagent_fraction,
+            subagent_tokens=self.subagent_tokens,
+        )
 
 
 @dataclass
@@ -115,14 +119,30 @@ def sample_turns(spec: WorkloadSpec, rng: np.random.Generator, tasks: int, group
     """Per-call arrays for tasks x group_size executions: (turns [E], obs [C], gen [C], tool [C], setup [E])."""
     n = tasks * group_size
     factor = np.repeat(np.exp(spec.task_sigma * rng.standard_normal(tasks)), group_size) if spec.task_sigma else 1.0
-    turns = np.maximum(1, np.rint(np.clip(spec.turns.sample(rng, n) * factor, spec.turns.lo, spec.turns.hi))).astype(np.int64)
+    turns = np.maximum(1, np.rint(np.clip(spec.turns.sample(rng, n) * factor, spec.turns.lo, spec.turns.hi))).astype(
+        np.int64
+    )
     calls = int(turns.sum())
-    return [turns, spec.obs_tokens.sample(rng, calls), spec.gen_tokens.sample(rng, calls), spec.tool_s.sample(rng, calls),
-            spec.setup_s.sample(rng, n)]
+    return [
+        turns,
+        spec.obs_tokens.sample(rng, calls),
+        spec.gen_tokens.sample(rng, calls),
+        spec.tool_s.sample(rng, calls),
+        spec.setup_s.sample(rng, n),
+    ]
 
 
-def build_plan(turns: np.ndarray, obs: np.ndarray, gen: np.ndarray, tool: np.ndarray, setup: np.ndarray,
-               eval_s: np.ndarray, spec: WorkloadSpec, serving: ServingCost, segments: int) -> SegmentPlan:
+def build_plan(
+    turns: np.ndarray,
+    obs: np.ndarray,
+    gen: np.ndarray,
+    tool: np.ndarray,
+    setup: np.ndarray,
+    eval_s: np.ndarray,
+    spec: WorkloadSpec,
+    serving: ServingCost,
+    segments: int,
+) -> SegmentPlan:
     """Per-call arrays (concatenated over executions in order) -> segments.
 
     turns, setup, eval_s: [E]; obs, gen, tool: [C] with C = turns.sum().
@@ -147,8 +167,11 @@ def build_plan(turns: np.ndarray, obs: np.ndarray, gen: np.ndarray, tool: np.nda
             return np.where(g < first_room, 0.0, 1.0 + np.floor(np.maximum(g - first_room, 0.0) / room))
 
         k_before = cycle(grown_before)
-        ctx_before = np.where(k_before == 0, l0 + grown_before,
-                              l0 + spec.summary_tokens + np.mod(np.maximum(grown_before - first_room, 0.0), room))
+        ctx_before = np.where(
+            k_before == 0,
+            l0 + grown_before,
+            l0 + spec.summary_tokens + np.mod(np.maximum(grown_before - first_room, 0.0), room),
+        )
         compacted = cycle(grown_before + added) > k_before  # this call fills the window: a summary call follows
         gen_total = gen_total + compacted * spec.summary_tokens
         new_prefill = new_prefill + compacted * (l0 + spec.summary_tokens)  # the compacted context, re-rendered
@@ -178,14 +201,24 @@ def build_plan(turns: np.ndarray, obs: np.ndarray, gen: np.ndarray, tool: np.nda
     assert len(seg_tool) == n_seg
     tokens = traj[starts + turns - 1]
     compactions = np.bincount(exec_of_call, weights=compacted.astype(np.float64), minlength=e)
-    return SegmentPlan(offset=seg_offset.tolist(), count=seg_count.tolist(), tool_s=seg_tool.tolist(),
-                       prefill_s=seg_prefill.tolist(), gen=seg_gen.tolist(), ctx=seg_ctx.tolist(),
-                       tokens_end=seg_tokens_end.tolist(), turns=turns, tokens=tokens, eval_s=eval_s.tolist(),
-                       compactions=compactions)
+    return SegmentPlan(
+        offset=seg_offset.tolist(),
+        count=seg_count.tolist(),
+        tool_s=seg_tool.tolist(),
+        prefill_s=seg_prefill.tolist(),
+        gen=seg_gen.tolist(),
+        ctx=seg_ctx.tolist(),
+        tokens_end=seg_tokens_end.tolist(),
+        turns=turns,
+        tokens=tokens,
+        eval_s=eval_s.tolist(),
+        compactions=compactions,
+    )
 
 
-def sample_step(spec: WorkloadSpec, serving: ServingCost, *, step: int, tasks: int, group_size: int, seed: int,
-                segments: int) -> SegmentPlan:
+def sample_step(
+    spec: WorkloadSpec, serving: ServingCost, *, step: int, tasks: int, group_size: int, seed: int, segments: int
+) -> SegmentPlan:
     """The executions of RL step ``step`` (tasks x group_size), from ``default_rng([seed, step])``."""
     rng = np.random.default_rng([seed, step])
     turns, obs, gen, tool, setup = sample_turns(spec, rng, tasks, group_size)
@@ -206,8 +239,9 @@ class RecordedExecution:
     eval_s: float = 0.0
 
 
-def recorded_execution(records: Sequence, eval_s: float = 0.0, setup_s: float = 0.0,
-                       teardown_s: float = 0.0) -> RecordedExecution:
+def recorded_execution(
+    records: Sequence, eval_s: float = 0.0, setup_s: float = 0.0, teardown_s: float = 0.0
+) -> RecordedExecution:
     """From ``TitoRecord``s of one execution (any order): obs = prompt tokens not reused from the previous
     call, gen = completion tokens, tool = time from one call's end to the next call's start.
 
@@ -224,13 +258,23 @@ def recorded_execution(records: Sequence, eval_s: float = 0.0, setup_s: float = 
     return RecordedExecution(execution_id=recs[0].execution_id, obs=obs, gen=gen, tool_s=tool, eval_s=eval_s)
 
 
-def replay_plan(executions: Sequence[RecordedExecution], spec: WorkloadSpec, serving: ServingCost,
-                segments: int) -> SegmentPlan:
+def replay_plan(
+    executions: Sequence[RecordedExecution], spec: WorkloadSpec, serving: ServingCost, segments: int
+) -> SegmentPlan:
     """A SegmentPlan of recorded executions (one step), for calibration against the run they came from."""
     turns = np.array([len(x.gen) for x in executions], dtype=np.int64)
 
     def cat(key: str) -> np.ndarray:  # per-call values of every execution, concatenated in order
         return np.concatenate([np.asarray(getattr(x, key), dtype=np.float64) for x in executions])
 
-    return build_plan(turns, cat("obs"), cat("gen"), cat("tool_s"), np.zeros(len(executions)),
-                      np.array([x.eval_s for x in executions]), spec, serving, segments)
+    return build_plan(
+        turns,
+        cat("obs"),
+        cat("gen"),
+        cat("tool_s"),
+        np.zeros(len(executions)),
+        np.array([x.eval_s for x in executions]),
+        spec,
+        serving,
+        segments,
+    )

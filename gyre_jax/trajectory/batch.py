@@ -69,19 +69,25 @@ def attention_mask(segment_ids: jax.Array, subtree_end: jax.Array) -> jax.Array:
     return causal & below & same
 
 
-def empty_micro_batch(b: int, t: int, s: int) -> "MicroBatch":
+def empty_micro_batch(b: int, t: int, s: int) -> MicroBatch:
     """An all-padding micro-batch: [b, t] token arrays, [s] sequence arrays."""
     return MicroBatch(
-        tokens=np.zeros((b, t), np.int32), positions=np.zeros((b, t), np.int32),
-        segment_ids=np.zeros((b, t), np.int32), subtree_end=np.zeros((b, t), np.int32),
-        targets=np.zeros((b, t), np.int32), loss_mask=np.zeros((b, t), np.float32),
-        old_logprobs=np.zeros((b, t), np.float32), temperature=np.ones((b, t), np.float32),
-        seq_index=np.zeros((b, t), np.int32), advantages=np.zeros((s,), np.float32),
-        seq_weights=np.zeros((s,), np.float32), versions=np.full((b, t), -1, np.int32),
+        tokens=np.zeros((b, t), np.int32),
+        positions=np.zeros((b, t), np.int32),
+        segment_ids=np.zeros((b, t), np.int32),
+        subtree_end=np.zeros((b, t), np.int32),
+        targets=np.zeros((b, t), np.int32),
+        loss_mask=np.zeros((b, t), np.float32),
+        old_logprobs=np.zeros((b, t), np.float32),
+        temperature=np.ones((b, t), np.float32),
+        seq_index=np.zeros((b, t), np.int32),
+        advantages=np.zeros((s,), np.float32),
+        seq_weights=np.zeros((s,), np.float32),
+        versions=np.full((b, t), -1, np.int32),
     )
 
 
-def _empty(b: int, t: int) -> "MicroBatch":
+def _empty(b: int, t: int) -> MicroBatch:
     mb = empty_micro_batch(b, t, b)
     mb.seq_index[:] = np.arange(b, dtype=np.int32)[:, None]  # one sequence per row
     return mb
@@ -124,7 +130,9 @@ def make_micro_batches(
     return out
 
 
-def supervised_micro_batch(sequences: list[tuple[list[int], list[bool]]], total_targets: int, length: int) -> MicroBatch:
+def supervised_micro_batch(
+    sequences: list[tuple[list[int], list[bool]]], total_targets: int, length: int
+) -> MicroBatch:
     """A micro-batch for the supervised warm start: ``loss_mask`` holds per-token weights 1/total_targets."""
     mb = _empty(len(sequences), length)
     for row, (ids, trainable) in enumerate(sequences):

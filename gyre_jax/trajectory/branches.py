@@ -79,9 +79,12 @@ class Branch:
 
     def arrays(self) -> BranchArrays:
         return BranchArrays(
-            tokens=np.asarray(self.tokens, np.int32), trainable=np.asarray(self.trainable, bool),
-            logprobs=np.asarray(self.logprobs, np.float32), temperature=np.asarray(self.temperature, np.float32),
-            versions=np.asarray(self.versions, np.int32))
+            tokens=np.asarray(self.tokens, np.int32),
+            trainable=np.asarray(self.trainable, bool),
+            logprobs=np.asarray(self.logprobs, np.float32),
+            temperature=np.asarray(self.temperature, np.float32),
+            versions=np.asarray(self.versions, np.int32),
+        )
 
 
 def common_prefix_len(a, b) -> int:
@@ -97,7 +100,11 @@ def common_prefix_len(a, b) -> int:
 def _extends(prompt: list[int], tokens: list[int]) -> bool:
     n = len(tokens)
     # Cheap rejections first: on long runs most branches differ at their last token.
-    return n <= len(prompt) and (n == 0 or (prompt[n - 1] == tokens[-1] and prompt[0] == tokens[0])) and prompt[:n] == tokens
+    return (
+        n <= len(prompt)
+        and (n == 0 or (prompt[n - 1] == tokens[-1] and prompt[0] == tokens[0]))
+        and prompt[:n] == tokens
+    )
 
 
 class BranchBuilder:
@@ -145,16 +152,25 @@ class BranchBuilder:
             if (parent is None or len(b.tokens) > len(parent.tokens)) and _extends(rec.prompt_ids, b.tokens):
                 parent = b
         if parent is None:
-            parent = Branch(execution_id=rec.execution_id, thread_id=rec.thread_id, label="", agent=self._agent_for(rec))
+            parent = Branch(
+                execution_id=rec.execution_id, thread_id=rec.thread_id, label="", agent=self._agent_for(rec)
+            )
             self.branches.append(parent)
-        parent._append(rec.prompt_ids[len(parent.tokens):], trainable=False)
-        parent._append(rec.completion_ids, trainable=True, logprobs=list(rec.completion_logprobs),
-                       temperature=rec.temperature, versions=list(rec.policy_versions))
+        parent._append(rec.prompt_ids[len(parent.tokens) :], trainable=False)
+        parent._append(
+            rec.completion_ids,
+            trainable=True,
+            logprobs=list(rec.completion_logprobs),
+            temperature=rec.temperature,
+            versions=list(rec.policy_versions),
+        )
         parent.num_calls += 1
 
     def finish(self) -> list[Branch]:
         threads = {b.thread_id for b in self.branches}
-        main_thread = self.main_thread if self.main_thread in threads else (self.branches[0].thread_id if self.branches else "")
+        main_thread = (
+            self.main_thread if self.main_thread in threads else (self.branches[0].thread_id if self.branches else "")
+        )
         main_agent = next((i for i, t in enumerate(self._agents) if t == main_thread), None)
         seen: set[int] = set()
         for b in self.branches:
@@ -164,7 +180,9 @@ class BranchBuilder:
         return self.branches
 
 
-def build_branches(records: Iterable[TitoRecord], main_thread: str = "main", message_end_id: int | None = None) -> list[Branch]:
+def build_branches(
+    records: Iterable[TitoRecord], main_thread: str = "main", message_end_id: int | None = None
+) -> list[Branch]:
     """All branches of an execution, in order of first appearance (records are ordered by call_index here)."""
     builder = BranchBuilder(main_thread=main_thread, message_end_id=message_end_id)
     for rec in sorted(records, key=lambda r: r.call_index):

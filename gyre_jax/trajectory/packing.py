@@ -91,8 +91,10 @@ class MicroBatchPacker:
 
     def __init__(self, rows: int, row_length: int, max_sequences: int, open_micro_batches: int = 4):
         if min(rows, row_length, max_sequences, open_micro_batches) < 1:
-            raise ValueError(f"rows={rows}, row_length={row_length}, max_sequences={max_sequences}, "
-                             f"open_micro_batches={open_micro_batches} must all be >= 1")
+            raise ValueError(
+                f"rows={rows}, row_length={row_length}, max_sequences={max_sequences}, "
+                f"open_micro_batches={open_micro_batches} must all be >= 1"
+            )
         self.rows, self.row_length, self.max_sequences = rows, row_length, max_sequences
         self.open_micro_batches = open_micro_batches
         self._open: list[_OpenMicroBatch] = []
@@ -101,7 +103,9 @@ class MicroBatchPacker:
     def empty(self) -> bool:
         return not self._open
 
-    def add(self, chunk: Chunk, advantage: float, seq_weights: list[float], labels: list[str]) -> list[PackedMicroBatch]:
+    def add(
+        self, chunk: Chunk, advantage: float, seq_weights: list[float], labels: list[str]
+    ) -> list[PackedMicroBatch]:
         """Places ``chunk``; returns the micro-batches this finished. ``seq_weights``/``labels`` are indexed like
         the execution's Selection.branches."""
         if chunk.size > self.row_length:

@@ -40,8 +40,19 @@ from gyre_jax.trajectory.tree import Chunk, plain_chunks, tree_chunks
 log = logging.getLogger("gyre_jax.trajectory")
 
 PACKING = ("tree", "plain")
-STEP_STATS = ("executions", "excluded", "branches", "selected", "targets", "chunk_tokens", "tokens_computed",
-              "tokens_trained", "rows", "sequences", "micro_batches")
+STEP_STATS = (
+    "executions",
+    "excluded",
+    "branches",
+    "selected",
+    "targets",
+    "chunk_tokens",
+    "tokens_computed",
+    "tokens_trained",
+    "rows",
+    "sequences",
+    "micro_batches",
+)
 STATE_VERSION = 1
 
 
@@ -81,7 +92,7 @@ class TrajectoryConfig:
         return self.rows * self.row_length
 
     @classmethod
-    def from_config(cls, config, message_end_id: int | None = None) -> "TrajectoryConfig":
+    def from_config(cls, config, message_end_id: int | None = None) -> TrajectoryConfig:
         """From a run config: ``rl.max_branches``, ``trajectory.*``, ``seed``, ``model.vocab_size``.
 
         ``message_end_id``: the tokenizer's ``<|im_end|>`` id; by default the byte tokenizer's when
@@ -92,14 +103,21 @@ class TrajectoryConfig:
             from gyre_jax.model.tokenizer import ByteTokenizer
 
             message_end_id = ByteTokenizer().token_id("<|im_end|>")
-        return cls(max_branches=int(config.rl.max_branches), packing=t.packing, row_length=int(t.row_length),
-                   rows=int(t.tokens_per_micro_batch) // int(t.row_length),
-                   max_sequences=int(t.max_sequences_per_micro_batch),
-                   open_micro_batches=int(t.get("open_micro_batches", 4)), seed=int(config.seed),
-                   message_end_id=message_end_id, vocab_size=int(config.model.vocab_size))
+        return cls(
+            max_branches=int(config.rl.max_branches),
+            packing=t.packing,
+            row_length=int(t.row_length),
+            rows=int(t.tokens_per_micro_batch) // int(t.row_length),
+            max_sequences=int(t.max_sequences_per_micro_batch),
+            open_micro_batches=int(t.get("open_micro_batches", 4)),
+            seed=int(config.seed),
+            message_end_id=message_end_id,
+            vocab_size=int(config.model.vocab_size),
+        )
 
 
 # -- elements ---------------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class LoadedExecution:
@@ -137,6 +155,7 @@ class PackedBatch:
 
 # -- source ------------------------------------------------------------------------------------------------------------
 
+
 class _QueueIterator(grain.DatasetIterator):
     def __init__(self, queue: ExecutionQueue):
         super().__init__()
@@ -150,7 +169,9 @@ class _QueueIterator(grain.DatasetIterator):
             raise StopIteration  # nothing more queued yet; a later call reads what is appended meanwhile
         entry, offset = got
         if entry.index != self._index:
-            raise ValueError(f"{self._queue.path}: entry index {entry.index} at byte {self._offset}, expected {self._index}")
+            raise ValueError(
+                f"{self._queue.path}: entry index {entry.index} at byte {self._offset}, expected {self._index}"
+            )
         self._offset, self._index = offset, self._index + 1
         return entry
 
@@ -174,6 +195,7 @@ class QueueSource(grain.IterDataset):
 
 # -- transforms --------------------------------------------------------------------------------------------------------
 
+
 class LoadExecution(grain.transforms.Map):
     """Reads an execution's records (strictly, see ``reader.py``) into labelled branches."""
 
@@ -183,8 +205,10 @@ class LoadExecution(grain.transforms.Map):
 
     def map(self, entry: QueuedExecution) -> LoadedExecution:
         if entry.weight == 0.0:  # queued for the record only (see ExecutionQueue.append_step): not read, not trained
-            return LoadedExecution(entry=entry, excluded="weight 0: left out by the trainer (its group was skipped "
-                                                          "or it is over the staleness bound)")
+            return LoadedExecution(
+                entry=entry,
+                excluded="weight 0: left out by the trainer (its group was skipped or it is over the staleness bound)",
+            )
         path = self.record_dir / f"{entry.execution_id}.jsonl"
         try:
             builder = BranchBuilder(main_thread=self.config.main_thread, message_end_id=self.config.message_end_id)
@@ -238,6 +262,7 @@ class BuildChunks(grain.transforms.Map):
 
 # -- packing -----------------------------------------------------------------------------------------------------------
 
+
 class _PackIterator(grain.DatasetIterator):
     """Packs each step's chunks into micro-batches; a step's last micro-batch has ``end_of_step``.
 
@@ -271,8 +296,10 @@ class _PackIterator(grain.DatasetIterator):
         if self._step is None:
             self._step = e.step
         elif e.step != self._step:
-            raise ValueError(f"queue entry {e.index} belongs to step {e.step} but step {self._step} has not ended "
-                             f"(each step must be enqueued whole, with its last entry marked)")
+            raise ValueError(
+                f"queue entry {e.index} belongs to step {e.step} but step {self._step} has not ended "
+                f"(each step must be enqueued whole, with its last entry marked)"
+            )
         self._stats["executions"] += 1
         if element.excluded is not None:
             log.warning("execution %s excluded from training: %s", e.execution_id, element.excluded)
@@ -289,13 +316,17 @@ class _PackIterator(grain.DatasetIterator):
                 self._stats["chunk_tokens"] += chunk.size
                 for packed in self._packer.add(chunk, e.advantage, weights, labels):
                     excluded, stats = self._take_pending()
-                    self._out.append(PackedBatch(step=e.step, packed=packed, end_of_step=False, excluded=excluded, stats=stats))
+                    self._out.append(
+                        PackedBatch(step=e.step, packed=packed, end_of_step=False, excluded=excluded, stats=stats)
+                    )
         if e.last_in_step:
             finished = self._packer.flush() or [None]  # a step with nothing to train still ends with one output
             for i, packed in enumerate(finished):
                 last = i == len(finished) - 1
                 excluded, stats = self._take_pending() if last else ([], {})
-                self._out.append(PackedBatch(step=e.step, packed=packed, end_of_step=last, excluded=excluded, stats=stats))
+                self._out.append(
+                    PackedBatch(step=e.step, packed=packed, end_of_step=last, excluded=excluded, stats=stats)
+                )
             self._step = None
 
     def __next__(self) -> PackedBatch:
@@ -309,8 +340,10 @@ class _PackIterator(grain.DatasetIterator):
                 return item
             if self._window_used and self._step is None and self._packer.empty:
                 if self._skip > 0:
-                    raise ValueError(f"the restored state skips {self._skip} more micro-batches than its step produced: "
-                                     f"it does not belong to this queue")
+                    raise ValueError(
+                        f"the restored state skips {self._skip} more micro-batches than its step produced: "
+                        f"it does not belong to this queue"
+                    )
                 self._window, self._emitted = self._parent.get_state(), 0  # a new step starts here
                 self._window_used = False
             element = next(self._parent)  # StopIteration: the queue holds nothing more for now
@@ -324,8 +357,10 @@ class _PackIterator(grain.DatasetIterator):
 
     def set_state(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"trajectory pipeline state version {state.get('version')!r} is not {STATE_VERSION}: "
-                             f"it was saved by another version of gyre_jax.trajectory")
+            raise ValueError(
+                f"trajectory pipeline state version {state.get('version')!r} is not {STATE_VERSION}: "
+                f"it was saved by another version of gyre_jax.trajectory"
+            )
         self._parent.set_state(state["window"])
         self._restart(state["window"], int(state["emitted"]))
 
@@ -343,14 +378,12 @@ class PackIterDataset(grain.IterDataset):
 
 def build_dataset(queue: ExecutionQueue, record_dir: str | os.PathLike, config: TrajectoryConfig) -> PackIterDataset:
     """The whole chain as a Grain ``IterDataset`` of ``PackedBatch``."""
-    ds = (QueueSource(queue)
-          .map(LoadExecution(record_dir, config))
-          .map(SelectBranches(config))
-          .map(BuildChunks(config)))
+    ds = QueueSource(queue).map(LoadExecution(record_dir, config)).map(SelectBranches(config)).map(BuildChunks(config))
     return PackIterDataset(ds, config)
 
 
 # -- the trainer's handle ----------------------------------------------------------------------------------------------
+
 
 @dataclass
 class StepBatches:
@@ -379,8 +412,14 @@ class TrajectoryPipeline:
     those steps again. Entries queued before the checkpoint but not yet trained are kept.
     """
 
-    def __init__(self, record_dir: str | os.PathLike, queue_dir: str | os.PathLike, config: TrajectoryConfig,
-                 state: dict[str, Any] | None = None, discard_unsaved: bool = True):
+    def __init__(
+        self,
+        record_dir: str | os.PathLike,
+        queue_dir: str | os.PathLike,
+        config: TrajectoryConfig,
+        state: dict[str, Any] | None = None,
+        discard_unsaved: bool = True,
+    ):
         self.config = config
         self.queue = ExecutionQueue(queue_dir)
         self.dataset = build_dataset(self.queue, record_dir, config)
@@ -392,8 +431,15 @@ class TrajectoryPipeline:
             if dropped:
                 log.warning("dropped %d queued executions of an earlier attempt that no checkpoint holds", dropped)
 
-    def enqueue(self, step: int, executions: list[tuple[str, float]], normalizer: int | None = None, *,
-                last: bool = True, untrained: frozenset[str] | set[str] = frozenset()) -> None:
+    def enqueue(
+        self,
+        step: int,
+        executions: list[tuple[str, float]],
+        normalizer: int | None = None,
+        *,
+        last: bool = True,
+        untrained: frozenset[str] | set[str] = frozenset(),
+    ) -> None:
         """Queues one optimizer step's finished executions ``(execution_id, advantage)``; each weighs
         ``1 / normalizer`` (default: how many are given). Durable (fsynced) when this returns. ``last=False``
         leaves the step open for more parts; ``untrained`` executions weigh 0 (``ExecutionQueue.append_step``)."""
@@ -427,8 +473,14 @@ class TrajectoryPipeline:
         executions = list(dict.fromkeys(s.execution_id for group in seqs for s in group))
         stats["sequences"] = sum(len(g) for g in seqs)
         stats["micro_batches"] = len(mbs)
-        return StepBatches(step=item.step, micro_batches=mbs, sequences=seqs, executions=executions,
-                           excluded=excluded, stats=dict(stats))
+        return StepBatches(
+            step=item.step,
+            micro_batches=mbs,
+            sequences=seqs,
+            executions=executions,
+            excluded=excluded,
+            stats=dict(stats),
+        )
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serializable state for the checkpoint: the iterator's position and the queue's length now."""

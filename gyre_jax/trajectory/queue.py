@@ -34,7 +34,7 @@ class QueuedExecution:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, line: str) -> "QueuedExecution":
+    def from_json(cls, line: str) -> QueuedExecution:
         return cls(**json.loads(line))
 
 
@@ -60,8 +60,15 @@ class ExecutionQueue:
             self._end = (offset, index)
         return self._end
 
-    def append_step(self, step: int, executions: list[tuple[str, float]], normalizer: int | None = None, *,
-                    last: bool = True, untrained: frozenset[str] | set[str] = frozenset()) -> list[QueuedExecution]:
+    def append_step(
+        self,
+        step: int,
+        executions: list[tuple[str, float]],
+        normalizer: int | None = None,
+        *,
+        last: bool = True,
+        untrained: frozenset[str] | set[str] = frozenset(),
+    ) -> list[QueuedExecution]:
         """Appends one optimizer step's executions ``(execution_id, advantage)``; each gets weight ``1 / normalizer``
         (default: the number of executions given). Written and fsynced before returning.
 
@@ -84,10 +91,17 @@ class ExecutionQueue:
             if not math.isfinite(float(adv)):
                 raise ValueError(f"step {step}: execution {eid!r} has a non-finite advantage {adv!r}")
         end_offset, first = self.end()
-        entries = [QueuedExecution(index=first + i, execution_id=eid, step=int(step), advantage=float(adv),
-                                   weight=0.0 if eid in untrained else 1.0 / n,
-                                   last_in_step=last and i == len(executions) - 1)
-                   for i, (eid, adv) in enumerate(executions)]
+        entries = [
+            QueuedExecution(
+                index=first + i,
+                execution_id=eid,
+                step=int(step),
+                advantage=float(adv),
+                weight=0.0 if eid in untrained else 1.0 / n,
+                last_in_step=last and i == len(executions) - 1,
+            )
+            for i, (eid, adv) in enumerate(executions)
+        ]
         data = "".join(e.to_json() + "\n" for e in entries).encode("utf-8")
         with open(self.path, "r+b") as f:
             f.truncate(end_offset)  # a torn entry left by a crash mid-append is not part of the queue
@@ -108,15 +122,19 @@ class ExecutionQueue:
         try:
             return QueuedExecution.from_json(line.decode("utf-8")), offset + len(line)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{self.path} at byte {offset}: corrupt queue entry ({e}); the queue is written only by "
-                             f"ExecutionQueue.append_step, so this file was damaged") from None
+            raise ValueError(
+                f"{self.path} at byte {offset}: corrupt queue entry ({e}); the queue is written only by "
+                f"ExecutionQueue.append_step, so this file was damaged"
+            ) from None
 
     def truncate(self, offset: int, index: int) -> int:
         """Drops every entry from byte ``offset`` (entry ``index``) on; returns how many were dropped."""
         end_offset, end_index = self.end()
         if offset > end_offset or index > end_index:
-            raise ValueError(f"{self.path}: cannot cut the queue at entry {index} (byte {offset}): it holds {end_index} "
-                             f"entries ({end_offset} bytes). The saved pipeline state does not belong to this queue.")
+            raise ValueError(
+                f"{self.path}: cannot cut the queue at entry {index} (byte {offset}): it holds {end_index} "
+                f"entries ({end_offset} bytes). The saved pipeline state does not belong to this queue."
+            )
         with open(self.path, "r+b") as f:
             f.truncate(offset)
             f.flush()

@@ -38,7 +38,9 @@ def _check_ids(ids, what: str, vocab_size: int | None, where: str) -> None:
         raise CorruptRecords(f"{where}: {what} must be a list of integers")
     if vocab_size is not None and ids and (min(ids) < 0 or max(ids) >= vocab_size):
         bad = next(i for i in ids if i < 0 or i >= vocab_size)
-        raise CorruptRecords(f"{where}: {what} holds token id {bad}, outside [0, {vocab_size}) of the model's vocabulary")
+        raise CorruptRecords(
+            f"{where}: {what} holds token id {bad}, outside [0, {vocab_size}) of the model's vocabulary"
+        )
 
 
 def check_token_ids(ids, vocab_size: int | None, where: str):
@@ -71,8 +73,10 @@ def parse_record(line: str, execution_id: str, line_no: int, vocab_size: int | N
     if rec.execution_id != execution_id:
         raise CorruptRecords(f"{where}: record of execution {rec.execution_id!r} in the file of {execution_id!r}")
     if rec.call_index != line_no:
-        raise CorruptRecords(f"{where}: call_index {rec.call_index} where {line_no} was expected "
-                             f"(records are appended in call order: one is missing or out of place)")
+        raise CorruptRecords(
+            f"{where}: call_index {rec.call_index} where {line_no} was expected "
+            f"(records are appended in call order: one is missing or out of place)"
+        )
     if not isinstance(rec.thread_id, str) or not rec.thread_id:
         raise CorruptRecords(f"{where}: thread_id must be a non-empty string")
     if not isinstance(rec.prompt_ids, list) or not isinstance(rec.completion_ids, list):
@@ -102,7 +106,9 @@ def iter_records(path: str | Path, execution_id: str, vocab_size: int | None = N
             for line_no, line in enumerate(f):
                 where = f"{path}:{line_no + 1}"
                 if not line.endswith("\n"):
-                    raise CorruptRecords(f"{where}: truncated file: the last line has no newline (the write was cut off)")
+                    raise CorruptRecords(
+                        f"{where}: truncated file: the last line has no newline (the write was cut off)"
+                    )
                 if not line.strip():
                     raise CorruptRecords(f"{where}: blank line")
                 yield parse_record(line, execution_id, line_no, vocab_size, where)

@@ -93,8 +93,9 @@ def candidate_order(branches: list[Branch], rng: np.random.Generator | None) -> 
     return order
 
 
-def select(execution_id: str, branches: list[Branch], max_branches: int | None,
-           rng: np.random.Generator | None = None) -> Selection:
+def select(
+    execution_id: str, branches: list[Branch], max_branches: int | None, rng: np.random.Generator | None = None
+) -> Selection:
     """Selects at most ``max_branches`` branches and assigns each trainable target to one of them."""
     if max_branches is not None and max_branches < 1:
         raise ValueError(f"max_branches={max_branches} must be >= 1 (or None for uncapped)")
@@ -124,5 +125,11 @@ def select(execution_id: str, branches: list[Branch], max_branches: int | None,
         lcp[x, x] = len(arrays[x].tokens)
         for y in range(x + 1, j):
             lcp[x, y] = lcp[y, x] = common_prefix_len(arrays[x].tokens, arrays[y].tokens)
-    return Selection(execution_id=execution_id, branches=chosen, arrays=arrays, assigned=assigned, lcp=lcp,
-                     num_branches=len(branches))
+    return Selection(
+        execution_id=execution_id,
+        branches=chosen,
+        arrays=arrays,
+        assigned=assigned,
+        lcp=lcp,
+        num_branches=len(branches),
+    )

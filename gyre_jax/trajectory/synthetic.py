@@ -51,7 +51,7 @@ class TraceShape:
     thread_metadata: bool = True
     vocab_size: int = 272
 
-    def with_(self, **changes) -> "TraceShape":
+    def with_(self, **changes) -> TraceShape:
         return replace(self, **changes)
 
 
@@ -74,11 +74,24 @@ class _Gen:
     def call(self, thread: str, prompt: list[int], completion_len: int) -> list[int]:
         completion = self.message(completion_len)
         n = len(completion)
-        self.records.append(TitoRecord(
-            execution_id=self.eid, call_index=len(self.records), thread_id=thread, request_id=f"r{len(self.records)}",
-            prompt_ids=list(prompt), completion_ids=completion,
-            completion_logprobs=np.round(-self.rng.exponential(1.0, n), 4).tolist(), policy_versions=[self.version] * n,
-            finish_reason="stop", temperature=1.0, reused_prefix_len=0, t_start=0.0, t_end=0.0, model="synthetic"))
+        self.records.append(
+            TitoRecord(
+                execution_id=self.eid,
+                call_index=len(self.records),
+                thread_id=thread,
+                request_id=f"r{len(self.records)}",
+                prompt_ids=list(prompt),
+                completion_ids=completion,
+                completion_logprobs=np.round(-self.rng.exponential(1.0, n), 4).tolist(),
+                policy_versions=[self.version] * n,
+                finish_reason="stop",
+                temperature=1.0,
+                reused_prefix_len=0,
+                t_start=0.0,
+                t_end=0.0,
+                model="synthetic",
+            )
+        )
         return completion
 
     def turn(self, thread: str, context: list[int]) -> list[int]:
@@ -124,7 +137,9 @@ def generate_execution(execution_id: str, shape: TraceShape = TraceShape(), seed
     return _Gen(execution_id, shape, seed).run()
 
 
-def write_executions(store: RecordStore, execution_ids: list[str], shape: TraceShape = TraceShape(), seed: int = 0) -> int:
+def write_executions(
+    store: RecordStore, execution_ids: list[str], shape: TraceShape = TraceShape(), seed: int = 0
+) -> int:
     """Writes synthetic executions to ``store`` (one record file each); returns the number of records."""
     total = 0
     for i, eid in enumerate(execution_ids):

@@ -119,9 +119,19 @@ def layout(sel: Selection, members: list[int]) -> Chunk:
             temperature[where] = ao.temperature[src]
             versions[where] = ao.versions[src]
             seq[where] = local[o]
-    return Chunk(execution_id=sel.execution_id, tokens=tokens, targets=targets, positions=positions,
-                 subtree_end=subtree_end, loss_mask=loss_mask, old_logprobs=old_logprobs, temperature=temperature,
-                 versions=versions, seq=seq, sequences=tuple(members))
+    return Chunk(
+        execution_id=sel.execution_id,
+        tokens=tokens,
+        targets=targets,
+        positions=positions,
+        subtree_end=subtree_end,
+        loss_mask=loss_mask,
+        old_logprobs=old_logprobs,
+        temperature=temperature,
+        versions=versions,
+        seq=seq,
+        sequences=tuple(members),
+    )
 
 
 def max_path_len(sel: Selection) -> int:
@@ -132,8 +142,10 @@ def max_path_len(sel: Selection) -> int:
 def tree_chunks(sel: Selection, row_length: int, max_sequences: int) -> list[Chunk]:
     """The execution's prefix tree cut into chunks of at most ``row_length`` nodes and ``max_sequences`` branches."""
     if max_path_len(sel) > row_length:
-        raise ValueError(f"a branch of {max_path_len(sel) + 1} tokens needs rows of >= {max_path_len(sel)} tokens "
-                         f"(row_length={row_length})")
+        raise ValueError(
+            f"a branch of {max_path_len(sel) + 1} tokens needs rows of >= {max_path_len(sel)} tokens "
+            f"(row_length={row_length})"
+        )
     chunks, members, size, prev = [], [], 0, None
     for k in dfs_order(sel):
         cost = len(sel.arrays[k].tokens) - 1 - _start(sel, prev, k)
@@ -152,6 +164,8 @@ def tree_chunks(sel: Selection, row_length: int, max_sequences: int) -> list[Chu
 def plain_chunks(sel: Selection, row_length: int) -> list[Chunk]:
     """One chunk per selected branch (no shared prefixes): plain sequence packing."""
     if max_path_len(sel) > row_length:
-        raise ValueError(f"a branch of {max_path_len(sel) + 1} tokens needs rows of >= {max_path_len(sel)} tokens "
-                         f"(row_length={row_length})")
+        raise ValueError(
+            f"a branch of {max_path_len(sel) + 1} tokens needs rows of >= {max_path_len(sel)} tokens "
+            f"(row_length={row_length})"
+        )
     return [layout(sel, [k]) for k in range(sel.num_selected)]

@@ -104,8 +104,15 @@ def main() -> int:
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [subprocess.Popen([sys.executable, __file__, "--child", str(pid), "--port", str(port), "--dir", tmp],
-                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for pid in (0, 1)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--child", str(pid), "--port", str(port), "--dir", tmp],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for pid in (0, 1)
+        ]
         for p in procs:
             if p.wait(timeout=300) != 0:
                 raise SystemExit(f"child exited {p.returncode}")

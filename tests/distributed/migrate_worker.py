@@ -36,24 +36,44 @@ def main() -> int:
     config.distributed = d
     distributed.initialize(config)
 
+    from slow_engine import SlowEngine
+
     from gyre_jax.elastic.remote import Follower, FollowerCell, RemoteLoop, RemoteProcess, move_sessions
     from gyre_jax.model.config import ModelConfig
     from gyre_jax.model.sharding import abstract_model, init_params
     from gyre_jax.serving.engine import Engine
     from gyre_jax.serving.loop import ServingLoop
     from gyre_jax.serving.types import GenerationRequest, SamplingParams
-    from slow_engine import SlowEngine
 
     rules = tuple((k, v) for k, v in config.sharding_rules)
-    cfg = ModelConfig(vocab_size=272, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                      mlp_dim=128, rope_theta=10000.0)
+    cfg = ModelConfig(
+        vocab_size=272,
+        num_layers=2,
+        embed_dim=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        mlp_dim=128,
+        rope_theta=10000.0,
+    )
     cells = distributed.make_global_cells(None, 2, {"data": 4})
     mesh = distributed.make_global_mesh({"data": 8})
     _, params = init_params(cfg, mesh, rules, seed=0)
     graphdef = abstract_model(cfg)[0]
-    engines = {c.index: Engine(cfg, graphdef, c.mesh, rules, max_concurrent_decodes=4,
-                               max_seq_len=128, max_prefill_length=64, prefill_buckets=(16, 32, 64), page_size=16)
-               for c in cells}
+    engines = {
+        c.index: Engine(
+            cfg,
+            graphdef,
+            c.mesh,
+            rules,
+            max_concurrent_decodes=4,
+            max_seq_len=128,
+            max_prefill_length=64,
+            prefill_buckets=(16, 32, 64),
+            page_size=16,
+        )
+        for c in cells
+    }
     abstract = abstract_model(cfg)[1]
     per_cell = distributed.publish_to_cells(params, [engines[c.index].param_shardings(abstract) for c in cells])
     mine = per_cell[pid]
@@ -70,9 +90,11 @@ def main() -> int:
     proc = RemoteProcess(client, 1)
     b = RemoteLoop(proc, 1, "cell1", engines[1].max_seq_len, None, engine=engines[1])
     prompts = [[7, 8, 9, 10, 11], list(range(20, 33)), [42] * 22]
-    kinds = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-             SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=11),
-             SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)]
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+        SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=11),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+    ]
 
     def batch(tag):
         return [GenerationRequest(p, s, session_id=f"{tag}-{i}") for i, (p, s) in enumerate(zip(prompts, kinds))]
@@ -104,8 +126,11 @@ def main() -> int:
     # an idle session's cached KV moves too: its next call on process 1 reuses it
     first = a.submit(GenerationRequest(prompts[1], kinds[0], session_id="warm")).result(timeout=120)
     move_sessions(a, b, 0, 1)
-    follow = b.submit(GenerationRequest(prompts[1] + first.token_ids + [5, 6], SamplingParams(temperature=0.0, max_tokens=4),
-                                        session_id="warm")).result(timeout=120)
+    follow = b.submit(
+        GenerationRequest(
+            prompts[1] + first.token_ids + [5, 6], SamplingParams(temperature=0.0, max_tokens=4), session_id="warm"
+        )
+    ).result(timeout=120)
     result["warm_cached_tokens"] = follow.cached_tokens
     result["warm_prompt_len"] = len(prompts[1]) + len(first.token_ids) + 2
     a.stop()

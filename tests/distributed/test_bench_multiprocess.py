@@ -19,8 +19,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks" / "bench_multiprocess.py"
 # name -> (across processes?, destination devices, moves the whole params?)
-VARIANTS = {"cell_put_4to4_cross": (True, 4, True), "cell_put_2to2_cross": (True, 2, True),
-            "device_put_2to2_local": (False, 2, True), "cell_put_4to4_cross_4B": (True, 4, False)}
+VARIANTS = {
+    "cell_put_4to4_cross": (True, 4, True),
+    "cell_put_2to2_cross": (True, 2, True),
+    "device_put_2to2_local": (False, 2, True),
+    "cell_put_4to4_cross_4B": (True, 4, False),
+}
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +42,18 @@ def _tiny_param_bytes() -> int:
 def test_smoke_run_writes_consistent_results(tmp_path):
     out = tmp_path / "multiprocess.json"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--out", str(out), "--timeout", "150"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=200, check=False)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--out", str(out), "--timeout", "150"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        check=False,
+    )
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )
     assert "| payload |" in proc.stdout and "| move |" in proc.stdout  # the markdown tables
     res = json.loads(out.read_text())
     assert res["smoke"] is True and res["processes"] == 2 and res["devices_per_process"] == 4
@@ -79,4 +92,5 @@ def test_smoke_run_writes_consistent_results(tmp_path):
         base = w["variants"]["device_put_2to2_local"]["median_s"]
         assert v["median_over_device_put_2to2"] == pytest.approx(v["median_s"] / base, rel=1e-9)
     assert w["cell_put_4to4_over_cell_put_2to2"] == pytest.approx(
-        w["variants"]["cell_put_4to4_cross"]["median_s"] / w["variants"]["cell_put_2to2_cross"]["median_s"], rel=1e-9)
+        w["variants"]["cell_put_4to4_cross"]["median_s"] / w["variants"]["cell_put_2to2_cross"]["median_s"], rel=1e-9
+    )

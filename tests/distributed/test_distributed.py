@@ -39,8 +39,11 @@ def tiny_config(**section):
 # -- config ----------------------------------------------------------------------------------------------
 def test_defaults_and_a_full_multi_process_section_are_valid():
     distributed.validate_distributed(tiny_config())
-    distributed.validate_distributed(tiny_config(enabled=True, coordinator_address="10.0.0.1:1234", num_processes=2,
-                                                 process_id=1, heartbeat_timeout_s=5.0))
+    distributed.validate_distributed(
+        tiny_config(
+            enabled=True, coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1, heartbeat_timeout_s=5.0
+        )
+    )
     c = config_lib.load_config([])
     if "distributed" in c:
         with c.unlocked():
@@ -48,22 +51,28 @@ def test_defaults_and_a_full_multi_process_section_are_valid():
     distributed.validate_distributed(c)
 
 
-@pytest.mark.parametrize("section, message", [
-    (dict(enabled="yes"), "config.distributed.enabled='yes' must be true or false"),
-    (dict(enabled=True, coordinator_address="localhost", num_processes=2, process_id=0), "must be 'host:port'"),
-    (dict(enabled=True, coordinator_address="h:70000", num_processes=2, process_id=0), "port in [1, 65535]"),
-    (dict(enabled=True, num_processes=-1), "num_processes=-1 must be >= 1, or 0 to auto-detect"),
-    (dict(enabled=True, num_processes=2, process_id=-2), "process_id=-2 must be >= 0, or -1"),
-    (dict(enabled=True, num_processes=2, process_id=2), "process_id=2 must be < num_processes=2"),
-    (dict(local_device_ids=(0, 0)), "must be distinct device ids"),
-    (dict(heartbeat_timeout_s=0.0), "config.distributed.heartbeat_timeout_s=0.0 must be a number of seconds >= 1"),
-    (dict(initialization_timeout_s=True), "initialization_timeout_s=True must be a number"),
-    (dict(enabled=True), "num_processes must be set on cpu"),
-    (dict(enabled=True, num_processes=3), "num_cpu_devices=8 (the run's total) must be a multiple of config.distributed.num_processes=3"),
-    (dict(enabled=True, num_processes=2, local_device_ids=(0,)), "leave it () on cpu"),
-    (dict(num_processes=2, process_id=1), "config.distributed.enabled is false; set enabled=true"),
-    (dict(coordinatoraddress="h:1"), "unknown key(s) ['coordinatoraddress']"),
-])
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        (dict(enabled="yes"), "config.distributed.enabled='yes' must be true or false"),
+        (dict(enabled=True, coordinator_address="localhost", num_processes=2, process_id=0), "must be 'host:port'"),
+        (dict(enabled=True, coordinator_address="h:70000", num_processes=2, process_id=0), "port in [1, 65535]"),
+        (dict(enabled=True, num_processes=-1), "num_processes=-1 must be >= 1, or 0 to auto-detect"),
+        (dict(enabled=True, num_processes=2, process_id=-2), "process_id=-2 must be >= 0, or -1"),
+        (dict(enabled=True, num_processes=2, process_id=2), "process_id=2 must be < num_processes=2"),
+        (dict(local_device_ids=(0, 0)), "must be distinct device ids"),
+        (dict(heartbeat_timeout_s=0.0), "config.distributed.heartbeat_timeout_s=0.0 must be a number of seconds >= 1"),
+        (dict(initialization_timeout_s=True), "initialization_timeout_s=True must be a number"),
+        (dict(enabled=True), "num_processes must be set on cpu"),
+        (
+            dict(enabled=True, num_processes=3),
+            "num_cpu_devices=8 (the run's total) must be a multiple of config.distributed.num_processes=3",
+        ),
+        (dict(enabled=True, num_processes=2, local_device_ids=(0,)), "leave it () on cpu"),
+        (dict(num_processes=2, process_id=1), "config.distributed.enabled is false; set enabled=true"),
+        (dict(coordinatoraddress="h:1"), "unknown key(s) ['coordinatoraddress']"),
+    ],
+)
 def test_bad_values_fail_with_one_line_naming_the_key(section, message):
     with pytest.raises(ValueError) as err:
         distributed.validate_distributed(tiny_config(**section))
@@ -80,7 +89,9 @@ def test_each_process_gets_its_share_of_the_virtual_cpu_devices():
 def test_initialize_single_process_in_a_started_jax(monkeypatch):
     monkeypatch.setattr(distributed, "_RUNTIME", None)
     info = distributed.initialize(tiny_config())  # this test session already runs JAX on 8 CPU devices
-    assert info == distributed.ProcessInfo(process_id=0, num_processes=1, local_devices=8, global_devices=8, platform="cpu")
+    assert info == distributed.ProcessInfo(
+        process_id=0, num_processes=1, local_devices=8, global_devices=8, platform="cpu"
+    )
     assert info.is_coordinator and distributed.is_coordinator()
     with pytest.raises(distributed.DistributedError, match="already called"):
         distributed.initialize(tiny_config())
@@ -89,8 +100,11 @@ def test_initialize_single_process_in_a_started_jax(monkeypatch):
 def test_initialize_after_jax_started_with_other_devices_says_to_call_it_first(monkeypatch):
     monkeypatch.setattr(distributed, "_RUNTIME", None)
     config = tiny_config(enabled=True, coordinator_address="127.0.0.1:1", num_processes=2, process_id=0)
-    with pytest.raises(distributed.DistributedError, match=r"JAX already started on cpu with 8 local devices, but the "
-                       r"config asks for cpu with 4 devices: call gyre_jax.distributed.initialize\(config\) before"):
+    with pytest.raises(
+        distributed.DistributedError,
+        match=r"JAX already started on cpu with 8 local devices, but the "
+        r"config asks for cpu with 4 devices: call gyre_jax.distributed.initialize\(config\) before",
+    ):
         distributed.initialize(config)
     with pytest.raises(distributed.DistributedError, match="num_processes must be set on cpu"):
         distributed.initialize(tiny_config(enabled=True))
@@ -114,12 +128,15 @@ def test_single_process_decisions_are_the_json_round_trip():
 
 
 # -- cells over hosts --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("num_hosts, per_host, num_cells, shape, hosts_per_cell", [
-    (4, 8, 4, dict(expert=8), [[0], [1], [2], [3]]),  # a cell per host
-    (4, 8, 2, dict(data=2, tensor=8), [[0, 1], [2, 3]]),  # cells of whole hosts
-    (2, 8, 8, dict(tensor=2), [[0]] * 4 + [[1]] * 4),  # parts of one host
-    (8, 4, 4, dict(expert=8), [[0, 1], [2, 3], [4, 5], [6, 7]]),  # TPU v5p-64: 2 hosts of 4 chips per cell
-])
+@pytest.mark.parametrize(
+    "num_hosts, per_host, num_cells, shape, hosts_per_cell",
+    [
+        (4, 8, 4, dict(expert=8), [[0], [1], [2], [3]]),  # a cell per host
+        (4, 8, 2, dict(data=2, tensor=8), [[0, 1], [2, 3]]),  # cells of whole hosts
+        (2, 8, 8, dict(tensor=2), [[0]] * 4 + [[1]] * 4),  # parts of one host
+        (8, 4, 4, dict(expert=8), [[0, 1], [2, 3], [4, 5], [6, 7]]),  # TPU v5p-64: 2 hosts of 4 chips per cell
+    ],
+)
 def test_cells_are_whole_hosts_or_part_of_one_host(num_hosts, per_host, num_cells, shape, hosts_per_cell):
     devices = hosts(num_hosts, per_host)
     cells = distributed.make_global_cells(devices, num_cells, shape)
@@ -139,14 +156,17 @@ def test_global_mesh_puts_hosts_on_the_outer_axis_and_tensor_groups_inside_a_hos
         assert {d.process_index for d in mesh.devices[row].flat} == {row}
 
 
-@pytest.mark.parametrize("devices, num_cells, shape, message", [
-    (hosts(3, 4), 2, dict(data=6), "a cell of 6 devices over hosts of 4 devices would split a host between groups"),
-    (hosts(2, 6), 3, dict(data=4), "a cell of 4 devices over hosts of 6 devices would split a host"),
-    (hosts(2, 6), 1, dict(data=3, tensor=4), "a tensor x expert group of a cell of 4 devices over hosts of 6"),
-    (hosts(2, 4)[:7], 1, dict(data=7), "processes hold different numbers of devices"),
-    (hosts(2, 4), 3, dict(data=2), "8 devices cannot be split into 3 equal cells"),
-    (hosts(2, 4), 2, dict(data=8), "cell 0: mesh shape"),
-])
+@pytest.mark.parametrize(
+    "devices, num_cells, shape, message",
+    [
+        (hosts(3, 4), 2, dict(data=6), "a cell of 6 devices over hosts of 4 devices would split a host between groups"),
+        (hosts(2, 6), 3, dict(data=4), "a cell of 4 devices over hosts of 6 devices would split a host"),
+        (hosts(2, 6), 1, dict(data=3, tensor=4), "a tensor x expert group of a cell of 4 devices over hosts of 6"),
+        (hosts(2, 4)[:7], 1, dict(data=7), "processes hold different numbers of devices"),
+        (hosts(2, 4), 3, dict(data=2), "8 devices cannot be split into 3 equal cells"),
+        (hosts(2, 4), 2, dict(data=8), "cell 0: mesh shape"),
+    ],
+)
 def test_scattered_or_uneven_cells_fail_clearly(devices, num_cells, shape, message):
     with pytest.raises(distributed.DistributedError, match=message.replace("(", r"\(")):
         distributed.make_global_cells(devices, num_cells, shape)
@@ -221,7 +241,9 @@ def test_cell_put_in_one_process_is_device_put(tiny_params):
         np.testing.assert_array_equal(np.asarray(m), np.asarray(p))
     copy = distributed.cell_put(on_core, shardings_on(cells[0].mesh), may_alias=False)  # same mesh: a fresh copy
     for c, o in zip(jax.tree.leaves(copy), jax.tree.leaves(on_core)):
-        assert c.addressable_shards[0].data.unsafe_buffer_pointer() != o.addressable_shards[0].data.unsafe_buffer_pointer()
+        assert (
+            c.addressable_shards[0].data.unsafe_buffer_pointer() != o.addressable_shards[0].data.unsafe_buffer_pointer()
+        )
         np.testing.assert_array_equal(np.asarray(c), np.asarray(o))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), on_core)
     with pytest.raises(distributed.DistributedError, match="this process holds both meshes, so pass the arrays"):

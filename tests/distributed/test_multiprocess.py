@@ -39,10 +39,24 @@ def free_port() -> int:
 def start(scenario: str, pid: int, port: int, out: Path, nproc: int = 2, heartbeat: float = 30.0) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONUNBUFFERED"] = "1"
-    cmd = [sys.executable, str(WORKER), scenario, "--pid", str(pid), "--nproc", str(nproc), "--port", str(port),
-           "--out", str(out), "--heartbeat", str(heartbeat)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        str(WORKER),
+        scenario,
+        "--pid",
+        str(pid),
+        "--nproc",
+        str(nproc),
+        "--port",
+        str(port),
+        "--out",
+        str(out),
+        "--heartbeat",
+        str(heartbeat),
+    ]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
@@ -82,9 +96,14 @@ def single_process_reference() -> dict:
     mesh = distributed.make_global_mesh(dict(config.mesh))
     model_cfg, graphdef, params, rules = worker.model_setup(config, mesh)
     loss, grads, logits = worker.loss_and_grads(graphdef, params, mesh, rules)
-    return dict(model_cfg=model_cfg, rules=rules, loss=np.asarray(loss), logits=np.asarray(logits),
-                grads={"grad" + k: v for k, v in worker.flat(jax.device_get(grads)).items()},
-                param_arrays={"param" + k: v for k, v in worker.flat(jax.device_get(params)).items()})
+    return dict(
+        model_cfg=model_cfg,
+        rules=rules,
+        loss=np.asarray(loss),
+        logits=np.asarray(logits),
+        grads={"grad" + k: v for k, v in worker.flat(jax.device_get(grads)).items()},
+        param_arrays={"param" + k: v for k, v in worker.flat(jax.device_get(params)).items()},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +152,11 @@ def test_each_process_runs_its_own_cell_with_the_published_params(main_run, refe
         by_process = [[i for i, p in meta["devices"] if p == q] for q in (0, 1)]
         assert meta["cells"] == by_process  # 2 cells of 4: cell i is exactly host i's devices, in id order
         assert meta["cell_processes"] == [[0], [1]]  # cell i is host i: whole hosts, never scattered
-        assert meta["publish_2_local_shards_ok"] and meta["publish_4_local_shards_ok"] and meta["publish_1_local_shards_ok"]
+        assert (
+            meta["publish_2_local_shards_ok"]
+            and meta["publish_4_local_shards_ok"]
+            and meta["publish_1_local_shards_ok"]
+        )
         assert meta["publish_2_local_cells"] == [pid] and meta["publish_2_no_local_shards"] == [1 - pid]
         assert meta["publish_4_local_cells"] == [2 * pid, 2 * pid + 1]
         assert meta["publish_4_no_local_shards"] == [2 * (1 - pid), 2 * (1 - pid) + 1]
@@ -240,8 +263,10 @@ def test_killing_a_process_makes_the_other_exit_fast_with_a_clear_message(tmp_pa
         assert rc == distributed.PEER_LOST_EXIT_CODE, err[-3000:]
         assert "gyre-jax process 0 of 2 is stopping: process 1 stopped responding: no heartbeat for" in err, err[-3000:]
     else:  # the coordinator is gone: our watchdog or JAX's own client notices first, each with a clear line
-        assert ("gyre-jax process 1 of 2 is stopping: lost the coordination service" in err
-                or "Terminating process because the JAX distributed service detected fatal errors" in err), err[-3000:]
+        assert (
+            "gyre-jax process 1 of 2 is stopping: lost the coordination service" in err
+            or "Terminating process because the JAX distributed service detected fatal errors" in err
+        ), err[-3000:]
     assert not (tmp_path / f"wait_{survivor}.json").exists()  # it never got past the blocked call
 
 

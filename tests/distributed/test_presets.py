@@ -39,7 +39,10 @@ def test_preset_loads_validates_and_fits_its_hosts(path):
         assert tuple(c.distributed.local_device_ids) == tuple(range(per_host))
 
     got = ModelConfig.from_config_dict(c.model)
-    assert dataclasses.replace(got, dtype=model.dtype, param_dtype=model.param_dtype, remat_policy=model.remat_policy) == model
+    assert (
+        dataclasses.replace(got, dtype=model.dtype, param_dtype=model.param_dtype, remat_policy=model.remat_policy)
+        == model
+    )
     assert (got.dtype, got.param_dtype) == ("bfloat16", "float32")
 
     devices = hosts(num_hosts, per_host)
@@ -52,11 +55,24 @@ def test_preset_loads_validates_and_fits_its_hosts(path):
 
 @pytest.mark.parametrize("path", ["configs/gpu_cluster.py", "configs/tpu_pod.py"])
 def test_explicit_launch_values_override_auto_detection(path):
-    c = config_lib.load_config(["--config", path, "--config.distributed.coordinator_address=10.0.0.1:8476",
-                                "--config.distributed.num_processes=4", "--config.distributed.process_id=3"])
+    c = config_lib.load_config(
+        [
+            "--config",
+            path,
+            "--config.distributed.coordinator_address=10.0.0.1:8476",
+            "--config.distributed.num_processes=4",
+            "--config.distributed.process_id=3",
+        ]
+    )
     distributed.validate_distributed(c)
-    assert (c.distributed.coordinator_address, c.distributed.num_processes, c.distributed.process_id) == \
-        ("10.0.0.1:8476", 4, 3)
-    with pytest.raises(config_lib.ConfigError, match="process_id=4 must be < num_processes=4"):  # config.validate runs it
-        config_lib.load_config(["--config", path, "--config.distributed.num_processes=4",
-                                "--config.distributed.process_id=4"])
+    assert (c.distributed.coordinator_address, c.distributed.num_processes, c.distributed.process_id) == (
+        "10.0.0.1:8476",
+        4,
+        3,
+    )
+    with pytest.raises(
+        config_lib.ConfigError, match="process_id=4 must be < num_processes=4"
+    ):  # config.validate runs it
+        config_lib.load_config(
+            ["--config", path, "--config.distributed.num_processes=4", "--config.distributed.process_id=4"]
+        )

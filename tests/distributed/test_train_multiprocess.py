@@ -29,7 +29,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 RUN = [
-    "--config", "configs/tiny_cpu.py",
+    "--config",
+    "configs/tiny_cpu.py",
     "--config.warm_start.steps=60",  # enough for some executions to earn a reward: non-zero gradients
     "--config.rollout.tasks_per_step=2",
     "--config.rl.group_size=4",
@@ -55,9 +56,18 @@ def _free_port() -> int:
 
 
 def _start(workdir: Path, pid: int, port: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "gyre_jax.train", *RUN, f"--config.workdir={workdir}",
-           "--config.distributed.enabled=true", f"--config.distributed.coordinator_address=127.0.0.1:{port}",
-           "--config.distributed.num_processes=2", f"--config.distributed.process_id={pid}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gyre_jax.train",
+        *RUN,
+        f"--config.workdir={workdir}",
+        "--config.distributed.enabled=true",
+        f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+        "--config.distributed.num_processes=2",
+        f"--config.distributed.process_id={pid}",
+        *extra,
+    ]
     log = open(workdir.parent / f"process{pid}.log", "w")
     return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
 
@@ -106,8 +116,14 @@ def _metrics(workdir: Path) -> list[dict]:
 def reference(tmp_path_factory) -> Path:
     """The one-process run on 8 devices: warm start, checkpoint 0, 2 RL steps, checkpoint 2."""
     workdir = tmp_path_factory.mktemp("one_process") / "run"
-    proc = subprocess.run([sys.executable, "-m", "gyre_jax.train", *RUN, f"--config.workdir={workdir}"], cwd=REPO,
-                          env=_env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gyre_jax.train", *RUN, f"--config.workdir={workdir}"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return workdir
 
@@ -121,7 +137,9 @@ def two_processes(reference, tmp_path_factory) -> Path:
     port = _free_port()
     procs = [_start(workdir, pid, port) for pid in (0, 1)]
     codes = _wait(procs, timeout=600)
-    assert codes == [0, 0], f"exit codes {codes}\n--- process 0\n{_log(workdir, 0)[-4000:]}\n--- process 1\n{_log(workdir, 1)[-4000:]}"
+    assert codes == [0, 0], (
+        f"exit codes {codes}\n--- process 0\n{_log(workdir, 0)[-4000:]}\n--- process 1\n{_log(workdir, 1)[-4000:]}"
+    )
     return workdir
 
 
@@ -165,8 +183,17 @@ def test_killing_a_process_mid_run_stops_the_other_fast(tmp_path, victim):
     workdir = tmp_path / "run"
     workdir.mkdir()
     port = _free_port()
-    procs = [_start(workdir, pid, port, "--config.warm_start.steps=2", "--config.total_steps=50",
-                    "--config.distributed.heartbeat_timeout_s=5") for pid in (0, 1)]
+    procs = [
+        _start(
+            workdir,
+            pid,
+            port,
+            "--config.warm_start.steps=2",
+            "--config.total_steps=50",
+            "--config.distributed.heartbeat_timeout_s=5",
+        )
+        for pid in (0, 1)
+    ]
     deadline = time.time() + 300
     while not list((workdir / "records").glob("*.jsonl")):  # RL rollouts have begun on the 2 processes
         if time.time() > deadline or any(p.poll() is not None for p in procs):
@@ -190,8 +217,10 @@ def test_killing_a_process_mid_run_stops_the_other_fast(tmp_path, victim):
         assert "restart all processes to resume from the last checkpoint" in log
     else:  # the coordinator is gone: our watchdog or JAX's own client notices first, each with a clear line
         assert code != 0
-        assert ("gyre-jax process 1 of 2 is stopping: lost the coordination service" in log
-                or "Terminating process because the JAX distributed service detected fatal errors" in log), log[-3000:]
+        assert (
+            "gyre-jax process 1 of 2 is stopping: lost the coordination service" in log
+            or "Terminating process because the JAX distributed service detected fatal errors" in log
+        ), log[-3000:]
     assert "done:" not in log
 
 
@@ -214,13 +243,24 @@ def test_sessions_move_between_processes_with_their_kv(tmp_path):
     port = _free_port()
     worker = REPO / "tests" / "distributed" / "migrate_worker.py"
     logs = [open(tmp_path / f"p{pid}.log", "w") for pid in (0, 1)]
-    procs = [subprocess.Popen([sys.executable, str(worker), str(pid), str(port), str(tmp_path)], cwd=REPO, env=_env(),
-                              stdout=log, stderr=subprocess.STDOUT) for pid, log in zip((0, 1), logs)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(pid), str(port), str(tmp_path)],
+            cwd=REPO,
+            env=_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        for pid, log in zip((0, 1), logs)
+    ]
     codes = _wait(procs, timeout=600)
     assert codes == [0, 0], (tmp_path / "p0.log").read_text()[-3000:] + (tmp_path / "p1.log").read_text()[-3000:]
     r = json.loads((tmp_path / "migrate.json").read_text())
     ref = r["unmoved"]
-    for key, cell, states in (("moved_1_to_0", "cell0", "moved_1_to_0_states"), ("moved_0_to_1", "cell1", "moved_0_to_1_states")):
+    for key, cell, states in (
+        ("moved_1_to_0", "cell0", "moved_1_to_0_states"),
+        ("moved_0_to_1", "cell1", "moved_0_to_1_states"),
+    ):
         for got, want in zip(r[key], ref):
             assert got[0] == want[0] and got[2] == "length" and got[1] == cell, key  # same tokens, finished there
             np.testing.assert_allclose(got[3], want[3], atol=1e-4)

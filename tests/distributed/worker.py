@@ -94,8 +94,10 @@ def loss_and_grads(graphdef, params, mesh, rules, with_grads: bool = True):
     if not with_grads:
         loss, logits = jax.jit(loss_fn, out_shardings=(replicated, replicated))(params, tokens, positions)
         return loss, None, logits
-    step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True),
-                   out_shardings=((replicated, replicated), jax.tree.map(lambda x: x.sharding, params)))
+    step = jax.jit(
+        jax.value_and_grad(loss_fn, has_aux=True),
+        out_shardings=((replicated, replicated), jax.tree.map(lambda x: x.sharding, params)),
+    )
     (loss, logits), grads = step(params, tokens, positions)
     return loss, grads, logits
 
@@ -108,7 +110,9 @@ def to_host(tree):
     leaves, treedef = jax.tree.flatten(tree)
     if all(x.is_fully_addressable for x in leaves):
         return jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves])
-    full = jax.jit(lambda xs: xs, out_shardings=[NamedSharding(x.sharding.mesh, PartitionSpec()) for x in leaves])(leaves)
+    full = jax.jit(lambda xs: xs, out_shardings=[NamedSharding(x.sharding.mesh, PartitionSpec()) for x in leaves])(
+        leaves
+    )
     return jax.tree.unflatten(treedef, [np.asarray(x.addressable_data(0)) for x in full])
 
 
@@ -122,8 +126,11 @@ def shards_match(tree, host_tree) -> bool:
     """Every locally held shard of ``tree`` equals the same slice of the full host copy."""
     import jax
 
-    return all(np.array_equal(np.asarray(s.data), h[s.index])
-               for x, h in zip(jax.tree.leaves(tree), jax.tree.leaves(host_tree)) for s in x.addressable_shards)
+    return all(
+        np.array_equal(np.asarray(s.data), h[s.index])
+        for x, h in zip(jax.tree.leaves(tree), jax.tree.leaves(host_tree))
+        for s in x.addressable_shards
+    )
 
 
 DECISION = {"step": 3, "roles": {"cell0": "training", "cell1": "serving"}, "order": (1, 0), "eta": 0.5, "note": "é"}
@@ -187,14 +194,17 @@ def scenario_main(args, info, config, out: dict) -> None:
         published = distributed.publish_to_cells(params, [param_shardings(abstract, rules, c.mesh) for c in layout])
         key = f"publish_{num_cells}"
         out[key + "_local_shards_ok"] = all(shards_match(p, host_params) for p in published)
-        out[key + "_local_cells"] = [c.index for c, p in zip(layout, published)
-                                     if all(x.is_fully_addressable for x in jax.tree.leaves(p))]
-        out[key + "_no_local_shards"] = [c.index for c, p in zip(layout, published)
-                                         if all(not x.addressable_shards for x in jax.tree.leaves(p))]
+        out[key + "_local_cells"] = [
+            c.index for c, p in zip(layout, published) if all(x.is_fully_addressable for x in jax.tree.leaves(p))
+        ]
+        out[key + "_no_local_shards"] = [
+            c.index for c, p in zip(layout, published) if all(not x.addressable_shards for x in jax.tree.leaves(p))
+        ]
         if num_cells == 2:  # each process runs its own cell: the same forward pass as on the global mesh
             own = layout[info.process_id]
-            cell_loss, _, cell_logits = loss_and_grads(graphdef, published[info.process_id], own.mesh, rules,
-                                                       with_grads=False)
+            cell_loss, _, cell_logits = loss_and_grads(
+                graphdef, published[info.process_id], own.mesh, rules, with_grads=False
+            )
             arrays["cell_loss"] = np.asarray(cell_loss)
             arrays["cell_logits"] = np.asarray(cell_logits)
             per_cell = published
@@ -210,15 +220,20 @@ def scenario_main(args, info, config, out: dict) -> None:
     if info.process_id == 1:
         from_satellite = jax.jit(lambda t: jax.tree.map(lambda x: 2 * x, t))(snap)  # computed on cell 1
     else:
-        from_satellite = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), per_cell[1],
-                                      shardings[1])
+        from_satellite = jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), per_cell[1], shardings[1]
+        )
     at_core = distributed.cell_put(from_satellite, shardings[0])
     if info.process_id == 0:
-        out["cell_put_back_ok"] = all(np.array_equal(np.asarray(a), 2 * h) for a, h in
-                                      zip(jax.tree.leaves(at_core), jax.tree.leaves(host_params)))
+        out["cell_put_back_ok"] = all(
+            np.array_equal(np.asarray(a), 2 * h) for a, h in zip(jax.tree.leaves(at_core), jax.tree.leaves(host_params))
+        )
     on_core = jax.sharding.NamedSharding(cells[0].mesh, jax.sharding.PartitionSpec())
-    scalar = (jax.device_put(np.float32(2.5), on_core) if info.process_id == 0
-              else jax.ShapeDtypeStruct((), np.float32, sharding=on_core))
+    scalar = (
+        jax.device_put(np.float32(2.5), on_core)
+        if info.process_id == 0
+        else jax.ShapeDtypeStruct((), np.float32, sharding=on_core)
+    )
     moved = distributed.cell_put(scalar, jax.sharding.NamedSharding(cells[1].mesh, jax.sharding.PartitionSpec()))
     if info.process_id == 1:
         out["cell_put_scalar"] = float(np.asarray(moved.addressable_data(0)))
@@ -280,8 +295,9 @@ def scenario_raise(args, info, config, out: dict) -> None:
     from gyre_jax import distributed
 
     mesh = distributed.make_global_mesh(dict(config.mesh))
-    x = jax.make_array_from_callback((64, 8), NamedSharding(mesh, PartitionSpec(("data", "fsdp"))),
-                                     lambda idx: np.ones((64, 8), np.float32)[idx])
+    x = jax.make_array_from_callback(
+        (64, 8), NamedSharding(mesh, PartitionSpec(("data", "fsdp"))), lambda idx: np.ones((64, 8), np.float32)[idx]
+    )
     total = jax.jit(lambda a: jnp.sum(a * a), out_shardings=NamedSharding(mesh, PartitionSpec()))
     total(x).block_until_ready()
     distributed.sync("ready")
@@ -309,10 +325,17 @@ def main() -> int:
 
     config = make_config(args.nproc, args.pid, args.port, args.heartbeat)
     info = distributed.initialize(config)
-    out: dict = {"info": {"process_id": info.process_id, "num_processes": info.num_processes,
-                          "local_devices": info.local_devices, "global_devices": info.global_devices}}
+    out: dict = {
+        "info": {
+            "process_id": info.process_id,
+            "num_processes": info.num_processes,
+            "local_devices": info.local_devices,
+            "global_devices": info.global_devices,
+        }
+    }
     {"main": scenario_main, "restore": scenario_restore, "wait": scenario_wait, "raise": scenario_raise}[args.scenario](
-        args, info, config, out)
+        args, info, config, out
+    )
     arrays = out.pop("arrays", {})
     np.savez(Path(args.out) / f"{args.scenario}_{info.process_id}.npz", **arrays)
     (Path(args.out) / f"{args.scenario}_{info.process_id}.json").write_text(json.dumps(out, indent=1, sort_keys=True))

@@ -10,13 +10,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gyre_jax.elastic.cells import make_cells
 
 
-@pytest.mark.parametrize("num_cells, shape", [
-    (1, dict(data=4, fsdp=2)),
-    (2, dict(data=4)),
-    (2, dict(data=2, fsdp=2)),
-    (4, dict(fsdp=2)),
-    (8, dict()),
-])
+@pytest.mark.parametrize(
+    "num_cells, shape",
+    [
+        (1, dict(data=4, fsdp=2)),
+        (2, dict(data=4)),
+        (2, dict(data=2, fsdp=2)),
+        (4, dict(fsdp=2)),
+        (8, dict()),
+    ],
+)
 def test_cells_are_disjoint_contiguous_submeshes_of_the_right_shape(num_cells, shape):
     devices = jax.devices()
     assert len(devices) == 8

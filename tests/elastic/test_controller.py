@@ -33,14 +33,24 @@ N = 16  # 2 tasks x G=8
 
 
 def _config(workdir: Path, policy: str = "elastic"):
-    return config_lib.load_config([
-        f"--config.workdir={workdir}", f"--config.total_steps={STEPS}", "--config.warm_start.steps=0",
-        "--config.eval.samples_per_task=0", f"--config.schedule.policy={policy}", "--config.metrics.progress_bar=False",
-        "--config.metrics.tensorboard=False", "--config.checkpoint_every=1", "--config.keep_checkpoints=4",
-        "--config.cells.sessions_per_cell=8",  # two cells hold exactly one step: the core leaves with sessions on it
-        "--config.rollout.tool_latency_median_s=0.2", "--config.rollout.tool_latency_sigma=1.0",
-        "--config.rollout.max_tokens_per_call=48", "--config.trajectory.tokens_per_micro_batch=1024",
-    ])
+    return config_lib.load_config(
+        [
+            f"--config.workdir={workdir}",
+            f"--config.total_steps={STEPS}",
+            "--config.warm_start.steps=0",
+            "--config.eval.samples_per_task=0",
+            f"--config.schedule.policy={policy}",
+            "--config.metrics.progress_bar=False",
+            "--config.metrics.tensorboard=False",
+            "--config.checkpoint_every=1",
+            "--config.keep_checkpoints=4",
+            "--config.cells.sessions_per_cell=8",  # two cells hold exactly one step: the core leaves with sessions on it
+            "--config.rollout.tool_latency_median_s=0.2",
+            "--config.rollout.tool_latency_sigma=1.0",
+            "--config.rollout.max_tokens_per_call=48",
+            "--config.trajectory.tokens_per_micro_batch=1024",
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +71,15 @@ def run(tmp_path_factory):
     finally:
         trainer.close()
     metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return dict(workdir=workdir, config=config, retries=retries, learner=learner, trajectory_cfg=trajectory_cfg,
-                checkpoints=checkpoints, metrics=[m for m in metrics if m.get("phase") == "train"])
+    return dict(
+        workdir=workdir,
+        config=config,
+        retries=retries,
+        learner=learner,
+        trajectory_cfg=trajectory_cfg,
+        checkpoints=checkpoints,
+        metrics=[m for m in metrics if m.get("phase") == "train"],
+    )
 
 
 def test_the_core_left_serving_with_sessions_on_it_and_a_satellite_trained(run):
@@ -89,8 +106,13 @@ def test_same_micro_step_contents_give_the_same_params_whichever_cells_computed_
     learner, ckpts = run["learner"], run["checkpoints"]
     for k in range(STEPS):
         state_k, meta_k = ckpts[k]
-        pipeline = TrajectoryPipeline(run["workdir"] / "records", run["workdir"] / "trajectory", run["trajectory_cfg"],
-                                      state=meta_k["pipeline"], discard_unsaved=False)
+        pipeline = TrajectoryPipeline(
+            run["workdir"] / "records",
+            run["workdir"] / "trajectory",
+            run["trajectory_cfg"],
+            state=meta_k["pipeline"],
+            discard_unsaved=False,
+        )
         batches = pipeline.next_step()
         assert batches.step == k
         assert len(batches.micro_batches) == run["metrics"][k]["micro_batches"]
@@ -159,12 +181,23 @@ def test_segments_between_evaluations_start_from_a_clean_state(tmp_path):
     cell serving and none of the previous segment's events, and the evaluations run on serving cells."""
     from gyre_jax.trainer import Trainer
 
-    config = config_lib.load_config([
-        f"--config.workdir={tmp_path}", "--config.total_steps=2", "--config.warm_start.steps=0",
-        "--config.schedule.policy=elastic", "--config.metrics.progress_bar=False", "--config.metrics.tensorboard=False",
-        "--config.rollout.tasks_per_step=1", "--config.rl.group_size=4", "--config.rollout.num_tasks=2",
-        "--config.eval.samples_per_task=1", "--config.eval.every_steps=1", "--config.cells.sessions_per_cell=2",
-        "--config.rollout.max_tokens_per_call=32"])
+    config = config_lib.load_config(
+        [
+            f"--config.workdir={tmp_path}",
+            "--config.total_steps=2",
+            "--config.warm_start.steps=0",
+            "--config.schedule.policy=elastic",
+            "--config.metrics.progress_bar=False",
+            "--config.metrics.tensorboard=False",
+            "--config.rollout.tasks_per_step=1",
+            "--config.rl.group_size=4",
+            "--config.rollout.num_tasks=2",
+            "--config.eval.samples_per_task=1",
+            "--config.eval.every_steps=1",
+            "--config.cells.sessions_per_cell=2",
+            "--config.rollout.max_tokens_per_call=32",
+        ]
+    )
     trainer = Trainer(config)
     try:
         assert trainer.run() == 2

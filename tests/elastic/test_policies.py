@@ -14,8 +14,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre_jax.elastic.policies import (AsyncPolicy, ClusterState, ColocatedPolicy, Decision, ElasticPolicy, Event, Role,
-                                       Waterlevel, admissible, make_policy)
+from gyre_jax.elastic.policies import (
+    AsyncPolicy,
+    ClusterState,
+    ColocatedPolicy,
+    Decision,
+    ElasticPolicy,
+    Event,
+    Role,
+    Waterlevel,
+    admissible,
+    make_policy,
+)
 
 SERVING, TRAINING, SWITCHING = Role.SERVING, Role.TRAINING, Role.SWITCHING
 
@@ -129,10 +139,12 @@ def test_a_policy_refuses_a_state_with_another_number_of_cells():
 # -- staleness admission ------------------------------------------------------------------------------
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 3), st.integers(1, 16), st.integers(0, 6), st.integers(0, 200), st.none() | st.integers(0, 50))
-def test_admission_never_lets_an_execution_be_trained_more_than_eta_versions_late(eta, n, version, dispatched,
-                                                                                   undispatched):
-    state = ClusterState(0.0, [SERVING], [8], Waterlevel(dispatched=dispatched), version=version, batch_size=n,
-                         undispatched=undispatched)
+def test_admission_never_lets_an_execution_be_trained_more_than_eta_versions_late(
+    eta, n, version, dispatched, undispatched
+):
+    state = ClusterState(
+        0.0, [SERVING], [8], Waterlevel(dispatched=dispatched), version=version, batch_size=n, undispatched=undispatched
+    )
     allowed = admissible(state, eta)
     assert allowed >= 0
     if undispatched is not None:
@@ -177,11 +189,22 @@ def elastic_states(draw):
     step_finished = max(0, due_finished - version * n)
     step_processed = draw(st.integers(0, step_finished))
     state = ClusterState(
-        time=draw(st.floats(0, 1e4)), roles=roles, capacity=[cap] * k,
-        waterlevel=Waterlevel(dispatched, started, finished), targets=targets, busy=busy, version=version,
-        batch_size=n, step_dispatched=step_dispatched, step_finished=step_finished, step_processed=step_processed,
-        ready=draw(st.integers(0, 3)), in_flight=sum(busy), due_outstanding=due_dispatched - due_finished,
-        held=draw(st.integers(0, 3)))
+        time=draw(st.floats(0, 1e4)),
+        roles=roles,
+        capacity=[cap] * k,
+        waterlevel=Waterlevel(dispatched, started, finished),
+        targets=targets,
+        busy=busy,
+        version=version,
+        batch_size=n,
+        step_dispatched=step_dispatched,
+        step_finished=step_finished,
+        step_processed=step_processed,
+        ready=draw(st.integers(0, 3)),
+        in_flight=sum(busy),
+        due_outstanding=due_dispatched - due_finished,
+        held=draw(st.integers(0, 3)),
+    )
     return state, draw(st.integers(0, 2)), draw(st.sampled_from(["waterlevel", "backlog"]))
 
 
@@ -216,7 +239,9 @@ def test_elastic_leaves_one_at_a_time_in_order_within_the_waterlevel_and_returns
         kept = [i for i in range(k) if effective[i] is TRAINING and i not in returning]
         if 0 in returning:
             assert kept == []  # the core returns last
-        due_new = min(admissible(state, eta), max(0, (state.version + 1) * state.batch_size - state.waterlevel.dispatched))
+        due_new = min(
+            admissible(state, eta), max(0, (state.version + 1) * state.batch_size - state.waterlevel.dispatched)
+        )
         serving = sum(state.capacity[i] for i in range(k) if effective[i] is SERVING)
         due_case = state.due_outstanding + due_new > serving
         for c in returning:  # reverse order: a cell stays only if it is switching, or busy when ahead work waits
@@ -227,8 +252,7 @@ def test_elastic_leaves_one_at_a_time_in_order_within_the_waterlevel_and_returns
 
 def test_elastic_core_leaves_first_when_the_waterlevel_falls_and_cells_return_when_a_batch_needs_them():
     policy = ElasticPolicy(4, max_staleness=0)
-    state = ClusterState(0.0, [SERVING] * 4, [2] * 4, Waterlevel(), targets=[None] * 4, busy=[False] * 4,
-                         batch_size=8)
+    state = ClusterState(0.0, [SERVING] * 4, [2] * 4, Waterlevel(), targets=[None] * 4, busy=[False] * 4, batch_size=8)
     d = policy.plan(Event("tick", 0, 0.0), state)
     assert d == Decision(roles=[SERVING] * 4, dispatch=8)  # the step's 8 executions fill the 4 x 2 slots
     state.waterlevel = Waterlevel(8, 8, 0)
@@ -257,8 +281,18 @@ def test_elastic_core_leaves_first_when_the_waterlevel_falls_and_cells_return_wh
 
 def test_elastic_keeps_the_core_training_while_its_step_has_work():
     policy = ElasticPolicy(2, max_staleness=0)
-    state = ClusterState(0.0, [TRAINING, SERVING], [1, 1], Waterlevel(2, 2, 0), targets=[None, None],
-                         busy=[True, False], batch_size=4, step_dispatched=2, in_flight=1, due_outstanding=2)
+    state = ClusterState(
+        0.0,
+        [TRAINING, SERVING],
+        [1, 1],
+        Waterlevel(2, 2, 0),
+        targets=[None, None],
+        busy=[True, False],
+        batch_size=4,
+        step_dispatched=2,
+        in_flight=1,
+        due_outstanding=2,
+    )
     # two due executions waiting for one free slot; the core is computing a micro-step: it stays
     state.waterlevel = Waterlevel(4, 1, 0)
     state.step_dispatched, state.due_outstanding = 4, 4
@@ -272,13 +306,31 @@ def test_same_events_and_states_give_the_same_decisions():
     script = []
     for t in range(60):
         roles = [SERVING if (t + c) % 3 else TRAINING for c in range(4)]
-        state = ClusterState(float(t), roles, [3] * 4, Waterlevel(4 + t // 2, 3 + t // 3, t // 4), targets=[None] * 4,
-                             busy=[bool((t * c) % 2) for c in range(4)], version=t // 20, batch_size=6,
-                             step_dispatched=6, step_finished=min(6, t % 7), step_processed=min(6, t % 5),
-                             ready=t % 3, due_outstanding=max(0, 6 - t % 7))
-        script.append((Event(["finished", "micro_step_done", "switched", "data_ready"][t % 4], t // 20, float(t),
-                             cell=t % 4), state))
-    for make in (lambda: ElasticPolicy(4, idle_before_return_s=5.0), lambda: AsyncPolicy(4, 1),
-                 lambda: ColocatedPolicy(4)):
+        state = ClusterState(
+            float(t),
+            roles,
+            [3] * 4,
+            Waterlevel(4 + t // 2, 3 + t // 3, t // 4),
+            targets=[None] * 4,
+            busy=[bool((t * c) % 2) for c in range(4)],
+            version=t // 20,
+            batch_size=6,
+            step_dispatched=6,
+            step_finished=min(6, t % 7),
+            step_processed=min(6, t % 5),
+            ready=t % 3,
+            due_outstanding=max(0, 6 - t % 7),
+        )
+        script.append(
+            (
+                Event(["finished", "micro_step_done", "switched", "data_ready"][t % 4], t // 20, float(t), cell=t % 4),
+                state,
+            )
+        )
+    for make in (
+        lambda: ElasticPolicy(4, idle_before_return_s=5.0),
+        lambda: AsyncPolicy(4, 1),
+        lambda: ColocatedPolicy(4),
+    ):
         a, b = make(), make()
         assert [a.plan(e, s) for e, s in script] == [b.plan(e, copy.deepcopy(s)) for e, s in script]

@@ -16,8 +16,8 @@ import glob
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -138,7 +138,9 @@ def brief_training(graphdef, params, tokenizer: BpeTokenizer, steps: int = 40, b
 class Stack:
     """The running stack: proxy (with ``base_url``), router, loop, tokenizer and record store."""
 
-    def __init__(self, proxy: ProxyServer, router: Router, loop: ServingLoop, tokenizer: BpeTokenizer, records: RecordStore):
+    def __init__(
+        self, proxy: ProxyServer, router: Router, loop: ServingLoop, tokenizer: BpeTokenizer, records: RecordStore
+    ):
         self.proxy, self.router, self.loop, self.tokenizer, self.records = proxy, router, loop, tokenizer, records
 
     def completion_text(self, record: TitoRecord) -> str:
@@ -185,7 +187,9 @@ def claude_bin() -> Path:
         npm = shutil.which("npm")
         if npm is None:
             pytest.fail("npm is needed to install @anthropic-ai/claude-code for this test (apt-get install npm)")
-        done = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NPM_DIR, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [npm, "ci", "--no-audit", "--no-fund"], cwd=NPM_DIR, capture_output=True, text=True, timeout=600
+        )
         assert done.returncode == 0, f"npm ci failed in {NPM_DIR}:\n{done.stdout}\n{done.stderr}"
     check = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60, env={**os.environ})
     assert check.returncode == 0 and "Claude Code" in check.stdout, check.stderr

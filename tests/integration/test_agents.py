@@ -38,7 +38,9 @@ def run_one(stack, tmp_path: Path, execution_id: str, harness_cmd: list[str], ex
                         harness_cmd=harness_cmd, evaluator=evaluator, extra_env=extra_env)  # fmt: skip
     [result] = executor.run([ExecutionSpec(execution_id, make_task(execution_id), execution_id, seed=0)])
     exec_dir = tmp_path / "executions" / execution_id
-    logs = (exec_dir / "harness.stdout").read_text(errors="replace")[-3000:] + (exec_dir / "harness.stderr").read_text(errors="replace")[-3000:]
+    logs = (exec_dir / "harness.stdout").read_text(errors="replace")[-3000:] + (exec_dir / "harness.stderr").read_text(
+        errors="replace"
+    )[-3000:]
     return result, exec_dir, logs
 
 
@@ -59,7 +61,11 @@ def test_mini_swe_agent(stack, tmp_path) -> None:
     # Every model response litellm handed the agent (kept in the trajectory, with the assistant message or
     # with the format error it caused) is exactly what its record's ids decode and parse to.
     trajectory = json.loads((exec_dir / "trajectory.json").read_text())
-    responses = [m["extra"]["response"] for m in trajectory["messages"] if isinstance(m.get("extra"), dict) and "response" in m["extra"]]
+    responses = [
+        m["extra"]["response"]
+        for m in trajectory["messages"]
+        if isinstance(m.get("extra"), dict) and "response" in m["extra"]
+    ]
     assert len(responses) == len(records), logs
     for response, record in zip(responses, records):
         message = response["choices"][0]["message"]
@@ -68,7 +74,10 @@ def test_mini_swe_agent(stack, tmp_path) -> None:
     # Token-in/token-out: a call that continues its thread starts with the previous prompt + completion, verbatim.
     for before, after in zip(records, records[1:]):
         if after.reused_prefix_len:
-            assert after.prompt_ids[: len(before.prompt_ids) + len(before.completion_ids)] == before.prompt_ids + before.completion_ids
+            assert (
+                after.prompt_ids[: len(before.prompt_ids) + len(before.completion_ids)]
+                == before.prompt_ids + before.completion_ids
+            )
 
 
 def test_claude_code(stack, tmp_path, claude_bin) -> None:
@@ -84,13 +93,17 @@ def test_claude_code(stack, tmp_path, claude_bin) -> None:
     assert all(r.api == "messages" for r in records)
     assert len(records[0].prompt_ids) > 5000  # its ~50 KB request: system prompt, tools, environment
     # The assistant messages Claude Code reports are, in order, what the records' ids decode and parse to.
-    events = [json.loads(line) for line in (exec_dir / "harness.stdout").read_text().splitlines() if line.startswith("{")]
+    events = [
+        json.loads(line) for line in (exec_dir / "harness.stdout").read_text().splitlines() if line.startswith("{")
+    ]
     said = [e["message"]["content"] for e in events if e.get("type") == "assistant"]
     assert said and events[-1]["type"] == "result", logs
     text = "".join(b["text"] for content in said for b in content if b["type"] == "text")
     calls = [(b["name"], b["input"]) for content in said for b in content if b["type"] == "tool_use"]
     parsed = [stack.parsed(r) for r in records]
     assert text == "".join(p.content for p in parsed)
-    assert calls == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for p in parsed for c in p.tool_calls]
+    assert calls == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for p in parsed for c in p.tool_calls
+    ]
     if result.status == "finished":
         assert events[-1]["result"] == parsed[-1].content

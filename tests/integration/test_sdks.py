@@ -34,7 +34,9 @@ def test_openai_sdk_plain_and_streaming_with_tools(stack) -> None:
     first = client.chat.completions.create(model="gyre-tiny", messages=messages, tools=TOOLS_OPENAI, max_tokens=12,
                                            logprobs=True)  # fmt: skip
     message = first.choices[0].message
-    messages.append(openai_api.returned_message(stack.parsed(stack.records.read("sdk-openai")[0])) | {"content": message.content})
+    messages.append(
+        openai_api.returned_message(stack.parsed(stack.records.read("sdk-openai")[0])) | {"content": message.content}
+    )
     messages.append({"role": "user", "content": "Go on."})
     content, finish = "", None
     for chunk in client.chat.completions.create(model="gyre-tiny", messages=messages, tools=TOOLS_OPENAI, max_tokens=12,
@@ -47,12 +49,16 @@ def test_openai_sdk_plain_and_streaming_with_tools(stack) -> None:
         check_record(stack, record, 12)
     # What each client received is exactly what the recorded ids decode and parse to.
     assert (message.content or "") == stack.parsed(r1).content and content == stack.parsed(r2).content
-    assert [e.logprob for e in first.choices[0].logprobs.content] == r1.completion_logprobs[: len(first.choices[0].logprobs.content)]
+    assert [e.logprob for e in first.choices[0].logprobs.content] == r1.completion_logprobs[
+        : len(first.choices[0].logprobs.content)
+    ]
     assert first.usage.prompt_tokens == len(r1.prompt_ids) and r1.api == "chat"
     # The second call reuses the first call's prompt and completion ids verbatim (token-in/token-out).
     assert r2.reused_prefix_len >= len(r1.prompt_ids) + len(r1.completion_ids)
     assert r2.prompt_ids[: len(r1.prompt_ids) + len(r1.completion_ids)] == r1.prompt_ids + r1.completion_ids
-    assert stack.tokenizer.decode(r1.prompt_ids).startswith("<|im_start|>system\nSolve the task.\n\n# Tools\n<tools>\nread_file(path: string)")
+    assert stack.tokenizer.decode(r1.prompt_ids).startswith(
+        "<|im_start|>system\nSolve the task.\n\n# Tools\n<tools>\nread_file(path: string)"
+    )
     stack.proxy.close_execution("sdk-openai")
 
 
@@ -76,8 +82,13 @@ def test_anthropic_sdk_plain_and_streaming_with_tools(stack) -> None:
             block.pop("id", None)
             block.pop("citations", None)
         assert got == expected
-        assert reply.usage.input_tokens == len(record.prompt_ids) and reply.usage.output_tokens == len(record.completion_ids)
-        assert reply.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[record.finish_reason] or reply.stop_reason == "tool_use"
+        assert reply.usage.input_tokens == len(record.prompt_ids) and reply.usage.output_tokens == len(
+            record.completion_ids
+        )
+        assert (
+            reply.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[record.finish_reason]
+            or reply.stop_reason == "tool_use"
+        )
     assert r2.prompt_ids[: len(r1.prompt_ids) + len(r1.completion_ids)] == r1.prompt_ids + r1.completion_ids
     # Sampling is seeded per (server seed, execution, call): the same call again gives the same tokens.
     key2 = stack.proxy.open_execution("sdk-anthropic-again")
@@ -92,7 +103,7 @@ def test_anthropic_sdk_plain_and_streaming_with_tools(stack) -> None:
 def test_drained_cell_request_is_retried_transparently(stack) -> None:
     """A request cancelled by its cell being drained mid-generation is re-run; the client sees one answer."""
     key = stack.proxy.open_execution("sdk-drain")
-    router, loop = stack.router, stack.loop
+    router = stack.router
     results: dict[str, httpx.Response] = {}
 
     def call() -> None:

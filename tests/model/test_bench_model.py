@@ -15,8 +15,14 @@ REPO = Path(__file__).resolve().parent.parent.parent
 def test_gpu_script_smoke_suite_runs_on_cpu_and_writes_json(tmp_path) -> None:
     env = dict(os.environ, OUT=str(tmp_path), JAX_PLATFORMS="cpu", PYTHON=sys.executable)
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(["bash", "benchmarks/gpu_model_bench.sh", "--smoke", "--only", "tiny_moe", "--steps", "1"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_model_bench.sh", "--smoke", "--only", "tiny_moe", "--steps", "1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "model_smoke.json").read_text())
     assert report["suite"] == "smoke" and report["platform"] == "cpu" and report["peak"]["flops_per_s"] > 0

@@ -23,8 +23,14 @@ from safetensors.numpy import save_file
 from gyre_jax.model import hf_params
 from gyre_jax.model.attention import cache_causal_mask, init_cache, segment_causal_mask
 from gyre_jax.model.config import ConfigMismatchError, ModelConfig
-from gyre_jax.model.hf_checkpoint import (CheckpointMismatchError, SafetensorsDir, load_hf_checkpoint, load_hf_params,
-                                          read_hf_config, save_hf_checkpoint)
+from gyre_jax.model.hf_checkpoint import (
+    CheckpointMismatchError,
+    SafetensorsDir,
+    load_hf_checkpoint,
+    load_hf_params,
+    read_hf_config,
+    save_hf_checkpoint,
+)
 from gyre_jax.model.positional_embeddings import rope_frequencies
 from gyre_jax.model.sharding import RULES_DATA, RULES_EXPERT, RULES_FSDP_TENSOR, abstract_model, make_mesh
 
@@ -54,8 +60,13 @@ def _forward(graphdef, params, tokens, positions, mask):
 
 def causal_logits(graphdef, params, ids: np.ndarray):
     b, t = ids.shape
-    return _forward(graphdef, params, jnp.asarray(ids, jnp.int32), jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
-                    segment_causal_mask(jnp.ones((b, t), jnp.int32)))
+    return _forward(
+        graphdef,
+        params,
+        jnp.asarray(ids, jnp.int32),
+        jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+        segment_causal_mask(jnp.ones((b, t), jnp.int32)),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +122,9 @@ def test_packed_row_matches_hugging_face_rows(loaded) -> None:
     packed = ids.reshape(1, b * t)
     segments = np.repeat(np.arange(1, b + 1), t)[None].astype(np.int32)
     positions = np.tile(np.arange(t), b)[None].astype(np.int32)
-    logits, _ = _forward(graphdef, params, jnp.asarray(packed), jnp.asarray(positions), segment_causal_mask(jnp.asarray(segments)))
+    logits, _ = _forward(
+        graphdef, params, jnp.asarray(packed), jnp.asarray(positions), segment_causal_mask(jnp.asarray(segments))
+    )
     assert rel_err(np.asarray(logits).reshape(b, t, -1), gold["logits"]) < REL_TOL
 
 
@@ -127,7 +140,7 @@ def test_cached_prefill_and_decode_match_hugging_face(loaded) -> None:
     out = []
     for start, size in ((0, 9), (9, 1), (10, 1), (11, 5)):
         pos = jnp.broadcast_to(jnp.arange(start, start + size, dtype=jnp.int32), (b, size))
-        logits, cache = step(params, jnp.asarray(ids[:, start:start + size]), pos, cache)
+        logits, cache = step(params, jnp.asarray(ids[:, start : start + size]), pos, cache)
         out.append(np.asarray(logits))
     assert rel_err(np.concatenate(out, axis=1), gold["logits"]) < REL_TOL
 
@@ -136,8 +149,15 @@ def test_rope_frequencies_match_hugging_face() -> None:
     cases = json.loads((FIXTURES / "rope_golden.json").read_text())
     assert set(cases) == {"linear", "yarn", "yarn_small"}
     for name, case in cases.items():
-        hf = dict(case["config"], model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=16, intermediate_size=8,
-                  num_hidden_layers=1, num_key_value_heads=case["config"]["num_attention_heads"])
+        hf = dict(
+            case["config"],
+            model_type="qwen3",
+            architectures=["Qwen3ForCausalLM"],
+            vocab_size=16,
+            intermediate_size=8,
+            num_hidden_layers=1,
+            num_key_value_heads=case["config"]["num_attention_heads"],
+        )
         cfg = ModelConfig.from_hf_config(hf)
         inv_freq, scaling = rope_frequencies(cfg)
         np.testing.assert_allclose(inv_freq, case["inv_freq"], rtol=2e-6, err_msg=name)
@@ -198,8 +218,9 @@ def test_load_save_load_is_bit_identical(name, tmp_path, loaded) -> None:
     src = DENSE if name == "qwen3_dense" else MOE
     # fp32 params (from bf16 files) -> fp32 files -> the same fp32 params
     save_hf_checkpoint(tmp_path / "f32", cfg, params, tokenizer_dir=src, base_config=read_hf_config(src))
-    cfg2, _, params2 = load_hf_checkpoint(tmp_path / "f32", make_mesh(jax.devices()[:4], dict(fsdp=2, tensor=2)),
-                                          RULES_FSDP_TENSOR)
+    cfg2, _, params2 = load_hf_checkpoint(
+        tmp_path / "f32", make_mesh(jax.devices()[:4], dict(fsdp=2, tensor=2)), RULES_FSDP_TENSOR
+    )
     assert cfg2 == cfg
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2), strict=True):
         assert a.dtype == b.dtype == jnp.float32
@@ -318,12 +339,28 @@ def test_unsupported_or_broken_directories_fail_clearly(tmp_path) -> None:
 
 def test_hub_style_config_keys_are_understood() -> None:
     """transformers 4.x configs (as on the Hub): rope_theta / rope_scaling at top level, num_experts."""
-    hf = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
-          "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
-          "head_dim": 128, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-          "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
-          "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001,
-          "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    hf = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    }
     cfg = ModelConfig.from_hf_config(hf, dtype="bfloat16")
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_mlp_dim, cfg.rope_theta) == (128, 8, 768, 1e6)
     assert cfg.rope_type == "yarn" and cfg.rope_factor == 4.0 and cfg.yarn_attention_factor == pytest.approx(1.1386294)
@@ -351,7 +388,9 @@ def test_read_block_reads_exactly_the_block(data) -> None:
     n_out, n_in = len(spec.out_dims), len(spec.in_dims)
 
     def ours_of(w):  # [out, in] -> in_dims + out_dims
-        return np.transpose(w.reshape(spec.out_dims + spec.in_dims), tuple(range(n_out, n_out + n_in)) + tuple(range(n_out)))
+        return np.transpose(
+            w.reshape(spec.out_dims + spec.in_dims), tuple(range(n_out, n_out + n_in)) + tuple(range(n_out))
+        )
 
     stacked = spec.layout == "stacked"
     full = np.stack([ours_of(hf[n]) for n in spec.hf_names]) if stacked else ours_of(hf[spec.hf_names[0]])

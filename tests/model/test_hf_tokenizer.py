@@ -85,9 +85,15 @@ def test_load_tokenizer_dispatch_and_errors(tmp_path) -> None:
 def test_hub_style_tokenizer_config_with_inline_template(tmp_path) -> None:
     """transformers 4.x writes the chat template and eos as dicts inside tokenizer_config.json."""
     shutil.copyfile(FIXTURES / "qwen3_dense" / "tokenizer.json", tmp_path / "tokenizer.json")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": {"content": "<|endoftext|>", "special": True}, "pad_token": "<|endoftext|>",
-        "chat_template": "{{ messages }}"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": {"content": "<|endoftext|>", "special": True},
+                "pad_token": "<|endoftext|>",
+                "chat_template": "{{ messages }}",
+            }
+        )
+    )
     tok = HFTokenizer.from_dir(tmp_path)
     assert tok.chat_template == "{{ messages }}"
     assert tok.eos_ids[0] == tok.token_id("<|endoftext|>") and tok.token_id("<|im_end|>") in tok.eos_ids

@@ -18,8 +18,16 @@ from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.modules import Transformer
 from gyre_jax.model.positional_embeddings import apply_rope
 
-CFG = ModelConfig(vocab_size=272, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
-                  rope_theta=10000.0)
+CFG = ModelConfig(
+    vocab_size=272,
+    num_layers=2,
+    embed_dim=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    mlp_dim=128,
+    rope_theta=10000.0,
+)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -30,7 +38,9 @@ def _forward(graphdef, state, tokens, positions, mask, cache):
 
 def forward(model_split, tokens, positions, mask, cache=None):
     graphdef, state = model_split
-    return _forward(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), jnp.asarray(mask), cache)
+    return _forward(
+        graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), jnp.asarray(mask), cache
+    )
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +101,10 @@ def test_cached_chunked_forward_equals_full_causal_forward(model_split) -> None:
     cache = init_cache(CFG, b, s)
     chunks, start = [], 0
     for size in (5, 1, 11, 7):  # prefill-like chunk, a decode step, more chunks
-        pos = positions[:, start:start + size]
-        logits, cache = forward(model_split, tokens[:, start:start + size], pos, cache_causal_mask(jnp.asarray(pos), s), cache)
+        pos = positions[:, start : start + size]
+        logits, cache = forward(
+            model_split, tokens[:, start : start + size], pos, cache_causal_mask(jnp.asarray(pos), s), cache
+        )
         chunks.append(logits)
         start += size
     assert start == t
@@ -120,7 +132,7 @@ def test_packed_row_equals_sequences_run_alone(model_split) -> None:
     alone_a, _ = forward(model_split, a[None], np.arange(la)[None], causal(1, la))
     alone_b, _ = forward(model_split, b[None], np.arange(lb)[None], causal(1, lb))
     np.testing.assert_allclose(packed[0, :la], alone_a[0], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(packed[0, la:la + lb], alone_b[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed[0, la : la + lb], alone_b[0], atol=1e-5, rtol=0)
 
 
 def test_logits_are_invariant_to_a_shift_of_all_positions(model_split) -> None:
@@ -136,15 +148,22 @@ def test_logits_are_invariant_to_a_shift_of_all_positions(model_split) -> None:
 # -- GQA layout and parameter count ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cfg", [
-    CFG,
-    dataclasses.replace(CFG, tie_embeddings=False),
-    dataclasses.replace(CFG, num_kv_heads=1, num_layers=3),
-    dataclasses.replace(CFG, num_kv_heads=4, mlp_dim=96, vocab_size=264),
-    dataclasses.replace(CFG, attention_bias=True, tie_embeddings=False),
-    dataclasses.replace(CFG, num_layers=3, num_experts=4, num_experts_per_tok=2, moe_mlp_dim=24, mlp_only_layers=(1,)),
-    dataclasses.replace(CFG, num_layers=4, num_experts=6, num_experts_per_tok=1, moe_mlp_dim=8, decoder_sparse_step=2),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        CFG,
+        dataclasses.replace(CFG, tie_embeddings=False),
+        dataclasses.replace(CFG, num_kv_heads=1, num_layers=3),
+        dataclasses.replace(CFG, num_kv_heads=4, mlp_dim=96, vocab_size=264),
+        dataclasses.replace(CFG, attention_bias=True, tie_embeddings=False),
+        dataclasses.replace(
+            CFG, num_layers=3, num_experts=4, num_experts_per_tok=2, moe_mlp_dim=24, mlp_only_layers=(1,)
+        ),
+        dataclasses.replace(
+            CFG, num_layers=4, num_experts=6, num_experts_per_tok=1, moe_mlp_dim=8, decoder_sparse_step=2
+        ),
+    ],
+)
 def test_num_params_matches_the_initialized_model(cfg: ModelConfig) -> None:
     model = nnx.eval_shape(lambda: new_model(cfg))
     sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
@@ -157,8 +176,11 @@ def test_num_params_matches_the_initialized_model(cfg: ModelConfig) -> None:
     assert hasattr(model, "lm_head") == (not cfg.tie_embeddings)
     for i, layer in enumerate(model.layers):
         assert hasattr(layer, "moe") == cfg.is_moe_layer(i) != hasattr(layer, "mlp")
-    active = sum(sizes) - sum(int(np.prod(layer.moe.gate_proj.shape)) * 3 * (1 - cfg.num_experts_per_tok / cfg.num_experts)
-                              for layer in model.layers if hasattr(layer, "moe"))
+    active = sum(sizes) - sum(
+        int(np.prod(layer.moe.gate_proj.shape)) * 3 * (1 - cfg.num_experts_per_tok / cfg.num_experts)
+        for layer in model.layers
+        if hasattr(layer, "moe")
+    )
     assert cfg.num_active_params == int(round(active))
 
 

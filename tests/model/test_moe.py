@@ -67,8 +67,9 @@ def test_load_balancing_loss_is_one_for_a_uniform_router_and_ignores_padding() -
     logits = jnp.asarray(rng.normal(size=(2, 12, x_)) * 3, jnp.float32)
     mask = jnp.asarray([1] * 8 + [0] * 4, jnp.float32)
     garbage = logits.at[:, 8:].set(50.0 * jnp.arange(x_))  # padding rows routed anywhere: must not matter
-    np.testing.assert_allclose(float(load_balancing_loss(garbage, k, mask)), float(load_balancing_loss(logits[:, :8], k)),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        float(load_balancing_loss(garbage, k, mask)), float(load_balancing_loss(logits[:, :8], k)), rtol=1e-6
+    )
     # a router that sends every token to the same experts is penalized
     collapsed = jnp.zeros((1, 10, x_)).at[..., :2].set(10.0)
     assert float(load_balancing_loss(collapsed, k)) > 3.9 * float(load_balancing_loss(uniform, k))
@@ -82,8 +83,9 @@ def split():
 
 def _loss(graphdef, params, tokens, segs, coef):
     b, t = tokens.shape
-    logits, _, aux = nnx.merge(graphdef, params)(tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), segment_causal_mask(segs),
-                                                 return_aux=True)
+    logits, _, aux = nnx.merge(graphdef, params)(
+        tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), segment_causal_mask(segs), return_aux=True
+    )
     nll = -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
     return nll + coef * aux.load_balancing_loss
 

@@ -16,10 +16,26 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gyre_jax.config import load_config
 from gyre_jax.model.attention import segment_causal_mask
 from gyre_jax.model.config import ModelConfig
-from gyre_jax.model.sharding import MESH_AXES, abstract_model, init_params, logical_to_spec, make_mesh, param_shardings, reshard
+from gyre_jax.model.sharding import (
+    MESH_AXES,
+    abstract_model,
+    init_params,
+    logical_to_spec,
+    make_mesh,
+    param_shardings,
+    reshard,
+)
 
-CFG = ModelConfig(vocab_size=272, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
-                  rope_theta=10000.0)
+CFG = ModelConfig(
+    vocab_size=272,
+    num_layers=2,
+    embed_dim=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    mlp_dim=128,
+    rope_theta=10000.0,
+)
 RULES = tuple((k, v) for k, v in load_config([]).sharding_rules)
 P = PartitionSpec
 
@@ -65,8 +81,10 @@ def test_logical_to_spec_drops_axes_that_do_not_divide_the_dimension() -> None:
 
 
 _axis_lists = st.lists(st.sampled_from(MESH_AXES), max_size=3, unique=True)
-_rules = st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.one_of(st.none(), st.sampled_from(MESH_AXES), _axis_lists)),
-                  max_size=6)
+_rules = st.lists(
+    st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.one_of(st.none(), st.sampled_from(MESH_AXES), _axis_lists)),
+    max_size=6,
+)
 _MESHES = {
     "222": lambda: mesh_222(),
     "8": lambda: make_mesh(jax.devices(), dict(data=8)),
@@ -76,8 +94,11 @@ _MESHES = {
 
 
 @settings(max_examples=200, deadline=None)
-@given(_rules, st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d", None]), st.integers(1, 24)), min_size=1, max_size=4),
-       st.sampled_from(sorted(_MESHES)))
+@given(
+    _rules,
+    st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d", None]), st.integers(1, 24)), min_size=1, max_size=4),
+    st.sampled_from(sorted(_MESHES)),
+)
 def test_logical_to_spec_properties(rules, dims, mesh_name) -> None:
     """Each mesh axis at most once; every split divides its dimension; only rule-listed axes are used."""
     mesh = _MESHES[mesh_name]()
@@ -118,8 +139,15 @@ _BATCH = np.random.default_rng(0).integers(0, CFG.vocab_size, size=(8, 12)).asty
 
 def _run(graphdef, params):
     b, t = _BATCH.shape
-    return np.asarray(_logits(graphdef, params, jnp.asarray(_BATCH), jnp.broadcast_to(jnp.arange(t), (b, t)),
-                              segment_causal_mask(jnp.ones((b, t), jnp.int32))))
+    return np.asarray(
+        _logits(
+            graphdef,
+            params,
+            jnp.asarray(_BATCH),
+            jnp.broadcast_to(jnp.arange(t), (b, t)),
+            segment_causal_mask(jnp.ones((b, t), jnp.int32)),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +165,12 @@ MESH_CASES = {
 EXPECTED_SPECS = {
     "data8": {"table": P(None, None), "q": P(None, None, None), "gate": P(None, None)},
     "data2_fsdp2_tensor2": {"table": P("tensor", "fsdp"), "q": P("fsdp", "tensor", None), "gate": P("fsdp", "tensor")},
-    "tensor4_submesh": {"table": P("tensor", None), "q": P(None, "tensor", None), "gate": P(None, "tensor"),
-                        "k": P(None, None, None)},  # 2 kv heads do not split over 4
+    "tensor4_submesh": {
+        "table": P("tensor", None),
+        "q": P(None, "tensor", None),
+        "gate": P(None, "tensor"),
+        "k": P(None, None, None),
+    },  # 2 kv heads do not split over 4
 }
 
 
@@ -161,8 +193,12 @@ def test_init_and_logits_do_not_depend_on_the_mesh(case, single_device_reference
     _, ref_params, ref_logits = single_device_reference
     mesh, graphdef, params = params_on(case)
     layer = params["layers"][0]
-    specs = {"table": params["embedder"]["table"], "q": layer["attn"]["q_proj"]["w"], "gate": layer["mlp"]["gate_proj"]["w"],
-             "k": layer["attn"]["k_proj"]["w"]}
+    specs = {
+        "table": params["embedder"]["table"],
+        "q": layer["attn"]["q_proj"]["w"],
+        "gate": layer["mlp"]["gate_proj"]["w"],
+        "k": layer["attn"]["k_proj"]["w"],
+    }
     for name, spec in EXPECTED_SPECS[case].items():
         assert specs[name].sharding.spec == spec, name
         assert set(specs[name].sharding.device_set) == set(mesh.devices.flat)
@@ -181,7 +217,9 @@ def test_reshard_between_disjoint_submeshes_keeps_values(single_device_reference
     moved = reshard(params, dst_shardings)
 
     src_devices, dst_devices = set(jax.devices()[4:8]), set(jax.devices()[:4])
-    for before, after, want in zip(jax.tree.leaves(params), jax.tree.leaves(moved), jax.tree.leaves(dst_shardings), strict=True):
+    for before, after, want in zip(
+        jax.tree.leaves(params), jax.tree.leaves(moved), jax.tree.leaves(dst_shardings), strict=True
+    ):
         assert set(before.sharding.device_set) == src_devices
         assert set(after.sharding.device_set) == dst_devices
         assert after.sharding == want

@@ -65,8 +65,13 @@ def test_chat_template_round_trips_with_one_id_per_marker() -> None:
 
 @pytest.mark.parametrize(
     "specials,num_real,vocab",
-    [(SPECIAL_TOKENS, 265, 272), ((), 256, 256), (("<a>",), 257, 264), (tuple(f"<{i}>" for i in range(8)), 264, 264),
-     (tuple(f"<{i}>" for i in range(9)), 265, 272)],
+    [
+        (SPECIAL_TOKENS, 265, 272),
+        ((), 256, 256),
+        (("<a>",), 257, 264),
+        (tuple(f"<{i}>" for i in range(8)), 264, 264),
+        (tuple(f"<{i}>" for i in range(9)), 265, 272),
+    ],
 )
 def test_vocab_size_is_real_tokens_padded_to_a_multiple_of_8(specials, num_real, vocab) -> None:
     tok = ByteTokenizer(special_tokens=specials)
@@ -83,7 +88,7 @@ def test_default_vocab_matches_the_tiny_model() -> None:
 
 def test_decode_of_invalid_utf8_does_not_raise() -> None:
     assert TOK.decode([0xFF, 0xFE]) == "\ufffd\ufffd"
-    e_acute = list("é".encode("utf-8"))  # [0xC3, 0xA9]
+    e_acute = list("é".encode())  # [0xC3, 0xA9]
     assert TOK.decode(e_acute[:1]) == "\ufffd"  # a cut multi-byte character
     # a cut character right before a special token is replaced, the special token survives
     assert TOK.decode(e_acute[:1] + [TOK.token_id("<|im_end|>")] + e_acute) == "\ufffd<|im_end|>é"

@@ -58,7 +58,9 @@ class Backend:
         text = FINAL if "<tool_response>" in prompt else THINK_TOOL
         ids = (TOKENIZER.encode(text) + [IM_END])[: request.sampling.max_tokens]
         finish = "stop" if ids[-1] == IM_END else "length"
-        return GenerationResult(request.request_id, ids, [-0.25] * len(ids), [5] * len(ids), finish, len(request.prompt_ids), "cell0")
+        return GenerationResult(
+            request.request_id, ids, [-0.25] * len(ids), [5] * len(ids), finish, len(request.prompt_ids), "cell0"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +131,13 @@ def test_sdk_tool_round_trip_with_thinking_non_streaming(server, store, executio
     assert tool_use.name == "get_weather" and tool_use.input == {"city": "Paris"} and tool_use.id.startswith("toolu_")
     messages += [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use.id, "content": "sunny"},
-                                     {"type": "text", "text": "Thanks!"}]},  # fmt: skip
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": tool_use.id, "content": "sunny"},
+                {"type": "text", "text": "Thanks!"},
+            ],
+        },  # fmt: skip
     ]
     second = sdk.messages.create(model=MODEL, max_tokens=512, system="You are helpful.", tools=TOOLS, messages=messages)
     assert second.stop_reason == "end_turn" and [b.type for b in second.content] == ["text"]
@@ -143,7 +150,10 @@ def test_sdk_tool_round_trip_with_thinking_non_streaming(server, store, executio
     assert r2.reused_prefix_len == len(r1.prompt_ids) + len(r1.completion_ids)
     assert r2.prompt_ids[: r2.reused_prefix_len] == r1.prompt_ids + r1.completion_ids
     new_text = TOKENIZER.decode(r2.prompt_ids[r2.reused_prefix_len :])
-    assert new_text == "\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        new_text
+        == "\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert TOKENIZER.decode(r1.prompt_ids).startswith("<|im_start|>system\nYou are helpful.\n\n# Tools")
     assert first.usage.input_tokens == len(r1.prompt_ids) and first.usage.output_tokens == len(r1.completion_ids)
 
@@ -206,12 +216,19 @@ def test_claude_code_shapes_threads_and_count_tokens(server, store, execution) -
     assert [r.thread_id for r in records[:2]] == ["sess-1", "sess-1~" + records[1].thread_id.split("~")[1]]
     assert records[2].thread_id == "sess-1" and records[1].thread_id != "sess-1"
     text = TOKENIZER.decode(records[0].prompt_ids)
-    assert "<|im_start|>user\ndo it<|im_end|>\n<|im_start|>system\n# Environment<|im_end|>\n<|im_start|>assistant\n" in text
+    assert (
+        "<|im_start|>user\ndo it<|im_end|>\n<|im_start|>system\n# Environment<|im_end|>\n<|im_start|>assistant\n"
+        in text
+    )
 
     count = httpx.post(f"{server.anthropic_base_url}/v1/messages/count_tokens", headers=headers, timeout=10,
                        json={"model": MODEL, "system": "main agent", "messages": [{"role": "user", "content": "do it"}]})  # fmt: skip
     assert count.status_code == 200
-    assert count.json()["input_tokens"] == len(TOKENIZER.encode("<|im_start|>system\nmain agent<|im_end|>\n<|im_start|>user\ndo it<|im_end|>\n<|im_start|>assistant\n"))
+    assert count.json()["input_tokens"] == len(
+        TOKENIZER.encode(
+            "<|im_start|>system\nmain agent<|im_end|>\n<|im_start|>user\ndo it<|im_end|>\n<|im_start|>assistant\n"
+        )
+    )
     sdk_count = client(server, key).messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "do it"}])
     assert sdk_count.input_tokens > 0
     assert server.execution_calls(execution_id) == 3  # count_tokens records nothing
@@ -221,7 +238,9 @@ def test_thread_state_is_bounded_per_execution(server, execution) -> None:
     execution_id, key = execution
     sdk = client(server, key)
     for i in range(6):
-        sdk.messages.create(model=MODEL, max_tokens=32, system=f"agent {i}", messages=[{"role": "user", "content": "x"}])
+        sdk.messages.create(
+            model=MODEL, max_tokens=32, system=f"agent {i}", messages=[{"role": "user", "content": "x"}]
+        )
     threads = server.execution_threads(execution_id)
     assert len(threads) == 3  # max_threads_per_execution: the least recently used were forgotten
 
@@ -248,8 +267,16 @@ def test_malformed_anthropic_burst_then_valid(server, backend, execution) -> Non
         ({k: v for k, v in good.items() if k != "messages"}, 400, "invalid_request_error"),
         ({**good, "messages": []}, 400, "invalid_request_error"),
         ({**good, "messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_request_error"),
-        ({**good, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "invalid_request_error"),
-        ({**good, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t"}]}]}, 400, "invalid_request_error"),
+        (
+            {**good, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {**good, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t"}]}]},
+            400,
+            "invalid_request_error",
+        ),
         ({**good, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, 400, "invalid_request_error"),
         ({**good, "messages": [{"role": "user", "content": [{"text": "no type"}]}]}, 400, "invalid_request_error"),
         ({**good, "tools": [{"description": "no name"}]}, 400, "invalid_request_error"),
@@ -258,14 +285,21 @@ def test_malformed_anthropic_burst_then_valid(server, backend, execution) -> Non
         ({**good, "thinking": {"type": "sometimes"}}, 400, "invalid_request_error"),
         ({**good, "model": "claude-opus"}, 404, "not_found_error"),
         ({**good, "messages": [{"role": "user", "content": "x" * (MAX_CONTEXT + 5)}]}, 400, "invalid_request_error"),
-        (json.dumps({**good, "messages": [{"role": "user", "content": "x" * 200_000}]}).encode(), 413, "request_too_large"),
+        (
+            json.dumps({**good, "messages": [{"role": "user", "content": "x" * 200_000}]}).encode(),
+            413,
+            "request_too_large",
+        ),
     ]
     for body, status, kind in bad:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         assert_anthropic_error(httpx.post(url, content=content, headers=headers, timeout=10), status, kind)
     assert "not supported yet" in assert_anthropic_error(
-        httpx.post(url, json={**good, "stop_sequences": ["x"]}, headers=headers, timeout=10), 400)
-    assert_anthropic_error(httpx.post(url, json=good, headers={"x-api-key": "never-issued"}, timeout=10), 401, "authentication_error")
+        httpx.post(url, json={**good, "stop_sequences": ["x"]}, headers=headers, timeout=10), 400
+    )
+    assert_anthropic_error(
+        httpx.post(url, json=good, headers={"x-api-key": "never-issued"}, timeout=10), 401, "authentication_error"
+    )
     assert_anthropic_error(httpx.post(url, json=good, timeout=10), 401, "authentication_error")
     assert_anthropic_error(httpx.get(f"{server.anthropic_base_url}/v1/messages/nope", headers=headers, timeout=10), 404)
     with pytest.raises(anthropic.NotFoundError):
@@ -316,10 +350,14 @@ def test_legacy_completions_and_token_cap(server, store, backend, execution) -> 
 def test_record_store_counts_and_streams_without_loading_everything(tmp_path) -> None:
     store = RecordStore(tmp_path)
     for i in range(3):
-        store.append(TitoRecord("e", i, "main", f"r{i}", [1, 2], [3], [-0.1], [0], "stop", 1.0, 0, 0.0, 1.0, api="messages"))
+        store.append(
+            TitoRecord("e", i, "main", f"r{i}", [1, 2], [3], [-0.1], [0], "stop", 1.0, 0, 0.0, 1.0, api="messages")
+        )
     with open(store.path("e"), "a", encoding="utf-8") as f:
         f.write('{"execution_id": "e", "call_index": 3')  # a torn last line: that call never got its response
-    assert store.count("e") == 3 and [r.call_index for r in store.iter("e")] == [0, 1, 2] == [r.call_index for r in store.read("e")]
+    assert store.count("e") == 3 and [r.call_index for r in store.iter("e")] == [0, 1, 2] == [
+        r.call_index for r in store.read("e")
+    ]
     assert store.count("missing") == 0 and list(store.iter("missing")) == []
     # Records written before api/cell existed still load.
     legacy = {k: v for k, v in json.loads(store.read("e")[0].to_json()).items() if k not in ("api", "cell")}

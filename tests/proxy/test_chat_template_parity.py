@@ -34,7 +34,9 @@ def test_fixture_template_is_the_one_the_script_embeds() -> None:
     """The committed template file is what the cases were rendered with (guards hand edits of either)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_fixtures", FIXTURES.parents[2] / "scripts" / "make_template_fixtures.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_fixtures", FIXTURES.parents[2] / "scripts" / "make_template_fixtures.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert (FIXTURES / "qwen3_chat_template.jinja").read_text(encoding="utf-8") == module.QWEN3_CHAT_TEMPLATE

@@ -32,9 +32,12 @@ def grads_list(mesh):
     """N gradient trees whose float32 sum depends on the order of addition (values of very different scale)."""
     rng = np.random.default_rng(0)
     out = []
-    for i in range(N):
+    for _ in range(N):
         scale = 10.0 ** rng.integers(-4, 5, size=(8, 6))
-        tree = {"w": (rng.normal(size=(8, 6)) * scale).astype(np.float32), "b": rng.normal(size=(3,)).astype(np.float32)}
+        tree = {
+            "w": (rng.normal(size=(8, 6)) * scale).astype(np.float32),
+            "b": rng.normal(size=(3,)).astype(np.float32),
+        }
         out.append(jax.device_put(tree, shardings_on(mesh)))
     return out
 

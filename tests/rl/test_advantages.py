@@ -25,8 +25,13 @@ def test_advantages_are_normalized_within_each_group():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.one_of(st.none(), st.floats(-100, 100, allow_nan=False)), min_size=1, max_size=6),
-                min_size=1, max_size=5))
+@given(
+    st.lists(
+        st.lists(st.one_of(st.none(), st.floats(-100, 100, allow_nan=False)), min_size=1, max_size=6),
+        min_size=1,
+        max_size=5,
+    )
+)
 def test_group_statistics_property(group_rewards):
     rewards, groups = {}, {}
     for g, rs in enumerate(group_rewards):
@@ -37,8 +42,13 @@ def test_group_statistics_property(group_rewards):
     valid = [[r for r in rs if r is not None] for rs in group_rewards]
     assert out.excluded == sum(r is None for rs in group_rewards for r in rs)
     assert out.skipped_groups == sum(len(v) < 2 for v in valid)
-    expected_ids = {f"g{g}-{j}" for g, rs in enumerate(group_rewards) if len(valid[g]) >= 2
-                    for j, r in enumerate(rs) if r is not None}
+    expected_ids = {
+        f"g{g}-{j}"
+        for g, rs in enumerate(group_rewards)
+        if len(valid[g]) >= 2
+        for j, r in enumerate(rs)
+        if r is not None
+    }
     assert set(out.advantages) == expected_ids
     for g, rs in enumerate(group_rewards):
         if len(valid[g]) < 2:

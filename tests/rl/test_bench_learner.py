@@ -14,7 +14,9 @@ import pytest
 from gyre_jax.rl.losses import gspo_loss
 from gyre_jax.trajectory.batch import make_micro_batches
 
-SPEC = importlib.util.spec_from_file_location("bench_learner", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_learner.py")
+SPEC = importlib.util.spec_from_file_location(
+    "bench_learner", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_learner.py"
+)
 bench = importlib.util.module_from_spec(SPEC)
 sys.modules.setdefault("bench_learner", bench)  # dataclasses look their module up by name
 SPEC.loader.exec_module(bench)
@@ -42,9 +44,18 @@ def test_packer_keeps_every_trajectory_exactly_once(workload):
                 assert np.array_equal(mb.positions[r, idx], np.arange(len(idx)))  # positions restart
                 assert np.all(mb.subtree_end[r, idx] == idx[-1] + 1)  # plain causal segment
                 (s,) = set(mb.seq_index[r, idx])
-                found.append((mb.tokens[r, idx].tolist(), mb.targets[r, idx].tolist(), mb.loss_mask[r, idx].tolist(),
-                              float(mb.advantages[s]), float(mb.seq_weights[s])))
-    want = [(b.tokens[:-1], b.tokens[1:], [float(t) for t in b.trainable[1:]], a, x) for b, a, x in zip(branches, adv, w)]
+                found.append(
+                    (
+                        mb.tokens[r, idx].tolist(),
+                        mb.targets[r, idx].tolist(),
+                        mb.loss_mask[r, idx].tolist(),
+                        float(mb.advantages[s]),
+                        float(mb.seq_weights[s]),
+                    )
+                )
+    want = [
+        (b.tokens[:-1], b.tokens[1:], [float(t) for t in b.trainable[1:]], a, x) for b, a, x in zip(branches, adv, w)
+    ]
     assert len(found) == len(want)
     by_tokens = {tuple(f[0]): f for f in found}
     assert len(by_tokens) == len(found)  # the synthetic trajectories are distinct
@@ -76,7 +87,7 @@ def test_packed_and_unpacked_layouts_give_the_same_gspo_loss(workload):
     def logp_of(mb, r, t):  # depends on the token, its position and its own segment's history only
         seg = mb.segment_ids[r]
         start = np.flatnonzero(seg == seg[t])[0]
-        return -1.0 - 0.01 * (int(np.sum(mb.tokens[r, start:t + 1])) % 97) - 0.001 * mb.positions[r, t]
+        return -1.0 - 0.01 * (int(np.sum(mb.tokens[r, start : t + 1])) % 97) - 0.001 * mb.positions[r, t]
 
     packed = bench.pack_first_fit(branches, adv, w, suite.row_length, suite.packed_rows)
     naive = make_micro_batches(branches, adv, w, suite.naive_rows)
@@ -85,7 +96,15 @@ def test_packed_and_unpacked_layouts_give_the_same_gspo_loss(workload):
 
 def test_model_flops_match_a_token_by_token_count():
     cfg = bench.TINY
-    e, h, k, d, m, v, layers = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size, cfg.num_layers
+    e, h, k, d, m, v, layers = (
+        cfg.embed_dim,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.mlp_dim,
+        cfg.vocab_size,
+        cfg.num_layers,
+    )
     per_token_matmul = 2 * (layers * (2 * e * h * d + 2 * e * k * d + 3 * e * m) + e * v)
     want = 0.0
     for n in (5, 17):

@@ -17,8 +17,16 @@ from gyre_jax.rl.learner import Learner, OptimizerConfig, token_logprobs
 from gyre_jax.trajectory.batch import make_micro_batches, replace
 from gyre_jax.trajectory.branches import Branch
 
-CFG = ModelConfig(vocab_size=272, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
-                  rope_theta=10000.0)
+CFG = ModelConfig(
+    vocab_size=272,
+    num_layers=2,
+    embed_dim=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    mlp_dim=128,
+    rope_theta=10000.0,
+)
 ROWS, MULTIPLE = 4, 32  # every micro-batch: [4, 32]
 
 
@@ -46,11 +54,21 @@ def make_branches(seed: int) -> list[Branch]:
     rng = np.random.default_rng(seed)
     branches = []
     for i in range(4):
-        parts = [(rng.integers(3, 8), False), (rng.integers(3, 9), True), (rng.integers(1, 5), False), (rng.integers(2, 9), True)]
+        parts = [
+            (rng.integers(3, 8), False),
+            (rng.integers(3, 9), True),
+            (rng.integers(1, 5), False),
+            (rng.integers(2, 9), True),
+        ]
         b = Branch(execution_id=f"e{i}", thread_id="main", label="main")
         for n, trainable in parts:
-            b._append(rng.integers(0, 256, int(n)).tolist(), trainable=trainable,
-                      logprobs=[0.0] * int(n), temperature=0.7, versions=[0] * int(n))
+            b._append(
+                rng.integers(0, 256, int(n)).tolist(),
+                trainable=trainable,
+                logprobs=[0.0] * int(n),
+                temperature=0.7,
+                versions=[0] * int(n),
+            )
         assert len(b.tokens) - 1 <= MULTIPLE
         branches.append(b)
     return branches
@@ -58,8 +76,12 @@ def make_branches(seed: int) -> list[Branch]:
 
 def batches(branches, advantages, weights, groups):
     """One [4, 32] micro-batch per group of branch indices (short groups padded with empty rows)."""
-    return [make_micro_batches([branches[i] for i in g], [advantages[i] for i in g], [weights[i] for i in g],
-                               ROWS, multiple=MULTIPLE)[0] for g in groups]
+    return [
+        make_micro_batches(
+            [branches[i] for i in g], [advantages[i] for i in g], [weights[i] for i in g], ROWS, multiple=MULTIPLE
+        )[0]
+        for g in groups
+    ]
 
 
 def set_behaviour_logprobs(branches, logprob_fn, params, noise: float, seed: int, shifts=(0.0,) * 4) -> None:

@@ -87,7 +87,9 @@ def test_gspo_value_and_gradient_match_numpy_reference(layout, seed):
     adv = rng.normal(0.0, 1.0, S).astype(np.float32)
     w = rng.uniform(0.1, 1.0, S).astype(np.float32)
 
-    ref_loss, ref_grad, ref_ratio, ref_clipped, ref_w = reference_gspo(logp, old, mask, seq_index, adv, w, CLIP_LOW, CLIP_HIGH)
+    ref_loss, ref_grad, ref_ratio, ref_clipped, ref_w = reference_gspo(
+        logp, old, mask, seq_index, adv, w, CLIP_LOW, CLIP_HIGH
+    )
     # Keep away from the exact clip boundaries, where float32 and float64 may pick different branches.
     assume(np.all(np.abs(ref_ratio - (1 - CLIP_LOW)) > 1e-4) and np.all(np.abs(ref_ratio - (1 + CLIP_HIGH)) > 1e-4))
 
@@ -224,7 +226,9 @@ def _random_case(layout, seed, spread=0.6):
 def _value_and_grad(fn, cl, ch):
     @jax.jit
     def run(logp, old, mask, seq_index, adv, w):
-        (loss, metrics), grad = jax.value_and_grad(lambda lp: fn(lp, old, mask, seq_index, adv, w, cl, ch), has_aux=True)(logp)
+        (loss, metrics), grad = jax.value_and_grad(
+            lambda lp: fn(lp, old, mask, seq_index, adv, w, cl, ch), has_aux=True
+        )(logp)
         return loss, metrics, grad
 
     return run
@@ -245,8 +249,9 @@ def test_gspo_token_value_and_gradient_match_numpy_reference(layout, seed, per_t
     seq_index, mask, empty, logp, old, seq_adv, tok_adv, w = _random_case(layout, seed)
     adv = tok_adv if per_token else seq_adv
     ref_tok_adv = tok_adv if per_token else seq_adv[seq_index]
-    ref_loss, ref_grad, ref_clip, ref_ratio = reference_token_level(logp, old, mask, seq_index, ref_tok_adv, w,
-                                                                   CLIP_LOW, CLIP_HIGH, "sequence")
+    ref_loss, ref_grad, ref_clip, ref_ratio = reference_token_level(
+        logp, old, mask, seq_index, ref_tok_adv, w, CLIP_LOW, CLIP_HIGH, "sequence"
+    )
     _, _, seq_ratio, _, ref_w = reference_gspo(logp, old, mask, seq_index, seq_adv, w, CLIP_LOW, CLIP_HIGH)
     assume(_away_from_clip_edges(seq_ratio, CLIP_LOW, CLIP_HIGH))
     loss, metrics, grad = _gspo_token_vg(logp, old, mask, seq_index, adv, w)
@@ -258,8 +263,9 @@ def test_gspo_token_value_and_gradient_match_numpy_reference(layout, seed, per_t
     assert np.all(np.asarray(grad)[mask == 0] == 0.0)
     if per_token:
         # Per-token advantages really change the result (the reference would be blind to them otherwise).
-        other, _, _, _ = reference_token_level(logp, old, mask, seq_index, seq_adv[seq_index], w, CLIP_LOW, CLIP_HIGH,
-                                               "sequence")
+        other, _, _, _ = reference_token_level(
+            logp, old, mask, seq_index, seq_adv[seq_index], w, CLIP_LOW, CLIP_HIGH, "sequence"
+        )
         assert ref_w.sum() == 0 or abs(other - ref_loss) > 1e-6
 
 
@@ -274,8 +280,9 @@ def test_grpo_value_and_gradient_match_numpy_reference(layout, seed, per_token):
     ref_tok_adv = tok_adv if per_token else seq_adv[seq_index]
     token_ratio = np.exp(logp.astype(np.float64) - old)
     assume(_away_from_clip_edges(token_ratio[mask > 0], CLIP_LOW, CLIP_HIGH))
-    ref_loss, ref_grad, ref_clip, ref_ratio = reference_token_level(logp, old, mask, seq_index, ref_tok_adv, w,
-                                                                   CLIP_LOW, CLIP_HIGH, "token")
+    ref_loss, ref_grad, ref_clip, ref_ratio = reference_token_level(
+        logp, old, mask, seq_index, ref_tok_adv, w, CLIP_LOW, CLIP_HIGH, "token"
+    )
     loss, metrics, grad = _grpo_vg(logp, old, mask, seq_index, adv, w)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-4, atol=1e-7)
@@ -311,7 +318,8 @@ def test_gspo_token_differs_from_gspo_with_per_token_advantages():
     grad = jax.grad(lambda lp: gspo_token_loss(lp, logp, mask, seq_index, tok_adv, w, 0.2, 0.28)[0])(jnp.asarray(logp))
     np.testing.assert_allclose(np.asarray(grad), [[-0.25, 0.25]], rtol=1e-6)
     grad_seq = jax.grad(lambda lp: gspo_loss(lp, logp, mask, seq_index, np.zeros(1, np.float32), w, 0.2, 0.28)[0])(
-        jnp.asarray(logp))
+        jnp.asarray(logp)
+    )
     np.testing.assert_allclose(np.asarray(grad_seq), 0.0)
 
 
@@ -350,7 +358,8 @@ def test_padding_values_never_reach_loss_or_gradient():
     dirty = old.copy()
     dirty[0, 2], dirty[0, 3] = np.nan, -np.inf
     for fn in (gspo_loss, gspo_token_loss, grpo_loss):
-        def f(lp, o):
+
+        def f(lp, o, fn=fn):
             return fn(lp, o, mask, seq_index, adv, w, 0.2, 0.28)[0]
 
         clean_v, clean_g = jax.value_and_grad(f)(jnp.asarray(logp), old)
@@ -412,8 +421,9 @@ def test_behaviour_importance_weights_are_truncated_sequence_ratios():
     logp, behaviour, mask, seq_index, adv, w = _objective_case()
     cap = 1.05
     plain = rl_objective(logp, behaviour, mask, seq_index, adv, w, LossConfig(recompute_behaviour=True))[0]
-    weighted, m = rl_objective(logp, behaviour, mask, seq_index, adv, w,
-                               LossConfig(recompute_behaviour=True, behaviour_is_cap=cap))
+    weighted, m = rl_objective(
+        logp, behaviour, mask, seq_index, adv, w, LossConfig(recompute_behaviour=True, behaviour_is_cap=cap)
+    )
     seq_log_w, _ = sequence_mean(logp - behaviour, mask, seq_index, 4)
     iw = np.minimum(np.exp(np.asarray(seq_log_w, np.float64)), cap)
     assert np.any(iw == cap) and np.any(iw < cap)  # the case exercises the cap and the plain ratio
@@ -476,8 +486,10 @@ def test_a_sequence_split_over_micro_batches_adds_up_exactly_with_whole_sequence
     seq_adv = adv[[0, 1, 1], [0, 0, 5]]
     w = np.array([0.5, 0.3, 0.2], np.float32)
     # Part A: row 0 up to ``cut`` (padded); part B: the rest of row 0 (padded) + row 1. Same sequence slots.
-    part_a = [np.concatenate([np.pad(x[:1, :cut], ((0, 0), (0, t - cut))), np.zeros_like(x[1:])])
-              for x in (logp, old, ref, mask, adv)] + [seq_index]
+    part_a = [
+        np.concatenate([np.pad(x[:1, :cut], ((0, 0), (0, t - cut))), np.zeros_like(x[1:])])
+        for x in (logp, old, ref, mask, adv)
+    ] + [seq_index]
     part_b = [np.concatenate([np.pad(x[:1, cut:], ((0, 0), (0, cut))), x[1:]]) for x in (logp, old, ref, mask, adv)]
     part_b += [seq_index]
     sums, counts = np.zeros(3), np.zeros(3)
@@ -494,7 +506,7 @@ def test_a_sequence_split_over_micro_batches_adds_up_exactly_with_whole_sequence
         vb, gb = _SPLIT[name, True](*part_b, seq_adv, w, seq_lr, seq_n)
         assert float(va) + float(vb) == pytest.approx(float(whole), rel=1e-5, abs=1e-7), name
         ga, gb = np.asarray(ga), np.asarray(gb)
-        glued = np.stack([np.concatenate([ga[0, :cut], gb[0, :t - cut]]), gb[1]])
+        glued = np.stack([np.concatenate([ga[0, :cut], gb[0, : t - cut]]), gb[1]])
         np.testing.assert_allclose(glued, np.asarray(g_whole), rtol=1e-4, atol=1e-7, err_msg=name)
         assert np.all(ga[1] == 0.0)
         if name in ("gspo", "gspo_token"):  # without the statistics each part has its own ratio: no longer exact

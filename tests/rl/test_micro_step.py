@@ -15,8 +15,9 @@ from gyre_jax.rl.micro_step import GradWorker
 from gyre_jax.trajectory.batch import make_micro_batches, replace
 from gyre_jax.trajectory.branches import Branch
 
-DENSE = ModelConfig(vocab_size=272, num_layers=2, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
-                    rope_theta=10000.0)
+DENSE = ModelConfig(
+    vocab_size=272, num_layers=2, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, rope_theta=10000.0
+)
 MOE = dataclasses.replace(DENSE, num_experts=4, num_experts_per_tok=2, moe_mlp_dim=16, router_aux_loss_coef=0.01)
 
 
@@ -32,7 +33,9 @@ def micro_batch(advantages):
 
 
 def flat(tree):
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(jax.device_get(tree))}
+    return {
+        jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(jax.device_get(tree))
+    }
 
 
 def test_moe_load_balancing_term_trains_the_router_with_its_share_of_the_step():

@@ -16,8 +16,9 @@ def branch(eid: str, versions: list[int], label: str = "main") -> Branch:
     """A branch with a 3-token prompt (no version) and one completion token per entry of ``versions``."""
     b = Branch(execution_id=eid, thread_id="main", label=label)
     b._append([1, 2, 3], trainable=False)
-    b._append(list(range(10, 10 + len(versions))), trainable=True, logprobs=[-0.5] * len(versions),
-              versions=list(versions))
+    b._append(
+        list(range(10, 10 + len(versions))), trainable=True, logprobs=[-0.5] * len(versions), versions=list(versions)
+    )
     return b
 
 
@@ -26,8 +27,11 @@ def test_staleness_is_current_version_minus_the_oldest_trainable_token():
     assert oldest_version([branch("e", [3, 3, 4, 5])]) == 3
     assert oldest_version([branch("e", [6, 7]), branch("e", [5, 9], label="subagent")]) == 5
     assert oldest_version([Branch(execution_id="e", thread_id="main", label="main")]) is None
-    report = measure_staleness({"a": [branch("a", [3, 4, 5])], "b": [branch("b", [6])], "c": [branch("c", [2, 6])]},
-                               current_version=6, max_staleness=2)
+    report = measure_staleness(
+        {"a": [branch("a", [3, 4, 5])], "b": [branch("b", [6])], "c": [branch("c", [2, 6])]},
+        current_version=6,
+        max_staleness=2,
+    )
     assert report.staleness == {"a": 3, "b": 0, "c": 4}
     assert report.dropped == ["a", "c"]
     assert report.metrics() == {"staleness_mean": pytest.approx(7 / 3), "staleness_max": 4, "stale_dropped": 2}
@@ -50,7 +54,16 @@ def test_tokens_without_a_version_cannot_be_bounded():
 def test_stale_executions_leave_their_group_which_is_renormalized():
     groups = {f"t{g}-{i}": f"t{g}" for g in range(2) for i in range(4)}
     rewards = {"t0-0": 1.0, "t0-1": 0.0, "t0-2": 0.5, "t0-3": 0.25, "t1-0": 1.0, "t1-1": 0.0, "t1-2": None, "t1-3": 0.0}
-    versions = {"t0-0": [9], "t0-1": [7, 9], "t0-2": [9], "t0-3": [5], "t1-0": [8], "t1-1": [9], "t1-2": [9], "t1-3": [4]}
+    versions = {
+        "t0-0": [9],
+        "t0-1": [7, 9],
+        "t0-2": [9],
+        "t0-3": [5],
+        "t1-0": [8],
+        "t1-1": [9],
+        "t1-2": [9],
+        "t1-3": [4],
+    }
     branches = {eid: [branch(eid, v)] for eid, v in versions.items()}
     data = assemble_rl_step(rewards, groups, branches, current_version=9, max_staleness=2)
     # t0-3 (staleness 4) and t1-3 (5) are dropped; t1-2 is excluded (evaluator failure).
@@ -74,7 +87,12 @@ def test_stale_executions_leave_their_group_which_is_renormalized():
 def test_a_group_left_with_one_execution_after_drops_is_skipped_and_counted():
     groups = {"a0": "A", "a1": "A", "b0": "B", "b1": "B"}
     rewards = {"a0": 1.0, "a1": 0.0, "b0": 1.0, "b1": 0.0}
-    branches = {"a0": [branch("a0", [3])], "a1": [branch("a1", [0])], "b0": [branch("b0", [3])], "b1": [branch("b1", [3])]}
+    branches = {
+        "a0": [branch("a0", [3])],
+        "a1": [branch("a1", [0])],
+        "b0": [branch("b0", [3])],
+        "b1": [branch("b1", [3])],
+    }
     data = assemble_rl_step(rewards, groups, branches, current_version=3, max_staleness=1)
     assert data.metrics["stale_dropped"] == 1 and data.metrics["skipped_groups"] == 1
     assert sorted(set(data.execution_ids)) == ["b0", "b1"]
@@ -83,8 +101,11 @@ def test_a_group_left_with_one_execution_after_drops_is_skipped_and_counted():
 def test_each_execution_counts_once_however_much_it_branched():
     groups = {"e0": "T", "e1": "T", "e2": "T"}
     rewards = {"e0": 1.0, "e1": 0.0, "e2": 0.5}
-    branches = {"e0": [branch("e0", [1]), branch("e0", [1], "main-summary"), branch("e0", [1], "subagent")],
-                "e1": [branch("e1", [1])], "e2": [branch("e2", [1]), branch("e2", [1], "subagent")]}
+    branches = {
+        "e0": [branch("e0", [1]), branch("e0", [1], "main-summary"), branch("e0", [1], "subagent")],
+        "e1": [branch("e1", [1])],
+        "e2": [branch("e2", [1]), branch("e2", [1], "subagent")],
+    }
     data = assemble_rl_step(rewards, groups, branches, current_version=1)
     per_exec: dict[str, float] = {}
     for eid, w in zip(data.execution_ids, data.seq_weights):

@@ -26,8 +26,16 @@ from gyre_jax.rl.microstep_queue import MicroStepQueue
 from gyre_jax.trajectory.batch import make_micro_batches, replace
 from gyre_jax.trajectory.branches import Branch
 
-CFG = ModelConfig(vocab_size=272, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
-                  rope_theta=10000.0)
+CFG = ModelConfig(
+    vocab_size=272,
+    num_layers=2,
+    embed_dim=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    mlp_dim=128,
+    rope_theta=10000.0,
+)
 NUM, ROWS, LEN = 8, 2, 32  # 8 branches -> 4 micro-batches of [2, 32]
 OPT = OptimizerConfig(learning_rate=3e-3)
 GROUPS = [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -50,7 +58,10 @@ def assert_params_close(a, b) -> None:
     update is about lr * sign(g), so a weight whose gradient is ~0 may move by a fraction of lr on float noise
     alone: 99.9% of the weights must agree to 2e-6, all to 1% of the learning rate."""
     diffs = np.concatenate([np.abs(x - y).ravel() for x, y in zip(jax.tree.leaves(host(a)), jax.tree.leaves(host(b)))])
-    assert np.mean(diffs <= 2e-6) >= 0.999 and diffs.max() <= 1e-2 * OPT.learning_rate, (np.mean(diffs <= 2e-6), diffs.max())
+    assert np.mean(diffs <= 2e-6) >= 0.999 and diffs.max() <= 1e-2 * OPT.learning_rate, (
+        np.mean(diffs <= 2e-6),
+        diffs.max(),
+    )
 
 
 def make_branches(seed: int) -> list[Branch]:
@@ -58,17 +69,28 @@ def make_branches(seed: int) -> list[Branch]:
     out = []
     for i in range(NUM):
         b = Branch(execution_id=f"e{i}", thread_id="main", label="main")
-        for n, trainable in [(rng.integers(3, 8), False), (rng.integers(3, 9), True), (rng.integers(1, 5), False),
-                             (rng.integers(2, 9), True)]:
-            b._append(rng.integers(0, 256, int(n)).tolist(), trainable=trainable, logprobs=[0.0] * int(n),
-                      temperature=0.7, versions=[0] * int(n))
+        for n, trainable in [
+            (rng.integers(3, 8), False),
+            (rng.integers(3, 9), True),
+            (rng.integers(1, 5), False),
+            (rng.integers(2, 9), True),
+        ]:
+            b._append(
+                rng.integers(0, 256, int(n)).tolist(),
+                trainable=trainable,
+                logprobs=[0.0] * int(n),
+                temperature=0.7,
+                versions=[0] * int(n),
+            )
         out.append(b)
     return out
 
 
 def batches(branches, adv, w, groups):
-    return [make_micro_batches([branches[i] for i in g], [adv[i] for i in g], [w[i] for i in g], len(g), multiple=LEN)[0]
-            for g in groups]
+    return [
+        make_micro_batches([branches[i] for i in g], [adv[i] for i in g], [w[i] for i in g], len(g), multiple=LEN)[0]
+        for g in groups
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +280,7 @@ def test_a_failure_on_the_core_aborts_the_step_and_leaves_the_state_usable(base,
     bad = replace(mbs[2], targets=mbs[2].targets[:, :5])  # mismatched shapes: the micro-step cannot run
     state = fresh(learner, params)
     before = host(state)
-    with pytest.raises(Exception):
+    with pytest.raises((TypeError, ValueError)):
         learner.step(state, [mbs[0], mbs[1], bad, mbs[3]])
     for a, b in zip(jax.tree.leaves(host(state)), jax.tree.leaves(before)):
         np.testing.assert_array_equal(a, b)
@@ -294,7 +316,9 @@ def test_grad_scale_applies_the_step_normalization_at_the_end(base, data, learne
     _, _, _, params, _ = base
     branches, adv, w = data
     normalized, m_n = learner.step(fresh(learner, params), batches(branches, adv, w, GROUPS))
-    scaled, m_s = learner.step(fresh(learner, params), batches(branches, adv, [1.0] * NUM, GROUPS), grad_scale=1.0 / NUM)
+    scaled, m_s = learner.step(
+        fresh(learner, params), batches(branches, adv, [1.0] * NUM, GROUPS), grad_scale=1.0 / NUM
+    )
     assert_params_close(normalized.params, scaled.params)
     assert m_s["loss"] == pytest.approx(m_n["loss"], rel=1e-5)
     assert m_s["grad_norm"] == pytest.approx(m_n["grad_norm"], rel=1e-5)
@@ -381,7 +405,9 @@ def test_grpo_learner_equals_gspo_on_policy_and_differs_off_policy(base, data, l
 
 
 def test_learning_rate_schedules_and_errors():
-    cos = learning_rate_schedule(OptimizerConfig(1e-3, warmup_steps=2, schedule="cosine", decay_steps=10, min_lr_ratio=0.1))
+    cos = learning_rate_schedule(
+        OptimizerConfig(1e-3, warmup_steps=2, schedule="cosine", decay_steps=10, min_lr_ratio=0.1)
+    )
     assert float(cos(0)) == 0.0 and float(cos(1)) == pytest.approx(5e-4)
     assert float(cos(2)) == pytest.approx(1e-3) and float(cos(7)) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5), rel=1e-5)
     assert float(cos(12)) == pytest.approx(1e-4, rel=1e-5) and float(cos(100)) == pytest.approx(1e-4, rel=1e-5)
@@ -393,7 +419,9 @@ def test_learning_rate_schedules_and_errors():
         OptimizerConfig(1e-3, schedule="cosine")
     with pytest.raises(ValueError, match="schedule"):
         OptimizerConfig(1e-3, schedule="step")
-    cfg = OptimizerConfig.from_config_dict({"learning_rate": 1e-3, "schedule": "linear", "decay_steps": 3, "unknown": 1})
+    cfg = OptimizerConfig.from_config_dict(
+        {"learning_rate": 1e-3, "schedule": "linear", "decay_steps": 3, "unknown": 1}
+    )
     assert cfg.schedule == "linear" and cfg.decay_steps == 3
 
 
@@ -401,8 +429,16 @@ def test_learner_from_the_run_config(base):
     from gyre_jax.config import load_config as load
 
     mesh, rules, graphdef, _, _ = base
-    c = load(["--config.rl.loss=grpo", "--config.rl.clip_low=0.2", "--config.rl.clip_high=0.28", "--config.rl.kl_coef=0.01",
-              "--config.optimizer.schedule=cosine", "--config.optimizer.decay_steps=40"])
+    c = load(
+        [
+            "--config.rl.loss=grpo",
+            "--config.rl.clip_low=0.2",
+            "--config.rl.clip_high=0.28",
+            "--config.rl.kl_coef=0.01",
+            "--config.optimizer.schedule=cosine",
+            "--config.optimizer.decay_steps=40",
+        ]
+    )
     learner = Learner.from_config(CFG, graphdef, mesh, rules, c)
     assert learner.loss_cfg.name == "grpo" and (learner.clip_low, learner.clip_high) == (0.2, 0.28)
     assert learner.loss_cfg.kl_coef == 0.01 and not learner.loss_cfg.recompute_behaviour

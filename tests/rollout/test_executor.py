@@ -180,7 +180,9 @@ def test_timeout_escalates_to_sigkill_when_sigterm_is_ignored(tmp_path):
 
 
 def test_children_left_after_a_normal_exit_are_killed(tmp_path):
-    [result] = make_executor(tmp_path, FakeRegistry()).run([ExecutionSpec("e0", make_task("leave_child"), "t0", seed=0)])
+    [result] = make_executor(tmp_path, FakeRegistry()).run(
+        [ExecutionSpec("e0", make_task("leave_child"), "t0", seed=0)]
+    )
     assert (result.status, result.reward) == ("finished", 1.0)
     assert wait_dead(int((Path(result.workspace) / "child.pid").read_text()))
 
@@ -189,7 +191,9 @@ def test_evaluator_that_raises_excludes_the_execution(tmp_path):
     def broken(task: Task, workspace: Path) -> float:
         raise RuntimeError("test runner missing")
 
-    [result] = make_executor(tmp_path, FakeRegistry(), evaluator=broken).run([ExecutionSpec("e0", make_task("ok"), "t0", seed=0)])
+    [result] = make_executor(tmp_path, FakeRegistry(), evaluator=broken).run(
+        [ExecutionSpec("e0", make_task("ok"), "t0", seed=0)]
+    )
     assert (result.status, result.reward, result.excluded) == ("finished", None, True)
     assert result.exclusion_reason == "evaluator raised RuntimeError: test runner missing"
 
@@ -237,7 +241,10 @@ def test_results_keep_spec_order_and_parallelism_is_bounded(tmp_path):
     registry = FakeRegistry()
     executor = make_executor(tmp_path, registry, max_parallel=3)
     sleeps = [0.8, 0.6, 0.4, 0.3, 0.2, 0.1]
-    specs = [ExecutionSpec(f"e{i}", make_task(f"sleep{s}", task_id=f"t{i // 2}"), f"t{i // 2}", seed=i) for i, s in enumerate(sleeps)]
+    specs = [
+        ExecutionSpec(f"e{i}", make_task(f"sleep{s}", task_id=f"t{i // 2}"), f"t{i // 2}", seed=i)
+        for i, s in enumerate(sleeps)
+    ]
     done: list[str] = []
     results = executor.run(specs, on_done=lambda r: done.append(r.execution_id))
     assert [r.execution_id for r in results] == [s.execution_id for s in specs]
@@ -259,7 +266,9 @@ def test_cancel_kills_running_harnesses_and_returns_promptly(tmp_path):
     t0 = time.monotonic()
     results = executor.run(specs)
     assert time.monotonic() - t0 < 4.0
-    assert all((r.status, r.excluded, r.reward, r.exclusion_reason) == ("crashed", True, None, "cancelled") for r in results)
+    assert all(
+        (r.status, r.excluded, r.reward, r.exclusion_reason) == ("crashed", True, None, "cancelled") for r in results
+    )
     started = registry.ids("open")
     assert sorted(started) == ["e0", "e1"] and sorted(registry.ids("close")) == ["e0", "e1"]
     for execution_id in started:
@@ -269,7 +278,9 @@ def test_cancel_kills_running_harnesses_and_returns_promptly(tmp_path):
 
 
 def test_registry_failure_excludes_without_running(tmp_path):
-    [result] = make_executor(tmp_path, FakeRegistry(fail_open=True)).run([ExecutionSpec("e0", make_task("ok"), "t0", seed=0)])
+    [result] = make_executor(tmp_path, FakeRegistry(fail_open=True)).run(
+        [ExecutionSpec("e0", make_task("ok"), "t0", seed=0)]
+    )
     assert result.excluded and result.exclusion_reason == "open_execution failed: RuntimeError: proxy is down"
     assert not (Path(result.workspace) / "seen.json").exists()
 
@@ -323,7 +334,9 @@ def test_anthropic_env_and_templated_command_and_env(tmp_path):
     registry = FakeRegistry()
     cmd = [*HARNESS_CMD, "--instruction={task.instruction}", "{task.files}", "{execution_id}", "{anthropic_base_url}",
            "{not_a_placeholder}", "{task.kind}{model}"]  # fmt: skip
-    executor = make_executor(tmp_path, registry, harness_cmd=cmd, extra_env={"HOME": "{exec_dir}/home", "PLAIN": "x{y}"})
+    executor = make_executor(
+        tmp_path, registry, harness_cmd=cmd, extra_env={"HOME": "{exec_dir}/home", "PLAIN": "x{y}"}
+    )
     task = make_task("ok")
     [result] = executor.run([ExecutionSpec("e0", task, task.task_id, seed=7)])
     assert result.status == "finished" and result.reward == 1.0 and result.exclusion_kind is None
@@ -380,5 +393,15 @@ def test_command_evaluator_kills_its_process_group_on_timeout(tmp_path):
         CommandEvaluator(["true"])(make_task("ok"), tmp_path / "missing")
     with pytest.raises(ValueError, match="non-empty"):
         CommandEvaluator([])
-    assert ExecutionResult.from_dict({k: v for k, v in json.loads(json.dumps(ExecutionResult(
-        "e", "t", "g", "finished", 0.5, False, None, 0, 1.0, "/w").to_dict())).items() if k != "exclusion_kind"}).reward == 0.5
+    assert (
+        ExecutionResult.from_dict(
+            {
+                k: v
+                for k, v in json.loads(
+                    json.dumps(ExecutionResult("e", "t", "g", "finished", 0.5, False, None, 0, 1.0, "/w").to_dict())
+                ).items()
+                if k != "exclusion_kind"
+            }
+        ).reward
+        == 0.5
+    )

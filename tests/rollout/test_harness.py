@@ -34,7 +34,9 @@ def completion(message: dict[str, Any]) -> dict[str, Any]:
         "object": "chat.completion",
         "created": 0,
         "model": "tiny",
-        "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}],
+        "choices": [
+            {"index": 0, "message": message, "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}
+        ],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
     }
 
@@ -95,9 +97,17 @@ def server():
     s.stop()
 
 
-def make_task(tmp_path: Path, *, kind: str = "upper", max_turns: int = 4, median: float = 0.0, text: str = "qkzmt") -> tuple[Task, Path, Path]:
+def make_task(
+    tmp_path: Path, *, kind: str = "upper", max_turns: int = 4, median: float = 0.0, text: str = "qkzmt"
+) -> tuple[Task, Path, Path]:
     task = BuiltinSuite(kinds=(kind,), max_turns=max_turns, tool_latency_median_s=median).tasks_for_step(0, 1)[0]
-    task = Task.from_dict({**task.to_dict(), "files": {INPUT_FILE: text}, "expected": {ANSWER_FILE: {"upper": text.upper(), "copy": text, "reverse": text[::-1]}[kind]}})
+    task = Task.from_dict(
+        {
+            **task.to_dict(),
+            "files": {INPUT_FILE: text},
+            "expected": {ANSWER_FILE: {"upper": text.upper(), "copy": text, "reverse": text[::-1]}[kind]},
+        }
+    )
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     (workspace / INPUT_FILE).write_text(text)
@@ -107,7 +117,12 @@ def make_task(tmp_path: Path, *, kind: str = "upper", max_turns: int = 4, median
 
 
 def run_harness(task_path: Path, workspace: Path, base_url: str, *extra: str) -> subprocess.CompletedProcess:
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO_ROOT), "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": API_KEY}
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "PYTHONPATH": str(REPO_ROOT),
+        "OPENAI_BASE_URL": base_url,
+        "OPENAI_API_KEY": API_KEY,
+    }
     cmd = [sys.executable, "-m", "gyre_jax.rollout.harness", "--task", str(task_path), "--model", "tiny",
            "--temperature", "0.7", "--max-tokens", "50", "--seed", "1", *extra]  # fmt: skip
     return subprocess.run(cmd, cwd=workspace, env=env, capture_output=True, text=True, timeout=60)
@@ -252,7 +267,16 @@ def test_reference_harness_under_the_executor(server, tmp_path):
     server.expected_key = API_KEY
     server.say(*[m for m in task.demonstration() if m["role"] == "assistant"])
     registry = KeyRegistry()
-    executor = Executor(registry, server.base_url, tmp_path / "runs", "tiny", timeout_s=60, max_parallel=1, temperature=1.0, max_tokens=96)
+    executor = Executor(
+        registry,
+        server.base_url,
+        tmp_path / "runs",
+        "tiny",
+        timeout_s=60,
+        max_parallel=1,
+        temperature=1.0,
+        max_tokens=96,
+    )
     [result] = executor.run([ExecutionSpec("e0", task, task.task_id, seed=0)])
     stderr = (tmp_path / "runs" / "e0" / "harness.stderr").read_text()
     assert (result.status, result.reward, result.returncode, result.excluded) == ("finished", 1.0, 0, False), stderr

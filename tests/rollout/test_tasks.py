@@ -45,7 +45,9 @@ def test_task_ids_are_unique_across_steps():
 
 
 def test_tasks_have_the_right_kinds_inputs_and_answers():
-    suite = BuiltinSuite(kinds=("upper", "reverse"), seed=1, max_turns=5, tool_latency_median_s=0.1, tool_latency_sigma=0.5)
+    suite = BuiltinSuite(
+        kinds=("upper", "reverse"), seed=1, max_turns=5, tool_latency_median_s=0.1, tool_latency_sigma=0.5
+    )
     tasks = suite.tasks_for_step(0, 200)
     assert {t.kind for t in tasks} == {"upper", "reverse"}
     for t in tasks:
@@ -55,7 +57,11 @@ def test_tasks_have_the_right_kinds_inputs_and_answers():
         assert t.max_turns == 5 and t.tool_latency_median_s == 0.1 and t.tool_latency_sigma == 0.5
         assert [tool["function"]["name"] for tool in t.tools] == ["read_file", "write_file"]
     assert {len(t.files[INPUT_FILE]) for t in tasks} == set(range(4, 9))
-    assert transform("copy", "abc") == "abc" and transform("upper", "abc") == "ABC" and transform("reverse", "abc") == "cba"
+    assert (
+        transform("copy", "abc") == "abc"
+        and transform("upper", "abc") == "ABC"
+        and transform("reverse", "abc") == "cba"
+    )
 
 
 def test_suite_rejects_bad_arguments():
@@ -101,7 +107,9 @@ def test_demonstration_shape_and_answer():
     demo = task.demonstration()
     assert [m["role"] for m in demo] == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
     read, write = demo[2]["tool_calls"][0], demo[4]["tool_calls"][0]
-    assert read["function"]["name"] == "read_file" and json.loads(read["function"]["arguments"]) == {"path": "input.txt"}
+    assert read["function"]["name"] == "read_file" and json.loads(read["function"]["arguments"]) == {
+        "path": "input.txt"
+    }
     assert demo[3] == {"role": "tool", "tool_call_id": read["id"], "content": task.files[INPUT_FILE]}
     assert write["function"]["name"] == "write_file"
     assert json.loads(write["function"]["arguments"]) == {"path": "answer.txt", "content": task.files[INPUT_FILE][::-1]}
@@ -131,7 +139,9 @@ def test_demonstrations_render_through_tito_with_assistant_tokens_trainable():
         conv = render_demonstration(tok, demo, suite.tools)
         assert len(conv.ids) == len(conv.trainable)
         trained = tok.decode([i for i, t in zip(conv.ids, conv.trainable) if t])
-        expected = "".join(assistant_completion_text(m) + chat_template.IM_END for m in demo if m["role"] == "assistant")
+        expected = "".join(
+            assistant_completion_text(m) + chat_template.IM_END for m in demo if m["role"] == "assistant"
+        )
         # Equal only if all three assistant turns are in one branch (a new branch restarts the ids).
         assert trained == expected
         assert tok.decode(conv.ids).startswith(chat_template.render(demo[:2], suite.tools, add_generation_prompt=True))

@@ -17,8 +17,16 @@ from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import init_params, make_mesh
 from gyre_jax.serving.engine import Engine
 
-CFG = ModelConfig(vocab_size=272, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
-                  rope_theta=10000.0)
+CFG = ModelConfig(
+    vocab_size=272,
+    num_layers=2,
+    embed_dim=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    mlp_dim=128,
+    rope_theta=10000.0,
+)
 SLOTS = 4
 MAX_SEQ_LEN = 128
 MAX_PREFILL = 64
@@ -62,12 +70,12 @@ class Reference:
                 tok = int(np.argmax(lp))
                 ids.append(tok)
                 lps.append(float(lp[tok]))
-            self._memo[key] = (ids[len(prompt):], lps)
+            self._memo[key] = (ids[len(prompt) :], lps)
         return self._memo[key]
 
     def check_teacher_forced(self, params, prompt: list[int], tokens: list[int], logprobs: list[float]) -> None:
         """Asserts ``tokens`` is the greedy continuation of ``prompt`` (argmax at every step, one forward)."""
-        lp = self.logprobs(params, list(prompt) + list(tokens))[len(prompt) - 1:-1]  # [len(tokens), V]
+        lp = self.logprobs(params, list(prompt) + list(tokens))[len(prompt) - 1 : -1]  # [len(tokens), V]
         np.testing.assert_array_equal(tokens, lp.argmax(-1))
         np.testing.assert_allclose(logprobs, lp[np.arange(len(tokens)), tokens], atol=1e-4, rtol=0)
 
@@ -90,15 +98,26 @@ def model_params(cell_mesh, rules):
     same shardings, so it stands for "new weights after a training step" without a second init compile."""
     graphdef, params = init_params(CFG, cell_mesh, rules, seed=0)
     shardings = jax.tree.map(lambda x: x.sharding, params)
-    params_b = jax.jit(lambda p: jax.tree.map(lambda x: jnp.roll(x, 1, axis=0) * 1.1, p), out_shardings=shardings)(params)
+    params_b = jax.jit(lambda p: jax.tree.map(lambda x: jnp.roll(x, 1, axis=0) * 1.1, p), out_shardings=shardings)(
+        params
+    )
     return graphdef, params, params_b
 
 
 @pytest.fixture(scope="session")
 def engine(model_params, cell_mesh, rules):
-    return Engine(CFG, model_params[0], cell_mesh, rules, max_concurrent_decodes=SLOTS, max_seq_len=MAX_SEQ_LEN,
-                  max_prefill_length=MAX_PREFILL, prefill_buckets=BUCKETS, decode_windows=DECODE_WINDOWS,
-                  decode_slot_buckets=DECODE_SLOT_BUCKETS)
+    return Engine(
+        CFG,
+        model_params[0],
+        cell_mesh,
+        rules,
+        max_concurrent_decodes=SLOTS,
+        max_seq_len=MAX_SEQ_LEN,
+        max_prefill_length=MAX_PREFILL,
+        prefill_buckets=BUCKETS,
+        decode_windows=DECODE_WINDOWS,
+        decode_slot_buckets=DECODE_SLOT_BUCKETS,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -123,7 +142,16 @@ def other_mesh():
 def other_engine(model_params, other_mesh, rules):
     """The same model's engine on ``other_mesh`` (same layout as ``engine``), with params resharded onto it."""
     graphdef, params, params_b = model_params
-    eng = Engine(CFG, graphdef, other_mesh, rules, max_concurrent_decodes=SLOTS, max_seq_len=MAX_SEQ_LEN,
-                 max_prefill_length=MAX_PREFILL, prefill_buckets=BUCKETS, decode_windows=DECODE_WINDOWS)
+    eng = Engine(
+        CFG,
+        graphdef,
+        other_mesh,
+        rules,
+        max_concurrent_decodes=SLOTS,
+        max_seq_len=MAX_SEQ_LEN,
+        max_prefill_length=MAX_PREFILL,
+        prefill_buckets=BUCKETS,
+        decode_windows=DECODE_WINDOWS,
+    )
     shardings = jax.tree.map(lambda x: jax.sharding.NamedSharding(other_mesh, x.sharding.spec), params)
     return eng, jax.device_put(params, shardings), jax.device_put(params_b, shardings)

@@ -16,8 +16,14 @@ def test_serving_benchmark_smoke_run_writes_its_report(tmp_path) -> None:
     out = tmp_path / "serving_smoke.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "benchmarks/bench_serving.py", "--smoke", "--out", str(out)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_serving.py", "--smoke", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["smoke"] and report["platform"] == "cpu"
@@ -30,7 +36,9 @@ def test_serving_benchmark_smoke_run_writes_its_report(tmp_path) -> None:
 
     # the session numbers are token counts, exact: every turn's prompt = previous prompt + completion + new tokens
     sz, pc = report["sizes"], report["prefix_cache"]
-    final = sz["first_prompt"] + (sz["turns"] - 1) * (sz["turn_completion"] + sz["turn_new_tokens"]) + sz["turn_completion"]
+    final = (
+        sz["first_prompt"] + (sz["turns"] - 1) * (sz["turn_completion"] + sz["turn_new_tokens"]) + sz["turn_completion"]
+    )
     prompts = [sz["first_prompt"] + t * (sz["turn_completion"] + sz["turn_new_tokens"]) for t in range(sz["turns"])]
     without, with_cache = pc["without_cache"], pc["with_cache"]
     assert without["final_context"] == with_cache["final_context"] == final

@@ -31,15 +31,26 @@ class Driver:
         bucket = prefix.cache[0].k.shape[1]
         assert bucket == min(b for b in self.engine.prefill_buckets if b >= len(prompt))
         self.state = self.engine.insert(prefix, self.state, slot, sp)
-        self.live[slot] = {"slot": slot, "prompt": prompt, "tokens": [int(prefix.token)], "logprobs": [float(prefix.logprob)]}
+        self.live[slot] = {
+            "slot": slot,
+            "prompt": prompt,
+            "tokens": [int(prefix.token)],
+            "logprobs": [float(prefix.logprob)],
+        }
 
     def generate(self, steps: int) -> None:
         for _ in range(steps):
             # the longest live cache: decode attends over the smallest window above it (64, later 128)
             longest = max(len(r["prompt"]) + len(r["tokens"]) - 1 for r in self.live.values())
-            self.state, result = self.engine.generate(self.params, self.state, max_length=longest,
-                                                      slot_limit=max(self.live) + 1)
-            assert result.tokens.shape == result.logprobs.shape == result.lengths.shape == (self.engine.max_concurrent_decodes,)
+            self.state, result = self.engine.generate(
+                self.params, self.state, max_length=longest, slot_limit=max(self.live) + 1
+            )
+            assert (
+                result.tokens.shape
+                == result.logprobs.shape
+                == result.lengths.shape
+                == (self.engine.max_concurrent_decodes,)
+            )
             for slot, rec in self.live.items():
                 rec["tokens"].append(int(result.tokens[slot]))
                 rec["logprobs"].append(float(result.logprobs[slot]))
@@ -98,7 +109,9 @@ def test_greedy_generation_equals_uncached_step_by_step_decoding(engine, model_p
     assert len({t for r in records for t in r["tokens"]}) > 3
 
 
-def test_sampled_slots_follow_their_keys_and_report_behaviour_logprobs(engine, model_params, reference, prompts) -> None:
+def test_sampled_slots_follow_their_keys_and_report_behaviour_logprobs(
+    engine, model_params, reference, prompts
+) -> None:
     """The same prompt and key in two slots (next to a greedy slot) give the same stream; log-probs are the model's."""
     _, params, _ = model_params
     sp = SamplingParams(temperature=1.0)
@@ -115,7 +128,7 @@ def test_sampled_slots_follow_their_keys_and_report_behaviour_logprobs(engine, m
     assert greedy["tokens"] == reference.greedy(params, prompts[0], 9)[0]
     for rec in (same_a, other):
         # temperature 1: the behaviour log-prob is log_softmax(logits)[token] of the uncached model
-        lp = reference.logprobs(params, rec["prompt"] + rec["tokens"])[len(rec["prompt"]) - 1:-1]
+        lp = reference.logprobs(params, rec["prompt"] + rec["tokens"])[len(rec["prompt"]) - 1 : -1]
         np.testing.assert_allclose(rec["logprobs"], lp[np.arange(len(rec["tokens"])), rec["tokens"]], atol=1e-4, rtol=0)
         assert not np.array_equal(rec["tokens"], lp.argmax(-1))  # really sampled, not greedy
 
@@ -143,8 +156,16 @@ def test_prompts_that_do_not_fit_are_rejected(engine, model_params, cell_mesh, r
     with pytest.raises(ValueError, match="empty"):
         engine.prefill(params=params, tokens=[], sampling_params=GREEDY, key=key)
     # with prefill allowed up to the context, a prompt must still leave room for one generated token
-    full = Engine(engine.cfg, graphdef, cell_mesh, rules, max_concurrent_decodes=4, max_seq_len=32, max_prefill_length=32,
-                  prefill_buckets=(16,))
+    full = Engine(
+        engine.cfg,
+        graphdef,
+        cell_mesh,
+        rules,
+        max_concurrent_decodes=4,
+        max_seq_len=32,
+        max_prefill_length=32,
+        prefill_buckets=(16,),
+    )
     assert full.prefill_buckets == (16, 32)
     with pytest.raises(ContextTooLongError, match="no room to generate within max_seq_len=32"):
         full.prefill(params=params, tokens=[1] * 32, sampling_params=GREEDY, key=key)
@@ -159,19 +180,30 @@ def _chunked_prefix(engine, params, prompt, chunks, sp=GREEDY, seed=0, fresh_fir
     prefix, start = (None if fresh_first else engine.empty_prefix(key_for_seed(seed))), 0
     assert prefix is None or int(prefix.length) == 0
     for n in chunks:
-        prefix = engine.prefill(params=params, tokens=prompt[start:start + n], sampling_params=sp, key=key_for_seed(seed),
-                                existing_prefix=prefix)
+        prefix = engine.prefill(
+            params=params,
+            tokens=prompt[start : start + n],
+            sampling_params=sp,
+            key=key_for_seed(seed),
+            existing_prefix=prefix,
+        )
         start += n
     assert start == len(prompt) and int(prefix.length) == len(prompt)
     return prefix
 
 
-def test_chunked_prefill_equals_uncached_greedy_and_keeps_seeded_sampling(engine, model_params, reference, prompts) -> None:
+def test_chunked_prefill_equals_uncached_greedy_and_keeps_seeded_sampling(
+    engine, model_params, reference, prompts
+) -> None:
     """Prompts prefilled in chunks (including one longer than max_prefill_length) decode like the uncached model."""
     _, params, _ = model_params
     long_prompt = (prompts[5] * 3)[:100]  # > max_prefill_length=64: needs two prefill calls
-    cases = [(prompts[5], (16, 16, 8), True), (prompts[3], (1, 21), False), (long_prompt, (64, 36), False),
-             (prompts[0], (5,), False)]
+    cases = [
+        (prompts[5], (16, 16, 8), True),
+        (prompts[3], (1, 21), False),
+        (long_prompt, (64, 36), False),
+        (prompts[0], (5,), False),
+    ]
     state = engine.init_decode_state()
     streams = {}
     for slot, (prompt, chunks, fresh_first) in enumerate(cases):
@@ -200,7 +232,9 @@ def test_chunked_prefill_equals_uncached_greedy_and_keeps_seeded_sampling(engine
         np.testing.assert_allclose(float(chunked.logprob), float(whole.logprob), atol=1e-5)
         np.testing.assert_array_equal(chunked.key, whole.key)
     for seed in range(12):  # different keys do sample different tokens here, so the equality above is not vacuous
-        firsts.add(int(engine.prefill(params=params, tokens=prompts[5], sampling_params=sp, key=key_for_seed(seed)).token))
+        firsts.add(
+            int(engine.prefill(params=params, tokens=prompts[5], sampling_params=sp, key=key_for_seed(seed)).token)
+        )
     assert len(firsts) > 1
     with pytest.raises(ContextTooLongError, match="no room to generate"):
         _chunked_prefix(engine, params, long_prompt + [1] * 28, (64, 64))
@@ -212,16 +246,18 @@ def test_a_slot_beyond_the_decode_window_samples_nothing(engine, model_params, r
     state = engine.init_decode_state()
     long_prompt = (prompts[5] * 2)[:64]
     for slot, p in ((0, prompts[0]), (1, long_prompt)):
-        state = engine.insert(engine.prefill(params=params, tokens=p, sampling_params=GREEDY, key=key_for_seed(0)),
-                              state, slot, GREEDY)
+        state = engine.insert(
+            engine.prefill(params=params, tokens=p, sampling_params=GREEDY, key=key_for_seed(0)), state, slot, GREEDY
+        )
     state, result = engine.generate(params, state, max_length=len(prompts[0]))  # window 64: position 64 is outside
     np.testing.assert_array_equal(result.valid, [True, False, False, False])
     np.testing.assert_array_equal(result.lengths[:2], [len(prompts[0]) + 1, 64])
     state, result = engine.generate(params, state, max_length=64)  # window 128: slot 1 continues, unharmed
     assert result.valid[:2].all()
     assert int(result.tokens[1]) == reference.greedy(params, long_prompt, 2)[0][1]
-    state = engine.insert(engine.prefill(params=params, tokens=prompts[2], sampling_params=GREEDY, key=key_for_seed(0)),
-                          state, 3, GREEDY)
+    state = engine.insert(
+        engine.prefill(params=params, tokens=prompts[2], sampling_params=GREEDY, key=key_for_seed(0)), state, 3, GREEDY
+    )
     lengths = np.asarray(state.lengths)
     state, result = engine.generate(params, state, max_length=70, slot_limit=2)  # slot 3 is left out
     np.testing.assert_array_equal(result.valid, [True, True, False, False])
@@ -237,8 +273,12 @@ def test_released_slots_are_invalid_and_write_nothing(engine, model_params, prom
     state, result = engine.generate(params, state)
     assert not result.valid.any()  # no slot holds a request yet
     for slot in (0, 1):
-        state = engine.insert(engine.prefill(params=params, tokens=prompts[slot], sampling_params=GREEDY, key=key_for_seed(0)),
-                              state, slot, GREEDY)
+        state = engine.insert(
+            engine.prefill(params=params, tokens=prompts[slot], sampling_params=GREEDY, key=key_for_seed(0)),
+            state,
+            slot,
+            GREEDY,
+        )
     state = engine.release(state, 1)
     before = np.asarray(state.cache[0].k[1])
     state, result = engine.generate(params, state)
@@ -272,8 +312,13 @@ def test_slot_kv_through_pages_continues_like_the_uncached_model(engine, model_p
     turn2_prompt = prompt + turn1 + [5, 6, 7]
     for reused in (len(kv_tokens), 17):  # the whole entry, or only part of it (a shorter common prefix)
         loaded = engine.load_prefix(pool, pages, reused, key_for_seed(1))
-        prefix = engine.prefill(params=params, tokens=turn2_prompt[reused:], sampling_params=GREEDY, key=key_for_seed(1),
-                                existing_prefix=loaded)
+        prefix = engine.prefill(
+            params=params,
+            tokens=turn2_prompt[reused:],
+            sampling_params=GREEDY,
+            key=key_for_seed(1),
+            existing_prefix=loaded,
+        )
         state = engine.insert(prefix, state, 0, GREEDY)
         tokens = [int(prefix.token)]
         for _ in range(5):
@@ -284,7 +329,9 @@ def test_slot_kv_through_pages_continues_like_the_uncached_model(engine, model_p
         engine.load_prefix(pool, pages, 49, key_for_seed(1))
 
 
-def test_kv_export_import_to_another_submesh_continues_identically(engine, other_engine, model_params, reference, prompts) -> None:
+def test_kv_export_import_to_another_submesh_continues_identically(
+    engine, other_engine, model_params, reference, prompts
+) -> None:
     """A decoding slot moves to an engine on other devices mid-generation: greedy and seeded sampled streams
     are token for token those of the unmigrated run."""
     _, params, _ = model_params
@@ -304,8 +351,13 @@ def test_kv_export_import_to_another_submesh_continues_identically(engine, other
                 moved = engine_b.to_mesh(kv)
                 assert set(moved.pages[0].k.sharding.device_set) <= set(engine_b.mesh.devices.flat)
                 eng, prm, state = engine_b, params_on_b, engine_b.init_decode_state()
-                prefix = eng.prefix_from_pages(moved, len(prompt) + len(tokens) - 1, jax.device_put(key, eng._replicated),
-                                               token=tokens[-1], logprob=logprobs[-1])
+                prefix = eng.prefix_from_pages(
+                    moved,
+                    len(prompt) + len(tokens) - 1,
+                    jax.device_put(key, eng._replicated),
+                    token=tokens[-1],
+                    logprob=logprobs[-1],
+                )
                 state = eng.insert(prefix, state, 3, sp)  # another slot index on the new engine
             slot = 1 if eng is engine else 3
             state, result = eng.generate(prm, state)

@@ -4,8 +4,8 @@ rejection of prompts that do not fit, weight updates with policy versions, queue
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,7 +71,11 @@ def test_concurrent_submits_complete_with_the_greedy_tokens(loop, model_params, 
         result = futures[req.request_id].result(timeout=TIMEOUT)
         n = req.sampling.max_tokens
         assert (result.request_id, result.finish_reason, result.prompt_len, result.cell) == (
-            req.request_id, "length", len(req.prompt_ids), "test-cell")
+            req.request_id,
+            "length",
+            len(req.prompt_ids),
+            "test-cell",
+        )
         want_tokens, want_logprobs = reference.greedy(params, req.prompt_ids, n)
         assert result.token_ids == want_tokens
         np.testing.assert_allclose(result.logprobs, want_logprobs, atol=1e-4, rtol=0)
@@ -83,7 +87,9 @@ def test_concurrent_submits_complete_with_the_greedy_tokens(loop, model_params, 
 def test_more_requests_than_slots_are_queued_and_all_complete(loop, model_params, reference, prompts) -> None:
     _, params, _ = model_params
     slots = loop.engine.max_concurrent_decodes
-    requests = [GenerationRequest(prompt_ids=prompts[i % len(prompts)], sampling=greedy(3 + i % 5)) for i in range(3 * slots)]
+    requests = [
+        GenerationRequest(prompt_ids=prompts[i % len(prompts)], sampling=greedy(3 + i % 5)) for i in range(3 * slots)
+    ]
     futures = [loop.submit(r) for r in requests]
     assert loop.num_in_flight() > slots  # some wait in the queue
     for req, fut in zip(requests, futures):
@@ -100,13 +106,17 @@ def test_stop_id_ends_the_completion_and_is_included(loop, model_params, referen
         ref, ref_logprobs = reference.greedy(params, prompt, 3)
         stop = ref[2]
         end = ref.index(stop) + 1  # the first time the stop id is sampled (may be before the 3rd token)
-        result = loop.submit(GenerationRequest(prompt_ids=prompt, sampling=greedy(20, stop_ids=(999, stop)))).result(TIMEOUT)
+        result = loop.submit(GenerationRequest(prompt_ids=prompt, sampling=greedy(20, stop_ids=(999, stop)))).result(
+            TIMEOUT
+        )
         assert result.finish_reason == "stop"
         assert result.token_ids == ref[:end]
         np.testing.assert_allclose(result.logprobs, ref_logprobs[:end], atol=1e-4, rtol=0)
     # a stop id as the very first (prefill-sampled) token
     first = reference.greedy(params, prompts[2], 1)[0][0]
-    result = loop.submit(GenerationRequest(prompt_ids=prompts[2], sampling=greedy(20, stop_ids=(first,)))).result(TIMEOUT)
+    result = loop.submit(GenerationRequest(prompt_ids=prompts[2], sampling=greedy(20, stop_ids=(first,)))).result(
+        TIMEOUT
+    )
     assert (result.token_ids, result.finish_reason) == ([first], "stop")
 
 
@@ -130,7 +140,9 @@ def test_cancel_frees_the_slot(slow_loop, model_params, reference, prompts) -> N
     futures = [loop.submit(r) for r in long]
     queued = GenerationRequest(prompt_ids=prompts[4], sampling=greedy(1000))
     queued_future = loop.submit(queued)
-    _wait_until(lambda: loop.stats.prefill_tokens == sum(len(r.prompt_ids) for r in long) and loop.stats.generate_steps >= 3)
+    _wait_until(
+        lambda: loop.stats.prefill_tokens == sum(len(r.prompt_ids) for r in long) and loop.stats.generate_steps >= 3
+    )
 
     loop.cancel(queued.request_id)  # still waiting for a slot
     result = queued_future.result(TIMEOUT)
@@ -157,10 +169,14 @@ def test_cancel_frees_the_slot(slow_loop, model_params, reference, prompts) -> N
     assert (after.token_ids, after.finish_reason) == (reference.greedy(params, prompts[0], 2)[0], "length")
 
 
-def test_prompts_that_do_not_fit_fail_their_future_and_the_loop_serves_on(loop, model_params, reference, prompts) -> None:
+def test_prompts_that_do_not_fit_fail_their_future_and_the_loop_serves_on(
+    loop, model_params, reference, prompts
+) -> None:
     _, params, _ = model_params
     for n in (loop.max_context, loop.max_context + 50):
-        with pytest.raises(ContextTooLongError, match=f"prompt of {n} tokens does not fit .* at most {loop.max_context - 1}"):
+        with pytest.raises(
+            ContextTooLongError, match=f"prompt of {n} tokens does not fit .* at most {loop.max_context - 1}"
+        ):
             loop.submit(GenerationRequest(prompt_ids=[1] * n)).result(TIMEOUT)
     # longer than one prefill call (max_prefill_length) but within the context: prefilled in chunks
     long_prompt = (prompts[5] * 3)[: loop.engine.max_prefill_length + 30]
@@ -202,12 +218,16 @@ def test_seeded_sampled_request_is_reproducible(loop, model_params, reference, p
     _, params, _ = model_params
 
     def seeded(seed: int) -> GenerationRequest:
-        return GenerationRequest(prompt_ids=prompts[4], sampling=SamplingParams(temperature=1.0, max_tokens=12, seed=seed))
+        return GenerationRequest(
+            prompt_ids=prompts[4], sampling=SamplingParams(temperature=1.0, max_tokens=12, seed=seed)
+        )
 
     alone = loop.submit(seeded(42)).result(TIMEOUT)
     # the same seed again, this time batched with other traffic in other slots
-    others = [loop.submit(GenerationRequest(prompt_ids=p, sampling=SamplingParams(temperature=1.0, max_tokens=15)))
-              for p in prompts[:3]]
+    others = [
+        loop.submit(GenerationRequest(prompt_ids=p, sampling=SamplingParams(temperature=1.0, max_tokens=15)))
+        for p in prompts[:3]
+    ]
     again = loop.submit(seeded(42)).result(TIMEOUT)
     other_seed = loop.submit(seeded(43)).result(TIMEOUT)
     for f in others:
@@ -216,7 +236,7 @@ def test_seeded_sampled_request_is_reproducible(loop, model_params, reference, p
     np.testing.assert_allclose(again.logprobs, alone.logprobs, atol=1e-6)
     assert other_seed.token_ids != alone.token_ids
     # behaviour log-probs are the model's log_softmax at the sampled tokens (temperature 1)
-    lp = reference.logprobs(params, prompts[4] + alone.token_ids)[len(prompts[4]) - 1:-1]
+    lp = reference.logprobs(params, prompts[4] + alone.token_ids)[len(prompts[4]) - 1 : -1]
     np.testing.assert_allclose(alone.logprobs, lp[np.arange(12), alone.token_ids], atol=1e-4, rtol=0)
     # unseeded requests get distinct keys from the loop
     a = loop.submit(GenerationRequest(prompt_ids=prompts[4], sampling=SamplingParams(temperature=1.0, max_tokens=12)))
@@ -274,7 +294,7 @@ def test_chunked_prefill_interleaves_with_decoding(engine, model_params, referen
     assert [c[1] for c in chunks] == [16] * 6 + [4] and all(c[2] for c in chunks)  # each on top of the last
     after = rec.calls[mark:]
     first, last = after.index(chunks[0]), len(after) - 1 - after[::-1].index(chunks[-1])
-    window = after[first:last + 1]
+    window = after[first : last + 1]
     # never two prefill calls in a row: the running request got a generate step after every chunk
     assert all(not (a[0] == b[0] == "prefill") for a, b in zip(window, window[1:])), window
     assert loop.stats.prefill_calls == 1 + 7
@@ -310,7 +330,9 @@ def _turns(loop, reference, params, session_id, first_prompt, turns, *, extra=(7
     completion against the uncached model; returns the results."""
     prompt, results = list(first_prompt), []
     for turn in range(turns):
-        result = loop.submit(GenerationRequest(prompt_ids=prompt, sampling=greedy(n), session_id=session_id)).result(TIMEOUT)
+        result = loop.submit(GenerationRequest(prompt_ids=prompt, sampling=greedy(n), session_id=session_id)).result(
+            TIMEOUT
+        )
         want_tokens, want_logprobs = reference.greedy(params, prompt, n)
         assert result.token_ids == want_tokens, (session_id, turn)
         np.testing.assert_allclose(result.logprobs, want_logprobs, atol=1e-4, rtol=0)
@@ -325,7 +347,7 @@ def test_session_prefix_cache_prefills_only_new_tokens(loop, model_params, refer
     results = _turns(loop, reference, params, "exec-1/main", prompts[4], 5)
     prefilled = loop.stats.prefill_tokens - before
     assert results[0][1].cached_tokens == 0
-    for (prev_prompt, prev), (prompt, result) in zip(results, results[1:]):
+    for (prev_prompt, prev), (_, result) in zip(results, results[1:]):
         # everything but the previous completion's last token (sampled, never fed) came from the cache
         assert result.cached_tokens == len(prev_prompt) + len(prev.token_ids) - 1
     final_context = len(results[-1][0])
@@ -338,11 +360,15 @@ def test_session_prefix_cache_prefills_only_new_tokens(loop, model_params, refer
 
     # a new branch of the same session (e.g. after a context summary) reuses only the common prefix
     branch = results[2][0][:10] + [1, 2, 3]
-    result = loop.submit(GenerationRequest(prompt_ids=branch, sampling=greedy(4), session_id="exec-1/main")).result(TIMEOUT)
+    result = loop.submit(GenerationRequest(prompt_ids=branch, sampling=greedy(4), session_id="exec-1/main")).result(
+        TIMEOUT
+    )
     assert result.cached_tokens == 10 and result.token_ids == reference.greedy(params, branch, 4)[0]
 
 
-def test_prefix_cache_evicts_least_recently_used_sessions_within_its_page_budget(engine, model_params, reference, prompts) -> None:
+def test_prefix_cache_evicts_least_recently_used_sessions_within_its_page_budget(
+    engine, model_params, reference, prompts
+) -> None:
     _, params, _ = model_params
     loop = _start(engine, params, kv_pages=5)  # 5 pages x 16 tokens: two sessions of ~30 tokens fit, not three
     try:
@@ -369,7 +395,7 @@ def test_prefix_cache_and_weight_updates(engine, model_params, reference, prompt
     for reuse in (False, True):
         loop = _start(engine, params, reuse_stale_kv=reuse)
         try:
-            (prompt, r1), = _turns(loop, reference, params, "s", prompts[1], 1)
+            ((prompt, r1),) = _turns(loop, reference, params, "s", prompts[1], 1)
             loop.update_params(params_b, version=1)
             nxt = prompt + r1.token_ids + [4, 5]
             r2 = loop.submit(GenerationRequest(prompt_ids=nxt, sampling=greedy(5), session_id="s")).result(TIMEOUT)
@@ -386,7 +412,9 @@ def test_prefix_cache_and_weight_updates(engine, model_params, reference, prompt
             loop.stop()
 
 
-def test_recompute_on_update_continues_in_flight_requests_under_the_new_weights(engine, model_params, reference, prompts) -> None:
+def test_recompute_on_update_continues_in_flight_requests_under_the_new_weights(
+    engine, model_params, reference, prompts
+) -> None:
     _, params, params_b = model_params
     loop = _start(SlowEngine(engine), params, on_update="recompute")
     try:
@@ -405,8 +433,9 @@ def test_recompute_on_update_continues_in_flight_requests_under_the_new_weights(
     assert loop.stats.prefill_tokens == prefilled + len(prompts[3]) + old - 1  # its whole KV, once more
     reference.check_teacher_forced(params, prompts[3], result.token_ids[:old], result.logprobs[:old])
     # after the update: exactly the new policy's greedy continuation of everything so far
-    reference.check_teacher_forced(params_b, prompts[3] + result.token_ids[:old], result.token_ids[old:],
-                                   result.logprobs[old:])
+    reference.check_teacher_forced(
+        params_b, prompts[3] + result.token_ids[:old], result.token_ids[old:], result.logprobs[old:]
+    )
     with pytest.raises(ValueError, match="on_update"):
         ServingLoop(engine, params, on_update="restart")
 
@@ -423,7 +452,7 @@ def test_stop_strings_end_the_completion_at_the_completing_token(engine, model_p
     _, params, _ = model_params
     ref = reference.greedy(params, prompts[1], 12)[0]
     stop = _one_char_per_token(ref[5:7])
-    end = next(i + 1 for i in range(1, 12) if stop in _one_char_per_token(ref[:i + 1]))
+    end = next(i + 1 for i in range(1, 12) if stop in _one_char_per_token(ref[: i + 1]))
     loop = _start(engine, params, detokenize=_one_char_per_token)
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=12, stop_strings=("never", stop))

@@ -80,7 +80,9 @@ def test_bad_sizes_are_rejected() -> None:
 
 
 _ops = st.lists(
-    st.tuples(st.sampled_from(["store", "take", "drop_stale"]), st.integers(0, 4), st.integers(1, 30), st.integers(0, 2)),
+    st.tuples(
+        st.sampled_from(["store", "take", "drop_stale"]), st.integers(0, 4), st.integers(1, 30), st.integers(0, 2)
+    ),
     max_size=60,
 )
 

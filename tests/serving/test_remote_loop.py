@@ -76,8 +76,9 @@ def remote_cell(engine, model_params):
     thread.join(timeout=10)
 
 
-def test_requests_through_the_remote_loop_get_the_loops_own_completions(remote_cell, engine, model_params, prompts,
-                                                                          reference):
+def test_requests_through_the_remote_loop_get_the_loops_own_completions(
+    remote_cell, engine, model_params, prompts, reference
+):
     router, proc, follower, thread, stops, loop = remote_cell
     assert engine.max_seq_len == MAX_SEQ_LEN
     greedy = SamplingParams(temperature=0.0, max_tokens=6)

@@ -29,8 +29,13 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 def _call(logits, keys, temperature, top_k, top_p):
     n = logits.shape[0]
-    tokens, logprobs = _sample(jnp.asarray(logits), keys, jnp.broadcast_to(jnp.float32(temperature), (n,)),
-                               jnp.broadcast_to(jnp.int32(top_k), (n,)), jnp.broadcast_to(jnp.float32(top_p), (n,)))
+    tokens, logprobs = _sample(
+        jnp.asarray(logits),
+        keys,
+        jnp.broadcast_to(jnp.float32(temperature), (n,)),
+        jnp.broadcast_to(jnp.int32(top_k), (n,)),
+        jnp.broadcast_to(jnp.float32(top_p), (n,)),
+    )
     return np.asarray(tokens), np.asarray(logprobs)
 
 
@@ -112,7 +117,11 @@ def test_rows_have_independent_settings() -> None:
     top_p = jnp.asarray([1.0, 1.0, 1.0], jnp.float32)
     tokens, logprobs = (np.asarray(x) for x in _sample(jnp.asarray(logits), keys, temperature, top_k, top_p))
     assert tokens[0] == logits[0].argmax() and tokens[1] == logits[1].argmax()
-    want = [_log_softmax(logits[0])[tokens[0]], _log_softmax(logits[1])[tokens[1]], _log_softmax(logits[2] / 2.0)[tokens[2]]]
+    want = [
+        _log_softmax(logits[0])[tokens[0]],
+        _log_softmax(logits[1])[tokens[1]],
+        _log_softmax(logits[2] / 2.0)[tokens[2]],
+    ]
     np.testing.assert_allclose(logprobs, want, atol=1e-5)
 
 

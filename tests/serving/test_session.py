@@ -45,7 +45,9 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n)
 
 
-def test_in_flight_requests_move_to_another_submesh_and_continue_identically(cells, model_params, reference, prompts) -> None:
+def test_in_flight_requests_move_to_another_submesh_and_continue_identically(
+    cells, model_params, reference, prompts
+) -> None:
     a, b = cells
     _, params, _ = model_params
     sampled = SamplingParams(temperature=1.0, max_tokens=30, seed=11)
@@ -137,8 +139,14 @@ def test_a_state_nobody_imports_can_be_cancelled(cells, prompts) -> None:
 def test_bad_states_are_refused_clearly(cells, engine, prompts) -> None:
     a, b = cells
     kv = engine.export_slot(engine.init_decode_state(), 0, 16)
-    wrong_tokens = SessionState("s", kv, kv_tokens=[1, 2, 3], kv_version=0,
-                                request=GenerationRequest(prompt_ids=[9, 9, 9, 9]), future=concurrent.futures.Future())
+    wrong_tokens = SessionState(
+        "s",
+        kv,
+        kv_tokens=[1, 2, 3],
+        kv_version=0,
+        request=GenerationRequest(prompt_ids=[9, 9, 9, 9]),
+        future=concurrent.futures.Future(),
+    )
     with pytest.raises(ValueError, match="not a prefix of the request's prompt"):
         b.import_session(wrong_tokens)
     kv.pages = kv.pages[:1]
@@ -146,8 +154,19 @@ def test_bad_states_are_refused_clearly(cells, engine, prompts) -> None:
         b.import_session(SessionState("s", kv, kv_tokens=[1, 2], kv_version=0))
     # a moved request too long for the new cell fails its own future, not the loop
     fut = concurrent.futures.Future()
-    b.import_session(SessionState(None, None, [], 0, request=GenerationRequest(prompt_ids=[1] * 100), future=fut,
-                                  token_ids=[1] * 40, logprobs=[0.0] * 40, policy_versions=[0] * 40))
+    b.import_session(
+        SessionState(
+            None,
+            None,
+            [],
+            0,
+            request=GenerationRequest(prompt_ids=[1] * 100),
+            future=fut,
+            token_ids=[1] * 40,
+            logprobs=[0.0] * 40,
+            policy_versions=[0] * 40,
+        )
+    )
     with pytest.raises(ValueError, match="does not fit serving loop b"):
         fut.result(TIMEOUT)
     ok = b.submit(GenerationRequest(prompt_ids=prompts[0], sampling=greedy(2))).result(TIMEOUT)

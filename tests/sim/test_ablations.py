@@ -22,7 +22,13 @@ def test_ablate_scheduling_quick(tmp_path):
     row = report["summary"]["presets"]["tiny"]
     runs = report["runs"]
     assert row["elastic_vs_colocated"] == runs["tiny/colocated"]["step_time_s"] / runs["tiny/elastic"]["step_time_s"]
-    assert {"tiny/colocated", "tiny/async-half", "tiny/elastic", "tiny/elastic-eta0", "tiny/async-half-nostream"} <= set(runs)
+    assert {
+        "tiny/colocated",
+        "tiny/async-half",
+        "tiny/elastic",
+        "tiny/elastic-eta0",
+        "tiny/async-half-nostream",
+    } <= set(runs)
     assert all(0 < r["busy_fraction"] <= 1 for r in runs.values())
     for png in ("speedups.png", "utilization.png", "gantt_tiny.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
@@ -43,10 +49,19 @@ def test_ablate_traj_cap_quick(tmp_path):
 
 def test_ablate_traj_cap_reads_measured_ratios(tmp_path):
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"training": {"variants": [
-        {"name": "uncapped", "packing": "plain", "step_time_vs_uncapped": 1.0},
-        {"name": "J=5", "packing": "plain", "step_time_vs_uncapped": 0.7},
-        {"name": "J=5 tree", "packing": "tree", "step_time_vs_uncapped": 0.5}]}}))
+    bench.write_text(
+        json.dumps(
+            {
+                "training": {
+                    "variants": [
+                        {"name": "uncapped", "packing": "plain", "step_time_vs_uncapped": 1.0},
+                        {"name": "J=5", "packing": "plain", "step_time_vs_uncapped": 0.7},
+                        {"name": "J=5 tree", "packing": "tree", "step_time_vs_uncapped": 0.5},
+                    ]
+                }
+            }
+        )
+    )
     _run(["experiments/ablate_traj_cap.py", "--quick", "--measured", str(bench), "--out", str(tmp_path / "o")])
     report = json.loads((tmp_path / "o" / "ablate_traj_cap.json").read_text())
     el = report["presets"]["tiny"]["runs"]["elastic"]
@@ -56,8 +71,9 @@ def test_ablate_traj_cap_reads_measured_ratios(tmp_path):
 
 def test_speed_benchmark_writes_its_table(tmp_path):
     out = tmp_path / "speed.json"
-    text = _run(["-m", "gyre_jax.sim.bench", "--preset", "tiny", "--steps", "3", "--baseline-steps", "2",
-                 "--out", str(out)])
+    text = _run(
+        ["-m", "gyre_jax.sim.bench", "--preset", "tiny", "--steps", "3", "--baseline-steps", "2", "--out", str(out)]
+    )
     report = json.loads(out.read_text())
     assert report["deterministic"] is True and len(report["rows"]) == 5
     assert report["rows"][-1]["segments"] == 40 and report["rows"][-1]["events"] > report["rows"][-2]["events"]

@@ -11,8 +11,15 @@ import numpy as np
 import pytest
 
 from gyre_jax.proxy.records import RecordStore, TitoRecord
-from gyre_jax.sim.calibrate import (MEASUREMENTS_FILE, calibrate_run, compare_step_times, measured_step_times, predict,
-                                    recorded_steps, step_times)
+from gyre_jax.sim.calibrate import (
+    MEASUREMENTS_FILE,
+    calibrate_run,
+    compare_step_times,
+    measured_step_times,
+    predict,
+    recorded_steps,
+    step_times,
+)
 from gyre_jax.sim.config import load_sim_config
 
 
@@ -20,11 +27,20 @@ from gyre_jax.sim.config import load_sim_config
 def run_dir(tmp_path_factory):
     run = tmp_path_factory.mktemp("run")
     base = load_sim_config("tiny", {"steps": 3, "schedule.policy": "colocated"})
-    truth = base.cost.replace(serving={"decode_base_s": 0.05, "decode_per_seq_s": 0.004, "decode_per_context_token_s": 1e-8,
-                                       "prefill_per_token_s": 2e-4},
-                              training={"accelerator_flops": base.cost.training.accelerator_flops / 5,
-                                        "micro_step_overhead_s": 0.8, "optimizer_step_s": 12.0},
-                              switch={"serving_to_training_s": 20.0, "training_to_serving_s": 9.0})
+    truth = base.cost.replace(
+        serving={
+            "decode_base_s": 0.05,
+            "decode_per_seq_s": 0.004,
+            "decode_per_context_token_s": 1e-8,
+            "prefill_per_token_s": 2e-4,
+        },
+        training={
+            "accelerator_flops": base.cost.training.accelerator_flops / 5,
+            "micro_step_overhead_s": 0.8,
+            "optimizer_step_s": 12.0,
+        },
+        switch={"serving_to_training_s": 20.0, "training_to_serving_s": 9.0},
+    )
     rng = np.random.default_rng(0)
     store = RecordStore(run / "records")
     (run / "results").mkdir()
@@ -35,11 +51,23 @@ def run_dir(tmp_path_factory):
             prompt, t = 0, 1000.0 * k
             for c in range(int(rng.integers(3, 9))):
                 new, gen = int(rng.integers(50, 400)), int(rng.integers(20, 120))
-                store.append(TitoRecord(execution_id=eid, call_index=c, thread_id="main", request_id=f"{eid}-{c}",
-                                        prompt_ids=[1] * (prompt + new), completion_ids=[2] * gen,
-                                        completion_logprobs=[-1.0] * gen, policy_versions=[k] * gen,
-                                        finish_reason="stop", temperature=1.0, reused_prefix_len=prompt,
-                                        t_start=t, t_end=t + 1.0))
+                store.append(
+                    TitoRecord(
+                        execution_id=eid,
+                        call_index=c,
+                        thread_id="main",
+                        request_id=f"{eid}-{c}",
+                        prompt_ids=[1] * (prompt + new),
+                        completion_ids=[2] * gen,
+                        completion_logprobs=[-1.0] * gen,
+                        policy_versions=[k] * gen,
+                        finish_reason="stop",
+                        temperature=1.0,
+                        reused_prefix_len=prompt,
+                        t_start=t,
+                        t_end=t + 1.0,
+                    )
+                )
                 prompt += new + gen
                 t += 1.0 + float(rng.exponential(20.0))
             lines.append(json.dumps({"execution_id": eid, "status": "finished", "reward": 1.0}))
@@ -53,13 +81,23 @@ def run_dir(tmp_path_factory):
     batch, ctx = rng.integers(1, 4, 40), rng.uniform(0, 5e4, 40)
     flops = rng.uniform(1e13, 1e15, 20)
     rate = truth.training.cell_flops(base.cell_accelerators)
-    (run / MEASUREMENTS_FILE).write_text(json.dumps({
-        "source": "synthetic run",
-        "decode_steps": [[int(b), float(x), sv.decode_step_s(b, x)] for b, x in zip(batch, ctx)],
-        "prefills": [[float(q), float(c), float(sv.prefill_s(q, c))] for q, c in zip(rng.uniform(50, 400, 20),
-                                                                                    rng.uniform(0, 5e4, 20))],
-        "micro_steps": [[float(f), 0.8 + float(f) / rate] for f in flops], "cell_accelerators": base.cell_accelerators,
-        "optimizer_steps": [12.0], "serving_to_training": [20.0], "training_to_serving": [9.0]}))
+    (run / MEASUREMENTS_FILE).write_text(
+        json.dumps(
+            {
+                "source": "synthetic run",
+                "decode_steps": [[int(b), float(x), sv.decode_step_s(b, x)] for b, x in zip(batch, ctx)],
+                "prefills": [
+                    [float(q), float(c), float(sv.prefill_s(q, c))]
+                    for q, c in zip(rng.uniform(50, 400, 20), rng.uniform(0, 5e4, 20))
+                ],
+                "micro_steps": [[float(f), 0.8 + float(f) / rate] for f in flops],
+                "cell_accelerators": base.cell_accelerators,
+                "optimizer_steps": [12.0],
+                "serving_to_training": [20.0],
+                "training_to_serving": [9.0],
+            }
+        )
+    )
     return run, base, truth, measured
 
 

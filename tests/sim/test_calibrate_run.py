@@ -40,16 +40,28 @@ def _write_config(run, *overrides: str) -> None:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     run = tmp_path_factory.mktemp("run")
-    _write_config(run, "--config.rollout.tasks_per_step=2", "--config.rl.group_size=4", f"--config.total_steps={STEPS}",
-                  "--config.cells.sessions_per_cell=4", "--config.schedule.policy=colocated")
+    _write_config(
+        run,
+        "--config.rollout.tasks_per_step=2",
+        "--config.rl.group_size=4",
+        f"--config.total_steps={STEPS}",
+        "--config.cells.sessions_per_cell=4",
+        "--config.schedule.policy=colocated",
+    )
     cfg = run_sim_config(run)
     cell = cfg.cell_accelerators
     rate = 5.5e9 / 2.0  # a full micro-step of ~5.5 GFLOP takes 2 s on a cell
     truth = cfg.cost.replace(
-        serving={"decode_base_s": 0.012, "decode_per_seq_s": 0.001, "decode_per_context_token_s": 2e-7,
-                 "prefill_base_s": 0.03, "prefill_per_token_s": 3e-4},
+        serving={
+            "decode_base_s": 0.012,
+            "decode_per_seq_s": 0.001,
+            "decode_per_context_token_s": 2e-7,
+            "prefill_base_s": 0.03,
+            "prefill_per_token_s": 3e-4,
+        },
         training={"accelerator_flops": rate / cell, "micro_step_overhead_s": 0.0, "optimizer_step_s": 0.01},
-        switch={"serving_to_training_s": 0.5, "training_to_serving_s": 0.3, "weight_sync_s": 0.0})
+        switch={"serving_to_training_s": 0.5, "training_to_serving_s": 0.3, "weight_sync_s": 0.0},
+    )
     rng = np.random.default_rng(1)
     store = RecordStore(run / "records")
     (run / "results").mkdir()
@@ -67,11 +79,23 @@ def run_dir(tmp_path_factory):
             for c in range(int(rng.integers(2, 5))):
                 new, gen = int(rng.integers(30, 300)), int(rng.integers(10, 120))
                 dur = 0.03 + 3e-4 * new + 0.02 * gen
-                store.append(TitoRecord(execution_id=eid, call_index=c, thread_id="main", request_id=f"{eid}-{c}",
-                                        prompt_ids=[1] * (prompt + new), completion_ids=[2] * gen,
-                                        completion_logprobs=[-1.0] * gen, policy_versions=[k] * gen,
-                                        finish_reason="stop", temperature=1.0, reused_prefix_len=prompt,
-                                        t_start=t, t_end=t + dur))
+                store.append(
+                    TitoRecord(
+                        execution_id=eid,
+                        call_index=c,
+                        thread_id="main",
+                        request_id=f"{eid}-{c}",
+                        prompt_ids=[1] * (prompt + new),
+                        completion_ids=[2] * gen,
+                        completion_logprobs=[-1.0] * gen,
+                        policy_versions=[k] * gen,
+                        finish_reason="stop",
+                        temperature=1.0,
+                        reused_prefix_len=prompt,
+                        t_start=t,
+                        t_end=t + dur,
+                    )
+                )
                 prompt += new + gen
                 last = t + dur
                 t = last + float(rng.exponential(0.8))
@@ -79,8 +103,19 @@ def run_dir(tmp_path_factory):
             timing[eid] = (setup, teardown, ev, first, last)
             tl.execution_started(start, eid, step=k)
             tl.execution_ended(end, eid, "finished", step=k)
-            lines.append(json.dumps({"execution_id": eid, "task_id": eid[:-4], "group_id": eid[:-4], "status": "finished",
-                                     "reward": 1.0, "excluded": False, "duration_s": setup + (last - first) + teardown}))
+            lines.append(
+                json.dumps(
+                    {
+                        "execution_id": eid,
+                        "task_id": eid[:-4],
+                        "group_id": eid[:-4],
+                        "status": "finished",
+                        "reward": 1.0,
+                        "excluded": False,
+                        "duration_s": setup + (last - first) + teardown,
+                    }
+                )
+            )
         (run / "results" / f"step_{k:06d}.jsonl").write_text("\n".join(lines) + "\n")
         t_train = base + 60.0
         for c in range(2):  # both cells switch to training; step 0's first switch includes a compile
@@ -110,17 +145,32 @@ def run_dir(tmp_path_factory):
     decode = [[int(b), float(x), sv.decode_step_s(b, x)] for b, x in zip(batch, ctx)] + [[1, 300.0, 6.0]]  # compile
     q, c = rng.uniform(20, 300, 60), rng.uniform(0, 3000, 60)
     prefills = [[float(a), float(b), float(sv.prefill_s(a, b))] for a, b in zip(q, c)] + [[280.0, 280.0, 12.0]]
-    (run / MEASUREMENTS_FILE).write_text(json.dumps({
-        "source": "gyre_jax controller", "cell_accelerators": cell, "decode_steps": decode, "prefills": prefills,
-        "micro_steps": timing.pop("micro"), "optimizer_steps": [1.5] + [0.01] * (STEPS - 1),
-        "serving_to_training": [5.0, 5.0] + [0.5] * (2 * STEPS - 2), "training_to_serving": [0.3] * (2 * STEPS),
-        "weight_syncs": [0.0] * STEPS}))
+    (run / MEASUREMENTS_FILE).write_text(
+        json.dumps(
+            {
+                "source": "gyre_jax controller",
+                "cell_accelerators": cell,
+                "decode_steps": decode,
+                "prefills": prefills,
+                "micro_steps": timing.pop("micro"),
+                "optimizer_steps": [1.5] + [0.01] * (STEPS - 1),
+                "serving_to_training": [5.0, 5.0] + [0.5] * (2 * STEPS - 2),
+                "training_to_serving": [0.3] * (2 * STEPS),
+                "weight_syncs": [0.0] * STEPS,
+            }
+        )
+    )
     return run, truth, measured, timing
 
 
 def test_run_sim_config_reads_the_runs_shape(tmp_path):
-    _write_config(tmp_path, "--config.schedule.policy=elastic", "--config.schedule.max_staleness=2",
-                  "--config.cells.sessions_per_cell=6", "--config.total_steps=7")
+    _write_config(
+        tmp_path,
+        "--config.schedule.policy=elastic",
+        "--config.schedule.max_staleness=2",
+        "--config.cells.sessions_per_cell=6",
+        "--config.total_steps=7",
+    )
     cfg = run_sim_config(tmp_path)
     assert (cfg.num_cells, cfg.cell_accelerators, cfg.slots_per_cell) == (2, 4, 6)
     assert cfg.policy == "elastic" and dict(cfg.policy_options)["max_staleness"] == 2 and cfg.steps == 7
@@ -179,7 +229,9 @@ def test_calibration_predicts_the_run_and_the_records_alone_do_not(run_dir):
     assert c.report.steps == list(range(1, STEPS)) and c.report.within_tolerance, c.report.table()
     assert c.report.max_abs_error < 0.1
     sv = c.config.cost.serving
-    assert (sv.decode_base_s, sv.decode_per_seq_s, sv.prefill_per_token_s) == pytest.approx((0.012, 0.001, 3e-4), rel=1e-3)
+    assert (sv.decode_base_s, sv.decode_per_seq_s, sv.prefill_per_token_s) == pytest.approx(
+        (0.012, 0.001, 3e-4), rel=1e-3
+    )
     # the model calls and tool gaps alone leave out seconds of harness start-up and teardown per execution
     baseline = calibrate(run, tolerance=0.15, skip_first=1, with_timing=False)
     assert not baseline.report.within_tolerance

@@ -33,11 +33,20 @@ def test_bad_files_say_what_is_wrong(tmp_path, cm):
         ({**good, "version": 7}, "version 7"),
         ({k: v for k, v in good.items() if k != "switch"}, "missing section 'switch'"),
         ({**good, "serving": {**good["serving"], "decode_speed": 1.0}}, r"unknown field\(s\) \['decode_speed'\]"),
-        ({**good, "serving": {k: v for k, v in good["serving"].items() if k != "decode_base_s"}}, "missing.*decode_base_s"),
-        ({**good, "serving": {**good["serving"], "slots_per_replica": 2.5}}, "slots_per_replica=2.5 must be an integer"),
+        (
+            {**good, "serving": {k: v for k, v in good["serving"].items() if k != "decode_base_s"}},
+            "missing.*decode_base_s",
+        ),
+        (
+            {**good, "serving": {**good["serving"], "slots_per_replica": 2.5}},
+            "slots_per_replica=2.5 must be an integer",
+        ),
         ({**good, "serving": {**good["serving"], "decode_base_s": "fast"}}, "decode_base_s='fast' must be a number"),
         ({**good, "switch": {**good["switch"], "weight_sync_s": -1.0}}, "weight_sync_s=-1.0 must be >= 0"),
-        ({**good, "training": {**good["training"], "scaling_exponent": 1.5}}, r"scaling_exponent=1.5 must be in \[0.5, 1\]"),
+        (
+            {**good, "training": {**good["training"], "scaling_exponent": 1.5}},
+            r"scaling_exponent=1.5 must be in \[0.5, 1\]",
+        ),
     ]
     for data, message in cases:
         with pytest.raises(CostModelError, match=message):
@@ -70,11 +79,23 @@ def test_fit_recovers_costs_from_measurements(cm):
     prefill = [[q, c, 0.01 + 2e-5 * q + 1e-10 * q * c] for q, c in zip(new, pctx)]
     flops = rng.uniform(1e14, 1e16, 30)
     micro = [[f, 0.3 + f / 4e15] for f in flops]
-    fitted = fit_cost_model({"decode_steps": decode, "prefills": prefill, "micro_steps": micro, "cell_accelerators": 16,
-                             "optimizer_steps": [2.0, 4.0], "serving_to_training": [5.0], "source": "unit test"}, cm)
+    fitted = fit_cost_model(
+        {
+            "decode_steps": decode,
+            "prefills": prefill,
+            "micro_steps": micro,
+            "cell_accelerators": 16,
+            "optimizer_steps": [2.0, 4.0],
+            "serving_to_training": [5.0],
+            "source": "unit test",
+        },
+        cm,
+    )
     s, t = fitted.serving, fitted.training
     assert (s.decode_base_s, s.decode_per_seq_s, s.decode_per_context_token_s) == pytest.approx(true_decode, rel=1e-6)
-    assert (s.prefill_base_s, s.prefill_per_token_s, s.prefill_per_token_context_s) == pytest.approx((0.01, 2e-5, 1e-10), rel=1e-6)
+    assert (s.prefill_base_s, s.prefill_per_token_s, s.prefill_per_token_context_s) == pytest.approx(
+        (0.01, 2e-5, 1e-10), rel=1e-6
+    )
     assert t.micro_step_overhead_s == pytest.approx(0.3) and t.cell_flops(16) == pytest.approx(4e15)
     assert t.optimizer_step_s == 3.0 and fitted.switch.serving_to_training_s == 5.0
     assert fitted.switch.training_to_serving_s == cm.switch.training_to_serving_s  # not measured: kept

@@ -77,16 +77,21 @@ def test_prefill_interference_slows_decoding_only_when_there_are_prefills():
 
 
 def test_step_boundary_and_warm_up_delay_training():
-    cfg, _, _, tl = _run(cost={"pipeline": {"step_boundary_s": 40.0},
-                               "training": {"warmup_micro_step_s": 25.0, "warmup_optimizer_step_s": 7.0}})
+    cfg, _, _, tl = _run(
+        cost={
+            "pipeline": {"step_boundary_s": 40.0},
+            "training": {"warmup_micro_step_s": 25.0, "warmup_optimizer_step_s": 7.0},
+        }
+    )
     opt = {s.args["step"]: s for s in tl.optimizer_steps}
     for k in range(1, cfg.steps):
         assert _first_micro(tl, k) >= opt[k - 1].end + 40.0 - 1e-6
     _, _, _, base = _run()
     first = [min(cell, key=lambda s: s.start) for cell in tl.micro_steps if cell]
     base_first = [min(cell, key=lambda s: s.start) for cell in base.micro_steps if cell]
-    assert np.mean([s.duration for s in first]) == pytest.approx(np.mean([s.duration for s in base_first]) + 25.0,
-                                                                 rel=0.05)
+    assert np.mean([s.duration for s in first]) == pytest.approx(
+        np.mean([s.duration for s in base_first]) + 25.0, rel=0.05
+    )
     base_opt = {s.args["step"]: s for s in base.optimizer_steps}
     assert opt[0].duration == pytest.approx(base_opt[0].duration + 7.0)
     assert opt[1].duration == pytest.approx(base_opt[1].duration)  # compiled once

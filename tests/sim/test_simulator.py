@@ -84,8 +84,12 @@ def test_policy_rules_as_carried_out():
         assert [s.name for s in tl.roles[c]] == ["training" if c < 2 else "serving"]
     cfg, _, el, tl = _run("elastic")
     assert el.switches["serving_to_training"] > 0
-    leaves = sorted((s.start, c) for c in range(cfg.num_cells) for s in tl.roles[c]
-                    if s.name == "switching" and s.args.get("to") == "training")
+    leaves = sorted(
+        (s.start, c)
+        for c in range(cfg.num_cells)
+        for s in tl.roles[c]
+        if s.name == "switching" and s.args.get("to") == "training"
+    )
 
     def role_at(c, t):
         return next(s.name for s in tl.roles[c] if s.start <= t < s.end)
@@ -177,8 +181,16 @@ def test_role_enum_values_are_what_the_timeline_writes():
 def test_training_starts_as_soon_as_its_data_and_weights_are_there():
     """Regression: a step whose whole batch was processed while the previous step trained starts its
     micro-steps the moment the previous optimizer step ends (it once waited for an event that never came)."""
-    cfg = load_sim_config("tiny", {"schedule.policy": "async", "schedule.training_cells": 1, "schedule.streaming": False,
-                                   "steps": 6, "cost.train_mfu": 0.002})  # slow training: data waits for it
+    cfg = load_sim_config(
+        "tiny",
+        {
+            "schedule.policy": "async",
+            "schedule.training_cells": 1,
+            "schedule.streaming": False,
+            "steps": 6,
+            "cost.train_mfu": 0.002,
+        },
+    )  # slow training: data waits for it
     timeline = TimelineWriter(None, [f"cell{c}" for c in range(cfg.num_cells)], source="sim")
     sim = Simulator(cfg, timeline=timeline)
     ready_at = {}

@@ -40,8 +40,11 @@ def test_round_trip_through_a_file(tmp_path):
     assert isinstance(data, list) and data[0]["name"] == "gyre_timeline"
     tl = load_timeline(path)
     assert tl.source == "controller" and tl.t0 == 1000.0 and tl.cells == ["cell0", "cell1"]
-    assert [(s.name, s.start, s.end) for s in tl.roles[0]] == [("serving", 0.0, 10.0), ("switching", 10.0, 18.5),
-                                                               ("training", 18.5, 30.0)]
+    assert [(s.name, s.start, s.end) for s in tl.roles[0]] == [
+        ("serving", 0.0, 10.0),
+        ("switching", 10.0, 18.5),
+        ("training", 18.5, 30.0),
+    ]
     assert tl.roles[0][1].args == {"reason": "finished", "to": "training"}
     assert [(s.name, s.start, s.end) for s in tl.roles[1]] == [("serving", 0.0, 30.0)]
     assert [(s.start, s.end, s.args["flops"]) for s in tl.micro_steps[0]] == [(19.0, 21.0, 3.0)]
@@ -88,10 +91,18 @@ def test_plot_script_draws_a_gantt_chart(tmp_path):
     path = tmp_path / "timeline.json"
     _write(path)
     out = tmp_path / "gantt.png"
-    proc = subprocess.run([sys.executable, str(REPO / "experiments" / "plot_timeline.py"), str(path), "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "experiments" / "plot_timeline.py"), str(path), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
-    bad = subprocess.run([sys.executable, str(REPO / "experiments" / "plot_timeline.py"), str(tmp_path / "none.json")],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, str(REPO / "experiments" / "plot_timeline.py"), str(tmp_path / "none.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "not found" in bad.stderr

@@ -19,14 +19,29 @@ TRAINING = cost_model(preset("tiny")).training
 
 
 def _spec(window=0, summary=0, initial=500):
-    return WorkloadSpec(name="t", turns=Dist(5, 0.5, 1, 30), task_sigma=0.3, gen_tokens=Dist(100, 0.5),
-                        obs_tokens=Dist(300, 1.0), initial_context=initial, tool_s=Dist(2.0, 1.0), setup_s=Dist(10.0),
-                        eval_s=Dist(5.0), timeout_s=600.0, context_window=window, summary_tokens=summary)
+    return WorkloadSpec(
+        name="t",
+        turns=Dist(5, 0.5, 1, 30),
+        task_sigma=0.3,
+        gen_tokens=Dist(100, 0.5),
+        obs_tokens=Dist(300, 1.0),
+        initial_context=initial,
+        tool_s=Dist(2.0, 1.0),
+        setup_s=Dist(10.0),
+        eval_s=Dist(5.0),
+        timeout_s=600.0,
+        context_window=window,
+        summary_tokens=summary,
+    )
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 25), min_size=1, max_size=6), st.integers(1, 10), st.sampled_from([0, 3000]),
-       st.integers(0, 2**31 - 1))
+@given(
+    st.lists(st.integers(1, 25), min_size=1, max_size=6),
+    st.integers(1, 10),
+    st.sampled_from([0, 3000]),
+    st.integers(0, 2**31 - 1),
+)
 def test_segments_keep_every_calls_time_and_tokens(turns, segments, window, seed):
     rng = np.random.default_rng(seed)
     turns = np.array(turns)
@@ -41,9 +56,9 @@ def test_segments_keep_every_calls_time_and_tokens(turns, segments, window, seed
     assert sum(p.gen) == pytest.approx(gen.sum() + compactions * spec.summary_tokens)
     assert p.tokens == pytest.approx(spec.initial_context + np.add.reduceat(obs + gen, np.r_[0, np.cumsum(turns)[:-1]]))
     for j in range(len(turns)):
-        ends = p.tokens_end[p.offset[j]: p.offset[j] + p.count[j]]
+        ends = p.tokens_end[p.offset[j] : p.offset[j] + p.count[j]]
         assert ends == sorted(ends) and ends[-1] == pytest.approx(p.tokens[j])
-        ctx = p.ctx[p.offset[j]: p.offset[j] + p.count[j]]
+        ctx = p.ctx[p.offset[j] : p.offset[j] + p.count[j]]
         if window:  # the context a call decodes on stays within the window plus that call's own tokens
             assert max(ctx) <= window + obs.max() + gen.max()
     if window == 0:
@@ -62,10 +77,21 @@ def test_sampling_is_seeded_per_step_and_respects_the_turn_limits():
 
 def test_replay_of_recorded_calls():
     def rec(i, prompt, reused, completion, t0, t1, thread="main"):
-        return TitoRecord(execution_id="x", call_index=i, thread_id=thread, request_id=str(i),
-                          prompt_ids=list(range(prompt)), completion_ids=[1] * completion,
-                          completion_logprobs=[0.0] * completion, policy_versions=[0] * completion,
-                          finish_reason="stop", temperature=1.0, reused_prefix_len=reused, t_start=t0, t_end=t1)
+        return TitoRecord(
+            execution_id="x",
+            call_index=i,
+            thread_id=thread,
+            request_id=str(i),
+            prompt_ids=list(range(prompt)),
+            completion_ids=[1] * completion,
+            completion_logprobs=[0.0] * completion,
+            policy_versions=[0] * completion,
+            finish_reason="stop",
+            temperature=1.0,
+            reused_prefix_len=reused,
+            t_start=t0,
+            t_end=t1,
+        )
 
     records = [rec(1, 150, 120, 20, 12.0, 13.0), rec(0, 100, 0, 20, 10.0, 11.0), rec(2, 200, 170, 5, 20.0, 20.5)]
     x = recorded_execution(records, eval_s=3.0)
@@ -87,8 +113,9 @@ def test_bad_workload_values_are_refused():
 
 
 # -- trajectory cost --------------------------------------------------------------------------------
-SHAPE = TrajectoryShape(context_window=10_000, summary_tokens=1_000, initial_context=2_000, subagent_fraction=0.3,
-                        subagent_tokens=3_000)
+SHAPE = TrajectoryShape(
+    context_window=10_000, summary_tokens=1_000, initial_context=2_000, subagent_fraction=0.3, subagent_tokens=3_000
+)
 
 
 @settings(max_examples=100, deadline=None)

@@ -17,14 +17,25 @@ ALPHABET = 6  # token ids 0..5: shared prefixes and identical completions happen
 MAX_BRANCH_LEN = 48
 
 
-def make_record(eid: str, call_index: int, prompt, completion, thread="main", logprobs=None, temperature=1.0,
-                version=0) -> TitoRecord:
+def make_record(
+    eid: str, call_index: int, prompt, completion, thread="main", logprobs=None, temperature=1.0, version=0
+) -> TitoRecord:
     n = len(completion)
     return TitoRecord(
-        execution_id=eid, call_index=call_index, thread_id=thread, request_id=f"r{call_index}",
-        prompt_ids=list(prompt), completion_ids=list(completion),
-        completion_logprobs=list(logprobs) if logprobs is not None else [-0.5] * n, policy_versions=[version] * n,
-        finish_reason="stop", temperature=temperature, reused_prefix_len=0, t_start=0.0, t_end=0.0)
+        execution_id=eid,
+        call_index=call_index,
+        thread_id=thread,
+        request_id=f"r{call_index}",
+        prompt_ids=list(prompt),
+        completion_ids=list(completion),
+        completion_logprobs=list(logprobs) if logprobs is not None else [-0.5] * n,
+        policy_versions=[version] * n,
+        finish_reason="stop",
+        temperature=temperature,
+        reused_prefix_len=0,
+        t_start=0.0,
+        t_end=0.0,
+    )
 
 
 def _tokens(lo: int, hi: int):
@@ -54,12 +65,26 @@ def random_execution(draw, execution_id: str = "ex", max_calls: int = 8):
             again = draw(st.sampled_from(records))
             prompt = list(again.prompt_ids)
             if draw(st.booleans()):
-                completion = list(again.completion_ids[: draw(st.integers(0, len(again.completion_ids)))]) + draw(_tokens(0, 2))
+                completion = list(again.completion_ids[: draw(st.integers(0, len(again.completion_ids)))]) + draw(
+                    _tokens(0, 2)
+                )
         if len(prompt) + len(completion) > MAX_BRANCH_LEN:
             prompt = draw(_tokens(1, 5))  # keep branches short enough for the test rows
-        logprobs = draw(st.lists(st.floats(-3.0, -0.0625, width=32), min_size=len(completion), max_size=len(completion)))
-        records.append(make_record(execution_id, i, prompt, completion, thread=thread, logprobs=logprobs,
-                                   temperature=draw(st.sampled_from([0.7, 1.0])), version=draw(st.integers(0, 3))))
+        logprobs = draw(
+            st.lists(st.floats(-3.0, -0.0625, width=32), min_size=len(completion), max_size=len(completion))
+        )
+        records.append(
+            make_record(
+                execution_id,
+                i,
+                prompt,
+                completion,
+                thread=thread,
+                logprobs=logprobs,
+                temperature=draw(st.sampled_from([0.7, 1.0])),
+                version=draw(st.integers(0, 3)),
+            )
+        )
     return records
 
 

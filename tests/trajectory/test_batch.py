@@ -43,7 +43,16 @@ def test_micro_batches_shift_targets_and_mask_exactly_the_trainable_targets(case
     length = row_length(max(len(b.tokens) - 1 for b in branches), multiple)
     assert length % multiple == 0 and length >= max(len(b.tokens) - 1 for b in branches)
     for mb in mbs:
-        for name in ("tokens", "positions", "segment_ids", "targets", "loss_mask", "old_logprobs", "temperature", "seq_index"):
+        for name in (
+            "tokens",
+            "positions",
+            "segment_ids",
+            "targets",
+            "loss_mask",
+            "old_logprobs",
+            "temperature",
+            "seq_index",
+        ):
             assert getattr(mb, name).shape == (mbs_size, length), name
         assert mb.advantages.shape == mb.seq_weights.shape == (mbs_size,)
         np.testing.assert_array_equal(mb.seq_index, np.arange(mbs_size)[:, None] * np.ones((1, length), np.int32))
@@ -72,8 +81,14 @@ def test_micro_batches_shift_targets_and_mask_exactly_the_trainable_targets(case
     assert sum(mb.num_target_tokens for mb in mbs) == trained
     assert count_tokens(mbs) == (sum(len(b.tokens) - 1 for b in branches), trained)
     # On-policy (logprobs == old_logprobs) every ratio is 1: the loss is -sum(w * A) over trainable sequences.
-    loss = sum(float(gspo_loss(mb.old_logprobs, mb.old_logprobs, mb.loss_mask, mb.seq_index, mb.advantages,
-                               mb.seq_weights, 0.2, 0.2)[0]) for mb in mbs)
+    loss = sum(
+        float(
+            gspo_loss(
+                mb.old_logprobs, mb.old_logprobs, mb.loss_mask, mb.seq_index, mb.advantages, mb.seq_weights, 0.2, 0.2
+            )[0]
+        )
+        for mb in mbs
+    )
     expected = -sum(w * a for b, a, w in zip(branches, advantages, weights) if sum(b.trainable[1:]) > 0)
     assert loss == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
@@ -88,8 +103,10 @@ def test_row_length_buckets():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.lists(st.tuples(st.integers(0, 271), st.booleans()), min_size=2, max_size=30), min_size=1, max_size=5),
-       st.integers(0, 8))
+@given(
+    st.lists(st.lists(st.tuples(st.integers(0, 271), st.booleans()), min_size=2, max_size=30), min_size=1, max_size=5),
+    st.integers(0, 8),
+)
 def test_supervised_micro_batch_weights_sum_to_one_over_trainable_targets(seqs, slack):
     sequences = [([t for t, _ in s], [m for _, m in s]) for s in seqs]
     total = sum(sum(tr[1:]) for _, tr in sequences)
@@ -127,8 +144,10 @@ def test_attention_mask_is_segment_causal_for_plain_rows_and_ancestor_only_for_t
     # Plain packing: two sequences (lengths 3 and 2) and padding; subtree_end = end of each segment.
     seg = np.array([[1, 1, 1, 2, 2, 0]], np.int32)
     end = np.array([[3, 3, 3, 5, 5, 0]], np.int32)
-    np.testing.assert_array_equal(np.asarray(attention_mask(jnp.asarray(seg), jnp.asarray(end))),
-                                  np.asarray(segment_causal_mask(jnp.asarray(seg))))
+    np.testing.assert_array_equal(
+        np.asarray(attention_mask(jnp.asarray(seg), jnp.asarray(end))),
+        np.asarray(segment_causal_mask(jnp.asarray(seg))),
+    )
     # A tree in depth-first order: root 0 -> 1 -> {2, 3}: token 3 must not see its sibling 2.
     seg = np.array([[1, 1, 1, 1]], np.int32)
     end = np.array([[4, 4, 3, 4]], np.int32)

@@ -16,8 +16,14 @@ def test_smoke_suite_runs_and_writes_json(tmp_path) -> None:
     out = tmp_path / "trajectory_smoke.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "benchmarks/bench_trajectory.py", "--suite", "smoke", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_trajectory.py", "--suite", "smoke", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     t = report["training"]
@@ -33,7 +39,9 @@ def test_smoke_suite_runs_and_writes_json(tmp_path) -> None:
         assert v["selected"] <= v["branches"] and v["trained_targets"] <= v["fb_tokens"] <= v["padded_tokens"]
     # Capping and sharing only ever remove work.
     assert by["J=1"]["fb_tokens"] <= by["J=3"]["fb_tokens"] <= by["J=5"]["fb_tokens"] <= base["fb_tokens"]
-    assert by["J=5 tree"]["fb_tokens"] <= by["J=5"]["fb_tokens"] and by["uncapped tree"]["fb_tokens"] <= base["fb_tokens"]
+    assert (
+        by["J=5 tree"]["fb_tokens"] <= by["J=5"]["fb_tokens"] and by["uncapped tree"]["fb_tokens"] <= base["fb_tokens"]
+    )
     assert by["J=5"]["reference_vs_uncapped"] == 0.748 and by["J=1"]["reference_vs_uncapped"] == 0.414
     p = report["pipeline"]
     assert [r["executions"] for r in p["runs"]] == [4, 8]

@@ -18,22 +18,39 @@ tokens = st.lists(st.integers(0, 255), min_size=0, max_size=6)
 def rec(call_index, prompt, completion, thread="main", logprobs=None, versions=None, temperature=0.7, eid="ex"):
     n = len(completion)
     return TitoRecord(
-        execution_id=eid, call_index=call_index, thread_id=thread, request_id=f"r{call_index}",
-        prompt_ids=list(prompt), completion_ids=list(completion),
+        execution_id=eid,
+        call_index=call_index,
+        thread_id=thread,
+        request_id=f"r{call_index}",
+        prompt_ids=list(prompt),
+        completion_ids=list(completion),
         completion_logprobs=list(logprobs) if logprobs is not None else [-0.5 - 0.01 * i for i in range(n)],
         policy_versions=list(versions) if versions is not None else [call_index] * n,
-        finish_reason="stop", temperature=temperature, reused_prefix_len=0, t_start=0.0, t_end=1.0,
+        finish_reason="stop",
+        temperature=temperature,
+        reused_prefix_len=0,
+        t_start=0.0,
+        t_end=1.0,
     )
 
 
 # -- a linear conversation ------------------------------------------------------------------------
 
+
 @st.composite
 def linear_conversations(draw):
     prompt = draw(st.lists(st.integers(0, 255), min_size=1, max_size=8))
     n_calls = draw(st.integers(1, 6))
-    records, expected = [], {"tokens": list(prompt), "trainable": [False] * len(prompt), "logprobs": [0.0] * len(prompt),
-                             "temperature": [1.0] * len(prompt), "versions": [-1] * len(prompt)}
+    records, expected = (
+        [],
+        {
+            "tokens": list(prompt),
+            "trainable": [False] * len(prompt),
+            "logprobs": [0.0] * len(prompt),
+            "temperature": [1.0] * len(prompt),
+            "versions": [-1] * len(prompt),
+        },
+    )
     for i in range(n_calls):
         if i > 0:
             new = draw(tokens)  # tool result / user turn appended after the previous completion
@@ -44,7 +61,9 @@ def linear_conversations(draw):
             expected["temperature"] += [1.0] * len(new)
             expected["versions"] += [-1] * len(new)
         completion = draw(st.lists(st.integers(0, 255), min_size=1, max_size=6))
-        logprobs = draw(st.lists(st.floats(-20.0, 0.0, allow_nan=False), min_size=len(completion), max_size=len(completion)))
+        logprobs = draw(
+            st.lists(st.floats(-20.0, 0.0, allow_nan=False), min_size=len(completion), max_size=len(completion))
+        )
         temperature = draw(st.sampled_from([0.5, 0.7, 1.0, 1.3]))
         versions = [draw(st.integers(0, 9))] * len(completion)
         records.append(rec(i, prompt, completion, logprobs=logprobs, versions=versions, temperature=temperature))
@@ -76,7 +95,9 @@ def test_linear_conversation_is_one_main_branch_training_exactly_the_completions
         assert b.versions == expected["versions"]
         # The trainable tokens are exactly the completions, in call order, with their logprobs.
         assert [t for t, m in zip(b.tokens, b.trainable) if m] == [t for r in records for t in r.completion_ids]
-        assert [lp for lp, m in zip(b.logprobs, b.trainable) if m] == [lp for r in records for lp in r.completion_logprobs]
+        assert [lp for lp, m in zip(b.logprobs, b.trainable) if m] == [
+            lp for r in records for lp in r.completion_logprobs
+        ]
         assert b.num_trainable == sum(len(r.completion_ids) for r in records)
 
 
@@ -149,17 +170,24 @@ def test_select_branches_respects_cap_priority_and_skips_untrainable(case, max_b
 
 def test_select_branches_priority_order_on_a_concrete_execution():
     records = [
-        rec(0, [MARK + 0, 1], [2, 3], thread="main"),   # main
-        rec(1, [MARK + 1, 1], [5], thread="sub-a"),     # subagent
-        rec(2, [MARK + 2], [6], thread="sub-a"),        # subagent-summary
-        rec(3, [MARK + 3], [7], thread="main"),         # main-summary
-        rec(4, [MARK + 4], [], thread="main"),          # main-summary without trainable tokens
-        rec(5, [MARK + 5], [8], thread="sub-b"),        # subagent
-        rec(6, [MARK + 6], [9], thread="main"),         # main-summary
+        rec(0, [MARK + 0, 1], [2, 3], thread="main"),  # main
+        rec(1, [MARK + 1, 1], [5], thread="sub-a"),  # subagent
+        rec(2, [MARK + 2], [6], thread="sub-a"),  # subagent-summary
+        rec(3, [MARK + 3], [7], thread="main"),  # main-summary
+        rec(4, [MARK + 4], [], thread="main"),  # main-summary without trainable tokens
+        rec(5, [MARK + 5], [8], thread="sub-b"),  # subagent
+        rec(6, [MARK + 6], [9], thread="main"),  # main-summary
     ]
     branches = build_branches(records)
     assert [b.label for b in branches] == [
-        "main", "subagent", "subagent-summary", "main-summary", "main-summary", "subagent", "main-summary"]
+        "main",
+        "subagent",
+        "subagent-summary",
+        "main-summary",
+        "main-summary",
+        "subagent",
+        "main-summary",
+    ]
     first = lambda bs: [b.tokens[0] - MARK for b in bs]  # noqa: E731
     assert first(select_branches(branches, 1)) == [0]
     assert first(select_branches(branches, 3)) == [0, 3, 6]
@@ -171,15 +199,19 @@ def test_select_branches_priority_order_on_a_concrete_execution():
 def test_summary_subagent_and_edited_history_start_new_branches():
     records = [
         rec(0, [1, 2], [3, 4]),
-        rec(1, [1, 2, 3, 4, 9], [5]),                 # continues main
-        rec(2, [1, 2, 3], [7]),                       # edited history (a prefix, not an extension): new branch
-        rec(3, [20, 21], [22], thread="worker"),      # a sub-agent
+        rec(1, [1, 2, 3, 4, 9], [5]),  # continues main
+        rec(2, [1, 2, 3], [7]),  # edited history (a prefix, not an extension): new branch
+        rec(3, [20, 21], [22], thread="worker"),  # a sub-agent
         rec(4, [20, 21, 22, 23], [24], thread="worker"),  # continues the sub-agent
-        rec(5, [30], [31]),                           # a context summary of the main thread
+        rec(5, [30], [31]),  # a context summary of the main thread
     ]
     branches = build_branches(records)
     assert [(b.label, b.thread_id, b.num_calls) for b in branches] == [
-        ("main", "main", 2), ("main-summary", "main", 1), ("subagent", "worker", 2), ("main-summary", "main", 1)]
+        ("main", "main", 2),
+        ("main-summary", "main", 1),
+        ("subagent", "worker", 2),
+        ("main-summary", "main", 1),
+    ]
     assert branches[0].tokens == [1, 2, 3, 4, 9, 5]
     assert branches[0].trainable == [False, False, True, True, False, True]
     assert branches[2].tokens == [20, 21, 22, 23, 24]
@@ -188,9 +220,9 @@ def test_summary_subagent_and_edited_history_start_new_branches():
 
 def test_a_call_continues_the_longest_branch_it_extends():
     records = [
-        rec(0, [1, 2], [3]),            # branch X = [1, 2, 3]
-        rec(1, [1], [2, 3, 4]),         # prompt [1] does not extend X: branch Y = [1, 2, 3, 4]
-        rec(2, [1, 2, 3, 4, 5], [6]),   # extends both X and Y: continues Y, the longer one
+        rec(0, [1, 2], [3]),  # branch X = [1, 2, 3]
+        rec(1, [1], [2, 3, 4]),  # prompt [1] does not extend X: branch Y = [1, 2, 3, 4]
+        rec(2, [1, 2, 3, 4, 5], [6]),  # extends both X and Y: continues Y, the longer one
     ]
     x, y = build_branches(records)
     assert x.tokens == [1, 2, 3] and x.num_calls == 1
@@ -231,18 +263,24 @@ END = 99  # stands for <|im_end|>: the first message (system prompt) ends at its
 def test_structure_tells_subagents_from_summaries_within_one_thread():
     sys_main, sys_sub = [1, 1, END], [2, 2, END]
     records = [
-        rec(0, sys_main + [5, END], [6, END], thread="sess"),               # main
-        rec(1, sys_main + [5, END, 6, END, 7], [8], thread="sess"),         # continues main
-        rec(2, sys_sub + [9, END], [10], thread="sess"),                    # own system prompt: a sub-agent
-        rec(3, sys_sub + [9, END, 10, 11], [12], thread="sess"),            # continues the sub-agent
-        rec(4, sys_main + [30, END], [31], thread="sess"),                  # same system prompt, new history: summary
-        rec(5, sys_sub + [40, END], [41], thread="sess"),                   # the sub-agent restarted: its summary
-        rec(6, [3, 3, END, 50], [51], thread="sess"),                       # a second sub-agent
-        rec(7, sys_main + [5, END], [60], thread="sess"),                   # a retry of call 0 (shares the prompt)
+        rec(0, sys_main + [5, END], [6, END], thread="sess"),  # main
+        rec(1, sys_main + [5, END, 6, END, 7], [8], thread="sess"),  # continues main
+        rec(2, sys_sub + [9, END], [10], thread="sess"),  # own system prompt: a sub-agent
+        rec(3, sys_sub + [9, END, 10, 11], [12], thread="sess"),  # continues the sub-agent
+        rec(4, sys_main + [30, END], [31], thread="sess"),  # same system prompt, new history: summary
+        rec(5, sys_sub + [40, END], [41], thread="sess"),  # the sub-agent restarted: its summary
+        rec(6, [3, 3, END, 50], [51], thread="sess"),  # a second sub-agent
+        rec(7, sys_main + [5, END], [60], thread="sess"),  # a retry of call 0 (shares the prompt)
     ]
     branches = build_branches(records, message_end_id=END)
-    assert [b.label for b in branches] == ["main", "subagent", "main-summary", "subagent-summary", "subagent",
-                                           "main-summary"]
+    assert [b.label for b in branches] == [
+        "main",
+        "subagent",
+        "main-summary",
+        "subagent-summary",
+        "subagent",
+        "main-summary",
+    ]
     assert [b.agent for b in branches] == [0, 1, 0, 1, 2, 0]
     # Explicit thread ids win over structure: a different thread is always another agent.
     records[4] = rec(4, sys_main + [30, END], [31], thread="other")

@@ -27,8 +27,9 @@ from gyre_jax.trajectory.packing import MicroBatchPacker
 from gyre_jax.trajectory.select import execution_rng, select
 from gyre_jax.trajectory.tree import layout, plain_chunks, tree_chunks
 
-CFG = ModelConfig(vocab_size=8, num_layers=2, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
-                  rope_theta=10000.0)
+CFG = ModelConfig(
+    vocab_size=8, num_layers=2, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, rope_theta=10000.0
+)
 ROWS, T, S = 2, 48, 8
 CLIP_LOW, CLIP_HIGH = 0.999, 1e6  # wide: no sequence is clipped, so every one carries gradient and the comparison bites
 
@@ -42,8 +43,9 @@ def model():
     def objective(params, mb):
         def loss_fn(p):
             logp = token_logprobs(graphdef, p, mb)  # [B, T]
-            loss, _ = gspo_loss(logp, mb.old_logprobs, mb.loss_mask, mb.seq_index, mb.advantages, mb.seq_weights,
-                                CLIP_LOW, CLIP_HIGH)
+            loss, _ = gspo_loss(
+                logp, mb.old_logprobs, mb.loss_mask, mb.seq_index, mb.advantages, mb.seq_weights, CLIP_LOW, CLIP_HIGH
+            )
             return loss, logp
 
         (loss, logp), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -108,10 +110,15 @@ def expanded_batches(executions):
 
 
 @settings(max_examples=30, deadline=None)
-@given(data=st.data(), n_exec=st.integers(1, 3), cap=st.sampled_from([None, 1, 3]),
-       advantages=st.lists(st.floats(-2.0, 2.0, width=32), min_size=3, max_size=3))
+@given(
+    data=st.data(),
+    n_exec=st.integers(1, 3),
+    cap=st.sampled_from([None, 1, 3]),
+    advantages=st.lists(st.floats(-2.0, 2.0, width=32), min_size=3, max_size=3),
+)
 def test_tree_packed_logprobs_loss_and_gradients_equal_the_branches_expanded_one_by_one(
-        model, executions, data, n_exec, cap, advantages):
+    model, executions, data, n_exec, cap, advantages
+):
     execs = []
     for i in range(n_exec):
         eid = f"e{i}"
@@ -128,8 +135,11 @@ def test_tree_packed_logprobs_loss_and_gradients_equal_the_branches_expanded_one
         assert logp.keys() == logp_ref.keys()  # same targets, each trained once, in the same sequence
         np.testing.assert_allclose([logp[k] for k in logp_ref], list(logp_ref.values()), rtol=1e-5, atol=2e-5)
         assert loss == pytest.approx(loss_ref, rel=1e-5, abs=1e-6)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6),
-                     grads, grads_ref)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6),
+            grads,
+            grads_ref,
+        )
     if any(abs(a) > 1e-3 for _, _, a, _ in execs):
         norm = float(jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads_ref))))
         assert norm > 0  # the comparison above is not between two zero gradients
@@ -137,20 +147,30 @@ def test_tree_packed_logprobs_loss_and_gradients_equal_the_branches_expanded_one
 
 # -- the packer on concrete chunks ----------------------------------------------------------------------------------
 
+
 def _sel(eid, *branch_specs):
     branches = []
     for i, (tokens, trainable) in enumerate(branch_specs):
         n = len(tokens)
-        branches.append(Branch(execution_id=eid, thread_id="main", label="main" if i == 0 else "main-summary",
-                               tokens=list(tokens), trainable=list(trainable), logprobs=[-0.25] * n, temperature=[1.0] * n,
-                               versions=[7] * n))
+        branches.append(
+            Branch(
+                execution_id=eid,
+                thread_id="main",
+                label="main" if i == 0 else "main-summary",
+                tokens=list(tokens),
+                trainable=list(trainable),
+                logprobs=[-0.25] * n,
+                temperature=[1.0] * n,
+                versions=[7] * n,
+            )
+        )
     return select(eid, branches, None)
 
 
 def test_packer_places_chunks_first_fit_as_segments_with_their_sequences():
-    a = _sel("a", ([1, 2, 3, 4, 5], [0, 0, 1, 1, 1]))                 # 4 nodes
-    b = _sel("b", ([1, 2, 3], [0, 1, 1]), ([1, 2, 4], [0, 1, 1]))     # tree: 1->2, 2->3, 2->4: 3 nodes, 2 sequences
-    c = _sel("c", ([6, 6, 6, 6, 6, 6, 6], [0, 1, 1, 1, 1, 1, 1]))     # 6 nodes
+    a = _sel("a", ([1, 2, 3, 4, 5], [0, 0, 1, 1, 1]))  # 4 nodes
+    b = _sel("b", ([1, 2, 3], [0, 1, 1]), ([1, 2, 4], [0, 1, 1]))  # tree: 1->2, 2->3, 2->4: 3 nodes, 2 sequences
+    c = _sel("c", ([6, 6, 6, 6, 6, 6, 6], [0, 1, 1, 1, 1, 1, 1]))  # 6 nodes
     packer = MicroBatchPacker(rows=2, row_length=8, max_sequences=4, open_micro_batches=1)
     assert packer.add(tree_chunks(a, 8, 4)[0], 1.5, [0.5], ["main"]) == []
     assert packer.add(tree_chunks(b, 8, 4)[0], -1.0, [0.125, 0.125], ["main", "main-summary"]) == []

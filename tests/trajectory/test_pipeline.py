@@ -66,14 +66,23 @@ def same_output(a: PackedBatch, b: PackedBatch) -> bool:
         return True
     x, y = a.packed.micro_batch, b.packed.micro_batch
     return a.packed.sequences == b.packed.sequences and all(
-        np.array_equal(getattr(x, f), getattr(y, f)) for f in x.__dataclass_fields__)
+        np.array_equal(getattr(x, f), getattr(y, f)) for f in x.__dataclass_fields__
+    )
 
 
 # -- masks, weights, exclusions ---------------------------------------------------------------------------------------
 
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), n_exec=st.integers(1, 4), cap=st.sampled_from([None, 1, 2]), packing=st.sampled_from(["tree", "plain"]))
-def test_masks_cover_exactly_the_policy_generated_tokens_and_each_execution_counts_once(executions, data, n_exec, cap, packing):
+@given(
+    data=st.data(),
+    n_exec=st.integers(1, 4),
+    cap=st.sampled_from([None, 1, 2]),
+    packing=st.sampled_from(["tree", "plain"]),
+)
+def test_masks_cover_exactly_the_policy_generated_tokens_and_each_execution_counts_once(
+    executions, data, n_exec, cap, packing
+):
     config = TrajectoryConfig(max_branches=cap, packing=packing, row_length=48, rows=2, max_sequences=4, vocab_size=8)
     with tempfile.TemporaryDirectory() as d:
         store = RecordStore(Path(d) / "records")
@@ -114,9 +123,19 @@ def test_masks_cover_exactly_the_policy_generated_tokens_and_each_execution_coun
 
 def test_corrupt_and_unusable_executions_are_excluded_with_a_reason_and_the_pipeline_continues(tmp_path):
     store = RecordStore(tmp_path / "records")
-    shape = TraceShape(num_calls=6, system_len=8, task_len=4, completion_len=(2, 5), tool_output_len=(2, 6),
-                       context_limit=60, summary_len=4, subagent_every=3, subagent_calls=2, subagent_system_len=6,
-                       vocab_size=64)
+    shape = TraceShape(
+        num_calls=6,
+        system_len=8,
+        task_len=4,
+        completion_len=(2, 5),
+        tool_output_len=(2, 6),
+        context_limit=60,
+        summary_len=4,
+        subagent_every=3,
+        subagent_calls=2,
+        subagent_system_len=6,
+        vocab_size=64,
+    )
     good = ["good0", "good1", "bad-json", "torn", "empty", "vocab", "long", "idle"]
     write_executions(store, good, shape)
     lines = store.path("bad-json").read_text().splitlines(True)
@@ -131,8 +150,9 @@ def test_corrupt_and_unusable_executions_are_excluded_with_a_reason_and_the_pipe
     idle = json.loads(lines[0])
     idle.update(completion_ids=[], completion_logprobs=[], policy_versions=[])
     store.path("idle").write_text(json.dumps(idle) + "\n")
-    config = TrajectoryConfig(max_branches=3, row_length=256, rows=2, max_sequences=8, vocab_size=64,
-                              message_end_id=MESSAGE_END)
+    config = TrajectoryConfig(
+        max_branches=3, row_length=256, rows=2, max_sequences=8, vocab_size=64, message_end_id=MESSAGE_END
+    )
     pipe = TrajectoryPipeline(store.root, tmp_path / "trajectory", config)
     long_config = TrajectoryConfig(**{**config.__dict__, "row_length": 40})
     (store.root / "unreadable.jsonl").mkdir()  # opening it fails with an OSError
@@ -161,9 +181,20 @@ def test_corrupt_and_unusable_executions_are_excluded_with_a_reason_and_the_pipe
 def test_structure_labels_subagents_that_share_the_main_thread(tmp_path):
     """Claude Code style: sub-agents send the main session id; their own system prompt marks them."""
     store = RecordStore(tmp_path / "records")
-    shape = TraceShape(num_calls=12, system_len=20, task_len=5, completion_len=(3, 6), tool_output_len=(3, 8),
-                       context_limit=120, summary_len=6, subagent_every=5, subagent_calls=3, subagent_system_len=15,
-                       retry_prob=0.0, vocab_size=64)
+    shape = TraceShape(
+        num_calls=12,
+        system_len=20,
+        task_len=5,
+        completion_len=(3, 6),
+        tool_output_len=(3, 8),
+        context_limit=120,
+        summary_len=6,
+        subagent_every=5,
+        subagent_calls=3,
+        subagent_system_len=15,
+        retry_prob=0.0,
+        vocab_size=64,
+    )
     stats = {}
     for metadata in (True, False):
         write_executions(store, ["x"], shape.with_(thread_metadata=metadata))
@@ -181,9 +212,14 @@ def test_structure_labels_subagents_that_share_the_main_thread(tmp_path):
 
 # -- resume -------------------------------------------------------------------------------------------------------------
 
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), steps=st.lists(st.integers(1, 3), min_size=1, max_size=3), cap=st.sampled_from([None, 2]),
-       packing=st.sampled_from(["tree", "plain"]))
+@given(
+    data=st.data(),
+    steps=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+    cap=st.sampled_from([None, 2]),
+    packing=st.sampled_from(["tree", "plain"]),
+)
 def test_resuming_from_any_saved_iterator_state_is_exact(executions, data, steps, cap, packing):
     config = TrajectoryConfig(max_branches=cap, packing=packing, row_length=48, rows=1, max_sequences=2, vocab_size=8)
     with tempfile.TemporaryDirectory() as d:
@@ -217,13 +253,24 @@ def test_resuming_from_any_saved_iterator_state_is_exact(executions, data, steps
 
 def test_state_survives_an_orbax_checkpoint_and_later_entries_are_dropped_or_kept(tmp_path):
     store = RecordStore(tmp_path / "records")
-    shape = TraceShape(num_calls=8, system_len=10, task_len=4, completion_len=(2, 6), tool_output_len=(2, 6),
-                       context_limit=70, summary_len=4, subagent_every=4, subagent_calls=2, subagent_system_len=6,
-                       vocab_size=64)
+    shape = TraceShape(
+        num_calls=8,
+        system_len=10,
+        task_len=4,
+        completion_len=(2, 6),
+        tool_output_len=(2, 6),
+        context_limit=70,
+        summary_len=4,
+        subagent_every=4,
+        subagent_calls=2,
+        subagent_system_len=6,
+        vocab_size=64,
+    )
     ids = [f"e{i}" for i in range(8)]
     write_executions(store, ids, shape)
-    config = TrajectoryConfig(max_branches=5, row_length=128, rows=2, max_sequences=8, vocab_size=64,
-                              message_end_id=MESSAGE_END)
+    config = TrajectoryConfig(
+        max_branches=5, row_length=128, rows=2, max_sequences=8, vocab_size=64, message_end_id=MESSAGE_END
+    )
     pipe = TrajectoryPipeline(store.root, tmp_path / "trajectory", config)
     for step in range(3):
         pipe.enqueue(step, [(e, 0.1 * step) for e in ids[step * 2 : step * 2 + 2]])
@@ -252,10 +299,23 @@ def test_state_survives_an_orbax_checkpoint_and_later_entries_are_dropped_or_kep
 
 def test_the_pipeline_streams_grain_iterators_and_takes_only_whole_steps(tmp_path):
     store = RecordStore(tmp_path / "records")
-    write_executions(store, ["a", "b"], TraceShape(num_calls=3, system_len=6, task_len=3, completion_len=(2, 4),
-                                                   tool_output_len=(2, 4), context_limit=1000, subagent_every=0,
-                                                   vocab_size=64))
-    pipe = TrajectoryPipeline(store.root, tmp_path / "trajectory", SMALL.__class__(**{**SMALL.__dict__, "vocab_size": 64}))
+    write_executions(
+        store,
+        ["a", "b"],
+        TraceShape(
+            num_calls=3,
+            system_len=6,
+            task_len=3,
+            completion_len=(2, 4),
+            tool_output_len=(2, 4),
+            context_limit=1000,
+            subagent_every=0,
+            vocab_size=64,
+        ),
+    )
+    pipe = TrajectoryPipeline(
+        store.root, tmp_path / "trajectory", SMALL.__class__(**{**SMALL.__dict__, "vocab_size": 64})
+    )
     assert isinstance(pipe.dataset, grain.IterDataset)
     assert isinstance(iter(pipe), grain.DatasetIterator)
     with pytest.raises(RuntimeError, match="no complete step"):
@@ -263,15 +323,23 @@ def test_the_pipeline_streams_grain_iterators_and_takes_only_whole_steps(tmp_pat
     # A step whose last entry is not queued yet (an async producer mid-write) is not taken half-way.
     queue = ExecutionQueue(tmp_path / "trajectory")
     with open(queue.path, "a") as f:
-        f.write(json.dumps({"index": 0, "execution_id": "a", "step": 0, "advantage": 1.0, "weight": 0.5,
-                            "last_in_step": False}) + "\n")
+        f.write(
+            json.dumps(
+                {"index": 0, "execution_id": "a", "step": 0, "advantage": 1.0, "weight": 0.5, "last_in_step": False}
+            )
+            + "\n"
+        )
     state = pipe.get_state()
     with pytest.raises(RuntimeError, match="no complete step"):
         pipe.next_step()
     assert pipe.get_state() == state  # nothing consumed
     with open(queue.path, "a") as f:
-        f.write(json.dumps({"index": 1, "execution_id": "b", "step": 0, "advantage": -1.0, "weight": 0.5,
-                            "last_in_step": True}) + "\n")
+        f.write(
+            json.dumps(
+                {"index": 1, "execution_id": "b", "step": 0, "advantage": -1.0, "weight": 0.5, "last_in_step": True}
+            )
+            + "\n"
+        )
     step = pipe.next_step()
     assert step.executions == ["a", "b"] and step.step == 0
 
@@ -312,8 +380,15 @@ def test_config_is_validated_with_clear_messages():
 def test_config_from_the_run_config():
     from gyre_jax.config import load_config
 
-    c = TrajectoryConfig.from_config(load_config(["--config.rl.max_branches=3", "--config.trajectory.packing=plain",
-                                                  "--config.trajectory.tokens_per_micro_batch=8192"]))
+    c = TrajectoryConfig.from_config(
+        load_config(
+            [
+                "--config.rl.max_branches=3",
+                "--config.trajectory.packing=plain",
+                "--config.trajectory.tokens_per_micro_batch=8192",
+            ]
+        )
+    )
     assert (c.max_branches, c.packing, c.row_length, c.rows, c.max_sequences) == (3, "plain", 1024, 8, 64)
     assert c.message_end_id == 258 and c.vocab_size == 272 and c.seed == 0
     assert TrajectoryConfig.from_config(load_config([]), message_end_id=7).message_end_id == 7

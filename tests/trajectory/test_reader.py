@@ -13,9 +13,21 @@ from gyre_jax.trajectory.reader import CorruptRecords, check_token_ids, iter_rec
 
 def rec(i, prompt=(1, 2), completion=(3, 4), eid="ex", **kw):
     n = len(completion)
-    fields = dict(execution_id=eid, call_index=i, thread_id="main", request_id=f"r{i}", prompt_ids=list(prompt),
-                  completion_ids=list(completion), completion_logprobs=[-0.5] * n, policy_versions=[0] * n,
-                  finish_reason="stop", temperature=1.0, reused_prefix_len=0, t_start=0.0, t_end=0.0)
+    fields = dict(
+        execution_id=eid,
+        call_index=i,
+        thread_id="main",
+        request_id=f"r{i}",
+        prompt_ids=list(prompt),
+        completion_ids=list(completion),
+        completion_logprobs=[-0.5] * n,
+        policy_versions=[0] * n,
+        finish_reason="stop",
+        temperature=1.0,
+        reused_prefix_len=0,
+        t_start=0.0,
+        t_end=0.0,
+    )
     fields.update(kw)
     return fields
 
@@ -42,10 +54,16 @@ def test_a_whole_file_is_read_in_call_order(tmp_path):
 CASES = {
     "bad JSON in the middle": ([line(**rec(0)), "{not json", line(**rec(2))], r"ex\.jsonl:2: not valid JSON"),
     "truncated last line": ([line(**rec(0)), line(**rec(1)).encode()[:-9]], r"ex\.jsonl:2: truncated file"),
-    "a record of another execution": ([line(**rec(0, eid="other"))], r"record of execution 'other' in the file of 'ex'"),
+    "a record of another execution": (
+        [line(**rec(0, eid="other"))],
+        r"record of execution 'other' in the file of 'ex'",
+    ),
     "a missing record": ([line(**rec(0)), line(**rec(2))], r"call_index 2 where 1 was expected"),
     "an unknown field": ([line(**rec(0), surprise=1)], r"not a TITO record .*surprise"),
-    "a missing field": ([json.dumps({k: v for k, v in rec(0).items() if k != "prompt_ids"})], r"not a TITO record .*prompt_ids"),
+    "a missing field": (
+        [json.dumps({k: v for k, v in rec(0).items() if k != "prompt_ids"})],
+        r"not a TITO record .*prompt_ids",
+    ),
     "lengths that disagree": ([line(**rec(0, completion_logprobs=[-0.5]))], r"must have equal length"),
     "a NaN log-prob": ([line(**rec(0, completion_logprobs=[float("nan"), -0.5]))], r"finite log-probabilities"),
     "a positive log-prob": ([line(**rec(0, completion_logprobs=[0.5, -0.5]))], r"finite log-probabilities"),

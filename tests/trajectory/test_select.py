@@ -85,11 +85,31 @@ def test_cap_and_priority_are_respected(executions, data, cap, seed):
 
 
 def _subagents(n: int) -> list[Branch]:
-    out = [Branch(execution_id="ex", thread_id="main", label="main", tokens=[0, 1], trainable=[False, True],
-                  logprobs=[0.0, -1.0], temperature=[1.0, 1.0], versions=[-1, 0])]
+    out = [
+        Branch(
+            execution_id="ex",
+            thread_id="main",
+            label="main",
+            tokens=[0, 1],
+            trainable=[False, True],
+            logprobs=[0.0, -1.0],
+            temperature=[1.0, 1.0],
+            versions=[-1, 0],
+        )
+    ]
     for k in range(n):
-        out.append(Branch(execution_id="ex", thread_id=f"s{k}", label="subagent", tokens=[100 + k, 7],
-                          trainable=[False, True], logprobs=[0.0, -1.0], temperature=[1.0, 1.0], versions=[-1, 0]))
+        out.append(
+            Branch(
+                execution_id="ex",
+                thread_id=f"s{k}",
+                label="subagent",
+                tokens=[100 + k, 7],
+                trainable=[False, True],
+                logprobs=[0.0, -1.0],
+                temperature=[1.0, 1.0],
+                versions=[-1, 0],
+            )
+        )
     return out
 
 
@@ -106,34 +126,77 @@ def test_selection_within_a_label_is_sampled_deterministically_from_the_seed():
     # Without an rng the order of appearance decides (the legacy select_branches behaviour).
     assert [x.thread_id for x in select("ex", branches, 3).branches] == ["main", "s0", "s1"]
     # The rng depends on the execution id too: two executions of one run do not sample alike.
-    other = [tuple(x.thread_id for x in select("ex", branches, 3, execution_rng(0, f"e{i}")).branches) for i in range(12)]
+    other = [
+        tuple(x.thread_id for x in select("ex", branches, 3, execution_rng(0, f"e{i}")).branches) for i in range(12)
+    ]
     assert len(set(other)) > 1
 
 
 def test_a_branch_that_adds_no_new_target_is_skipped_and_does_not_use_the_cap():
-    main = Branch(execution_id="ex", thread_id="main", label="main", tokens=[1, 2, 3, 4], trainable=[False, False, True, True],
-                  logprobs=[0, 0, -1, -1], temperature=[1, 1, 1, 1], versions=[-1, -1, 0, 0])
+    main = Branch(
+        execution_id="ex",
+        thread_id="main",
+        label="main",
+        tokens=[1, 2, 3, 4],
+        trainable=[False, False, True, True],
+        logprobs=[0, 0, -1, -1],
+        temperature=[1, 1, 1, 1],
+        versions=[-1, -1, 0, 0],
+    )
     # A retry that sampled exactly the same tokens: every target it generated is main's.
-    retry = Branch(execution_id="ex", thread_id="main", label="main-summary", tokens=[1, 2, 3],
-                   trainable=[False, False, True], logprobs=[0, 0, -2], temperature=[1, 1, 1], versions=[-1, -1, 1])
+    retry = Branch(
+        execution_id="ex",
+        thread_id="main",
+        label="main-summary",
+        tokens=[1, 2, 3],
+        trainable=[False, False, True],
+        logprobs=[0, 0, -2],
+        temperature=[1, 1, 1],
+        versions=[-1, -1, 1],
+    )
     # A summary that re-renders main's tokens as its prompt and then generates one new token.
-    summary = Branch(execution_id="ex", thread_id="main", label="main-summary", tokens=[1, 2, 3, 4, 9],
-                     trainable=[False, False, False, False, True], logprobs=[0, 0, 0, 0, -1], temperature=[1] * 5,
-                     versions=[-1, -1, -1, -1, 2])
+    summary = Branch(
+        execution_id="ex",
+        thread_id="main",
+        label="main-summary",
+        tokens=[1, 2, 3, 4, 9],
+        trainable=[False, False, False, False, True],
+        logprobs=[0, 0, 0, 0, -1],
+        temperature=[1] * 5,
+        versions=[-1, -1, -1, -1, 2],
+    )
     sel = select("ex", [main, retry, summary], 2)
     assert [b.tokens for b in sel.branches] == [main.tokens, summary.tokens]
     np.testing.assert_array_equal(sel.assigned[0], [False, True, True])
     np.testing.assert_array_equal(sel.assigned[1], [False, False, False, True])  # only the new token 9
     assert sel.num_targets == 3
     # A target that a higher-priority branch only saw as prompt is trained in the branch that generated it.
-    a = Branch(execution_id="ex", thread_id="main", label="main", tokens=[1, 2, 3, 8], trainable=[False, False, False, True],
-               logprobs=[0, 0, 0, -1], temperature=[1] * 4, versions=[-1, -1, -1, 0])
-    b = Branch(execution_id="ex", thread_id="main", label="main-summary", tokens=[1, 2, 3, 5],
-               trainable=[False, False, True, True], logprobs=[0, 0, -1, -1], temperature=[1] * 4, versions=[-1, -1, 0, 0])
+    a = Branch(
+        execution_id="ex",
+        thread_id="main",
+        label="main",
+        tokens=[1, 2, 3, 8],
+        trainable=[False, False, False, True],
+        logprobs=[0, 0, 0, -1],
+        temperature=[1] * 4,
+        versions=[-1, -1, -1, 0],
+    )
+    b = Branch(
+        execution_id="ex",
+        thread_id="main",
+        label="main-summary",
+        tokens=[1, 2, 3, 5],
+        trainable=[False, False, True, True],
+        logprobs=[0, 0, -1, -1],
+        temperature=[1] * 4,
+        versions=[-1, -1, 0, 0],
+    )
     sel = select("ex", [b, a], None)
     assert sel.branches == [a, b]  # label priority, not the order given
     np.testing.assert_array_equal(sel.assigned[0], [False, False, True])
-    np.testing.assert_array_equal(sel.assigned[1], [False, True, True])  # 2 -> 3 is shared with a, but a never generated it
+    np.testing.assert_array_equal(
+        sel.assigned[1], [False, True, True]
+    )  # 2 -> 3 is shared with a, but a never generated it
     np.testing.assert_array_equal(sel.owners(0), [-1, 1, 0])
 
 

@@ -67,8 +67,12 @@ def check_chunks(sel, chunks, row_length, max_sequences):
 
 
 @settings(max_examples=120, deadline=None)
-@given(data=st.data(), cap=st.sampled_from([None, 2, 5]), row_length=st.sampled_from([48, 64, 200]),
-       max_sequences=st.sampled_from([1, 2, 8]))
+@given(
+    data=st.data(),
+    cap=st.sampled_from([None, 2, 5]),
+    row_length=st.sampled_from([48, 64, 200]),
+    max_sequences=st.sampled_from([1, 2, 8]),
+)
 def test_tree_chunks_are_the_prefix_tree_with_ancestor_only_attention(executions, data, cap, row_length, max_sequences):
     branches = build_branches(data.draw(executions("ex")))
     sel = select("ex", branches, cap, execution_rng(0, "ex"))
@@ -90,9 +94,16 @@ def test_tree_chunks_are_the_prefix_tree_with_ancestor_only_attention(executions
 
 def _branch(tokens, trainable, label="main"):
     n = len(tokens)
-    return Branch(execution_id="ex", thread_id="main", label=label, tokens=list(tokens), trainable=list(trainable),
-                  logprobs=[-0.5 if t else 0.0 for t in trainable], temperature=[1.0] * n,
-                  versions=[0 if t else -1 for t in trainable])
+    return Branch(
+        execution_id="ex",
+        thread_id="main",
+        label=label,
+        tokens=list(tokens),
+        trainable=list(trainable),
+        logprobs=[-0.5 if t else 0.0 for t in trainable],
+        temperature=[1.0] * n,
+        versions=[0 if t else -1 for t in trainable],
+    )
 
 
 def test_layout_of_a_concrete_tree():
