@@ -4,7 +4,7 @@
     python benchmarks/bench_multiprocess.py --smoke    # seconds; the same code path, for tests
 
 Starts itself as 2 child processes x 4 virtual CPU devices on loopback (gloo collectives), the layout
-of ``tests/distributed/``: process 0 is the leader, process 1 a follower. Two measurements, each with a
+of ``tests/runtime/``: process 0 is the leader, process 1 a follower. Two measurements, each with a
 baseline measured in the same run:
 
 1. **Channel round trip** (``gyre_jax.elastic.remote.Channel``, the leader <-> follower host messages
@@ -15,11 +15,11 @@ baseline measured in the same run:
    over ``queue.Queue``, with the same pickling (``pickle.dumps`` / ``loads`` on both sides), so the
    ratio is the coordination service's cost. Also reported: ``zlib.compress(payload, 6)`` timed alone,
    since jax's coordination client gzips every request it sends (``use_compression=True``).
-2. **Weights across processes** (``distributed.cell_put``, what ``RemoteLoop.update_params`` and
+2. **Weights across processes** (``runtime.transfer``, what ``RemoteLoop.update_params`` and
    ``RemoteWorker.snapshot`` run): the tiny model's params (``model.config.TINY``, initialized on cell 0
    with the default config's sharding rules) moved from a 4-device cell on process 0 (mesh data=4) to a
    4-device cell on process 1. Both processes call it; process 1 passes ``jax.ShapeDtypeStruct`` leaves
-   with the source shardings. Timed on process 1 from a common barrier (``distributed.sync``) to
+   with the source shardings. Timed on process 1 from a common barrier (``runtime.sync``) to
    ``block_until_ready`` of its result. Baselines: ``jax.device_put`` of the same params between two
    2-device meshes within process 0 (devices 0-1 -> 2-3), and, like for like, ``cell_put`` between
    2-device meshes across processes (devices 0-1 -> 4-5); and a 4-byte array by ``cell_put`` between the
@@ -132,13 +132,13 @@ def _queue_round_trips(obj, warmup: int, n: int) -> list[float]:
 
 
 def _bench_channels(pid: int, client, warmup: int, n: int) -> dict:
-    from gyre_jax import distributed
+    from gyre_jax import runtime
     from gyre_jax.elastic.remote import Channel
 
     ping, pong = Channel(client, "bench-ping"), Channel(client, "bench-pong")
     out = {}
     for name, obj in _payloads().items():
-        distributed.sync(f"channel-{name}", timeout_s=SETUP_TIMEOUT_S)
+        runtime.sync(f"channel-{name}", timeout_s=SETUP_TIMEOUT_S)
         if pid == 0:
             times = []
             for i in range(warmup + n):
@@ -150,7 +150,7 @@ def _bench_channels(pid: int, client, warmup: int, n: int) -> dict:
         else:
             for _ in range(warmup + n):
                 pong.send(ping.recv(timeout_ms=RECV_TIMEOUT_MS))
-        distributed.sync(f"queue-{name}", timeout_s=SYNC_TIMEOUT_S)
+        runtime.sync(f"queue-{name}", timeout_s=SYNC_TIMEOUT_S)
         if pid == 0:  # process 1 waits at the next barrier meanwhile (host-side, idle)
             base = _queue_round_trips(obj, warmup, n)
             ch, q = _stats_ms(times), _stats_ms(base)
@@ -171,7 +171,7 @@ def _bench_channels(pid: int, client, warmup: int, n: int) -> dict:
                 "p90_ratio": ch["p90_ms"] / q["p90_ms"],
                 "channel_times_ms": [t * 1e3 for t in times],
             }
-    distributed.sync("channels-done", timeout_s=SETUP_TIMEOUT_S)
+    runtime.sync("channels-done", timeout_s=SETUP_TIMEOUT_S)
     return out
 
 
@@ -187,7 +187,7 @@ def _bench_weights(pid: int, warmup: int, repeats: int) -> dict:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from gyre_jax import distributed
+    from gyre_jax import runtime
     from gyre_jax.config import load_config
     from gyre_jax.model.config import TINY
     from gyre_jax.model.sharding import (
@@ -198,8 +198,8 @@ def _bench_weights(pid: int, warmup: int, repeats: int) -> dict:
     )
 
     rules = tuple(tuple(r) for r in load_config([]).sharding_rules)
-    cells = distributed.make_global_cells(None, 2, {"data": DEVICES_PER_PROCESS})
-    devs = distributed.host_ordered()  # 0-3 on process 0, 4-7 on process 1
+    cells = runtime.make_cells(None, 2, {"data": DEVICES_PER_PROCESS})
+    devs = runtime.cells.host_ordered()  # 0-3 on process 0, 4-7 on process 1
     mesh01, mesh23, mesh45 = (make_mesh(devs[i : i + 2], {"data": 2}) for i in (0, 2, 4))
     _, abstract = abstract_model(TINY)
     sh = {
@@ -229,14 +229,14 @@ def _bench_weights(pid: int, warmup: int, repeats: int) -> dict:
             "0-3 -> 4-7",
             param_bytes,
             True,
-            lambda: distributed.cell_put(params4, sh["cell1"]),
+            lambda: runtime.transfer(params4, sh["cell1"]),
         ),
         "cell_put_2to2_cross": (
             "cell_put across processes, 2-device meshes",
             "0-1 -> 4-5",
             param_bytes,
             True,
-            lambda: distributed.cell_put(params2, sh["m45"]),
+            lambda: runtime.transfer(params2, sh["m45"]),
         ),
         "device_put_2to2_local": (
             "jax.device_put within process 0, 2-device meshes",
@@ -250,15 +250,15 @@ def _bench_weights(pid: int, warmup: int, repeats: int) -> dict:
             "0-3 -> 4-7",
             4,
             True,
-            lambda: distributed.cell_put(tiny, NamedSharding(cells[1].mesh, PartitionSpec())),
+            lambda: runtime.transfer(tiny, NamedSharding(cells[1].mesh, PartitionSpec())),
         ),
     }
-    distributed.sync("weights-ready", timeout_s=SETUP_TIMEOUT_S)
+    runtime.sync("weights-ready", timeout_s=SETUP_TIMEOUT_S)
     times: dict[str, list[float]] = {k: [] for k in variants}
     dest_bytes: dict[str, int] = {}
     for r in range(warmup + repeats):
         for name, (_, _, _, cross, call) in variants.items():
-            distributed.sync(f"{name}-{r}", timeout_s=SETUP_TIMEOUT_S if r < warmup else SYNC_TIMEOUT_S)
+            runtime.sync(f"{name}-{r}", timeout_s=SETUP_TIMEOUT_S if r < warmup else SYNC_TIMEOUT_S)
             if not cross and pid != 0:  # process 1 waits at the next barrier (host-side, idle)
                 continue
             t = time.perf_counter()
@@ -268,7 +268,7 @@ def _bench_weights(pid: int, warmup: int, repeats: int) -> dict:
                 times[name].append(dt)
             dest_bytes[name] = int(sum(s.data.nbytes for x in jax.tree.leaves(out) for s in x.addressable_shards))
             del out
-    distributed.sync("weights-done", timeout_s=SETUP_TIMEOUT_S)
+    runtime.sync("weights-done", timeout_s=SETUP_TIMEOUT_S)
     return {
         "model": "TINY",
         "param_bytes": param_bytes,
@@ -292,22 +292,22 @@ def _bench_weights(pid: int, warmup: int, repeats: int) -> dict:
 def child(pid: int, port: int, out_dir: Path, smoke: bool) -> None:
     t_start = time.perf_counter()
     sys.path.insert(0, str(REPO))
-    from gyre_jax import distributed
+    from gyre_jax import runtime
     from gyre_jax.config import load_config
 
     config = load_config([])
-    d = distributed.default_config()
+    d = runtime.process.default_config()
     d.enabled, d.coordinator_address, d.num_processes, d.process_id = True, f"127.0.0.1:{port}", NUM_PROCESSES, pid
     d.initialization_timeout_s = 120.0
     with config.unlocked():
         config.distributed = d
         config.devices.num_cpu_devices = NUM_PROCESSES * DEVICES_PER_PROCESS
-    distributed.initialize(config)
+    runtime.initialize(config)
     import jax
 
     ch_warm, ch_n, w_warm, w_n = SIZES["smoke" if smoke else "full"]
-    client = distributed.runtime().client
-    distributed.sync("start", timeout_s=SETUP_TIMEOUT_S)
+    client = runtime.runtime().client
+    runtime.sync("start", timeout_s=SETUP_TIMEOUT_S)
     phases = {"start": time.perf_counter() - t_start}
     result = {"process_id": pid, "local_devices": [d.id for d in jax.local_devices()], "phases_s": phases}
     t = time.perf_counter()
@@ -316,8 +316,8 @@ def child(pid: int, port: int, out_dir: Path, smoke: bool) -> None:
     result["weights"] = _bench_weights(pid, w_warm, w_n)
     phases["weights"] = time.perf_counter() - t
     (out_dir / f"result_{pid}.json").write_text(json.dumps(result))
-    distributed.sync("end", timeout_s=SETUP_TIMEOUT_S)
-    distributed.shutdown()
+    runtime.sync("end", timeout_s=SETUP_TIMEOUT_S)
+    runtime.shutdown()
 
 
 # == parent ===============================================================================================

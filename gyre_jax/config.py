@@ -523,10 +523,10 @@ def validate(config: config_dict.ConfigDict) -> None:
             f"(the directory with tokenizer.json); without one use 'byte'",
         )
     if "distributed" in c:
-        from gyre_jax import distributed
+        from gyre_jax import runtime
 
         try:
-            distributed.validate_distributed(c)
+            runtime.process.validate_distributed(c)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 

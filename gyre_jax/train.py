@@ -1,8 +1,10 @@
 """Entry point: ``python -m gyre_jax.train [--config configs/<name>.py] [--config.a.b=value ...]``.
 
-Loads and validates the config before any work starts (a bad config exits with status 2 and one
-line saying what is wrong), creates the devices the config asks for, then runs the ``Trainer``.
-Running again with the same ``workdir`` resumes from the last checkpoint; SIGINT/SIGTERM save and exit.
+Loads and validates the config before any work starts (a bad config exits with status 2 and one line
+saying what is wrong), starts this process (``runtime.initialize``: platform, devices, and
+``jax.distributed`` for a multi-process run), then process 0 builds the run (``build_run``) and trains;
+every other process follows (``follower.follow``). Running again with the same ``workdir`` resumes from
+the last checkpoint; SIGINT/SIGTERM save and exit.
 
 Multi-process (one process per host, ``config.distributed``; docs/multihost.md): run the same command on
 every host. Process 0 leads (it prints the step lines); the others run their cells and exit with it. A
@@ -11,26 +13,216 @@ lost or failed process stops all of them (exit code 75 on the survivors): rerun 
 
 from __future__ import annotations
 
+import json
 import logging
-import os
 import sys
+import threading
+import time
 from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
+
+from gyre_jax import build, runtime
 from gyre_jax import config as config_lib
+from gyre_jax.checkpoint import Checkpointer
+from gyre_jax.elastic.controller import Controller, ControllerConfig
+from gyre_jax.elastic.ledger import RolloutLedger
+from gyre_jax.elastic.policies import make_policy
+from gyre_jax.elastic.timeline import TimelineWriter
+from gyre_jax.elastic.training import CellTraining
+from gyre_jax.metrics import MetricsWriter
+from gyre_jax.proxy.records import RecordStore
+from gyre_jax.proxy.router import Router
+from gyre_jax.proxy.server import ProxyServer
+from gyre_jax.rl.learner import Learner, OptimizerConfig, TrainState
+from gyre_jax.rollout.executor import Executor
+from gyre_jax.run import ExecutionPlan, Run, fsync_write
+from gyre_jax.runtime.local import LocalCell
+from gyre_jax.runtime.remote import open_cells
+from gyre_jax.runtime.transfer import transfer
+from gyre_jax.trajectory.pipeline import TrajectoryConfig, TrajectoryPipeline
+
+log = logging.getLogger("gyre_jax")
 
 
-def configure_devices(config) -> None:
-    """Selects the platform and, on CPU, creates ``num_cpu_devices`` virtual devices (before JAX starts)."""
-    platform = config.devices.platform
-    if platform == "cpu":
-        flag = f"--xla_force_host_platform_device_count={config.devices.num_cpu_devices}"
-        if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-    import jax
+def build_run(config) -> Run:
+    """Process 0's run from ``config``, top to bottom: setup -> core learner and train state -> data ->
+    cells -> proxy and executor -> controller."""
+    config_lib.validate(config)
+    workdir = config_lib.resolve_workdir(config)
+    workdir.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    s = build.setup(config)  # devices, training mesh, cells, model, tokenizer
+    suite = build.make_suite(config)
+    learner = Learner(s.model_cfg, s.graphdef, s.cells[0].mesh, s.rules, _optimizer(config), **_loss(config))
+    checkpointer = Checkpointer(workdir / "checkpoints", config.keep_checkpoints, primary_only=s.multi_process)
+    metrics = MetricsWriter(workdir, tensorboard=config.metrics.tensorboard)
+    fsync_write(workdir / "config.json", json.dumps(config.to_dict(), indent=2, default=str))
+    state, start_step, pipeline_state = _initial_state(s, learner, checkpointer, suite, metrics, stop)
+    ref_params = _reference_policy(s, learner, state, workdir)
 
-    jax.config.update("jax_platforms", platform)
-    if platform == "cpu":
-        jax.config.update("jax_num_cpu_devices", config.devices.num_cpu_devices)
+    trajectory_cfg = _trajectory_config(config, s)
+    records = RecordStore(workdir / "records")
+    pipeline = TrajectoryPipeline(workdir / "records", workdir / "trajectory", trajectory_cfg, state=pipeline_state)
+    plan = ExecutionPlan(config, suite, records, workdir / "executions", workdir)
+
+    handles, links = _cells(s, learner, state)
+    router = Router({h.name: h for h in handles})
+    proxy = _proxy(config, router, s.tokenizer, records).start()
+    executor = _executor(config, proxy, workdir)
+    if s.multi_process:  # a lost peer ends the run: kill the harnesses before this process exits
+        runtime.add_failure_hook(executor.cancel)
+
+    timeline = TimelineWriter(
+        workdir / "timeline" / f"step{start_step:06d}.json", [h.name for h in handles], source="run", t0=time.time()
+    )
+    for h in handles:
+        timeline.role(time.time(), h.index, "serving", reason="start")
+    training = CellTraining(learner, state, handles, ref_params=ref_params)
+    training.publish([h for h in handles if h.policy_version != training.version])  # follower cells start serving
+    controller = Controller(
+        _controller_config(config),
+        training=training,
+        ledger=_ledger(config, executor, records, pipeline, plan.step, timeline),
+        policy=make_policy(config.schedule.policy, len(handles), **config_lib.policy_options(config)),
+        router=router,
+        timeline=timeline,
+        stop=stop,
+        decisions_path=workdir / "decisions.jsonl",
+    )
+    run = Run(config, workdir, stop, start_step, s.tokenizer, s.model_cfg, plan, learner, trajectory_cfg,
+              checkpointer, metrics, records, pipeline, handles, router, proxy, executor, controller, timeline,
+              links, pipeline.get_state())  # fmt: skip
+    for link in links:
+        link.on_error, link.on_stop = controller.report_error, run.request_stop
+    if start_step == 0 and checkpointer.latest_step() is None:
+        run.save_checkpoint(0)
+    log.info(
+        "proxy serving on %s; %s policy; %d cells x %d devices (cell0 = core); model %.2fM params",
+        proxy.base_url, config.schedule.policy, len(handles), len(s.cells[0].devices), s.model_cfg.num_params / 1e6,
+    )  # fmt: skip
+    return run
+
+
+def _initial_state(
+    s: build.Setup, learner: Learner, checkpointer, suite, metrics, stop
+) -> tuple[TrainState, int, dict | None]:
+    """The core's train state: the last checkpoint's, or the (warm-started) model's at step 0. Followers learn
+    from process 0 whether the (collective) warm start runs."""
+    latest = checkpointer.latest_step()
+    if s.multi_process:
+        runtime.broadcast_decision({"latest": latest})
+    if latest is not None:
+        state, meta = checkpointer.restore(latest, learner.abstract_state())
+        log.info(
+            "resumed from %s at step %d (policy version %d)", checkpointer.directory, meta["next_step"], int(state.step)
+        )
+        s.params = None
+        return state, int(meta["next_step"]), meta.get("pipeline")
+    params = s.params
+    if s.config.warm_start.steps > 0:
+
+        def done(steps: int, loss: float) -> None:
+            metrics.write(-1, {"phase": "warm_start", "warm_start_steps": steps, "warm_start_loss": loss})
+
+        params = build.warm_start(s, suite, stop, on_done=done)
+    s.params = None
+    return learner.init_state(build.core_params(s, params)), 0, None
+
+
+def _reference_policy(s: build.Setup, learner: Learner, state: TrainState, workdir) -> object | None:
+    """The KL term's reference policy: the params RL started from, kept in ``reference/`` (None: no KL)."""
+    if learner.loss_cfg.kl_coef <= 0:
+        return None
+    store = Checkpointer(workdir / "reference", max_to_keep=1, primary_only=s.multi_process)
+    try:
+        if store.latest_step() is not None:
+            return store.restore(0, build.abstract_params(s, learner.param_shardings))[0]
+        if int(state.step) > 0:
+            log.warning("no reference policy saved in %s: the KL term starts from the resumed params", store.directory)
+        ref = jax.tree.map(jnp.copy, state.params)  # a copy: the optimizer step donates the state
+        store.save(0, ref, {"what": "the KL term's reference policy", "policy_version": int(state.step)})
+        return ref
+    finally:
+        store.close()
+
+
+def _cells(s: build.Setup, learner: Learner, state: TrainState) -> tuple[list, list]:
+    """A handle per cell: the core's worker is the learner's; every cell serves the current policy."""
+    factory = build.CellFactory(s, learner.loss_cfg)
+    version = int(state.step)
+
+    def local(cell, layout) -> LocalCell:
+        worker = learner.worker if cell.index == 0 else factory.worker(cell)
+        params = transfer(state.params, layout.param_shardings, may_alias=False)
+        return LocalCell(cell, layout, factory.loop(cell, params, version), worker)
+
+    layouts = [factory.layout(cell) for cell in s.cells]
+    return open_cells(s.cells, layouts, local, learner.param_shardings, s.config.serving.max_seq_len)
+
+
+def _optimizer(config) -> OptimizerConfig:
+    return OptimizerConfig.from_config_dict(config.optimizer)  # CONFIG-MERGE
+
+
+def _loss(config) -> dict:
+    rl = config.rl  # CONFIG-MERGE: config.loss_config()
+    return dict(
+        clip_low=rl.clip_low, clip_high=rl.clip_high, loss=rl.loss, kl_coef=rl.kl_coef,
+        recompute_behaviour=rl.recompute_behaviour, behaviour_is_cap=rl.behaviour_is_cap,
+    )  # fmt: skip
+
+
+def _trajectory_config(config, s: build.Setup) -> TrajectoryConfig:
+    import dataclasses
+
+    message_end = s.tokenizer.token_id("<|im_end|>") if hasattr(s.tokenizer, "token_id") else None
+    cfg = TrajectoryConfig.from_config(config, message_end_id=message_end)  # CONFIG-MERGE
+    return dataclasses.replace(cfg, vocab_size=s.model_cfg.vocab_size)
+
+
+def _controller_config(config) -> ControllerConfig:
+    c = config  # CONFIG-MERGE
+    return ControllerConfig(
+        tasks_per_step=c.rollout.tasks_per_step,
+        group_size=c.rl.group_size,
+        sessions_per_cell=c.cells.sessions_per_cell or c.serving.max_concurrent_decodes,
+        max_branches=c.rl.max_branches,
+        micro_steps_per_step=c.rl.micro_steps_per_step,
+    )
+
+
+def _ledger(config, executor, records, pipeline, make_specs, timeline) -> RolloutLedger:
+    bound = config.rl.max_staleness  # CONFIG-MERGE: drop_staleness
+    return RolloutLedger(
+        batch_size=config.rollout.tasks_per_step * config.rl.group_size,
+        drop_staleness=None if bound < 0 else bound,
+        stream_order=config.trajectory.stream_order,
+        executor=executor,
+        records=records,
+        pipeline=pipeline,
+        make_specs=make_specs,
+        timeline=timeline,
+    )
+
+
+def _proxy(config, router, tokenizer, records) -> ProxyServer:
+    p, r = config.proxy, config.rollout
+    return ProxyServer(
+        router, tokenizer, records, model_name=p.model_name, host=p.host, port=p.port,
+        max_request_bytes=p.max_request_bytes, seed=config.seed, default_max_tokens=r.max_tokens_per_call,
+        max_tokens_cap=r.max_tokens_per_call, tools_format=config.tokenizer.tools_format,
+    )  # fmt: skip
+
+
+def _executor(config, proxy: ProxyServer, workdir) -> Executor:
+    r = config.rollout
+    return Executor(
+        proxy, proxy.base_url, workdir / "executions", model_name=config.proxy.model_name, timeout_s=r.timeout_s,
+        max_parallel=r.max_parallel, temperature=r.temperature, max_tokens=r.max_tokens_per_call,
+        evaluator_timeout_s=r.evaluator_timeout_s,
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,29 +240,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for noisy in ("absl", "jax._src", "orbax", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    multi = config.get("distributed") is not None and config.distributed.enabled
-    if multi:  # joins the run (jax.distributed); a lost or failed peer stops every process (docs/multihost.md)
-        from gyre_jax import distributed
-
-        try:
-            distributed.initialize(config)
-        except distributed.DistributedError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    else:
-        configure_devices(config)
-
-    from gyre_jax.trainer import Trainer
-
-    trainer = Trainer(config)
     try:
-        step = trainer.run()
+        runtime.initialize(config)
+    except runtime.DistributedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if jax.process_index() > 0:
+        from gyre_jax.follower import follow
+
+        code = follow(config)
+        runtime.shutdown()
+        return code
+    run = build_run(config)
+    try:
+        step = run.run()
     finally:
-        trainer.close()
-    if trainer.is_leader:
-        print(f"done: {step} steps in {trainer.workdir}", flush=True)
-    if multi:
-        distributed.shutdown()
+        run.close()
+    print(f"done: {step} steps in {run.workdir}", flush=True)
+    runtime.shutdown()
     return 0
 
 

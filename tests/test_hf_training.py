@@ -41,9 +41,9 @@ def _config(workdir: Path, *extra: str):
 
 
 def test_a_run_trains_from_a_hugging_face_checkpoint_with_its_tokenizer(tmp_path):
-    from gyre_jax.trainer import Trainer
+    from gyre_jax.train import build_run
 
-    trainer = Trainer(_config(tmp_path))
+    trainer = build_run(_config(tmp_path))
     try:
         assert isinstance(trainer.tokenizer, HFTokenizer)
         assert trainer.model_cfg.embed_dim == 32 and trainer.model_cfg.num_layers == 2  # from config.json

@@ -184,6 +184,14 @@ class ModelConfig:
         attention = self.num_layers * 2 * 2 * self.num_heads * self.head_dim * seq_len / 2
         return 3.0 * (2.0 * matmul + attention)
 
+    def train_flops(self, tokens: float, attended_pairs: float) -> float:
+        """Model FLOPs of forward + backward over ``tokens`` tokens whose attention covers ``attended_pairs``
+        (query, key) pairs: 6 x active parameters per token (MoE: top-k experts) + 12 x layers x heads x
+        head_dim per pair (QK^T and AV, forward and backward). A causal row of L tokens has L^2 / 2 pairs.
+        The one count the controller's measurements and the simulator's cost model share."""
+        per_pair = 12.0 * self.num_layers * self.num_heads * self.head_dim
+        return 6.0 * self.num_active_params * tokens + per_pair * attended_pairs
+
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def from_config_dict(cls, model_cfg) -> ModelConfig:

@@ -40,9 +40,8 @@ class TitoRecord:
     t_start: float
     t_end: float
     model: str = ""
-    api: str = (
-        ""  # the API the call came through: chat (OpenAI chat), completions (OpenAI legacy), messages (Anthropic)
-    )
+    # the API the call came through: chat (OpenAI chat), completions (OpenAI legacy), messages (Anthropic)
+    api: str = ""
     cell: str = ""  # the serving cell that produced the completion
 
     def __post_init__(self) -> None:
@@ -52,6 +51,10 @@ class TitoRecord:
                 f"record {self.execution_id}#{self.call_index}: completion_ids ({n}), completion_logprobs "
                 f"({len(self.completion_logprobs)}) and policy_versions ({len(self.policy_versions)}) must have equal length"
             )
+
+    def trainable_versions(self) -> list[int]:
+        """Policy versions of the call's policy-generated tokens (every completion token; staleness)."""
+        return self.policy_versions
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))

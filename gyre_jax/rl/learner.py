@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from gyre_jax.model.sharding import Rules, abstract_model
 from gyre_jax.rl import losses
 from gyre_jax.rl.accumulator import GradAccumulator
-from gyre_jax.rl.micro_step import GradWorker, token_logprobs
+from gyre_jax.rl.micro_step import GradWorker, run_micro_steps, token_logprobs
 from gyre_jax.rl.microstep_queue import MicroStepQueue, QueueAborted
 from gyre_jax.trajectory.batch import MicroBatch
 
@@ -296,7 +296,7 @@ class Learner:
             th.start()
             threads.append(th)
         try:
-            self._work(self.worker, state.params, ref_params, queue, acc, kind, timeout)
+            run_micro_steps(self.worker, state.params, ref_params, queue, acc, kind, timeout=timeout)
             queue.wait()
         except BaseException as e:
             queue.abort(e)
@@ -358,29 +358,6 @@ class Learner:
         return state, metrics
 
     # -- internals --------------------------------------------------------------------------------
-    @staticmethod
-    def _work(
-        worker: GradWorker,
-        params,
-        ref_params,
-        queue: MicroStepQueue,
-        acc: GradAccumulator,
-        kind: str,
-        timeout: float | None,
-    ) -> None:
-        """Claims, computes and completes micro-steps until the step is done."""
-        while (claim := queue.claim(worker.name, timeout)) is not None:
-            try:
-                grads, aux = worker.micro_step(params, claim.batch, kind, ref_params)
-                acc.add(claim.index, grads, aux)
-            except BaseException:
-                try:
-                    queue.release(claim)
-                except (QueueAborted, ValueError):
-                    pass
-                raise
-            queue.complete(claim)
-
     def _satellite_loop(
         self,
         sat: GradWorker,
@@ -394,8 +371,8 @@ class Learner:
     ) -> None:
         try:
             params = sat.snapshot(core_params)
-            ref = sat.snapshot(ref_params) if ref_params is not None and self.loss_cfg.kl_coef > 0 else None
-            self._work(sat, params, ref, queue, acc, kind, timeout)
+            ref = sat.snapshot(ref_params, slot="ref") if ref_params is not None and self.loss_cfg.kl_coef > 0 else None
+            run_micro_steps(sat, params, ref, queue, acc, kind, timeout=timeout)
         except QueueAborted:
             pass  # the core failed and already raises
         except BaseException as e:  # noqa: BLE001 - a satellite failure must not take the step down

@@ -5,19 +5,30 @@ explicit shardings: params in and grads out on the mesh's parameter shardings (f
 rules), the micro-batch split over ``batch`` rows, metrics replicated. It holds no optimizer state:
 the core cell's ``Learner`` owns that, and a satellite cell is just another ``GradWorker`` on its own
 submesh that pulls a weight snapshot (``snapshot``: device-to-device ``jax.device_put``) at step start.
+
+``run_micro_steps`` is the claim loop every training cell runs (the core and satellites in
+``Learner.stream_step``, and each training cell of the elastic controller, wherever it lives): claim a
+micro-step from the step's ``MicroStepQueue``, compute its gradients, add them to the accumulator,
+complete it; a failure gives the claim back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gyre_jax.model.sharding import Rules, abstract_model, logical_sharding, param_shardings
 from gyre_jax.rl import losses
+from gyre_jax.rl.accumulator import GradAccumulator
+from gyre_jax.rl.microstep_queue import Claim, MicroStepQueue, QueueAborted
 from gyre_jax.trajectory.batch import MicroBatch, attention_mask
 
 KINDS = ("rl", "sft")
@@ -76,9 +87,10 @@ class GradWorker:
         )
 
     # -- placement ------------------------------------------------------------------------------
-    def snapshot(self, params: nnx.State) -> nnx.State:
+    def snapshot(self, params: nnx.State, slot: str = "params") -> nnx.State:
         """``params`` (from any mesh) on this worker's parameter shardings: a device-to-device copy, or the
-        same arrays when they already live there."""
+        same arrays when they already live there. ``slot`` names what they are (``"params"``, ``"ref"``): a
+        worker whose weights stay on another process keeps one of each."""
         return jax.device_put(params, self.param_shardings)
 
     def batch_shardings(self, mb: MicroBatch) -> MicroBatch:
@@ -156,3 +168,75 @@ class GradWorker:
         if self.loss_cfg.kl_coef == 0.0:
             ref_params = None  # no reference forward pass when the KL term is off
         return self._rl_grads(params, batch, ref_params)
+
+
+def micro_batch_flops(model_cfg: Any, mb: MicroBatch) -> float:
+    """Model FLOPs (forward + backward) of a packed micro-batch: ``model_cfg.train_flops`` over its tokens and
+    the causal pairs within each packed sequence (segment ids ``[B, T]``; a tree row counts as causal)."""
+    seg = np.asarray(mb.segment_ids)
+    pairs = 0.0
+    for row in seg:
+        _, counts = np.unique(row[row != 0], return_counts=True)
+        pairs += float(np.sum(counts.astype(np.float64) ** 2)) / 2
+    return model_cfg.train_flops(float(np.count_nonzero(seg)), pairs)
+
+
+class MicroStepWorker(Protocol):
+    """What the claim loop needs of a training cell: ``GradWorker`` here, or a cell on another process
+    (``gyre_jax.runtime``), whose ``snapshot`` returns a handle to weights that stay on that process."""
+
+    name: str
+
+    def snapshot(self, params: Any, slot: str = "params") -> Any: ...
+
+    def micro_step(self, params: Any, mb: MicroBatch, kind: str = "rl", ref_params: Any = None) -> tuple[Any, dict]: ...
+
+
+def run_micro_steps(
+    worker: MicroStepWorker,
+    params: Any,
+    ref_params: Any,
+    queue: MicroStepQueue,
+    acc: GradAccumulator,
+    kind: str = "rl",
+    *,
+    timeout: float | None = None,
+    active: Callable[[], bool] | None = None,
+    on_done: Callable[[Claim, float, float], None] | None = None,
+) -> int:
+    """Claims, computes and completes ``queue``'s micro-steps with ``worker`` until the step is done; returns
+    how many it completed. ``params`` / ``ref_params`` are on the worker's layout (its ``snapshot``).
+
+    ``active``: checked before each claim; the loop returns as soon as it is false (a cell leaving training
+    finishes its micro-step in progress, then stops), and a claim then waits at most ``timeout`` seconds
+    before checking again. Without it, a claim that waits ``timeout`` seconds raises ``TimeoutError``.
+    ``on_done(claim, t_start, t_end)`` (wall-clock seconds) follows each completed micro-step; when given,
+    the gradients are waited for, so the times cover the work and not only its dispatch. A micro-step that
+    fails is released (another worker takes it) and the error propagates."""
+    done = 0
+    while active is None or active():
+        try:
+            claim = queue.claim(worker.name, timeout)
+        except TimeoutError:
+            if active is None:
+                raise
+            continue
+        if claim is None:
+            break
+        t_start = time.time()
+        try:
+            grads, aux = worker.micro_step(params, claim.batch, kind, ref_params)
+            if on_done is not None:
+                jax.block_until_ready(grads)
+            acc.add(claim.index, grads, aux)
+        except BaseException:
+            try:
+                queue.release(claim)
+            except (QueueAborted, ValueError):
+                pass
+            raise
+        queue.complete(claim)
+        done += 1
+        if on_done is not None:
+            on_done(claim, t_start, time.time())
+    return done

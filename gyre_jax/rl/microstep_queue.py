@@ -46,6 +46,7 @@ class MicroStepQueue:
         self._state = [PENDING] * num_micro_steps
         self._batch: list[Any] = [None] * num_micro_steps
         self._attempts = [0] * num_micro_steps
+        self._claimer: list[str | None] = [None] * num_micro_steps  # the worker holding each claimed slot
         self._next_put = 0
         self._closed = False
         self._error: BaseException | None = None
@@ -103,6 +104,7 @@ class MicroStepQueue:
                 for i, state in enumerate(self._state):
                     if state == READY:
                         self._state[i] = CLAIMED
+                        self._claimer[i] = worker
                         return Claim(index=i, batch=self._batch[i], worker=worker, attempt=self._attempts[i])
                 if self._done_locked():
                     return None
@@ -118,6 +120,7 @@ class MicroStepQueue:
         with self._cond:
             self._check_claimed(claim)
             self._state[claim.index] = DONE
+            self._claimer[claim.index] = None
             self._batch[claim.index] = None  # the host arrays can go
             self.completed_by[claim.worker] = self.completed_by.get(claim.worker, 0) + 1
             self._cond.notify_all()
@@ -127,6 +130,7 @@ class MicroStepQueue:
         with self._cond:
             self._check_claimed(claim)
             self._state[claim.index] = READY
+            self._claimer[claim.index] = None
             self._attempts[claim.index] += 1
             self.released += 1
             self._cond.notify_all()
@@ -158,6 +162,11 @@ class MicroStepQueue:
         """Slots that will never be filled (only meaningful once closed)."""
         with self._cond:
             return [i for i, s in enumerate(self._state) if s == PENDING] if self._closed else []
+
+    def working(self, worker: str) -> bool:
+        """Whether ``worker`` holds a claim now (is computing one of this step's micro-steps)."""
+        with self._cond:
+            return worker in self._claimer
 
     def counts(self) -> dict[str, int]:
         with self._cond:

@@ -1,10 +1,13 @@
 """Staleness of trajectories: how many policy versions behind the learner their tokens were sampled.
 
 Every trainable token carries the policy version that produced it (``TitoRecord.policy_versions`` ->
-``Branch.versions``; a request in flight across a weight update has tokens of two versions). A
-trajectory here is one execution's trained branches; its staleness is the current policy version
-minus the version of its oldest trainable token. Executions over the bound eta (``max_staleness``) are
-dropped (they leave their advantage group) and counted; mean and max staleness are metrics.
+``Branch.versions``; a request in flight across a weight update has tokens of two versions). An
+execution's staleness is the current policy version minus the version of its oldest trainable token,
+read from anything that lists its trainable tokens' versions (``trainable_versions()``): its branches,
+or its TITO records (every completion token; the run measures this way, before branch selection, so
+a dropped execution never costs a pipeline pass). Executions over the drop bound (``max_staleness``,
+the run's ``rl.drop_staleness``) leave their advantage group and are counted; mean and max staleness
+are metrics.
 """
 
 from __future__ import annotations
@@ -12,24 +15,32 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-
-from gyre_jax.trajectory.branches import Branch
+from typing import Protocol
 
 log = logging.getLogger("gyre_jax.staleness")
 
 
-def oldest_version(branches: Sequence[Branch]) -> int | None:
-    """Smallest policy version over the trainable tokens of ``branches``; None when there is no such token.
+class VersionedTokens(Protocol):
+    """A part of an execution that knows its trainable tokens' policy versions (``Branch``, ``TitoRecord``)."""
+
+    execution_id: str
+
+    def trainable_versions(self) -> Sequence[int]: ...
+
+
+def oldest_version(parts: Sequence[VersionedTokens]) -> int | None:
+    """Smallest policy version over the trainable tokens of ``parts``; None when there is no such token.
 
     Raises ValueError when a trainable token has no version (< 0): its staleness cannot be known."""
     oldest = None
-    for b in branches:
-        for trainable, version in zip(b.trainable, b.versions):
-            if not trainable:
-                continue
-            if version < 0:
-                raise ValueError(f"execution {b.execution_id}: a trainable token has no policy version ({version})")
-            oldest = version if oldest is None else min(oldest, version)
+    for part in parts:
+        versions = part.trainable_versions()
+        if not versions:
+            continue
+        low = min(versions)
+        if low < 0:
+            raise ValueError(f"execution {part.execution_id}: a trainable token has no policy version ({low})")
+        oldest = low if oldest is None else min(oldest, low)
     return oldest
 
 
@@ -56,17 +67,17 @@ class StalenessReport:
 
 
 def measure_staleness(
-    branches_by_execution: Mapping[str, Sequence[Branch]], current_version: int, max_staleness: int | None = None
+    parts_by_execution: Mapping[str, Sequence[VersionedTokens]], current_version: int, max_staleness: int | None = None
 ) -> StalenessReport:
-    """Staleness of each execution (over its trainable tokens; executions without any are not measured) and
-    the ones to drop: staleness > ``max_staleness`` (None: no bound, nothing dropped), or, under a bound, a
-    trainable token without a version."""
+    """Staleness of each execution (over its trainable tokens, from its branches or its records; executions
+    without any are not measured) and the ones to drop: staleness > ``max_staleness`` (None: no bound,
+    nothing dropped), or, under a bound, a trainable token without a version."""
     if max_staleness is not None and max_staleness < 0:
         raise ValueError(f"max_staleness={max_staleness} must be >= 0 (or None for no bound)")
     report = StalenessReport()
-    for eid in sorted(branches_by_execution):
+    for eid in sorted(parts_by_execution):
         try:
-            oldest = oldest_version(branches_by_execution[eid])
+            oldest = oldest_version(parts_by_execution[eid])
         except ValueError as e:
             report.unknown.append(eid)
             if max_staleness is not None:

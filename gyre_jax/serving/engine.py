@@ -107,6 +107,14 @@ class ResultTokens:
         return np.asarray(self._logprobs)
 
 
+def kv_pages_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules, page_size: int, num_pages: int) -> KVPages:
+    """``KVPages`` of ``NamedSharding``: a [num_pages, page_size, K, D] page array per layer on ``mesh``, pages
+    split like decode slots. Any process can compute it for any cell (no engine needed)."""
+    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    sh = logical_sharding(CACHE_AXES, rules, mesh, shape)
+    return KVPages(pages=[LayerCache(k=sh, v=sh) for _ in range(cfg.num_layers)])
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -509,9 +517,7 @@ class Engine:
     # -- pages: the session prefix cache's KV budget and KV in transit ------------------------------
     def kv_pages_shardings(self, num_pages: int) -> KVPages:
         """Shardings of a [num_pages, page_size, K, D] page array on this engine's mesh (pages split like slots)."""
-        shape = (num_pages, self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        sh = logical_sharding(CACHE_AXES, self.rules, self._mesh, shape)
-        return KVPages(pages=[LayerCache(k=sh, v=sh) for _ in range(self.cfg.num_layers)])
+        return kv_pages_shardings(self.cfg, self._mesh, self.rules, self.page_size, num_pages)
 
     def init_page_pool(self, num_pages: int) -> KVPages:
         """A pool of ``num_pages`` pages (zeros): the fixed KV budget of a session prefix cache."""

@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -240,6 +241,29 @@ def recorded_steps(
 # the pause at a step boundary (measured separately, step_boundary_costs)
 COMPILE_MIN_S = 1.0
 COMPILE_FACTOR = 20.0
+
+
+def write_measurements(path: str | os.PathLike, costs: Any, step_logs: Sequence[Sequence[tuple]]) -> None:
+    """A run's measured costs in ``fit_cost_model``'s format: the controller's ``CostLog`` (micro-steps as
+    [FLOPs, seconds], optimizer steps, switches by direction, weight syncs) and every serving cell's step
+    log (``(batch, context, prefilled tokens, seconds)`` per loop iteration), split into decode steps and
+    prefills; a prefill iteration also stepped the decoding batch, so a linear fit of the decode steps
+    takes that off its time."""
+    decode, prefill = [], []
+    for cell_log in step_logs:
+        for batch, context, prefilled, seconds in cell_log:
+            (prefill if prefilled else decode).append((batch, context, prefilled, seconds))
+    out = {"source": "gyre_jax controller", **asdict(costs)}
+    out["decode_steps"] = [[b, ctx, s] for b, ctx, _, s in decode if b > 0]
+    coef = np.zeros(3)
+    if len(out["decode_steps"]) >= 3:
+        d = np.asarray(out["decode_steps"], dtype=np.float64)
+        x = np.stack([np.ones(len(d)), d[:, 0], d[:, 1]], axis=1)
+        coef, *_ = np.linalg.lstsq(x, d[:, 2], rcond=None)
+    out["prefills"] = [
+        [n, ctx + n, max(1e-6, s - (float(coef @ [1.0, b, ctx]) if b else 0.0))] for b, ctx, n, s in prefill
+    ]
+    Path(path).write_text(json.dumps(out) + "\n", encoding="utf-8")
 
 
 def read_measurements(run_dir: str | os.PathLike) -> dict:
@@ -561,8 +585,9 @@ def run_sim_config(run_dir: str | os.PathLike, steps: int | None = None, segment
             prefill_per_token_context_s=0.0,
         ),
         training=TrainingCost(
-            flops_per_token=6.0 * model.num_params,
-            flops_per_token_sq=3.0 * model.num_layers * model.num_heads * model.head_dim,
+            # the controller's micro-step FLOPs count (ModelConfig.train_flops): a branch of l tokens has l^2/2 pairs
+            flops_per_token=model.train_flops(1, 0),
+            flops_per_token_sq=model.train_flops(0, 0.5),
             accelerator_flops=1e9,
             reference_cell_accelerators=cell,
             scaling_exponent=1.0,

@@ -77,6 +77,10 @@ class Branch:
     def num_trainable(self) -> int:
         return sum(self.trainable)
 
+    def trainable_versions(self) -> list[int]:
+        """Policy versions of the branch's trainable (policy-generated) tokens (staleness, ``rl.staleness``)."""
+        return [v for t, v in zip(self.trainable, self.versions) if t]
+
     def arrays(self) -> BranchArrays:
         return BranchArrays(
             tokens=np.asarray(self.tokens, np.int32),

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from gyre_jax import config as config_lib
-from gyre_jax.elastic.controller import state_from_dict
+from gyre_jax.elastic.driver import state_from_dict
 from gyre_jax.elastic.policies import Event, Role, make_policy
 from gyre_jax.elastic.timeline import load_timeline
 from gyre_jax.trajectory.pipeline import TrajectoryPipeline
@@ -55,11 +55,11 @@ def _config(workdir: Path, policy: str = "elastic"):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from gyre_jax.trainer import Trainer
+    from gyre_jax.train import build_run
 
     workdir = tmp_path_factory.mktemp("elastic")
     config = _config(workdir)
-    trainer = Trainer(config)
+    trainer = build_run(config)
     try:
         assert trainer.run() == STEPS
         retries = trainer.router.retries
@@ -179,7 +179,7 @@ def test_the_policy_decides_the_same_alone_on_the_same_event_sequence(run):
 def test_segments_between_evaluations_start_from_a_clean_state(tmp_path):
     """With an evaluation after every step the controller runs one segment per step: each starts with every
     cell serving and none of the previous segment's events, and the evaluations run on serving cells."""
-    from gyre_jax.trainer import Trainer
+    from gyre_jax.train import build_run
 
     config = config_lib.load_config(
         [
@@ -198,11 +198,11 @@ def test_segments_between_evaluations_start_from_a_clean_state(tmp_path):
             "--config.rollout.max_tokens_per_call=32",
         ]
     )
-    trainer = Trainer(config)
+    trainer = build_run(config)
     try:
         assert trainer.run() == 2
         assert all(c.role is Role.SERVING for c in trainer.controller.cells)
-        assert trainer.controller._events.empty()  # noqa: SLF001
+        assert trainer.controller.driver.idle
     finally:
         trainer.close()
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

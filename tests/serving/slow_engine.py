@@ -1,5 +1,5 @@
 """``SlowEngine``: a serving engine with a pause after every generate step, so a test can act (move, cancel,
-drain) while requests are running. Shared by the serving tests and tests/distributed/migrate_worker.py."""
+drain) while requests are running. Shared by the serving tests and tests/runtime/migrate_worker.py."""
 
 from __future__ import annotations
 

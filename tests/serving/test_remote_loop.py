@@ -1,7 +1,7 @@
 """The leader/follower serving protocol (``gyre_jax.elastic.remote``) in one process.
 
 The coordination service's key-value store is replaced by an in-memory one with the same calls (the
-real one needs ``jax.distributed``; ``tests/distributed/test_train_multiprocess.py`` runs this protocol
+real one needs ``jax.distributed``; ``tests/runtime/test_train_multiprocess.py`` runs this protocol
 between two real processes). Everything else is real: the router, a ``RemoteLoop`` in front of a
 ``Follower`` whose cell serves with a real ``ServingLoop`` on the 4-device cell mesh.
 """

@@ -238,7 +238,7 @@ def test_a_cell_over_two_processes_is_refused_before_any_work(tmp_path):
 
 def test_sessions_move_between_processes_with_their_kv(tmp_path):
     """``move_sessions`` between a cell on process 0 and one on process 1, both directions, mid-generation
-    (``tests/distributed/migrate_worker.py``): requests continue token for token (greedy and seeded
+    (``tests/runtime/migrate_worker.py``): requests continue token for token (greedy and seeded
     sampling), cached sessions stay warm, a cancel follows a moved request."""
     port = _free_port()
     worker = REPO / "tests" / "distributed" / "migrate_worker.py"

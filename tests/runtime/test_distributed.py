@@ -18,8 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gyre_jax import config as config_lib
-from gyre_jax import distributed
-from gyre_jax.elastic.cells import make_cells
+from gyre_jax import runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakes import hosts  # noqa: E402
@@ -30,7 +29,7 @@ def tiny_config(**section):
     from ml_collections import config_dict
 
     config = config_lib.load_config([])
-    d = config_dict.ConfigDict({**distributed.default_config().to_dict(), **section})
+    d = config_dict.ConfigDict({**runtime.process.default_config().to_dict(), **section})
     with config.unlocked():
         config.distributed = d
     return config
@@ -38,8 +37,8 @@ def tiny_config(**section):
 
 # -- config ----------------------------------------------------------------------------------------------
 def test_defaults_and_a_full_multi_process_section_are_valid():
-    distributed.validate_distributed(tiny_config())
-    distributed.validate_distributed(
+    runtime.process.validate_distributed(tiny_config())
+    runtime.process.validate_distributed(
         tiny_config(
             enabled=True, coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1, heartbeat_timeout_s=5.0
         )
@@ -48,7 +47,7 @@ def test_defaults_and_a_full_multi_process_section_are_valid():
     if "distributed" in c:
         with c.unlocked():
             del c["distributed"]  # a config without the section is a single-process config
-    distributed.validate_distributed(c)
+    runtime.process.validate_distributed(c)
 
 
 @pytest.mark.parametrize(
@@ -75,56 +74,56 @@ def test_defaults_and_a_full_multi_process_section_are_valid():
 )
 def test_bad_values_fail_with_one_line_naming_the_key(section, message):
     with pytest.raises(ValueError) as err:
-        distributed.validate_distributed(tiny_config(**section))
+        runtime.process.validate_distributed(tiny_config(**section))
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 
 
 def test_each_process_gets_its_share_of_the_virtual_cpu_devices():
-    assert distributed.local_cpu_device_count(tiny_config()) == 8
-    assert distributed.local_cpu_device_count(tiny_config(enabled=True, num_processes=2, process_id=0)) == 4
-    assert distributed.local_cpu_device_count(tiny_config(enabled=True, num_processes=8, process_id=7)) == 1
+    assert runtime.process.local_cpu_device_count(tiny_config()) == 8
+    assert runtime.process.local_cpu_device_count(tiny_config(enabled=True, num_processes=2, process_id=0)) == 4
+    assert runtime.process.local_cpu_device_count(tiny_config(enabled=True, num_processes=8, process_id=7)) == 1
 
 
 def test_initialize_single_process_in_a_started_jax(monkeypatch):
     monkeypatch.setattr(distributed, "_RUNTIME", None)
-    info = distributed.initialize(tiny_config())  # this test session already runs JAX on 8 CPU devices
-    assert info == distributed.ProcessInfo(
+    info = runtime.initialize(tiny_config())  # this test session already runs JAX on 8 CPU devices
+    assert info == runtime.ProcessInfo(
         process_id=0, num_processes=1, local_devices=8, global_devices=8, platform="cpu"
     )
-    assert info.is_coordinator and distributed.is_coordinator()
-    with pytest.raises(distributed.DistributedError, match="already called"):
-        distributed.initialize(tiny_config())
+    assert info.is_coordinator and runtime.is_coordinator()
+    with pytest.raises(runtime.DistributedError, match="already called"):
+        runtime.initialize(tiny_config())
 
 
 def test_initialize_after_jax_started_with_other_devices_says_to_call_it_first(monkeypatch):
     monkeypatch.setattr(distributed, "_RUNTIME", None)
     config = tiny_config(enabled=True, coordinator_address="127.0.0.1:1", num_processes=2, process_id=0)
     with pytest.raises(
-        distributed.DistributedError,
+        runtime.DistributedError,
         match=r"JAX already started on cpu with 8 local devices, but the "
         r"config asks for cpu with 4 devices: call gyre_jax.distributed.initialize\(config\) before",
     ):
-        distributed.initialize(config)
-    with pytest.raises(distributed.DistributedError, match="num_processes must be set on cpu"):
-        distributed.initialize(tiny_config(enabled=True))
+        runtime.initialize(config)
+    with pytest.raises(runtime.DistributedError, match="num_processes must be set on cpu"):
+        runtime.initialize(tiny_config(enabled=True))
 
 
 # -- control plane in one process ------------------------------------------------------------------------
 def test_single_process_decisions_are_the_json_round_trip():
     value = {"roles": {0: "serving"}, "order": (2, 1), "x": 1.5}
-    got = distributed.broadcast_decision(value)
+    got = runtime.broadcast_decision(value)
     assert got == json.loads(json.dumps(value)) == {"roles": {"0": "serving"}, "order": [2, 1], "x": 1.5}
-    assert distributed.broadcast_decision(None) is None
-    with pytest.raises(distributed.DistributedError, match="not JSON-able"):
-        distributed.broadcast_decision({"s": {1, 2}})
-    with pytest.raises(distributed.DistributedError, match="not JSON-able"):
-        distributed.broadcast_decision(float("nan"))
-    with pytest.raises(distributed.DistributedError, match="more than 1048576: decisions are small control messages"):
-        distributed.broadcast_decision("x" * (distributed.MAX_DECISION_BYTES + 1))
+    assert runtime.broadcast_decision(None) is None
+    with pytest.raises(runtime.DistributedError, match="not JSON-able"):
+        runtime.broadcast_decision({"s": {1, 2}})
+    with pytest.raises(runtime.DistributedError, match="not JSON-able"):
+        runtime.broadcast_decision(float("nan"))
+    with pytest.raises(runtime.DistributedError, match="more than 1048576: decisions are small control messages"):
+        runtime.broadcast_decision("x" * (runtime.process.MAX_DECISION_BYTES + 1))
     with pytest.raises(ValueError, match="expected 'kv' or 'devices'"):
-        distributed.broadcast_decision(1, via="pigeon")
-    distributed.sync("nothing to wait for")  # one process: returns at once
+        runtime.broadcast_decision(1, via="pigeon")
+    runtime.sync("nothing to wait for")  # one process: returns at once
 
 
 # -- cells over hosts --------------------------------------------------------------------------------------
@@ -139,9 +138,9 @@ def test_single_process_decisions_are_the_json_round_trip():
 )
 def test_cells_are_whole_hosts_or_part_of_one_host(num_hosts, per_host, num_cells, shape, hosts_per_cell):
     devices = hosts(num_hosts, per_host)
-    cells = distributed.make_global_cells(devices, num_cells, shape)
-    assert [list(distributed.cell_processes(c)) for c in cells] == hosts_per_cell
-    ordered = distributed.host_ordered(devices)
+    cells = runtime.make_cells(devices, num_cells, shape)
+    assert [list(c.processes) for c in cells] == hosts_per_cell
+    ordered = runtime.cells.host_ordered(devices)
     size = len(devices) // num_cells
     for i, cell in enumerate(cells):
         assert cell.devices == ordered[i * size : (i + 1) * size]
@@ -151,7 +150,7 @@ def test_cells_are_whole_hosts_or_part_of_one_host(num_hosts, per_host, num_cell
 
 
 def test_global_mesh_puts_hosts_on_the_outer_axis_and_tensor_groups_inside_a_host():
-    mesh = distributed.make_global_mesh(dict(data=4, tensor=8), hosts(4, 8))
+    mesh = runtime.make_train_mesh(dict(data=4, tensor=8), hosts(4, 8))
     for row in range(4):  # every data index is one host; its tensor group is that host's 8 GPUs
         assert {d.process_index for d in mesh.devices[row].flat} == {row}
 
@@ -168,16 +167,8 @@ def test_global_mesh_puts_hosts_on_the_outer_axis_and_tensor_groups_inside_a_hos
     ],
 )
 def test_scattered_or_uneven_cells_fail_clearly(devices, num_cells, shape, message):
-    with pytest.raises(distributed.DistributedError, match=message.replace("(", r"\(")):
-        distributed.make_global_cells(devices, num_cells, shape)
-
-
-def test_in_one_process_global_cells_are_the_elastic_cells():
-    for num_cells, shape in ((2, dict(data=4)), (4, dict(fsdp=2)), (1, dict(data=4, fsdp=2))):
-        mine = distributed.make_global_cells(None, num_cells, shape)
-        theirs = make_cells(jax.devices(), num_cells, shape)
-        assert [c.devices for c in mine] == [c.devices for c in theirs]
-        assert [c.mesh.shape for c in mine] == [c.mesh.shape for c in theirs]
+    with pytest.raises(runtime.DistributedError, match=message.replace("(", r"\(")):
+        runtime.make_cells(devices, num_cells, shape)
 
 
 # -- moving arrays ------------------------------------------------------------------------------------------
@@ -192,7 +183,7 @@ def tiny_params():
         param_shardings,
     )
 
-    mesh = distributed.make_global_mesh(dict(data=4, fsdp=2))
+    mesh = runtime.make_train_mesh(dict(data=4, fsdp=2))
     _, params = init_params(TINY, mesh, RULES_FSDP_TENSOR, seed=0)
     _, abstract = abstract_model(TINY)
     return params, lambda m: param_shardings(abstract, RULES_FSDP_TENSOR, m)
@@ -201,9 +192,9 @@ def tiny_params():
 @pytest.mark.parametrize("num_cells, shape", [(2, dict(data=4)), (4, dict(data=2)), (2, dict(fsdp=4)), (8, dict())])
 def test_publish_to_cells_equals_device_put_onto_each_cell(tiny_params, num_cells, shape):
     params, shardings_on = tiny_params
-    cells = distributed.make_global_cells(None, num_cells, shape)
+    cells = runtime.make_cells(None, num_cells, shape)
     targets = [shardings_on(c.mesh) for c in cells]
-    published = distributed.publish_to_cells(params, targets)
+    published = runtime.publish_to_cells(params, targets)
     assert len(published) == num_cells
     for cell, got, target in zip(cells, published, targets):
         want = jax.device_put(params, target)
@@ -215,38 +206,38 @@ def test_publish_to_cells_equals_device_put_onto_each_cell(tiny_params, num_cell
 
 def test_publish_to_cells_rejects_meshes_that_do_not_line_up(tiny_params):
     params, shardings_on = tiny_params
-    cells = distributed.make_global_cells(None, 2, dict(data=4))
+    cells = runtime.make_cells(None, 2, dict(data=4))
     reversed_cells = cells[::-1]
-    with pytest.raises(distributed.DistributedError, match="same devices, other order"):
-        distributed.publish_to_cells(params, [shardings_on(c.mesh) for c in reversed_cells])
-    with pytest.raises(distributed.DistributedError, match="params on 8 devices, cells on 4"):
-        distributed.publish_to_cells(params, [shardings_on(cells[0].mesh)])
+    with pytest.raises(runtime.DistributedError, match="same devices, other order"):
+        runtime.publish_to_cells(params, [shardings_on(c.mesh) for c in reversed_cells])
+    with pytest.raises(runtime.DistributedError, match="params on 8 devices, cells on 4"):
+        runtime.publish_to_cells(params, [shardings_on(cells[0].mesh)])
     replicated = jax.tree.map(lambda s: NamedSharding(s.mesh, P()), shardings_on(cells[1].mesh))
-    with pytest.raises(distributed.DistributedError, match="cell 1's specs differ"):
-        distributed.publish_to_cells(params, [shardings_on(cells[0].mesh), replicated])
-    other = distributed.make_global_cells(None, 2, dict(fsdp=4))
-    with pytest.raises(distributed.DistributedError, match="cells' meshes differ in shape"):
-        distributed.publish_to_cells(params, [shardings_on(cells[0].mesh), shardings_on(other[1].mesh)])
-    with pytest.raises(distributed.DistributedError, match="no cells given"):
-        distributed.publish_to_cells(params, [])
+    with pytest.raises(runtime.DistributedError, match="cell 1's specs differ"):
+        runtime.publish_to_cells(params, [shardings_on(cells[0].mesh), replicated])
+    other = runtime.make_cells(None, 2, dict(fsdp=4))
+    with pytest.raises(runtime.DistributedError, match="cells' meshes differ in shape"):
+        runtime.publish_to_cells(params, [shardings_on(cells[0].mesh), shardings_on(other[1].mesh)])
+    with pytest.raises(runtime.DistributedError, match="no cells given"):
+        runtime.publish_to_cells(params, [])
 
 
 def test_cell_put_in_one_process_is_device_put(tiny_params):
     params, shardings_on = tiny_params
-    cells = distributed.make_global_cells(None, 2, dict(data=4))
+    cells = runtime.make_cells(None, 2, dict(data=4))
     on_core = jax.device_put(params, shardings_on(cells[0].mesh))
-    moved = distributed.cell_put(on_core, shardings_on(cells[1].mesh))
+    moved = runtime.transfer(on_core, shardings_on(cells[1].mesh))
     for m, p in zip(jax.tree.leaves(moved), jax.tree.leaves(params)):
         assert m.devices() == set(cells[1].devices)
         np.testing.assert_array_equal(np.asarray(m), np.asarray(p))
-    copy = distributed.cell_put(on_core, shardings_on(cells[0].mesh), may_alias=False)  # same mesh: a fresh copy
+    copy = runtime.transfer(on_core, shardings_on(cells[0].mesh), may_alias=False)  # same mesh: a fresh copy
     for c, o in zip(jax.tree.leaves(copy), jax.tree.leaves(on_core)):
         assert (
             c.addressable_shards[0].data.unsafe_buffer_pointer() != o.addressable_shards[0].data.unsafe_buffer_pointer()
         )
         np.testing.assert_array_equal(np.asarray(c), np.asarray(o))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), on_core)
-    with pytest.raises(distributed.DistributedError, match="this process holds both meshes, so pass the arrays"):
-        distributed.cell_put(abstract, shardings_on(cells[1].mesh))
-    with pytest.raises(distributed.DistributedError, match="must be \\(or carry\\) a NamedSharding"):
-        distributed.cell_put(jnp.ones(3), jax.devices()[0])
+    with pytest.raises(runtime.DistributedError, match="this process holds both meshes, so pass the arrays"):
+        runtime.transfer(abstract, shardings_on(cells[1].mesh))
+    with pytest.raises(runtime.DistributedError, match="must be \\(or carry\\) a NamedSharding"):
+        runtime.transfer(jnp.ones(3), jax.devices()[0])

@@ -1,6 +1,6 @@
 """Multi-process tests for gyre_jax/distributed.py: 2 real processes x 4 virtual CPU devices on loopback.
 
-Every run starts ``tests/distributed/worker.py`` twice (process 0 and 1, a free port, gloo collectives) and
+Every run starts ``tests/runtime/worker.py`` twice (process 0 and 1, a free port, gloo collectives) and
 compares what they wrote with the same computation done here in the test process (1 process, 8 devices).
 """
 
@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from gyre_jax import distributed
+from gyre_jax import runtime
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "worker.py"
@@ -93,7 +93,7 @@ def load(out: Path, scenario: str, pid: int) -> tuple[dict, dict]:
 def single_process_reference() -> dict:
     """The same computation in this process: 1 process, 8 devices, the same mesh shape and seed."""
     config = worker.make_config(nproc=1)
-    mesh = distributed.make_global_mesh(dict(config.mesh))
+    mesh = runtime.make_train_mesh(dict(config.mesh))
     model_cfg, graphdef, params, rules = worker.model_setup(config, mesh)
     loss, grads, logits = worker.loss_and_grads(graphdef, params, mesh, rules)
     return dict(
@@ -215,7 +215,7 @@ def test_checkpoint_saved_by_2_processes_restores_in_1_process(main_run, referen
     from gyre_jax.model.sharding import abstract_model, param_shardings
 
     out, _, _ = main_run
-    mesh = distributed.make_global_mesh(mesh_shape, jax.devices()[:num_devices])
+    mesh = runtime.make_train_mesh(mesh_shape, jax.devices()[:num_devices])
     _, abstract = abstract_model(reference["model_cfg"])
     target = worker.jax_abstract(abstract, param_shardings(abstract, reference["rules"], mesh))
     ckpt = Checkpointer(out / "ckpt")
@@ -260,7 +260,7 @@ def test_killing_a_process_makes_the_other_exit_fast_with_a_clear_message(tmp_pa
     assert elapsed < FAIL_FAST_BOUND_S, f"survivor took {elapsed:.1f} s to exit"
     assert rc != 0
     if victim == 1:  # the coordinator survives: our watchdog reports the silent peer
-        assert rc == distributed.PEER_LOST_EXIT_CODE, err[-3000:]
+        assert rc == runtime.PEER_LOST_EXIT_CODE, err[-3000:]
         assert "gyre-jax process 0 of 2 is stopping: process 1 stopped responding: no heartbeat for" in err, err[-3000:]
     else:  # the coordinator is gone: our watchdog or JAX's own client notices first, each with a clear line
         assert (
@@ -280,7 +280,7 @@ def test_an_exception_in_one_process_stops_the_other_with_its_message(tmp_path):
     rc0, err0 = finish(procs[0], FAIL_FAST_BOUND_S)
     elapsed = time.monotonic() - started
     assert elapsed < FAIL_FAST_BOUND_S, f"{elapsed:.1f} s"  # the failure is published, not found by a 60 s heartbeat
-    assert rc1 == distributed.FAILED_EXIT_CODE and "RuntimeError: injected failure in process 1" in err1
+    assert rc1 == runtime.FAILED_EXIT_CODE and "RuntimeError: injected failure in process 1" in err1
     assert "error: process 1: uncaught RuntimeError: injected failure in process 1" in err1
-    assert rc0 == distributed.PEER_LOST_EXIT_CODE, err0[-3000:]
+    assert rc0 == runtime.PEER_LOST_EXIT_CODE, err0[-3000:]
     assert "process 1 failed: uncaught RuntimeError: injected failure in process 1" in err0, err0[-3000:]

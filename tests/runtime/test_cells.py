@@ -1,4 +1,4 @@
-"""Tests for gyre_jax/elastic/cells.py: equal, contiguous, disjoint cell submeshes of the device list."""
+"""Tests for gyre_jax/runtime/cells.py: equal, contiguous, disjoint cell submeshes of the device list."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gyre_jax.elastic.cells import make_cells
+from gyre_jax.runtime.cells import make_cells
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """One of 2 processes (4 virtual CPU devices each) moving serving sessions, KV included, between processes.
 
-    python tests/distributed/migrate_worker.py PID PORT OUT_DIR
+    python tests/runtime/migrate_worker.py PID PORT OUT_DIR
 
 Cell 0 is on process 0 (a local ``ServingLoop``), cell 1 on process 1 (a ``Follower``'s loop, driven from
 process 0 through a ``RemoteLoop``). Both engines are slowed down per decode step so that process 0 can
@@ -26,15 +26,15 @@ MAX_TOKENS = 40
 
 def main() -> int:
     pid, port, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-    from gyre_jax import distributed
+    from gyre_jax import runtime
     from gyre_jax.config import load_config
 
     config = load_config([])
-    d = distributed.default_config()
+    d = runtime.process.default_config()
     d.enabled, d.coordinator_address, d.num_processes, d.process_id = True, f"127.0.0.1:{port}", 2, pid
     d.heartbeat_timeout_s = 10.0
     config.distributed = d
-    distributed.initialize(config)
+    runtime.initialize(config)
 
     from slow_engine import SlowEngine
 
@@ -56,8 +56,8 @@ def main() -> int:
         mlp_dim=128,
         rope_theta=10000.0,
     )
-    cells = distributed.make_global_cells(None, 2, {"data": 4})
-    mesh = distributed.make_global_mesh({"data": 8})
+    cells = runtime.make_cells(None, 2, {"data": 4})
+    mesh = runtime.make_train_mesh({"data": 8})
     _, params = init_params(cfg, mesh, rules, seed=0)
     graphdef = abstract_model(cfg)[0]
     engines = {
@@ -75,15 +75,15 @@ def main() -> int:
         for c in cells
     }
     abstract = abstract_model(cfg)[1]
-    per_cell = distributed.publish_to_cells(params, [engines[c.index].param_shardings(abstract) for c in cells])
+    per_cell = runtime.publish_to_cells(params, [engines[c.index].param_shardings(abstract) for c in cells])
     mine = per_cell[pid]
-    client = distributed.runtime().client
+    client = runtime.runtime().client
 
     if pid == 1:
         loop = ServingLoop(SlowEngine(engines[1], STEP_S), mine, name="cell1", kv_pages=64).start()
         cell = FollowerCell(index=1, name="cell1", make_loop=None, serving_shardings=None, worker=None, loop=loop)
         Follower(client, 1, [cell], core_shardings=None, engines=engines).serve(None)
-        distributed.shutdown()
+        runtime.shutdown()
         return 0
 
     a = ServingLoop(SlowEngine(engines[0], STEP_S), mine, name="cell0", kv_pages=64).start()
@@ -136,7 +136,7 @@ def main() -> int:
     a.stop()
     proc.close()
     (out / "migrate.json").write_text(json.dumps(result))
-    distributed.shutdown()
+    runtime.shutdown()
     return 0
 
 

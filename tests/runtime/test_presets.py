@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gyre_jax import config as config_lib
-from gyre_jax import distributed
+from gyre_jax import runtime
 from gyre_jax.model.config import QWEN3_1P7B, QWEN3_8B, QWEN3_30B_A3B, ModelConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -29,7 +29,7 @@ AXES = ("data", "fsdp", "tensor", "expert")
 def test_preset_loads_validates_and_fits_its_hosts(path):
     platform, num_hosts, per_host, model, multi, cell_hosts = PRESETS[path]
     c = config_lib.load_config(["--config", path])  # runs gyre_jax.config.validate
-    distributed.validate_distributed(c)
+    runtime.process.validate_distributed(c)
     assert c.devices.platform == platform
     assert config_lib.device_count(c) == num_hosts * per_host
     assert c.distributed.enabled is multi
@@ -48,9 +48,9 @@ def test_preset_loads_validates_and_fits_its_hosts(path):
     devices = hosts(num_hosts, per_host)
     mesh_shape = {a: c.mesh[a] for a in AXES if a in c.mesh}
     cell_shape = {a: c.cells[a] for a in AXES if a in c.cells}
-    distributed.make_global_mesh(mesh_shape, devices)
-    cells = distributed.make_global_cells(devices, c.cells.num_cells, cell_shape)
-    assert [list(distributed.cell_processes(cell)) for cell in cells] == cell_hosts
+    runtime.make_train_mesh(mesh_shape, devices)
+    cells = runtime.make_cells(devices, c.cells.num_cells, cell_shape)
+    assert [list(cell.processes) for cell in cells] == cell_hosts
 
 
 @pytest.mark.parametrize("path", ["configs/gpu_cluster.py", "configs/tpu_pod.py"])
@@ -64,7 +64,7 @@ def test_explicit_launch_values_override_auto_detection(path):
             "--config.distributed.process_id=3",
         ]
     )
-    distributed.validate_distributed(c)
+    runtime.process.validate_distributed(c)
     assert (c.distributed.coordinator_address, c.distributed.num_processes, c.distributed.process_id) == (
         "10.0.0.1:8476",
         4,

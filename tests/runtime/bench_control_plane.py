@@ -1,6 +1,6 @@
 """Benchmark: does waiting for process 0's next decision stall this process's own devices?
 
-    python tests/distributed/bench_control_plane.py [--out bench_control_plane.json]
+    python tests/runtime/bench_control_plane.py [--out bench_control_plane.json]
 
 Starts 2 processes x 4 virtual CPU devices on loopback. Process 1 keeps running a small jitted matmul on
 its own 4 devices (a stand-in for its serving cell's decode steps) while a second thread waits for a
@@ -32,15 +32,15 @@ def child(pid: int, port: int, out: Path) -> None:
     sys.path.insert(0, str(REPO))
     import numpy as np
 
-    from gyre_jax import distributed
+    from gyre_jax import runtime
     from gyre_jax.config import load_config
 
     config = load_config([])
-    d = distributed.default_config()
+    d = runtime.process.default_config()
     d.enabled, d.coordinator_address, d.num_processes, d.process_id = True, f"127.0.0.1:{port}", 2, pid
     with config.unlocked():
         config.distributed = d
-    distributed.initialize(config)
+    runtime.initialize(config)
 
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -55,22 +55,22 @@ def child(pid: int, port: int, out: Path) -> None:
         return time.perf_counter() - t
 
     for mode in MODES:  # compile both broadcast paths and the matmul first
-        distributed.broadcast_decision({"warm": mode}, via=mode)
+        runtime.broadcast_decision({"warm": mode}, via=mode)
     timed()
     result = {}
-    distributed.sync("baseline")
+    runtime.sync("baseline")
     if pid == 1:
         result["baseline_median_s"] = float(np.median([timed() for _ in range(20)]))
     for mode in MODES:
-        distributed.sync(f"start-{mode}")
+        runtime.sync(f"start-{mode}")
         if pid == 0:
             time.sleep(DELAY_S)
-            distributed.broadcast_decision({"mode": mode}, via=mode)
+            runtime.broadcast_decision({"mode": mode}, via=mode)
             continue
         got: dict = {}
 
         def wait_for_decision(got=got, mode=mode) -> None:
-            got["v"] = distributed.broadcast_decision(None, via=mode)
+            got["v"] = runtime.broadcast_decision(None, via=mode)
 
         waiter = threading.Thread(target=wait_for_decision)
         waiter.start()
@@ -83,8 +83,8 @@ def child(pid: int, port: int, out: Path) -> None:
         result[mode] = {"max_s": max(times), "median_s": float(np.median(times)), "runs": len(times)}
     if pid == 1:
         (out / "result.json").write_text(json.dumps(result))
-    distributed.sync("end")
-    distributed.shutdown()
+    runtime.sync("end")
+    runtime.shutdown()
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
-"""One process of a multi-process test run (started by tests/distributed/test_multiprocess.py).
+"""One process of a multi-process test run (started by tests/runtime/test_multiprocess.py).
 
-    python tests/distributed/worker.py SCENARIO --pid P --nproc N --port PORT --out DIR [--heartbeat S]
+    python tests/runtime/worker.py SCENARIO --pid P --nproc N --port PORT --out DIR [--heartbeat S]
 
 Each process joins the run through ``gyre_jax.distributed.initialize(config)`` with the tiny CPU config
 (``num_cpu_devices=8`` split over the processes), does the scenario's work and writes what it saw to
@@ -29,10 +29,10 @@ BATCH, SEQ, SEED = 8, 32, 0
 def make_config(nproc: int = 1, pid: int = 0, port: int = 0, heartbeat_s: float = 30.0):
     """The tiny CPU config (8 devices in all) with a ``distributed`` section for ``nproc`` processes."""
     from gyre_jax import config as config_lib
-    from gyre_jax import distributed
+    from gyre_jax import runtime
 
     config = config_lib.load_config(["--config", str(REPO / "configs" / "tiny_cpu.py")])
-    d = distributed.default_config()
+    d = runtime.process.default_config()
     d.enabled = nproc > 1
     d.coordinator_address = f"127.0.0.1:{port}" if nproc > 1 else ""
     d.num_processes = nproc if nproc > 1 else 0
@@ -42,7 +42,7 @@ def make_config(nproc: int = 1, pid: int = 0, port: int = 0, heartbeat_s: float 
     d.shutdown_timeout_s = 30.0
     with config.unlocked():
         config.distributed = d
-    distributed.validate_distributed(config)
+    runtime.process.validate_distributed(config)
     return config
 
 
@@ -140,14 +140,14 @@ DECISION = {"step": 3, "roles": {"cell0": "training", "cell1": "serving"}, "orde
 def scenario_main(args, info, config, out: dict) -> None:
     import jax
 
-    from gyre_jax import distributed
+    from gyre_jax import runtime
     from gyre_jax.checkpoint import Checkpointer
     from gyre_jax.model.sharding import abstract_model, param_shardings
 
     t0 = time.perf_counter()
     lap = lambda name: out.setdefault("seconds", {}).__setitem__(name, round(time.perf_counter() - t0, 2))  # noqa: E731
-    out["devices"] = [[d.id, d.process_index] for d in distributed.host_ordered()]
-    mesh = distributed.make_global_mesh(dict(config.mesh))
+    out["devices"] = [[d.id, d.process_index] for d in runtime.cells.host_ordered()]
+    mesh = runtime.make_train_mesh(dict(config.mesh))
     model_cfg, graphdef, params, rules = model_setup(config, mesh)
     loss, grads, logits = loss_and_grads(graphdef, params, mesh, rules)
     host_params, host_grads, host_loss, host_logits = to_host((params, grads, loss, logits))
@@ -158,40 +158,40 @@ def scenario_main(args, info, config, out: dict) -> None:
     lap("compute")
     # Decisions: process 0's value on every process, through the key-value store and through the devices.
     mine = DECISION if info.process_id == 0 else {"ignored": info.process_id}
-    out["decision_kv"] = distributed.broadcast_decision(mine)
-    out["decision_devices"] = distributed.broadcast_decision(mine, via="devices")
+    out["decision_kv"] = runtime.broadcast_decision(mine)
+    out["decision_devices"] = runtime.broadcast_decision(mine, via="devices")
     big = {"blob": "x" * 10000} if info.process_id == 0 else None  # > the first round's 4 KiB: two rounds
-    out["decision_big_len"] = len(distributed.broadcast_decision(big, via="devices")["blob"])
-    out["decision_seq"] = [distributed.broadcast_decision(i * 10 if info.process_id == 0 else None) for i in range(5)]
+    out["decision_big_len"] = len(runtime.broadcast_decision(big, via="devices")["blob"])
+    out["decision_seq"] = [runtime.broadcast_decision(i * 10 if info.process_id == 0 else None) for i in range(5)]
     errors = {}
     for via in ("kv", "devices"):
         try:
-            distributed.broadcast_decision({1, 2} if info.process_id == 0 else None, via=via)
-        except distributed.DistributedError as exc:
+            runtime.broadcast_decision({1, 2} if info.process_id == 0 else None, via=via)
+        except runtime.DistributedError as exc:
             errors[via] = str(exc)
     out["decision_errors"] = errors
 
     lap("decisions")
     # Syncs: matching names pass; different names fail on every process with both names in the message.
-    distributed.sync("after-decisions")
+    runtime.sync("after-decisions")
     try:
-        distributed.sync(f"branch-{info.process_id}", timeout_s=3)
+        runtime.sync(f"branch-{info.process_id}", timeout_s=3)
         out["sync_mismatch"] = "no error"
-    except distributed.DistributedError as exc:
+    except runtime.DistributedError as exc:
         out["sync_mismatch"] = str(exc)
-    distributed.sync("after-mismatch")
+    runtime.sync("after-mismatch")
 
     lap("syncs")
     # Cells over hosts.
-    cells = distributed.make_global_cells(None, config.cells.num_cells, cell_shape(config))
+    cells = runtime.make_cells(None, config.cells.num_cells, cell_shape(config))
     out["cells"] = [[d.id for d in c.devices] for c in cells]
-    out["cell_processes"] = [list(distributed.cell_processes(c)) for c in cells]
+    out["cell_processes"] = [list(c.processes) for c in cells]
     _, abstract = abstract_model(model_cfg)
 
     # publish_to_cells: the global params onto every cell; each process then runs its own cell(s).
     for num_cells, shape in ((2, cell_shape(config)), (4, dict(data=2)), (1, dict(config.mesh))):
-        layout = distributed.make_global_cells(None, num_cells, shape)
-        published = distributed.publish_to_cells(params, [param_shardings(abstract, rules, c.mesh) for c in layout])
+        layout = runtime.make_cells(None, num_cells, shape)
+        published = runtime.publish_to_cells(params, [param_shardings(abstract, rules, c.mesh) for c in layout])
         key = f"publish_{num_cells}"
         out[key + "_local_shards_ok"] = all(shards_match(p, host_params) for p in published)
         out[key + "_local_cells"] = [
@@ -214,7 +214,7 @@ def scenario_main(args, info, config, out: dict) -> None:
     # and a tree computed on the satellite (like its gradients) back to the core. A process describes a
     # cell it does not hold with abstract leaves (ShapeDtypeStruct + sharding).
     shardings = [param_shardings(abstract, rules, c.mesh) for c in cells]
-    snap = distributed.cell_put(per_cell[0], shardings[1])
+    snap = runtime.transfer(per_cell[0], shardings[1])
     out["cell_put_params_ok"] = shards_match(snap, host_params)
     out["cell_put_params_held"] = sorted({bool(x.addressable_shards) for x in jax.tree.leaves(snap)})
     if info.process_id == 1:
@@ -223,7 +223,7 @@ def scenario_main(args, info, config, out: dict) -> None:
         from_satellite = jax.tree.map(
             lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), per_cell[1], shardings[1]
         )
-    at_core = distributed.cell_put(from_satellite, shardings[0])
+    at_core = runtime.transfer(from_satellite, shardings[0])
     if info.process_id == 0:
         out["cell_put_back_ok"] = all(
             np.array_equal(np.asarray(a), 2 * h) for a, h in zip(jax.tree.leaves(at_core), jax.tree.leaves(host_params))
@@ -234,7 +234,7 @@ def scenario_main(args, info, config, out: dict) -> None:
         if info.process_id == 0
         else jax.ShapeDtypeStruct((), np.float32, sharding=on_core)
     )
-    moved = distributed.cell_put(scalar, jax.sharding.NamedSharding(cells[1].mesh, jax.sharding.PartitionSpec()))
+    moved = runtime.transfer(scalar, jax.sharding.NamedSharding(cells[1].mesh, jax.sharding.PartitionSpec()))
     if info.process_id == 1:
         out["cell_put_scalar"] = float(np.asarray(moved.addressable_data(0)))
 
@@ -243,19 +243,19 @@ def scenario_main(args, info, config, out: dict) -> None:
     ckpt = Checkpointer(Path(args.out) / "ckpt", max_to_keep=2)
     ckpt.save(1, {"params": params}, {"next_step": 2, "saved_by": info.num_processes})
     ckpt.close()
-    distributed.sync("checkpoint-written")
+    runtime.sync("checkpoint-written")
     lap("checkpoint")
     out["arrays"] = arrays
 
 
 def scenario_restore(args, info, config, out: dict) -> None:
     """Restore the ``main`` scenario's checkpoint onto the global mesh; write the params it holds."""
-    from gyre_jax import distributed
+    from gyre_jax import runtime
     from gyre_jax.checkpoint import Checkpointer
     from gyre_jax.model.config import ModelConfig
     from gyre_jax.model.sharding import abstract_model, param_shardings
 
-    mesh = distributed.make_global_mesh(dict(config.mesh))
+    mesh = runtime.make_train_mesh(dict(config.mesh))
     rules = tuple(tuple(r) for r in config.sharding_rules)
     _, abstract = abstract_model(ModelConfig.from_config_dict(config.model))
     target = jax_abstract(abstract, param_shardings(abstract, rules, mesh))
@@ -275,14 +275,14 @@ def jax_abstract(abstract, shardings):
 
 def scenario_wait(args, info, config, out: dict) -> None:
     """Report ready, then block in a host barrier (process 0) or a decision wait (others) until killed."""
-    from gyre_jax import distributed
+    from gyre_jax import runtime
 
-    distributed.sync("ready")
+    runtime.sync("ready")
     (Path(args.out) / f"ready_{info.process_id}").write_text("1")
     if info.process_id == 0:
-        distributed.sync("never-reached-by-the-killed-process")
+        runtime.sync("never-reached-by-the-killed-process")
     else:
-        distributed.broadcast_decision(None)  # process 0 never sends it
+        runtime.broadcast_decision(None)  # process 0 never sends it
     out["unexpected"] = "returned"
 
 
@@ -292,15 +292,15 @@ def scenario_raise(args, info, config, out: dict) -> None:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from gyre_jax import distributed
+    from gyre_jax import runtime
 
-    mesh = distributed.make_global_mesh(dict(config.mesh))
+    mesh = runtime.make_train_mesh(dict(config.mesh))
     x = jax.make_array_from_callback(
         (64, 8), NamedSharding(mesh, PartitionSpec(("data", "fsdp"))), lambda idx: np.ones((64, 8), np.float32)[idx]
     )
     total = jax.jit(lambda a: jnp.sum(a * a), out_shardings=NamedSharding(mesh, PartitionSpec()))
     total(x).block_until_ready()
-    distributed.sync("ready")
+    runtime.sync("ready")
     (Path(args.out) / f"ready_{info.process_id}").write_text("1")
     if info.process_id == 1:
         time.sleep(1.0)
@@ -321,10 +321,10 @@ def main() -> int:
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
 
-    from gyre_jax import distributed
+    from gyre_jax import runtime
 
     config = make_config(args.nproc, args.pid, args.port, args.heartbeat)
-    info = distributed.initialize(config)
+    info = runtime.initialize(config)
     out: dict = {
         "info": {
             "process_id": info.process_id,
@@ -339,7 +339,7 @@ def main() -> int:
     arrays = out.pop("arrays", {})
     np.savez(Path(args.out) / f"{args.scenario}_{info.process_id}.npz", **arrays)
     (Path(args.out) / f"{args.scenario}_{info.process_id}.json").write_text(json.dumps(out, indent=1, sort_keys=True))
-    distributed.shutdown()
+    runtime.shutdown()
     return 0
 
 

@@ -1,0 +1,206 @@
+"""What every process of a run builds the same way from the config, leader and followers alike.
+
+``setup(config)``: the devices, the training mesh and the cells, the model (random init or a Hugging Face
+checkpoint; a collective program over every process's devices) and the tokenizer. ``CellFactory``: a
+cell's layout, serving engine and loop, and gradient worker. ``warm_start``: the optional supervised warm
+start on the suite's demonstrations (collective too). ``core_params``: the params from the training mesh
+onto the core cell (across processes, one program every process runs: ``publish_to_cells``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from flax import nnx
+
+from gyre_jax import runtime
+from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.sharding import Rules, abstract_model, init_params
+from gyre_jax.model.tokenizer import load_tokenizer
+from gyre_jax.proxy.tito import render_demonstration
+from gyre_jax.rl.learner import Learner, OptimizerConfig
+from gyre_jax.rl.losses import LossConfig
+from gyre_jax.rl.micro_step import GradWorker
+from gyre_jax.rollout.tasks import BuiltinSuite
+from gyre_jax.runtime.cells import Cell, CellLayout
+from gyre_jax.serving.engine import Engine
+from gyre_jax.serving.loop import ServingLoop
+from gyre_jax.trajectory.batch import row_length, supervised_micro_batch
+
+log = logging.getLogger("gyre_jax")
+
+
+@dataclass
+class Setup:
+    """A process's view of the run: its devices, meshes and cells, the model and the tokenizer."""
+
+    config: Any
+    tokenizer: Any
+    rules: Rules
+    train_mesh: jax.sharding.Mesh
+    cells: list[Cell]
+    model_cfg: ModelConfig
+    graphdef: nnx.GraphDef
+    params: Any  # on the training mesh (dropped once published to the cells)
+
+    @property
+    def process(self) -> int:
+        return jax.process_index()
+
+    @property
+    def multi_process(self) -> bool:
+        return jax.process_count() > 1
+
+
+def setup(config) -> Setup:
+    """Devices -> training mesh and cells -> model and tokenizer (see the module docstring)."""
+    ckpt_dir = config.model.checkpoint_dir or None
+    tokenizer = load_tokenizer(config.tokenizer.kind, ckpt_dir)
+    rules = tuple((k, v) for k, v in config.sharding_rules)
+    devices = _run_devices(config)
+    train_mesh = runtime.make_train_mesh(dict(config.mesh), devices)
+    cells = runtime.make_cells(devices, config.cells.num_cells, cell_mesh_shape(config))
+    if jax.process_count() > 1:
+        runtime.check_cells_within_processes(cells)
+    if ckpt_dir is not None:  # a Hugging Face checkpoint: its config.json defines the architecture
+        from gyre_jax.model.hf_checkpoint import load_hf_checkpoint
+
+        m = config.model
+        model_cfg, graphdef, params = load_hf_checkpoint(
+            ckpt_dir, train_mesh, rules, dtype=m.dtype, param_dtype=m.param_dtype
+        )
+        log.info("loaded %s (%.1fM params)", ckpt_dir, model_cfg.num_params / 1e6)
+    else:
+        model_cfg = ModelConfig.from_config_dict(config.model)
+        graphdef, params = init_params(model_cfg, train_mesh, rules, config.seed)
+    return Setup(config, tokenizer, rules, train_mesh, cells, model_cfg, graphdef, params)
+
+
+def cell_mesh_shape(config) -> dict[str, int]:
+    c = config.cells
+    expert = c.get("expert", 1)  # CONFIG-MERGE
+    return dict(data=c.data, fsdp=c.fsdp, tensor=c.tensor, **({"expert": expert} if expert > 1 else {}))
+
+
+def _run_devices(config) -> list[jax.Device]:
+    """The devices the config asks for (every device of every process in a multi-process run)."""
+    from gyre_jax.config import device_count
+
+    n, devices = device_count(config), jax.devices()
+    if len(devices) < n:
+        raise RuntimeError(
+            f"the config needs {n} devices but JAX sees {len(devices)} ({devices[0].platform}); "
+            f"on CPU set config.devices.num_cpu_devices before JAX starts (python -m gyre_jax.train does this)"
+        )
+    if jax.process_count() > 1 and n != len(devices):
+        raise RuntimeError(
+            f"a multi-process run uses every device of every process: the config asks for {n} "
+            f"but the processes hold {len(devices)}"
+        )
+    return list(runtime.cells.host_ordered(devices[:n] if jax.process_count() == 1 else devices))
+
+
+class CellFactory:
+    """A cell's parts from the config: its layout, serving engine and started loop, gradient worker."""
+
+    def __init__(self, s: Setup, loss_cfg: LossConfig | None = None):
+        self.s = s
+        self.loss_cfg = loss_cfg
+
+    def layout(self, cell: Cell) -> CellLayout:
+        return CellLayout.of(cell, self.s.model_cfg, self.s.rules, self.s.config.serving.page_size)
+
+    def engine(self, cell: Cell) -> Engine:
+        sv = self.s.config.serving
+        return Engine(
+            self.s.model_cfg,
+            self.s.graphdef,
+            cell.mesh,
+            self.s.rules,
+            max_concurrent_decodes=sv.max_concurrent_decodes,
+            max_seq_len=sv.max_seq_len,
+            max_prefill_length=sv.max_prefill_length,
+            prefill_buckets=tuple(sv.prefill_buckets),
+            page_size=sv.page_size,
+        )
+
+    def loop(self, cell: Cell, params: Any, version: int) -> ServingLoop:
+        """A started serving loop on ``cell`` with ``params`` (on its serving layout) at policy ``version``."""
+        sv, c = self.s.config.serving, self.s.config
+        return ServingLoop(
+            self.engine(cell),
+            params,
+            policy_version=version,
+            name=cell.name,
+            seed=c.seed + 7919 * cell.index,
+            kv_pages=sv.kv_pages,
+            on_update=sv.on_weight_update,
+            reuse_stale_kv=sv.reuse_stale_kv,
+            detokenize=self.s.tokenizer.decode,
+        ).start()
+
+    def worker(self, cell: Cell) -> GradWorker:
+        return GradWorker(self.s.model_cfg, self.s.graphdef, cell.mesh, self.s.rules, self.loss_cfg, name=cell.name)
+
+
+def make_suite(config) -> BuiltinSuite:
+    r = config.rollout
+    return BuiltinSuite(
+        kinds=tuple(r.task_kinds),
+        seed=config.seed,
+        max_turns=r.max_turns,
+        tool_latency_median_s=r.tool_latency_median_s,
+        tool_latency_sigma=r.tool_latency_sigma,
+        alphabet=r.alphabet,
+        min_len=r.input_min_len,
+        max_len=r.input_max_len,
+        num_tasks=r.num_tasks,
+    )
+
+
+def warm_start(s: Setup, suite: BuiltinSuite, stop: threading.Event, on_done=None) -> Any:
+    """Supervised warm start of ``s.params`` on the suite's demonstrations (``config.warm_start``); returns
+    the new params. Every process of a multi-process run runs it (the training mesh spans them all)."""
+    c = s.config
+    w = c.warm_start
+    opt = OptimizerConfig(
+        learning_rate=w.learning_rate, warmup_steps=w.warmup_steps, grad_clip_norm=c.optimizer.grad_clip_norm
+    )
+    learner = Learner(s.model_cfg, s.graphdef, s.train_mesh, s.rules, opt)
+    state = learner.init_state(s.params)
+    t0 = time.time()
+    for i in range(w.steps):
+        demos = suite.demonstrations(w.batch_size, seed=c.seed * 100_003 + i)
+        convs = [render_demonstration(s.tokenizer, m, suite.tools, c.tokenizer.tools_format) for m in demos]
+        seqs = [(conv.ids, conv.trainable) for conv in convs]
+        total = sum(sum(t[1:]) for _, t in seqs)
+        mb = supervised_micro_batch(seqs, total, row_length(max(len(ids) for ids, _ in seqs) - 1))
+        state, m = learner.step(state, [mb], kind="sft")
+        if i % 25 == 0 or i == w.steps - 1:
+            log.info("warm start %d/%d  loss %.4f", i + 1, w.steps, m["loss"])
+        if stop.is_set():
+            raise KeyboardInterrupt("stopped during warm start (nothing was saved; rerun to start over)")
+    log.info("warm start: %d steps in %.1fs", w.steps, time.time() - t0)
+    if on_done is not None and w.steps:
+        on_done(w.steps, m["loss"])
+    return state.params
+
+
+def core_params(s: Setup, params: Any) -> Any:
+    """``params`` from the training mesh onto the core cell. Across processes, one collective program
+    (``publish_to_cells``: every process calls it; process 0 keeps cell 0's copy)."""
+    if not s.multi_process:
+        return params
+    layouts = [CellLayout.of(cell, s.model_cfg, s.rules, s.config.serving.page_size) for cell in s.cells]
+    return runtime.publish_to_cells(params, [layout.param_shardings for layout in layouts])[0]
+
+
+def abstract_params(s: Setup, shardings: Any) -> Any:
+    """The model's params as ``ShapeDtypeStruct``s on ``shardings``."""
+    shapes = abstract_model(s.model_cfg)[1]
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, shardings)

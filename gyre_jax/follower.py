@@ -1,0 +1,62 @@
+"""A follower process of a multi-process run (``jax.process_index() > 0``; docs/multihost.md).
+
+It takes part in the run's collective start (the model's initialization or checkpoint load, the warm start
+and publishing the params to the cells: programs over every process's devices, in the same order as the
+leader), then serves its own cells as process 0's controller directs (``runtime.host.CellHost``) until
+the leader stops it. It builds no proxy, executor, pipeline or trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import jax
+
+from gyre_jax import build, runtime
+from gyre_jax.runtime.host import CellHost, HostedCell
+
+log = logging.getLogger("gyre_jax")
+
+
+def follow(config) -> int:
+    """Runs this follower process's part of the run described by ``config``; returns the exit status."""
+    s = build.setup(config)
+    latest = runtime.broadcast_decision(None)["latest"]  # the leader's: whether the warm start runs
+    if latest is None:
+        params = s.params
+        if config.warm_start.steps > 0:
+            params = build.warm_start(s, build.make_suite(config), threading.Event())
+        build.core_params(s, params)
+    s.params = None
+    factory = build.CellFactory(s, _loss_config(config))
+    layouts = {cell.index: factory.layout(cell) for cell in s.cells}
+    mine = {
+        cell.index: HostedCell(
+            layout=layouts[cell.index],
+            make_loop=lambda p, v, cell=cell: factory.loop(cell, p, v),
+            worker=factory.worker(cell),
+        )
+        for cell in s.cells
+        if cell.processes == (s.process,)
+    }
+    core_abstract = build.abstract_params(s, layouts[0].param_shardings)
+    host = CellHost(runtime.runtime().client, s.process, mine, layouts, core_abstract)
+    log.info("process %d follows process 0 with %s", s.process, ", ".join(c.name for c in mine.values()))
+    host.serve()
+    jax.effects_barrier()
+    return 0
+
+
+def _loss_config(config):
+    from gyre_jax.rl.losses import LossConfig
+
+    rl = config.rl
+    return LossConfig(  # CONFIG-MERGE: config.loss_config()
+        name=rl.loss,
+        clip_low=rl.clip_low,
+        clip_high=rl.clip_high,
+        kl_coef=rl.kl_coef,
+        recompute_behaviour=rl.recompute_behaviour,
+        behaviour_is_cap=rl.behaviour_is_cap,
+    )

@@ -1,0 +1,305 @@
+"""``Run``: one run directory's RL steps, evaluations and checkpoints, on the parts ``train.build_run`` built.
+
+The controller (``elastic/controller.py``) runs the RL steps between evaluations as one segment (executions
+of later steps may start early within a segment under the async and elastic policies, never across an
+evaluation); evaluation runs between segments with every cell serving. The train state has one owner,
+``controller.training`` (``Run.state`` reads it).
+
+Run directory layout (see docs/records.md):
+    checkpoints/<step>/      orbax: train state + JSON meta (policy version, data cursor)
+    reference/0/             the reference policy of a KL term (the params RL started from)
+    records/<exec>.jsonl     TITO records, one per model call (fsynced before the call returns)
+    executions/<exec>/       workspace, task.json, harness stdout/stderr, result.json
+    results/step_<k>.jsonl   the step's execution results (fsynced before training on them)
+    trajectory/queue.jsonl   the execution queue the trajectory pipeline reads (docs/trajectory.md)
+    timeline/step<k>.json    Chrome-trace timeline of the run attempt that started at step k
+    decisions.jsonl          every scheduling decision with its event and cluster state
+    cost_measurements.json   measured serving/training/switch costs (the simulator's calibration input)
+    metrics.jsonl, tensorboard/, config.json
+    aborted/<time>/          records/executions of an interrupted step, set aside on resume
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gyre_jax.checkpoint import Checkpointer
+from gyre_jax.elastic.controller import Controller
+from gyre_jax.elastic.timeline import TimelineWriter
+from gyre_jax.metrics import MetricsWriter, format_step_line
+from gyre_jax.proxy.records import RecordStore
+from gyre_jax.proxy.router import Router
+from gyre_jax.proxy.server import ProxyServer
+from gyre_jax.rl.learner import Learner, TrainState
+from gyre_jax.rollout.executor import ExecutionResult, ExecutionSpec, Executor, summarize
+from gyre_jax.rollout.tasks import BuiltinSuite
+from gyre_jax.runtime.handle import CellHandle
+from gyre_jax.sim.calibrate import MEASUREMENTS_FILE, write_measurements
+from gyre_jax.trajectory.pipeline import TrajectoryConfig, TrajectoryPipeline
+
+log = logging.getLogger("gyre_jax")
+
+
+def fsync_write(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` atomically and durably (a temporary file, fsynced, then renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class ExecutionPlan:
+    """Which executions each RL step and each evaluation runs (ids, groups, seeds); leftovers of an interrupted
+    attempt at them are set aside first (never trained on)."""
+
+    config: Any
+    suite: BuiltinSuite
+    records: RecordStore
+    executions_dir: Path  # the executor's root: one directory per execution
+    workdir: Path
+
+    def step(self, step: int) -> list[ExecutionSpec]:
+        """Step ``step``'s executions in task order: G per task."""
+        c = self.config
+        return self._specs("", self.suite.tasks_for_step(step, c.rollout.tasks_per_step), c.rl.group_size, step)
+
+    def evaluation(self, step: int) -> list[ExecutionSpec]:
+        """The evaluation after ``step`` RL steps: the training pool, or fresh held-out tasks."""
+        e = self.config.eval
+        tasks = self.suite.pool() if e.split == "train" else self.suite.heldout_tasks(e.num_tasks)
+        return self._specs(f"eval{step:06d}-", tasks, e.samples_per_task, 10**6 + step)
+
+    def _specs(self, prefix: str, tasks, samples: int, salt: int) -> list[ExecutionSpec]:
+        seed = self.config.seed
+        specs = [
+            ExecutionSpec(
+                execution_id=f"{prefix}{task.task_id}-g{j:02d}",
+                task=task,
+                group_id=f"{prefix}{task.task_id}",
+                seed=(seed * 1_000_003 + salt * 1009 + i * 31 + j) % (2**31),
+            )
+            for i, task in enumerate(tasks)
+            for j in range(samples)
+        ]
+        self._set_aside_stale(specs)
+        return specs
+
+    def _set_aside_stale(self, specs: list[ExecutionSpec]) -> None:
+        """Records/workspaces left by an interrupted attempt are moved to aborted/ (never trained on)."""
+        sources = [(self.records.path(s.execution_id), self.executions_dir / s.execution_id) for s in specs]
+        stale = [paths for paths in sources if any(p.exists() for p in paths)]
+        if not stale:
+            return
+        dest = self.workdir / "aborted" / time.strftime("%Y%m%d-%H%M%S")
+        for paths in stale:
+            for src in paths:
+                if src.exists():
+                    target = dest / src.parent.name / src.name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.move(str(src), str(target))
+        log.warning("set aside %d executions of an interrupted attempt in %s", len(stale), dest)
+
+
+@dataclass
+class Run:
+    """The leader's run (see the module docstring); ``run()`` trains until ``total_steps`` or a stop."""
+
+    config: Any
+    workdir: Path
+    stop: threading.Event
+    start_step: int
+    tokenizer: Any
+    model_cfg: Any
+    plan: ExecutionPlan
+    learner: Learner
+    trajectory_cfg: TrajectoryConfig
+    checkpointer: Checkpointer
+    metrics: MetricsWriter
+    records: RecordStore
+    pipeline: TrajectoryPipeline
+    handles: list[CellHandle]
+    router: Router
+    proxy: ProxyServer
+    executor: Executor
+    controller: Controller
+    timeline: TimelineWriter
+    links: list  # the followers' links (multi-process runs)
+    pipeline_state: dict | None = None  # the pipeline's state at the last step boundary (checkpointed)
+    is_leader: bool = True
+
+    @property
+    def state(self) -> TrainState:
+        return self.controller.training.state
+
+    # -- the run --------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Runs RL steps from the checkpointed cursor to ``total_steps``. Returns the next step index."""
+        c = self.config
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                handlers[sig] = signal.signal(sig, self.request_stop)
+        step, self._saved_step, self._bar = self.start_step, self.start_step, None
+        try:
+            while step < c.total_steps and not self.stop.is_set():
+                if self._eval_due(step) and self.evaluate(step) is None and self.stop.is_set():
+                    break
+                step = self._segment(step, self._next_eval_step(step))
+            if step == c.total_steps and not self.stop.is_set() and self._eval_due(step):
+                self.evaluate(step)
+        finally:
+            if self._saved_step != step:
+                self.save_checkpoint(step)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        if self.stop.is_set() and step < c.total_steps:
+            log.warning(
+                "stopped at step %d/%d; checkpoint saved. Run the same command again to resume.", step, c.total_steps
+            )
+        return step
+
+    def _segment(self, step: int, end: int) -> int:
+        """Steps ``step .. end - 1`` on the controller; the measured costs are written after it."""
+        if self.config.metrics.progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=end - step, desc=f"steps {step}-{end - 1} ({self.config.schedule.policy})",
+                             leave=False, unit="step", dynamic_ncols=True, disable=None)  # fmt: skip
+        try:
+            return self.controller.run(step, end, self._on_step)
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+            logs = [h.stats().step_log for h in self.handles]
+            write_measurements(self.workdir / MEASUREMENTS_FILE, self.controller.costs, logs)
+
+    def _next_eval_step(self, step: int) -> int:
+        """The end of the segment starting at ``step``: the next step with an evaluation, or the last."""
+        e, total = self.config.eval, self.config.total_steps
+        if e.samples_per_task == 0 or e.every_steps <= 0:
+            return total
+        return min(total, (step // e.every_steps + 1) * e.every_steps)
+
+    def _on_step(self, step: int, learner_metrics: dict, results: list[ExecutionResult], pipeline_state: dict) -> None:
+        """Right after step ``step``'s optimizer update: results, metrics, checkpoint."""
+        c = self.config
+        self.pipeline_state = pipeline_state
+        fsync_write(self.workdir / "results" / f"step_{step:06d}.jsonl", _jsonl(results))
+        counts = summarize(results)
+        valid = [r.reward for r in results if not r.excluded]
+        metrics = {
+            "phase": "train",
+            "policy": c.schedule.policy,
+            "pass_rate": float(np.mean([v >= 1.0 for v in valid])) if valid else float("nan"),
+            "policy_version": int(self.state.step),
+            **{k: counts[k] for k in ("reward_mean", "excluded", "timeouts", "crashed", "executions")},
+            **{k: counts[k] for k in ("evaluator_failures", "evaluator_timeouts")},
+            **learner_metrics,
+        }
+        self.metrics.write(step, metrics)
+        if self._bar is not None:
+            self._bar.update(1)
+        print(format_step_line(step + 1, c.total_steps, metrics), flush=True)
+        if (step + 1) % c.checkpoint_every == 0 or step + 1 == c.total_steps:
+            self.save_checkpoint(step + 1)
+
+    # -- evaluation -----------------------------------------------------------------------------------------
+    def evaluate(self, step: int) -> dict[str, Any] | None:
+        """Scores the policy after ``step`` RL steps on the eval tasks (never trained on). None if interrupted."""
+        e = self.config.eval
+        if e.samples_per_task == 0:
+            return None
+        t0 = time.time()
+        results = self.executor.run(self.plan.evaluation(step))
+        if self.stop.is_set():
+            return None
+        fsync_write(self.workdir / "results" / f"eval_{step:06d}.jsonl", _jsonl(results))
+        valid = [r.reward for r in results if not r.excluded]
+        metrics = {
+            "phase": "eval",
+            "eval_split": e.split,
+            "eval_reward_mean": float(np.mean(valid)) if valid else float("nan"),
+            "eval_pass_rate": float(np.mean([v >= 1.0 for v in valid])) if valid else float("nan"),
+            "eval_executions": len(results),
+            "eval_excluded": sum(r.excluded for r in results),
+            "eval_timeouts": sum(r.status == "timeout" for r in results),
+            "eval_s": time.time() - t0,
+            "policy_version": int(self.state.step),
+        }
+        self.metrics.write(step, metrics)
+        print(
+            f"eval after {step} RL steps ({e.split} tasks, {len(results)} executions): reward "
+            f"{metrics['eval_reward_mean']:.3f}  pass {metrics['eval_pass_rate']:.2f}  excluded "
+            f"{metrics['eval_excluded']}  ({metrics['eval_s']:.1f}s)",
+            flush=True,
+        )
+        return metrics
+
+    def _eval_due(self, step: int) -> bool:
+        e = self.config.eval
+        if e.samples_per_task == 0 or (self.workdir / "results" / f"eval_{step:06d}.jsonl").exists():
+            return False
+        return step == 0 or step == self.config.total_steps or (e.every_steps > 0 and step % e.every_steps == 0)
+
+    # -- checkpoints, signals, shutdown ---------------------------------------------------------------------
+    def save_checkpoint(self, next_step: int) -> None:
+        """Train state + meta (the pipeline state at the last step boundary: a resumed run neither drops nor
+        repeats an execution)."""
+        state = self.state
+        meta = {
+            "next_step": next_step,
+            "policy_version": int(state.step),
+            "seed": self.config.seed,
+            "warm_start_done": True,
+            "time": time.time(),
+            "pipeline": self.pipeline_state,
+        }
+        self.checkpointer.save(next_step, state, meta)
+        self._saved_step = next_step
+
+    def request_stop(self, *_: Any) -> None:
+        """Stops the run at the next safe point: running harnesses are killed, a checkpoint is kept.
+
+        A second request exits at once (status 130) without saving."""
+        if self.stop.is_set():
+            log.error("second stop request: exiting now without saving")
+            os._exit(130)
+        log.warning("stop requested: finishing up and saving a checkpoint (send again to force)")
+        self.stop.set()
+        self.executor.cancel()
+
+    def close(self) -> None:
+        closers = (
+            self.proxy.stop,
+            *[h.close for h in self.handles],
+            *[link.close for link in self.links],
+            self.controller.close,
+            lambda: self.timeline.close(time.time()),
+            self.metrics.close,
+            self.checkpointer.close,
+        )
+        for closer in closers:
+            try:
+                closer()
+            except Exception:  # noqa: BLE001 - best effort on shutdown; the first error is logged
+                log.exception("error while shutting down")
+
+
+def _jsonl(results: list[ExecutionResult]) -> str:
+    return "".join(json.dumps(r.to_dict()) + "\n" for r in results)
