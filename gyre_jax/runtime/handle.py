@@ -30,11 +30,13 @@ class CellStats:
 
 @dataclass(frozen=True)
 class MovedSession:
-    """A session that moved to another cell with its KV: its id (None for a session-less request) and whether
-    a request was in flight (it continues on the target where it stopped; its caller's future resolves there)."""
+    """A session that moved to another cell with its KV: its id (None for a session-less request), whether a
+    request was in flight (it continues on the target where it stopped; its caller's future resolves there)
+    and how many tokens that request had generated before the move."""
 
     session_id: str | None
     in_flight: bool
+    generated: int = 0
 
 
 class CellHandle(Protocol):

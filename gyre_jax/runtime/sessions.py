@@ -37,7 +37,8 @@ def host_part(state: SessionState, token: int | None = None) -> cmd.SessionPart:
 
 
 def moved(part: cmd.SessionPart) -> MovedSession:
-    return MovedSession(session_id=part.fields["session_id"], in_flight=part.fields["request"] is not None)
+    f = part.fields
+    return MovedSession(f["session_id"], f["request"] is not None, len(f["token_ids"]))
 
 
 def move_sessions(source: CellHandle, target: CellHandle) -> list[MovedSession]:
@@ -48,7 +49,7 @@ def move_sessions(source: CellHandle, target: CellHandle) -> list[MovedSession]:
     if here_src and here_dst:
         states = source.loop.drain()
         target.loop.import_sessions(states)
-        return [MovedSession(s.session_id, s.request is not None) for s in states]
+        return [MovedSession(s.session_id, s.request is not None, len(s.token_ids)) for s in states]
     if here_src:
         return _local_to_remote(source, target)
     if here_dst:

@@ -2,8 +2,8 @@
 
     python tests/runtime/migrate_worker.py PID PORT OUT_DIR
 
-Cell 0 is on process 0 (a local ``ServingLoop``), cell 1 on process 1 (a ``Follower``'s loop, driven from
-process 0 through a ``RemoteLoop``). Both engines are slowed down per decode step so that process 0 can
+Cell 0 is on process 0 (a ``LocalCell``), cell 1 on process 1 (a ``CellHost``'s loop, driven from process 0
+through a ``RemoteCell``). Both engines are slowed down per decode step so that process 0 can
 move requests while they generate. Process 0 writes ``OUT_DIR/migrate.json``: the completions of the same
 requests run without a move, moved from process 1 to process 0 mid-generation, and moved from process 0
 to process 1, plus a cached session that moved and a cancel that followed a moved request.
@@ -38,7 +38,10 @@ def main() -> int:
 
     from slow_engine import SlowEngine
 
-    from gyre_jax.elastic.remote import Follower, FollowerCell, RemoteLoop, RemoteProcess, move_sessions
+    from gyre_jax.runtime.cells import CellLayout
+    from gyre_jax.runtime.host import CellHost, HostedCell
+    from gyre_jax.runtime.local import LocalCell
+    from gyre_jax.runtime.remote import FollowerLink, RemoteCell, TransferLog
     from gyre_jax.model.config import ModelConfig
     from gyre_jax.model.sharding import abstract_model, init_params
     from gyre_jax.serving.engine import Engine
@@ -74,21 +77,22 @@ def main() -> int:
         )
         for c in cells
     }
-    abstract = abstract_model(cfg)[1]
-    per_cell = runtime.publish_to_cells(params, [engines[c.index].param_shardings(abstract) for c in cells])
+    layouts = {c.index: CellLayout.of(c, cfg, rules, page_size=16) for c in cells}
+    per_cell = runtime.publish_to_cells(params, [layouts[c.index].param_shardings for c in cells])
     mine = per_cell[pid]
     client = runtime.runtime().client
 
     if pid == 1:
         loop = ServingLoop(SlowEngine(engines[1], STEP_S), mine, name="cell1", kv_pages=64).start()
-        cell = FollowerCell(index=1, name="cell1", make_loop=None, serving_shardings=None, worker=None, loop=loop)
-        Follower(client, 1, [cell], core_shardings=None, engines=engines).serve(None)
+        hosted = HostedCell(layout=layouts[1], make_loop=None, worker=None, loop=loop)
+        CellHost(client, 1, {1: hosted}, layouts, core_abstract=None).serve()
         runtime.shutdown()
         return 0
 
-    a = ServingLoop(SlowEngine(engines[0], STEP_S), mine, name="cell0", kv_pages=64).start()
-    proc = RemoteProcess(client, 1)
-    b = RemoteLoop(proc, 1, "cell1", engines[1].max_seq_len, None, engine=engines[1])
+    loop = ServingLoop(SlowEngine(engines[0], STEP_S), mine, name="cell0", kv_pages=64).start()
+    a = LocalCell(cells[0], layouts[0], loop, worker=None)
+    link = FollowerLink(client, 1)
+    b = RemoteCell(link, TransferLog(), cells[1], layouts[1], core_shardings=None, max_context=128)
     prompts = [[7, 8, 9, 10, 11], list(range(20, 33)), [42] * 22]
     kinds = [
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
@@ -107,25 +111,25 @@ def main() -> int:
     # process 1 -> process 0, mid-generation
     futures = [b.submit(r) for r in batch("p1")]
     time.sleep(0.6)
-    moved = move_sessions(b, a, 1, 0)
+    moved = b.move_sessions_to(a)
     result["moved_1_to_0"] = tokens(futures)
-    result["moved_1_to_0_states"] = [[s.request is not None, len(s.token_ids)] for s in moved]
+    result["moved_1_to_0_states"] = [[s.in_flight, s.generated] for s in moved]
     # process 0 -> process 1, mid-generation; one of them cancelled after the move (the cancel follows it)
     reqs = batch("p0")
     futures = [a.submit(r) for r in reqs]
     time.sleep(0.6)
-    moved = move_sessions(a, b, 0, 1)
-    result["moved_0_to_1_states"] = [[s.request is not None, len(s.token_ids)] for s in moved]
+    moved = a.move_sessions_to(b)
+    result["moved_0_to_1_states"] = [[s.in_flight, s.generated] for s in moved]
     cancel = GenerationRequest(prompts[0], SamplingParams(temperature=0.0, max_tokens=120), session_id="c")
     fc = a.submit(cancel)
     time.sleep(0.3)
-    move_sessions(a, b, 0, 1)
+    a.move_sessions_to(b)
     a.cancel(cancel.request_id)  # a no longer holds it: the cancel must reach process 1
     result["moved_0_to_1"] = tokens(futures)
     result["cancelled"] = tokens([fc])[0][2:3]
     # an idle session's cached KV moves too: its next call on process 1 reuses it
     first = a.submit(GenerationRequest(prompts[1], kinds[0], session_id="warm")).result(timeout=120)
-    move_sessions(a, b, 0, 1)
+    a.move_sessions_to(b)
     follow = b.submit(
         GenerationRequest(
             prompts[1] + first.token_ids + [5, 6], SamplingParams(temperature=0.0, max_tokens=4), session_id="warm"
@@ -133,8 +137,8 @@ def main() -> int:
     ).result(timeout=120)
     result["warm_cached_tokens"] = follow.cached_tokens
     result["warm_prompt_len"] = len(prompts[1]) + len(first.token_ids) + 2
-    a.stop()
-    proc.close()
+    a.close()
+    link.close()
     (out / "migrate.json").write_text(json.dumps(result))
     runtime.shutdown()
     return 0

@@ -237,11 +237,11 @@ def test_a_cell_over_two_processes_is_refused_before_any_work(tmp_path):
 
 
 def test_sessions_move_between_processes_with_their_kv(tmp_path):
-    """``move_sessions`` between a cell on process 0 and one on process 1, both directions, mid-generation
+    """``CellHandle.move_sessions_to`` between a cell on process 0 and one on process 1, both directions, mid-generation
     (``tests/runtime/migrate_worker.py``): requests continue token for token (greedy and seeded
     sampling), cached sessions stay warm, a cancel follows a moved request."""
     port = _free_port()
-    worker = REPO / "tests" / "distributed" / "migrate_worker.py"
+    worker = REPO / "tests" / "runtime" / "migrate_worker.py"
     logs = [open(tmp_path / f"p{pid}.log", "w") for pid in (0, 1)]
     procs = [
         subprocess.Popen(
