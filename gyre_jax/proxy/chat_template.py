@@ -101,6 +101,62 @@ def _render_tool_call(call: dict) -> str:
     return '<tool_call>\n{"name": "' + str(fn.get("name", "")) + '", "arguments": ' + args_text + "}\n</tool_call>"
 
 
+def _system_head(messages: list[dict], tools: list[dict] | None, tools_format: str) -> tuple[list[str], str, int]:
+    """The system turn: (its segments, the text that prefixes the first message's segment, the first index left).
+
+    With tools but no system message, the tools' system turn belongs to the first message's segment.
+    """
+    has_system = bool(messages) and messages[0].get("role") == "system"
+    if not tools:
+        if has_system:
+            return [IM_START + "system\n" + _content_text(messages[0].get("content")) + IM_END + "\n"], "", 1
+        return [], "", 0
+    head = IM_START + "system\n"
+    if has_system:
+        head += _content_text(messages[0].get("content")) + "\n\n"
+    head += tools_block(tools, tools_format) + IM_END + "\n"
+    return ([head], "", 1) if has_system else ([], head, 0)
+
+
+def _render_assistant(message: dict, is_last: bool, after_last_query: bool) -> str:
+    """An assistant turn: thinking (kept after the last user query), content, then its tool calls."""
+    content = _content_text(message.get("content"))
+    reasoning = message.get("reasoning_content")
+    if reasoning is None:
+        reasoning = ""
+        if "</think>" in content:
+            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = content.split("</think>")[-1].lstrip("\n")
+    if after_last_query and (is_last or reasoning):
+        text = IM_START + "assistant\n<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
+    else:
+        text = IM_START + "assistant\n" + content
+    for k, call in enumerate(message.get("tool_calls") or []):
+        if (k == 0 and content) or k > 0:
+            text += "\n"
+        text += _render_tool_call(call)
+    return text + IM_END + "\n"
+
+
+def _render_message(messages: list[dict], index: int, last_query: int) -> str:
+    """The text segment of ``messages[index]``; consecutive tool results share one user turn."""
+    m = messages[index]
+    role = m.get("role")
+    if role == "user" or role == "system":
+        return IM_START + role + "\n" + _content_text(m.get("content")) + IM_END + "\n"
+    if role == "assistant":
+        return _render_assistant(m, index == len(messages) - 1, index > last_query)
+    if role == "tool":
+        text = ""
+        if index == 0 or messages[index - 1].get("role") != "tool":
+            text += IM_START + "user"
+        text += "\n<tool_response>\n" + _content_text(m.get("content")) + "\n</tool_response>"
+        if index == len(messages) - 1 or messages[index + 1].get("role") != "tool":
+            text += IM_END + "\n"
+        return text
+    raise ValueError(f"unknown message role {role!r}: expected system, user, assistant or tool")
+
+
 def render_segments(messages: list[dict], tools: list[dict] | None = None, tools_format: str = "qwen3") -> list[str]:
     """Renders each message to its text segment (same length as ``messages``), with full context.
 
@@ -110,67 +166,13 @@ def render_segments(messages: list[dict], tools: list[dict] | None = None, tools
     """
     if not messages and not tools:
         return []
-    segments: list[str] = []
-    start = 0
-    if tools:
-        head = IM_START + "system\n"
-        if messages and messages[0].get("role") == "system":
-            head += _content_text(messages[0].get("content")) + "\n\n"
-            start = 1
-        head += tools_block(tools, tools_format) + IM_END + "\n"
-        if start == 0:
-            # Tools without a system message: the preamble belongs to the first message's segment.
-            segments_prefix = head
-        else:
-            segments.append(head)
-            segments_prefix = ""
-    else:
-        segments_prefix = ""
-        if messages and messages[0].get("role") == "system":
-            segments.append(IM_START + "system\n" + _content_text(messages[0].get("content")) + IM_END + "\n")
-            start = 1
-
+    segments, prefix, start = _system_head(messages, tools, tools_format)
     last_query = _last_query_index(messages)
     for index in range(start, len(messages)):
-        m = messages[index]
-        role = m.get("role")
-        text = ""
-        if role == "user" or role == "system":
-            text = IM_START + role + "\n" + _content_text(m.get("content")) + IM_END + "\n"
-        elif role == "assistant":
-            content = _content_text(m.get("content"))
-            reasoning = m.get("reasoning_content")
-            if reasoning is None:
-                reasoning = ""
-                if "</think>" in content:
-                    reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-                    content = content.split("</think>")[-1].lstrip("\n")
-            is_last = index == len(messages) - 1
-            if index > last_query and (is_last or reasoning):
-                text = (
-                    IM_START + "assistant\n<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
-                )
-            else:
-                text = IM_START + "assistant\n" + content
-            for k, call in enumerate(m.get("tool_calls") or []):
-                if (k == 0 and content) or k > 0:
-                    text += "\n"
-                text += _render_tool_call(call)
-            text += IM_END + "\n"
-        elif role == "tool":
-            if index == 0 or messages[index - 1].get("role") != "tool":
-                text += IM_START + "user"
-            text += "\n<tool_response>\n" + _content_text(m.get("content")) + "\n</tool_response>"
-            if index == len(messages) - 1 or messages[index + 1].get("role") != "tool":
-                text += IM_END + "\n"
-        else:
-            raise ValueError(f"unknown message role {role!r}: expected system, user, assistant or tool")
-        if segments_prefix:
-            text = segments_prefix + text
-            segments_prefix = ""
-        segments.append(text)
-    if segments_prefix:  # tools but no messages at all
-        segments.append(segments_prefix)
+        segments.append(prefix + _render_message(messages, index, last_query))
+        prefix = ""
+    if prefix:  # tools but no messages at all
+        segments.append(prefix)
     return segments
 
 

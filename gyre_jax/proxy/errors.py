@@ -2,7 +2,7 @@
 
 OpenAI form: ``{"error": {"message", "type", "param", "code"}}``. Anthropic form:
 ``{"type": "error", "error": {"type", "message"}}`` (the type follows the HTTP status, see
-``anthropic_api.ERROR_TYPES``). Every message says what was wrong and what to do.
+``ANTHROPIC_ERROR_TYPES``). Every message says what was wrong and what to do.
 """
 
 from __future__ import annotations
@@ -12,9 +12,20 @@ from typing import Any, Literal
 import pydantic
 from fastapi.responses import JSONResponse
 
-from gyre_jax.proxy import anthropic_api
+Api = Literal["openai", "anthropic"]  # the error body style a client understands
 
-Api = Literal["openai", "anthropic"]
+ANTHROPIC_ERROR_TYPES = {  # HTTP status -> Anthropic error type
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
 
 
 class ProxyError(Exception):
@@ -38,7 +49,11 @@ class ProxyError(Exception):
 
     def body(self, api: Api = "openai") -> dict[str, Any]:
         if api == "anthropic":
-            return anthropic_api.error_body(self.status, self.message)
+            default = "api_error" if self.status >= 500 else "invalid_request_error"
+            return {
+                "type": "error",
+                "error": {"type": ANTHROPIC_ERROR_TYPES.get(self.status, default), "message": self.message},
+            }
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
     def response(self, api: Api = "openai") -> JSONResponse:
@@ -53,6 +68,11 @@ def internal_error() -> ProxyError:
         error_type="server_error",
         code="internal_error",
     )
+
+
+def execution_ended(execution_id: str, detail: str = "has ended") -> ProxyError:
+    """409 for a call of an execution that ``close_execution`` ended (``detail`` says when)."""
+    return ProxyError(409, f"execution {execution_id!r} {detail}", code="execution_ended")
 
 
 def validation_error(exc: pydantic.ValidationError, what: str, docs: str) -> ProxyError:

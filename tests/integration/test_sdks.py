@@ -12,7 +12,8 @@ import httpx
 import numpy as np
 import openai
 
-from gyre_jax.proxy import anthropic_api, openai_api
+from gyre_jax.proxy import turns as openai_api
+from gyre_jax.proxy.adapters import anthropic_messages as anthropic_api
 
 TOOLS_OPENAI = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.",
                  "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]  # fmt: skip

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from gyre_jax.model.tokenizer import ByteTokenizer
-from gyre_jax.proxy import anthropic_api
+from gyre_jax.proxy.adapters import anthropic_messages as anthropic_api
 from gyre_jax.proxy.chat_template import parse_completion
 from gyre_jax.proxy.records import RecordStore, TitoRecord
 from gyre_jax.proxy.server import ProxyServer

@@ -19,7 +19,8 @@ import pytest
 from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy.records import RecordStore, TitoRecord
 from gyre_jax.proxy.router import Router
-from gyre_jax.proxy.server import ProxyServer, derive_seed
+from gyre_jax.proxy.server import ProxyServer
+from gyre_jax.proxy.turns import derive_seed
 from gyre_jax.serving.types import ContextTooLongError, GenerationRequest, GenerationResult
 
 TOKENIZER = ByteTokenizer()

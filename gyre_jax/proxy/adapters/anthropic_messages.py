@@ -1,4 +1,5 @@
-"""The Anthropic Messages API in the proxy's terms: request validation, conversion, responses, SSE events.
+"""Anthropic Messages (``POST /v1/messages`` and ``/v1/messages/count_tokens``): request validation, conversion,
+the ``message`` body and SSE events, and the adapter joining them to the pipeline.
 
 Owns the mapping between Anthropic's content blocks and the internal (OpenAI-style) message form that
 the chat template renders and token-in/token-out compares:
@@ -21,57 +22,46 @@ waiting). Unknown request fields (``metadata``, ``context_management``, ``output
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
+import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from gyre_jax.proxy import sse
+from gyre_jax.proxy.adapters.base import Lenient, TurnAdapter
 from gyre_jax.proxy.chat_template import ParsedCompletion, tojson
+from gyre_jax.proxy.errors import ProxyError
+from gyre_jax.proxy.turns import Completion, Turn, TurnRequest
 
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-ERROR_TYPES = {  # HTTP status -> Anthropic error type
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    409: "invalid_request_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}  # internal -> Anthropic
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class TextBlock(_Lenient):
+class TextBlock(Lenient):
     type: str
     text: str
 
 
-class AnthropicMessage(_Lenient):
+class AnthropicMessage(Lenient):
     role: str = Field(pattern="^(user|assistant|system)$")
     content: str | list[dict[str, Any]]
 
 
-class AnthropicTool(_Lenient):
+class AnthropicTool(Lenient):
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
 
 
-class ThinkingConfig(_Lenient):
+class ThinkingConfig(Lenient):
     type: str = Field(pattern="^(enabled|disabled|adaptive)$")
     budget_tokens: int | None = None
 
 
-class MessagesRequest(_Lenient):
+class MessagesRequest(Lenient):
     model: str
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -86,7 +76,7 @@ class MessagesRequest(_Lenient):
     stream: bool | None = None
 
 
-class CountTokensRequest(_Lenient):
+class CountTokensRequest(Lenient):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
@@ -94,29 +84,8 @@ class CountTokensRequest(_Lenient):
     thinking: ThinkingConfig | None = None
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}}``."""
-    return {
-        "type": "error",
-        "error": {
-            "type": ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
-            "message": message,
-        },
-    }
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Request -> internal messages
-
-
-@dataclass
-class Converted:
-    """An Anthropic request in the proxy's internal chat form."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    enable_thinking: bool | None  # False when thinking is disabled: the prompt closes an empty <think> block
-    parse_tools: bool  # False for tool_choice {"type": "none"}
 
 
 def _system_text(system: str | list[TextBlock] | None) -> str | None:
@@ -227,8 +196,11 @@ def convert_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | N
     return out
 
 
-def to_internal(req: MessagesRequest | CountTokensRequest) -> Converted:
-    """The request's conversation, tools and thinking switch in internal form; ValueError names what is wrong."""
+def to_internal(req: MessagesRequest | CountTokensRequest) -> TurnRequest:
+    """The request's conversation, tools, thinking switch and tool choice as a turn (sampling not yet filled in).
+
+    Raises ValueError naming what is wrong (``messages.2.content.0: ...``).
+    """
     messages: list[dict[str, Any]] = []
     system = _system_text(req.system)
     if system is not None:
@@ -251,11 +223,13 @@ def to_internal(req: MessagesRequest | CountTokensRequest) -> Converted:
             messages.append({"role": "system", "content": "\n\n".join(texts)})
     thinking = req.thinking.type if req.thinking is not None else None
     choice = getattr(req, "tool_choice", None) or {}
-    return Converted(
+    return TurnRequest(
+        api="messages",
         messages=messages,
         tools=convert_tools(req.tools),
         enable_thinking=False if thinking == "disabled" else None,
-        parse_tools=choice.get("type") != "none",
+        parse_tools=choice.get("type") != "none",  # False for tool_choice {"type": "none"}
+        wire=req,
     )
 
 
@@ -321,11 +295,7 @@ def message_body(
     }
 
 
-def sse(event: str, data: dict[str, Any]) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-
-PING = sse("ping", {"type": "ping"})
+PING = sse.event("ping", {"type": "ping"})
 
 
 def stream_events(blocks: list[dict[str, Any]], stop_reason: str, output_tokens: int) -> list[str]:
@@ -344,13 +314,15 @@ def stream_events(blocks: list[dict[str, Any]], stop_reason: str, output_tokens:
             start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
             deltas = [{"type": "input_json_delta", "partial_json": tojson(block["input"])}]
         events.append(
-            sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": start})
+            sse.event("content_block_start", {"type": "content_block_start", "index": index, "content_block": start})
         )
         for delta in deltas:
-            events.append(sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
-        events.append(sse("content_block_stop", {"type": "content_block_stop", "index": index}))
+            events.append(
+                sse.event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+            )
+        events.append(sse.event("content_block_stop", {"type": "content_block_stop", "index": index}))
     events.append(
-        sse(
+        sse.event(
             "message_delta",
             {
                 "type": "message_delta",
@@ -359,5 +331,68 @@ def stream_events(blocks: list[dict[str, Any]], stop_reason: str, output_tokens:
             },
         )  # fmt: skip
     )
-    events.append(sse("message_stop", {"type": "message_stop"}))
+    events.append(sse.event("message_stop", {"type": "message_stop"}))
     return events
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The adapter
+
+
+class Messages(TurnAdapter):
+    """``POST /v1/messages``: a chat turn; replies one ``message``, or ``message_start`` and a ping at once, pings
+    while waiting, each content block's events and the message's end. Also parses ``count_tokens`` bodies."""
+
+    error_style = "anthropic"
+    keepalive = PING
+
+    def parse(self, body: dict[str, Any]) -> TurnRequest:
+        turn_request = self._convert(body, MessagesRequest)
+        req = turn_request.wire
+        return dataclasses.replace(
+            turn_request,
+            stream=bool(req.stream),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            max_tokens=req.max_tokens,
+        )
+
+    def parse_count_tokens(self, body: dict[str, Any]) -> TurnRequest:
+        """A ``count_tokens`` body as the conversation to count (``TurnPipeline.count_tokens``); never run."""
+        return self._convert(body, CountTokensRequest)
+
+    def _convert(self, body: dict[str, Any], schema: type[MessagesRequest] | type[CountTokensRequest]) -> TurnRequest:
+        req = self.validated(schema, body, "messages request", "the Anthropic Messages API")
+        try:
+            if isinstance(req, MessagesRequest):
+                check_supported(req)
+            return to_internal(req)
+        except ValueError as exc:
+            raise ProxyError(400, f"invalid messages request: {exc}") from None
+
+    def reply_id(self) -> str:
+        return "msg_" + uuid.uuid4().hex[:24]
+
+    def respond(self, turn: Turn, completion: Completion) -> dict[str, Any]:
+        assert completion.parsed is not None
+        return message_body(
+            self.reply_id(), self.model_name, content_blocks(completion.parsed),
+            STOP_REASONS[completion.finish_reason], turn.prompt_tokens, completion.completion_tokens,
+        )  # fmt: skip
+
+    def stream_open(self, turn: Turn, reply_id: str) -> list[str]:
+        start = message_body(reply_id, self.model_name, None, None, turn.prompt_tokens, 0)
+        return [sse.event("message_start", {"type": "message_start", "message": start}), PING]
+
+    def stream_close(self, turn: Turn, reply_id: str, completion: Completion) -> list[str]:
+        assert completion.parsed is not None
+        blocks = content_blocks(completion.parsed)
+        return stream_events(blocks, STOP_REASONS[completion.finish_reason], completion.completion_tokens)
+
+    def stream_error(self, err: ProxyError) -> str:
+        return sse.event("error", self.error_body(err))
+
+    @staticmethod
+    def count_tokens_body(input_tokens: int) -> dict[str, Any]:
+        return {"input_tokens": input_tokens}

@@ -1,43 +1,40 @@
-"""The OpenAI API in the proxy's terms: request schemas, unsupported-feature checks, response bodies, stream chunks.
+"""OpenAI chat completions (``POST /v1/chat/completions``): request schema, unsupported-feature checks, the
+``chat.completion`` body and the ``chat.completion.chunk`` stream, and the adapter joining them to the pipeline.
 
-Chat completions (``POST /v1/chat/completions``) carry OpenAI messages, which are already the proxy's
-internal message form; the raw JSON messages and tools are what gets rendered (key order kept), the
-schemas here only validate. Legacy completions (``POST /v1/completions``) take a prompt string (special
-tokens in it become their single ids) or a list of token ids, used verbatim.
+OpenAI messages and tools are already the proxy's internal form: the raw JSON messages and tools are what
+gets rendered (key order kept), the schemas here only validate.
 """
 
 from __future__ import annotations
 
-import json
+import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from gyre_jax.proxy.chat_template import ParsedCompletion
+from gyre_jax.proxy import sse
+from gyre_jax.proxy.adapters.base import Lenient, TurnAdapter
 from gyre_jax.proxy.errors import ProxyError
+from gyre_jax.proxy.turns import Completion, Turn, TurnRequest
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class TextPart(_Lenient):
+class TextPart(Lenient):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Lenient):
+class FunctionCall(Lenient):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCall(_Lenient):
+class ToolCall(Lenient):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None
@@ -46,26 +43,26 @@ class ChatMessage(_Lenient):
     reasoning_content: str | None = None
 
 
-class FunctionDefinition(_Lenient):
+class FunctionDefinition(Lenient):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class FunctionTool(_Lenient):
+class FunctionTool(Lenient):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class ChatTemplateKwargs(_Lenient):
+class ChatTemplateKwargs(Lenient):
     enable_thinking: bool | None = None
 
 
-class ChatCompletionRequest(_Lenient):
+class ChatCompletionRequest(Lenient):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[FunctionTool] | None = None
@@ -82,22 +79,6 @@ class ChatCompletionRequest(_Lenient):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None  # vLLM/SGLang extension: {"enable_thinking": false}
-
-
-class CompletionRequest(_Lenient):
-    model: str
-    prompt: str | list[str] | list[int] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
-    n: int | None = Field(default=None, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool | None = None
-    stop: str | list[str] | None = None
-    suffix: str | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
 
 
 def check_chat_supported(req: ChatCompletionRequest) -> None:
@@ -118,36 +99,12 @@ def check_chat_supported(req: ChatCompletionRequest) -> None:
         )
 
 
-def check_completion_supported(req: CompletionRequest) -> None:
-    if req.n not in (None, 1):
-        raise ProxyError(400, f"not supported yet: n={req.n}; request one choice (n=1) per call", param="n")
-    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) and len(req.prompt) != 1:
-        raise ProxyError(400, "not supported yet: a batch of prompts; send one prompt per call", param="prompt")
-    for name in ("stop", "suffix"):
-        if getattr(req, name):
-            raise ProxyError(400, f"not supported yet: {name!r}; omit it", param=name)
-    if req.echo:
-        raise ProxyError(400, "not supported yet: echo=true; omit it", param="echo")
-
-
 # ----------------------------------------------------------------------------------------------------------------------
-# Response bodies
+# Response bodies and stream chunks (shared with legacy completions: usage, include_usage)
 
 
-def returned_message(parsed: ParsedCompletion) -> dict[str, Any]:
-    """The assistant message as the client receives it (and, normalized, as the thread remembers it)."""
-    message: dict[str, Any] = {
-        "role": "assistant",
-        "content": None if (parsed.tool_calls and not parsed.content) else parsed.content,
-    }
-    if parsed.reasoning is not None:
-        message["reasoning_content"] = parsed.reasoning
-    if parsed.tool_calls:
-        message["tool_calls"] = parsed.tool_calls
-    return message
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(turn: Turn, completion: Completion) -> dict[str, int]:
+    prompt_tokens, completion_tokens = turn.prompt_tokens, completion.completion_tokens
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -155,9 +112,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
+def include_usage(req: ChatCompletionRequest | Any) -> bool:
+    """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def chat_logprobs(completion: Completion) -> dict[str, Any] | None:
+    """``{"content": [{token, logprob, bytes, top_logprobs}]}``, one entry per returned token; None if not asked."""
+    if completion.pieces is None:
+        return None
+    entries = [
+        {"token": p.text, "logprob": p.logprob, "bytes": list(p.raw), "top_logprobs": []} for p in completion.pieces
+    ]
+    return {"content": entries}
 
 
 def chat_chunk(completion_id: str, created: int, model: str, choices: list[dict[str, Any]], **extra: Any) -> str:
@@ -169,7 +136,7 @@ def chat_chunk(completion_id: str, created: int, model: str, choices: list[dict[
         "choices": choices,
         **extra,
     }
-    return sse(payload)
+    return sse.data(payload)
 
 
 def chat_stream_chunks(
@@ -205,14 +172,61 @@ def chat_stream_chunks(
     return chunks
 
 
-def completion_choice(text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
-    return {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+# ----------------------------------------------------------------------------------------------------------------------
+# The adapter
 
 
-def text_completion_body(
-    completion_id: str, created: int, model: str, choice: dict[str, Any], usage_body: dict[str, int] | None
-) -> dict[str, Any]:
-    body = {"id": completion_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
-    if usage_body is not None:
-        body["usage"] = usage_body
-    return body
+class ChatCompletions(TurnAdapter):
+    """``POST /v1/chat/completions``: a chat turn; replies ``chat.completion``, or a role chunk, keep-alive comments
+    while waiting, the completion's chunks, a usage chunk if asked, and ``[DONE]``."""
+
+    def parse(self, body: dict[str, Any]) -> TurnRequest:
+        req = self.validated(ChatCompletionRequest, body, "chat completion request", "the OpenAI chat completions API")
+        check_chat_supported(req)
+        kwargs = req.chat_template_kwargs
+        return TurnRequest(
+            api="chat",
+            messages=body["messages"],
+            tools=body.get("tools") or None,
+            enable_thinking=kwargs.enable_thinking if kwargs is not None else None,
+            parse_tools=req.tool_choice != "none",
+            logprobs=bool(req.logprobs),
+            stream=bool(req.stream),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_tokens=req.max_completion_tokens or req.max_tokens,
+            seed=req.seed,
+            wire=req,
+        )
+
+    def reply_id(self) -> str:
+        return "chatcmpl-" + uuid.uuid4().hex
+
+    def respond(self, turn: Turn, completion: Completion) -> dict[str, Any]:
+        choice = {
+            "index": 0,
+            "message": completion.message,
+            "logprobs": chat_logprobs(completion),
+            "finish_reason": completion.finish_reason,
+        }
+        return {
+            "id": self.reply_id(),
+            "object": "chat.completion",
+            "created": turn.created,
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": usage(turn, completion),
+        }
+
+    def stream_open(self, turn: Turn, reply_id: str) -> list[str]:
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [chat_chunk(reply_id, turn.created, self.model_name, [role])]
+
+    def stream_close(self, turn: Turn, reply_id: str, completion: Completion) -> list[str]:
+        assert completion.message is not None
+        usage_body = usage(turn, completion) if include_usage(turn.request.wire) else None
+        chunks = chat_stream_chunks(
+            reply_id, turn.created, self.model_name, completion.message, chat_logprobs(completion),
+            completion.finish_reason, usage_body,
+        )  # fmt: skip
+        return chunks + [sse.data("[DONE]")]

@@ -1,0 +1,210 @@
+"""The turn, the seam between the APIs and the pipeline: what every API request is translated into
+(``TurnRequest``), what the pipeline makes of it (``Turn``, ``Completion``, the ``TurnEvent``s of a streamed
+turn), and the pure functions of a finished turn (per-call seed, completion, TITO record, thread state).
+
+Nothing here knows a wire format: messages are in the internal (OpenAI chat) form that the chat template
+renders, and finish reasons are ``stop`` | ``length`` | ``tool_calls``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gyre_jax.model.tokenizer import ByteTokenizer
+from gyre_jax.proxy import tito
+from gyre_jax.proxy.chat_template import ParsedCompletion, parse_completion
+from gyre_jax.proxy.errors import ProxyError
+from gyre_jax.proxy.identity import Execution
+from gyre_jax.proxy.records import TitoRecord
+from gyre_jax.serving.types import GenerationRequest, GenerationResult
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One model call as an adapter translated it; the pipeline reads nothing else of the HTTP request.
+
+    Either ``messages`` (a chat turn: rendered with the chat template, continuing its thread token-in/token-out)
+    or ``prompt`` (a raw completion: a string whose special tokens become their single ids, or token ids used
+    verbatim). Sampling fields left None take the pipeline's defaults.
+    """
+
+    api: str  # the record's "api": chat | completions | messages (one name per API)
+    messages: list[dict[str, Any]] | None = None  # internal (OpenAI chat) messages, key order as the client sent
+    tools: list[dict[str, Any]] | None = None  # internal (OpenAI function) tools
+    prompt: str | list[int] | None = None
+    enable_thinking: bool | None = None  # False: the prompt closes an empty <think> block
+    parse_tools: bool = True  # False (tool_choice none): tool-call text stays plain content
+    logprobs: bool = False  # the completion carries one TokenPiece per returned token
+    stream: bool = False  # answered as SSE (``TurnAdapter.stream``) rather than one body (``respond``)
+    temperature: float | None = None  # None: 1.0
+    top_p: float | None = None  # None: 1.0
+    top_k: int | None = None  # None or 0: off
+    max_tokens: int | None = None  # None: the proxy's default; always clipped to its cap and to the context
+    seed: int | None = None  # None: derived from the proxy's seed, the execution and its call number
+    wire: Any = None  # the adapter's validated request, for framing the reply; the pipeline never reads it
+
+
+@dataclass
+class Turn:
+    """A ``TurnRequest`` placed by the pipeline: its execution, thread, prompt ids and backend request."""
+
+    request: TurnRequest
+    execution: Execution
+    thread_id: str
+    build: tito.PromptBuild
+    generation: GenerationRequest
+    t_start: float  # when the HTTP request arrived (Unix time)
+    created: int = field(default_factory=lambda: int(time.time()))  # when the turn was placed (Unix second)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.build.prompt_ids)
+
+
+@dataclass(frozen=True)
+class TokenPiece:
+    """One returned token for log-prob replies: its text, its raw bytes and its log-prob."""
+
+    text: str
+    raw: bytes
+    logprob: float
+
+
+@dataclass
+class Completion:
+    """A turn's generation, committed: durably recorded and remembered as its thread's last call."""
+
+    result: GenerationResult
+    text_ids: list[int]  # completion ids without the trailing stop id
+    text: str  # decode(text_ids)
+    parsed: ParsedCompletion | None  # None for a raw-prompt completion
+    message: dict[str, Any] | None  # the assistant message (internal form) for a chat turn, else None
+    finish_reason: str  # stop | length | tool_calls
+    pieces: list[TokenPiece] | None  # one per text id when the request asked for log-probs, else None
+
+    @property
+    def completion_tokens(self) -> int:
+        """Generated tokens, the stop token included (what usage counts)."""
+        return len(self.result.token_ids)
+
+
+@dataclass(frozen=True)
+class KeepAlive:
+    """A streamed turn is still running (sent at an interval while the client waits)."""
+
+
+@dataclass(frozen=True)
+class Completed:
+    """A streamed turn's committed completion: always its last event."""
+
+    completion: Completion
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A streamed turn failed after its stream started: always its last event."""
+
+    error: ProxyError
+
+
+# What a streamed turn yields: KeepAlive* then Completed or Failed (neither if the client went away).
+TurnEvent = KeepAlive | Completed | Failed
+
+
+def derive_seed(server_seed: int, execution_id: str, call_index: int) -> int:
+    """Deterministic per-call sampling seed (31 bits) for requests that do not name one."""
+    digest = hashlib.sha256(f"{server_seed}/{execution_id}/{call_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def returned_message(parsed: ParsedCompletion) -> dict[str, Any]:
+    """The assistant message as the client receives it (and, normalized, as the thread remembers it)."""
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": None if (parsed.tool_calls and not parsed.content) else parsed.content,
+    }
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        message["tool_calls"] = parsed.tool_calls
+    return message
+
+
+def parse_text(text: str, parse_tools: bool) -> ParsedCompletion:
+    """The completion's reasoning, content and tool calls; with ``parse_tools`` False tool-call text stays content."""
+    parsed = parse_completion(text)
+    if parse_tools or not parsed.tool_calls:
+        return parsed
+    body = text.split("</think>", 1)[1].lstrip("\n") if "</think>" in text else text
+    return ParsedCompletion(content=body, reasoning=parsed.reasoning)
+
+
+def token_bytes(tokenizer: tito.Tokenizer, token_id: int) -> bytes:
+    """The raw bytes one id stands for (its UTF-8 text where the tokenizer cannot say)."""
+    if isinstance(tokenizer, ByteTokenizer) and token_id < 256:
+        return bytes([token_id])
+    raw = getattr(tokenizer, "token_bytes", None)
+    if callable(raw):
+        return raw(token_id)
+    return tokenizer.decode([token_id]).encode("utf-8")
+
+
+def complete(turn: Turn, result: GenerationResult, tokenizer: tito.Tokenizer) -> Completion:
+    """What a generation means for its turn: text ids [N] (stop id cut), text, parse, finish reason, pieces."""
+    ids = list(result.token_ids)
+    stop_ids = turn.generation.sampling.stop_ids
+    text_ids = ids[:-1] if result.finish_reason == "stop" and ids and ids[-1] in stop_ids else ids
+    text = tokenizer.decode(text_ids)
+    parsed = parse_text(text, turn.request.parse_tools) if turn.request.messages is not None else None
+    if parsed is not None and parsed.tool_calls:
+        finish = "tool_calls"
+    else:
+        finish = "stop" if result.finish_reason == "stop" else "length"
+    pieces = None
+    if turn.request.logprobs:
+        pieces = [
+            TokenPiece(tokenizer.decode([token_id]), token_bytes(tokenizer, token_id), float(logprob))
+            for token_id, logprob in zip(text_ids, result.logprobs)
+        ]
+    message = returned_message(parsed) if parsed is not None else None
+    return Completion(result, text_ids, text, parsed, message, finish, pieces)
+
+
+def tito_record(turn: Turn, completion: Completion, call_index: int, model: str) -> TitoRecord:
+    """The turn's durable record (``t_end`` is now): exactly the prompt and completion ids it was served."""
+    result = completion.result
+    return TitoRecord(
+        execution_id=turn.execution.execution_id,
+        call_index=call_index,
+        thread_id=turn.thread_id,
+        request_id=turn.generation.request_id,
+        prompt_ids=list(turn.build.prompt_ids),
+        completion_ids=list(result.token_ids),
+        completion_logprobs=[float(x) for x in result.logprobs],
+        policy_versions=[int(v) for v in result.policy_versions],
+        finish_reason=result.finish_reason,
+        temperature=turn.generation.sampling.temperature,
+        reused_prefix_len=turn.build.reused_prefix_len,
+        t_start=turn.t_start,
+        t_end=time.time(),
+        model=model,
+        api=turn.request.api,
+        cell=result.cell,
+    )
+
+
+def thread_state(turn: Turn, completion: Completion) -> tito.ThreadState | None:
+    """What the thread remembers of a chat turn for the next call's token-in/token-out; None for a raw prompt."""
+    if turn.request.messages is None or completion.message is None:
+        return None
+    return tito.ThreadState(
+        messages=[tito.normalize_message(m) for m in turn.request.messages],
+        tools_key=tito.tools_key(turn.request.tools),
+        prompt_ids=list(turn.build.prompt_ids),
+        completion_ids=list(completion.result.token_ids),
+        returned=tito.normalize_message(completion.message),
+        finished=completion.result.finish_reason == "stop",
+    )
