@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import openai
 
-from gyre_jax.proxy import turns as openai_api
+from gyre_jax.proxy import turns
 from gyre_jax.proxy.adapters import anthropic_messages as anthropic_api
 
 TOOLS_OPENAI = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.",
@@ -36,7 +36,7 @@ def test_openai_sdk_plain_and_streaming_with_tools(stack) -> None:
                                            logprobs=True)  # fmt: skip
     message = first.choices[0].message
     messages.append(
-        openai_api.returned_message(stack.parsed(stack.records.read("sdk-openai")[0])) | {"content": message.content}
+        turns.returned_message(stack.parsed(stack.records.read("sdk-openai")[0])) | {"content": message.content}
     )
     messages.append({"role": "user", "content": "Go on."})
     content, finish = "", None
