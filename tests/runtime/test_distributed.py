@@ -88,9 +88,7 @@ def test_each_process_gets_its_share_of_the_virtual_cpu_devices():
 def test_initialize_single_process_in_a_started_jax(monkeypatch):
     monkeypatch.setattr(distributed, "_RUNTIME", None)
     info = runtime.initialize(tiny_config())  # this test session already runs JAX on 8 CPU devices
-    assert info == runtime.ProcessInfo(
-        process_id=0, num_processes=1, local_devices=8, global_devices=8, platform="cpu"
-    )
+    assert info == runtime.ProcessInfo(process_id=0, num_processes=1, local_devices=8, global_devices=8, platform="cpu")
     assert info.is_coordinator and runtime.is_coordinator()
     with pytest.raises(runtime.DistributedError, match="already called"):
         runtime.initialize(tiny_config())
