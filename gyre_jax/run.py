@@ -284,6 +284,12 @@ class Run:
         self.stop.set()
         self.executor.cancel()
 
+    def follower_asks_stop(self) -> None:
+        """A follower got SIGINT/SIGTERM (e.g. every process got Slurm's): stop and save, once (not taken as a
+        second, forcing, request when this process got the signal too)."""
+        if not self.stop.is_set():
+            self.request_stop()
+
     def close(self) -> None:
         closers = (
             self.proxy.stop,

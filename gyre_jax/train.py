@@ -95,7 +95,7 @@ def build_run(config) -> Run:
               checkpointer, metrics, records, pipeline, handles, router, proxy, executor, controller, timeline,
               links, pipeline.get_state())  # fmt: skip
     for link in links:
-        link.on_error, link.on_stop = controller.report_error, run.request_stop
+        link.on_error, link.on_stop = controller.report_error, run.follower_asks_stop
     if start_step == 0 and checkpointer.latest_step() is None:
         run.save_checkpoint(0)
     log.info(
@@ -235,9 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except config_lib.ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
+    # force: importing absl (through orbax) already gave the root logger a handler
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S", force=True)
     for noisy in ("absl", "jax._src", "orbax", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:

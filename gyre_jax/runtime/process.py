@@ -335,7 +335,7 @@ _RUNTIME: DistributedRuntime | None = None  # the process's runtime once initial
 def initialize(config) -> ProcessInfo:
     """Selects the platform, creates this process's devices and, if enabled, joins the multi-process run.
 
-    Call it once, before any JAX computation (it replaces ``train.configure_devices``). Single-process
+    Call it once, before any JAX computation. Single-process
     configs (``config.distributed.enabled`` false) only set the platform and devices.
     """
     global _RUNTIME
@@ -346,16 +346,44 @@ def initialize(config) -> ProcessInfo:
     d = _section(config)
     platform = config.devices.platform
     if _RUNTIME is not None:
-        raise DistributedError("gyre_jax.distributed.initialize was already called in this process")
+        raise DistributedError("gyre_jax.runtime.initialize was already called in this process")
     _configure_platform(platform, local_cpu_device_count(config))
     if not d.enabled:
         info = ProcessInfo(0, 1, jax.local_device_count(), jax.device_count(), platform)
         _RUNTIME = DistributedRuntime(info)
         return info
 
+    _join(d, platform)
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    info = ProcessInfo(
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+        platform,
+        jax_distributed.global_state.coordinator_address or "",
+    )
+    _check_equal_local_devices(client, info)
+    _RUNTIME = DistributedRuntime(info, client, float(d.heartbeat_timeout_s))
+    _RUNTIME.install()
+    log.info(
+        "distributed: process %d of %d, %d local / %d global %s devices, coordinator %s",
+        info.process_id,
+        info.num_processes,
+        info.local_devices,
+        info.global_devices,
+        platform,
+        info.coordinator_address,
+    )
+    return info
+
+
+def _join(d, platform: str) -> None:
+    """``jax.distributed.initialize`` from the ``config.distributed`` section ``d`` (or cluster detection)."""
     if platform == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    heartbeat = float(d.heartbeat_timeout_s)
     kwargs = dict(
         coordinator_address=d.coordinator_address or None,
         num_processes=d.num_processes or None,
@@ -363,7 +391,7 @@ def initialize(config) -> ProcessInfo:
         local_device_ids=list(d.local_device_ids) or None,
         initialization_timeout=int(d.initialization_timeout_s),
         # JAX's own heartbeat is the backstop; ours (the Watchdog) fires first and says what happened.
-        heartbeat_timeout_seconds=int(2 * heartbeat + 10),
+        heartbeat_timeout_seconds=int(2 * float(d.heartbeat_timeout_s) + 10),
         shutdown_timeout_seconds=int(d.shutdown_timeout_s),
     )
     try:
@@ -380,31 +408,6 @@ def initialize(config) -> ProcessInfo:
             f"{kwargs['coordinator_address'] or 'auto-detection'} failed: {first_line(exc)} (is process 0 running "
             f"and reachable? config.distributed.initialization_timeout_s={d.initialization_timeout_s})"
         ) from None
-
-    from jax._src import distributed as jax_distributed
-
-    client = jax_distributed.global_state.client
-    info = ProcessInfo(
-        jax.process_index(),
-        jax.process_count(),
-        jax.local_device_count(),
-        jax.device_count(),
-        platform,
-        jax_distributed.global_state.coordinator_address or "",
-    )
-    _check_equal_local_devices(client, info)
-    _RUNTIME = DistributedRuntime(info, client, heartbeat)
-    _RUNTIME.install()
-    log.info(
-        "distributed: process %d of %d, %d local / %d global %s devices, coordinator %s",
-        info.process_id,
-        info.num_processes,
-        info.local_devices,
-        info.global_devices,
-        platform,
-        info.coordinator_address,
-    )
-    return info
 
 
 def _check_equal_local_devices(client, info: ProcessInfo) -> None:
