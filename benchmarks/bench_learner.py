@@ -53,10 +53,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from gyre_jax.config import load_config  # noqa: E402
-from gyre_jax.runtime.cells import make_cells  # noqa: E402
 from gyre_jax.model.config import ModelConfig  # noqa: E402
 from gyre_jax.model.sharding import init_params, make_mesh  # noqa: E402
 from gyre_jax.rl.learner import Learner, OptimizerConfig  # noqa: E402
+from gyre_jax.runtime.cells import make_cells  # noqa: E402
 from gyre_jax.trajectory.batch import MicroBatch, make_micro_batches  # noqa: E402
 from gyre_jax.trajectory.branches import Branch  # noqa: E402
 

@@ -18,11 +18,11 @@ import pytest
 
 from gyre_jax.checkpoint import Checkpointer
 from gyre_jax.config import load_config
-from gyre_jax.runtime.cells import make_cells
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import init_params, make_mesh
 from gyre_jax.rl.learner import Learner, OptimizerConfig, learning_rate_schedule, token_logprobs
 from gyre_jax.rl.microstep_queue import MicroStepQueue
+from gyre_jax.runtime.cells import make_cells
 from gyre_jax.trajectory.batch import make_micro_batches, replace
 from gyre_jax.trajectory.branches import Branch
 

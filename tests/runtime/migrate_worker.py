@@ -38,12 +38,12 @@ def main() -> int:
 
     from slow_engine import SlowEngine
 
+    from gyre_jax.model.config import ModelConfig
+    from gyre_jax.model.sharding import abstract_model, init_params
     from gyre_jax.runtime.cells import CellLayout
     from gyre_jax.runtime.host import CellHost, HostedCell
     from gyre_jax.runtime.local import LocalCell
     from gyre_jax.runtime.remote import FollowerLink, RemoteCell, TransferLog
-    from gyre_jax.model.config import ModelConfig
-    from gyre_jax.model.sharding import abstract_model, init_params
     from gyre_jax.serving.engine import Engine
     from gyre_jax.serving.loop import ServingLoop
     from gyre_jax.serving.types import GenerationRequest, SamplingParams

@@ -86,7 +86,7 @@ def test_each_process_gets_its_share_of_the_virtual_cpu_devices():
 
 
 def test_initialize_single_process_in_a_started_jax(monkeypatch):
-    monkeypatch.setattr(distributed, "_RUNTIME", None)
+    monkeypatch.setattr(runtime.process, "_RUNTIME", None)
     info = runtime.initialize(tiny_config())  # this test session already runs JAX on 8 CPU devices
     assert info == runtime.ProcessInfo(process_id=0, num_processes=1, local_devices=8, global_devices=8, platform="cpu")
     assert info.is_coordinator and runtime.is_coordinator()
@@ -95,7 +95,7 @@ def test_initialize_single_process_in_a_started_jax(monkeypatch):
 
 
 def test_initialize_after_jax_started_with_other_devices_says_to_call_it_first(monkeypatch):
-    monkeypatch.setattr(distributed, "_RUNTIME", None)
+    monkeypatch.setattr(runtime.process, "_RUNTIME", None)
     config = tiny_config(enabled=True, coordinator_address="127.0.0.1:1", num_processes=2, process_id=0)
     with pytest.raises(
         runtime.DistributedError,
