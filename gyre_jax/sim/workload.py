@@ -18,11 +18,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gyre_jax.sim.cost_model import ServingCost
-from gyre_jax.sim.trajectory_cost import TrajectoryShape
+from gyre_jax.sim.trajectory_cost import TrajectoryShape, branches, capped_flops
+
+if TYPE_CHECKING:
+    from gyre_jax.sim.simulator import SimConfig
 
 
 @dataclass(frozen=True)
@@ -232,6 +236,47 @@ def sample_step(
     turns, obs, gen, tool, setup = sample_turns(spec, rng, tasks, group_size)
     eval_s = spec.eval_s.sample(rng, len(turns))
     return build_plan(turns, obs, gen, tool, setup, eval_s, spec, serving, segments)
+
+
+class StepPlans:
+    """A run's executions, step by step: each step's ``SegmentPlan`` (sampled on first use, or given: one per
+    step, e.g. a real run's replayed) and each execution's training work (its J_max-capped FLOPs x
+    ``train_work_scale``, ``trajectory_cost.py``). ``config`` is the run's ``SimConfig``."""
+
+    def __init__(self, config: SimConfig, given: list[SegmentPlan] | None = None):
+        self.config = config
+        self.given = given
+        self.plans: dict[int, SegmentPlan] = {}
+        self.work_full: dict[int, list[float]] = {}  # step -> work of each of its executions, ended normally
+
+    def get(self, step: int) -> SegmentPlan:
+        plan = self.plans.get(step)
+        if plan is None:
+            cfg = self.config
+            if self.given is not None:
+                plan = self.given[step]
+            else:
+                plan = sample_step(
+                    cfg.workload,
+                    cfg.cost.serving,
+                    step=step,
+                    tasks=cfg.tasks_per_step,
+                    group_size=cfg.group_size,
+                    seed=cfg.seed,
+                    segments=cfg.segments,
+                )
+            self.plans[step] = plan
+            b = branches(plan.tokens, cfg.workload.trajectory_shape())
+            self.work_full[step] = (
+                capped_flops(b, cfg.max_branches, cfg.cost.training) * cfg.train_work_scale
+            ).tolist()
+        return plan
+
+    def work_for(self, tokens: float) -> float:
+        """The training work of an execution cut short at ``tokens`` trajectory tokens (a timeout)."""
+        cfg = self.config
+        b = branches(np.array([tokens]), cfg.workload.trajectory_shape())
+        return float(capped_flops(b, cfg.max_branches, cfg.cost.training)[0]) * cfg.train_work_scale
 
 
 # -- replay of a real run ----------------------------------------------------------------------------
