@@ -207,7 +207,8 @@ class ServingModel:
         self.ctx[i] = ctx
         load_b[c] += duty
         load_x[c] += duty * ctx
-        t0 = self.clock.now + delay
+        clock = self.clock
+        t0 = clock.now + delay
         end = t0 + frac * dur
         self.seg_t0[i] = t0
         self.seg_full[i] = dur
@@ -217,12 +218,15 @@ class ServingModel:
         deadline = self.deadline[i]
         timed = end >= deadline
         self.timed[i] = timed
-        self.clock.push(deadline if timed else end, SEG, i, tok)
+        heapq.heappush(clock.heap, (deadline if timed else end, next(clock.seq), SEG, i, tok))  # clock.push, inlined
 
     def segment_end(self, i: int) -> tuple[str, float] | None:
         """Session ``i``'s segment (or its time) is up: None if its next segment began, else how its execution
         ended, ("timeout" | "finished", trajectory tokens); the session still holds its slot (``end``)."""
-        self._unload(i, self.cell_of[i])
+        c, d = self.cell_of[i], self.duty[i]  # self._unload(i, c), inlined: the hot path
+        self.load_b[c] -= d
+        self.load_x[c] -= d * self.ctx[i]
+        self.load_p[c] -= self.pduty[i]
         step, j = divmod(i, self.n)
         p = self.plans[step]
         k = p.offset[j] + self.seg[i]

@@ -312,7 +312,7 @@ class Simulator:
             PULL: self._on_pull_done,
             BOUNDARY: self._on_boundary_done,
         }
-        seg_handler = self._on_segment_end
+        segment_end = self.serving.segment_end  # most events are segment ends: the hot path
         while heap and not self.done:
             t, _, kind, x, y = pop(heap)
             if kind == SEG:
@@ -320,7 +320,9 @@ class Simulator:
                     continue  # cancelled: the session moved or paused
                 clock.now = t
                 self.events += 1
-                seg_handler(x)
+                ended = segment_end(x)
+                if ended is not None:
+                    self._on_harness_end(x, *ended)
                 continue
             clock.now = t
             self.events += 1
@@ -382,13 +384,11 @@ class Simulator:
         step, j = divmod(i, self.n)
         return f"s{step}-t{j // self.cfg.group_size}-g{j % self.cfg.group_size}"
 
-    def _on_segment_end(self, i: int) -> None:
-        ended = self.serving.segment_end(i)
-        if ended is not None:
-            status, tokens = ended
-            step, j = divmod(i, self.n)
-            work = self.step_plans.work_for(tokens) if status == "timeout" else self.step_plans.work_full[step][j]
-            self._finish(i, status, work)
+    def _on_harness_end(self, i: int, status: str, tokens: float) -> None:
+        """Execution ``i``'s last segment ended, or its time is up (``tokens``: its trajectory tokens)."""
+        step, j = divmod(i, self.n)
+        work = self.step_plans.work_for(tokens) if status == "timeout" else self.step_plans.work_full[step][j]
+        self._finish(i, status, work)
 
     def _finish(self, i: int, status: str, work: float) -> None:
         """Execution ``i``'s harness ended (``work``: its training work): its evaluation starts."""
