@@ -41,9 +41,15 @@ class DecodeBatch:
         stats: LoopStats,
         cache: SessionCache | None,
     ):
-        self.engine, self.params, self.version = engine, params, version
-        self.name, self.max_context, self.prefill_chunk = name, engine.max_seq_len, prefill_chunk
-        self.lock, self.stats, self.cache = lock, stats, cache
+        self.engine = engine
+        self.params = params
+        self.version = version
+        self.name = name
+        self.max_context = engine.max_seq_len
+        self.prefill_chunk = prefill_chunk
+        self.lock = lock
+        self.stats = stats
+        self.cache = cache
         self.slots: list[Job | None] = [None] * engine.max_concurrent_decodes
         self.state: DecodeState | None = None
         self.pending: Step | None = None  # the generate step in flight (dispatched, tokens not read yet)
@@ -66,7 +72,7 @@ class DecodeBatch:
     def free_slots(self) -> list[int]:
         return [slot for slot, job in enumerate(self.slots) if job is None]
 
-    # -- a job's start: sampling key and KV ---------------------------------------------------------
+    # -- a job's start: the KV it starts from ---------------------------------------------------------
     def admit(self, job: Job, reuse_stale_kv: bool) -> None:
         """Gives a job (with its sampling key) any KV it can start from: imported, or the session's cache entry."""
         if job.kv is not None:
