@@ -326,11 +326,10 @@ class ElasticPolicy(SchedulingPolicy):
         n = self.num_cells
         if event.cell is not None and event.kind in ("micro_step_done", "switched"):
             self._idle_since[event.cell] = event.time
-        current = state.roles
-        if Role.SWITCHING in current:
+        if Role.SWITCHING in state.roles:
             roles = [state.effective_role(c) for c in range(n)]
         else:
-            roles = list(current)
+            roles = list(state.roles)
         capacity = state.capacity
         if capacity.count(capacity[0]) == n:  # equal cells (the usual case): count instead of summing
             serving_capacity = roles.count(Role.SERVING) * capacity[0]
@@ -350,44 +349,59 @@ class ElasticPolicy(SchedulingPolicy):
         ahead_waiting = 0 if backlog else state.held + (allowed - dispatch)
         returned = False
         if due_waiting > 0 or ahead_waiting > 0:
-            due = due_waiting > 0  # due executions come first: a busy cell finishes its micro-step, then moves
-            waiting = due_waiting if due else ahead_waiting
-            # The core keeps training while its step has work now; for ahead executions, also while data is coming.
-            core_needed = (
-                backlog
-                or state.in_flight > 0
-                or (not due and state.step_dispatched > 0 and state.step_processed < state.step_dispatched)
-            )
-            for c in range(n - 1, -1, -1):
-                if waiting <= 0:
-                    break
-                if current[c] is not Role.TRAINING:  # a switching cell finishes its switch first
-                    continue
-                if not due and (
-                    state.is_busy(c) or backlog or state.time - self._idle_since[c] < self.idle_before_return_s
-                ):
-                    continue
-                if c == 0 and (core_needed or Role.TRAINING in roles[1:]):
-                    continue
-                roles[c] = Role.SERVING
-                waiting -= capacity[c]
-                returned = True
+            returned = self._return(state, roles, due_waiting, ahead_waiting, backlog)
         if due_waiting <= 0 and not returned:
-            step_open = state.step_dispatched > 0 and not (
-                state.step_processed >= state.batch_size and state.ready == 0 and state.in_flight == 0
-            )
-            wants = backlog if self.leave_on == "backlog" else step_open
-            leaving = Role.SWITCHING in current and any(
-                r is Role.SWITCHING and t is Role.TRAINING for r, t in zip(current, roles)
-            )
-            if wants and not leaving:
-                w = due_outstanding if self.yield_ahead else state.waterlevel.outstanding + dispatch
-                for c in range(n):
-                    if roles[c] is Role.SERVING:
-                        if current[c] is Role.SERVING and w <= serving_capacity - capacity[c]:
-                            roles[c] = Role.TRAINING
-                        break
+            w = due_outstanding if self.yield_ahead else state.waterlevel.outstanding + dispatch
+            self._leave(state, roles, backlog, w, serving_capacity)
         return Decision(roles=roles, dispatch=dispatch)
+
+    def _return(
+        self, state: ClusterState, roles: list[Role], due_waiting: int, ahead_waiting: int, backlog: bool
+    ) -> bool:
+        """Return: training cells go back to serving in reverse order (in ``roles``), as many as the waiting
+        executions need. True if any cell returns."""
+        due = due_waiting > 0  # due executions come first: a busy cell finishes its micro-step, then moves
+        waiting = due_waiting if due else ahead_waiting
+        # The core keeps training while its step has work now; for ahead executions, also while data is coming.
+        core_needed = (
+            backlog
+            or state.in_flight > 0
+            or (not due and state.step_dispatched > 0 and state.step_processed < state.step_dispatched)
+        )
+        returned = False
+        for c in range(self.num_cells - 1, -1, -1):
+            if waiting <= 0:
+                break
+            if state.roles[c] is not Role.TRAINING:  # a switching cell finishes its switch first
+                continue
+            if not due and (
+                state.is_busy(c) or backlog or state.time - self._idle_since[c] < self.idle_before_return_s
+            ):
+                continue
+            if c == 0 and (core_needed or Role.TRAINING in roles[1:]):
+                continue
+            roles[c] = Role.SERVING
+            waiting -= state.capacity[c]
+            returned = True
+        return returned
+
+    def _leave(self, state: ClusterState, roles: list[Role], backlog: bool, w: int, serving_capacity: int) -> None:
+        """Leave: the next serving cell in the fixed order switches to training (in ``roles``) when it wants to
+        (``leave_on``), no other cell is leaving, and the ``w`` outstanding executions fit the cells left."""
+        current = state.roles
+        step_open = state.step_dispatched > 0 and not (
+            state.step_processed >= state.batch_size and state.ready == 0 and state.in_flight == 0
+        )
+        wants = backlog if self.leave_on == "backlog" else step_open
+        leaving = Role.SWITCHING in current and any(
+            r is Role.SWITCHING and t is Role.TRAINING for r, t in zip(current, roles)
+        )
+        if wants and not leaving:
+            for c in range(self.num_cells):
+                if roles[c] is Role.SERVING:
+                    if current[c] is Role.SERVING and w <= serving_capacity - state.capacity[c]:
+                        roles[c] = Role.TRAINING
+                    break
 
 
 POLICY_NAMES = ("colocated", "async", "elastic")

@@ -304,17 +304,52 @@ def parse_events(text: str) -> list[dict]:
     return events
 
 
+def _read_events(source: str | os.PathLike | list[dict]) -> tuple[list[dict], str]:
+    """(events, where they came from, for messages)."""
+    if isinstance(source, list):
+        return source, "in-memory events"
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"timeline {path} not found (a run writes it as timeline.json in its workdir)")
+    return parse_events(path.read_text(encoding="utf-8")), str(path)
+
+
+def _add_event(tl: Timeline, open_role: list[Span | None], e: dict) -> None:
+    """Records one trace event in ``tl`` (``open_role[c]``: cell c's role span still open)."""
+    ph = e.get("ph")
+    ts = e.get("ts", 0.0) / 1e6
+    tl.t_end = max(tl.t_end, ts + e.get("dur", 0.0) / 1e6)
+    if ph == "M":
+        if e.get("name") == "gyre_timeline_end":
+            tl.t_end = max(tl.t_end, float(e["args"]["t_end"]))
+        return
+    if ph in ("B", "E") and e.get("pid") == _CELLS_PID:
+        cell = e["tid"]
+        if open_role[cell] is not None:
+            open_role[cell].end = ts
+            tl.roles[cell].append(open_role[cell])
+            open_role[cell] = None
+        if ph == "B":
+            open_role[cell] = Span(ts, ts, e["name"], dict(e.get("args", {})))
+    elif ph == "X" and e.get("name") == "micro_step":
+        tl.micro_steps[e["tid"]].append(Span(ts, ts + e["dur"] / 1e6, "micro_step", dict(e.get("args", {}))))
+    elif ph == "X" and e.get("name") == "optimizer_step":
+        tl.optimizer_steps.append(
+            Span(ts, ts + e["dur"] / 1e6, "optimizer_step", {**e.get("args", {}), "cell": e["tid"]})
+        )
+    elif ph == "b":
+        tl.executions[e["id"]] = Span(ts, float("inf"), "execution", dict(e.get("args", {})))
+    elif ph == "e" and e["id"] in tl.executions:
+        span = tl.executions[e["id"]]
+        span.end = ts
+        span.args.update(e.get("args", {}))
+    elif ph == "C" and e.get("name") == "waterlevel":
+        tl.waterlevel.append((ts, dict(e["args"])))
+
+
 def load_timeline(source: str | os.PathLike | list[dict]) -> Timeline:
     """Reads a timeline file written by ``TimelineWriter`` (or its in-memory event list)."""
-    if isinstance(source, list):
-        events = source
-        where = "in-memory events"
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise FileNotFoundError(f"timeline {path} not found (a run writes it as timeline.json in its workdir)")
-        events = parse_events(path.read_text(encoding="utf-8"))
-        where = str(path)
+    events, where = _read_events(source)
     header = next((e for e in events if e.get("ph") == "M" and e.get("name") == "gyre_timeline"), None)
     if header is None:
         raise ValueError(f"{where} is not a gyre timeline (no 'gyre_timeline' metadata event)")
@@ -322,55 +357,24 @@ def load_timeline(source: str | os.PathLike | list[dict]) -> Timeline:
     if meta.get("version") != FORMAT_VERSION:
         raise ValueError(f"{where}: timeline format version {meta.get('version')} (this reader knows {FORMAT_VERSION})")
     cells = list(meta["cells"])
-    roles: list[list[Span]] = [[] for _ in cells]
-    micro: list[list[Span]] = [[] for _ in cells]
-    optim: list[Span] = []
-    executions: dict[str, Span] = {}
-    waterlevel: list[tuple[float, dict]] = []
-    open_role: list[Span | None] = [None] * len(cells)
-    t_end = 0.0
-    for e in events:
-        ph = e.get("ph")
-        ts = e.get("ts", 0.0) / 1e6
-        t_end = max(t_end, ts + e.get("dur", 0.0) / 1e6)
-        if ph == "M":
-            if e.get("name") == "gyre_timeline_end":
-                t_end = max(t_end, float(e["args"]["t_end"]))
-            continue
-        if ph in ("B", "E") and e.get("pid") == _CELLS_PID:
-            cell = e["tid"]
-            if open_role[cell] is not None:
-                open_role[cell].end = ts
-                roles[cell].append(open_role[cell])
-                open_role[cell] = None
-            if ph == "B":
-                open_role[cell] = Span(ts, ts, e["name"], dict(e.get("args", {})))
-        elif ph == "X" and e.get("name") == "micro_step":
-            micro[e["tid"]].append(Span(ts, ts + e["dur"] / 1e6, "micro_step", dict(e.get("args", {}))))
-        elif ph == "X" and e.get("name") == "optimizer_step":
-            optim.append(Span(ts, ts + e["dur"] / 1e6, "optimizer_step", {**e.get("args", {}), "cell": e["tid"]}))
-        elif ph == "b":
-            executions[e["id"]] = Span(ts, float("inf"), "execution", dict(e.get("args", {})))
-        elif ph == "e" and e["id"] in executions:
-            span = executions[e["id"]]
-            span.end = ts
-            span.args.update(e.get("args", {}))
-        elif ph == "C" and e.get("name") == "waterlevel":
-            waterlevel.append((ts, dict(e["args"])))
-    for cell, span in enumerate(open_role):
-        if span is not None:  # a run cut short: the span lasts to the last thing recorded
-            span.end = t_end
-            roles[cell].append(span)
-    for span in optim:
-        span.args.setdefault("cell", 0)
-    return Timeline(
+    tl = Timeline(
         source=meta.get("source", ""),
         t0=float(meta.get("t0", 0.0)),
         cells=cells,
-        roles=roles,
-        micro_steps=micro,
-        optimizer_steps=optim,
-        executions=executions,
-        waterlevel=waterlevel,
-        t_end=t_end,
+        roles=[[] for _ in cells],
+        micro_steps=[[] for _ in cells],
+        optimizer_steps=[],
+        executions={},
+        waterlevel=[],
+        t_end=0.0,
     )
+    open_role: list[Span | None] = [None] * len(cells)
+    for e in events:
+        _add_event(tl, open_role, e)
+    for cell, span in enumerate(open_role):
+        if span is not None:  # a run cut short: the span lasts to the last thing recorded
+            span.end = tl.t_end
+            tl.roles[cell].append(span)
+    for span in tl.optimizer_steps:
+        span.args.setdefault("cell", 0)
+    return tl

@@ -1,9 +1,10 @@
-"""Frozen model configuration (one dataclass for the Qwen3 family, Flax-gemma style), HF config mapping, presets.
+"""Frozen model configuration (one dataclass for the Qwen3 family, Flax-gemma style) and presets.
 
 ``ModelConfig`` describes both Qwen3 dense (``Qwen3ForCausalLM``) and Qwen3 MoE
 (``Qwen3MoeForCausalLM``): ``num_experts == 0`` is dense. ``from_config_dict`` reads our
 ``config.model`` section; ``from_hf_config`` / ``to_hf_config`` translate a Hugging Face
-``config.json``. It also owns the parameter and FLOP counts the benchmarks use.
+``config.json`` (the mapping lives in ``hf_config.py``). It also owns the parameter and FLOP counts the
+benchmarks use.
 """
 
 from __future__ import annotations
@@ -203,143 +204,30 @@ class ModelConfig:
     def from_hf_config(cls, hf: Mapping[str, Any], **overrides) -> ModelConfig:
         """From a Hugging Face Qwen3 / Qwen3-MoE ``config.json`` dict; ``overrides`` set our own fields (dtype, remat ...).
 
-        Raises ConfigMismatchError for a model type or feature this implementation does not compute.
+        Raises ConfigMismatchError for a model type or feature this implementation does not compute
+        (the mapping: ``hf_config.model_kwargs``).
         """
-        model_type = hf.get("model_type")
-        if model_type not in HF_ARCHITECTURES:
-            raise ConfigMismatchError(
-                f"config.json model_type={model_type!r} is not supported: expected one of {tuple(HF_ARCHITECTURES)} "
-                f"({', '.join(HF_ARCHITECTURES.values())})"
-            )
-        archs = hf.get("architectures") or [HF_ARCHITECTURES[model_type]]
-        if archs[0] != HF_ARCHITECTURES[model_type]:
-            raise ConfigMismatchError(
-                f"config.json architectures={archs} is not supported: expected "
-                f"[{HF_ARCHITECTURES[model_type]!r}] (a causal LM) for model_type {model_type!r}"
-            )
-        if hf.get("use_sliding_window"):
-            raise ConfigMismatchError(
-                "config.json use_sliding_window=true: sliding-window attention is not supported yet"
-            )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ConfigMismatchError(
-                f"config.json hidden_act={hf.get('hidden_act')!r}: only 'silu' (SwiGLU) is supported"
-            )
-        num_heads = int(hf["num_attention_heads"])
-        rope = dict(hf.get("rope_parameters") or {})  # transformers >= 5
-        legacy = hf.get("rope_scaling") or {}
-        rope = {**legacy, **rope}
-        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-        if rope_type not in ROPE_TYPES:
-            raise ConfigMismatchError(
-                f"config.json rope type {rope_type!r} is not supported yet; supported: {ROPE_TYPES}"
-            )
-        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ConfigMismatchError("config.json partial_rotary_factor != 1 is not supported yet")
-        kw: dict[str, Any] = dict(
-            vocab_size=int(hf["vocab_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            embed_dim=int(hf["hidden_size"]),
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
-            mlp_dim=int(hf["intermediate_size"]),
-            rope_theta=rope_theta,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            rope_type=rope_type,
-        )
-        if rope_type != "default":
-            kw["rope_factor"] = float(rope["factor"])
-        if rope_type == "yarn":
-            factor = kw["rope_factor"]
-            kw["rope_original_max_position"] = int(rope["original_max_position_embeddings"])
-            kw["rope_beta_fast"] = float(rope.get("beta_fast") or 32.0)
-            kw["rope_beta_slow"] = float(rope.get("beta_slow") or 1.0)
-            kw["rope_truncate"] = bool(rope.get("truncate", True))
-            attention_factor = rope.get("attention_factor")
-            if attention_factor is None:
-                mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
-                attention_factor = (
-                    _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
-                    if mscale and mscale_all
-                    else _yarn_mscale(factor)
-                )
-            kw["rope_attention_factor"] = float(attention_factor)
-        if model_type == "qwen3_moe":
-            kw.update(
-                num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0))),
-                num_experts_per_tok=int(hf["num_experts_per_tok"]),
-                moe_mlp_dim=int(hf["moe_intermediate_size"]),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
-                decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
-                mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
-            )
-        kw.update(overrides)
+        from gyre_jax.model.hf_config import model_kwargs
+
+        kw = {**model_kwargs(hf), **overrides}
         try:
             return cls(**kw)
         except ValueError as exc:
             raise ConfigMismatchError(f"config.json gives an invalid model: {exc}") from None
 
     def to_hf_config(self, torch_dtype: str | None = None) -> dict[str, Any]:
-        """A Hugging Face ``config.json`` dict (transformers 4.x and 5.x both read it)."""
-        model_type = "qwen3_moe" if self.is_moe else "qwen3"
-        rope_scaling = None
-        if self.rope_type == "linear":
-            rope_scaling = {"rope_type": "linear", "factor": self.rope_factor}
-        elif self.rope_type == "yarn":
-            rope_scaling = {
-                "rope_type": "yarn",
-                "factor": self.rope_factor,
-                "original_max_position_embeddings": self.rope_original_max_position,
-                "beta_fast": self.rope_beta_fast,
-                "beta_slow": self.rope_beta_slow,
-                "attention_factor": self.yarn_attention_factor,
-                "truncate": self.rope_truncate,
-            }
-        out: dict[str, Any] = {
-            "architectures": [HF_ARCHITECTURES[model_type]],
-            "model_type": model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.embed_dim,
-            "intermediate_size": self.mlp_dim,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": rope_scaling,
-            "tie_word_embeddings": self.tie_embeddings,
-            "attention_bias": self.attention_bias,
-            "attention_dropout": 0.0,
-            "use_sliding_window": False,
-            "torch_dtype": torch_dtype or self.param_dtype,
-        }
-        if self.rope_type == "yarn":
-            out["max_position_embeddings"] = int(self.rope_original_max_position * self.rope_factor)
-        if self.is_moe:
-            out.update(
-                num_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_mlp_dim,
-                norm_topk_prob=self.norm_topk_prob,
-                router_aux_loss_coef=self.router_aux_loss_coef,
-                decoder_sparse_step=self.decoder_sparse_step,
-                mlp_only_layers=list(self.mlp_only_layers),
-            )
-        return out
+        """A Hugging Face ``config.json`` dict (transformers 4.x and 5.x both read it; ``hf_config.hf_config``)."""
+        from gyre_jax.model.hf_config import hf_config
+
+        return hf_config(self, torch_dtype)
 
     @property
     def yarn_attention_factor(self) -> float:
-        return self.rope_attention_factor or _yarn_mscale(self.rope_factor)
+        return self.rope_attention_factor or yarn_mscale(self.rope_factor)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context extended ``scale`` times (HF ``get_mscale``)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 

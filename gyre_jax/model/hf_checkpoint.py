@@ -226,14 +226,21 @@ def load_hf_checkpoint(
 # -- saving ----------------------------------------------------------------------------------------
 
 
-def _write_safetensors(
-    file: Path, entries: Sequence[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]]
-) -> None:
+# One tensor to write: (HF name, HF shape, stored dtype, a function producing its host array in HF layout).
+_Entry = tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]
+
+
+def _nbytes(entry: _Entry) -> int:
+    return int(np.prod(entry[1])) * entry[2].itemsize
+
+
+def _write_safetensors(file: Path, entries: Sequence[_Entry]) -> None:
     """Streams tensors into one safetensors file: header first (from known shapes), then each tensor's bytes."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, shape, dtype, _ in entries:
-        size = int(np.prod(shape)) * dtype.itemsize
+    for entry in entries:
+        name, shape, dtype, _ = entry
+        size = _nbytes(entry)
         header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -250,6 +257,82 @@ def _write_safetensors(
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, file)
+
+
+def _tensor_entries(cfg: ModelConfig, params: nnx.State, target: np.dtype | None) -> list[_Entry]:
+    """Every HF tensor of ``params`` (a stacked MoE parameter gives one per expert), produced lazily, stored as
+    ``target`` (None: each parameter's own dtype). Raises for params that do not match ``cfg``."""
+    specs = hf_params.param_specs(cfg)
+    by_path = {
+        _path_key(p): v
+        for p, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    }
+    missing = sorted("/".join(p) for p in set(specs) - set(by_path))
+    extra = sorted("/".join(p) for p in set(by_path) - set(specs))
+    if missing or extra:
+        raise ValueError(f"params do not match the config: missing {missing}, unexpected {extra}")
+    entries: list[_Entry] = []
+    for spec in specs.values():
+        var = by_path[spec.path]
+        array = var.get_value() if isinstance(var, nnx.Variable) else var
+        if isinstance(array, jax.Array) and not array.is_fully_addressable:
+            raise NotImplementedError(
+                "not supported yet: saving params that span several processes (gather them to one host first)"
+            )
+        store = target or np.dtype(array.dtype)
+        if spec.layout == "stacked":
+            for j, name in enumerate(spec.hf_names):
+                entries.append(
+                    (name, spec.hf_shape, store, lambda a=array, j=j, s=spec: hf_params.to_hf(s, np.asarray(a[j])))
+                )
+        else:
+            entries.append(
+                (spec.hf_names[0], spec.hf_shape, store, lambda a=array, s=spec: hf_params.to_hf(s, np.asarray(a)))
+            )
+    return entries
+
+
+def _shards(entries: Sequence[_Entry], max_shard_bytes: int) -> list[list[_Entry]]:
+    """``entries`` in order, cut into shards of at most ``max_shard_bytes`` (a larger tensor gets its own)."""
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = _nbytes(entry)
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return shards
+
+
+def _write_weights(out: Path, shards: list[list[_Entry]]) -> list[Path]:
+    """Replaces the directory's safetensors: one ``model.safetensors``, or numbered shards and their index."""
+    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_FILE]:
+        stale.unlink(missing_ok=True)
+    if len(shards) == 1:
+        _write_safetensors(out / SINGLE_FILE, shards[0])
+        return [out / SINGLE_FILE]
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        file = out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_safetensors(file, shard)
+        files.append(file)
+        weight_map.update({name: file.name for name, *_ in shard})
+    total = sum(_nbytes(e) for shard in shards for e in shard)
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return files
+
+
+def _write_config(out: Path, cfg: ModelConfig, torch_dtype: str, base_config: dict | None) -> None:
+    """``config.json``: ``cfg``'s HF config over ``base_config``'s other keys (less those it replaces)."""
+    config = {
+        k: v
+        for k, v in (base_config or {}).items()
+        if k not in ("rope_parameters", "num_local_experts", "dtype", "transformers_version")
+    }
+    config.update(cfg.to_hf_config(torch_dtype=torch_dtype))
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
 
 
 def save_hf_checkpoint(
@@ -272,71 +355,11 @@ def save_hf_checkpoint(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     target = np.dtype(jnp.bfloat16) if dtype == "bfloat16" else np.dtype(dtype) if dtype else None
-    specs = hf_params.param_specs(cfg)
-    by_path = {
-        _path_key(p): v
-        for p, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
-    }
-    missing = sorted("/".join(p) for p in set(specs) - set(by_path))
-    extra = sorted("/".join(p) for p in set(by_path) - set(specs))
-    if missing or extra:
-        raise ValueError(f"params do not match the config: missing {missing}, unexpected {extra}")
-
-    entries = []
-    for spec in specs.values():
-        var = by_path[spec.path]
-        array = var.get_value() if isinstance(var, nnx.Variable) else var
-        if isinstance(array, jax.Array) and not array.is_fully_addressable:
-            raise NotImplementedError(
-                "not supported yet: saving params that span several processes (gather them to one host first)"
-            )
-        store = target or np.dtype(array.dtype)
-        if spec.layout == "stacked":
-            for j, name in enumerate(spec.hf_names):
-                entries.append(
-                    (name, spec.hf_shape, store, lambda a=array, j=j, s=spec: hf_params.to_hf(s, np.asarray(a[j])))
-                )
-        else:
-            entries.append(
-                (spec.hf_names[0], spec.hf_shape, store, lambda a=array, s=spec: hf_params.to_hf(s, np.asarray(a)))
-            )
-
-    shards: list[list] = [[]]
-    size = 0
-    for entry in entries:
-        nbytes = int(np.prod(entry[1])) * entry[2].itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += nbytes
-    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_FILE]:
-        stale.unlink(missing_ok=True)
-    files = []
-    if len(shards) == 1:
-        files.append(out / SINGLE_FILE)
-        _write_safetensors(files[0], shards[0])
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            file = out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_safetensors(file, shard)
-            files.append(file)
-            weight_map.update({name: file.name for name, *_ in shard})
-        total = sum(int(np.prod(e[1])) * e[2].itemsize for e in entries)
-        (out / INDEX_FILE).write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-        )
-
+    entries = _tensor_entries(cfg, params, target)
+    files = _write_weights(out, _shards(entries, max_shard_bytes))
     stored = {np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
     torch_dtype = stored.get(target) if target is not None else stored.get(entries[0][2], cfg.param_dtype)
-    config = {
-        k: v
-        for k, v in (base_config or {}).items()
-        if k not in ("rope_parameters", "num_local_experts", "dtype", "transformers_version")
-    }
-    config.update(cfg.to_hf_config(torch_dtype=torch_dtype))
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    _write_config(out, cfg, torch_dtype, base_config)
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             src = Path(tokenizer_dir) / name

@@ -7,22 +7,25 @@ count as 1/0); a non-zero exit, a missing or out-of-range score or a timeout rai
 executor then *excludes* the execution (it is not scored 0). The command runs in its own process
 group, which is killed on timeout, with the workspace as its cwd and placeholders ``{workspace}``
 and ``{task.FIELD}`` (strings verbatim, other fields as JSON) filled in.
+
+``run_evaluator`` runs any evaluator the way the executor does: in a daemon thread under a timeout, with a
+failure, a timeout or an out-of-range value turned into the reason the execution is excluded.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import os
-import re
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from gyre_jax.rollout.tasks import Task
+from gyre_jax.rollout.templates import fill, task_values
 
 _WORDS = {"pass": 1.0, "passed": 1.0, "true": 1.0, "fail": 0.0, "failed": 0.0, "false": 0.0}
 
@@ -43,12 +46,8 @@ class CommandEvaluator:
         self.kill_grace_s = kill_grace_s
 
     def command(self, task: Task, workspace: Path) -> list[str]:
-        values = {"{workspace}": str(workspace)}
-        for f in dataclasses.fields(Task):
-            value = getattr(task, f.name)
-            values["{task." + f.name + "}"] = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        pattern = re.compile(r"\{(?:task\.)?[A-Za-z_][A-Za-z0-9_]*\}")
-        return [pattern.sub(lambda m: values.get(m.group(0), m.group(0)), arg) for arg in self.cmd]
+        values = {"{workspace}": str(workspace), **task_values(task)}
+        return [fill(arg, values) for arg in self.cmd]
 
     def __call__(self, task: Task, workspace: Path) -> float:
         workspace = Path(workspace)
@@ -97,3 +96,47 @@ def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+def run_evaluator(
+    evaluator: Callable[[Task, Path], float],
+    task: Task,
+    workspace: Path,
+    timeout_s: float,
+    cancelled: Callable[[], bool],
+    poll_s: float = 0.05,
+) -> tuple[float | None, str | None, str | None]:
+    """(reward, None, None) or (None, why it is excluded, exclusion kind). The evaluator runs in a daemon
+    thread; ``cancelled()`` true while it runs stops the wait (kind "cancelled")."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["reward"] = evaluator(task, workspace)
+        except BaseException as exc:  # noqa: BLE001 - reported as an exclusion
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"gyre-eval-{task.task_id}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive() and time.monotonic() < deadline and not cancelled():
+        thread.join(timeout=min(poll_s, max(0.0, deadline - time.monotonic())))
+    if thread.is_alive():
+        if cancelled():
+            return None, "cancelled during evaluation", "cancelled"
+        # A Python thread cannot be killed: it is left to finish in the background (daemon). A command
+        # evaluator kills its own process group at the same limit.
+        return None, f"evaluator exceeded evaluator_timeout_s={timeout_s}", "evaluator_timeout"
+    if "error" in box:
+        exc = box["error"]
+        kind = "evaluator_timeout" if isinstance(exc, TimeoutError) else "evaluator_error"
+        return None, f"evaluator raised {type(exc).__name__}: {exc}", kind
+    reward = box.get("reward")
+    if (
+        isinstance(reward, bool)
+        or not isinstance(reward, (int, float))
+        or not math.isfinite(reward)
+        or not 0.0 <= reward <= 1.0
+    ):
+        return None, f"evaluator returned {reward!r}; expected a float in [0, 1]", "evaluator_bad_value"
+    return float(reward), None, None

@@ -26,6 +26,10 @@ Harness command lines (and ``extra_env`` values) are templates: ``{task}`` (task
 ``{task.FIELD}`` (any field of the task: strings verbatim, others as JSON), ``{model}``,
 ``{temperature}``, ``{max_tokens}``, ``{seed}``, ``{workspace}``, ``{exec_dir}``, ``{execution_id}``,
 ``{base_url}`` (OpenAI style, ends in /v1) and ``{anthropic_base_url}``. Other braces are left alone.
+
+Its parts: ``templates`` (command line and environment of a harness), ``process_group`` (spawning a
+harness in its own process group, timeout and kill, cancel), ``evaluators.run_evaluator`` (scoring under
+a timeout, exclusions).
 """
 
 from __future__ import annotations
@@ -35,13 +39,9 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
-import signal
-import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,7 +49,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
-from gyre_jax.rollout.evaluators import CommandEvaluator
+from gyre_jax.rollout import templates
+from gyre_jax.rollout.evaluators import CommandEvaluator, run_evaluator
+from gyre_jax.rollout.process_group import ProcessGroups
 from gyre_jax.rollout.tasks import Task, evaluate
 
 logger = logging.getLogger(__name__)
@@ -65,8 +67,6 @@ EXCLUSION_KINDS = (
 )
 PLACEHOLDERS = ("task", "model", "temperature", "max_tokens", "seed", "workspace", "exec_dir", "execution_id", "base_url",
                 "anthropic_base_url")  # fmt: skip
-_TASK_FIELDS = tuple(f.name for f in dataclasses.fields(Task))
-_TASK_FIELD_RE = re.compile(r"\{task\.([A-Za-z_][A-Za-z0-9_]*)\}")
 
 # The harness command; placeholders {task} {model} {temperature} {max_tokens} {seed} {workspace}
 # are substituted per execution. ``Executor(harness_cmd=...)`` takes a list of the same form.
@@ -75,23 +75,6 @@ DEFAULT_HARNESS_CMD: tuple[str, ...] = (
     "--task", "{task}", "--model", "{model}", "--temperature", "{temperature}",
     "--max-tokens", "{max_tokens}", "--seed", "{seed}",
 )  # fmt: skip
-
-# Environment variables a harness inherits (everything else, e.g. credentials, is dropped).
-_ENV_KEEP = (
-    "PATH",
-    "HOME",
-    "USER",
-    "LOGNAME",
-    "LANG",
-    "LC_ALL",
-    "LC_CTYPE",
-    "TZ",
-    "TMPDIR",
-    "SSL_CERT_FILE",
-    "SSL_CERT_DIR",
-)
-_REPO_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the gyre_jax package
-_POLL_S = 0.05
 
 
 class ExecutionRegistry(Protocol):
@@ -178,30 +161,6 @@ def summarize(results: Sequence[ExecutionResult]) -> dict[str, float]:
     }
 
 
-def _kill_group(pgid: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:
-    """SIGTERM the process group, wait up to ``grace_s`` for it to empty, then SIGKILL what is left.
-
-    ``proc`` (the group leader, our child) is reaped while waiting, so it does not linger as a zombie.
-    """
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if proc is not None:
-            proc.poll()
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.02)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 class Executor:
     """Runs executions, up to ``max_parallel`` at once, each harness in its own process group.
 
@@ -267,33 +226,19 @@ class Executor:
         self.evaluator = evaluator
         self.kill_grace_s = float(kill_grace_s)
         self.extra_env = dict(extra_env or {})
-        for arg in [*self.harness_cmd, *self.extra_env.values()]:
-            for name in _TASK_FIELD_RE.findall(arg):
-                if name not in _TASK_FIELDS:
-                    raise ValueError(
-                        f"placeholder {{task.{name}}} in {arg!r} names no task field; task fields: {_TASK_FIELDS}"
-                    )
-        self._lock = threading.Lock()
+        templates.check_task_fields([*self.harness_cmd, *self.extra_env.values()])
         self._callback_lock = threading.Lock()
-        self._cancelled = threading.Event()
-        self._running: dict[str, subprocess.Popen] = {}
+        self._procs = ProcessGroups(self.kill_grace_s)
 
     # -- public ---------------------------------------------------------------------------------
 
     @property
     def cancelled(self) -> bool:
-        return self._cancelled.is_set()
+        return self._procs.cancelled
 
     def cancel(self) -> None:
         """Kills every running harness (SIGTERM now, SIGKILL after the grace) and starts nothing more."""
-        with self._lock:
-            self._cancelled.set()
-            procs = list(self._running.values())
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        self._procs.cancel()
 
     def run(
         self, specs: Sequence[ExecutionSpec], on_done: Callable[[ExecutionResult], None] | None = None
@@ -353,19 +298,9 @@ class Executor:
                 result = self._run_one(spec)
             except Exception as exc:  # noqa: BLE001 - recorded as a crashed execution; the run goes on
                 logger.exception("execution %s failed in the executor", spec.execution_id)
-                result = ExecutionResult(
-                    execution_id=spec.execution_id,
-                    task_id=spec.task.task_id,
-                    group_id=spec.group_id,
-                    status="crashed",
-                    reward=None,
-                    excluded=True,
-                    exclusion_reason=f"executor error: {type(exc).__name__}: {exc}",
-                    returncode=None,
-                    duration_s=0.0,
-                    workspace=str(self.root / spec.execution_id / "workspace"),
-                    exclusion_kind="executor_error",
-                )
+                reason = f"executor error: {type(exc).__name__}: {exc}"
+                workspace = self.root / spec.execution_id / "workspace"
+                result = _result(spec, workspace, "crashed", None, reason, None, 0.0, "executor_error")
             on_done(result)
 
         thread = threading.Thread(target=work, name=f"gyre-exec-{spec.execution_id}", daemon=True)
@@ -378,31 +313,12 @@ class Executor:
         exec_dir = self.root / spec.execution_id
         workspace = exec_dir / "workspace"
 
-        def result(
-            status: str,
-            reward: float | None,
-            reason: str | None,
-            returncode: int | None,
-            duration: float,
-            kind: str | None = None,
-        ) -> ExecutionResult:
-            r = ExecutionResult(
-                execution_id=spec.execution_id,
-                task_id=spec.task.task_id,
-                group_id=spec.group_id,
-                status=status,
-                reward=reward,
-                excluded=reason is not None,
-                exclusion_reason=reason,
-                returncode=returncode,
-                duration_s=duration,
-                workspace=str(workspace),
-                exclusion_kind=kind if reason is not None else None,
-            )
+        def result(status, reward, reason, returncode, duration, kind=None) -> ExecutionResult:  # written to disk
+            r = _result(spec, workspace, status, reward, reason, returncode, duration, kind)
             _write_result(exec_dir, r)
             return r
 
-        if self._cancelled.is_set():
+        if self._procs.cancelled:
             return result("crashed", None, "cancelled", None, 0.0, "cancelled")
         try:
             task_path = self._prepare(spec, exec_dir, workspace)
@@ -418,7 +334,6 @@ class Executor:
             return result(
                 "crashed", None, f"open_execution failed: {type(exc).__name__}: {exc}", None, 0.0, "setup_failed"
             )
-
         try:
             status, returncode, duration, cancelled = self._spawn_and_wait(
                 spec, exec_dir, workspace, task_path, api_key
@@ -433,7 +348,9 @@ class Executor:
                 logger.exception("close_execution failed for execution %s", spec.execution_id)
         if cancelled:
             return result("crashed", None, "cancelled", returncode, duration, "cancelled")
-        reward, reason, kind = self._evaluate(spec.task, workspace)
+        reward, reason, kind = run_evaluator(
+            self.evaluator, spec.task, workspace, self.evaluator_timeout_s, lambda: self._procs.cancelled
+        )
         return result(status, reward, reason, returncode, duration, kind)
 
     def _prepare(self, spec: ExecutionSpec, exec_dir: Path, workspace: Path) -> Path:
@@ -451,133 +368,50 @@ class Executor:
     @property
     def anthropic_base_url(self) -> str:
         """``base_url`` without its ``/v1``: the Anthropic SDK appends ``/v1/messages`` itself."""
-        return self.base_url.rstrip("/").removesuffix("/v1")
-
-    def _values(self, spec: ExecutionSpec, task_path: Path, workspace: Path) -> dict[str, str]:
-        values = {
-            "{task}": str(task_path),
-            "{model}": self.model_name,
-            "{temperature}": repr(float(self.temperature)),
-            "{max_tokens}": str(int(self.max_tokens)),
-            "{seed}": str(int(spec.seed)),
-            "{workspace}": str(workspace),
-            "{exec_dir}": str(task_path.parent),
-            "{execution_id}": spec.execution_id,
-            "{base_url}": self.base_url,
-            "{anthropic_base_url}": self.anthropic_base_url,
-        }
-        for name in _TASK_FIELDS:
-            value = getattr(spec.task, name)
-            values["{task." + name + "}"] = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        return values
-
-    @staticmethod
-    def _fill(template: str, values: dict[str, str]) -> str:
-        # One pass over the template: a substituted value is never expanded again.
-        return re.sub(r"\{(?:task\.)?[A-Za-z_][A-Za-z0-9_]*\}", lambda m: values.get(m.group(0), m.group(0)), template)
-
-    def _command(self, spec: ExecutionSpec, task_path: Path, workspace: Path) -> list[str]:
-        values = self._values(spec, task_path, workspace)
-        return [self._fill(arg, values) for arg in self.harness_cmd]
-
-    def _env(self, api_key: str, values: dict[str, str] | None = None) -> dict[str, str]:
-        env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
-        pythonpath = os.environ.get("PYTHONPATH")
-        env["PYTHONPATH"] = str(_REPO_ROOT) + (os.pathsep + pythonpath if pythonpath else "")
-        env["PYTHONUNBUFFERED"] = "1"
-        env.update({k: self._fill(v, values) if values else v for k, v in self.extra_env.items()})
-        env["OPENAI_BASE_URL"] = self.base_url
-        env["OPENAI_API_KEY"] = api_key
-        env["ANTHROPIC_BASE_URL"] = self.anthropic_base_url
-        env["ANTHROPIC_API_KEY"] = api_key
-        return env
+        return templates.anthropic_base_url(self.base_url)
 
     def _spawn_and_wait(
         self, spec: ExecutionSpec, exec_dir: Path, workspace: Path, task_path: Path, api_key: str
     ) -> tuple[str, int | None, float, bool]:
         """Runs the harness to its end; returns (status, returncode, duration_s, cancelled)."""
-        cmd = self._command(spec, task_path, workspace)
-        env = self._env(api_key, self._values(spec, task_path, workspace))
-        start = time.monotonic()
-        with open(exec_dir / "harness.stdout", "wb") as out, open(exec_dir / "harness.stderr", "wb") as err:
-            with self._lock:
-                if self._cancelled.is_set():
-                    return "crashed", None, 0.0, True
-                try:
-                    proc = subprocess.Popen(
-                        cmd, cwd=workspace, env=env, stdin=subprocess.DEVNULL,
-                        stdout=out, stderr=err, start_new_session=True,
-                    )  # fmt: skip
-                except OSError as exc:
-                    err.write(f"executor: failed to start harness {cmd!r}: {exc}\n".encode())
-                    return "crashed", None, time.monotonic() - start, False
-                self._running[spec.execution_id] = proc
-            try:
-                deadline = start + self.timeout_s
-                timed_out = False
-                while proc.poll() is None:
-                    if self._cancelled.is_set():
-                        break
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        timed_out = True
-                        break
-                    try:
-                        proc.wait(timeout=min(_POLL_S, remaining))
-                    except subprocess.TimeoutExpired:
-                        pass
-                # Kill the whole group: on timeout/cancel the harness itself, after a normal exit
-                # whatever children it left behind.
-                _kill_group(proc.pid, self.kill_grace_s, proc)
-                returncode = proc.wait()
-                duration = time.monotonic() - start
-            finally:
-                with self._lock:
-                    self._running.pop(spec.execution_id, None)
-        if self._cancelled.is_set() and not timed_out:
-            # Cancelled while the harness ran (or in the same instant it ended): never scored.
-            return "crashed", returncode, duration, True
-        if timed_out:
-            err_note = f"executor: harness killed after timeout_s={self.timeout_s}\n"
-            with open(exec_dir / "harness.stderr", "ab") as err:
-                err.write(err_note.encode())
-            return "timeout", returncode, duration, False
-        return ("finished" if returncode == 0 else "crashed"), returncode, duration, False
+        values = templates.template_values(
+            spec,
+            task_path,
+            workspace,
+            model_name=self.model_name,
+            temperature=self.temperature,
+            max_tokens=self.max_tokens,
+            base_url=self.base_url,
+        )
+        cmd = [templates.fill(arg, values) for arg in self.harness_cmd]
+        env = templates.harness_env(api_key, self.base_url, self.extra_env, values)
+        return self._procs.run(spec.execution_id, cmd, workspace, env, exec_dir, self.timeout_s)
 
-    def _evaluate(self, task: Task, workspace: Path) -> tuple[float | None, str | None, str | None]:
-        """(reward, None, None) or (None, why it is excluded, exclusion kind). The evaluator runs in a daemon thread."""
-        box: dict[str, Any] = {}
 
-        def target() -> None:
-            try:
-                box["reward"] = self.evaluator(task, workspace)
-            except BaseException as exc:  # noqa: BLE001 - reported as an exclusion
-                box["error"] = exc
-
-        thread = threading.Thread(target=target, name=f"gyre-eval-{task.task_id}", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + self.evaluator_timeout_s
-        while thread.is_alive() and time.monotonic() < deadline and not self._cancelled.is_set():
-            thread.join(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
-        if thread.is_alive():
-            if self._cancelled.is_set():
-                return None, "cancelled during evaluation", "cancelled"
-            # A Python thread cannot be killed: it is left to finish in the background (daemon). A command
-            # evaluator kills its own process group at the same limit.
-            return None, f"evaluator exceeded evaluator_timeout_s={self.evaluator_timeout_s}", "evaluator_timeout"
-        if "error" in box:
-            exc = box["error"]
-            kind = "evaluator_timeout" if isinstance(exc, TimeoutError) else "evaluator_error"
-            return None, f"evaluator raised {type(exc).__name__}: {exc}", kind
-        reward = box.get("reward")
-        if (
-            isinstance(reward, bool)
-            or not isinstance(reward, (int, float))
-            or not math.isfinite(reward)
-            or not 0.0 <= reward <= 1.0
-        ):
-            return None, f"evaluator returned {reward!r}; expected a float in [0, 1]", "evaluator_bad_value"
-        return float(reward), None, None
+def _result(
+    spec: ExecutionSpec,
+    workspace: Path,
+    status: str,
+    reward: float | None,
+    reason: str | None,
+    returncode: int | None,
+    duration: float,
+    kind: str | None = None,
+) -> ExecutionResult:
+    """``spec``'s result: excluded exactly when ``reason`` is given (``kind`` says why, only then)."""
+    return ExecutionResult(
+        execution_id=spec.execution_id,
+        task_id=spec.task.task_id,
+        group_id=spec.group_id,
+        status=status,
+        reward=reward,
+        excluded=reason is not None,
+        exclusion_reason=reason,
+        returncode=returncode,
+        duration_s=duration,
+        workspace=str(workspace),
+        exclusion_kind=kind if reason is not None else None,
+    )
 
 
 def _check_execution_id(execution_id: str) -> None:

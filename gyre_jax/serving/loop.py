@@ -26,84 +26,60 @@ Rules:
     only what follows the longest common prefix. By default (``reuse_stale_kv=False``) entries computed
     under an older policy version are dropped at a weight update, as SGLang and vLLM flush on updates.
   - Migration: see ``serving.session`` (``export_sessions``/``drain`` and ``import_session``).
+
+The loop owns the thread, weight updates, cancellations, commands and migration; the requests waiting for
+a slot are a ``request_queue.RequestQueue``, the slots and the device state they share a
+``batch.DecodeBatch``, the session prefix cache (index and page pool) a ``session_cache.SessionCache``, a
+request's bookkeeping a ``jobs.Job``.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
-import itertools
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gyre_jax.serving import sampling
-from gyre_jax.serving.engine import Engine, KVPages, Prefix, ResultTokens
-from gyre_jax.serving.prefix_cache import PrefixCache, PrefixCacheStats
+from gyre_jax.serving.batch import DecodeBatch
+from gyre_jax.serving.engine import Engine, KVPages
+from gyre_jax.serving.jobs import Job, LoopStats, check_prompt, check_resume, stop_checker
+from gyre_jax.serving.prefix_cache import PrefixCache
+from gyre_jax.serving.request_queue import RequestQueue
 from gyre_jax.serving.session import SessionState
-from gyre_jax.serving.stopping import Detokenize, StopStrings
-from gyre_jax.serving.types import ContextTooLongError, GenerationRequest, GenerationResult
+from gyre_jax.serving.session_cache import SessionCache
+from gyre_jax.serving.stopping import Detokenize
+from gyre_jax.serving.types import GenerationRequest
 
 log = logging.getLogger(__name__)
 
 ON_UPDATE = ("continue", "recompute")
 
 
-@dataclass
-class _Job:
-    """A request on this loop: queued, prefilling in a slot, or decoding in a slot."""
-
-    request: GenerationRequest
-    future: concurrent.futures.Future
-    target: list[int]  # ids whose KV must be cached before decoding: the prompt (+ generated[:-1] when resuming)
-    seq: int  # admission order (prefill is first come, first served)
-    key: jax.Array | None = None  # [2] uint32: key for the next sample (None: derived at admission)
-    done: int = 0  # leading ids of ``target`` whose KV is in ``prefix`` (or in ``kv``)
-    prefix: Prefix | None = None
-    kv: KVPages | None = None  # imported KV, turned into ``prefix`` at admission
-    kv_version: int | None = None  # oldest policy version in the KV
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    budget: int = 0  # tokens this request may still generate (set when it starts decoding)
-    cached_tokens: int = 0
-    decoding: bool = False
-    stop: StopStrings | None = None
-
-    @property
-    def resuming(self) -> bool:
-        """The next token was sampled already (a migrated or recomputed request): insert it, sample nothing."""
-        return bool(self.tokens)
-
-
-@dataclass
-class _Step:
-    """A generate step in flight: its (device) result, the jobs it stepped by slot, the policy version it ran."""
-
-    result: ResultTokens
-    jobs: dict[int, _Job]
-    version: int
-
-
-@dataclass
-class LoopStats:
-    requests_done: int = 0
-    tokens_generated: int = 0  # tokens sampled by generate steps (the first token of a request comes from prefill)
-    prefill_tokens: int = 0  # prompt tokens actually prefilled (cached and imported KV excluded)
-    prefill_calls: int = 0
-    generate_steps: int = 0
-    busy_s: float = 0.0
-    sessions_exported: int = 0
-    sessions_imported: int = 0
-    cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+def _check_options(
+    engine: Engine, prefill_chunk: int | None, kv_pages: int | None, on_update: str, reuse: bool
+) -> tuple[int, int]:
+    """(prefill chunk, KV pages) with their defaults; raises ValueError for options a loop cannot have."""
+    if on_update not in ON_UPDATE:
+        raise ValueError(f"on_update={on_update!r} must be one of {ON_UPDATE}")
+    if on_update == "recompute" and reuse:
+        raise ValueError(
+            "on_update='recompute' recomputes KV under new weights; it cannot be combined with reuse_stale_kv=True"
+        )
+    chunk = engine.max_prefill_length if prefill_chunk is None else prefill_chunk
+    if not 1 <= chunk <= engine.max_prefill_length:
+        raise ValueError(
+            f"prefill_chunk={prefill_chunk} must be in [1, engine.max_prefill_length={engine.max_prefill_length}]"
+        )
+    if kv_pages is None:
+        kv_pages = engine.max_concurrent_decodes * engine.pages_per_seq
+    if kv_pages < 0:
+        raise ValueError(f"kv_pages={kv_pages} must be >= 0 (0 disables the session prefix cache)")
+    return chunk, kv_pages
 
 
 class ServingLoop:
@@ -126,21 +102,7 @@ class ServingLoop:
         """``kv_pages``: page budget of the session prefix cache (None: as many tokens as the decode slots
         hold; 0: no cache). ``prefill_chunk``: prompt tokens per prefill call and per step while others
         decode (None: ``engine.max_prefill_length``). ``detokenize``: ids -> text, needed for stop strings."""
-        if on_update not in ON_UPDATE:
-            raise ValueError(f"on_update={on_update!r} must be one of {ON_UPDATE}")
-        if on_update == "recompute" and reuse_stale_kv:
-            raise ValueError(
-                "on_update='recompute' recomputes KV under new weights; it cannot be combined with reuse_stale_kv=True"
-            )
-        chunk = engine.max_prefill_length if prefill_chunk is None else prefill_chunk
-        if not 1 <= chunk <= engine.max_prefill_length:
-            raise ValueError(
-                f"prefill_chunk={prefill_chunk} must be in [1, engine.max_prefill_length={engine.max_prefill_length}]"
-            )
-        if kv_pages is None:
-            kv_pages = engine.max_concurrent_decodes * engine.pages_per_seq
-        if kv_pages < 0:
-            raise ValueError(f"kv_pages={kv_pages} must be >= 0 (0 disables the session prefix cache)")
+        chunk, kv_pages = _check_options(engine, prefill_chunk, kv_pages, on_update, reuse_stale_kv)
         self.engine = engine
         self.name = name
         self.max_context = engine.max_seq_len
@@ -148,25 +110,26 @@ class ServingLoop:
         self.on_update = on_update
         self.reuse_stale_kv = reuse_stale_kv
         self._detokenize = detokenize
-        self._params = params
-        self._version = policy_version
         self._pending_update: tuple | None = None
-        self._seed = seed
-        self._seed_counter = 0
-        self._seq = itertools.count()
-        self._queue: collections.deque[_Job] = collections.deque()
+        self._requests = RequestQueue(seed, name)
         self._cancelled: set[str] = set()
         self._commands: collections.deque[tuple[Callable[[], object], concurrent.futures.Future]] = collections.deque()
         self._moved: dict[str, SessionState] = {}  # exported in-flight requests, for forwarding cancels
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._slots: list[_Job | None] = [None] * engine.max_concurrent_decodes
-        self._state = None
-        self._pending: _Step | None = None  # the generate step in flight (dispatched, tokens not read yet)
-        self._cache = PrefixCache(kv_pages, engine.page_size) if kv_pages > 0 else None
-        self._pool: KVPages | None = None
+        self._cache = SessionCache(engine, kv_pages) if kv_pages > 0 else None
         self.stats = LoopStats()
+        self._batch = DecodeBatch(
+            engine,
+            params,
+            policy_version,
+            name=name,
+            prefill_chunk=chunk,
+            lock=self._cv,
+            stats=self.stats,
+            cache=self._cache,
+        )
         # one entry per loop iteration that did work: (decode batch, context tokens of that batch, tokens
         # prefilled, seconds); the controller turns these into the simulator's measured serving costs
         self.step_log: collections.deque[tuple[int, int, int, float]] = collections.deque(maxlen=50_000)
@@ -176,15 +139,15 @@ class ServingLoop:
     # -- public API -------------------------------------------------------------------------------
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self._batch.version
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
-        return self._cache
+        return None if self._cache is None else self._cache.index
 
     def start(self) -> ServingLoop:
         if self._thread is None:
-            self._ensure_state()
+            self._batch.ensure_state()
             self._thread = threading.Thread(target=self._run, name=f"serving-{self.name}", daemon=True)
             self._thread.start()
         return self
@@ -198,17 +161,23 @@ class ServingLoop:
             self._thread.join()
             self._thread = None
         with self._cv:
-            for slot in range(len(self._slots)):
-                self._finish(slot, "cancelled", save=False)
-            while self._queue:
-                job = self._queue.popleft()
-                self._resolve(job, "cancelled")
+            for slot in range(len(self._batch.slots)):
+                self._batch.finish(slot, "cancelled", save=False)
+            for job in self._requests.take(lambda job: True):
+                job.resolve("cancelled", self.name)
             self._fail_commands(RuntimeError(f"serving loop {self.name} is stopped"))
 
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            job = self._new_job(request, future)
+            check_prompt(request, self.max_context)
+            job = Job(
+                request=request,
+                future=future,
+                target=list(request.prompt_ids),
+                seq=self._requests.next_seq(),
+                stop=stop_checker(request, self._detokenize, self.name),
+            )
         except ValueError as exc:
             future.set_exception(exc)
             return future
@@ -219,7 +188,7 @@ class ServingLoop:
             if self.error is not None:
                 future.set_exception(RuntimeError(f"serving loop {self.name} has failed: {self.error!r}"))
                 return future
-            self._queue.append(job)
+            self._requests.jobs.append(job)
             self._cv.notify_all()
         return future
 
@@ -240,7 +209,7 @@ class ServingLoop:
 
     def num_in_flight(self) -> int:
         with self._cv:
-            return len(self._queue) + sum(s is not None for s in self._slots)
+            return len(self._requests) + sum(s is not None for s in self._batch.slots)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -277,129 +246,21 @@ class ServingLoop:
         for state in states:
             self.import_session(state)
 
-    # -- request bookkeeping ----------------------------------------------------------------------
-    def _new_job(self, request: GenerationRequest, future: concurrent.futures.Future) -> _Job:
-        """Validates a new request (raises ValueError with what to do) and wraps it."""
-        sp = request.sampling
-        sp.validate()
-        n = len(request.prompt_ids)
-        if n == 0:
-            raise ValueError("empty prompt: at least one token is needed")
-        if n + 1 > self.max_context:
-            raise ContextTooLongError(
-                f"prompt of {n} tokens does not fit this cell (context {self.max_context} tokens, at most "
-                f"{self.max_context - 1} prompt tokens); shorten the conversation"
-            )
-        return _Job(
-            request=request,
-            future=future,
-            target=list(request.prompt_ids),
-            seq=next(self._seq),
-            stop=self._stop_checker(request),
-        )
-
-    def _stop_checker(self, request: GenerationRequest) -> StopStrings | None:
-        strings = request.sampling.stop_strings
-        if not strings:
-            return None
-        if self._detokenize is None:
-            raise ValueError(
-                f"stop_strings={strings!r} need detokenization, and serving loop {self.name} has no "
-                "detokenize function; build it with ServingLoop(..., detokenize=tokenizer.decode) or use stop_ids"
-            )
-        return StopStrings(strings, self._detokenize)
-
-    def _result(self, job: _Job, reason: str, stop_reason=None) -> GenerationResult:
-        return GenerationResult(
-            request_id=job.request.request_id,
-            token_ids=job.tokens,
-            logprobs=job.logprobs,
-            policy_versions=job.versions,
-            finish_reason=reason,
-            prompt_len=len(job.request.prompt_ids),
-            cell=self.name,
-            cached_tokens=job.cached_tokens,
-            stop_reason=stop_reason,
-        )
-
-    def _resolve(self, job: _Job, reason: str, stop_reason=None) -> None:
-        if not job.future.done():
-            job.future.set_result(self._result(job, reason, stop_reason))
-
-    def _finish(self, slot: int, reason: str, stop_reason=None, save: bool = True) -> None:
-        """Ends the request in ``slot`` (caller holds the lock): caches its session's KV, frees the slot."""
-        job = self._slots[slot]
-        self._slots[slot] = None
-        if job is None:
-            return
-        if job.decoding and self._state is not None:
-            if save:
-                self._store_session(job, slot)
-            self._state = self.engine.release(self._state, slot)
-        self.stats.requests_done += 1
-        self._resolve(job, reason, stop_reason)
-
-    def _store_session(self, job: _Job, slot: int) -> None:
-        sid = job.request.session_id
-        if self._cache is None or sid is None:
-            return
-        kv_tokens = list(job.request.prompt_ids) + job.tokens[:-1]  # the newest token is sampled, not cached
-        pages = self._cache.store(sid, kv_tokens, self._version if job.kv_version is None else job.kv_version)
-        if pages is not None:
-            self._pool = self.engine.save_slot(self._pool, self._state, slot, pages)
-        self._refresh_cache_stats()  # before the request's future resolves
-
-    def _accept(self, slot: int, token: int, logprob: float, version: int | None = None) -> None:
-        """Records a sampled token (``version``: the policy that sampled it; default the current one)."""
-        job = self._slots[slot]
-        assert job is not None
-        job.tokens.append(token)
-        job.logprobs.append(logprob)
-        job.versions.append(self._version if version is None else version)
-        job.budget -= 1
-        if token in job.request.sampling.stop_ids:
-            self._finish(slot, "stop", stop_reason=token)
-        elif job.stop is not None and (matched := job.stop.check(job.tokens)) is not None:
-            self._finish(slot, "stop", stop_reason=matched)
-        elif job.budget <= 0:
-            self._finish(slot, "length")
-
-    def _key_for(self, request: GenerationRequest) -> jax.Array:
-        seed = request.sampling.seed
-        if seed is None:
-            self._seed_counter += 1
-            seed = zlib.crc32(f"{self._seed}/{self.name}/{self._seed_counter}".encode())
-        return sampling.key_for_seed(seed)
-
     # -- control (loop thread, under the lock) ----------------------------------------------------
-    def _ensure_state(self) -> None:
-        if self._state is None:
-            self._state = self.engine.init_decode_state()
-        if self._cache is not None and self._pool is None:
-            self._pool = self.engine.init_page_pool(self._cache.num_pages)
-
     def _control(self) -> None:
+        batch = self._batch
         if self._commands or (self._pending_update is not None and self.on_update == "recompute"):
-            self._flush()  # exports and recomputes need every sampled token accounted for
+            batch.flush()  # exports and recomputes need every sampled token accounted for
         if self._pending_update is not None:
-            (self._params, version), self._pending_update = self._pending_update, None
-            changed = version != self._version
-            self._version = version
+            (params, version), self._pending_update = self._pending_update, None
+            changed = batch.set_weights(params, version)
             if changed and self.on_update == "recompute":
-                self._recompute_in_flight()
+                batch.recompute_in_flight()
             if changed and self._cache is not None and not self.reuse_stale_kv:
                 self._cache.drop_stale(version)
         if self._cancelled:
-            kept = collections.deque()
-            for job in self._queue:
-                if job.request.request_id in self._cancelled:
-                    self._resolve(job, "cancelled")
-                else:
-                    kept.append(job)
-            self._queue = kept
-            for slot, job in enumerate(self._slots):
-                if job is not None and job.request.request_id in self._cancelled:
-                    self._finish(slot, "cancelled")
+            self._requests.cancel(self._cancelled, self.name)
+            batch.cancel(self._cancelled)
             self._cancelled.clear()
         while self._commands:
             fn, fut = self._commands.popleft()
@@ -407,53 +268,8 @@ class ServingLoop:
                 fut.set_result(fn())
             except Exception as exc:  # a bad command fails its caller, never the loop
                 fut.set_exception(exc)
-        free = [slot for slot, job in enumerate(self._slots) if job is None]
-        while free and self._queue:
-            job = self._queue.popleft()
-            if job.future.done():  # e.g. resolved elsewhere while it waited
-                continue
-            try:
-                self._admit(job)
-            except Exception as exc:  # this request fails; the loop serves on
-                log.exception("serving loop %s: could not admit request %s", self.name, job.request.request_id)
-                job.future.set_exception(exc)
-                continue
-            self._slots[free.pop(0)] = job
+        self._requests.admit(batch, self.reuse_stale_kv)
         self._refresh_cache_stats()
-
-    def _admit(self, job: _Job) -> None:
-        """Gives a job its sampling key and any KV it can start from (imported, or the session's cache entry)."""
-        if job.key is None:
-            job.key = self._key_for(job.request)
-        if job.kv is not None:
-            ready = job.done if job.resuming else min(job.done, len(job.target) - 1)  # >= 1 token left to sample from
-            if ready > 0:
-                job.prefix = self.engine.prefix_from_pages(job.kv, ready, job.key)
-            job.done, job.kv = ready, None
-            return
-        sid = job.request.session_id
-        if self._cache is None or sid is None or job.resuming:
-            return
-        hit = self._cache.take(sid, job.target, None if self.reuse_stale_kv else self._version)
-        if hit is None:
-            return
-        job.prefix = self.engine.load_prefix(self._pool, hit.entry.pages, hit.reused, job.key)
-        self._cache.release(hit.entry)  # the load above is dispatched first: later writes to these pages wait for it
-        job.done = job.cached_tokens = hit.reused
-        job.kv_version = hit.entry.version
-
-    def _recompute_in_flight(self) -> None:
-        """on_update="recompute": every request in a slot prefills its KV again under the new weights."""
-        keys = np.asarray(jax.device_get(self._state.keys))
-        for slot, job in enumerate(self._slots):
-            if job is None:
-                continue
-            if job.decoding:
-                job.key = jnp.asarray(keys[slot])
-                job.target = list(job.request.prompt_ids) + job.tokens[:-1]
-                job.decoding = False
-                self._state = self.engine.release(self._state, slot)
-            job.done, job.prefix, job.kv_version, job.cached_tokens = 0, None, None, 0
 
     def _on_loop(self, fn: Callable[[], object]):
         """Runs ``fn`` on the loop thread between two steps (or here, if the loop is not running)."""
@@ -461,7 +277,7 @@ class ServingLoop:
             if self.error is not None:
                 raise RuntimeError(f"serving loop {self.name} has failed: {self.error!r}")
             if self._thread is None or threading.current_thread() is self._thread:
-                self._ensure_state()
+                self._batch.ensure_state()
                 return fn()
             fut: concurrent.futures.Future = concurrent.futures.Future()
             self._commands.append((fn, fut))
@@ -483,58 +299,22 @@ class ServingLoop:
         def wanted(sid):
             return selected is None or (sid is not None and sid in selected)
 
-        cached, running, queued = [], [], []
-        if include_cached and self._cache is not None:
-            for sid in self._cache.sessions():
-                if wanted(sid):
-                    entry = self._cache.pop(sid)
-                    kv = self.engine.export_pages(self._pool, entry.pages)
-                    self._cache.release(entry)
-                    cached.append(SessionState(sid, kv, entry.tokens.tolist(), entry.version, source=self.name))
-        keys = None
-        for slot, job in enumerate(self._slots):
-            if job is None or not wanted(job.request.session_id):
-                continue
-            if job.decoding:
-                keys = np.asarray(jax.device_get(self._state.keys)) if keys is None else keys
-                kv_tokens = list(job.request.prompt_ids) + job.tokens[:-1]
-                kv = self.engine.export_slot(self._state, slot, len(kv_tokens))
-                self._state = self.engine.release(self._state, slot)
-                key = keys[slot]
-            else:
-                kv_tokens = job.target[: job.done]
-                kv = self.engine.export_prefix(job.prefix, job.done) if job.prefix is not None and job.done else None
-                key = None if job.key is None else np.asarray(job.key)
-            self._slots[slot] = None
-            running.append(self._state_of(job, kv, kv_tokens, key))
-        kept = collections.deque()
-        for job in self._queue:
-            if wanted(job.request.session_id):
-                kv_tokens = job.target[: job.done] if job.kv is not None else []
-                queued.append(self._state_of(job, job.kv, kv_tokens, None if job.key is None else np.asarray(job.key)))
-            else:
-                kept.append(job)
-        self._queue = kept
+        cached = self._cache.export(wanted, self.name) if include_cached and self._cache is not None else []
+        running = [self._state_of(*moved) for moved in self._batch.export(wanted)]
+        queued = [
+            self._state_of(job, job.kv, job.target[: job.done] if job.kv is not None else [], job.key)
+            for job in self._requests.take(lambda job: wanted(job.request.session_id))
+        ]
         out = cached + running + queued
         self.stats.sessions_exported += len(out)
         self._refresh_cache_stats()
         return out
 
-    def _state_of(self, job: _Job, kv: KVPages | None, kv_tokens: list[int], key) -> SessionState:
-        state = SessionState(
-            session_id=job.request.session_id,
-            kv=kv,
-            kv_tokens=kv_tokens,
-            kv_version=self._version if job.kv_version is None else job.kv_version,
-            request=job.request,
-            future=job.future,
-            token_ids=job.tokens,
-            logprobs=job.logprobs,
-            policy_versions=job.versions,
-            key=key,
-            cached_tokens=job.cached_tokens,
-            source=self.name,
-        )
+    def _state_of(self, job: Job, kv: KVPages | None, kv_tokens: list[int], key) -> SessionState:
+        """``key``: [2] the job's next sampling key (None: not derived yet)."""
+        version = self._batch.version if job.kv_version is None else job.kv_version
+        key = None if key is None else np.asarray(key)
+        state = SessionState.of_job(job, kv, kv_tokens, version, key, source=self.name)
         rid = job.request.request_id
         self._moved[rid] = state
         job.future.add_done_callback(lambda _: self._moved.pop(rid, None))
@@ -548,163 +328,26 @@ class ServingLoop:
             )
         if state.request is None:  # an idle session: keep its KV as a cache entry here
             if self._cache is not None and state.session_id is not None and kv is not None and state.kv_tokens:
-                pages = self._cache.store(state.session_id, state.kv_tokens, state.kv_version)
-                if pages is not None:
-                    self._pool = self.engine.import_pages(self._pool, kv, pages)
+                self._cache.put(state.session_id, state.kv_tokens, state.kv_version, kv)
             self.stats.sessions_imported += 1
             self._refresh_cache_stats()
             return
         request, future = state.request, state.future
         if future is None or future.done():
             return  # nobody waits for it any more (e.g. cancelled during the move)
-        prompt = list(request.prompt_ids)
-        target = prompt + state.token_ids[:-1] if state.token_ids else prompt
-        if state.kv_tokens != target[: len(state.kv_tokens)] or (kv is None and state.kv_tokens):
-            raise ValueError(
-                f"session {state.session_id!r}: kv_tokens are not a prefix of the request's prompt + "
-                "generated tokens; export states with ServingLoop.export_sessions"
-            )
+        target = state.target(has_kv=kv is not None)
         try:
-            stop = self._stop_checker(request)
-            if len(prompt) + max(len(state.token_ids), 1) > self.max_context:
-                raise ContextTooLongError(
-                    f"request {request.request_id} ({len(prompt)} prompt + {len(state.token_ids)} "
-                    f"generated tokens) does not fit serving loop {self.name} "
-                    f"(context {self.max_context} tokens)"
-                )
+            stop = stop_checker(request, self._detokenize, self.name)
+            check_resume(request, len(state.token_ids), self.max_context, self.name)
         except ValueError as exc:
             future.set_exception(exc)
             return
-        job = _Job(
-            request=request,
-            future=future,
-            target=target,
-            seq=next(self._seq),
-            key=None if state.key is None else jnp.asarray(state.key, jnp.uint32),
-            done=len(state.kv_tokens) if kv is not None else 0,
-            kv=kv,
-            kv_version=state.kv_version if kv is not None else None,
-            tokens=list(state.token_ids),
-            logprobs=list(state.logprobs),
-            versions=list(state.policy_versions),
-            cached_tokens=state.cached_tokens,
-            stop=stop,
-        )
-        self._queue.appendleft(job)  # a moved request goes ahead of new ones
+        key = None if state.key is None else jnp.asarray(state.key, jnp.uint32)
+        self._requests.jobs.appendleft(state.to_job(target, self._requests.next_seq(), key, kv, stop))  # ahead of new
         state.moved_to = self
         self.stats.sessions_imported += 1
 
     # -- the loop ---------------------------------------------------------------------------------
-    def _has_work(self) -> bool:
-        return any(s is not None for s in self._slots)
-
-    def _prefill_step(self) -> None:
-        """Prefills up to ``prefill_chunk`` tokens of the slots still prefilling (oldest first); slots whose
-        prompt is complete start decoding. With no slot decoding, goes on until one can start."""
-        pending = sorted(
-            ((slot, job) for slot, job in enumerate(self._slots) if job is not None and not job.decoding),
-            key=lambda sj: sj[1].seq,
-        )
-        if not pending:
-            return
-        must_start = not any(j is not None and j.decoding for j in self._slots)
-        spent = 0
-        for slot, job in pending:
-            while job.done < len(job.target):
-                if spent >= self.prefill_chunk and not must_start:
-                    return
-                n = min(self.prefill_chunk, len(job.target) - job.done)
-                if job.prefix is None and n < len(job.target):  # chunks follow: all of them on a full-length cache
-                    job.prefix = self.engine.empty_prefix(job.key)
-                try:
-                    job.prefix = self.engine.prefill(
-                        params=self._params,
-                        tokens=job.target[job.done : job.done + n],
-                        sampling_params=job.request.sampling,
-                        key=job.key,
-                        existing_prefix=job.prefix,
-                    )
-                except Exception as exc:  # this request fails; the loop serves on
-                    log.warning("serving loop %s: prefill of %s failed: %s", self.name, job.request.request_id, exc)
-                    with self._cv:
-                        self._slots[slot] = None
-                    if not job.future.done():
-                        job.future.set_exception(exc)
-                    break
-                if job.kv_version is None:
-                    job.kv_version = self._version
-                job.done += n
-                spent += n
-                self.stats.prefill_tokens += n
-                self.stats.prefill_calls += 1
-            else:
-                self._start_decoding(slot, job)
-                must_start = False
-
-    def _start_decoding(self, slot: int, job: _Job) -> None:
-        prefix = job.prefix
-        if job.resuming:  # insert the token sampled before the move/update, with the key state after it
-            prefix = dataclasses.replace(
-                prefix, token=jnp.int32(job.tokens[-1]), logprob=jnp.float32(job.logprobs[-1]), key=job.key
-            )
-        sp = job.request.sampling
-        self._state = self.engine.insert(prefix, self._state, slot, sp)
-        job.prefix = None
-        job.budget = min(sp.max_tokens, self.max_context - len(job.request.prompt_ids)) - len(job.tokens)
-        with self._cv:
-            job.decoding = True
-            if job.resuming:
-                if job.budget <= 0:
-                    self._finish(slot, "length")
-                return
-            token, logprob = jax.device_get((prefix.token, prefix.logprob))
-            self._accept(slot, int(token), float(logprob))
-
-    def _dispatch_generate(self, in_flight: _Step | None) -> _Step | None:
-        """Starts one generate step for the decoding slots (not waiting for it). Jobs still owed their token of
-        the step ``in_flight`` hold one more cached token by the time this step runs."""
-        decoding = {slot: j for slot, j in enumerate(self._slots) if j is not None and j.decoding}
-        if not decoding:
-            return None
-        owed = in_flight.jobs if in_flight is not None else {}
-        longest = max(
-            len(j.request.prompt_ids) + len(j.tokens) - 1 + (owed.get(slot) is j) for slot, j in decoding.items()
-        )
-        self._state, result = self.engine.generate(
-            self._params, self._state, max_length=longest, slot_limit=max(decoding) + 1, wait=False
-        )
-        self.stats.generate_steps += 1
-        return _Step(result=result, jobs=decoding, version=self._version)
-
-    def _collect(self, step: _Step | None) -> None:
-        """Gives each job its token of ``step``; a slot whose job ended or changed since it was dispatched
-        (finished, cancelled, exported) ignores it."""
-        if step is None:
-            return
-        result = step.result.to_host()
-        tokens, logprobs, valid = result.tokens.tolist(), result.logprobs.tolist(), result.valid.tolist()
-        with self._cv:
-            for slot, job in step.jobs.items():
-                if self._slots[slot] is not job or not job.decoding:
-                    continue
-                if not valid[slot]:  # cannot happen while budgets respect the context; never pass garbage on
-                    log.error(
-                        "serving loop %s: slot %d sampled no valid token (request %s); ending it",
-                        self.name,
-                        slot,
-                        job.request.request_id,
-                    )
-                    self._finish(slot, "length")
-                    continue
-                self.stats.tokens_generated += 1
-                self._accept(slot, tokens[slot], logprobs[slot], step.version)
-
-    def _flush(self) -> None:
-        """Collects the step in flight, so slots, tokens and the decode state agree (before an export, a
-        recompute or a stop)."""
-        step, self._pending = self._pending, None
-        self._collect(step)
-
     def _run(self) -> None:
         try:
             while True:
@@ -712,17 +355,12 @@ class ServingLoop:
                     if self._stop:
                         break
                     self._control()
-                    if not self._has_work() and self._pending is None:
+                    if not self._batch.has_work() and self._batch.pending is None:
                         self._cv.wait(timeout=0.05)
                         continue
                 t0 = time.perf_counter()
                 prefilled = self.stats.prefill_tokens
-                self._prefill_step()
-                # pipelined: step k+1 is dispatched before step k's tokens are read, so the device never waits
-                # for this thread; a request that ends at step k wastes its token of step k+1
-                previous = self._pending
-                self._pending = self._dispatch_generate(previous)
-                self._collect(previous)
+                previous = self._batch.step()
                 dt = time.perf_counter() - t0
                 self.stats.busy_s += dt
                 if previous is not None or self.stats.prefill_tokens > prefilled:
@@ -734,12 +372,8 @@ class ServingLoop:
             with self._cv:
                 self.error = exc
                 failure = RuntimeError(f"serving loop {self.name} failed: {exc!r}")
-                for slot, job in enumerate(self._slots):
+                for job in self._batch.slots + self._requests.take(lambda job: True):
                     if job is not None and not job.future.done():
                         job.future.set_exception(failure)
-                    self._slots[slot] = None
-                while self._queue:
-                    job = self._queue.popleft()
-                    if not job.future.done():
-                        job.future.set_exception(failure)
+                self._batch.slots[:] = [None] * len(self._batch.slots)
                 self._fail_commands(failure)

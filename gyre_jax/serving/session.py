@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from gyre_jax.serving.engine import KVPages
+from gyre_jax.serving.jobs import Job
+from gyre_jax.serving.stopping import StopStrings
 from gyre_jax.serving.types import GenerationRequest, GenerationResult
 
 
@@ -60,6 +62,57 @@ class SessionState:
     @property
     def in_flight(self) -> bool:
         return self.request is not None
+
+    @classmethod
+    def of_job(
+        cls, job: Job, kv: KVPages | None, kv_tokens: list[int], kv_version: int, key, source: str
+    ) -> SessionState:
+        """The state of a request leaving loop ``source`` (its session's, if it has one)."""
+        return cls(
+            session_id=job.request.session_id,
+            kv=kv,
+            kv_tokens=kv_tokens,
+            kv_version=kv_version,
+            request=job.request,
+            future=job.future,
+            token_ids=job.tokens,
+            logprobs=job.logprobs,
+            policy_versions=job.versions,
+            key=key,
+            cached_tokens=job.cached_tokens,
+            source=source,
+        )
+
+    def target(self, has_kv: bool) -> list[int]:
+        """The ids whose KV the request needs before it decodes: its prompt (+ generated[:-1] when it already
+        sampled); raises ValueError if ``kv_tokens`` are not a prefix of them (or have no KV, ``has_kv``)."""
+        prompt = list(self.request.prompt_ids)
+        target = prompt + self.token_ids[:-1] if self.token_ids else prompt
+        if self.kv_tokens != target[: len(self.kv_tokens)] or (not has_kv and self.kv_tokens):
+            raise ValueError(
+                f"session {self.session_id!r}: kv_tokens are not a prefix of the request's prompt + "
+                "generated tokens; export states with ServingLoop.export_sessions"
+            )
+        return target
+
+    def to_job(self, target: list[int], seq: int, key, kv: KVPages | None, stop: StopStrings | None) -> Job:
+        """The request as a job of the importing loop (``kv``: its KV on that loop's mesh, or None), continuing
+        where it stopped."""
+        return Job(
+            request=self.request,
+            future=self.future,
+            target=target,
+            seq=seq,
+            key=key,
+            done=len(self.kv_tokens) if kv is not None else 0,
+            kv=kv,
+            kv_version=self.kv_version if kv is not None else None,
+            tokens=list(self.token_ids),
+            logprobs=list(self.logprobs),
+            versions=list(self.policy_versions),
+            cached_tokens=self.cached_tokens,
+            stop=stop,
+        )
 
     def cancel(self) -> None:
         """Resolves the request (if any) as "cancelled" with what it generated so far: for a state that will

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -278,6 +278,84 @@ def read_measurements(run_dir: str | os.PathLike) -> dict:
         raise CostModelError(f"{path}: not valid JSON ({exc})") from None
 
 
+def _drop_stalls(m: dict, note: dict) -> None:
+    """Leaves the stalls (longer than ``COMPILE_MIN_S`` and ``COMPILE_FACTOR`` x the median) out of the serving
+    samples ``m["decode_steps"]`` and ``m["prefills"]``; ``note`` says how many and how long."""
+    for key in ("decode_steps", "prefills"):
+        rows = m.get(key) or []
+        if rows:
+            t = np.asarray([r[-1] for r in rows], dtype=np.float64)
+            cut = max(COMPILE_MIN_S, COMPILE_FACTOR * float(np.median(t)))
+            keep = t <= cut
+            m[key] = [r for r, k in zip(rows, keep) if k]
+            note[key] = {
+                "samples": len(rows),
+                "left_out": int((~keep).sum()),
+                "left_out_s": float(t[~keep].sum()),
+                "threshold_s": cut,
+            }
+
+
+@dataclass
+class _TimelineCosts:
+    """A run's training-side samples from its timeline files: micro-steps ([FLOPs, seconds]), optimizer steps
+    and switches by direction (seconds) of steps >= ``skip_first``, and the first micro-step of each cell and
+    the first optimizer step (their compiles)."""
+
+    skip_first: int
+    micro: list = field(default_factory=list)
+    optim: list = field(default_factory=list)
+    to_train: list = field(default_factory=list)
+    to_serve: list = field(default_factory=list)
+    first_micro: dict = field(default_factory=dict)  # cell -> [FLOPs, seconds] of its first micro-step
+    first_optim: list = field(default_factory=list)
+
+    def add(self, tl) -> None:
+        """Takes the samples of one timeline (``elastic.timeline.Timeline``)."""
+        ends = sorted((o.args.get("step", 0), o.end) for o in tl.optimizer_steps)
+        for o in sorted(tl.optimizer_steps, key=lambda o: o.start):
+            if not self.first_optim:
+                self.first_optim.append(o.duration)
+            elif o.args.get("step", 0) >= self.skip_first:
+                self.optim.append(o.duration)
+        for c, cell in enumerate(tl.micro_steps):
+            for ms in sorted(cell, key=lambda ms: ms.start):
+                if "work" not in ms.args:
+                    continue
+                if c not in self.first_micro:
+                    self.first_micro[c] = [float(ms.args["work"]), ms.duration]
+                elif ms.args.get("step", 0) >= self.skip_first:
+                    self.micro.append([float(ms.args["work"]), ms.duration])
+        for cell in tl.roles:
+            for span in cell:
+                if span.name != "switching" or span.args.get("to") not in ("training", "serving"):
+                    continue
+                step = next((k for k, end in ends if end >= span.start), None)
+                if step is None or step < self.skip_first:
+                    continue
+                (self.to_train if span.args["to"] == "training" else self.to_serve).append(span.duration)
+
+    def apply(self, m: dict, note: dict) -> None:
+        """Replaces the controller's lists in ``m`` by these samples, with the warm-up compiles beyond a steady
+        step (``warmup_micro_steps``, ``warmup_optimizer_steps``); ``note`` records what changed."""
+        micro, optim = self.micro, self.optim
+        for key, values in (
+            ("micro_steps", micro),
+            ("optimizer_steps", optim),
+            ("serving_to_training", self.to_train),
+            ("training_to_serving", self.to_serve),
+        ):
+            note[key] = {"controller_samples": len(m.get(key) or []), "after_warm_up": len(values)}
+            m[key] = values
+        if micro and self.first_micro:  # a cell's first micro-step beyond a steady one of the same FLOPs
+            s_per_flop = sum(s for _, s in micro) / sum(f for f, _ in micro)
+            m["warmup_micro_steps"] = [max(0.0, s - f * s_per_flop) for f, s in self.first_micro.values()]
+            note["warmup_micro_steps"] = m["warmup_micro_steps"]
+        if optim and self.first_optim:
+            m["warmup_optimizer_steps"] = [max(0.0, self.first_optim[0] - float(np.mean(optim)))]
+            note["warmup_optimizer_steps"] = m["warmup_optimizer_steps"]
+
+
 def warm_measurements(run_dir: str | os.PathLike, skip_first: int = 1) -> tuple[dict, dict]:
     """The run's measured costs without its warm-up (the steps ``< skip_first``, whose times include the jit
     compiles and are not compared), and a note of what was left out.
@@ -298,67 +376,17 @@ def warm_measurements(run_dir: str | os.PathLike, skip_first: int = 1) -> tuple[
 
     m = dict(read_measurements(run_dir))
     note: dict = {}
-    for key in ("decode_steps", "prefills"):
-        rows = m.get(key) or []
-        if rows:
-            t = np.asarray([r[-1] for r in rows], dtype=np.float64)
-            cut = max(COMPILE_MIN_S, COMPILE_FACTOR * float(np.median(t)))
-            keep = t <= cut
-            m[key] = [r for r, k in zip(rows, keep) if k]
-            note[key] = {
-                "samples": len(rows),
-                "left_out": int((~keep).sum()),
-                "left_out_s": float(t[~keep].sum()),
-                "threshold_s": cut,
-            }
+    _drop_stalls(m, note)
     paths = sorted((Path(run_dir) / "timeline").glob("*.json"))
     if not paths:
         note["timeline"] = (
             "none: micro-steps, optimizer steps and switches as the controller listed them (warm-up included)"
         )
         return m, note
-    micro, optim, to_train, to_serve = [], [], [], []
-    first_micro: dict[int, list[float]] = {}  # cell -> [FLOPs, seconds] of its first micro-step
-    first_optim: list[float] = []
+    costs = _TimelineCosts(skip_first)
     for path in paths:
-        tl = load_timeline(path)
-        ends = sorted((o.args.get("step", 0), o.end) for o in tl.optimizer_steps)
-        for o in sorted(tl.optimizer_steps, key=lambda o: o.start):
-            if not first_optim:
-                first_optim.append(o.duration)
-            elif o.args.get("step", 0) >= skip_first:
-                optim.append(o.duration)
-        for c, cell in enumerate(tl.micro_steps):
-            for ms in sorted(cell, key=lambda ms: ms.start):
-                if "work" not in ms.args:
-                    continue
-                if c not in first_micro:
-                    first_micro[c] = [float(ms.args["work"]), ms.duration]
-                elif ms.args.get("step", 0) >= skip_first:
-                    micro.append([float(ms.args["work"]), ms.duration])
-        for cell in tl.roles:
-            for span in cell:
-                if span.name != "switching" or span.args.get("to") not in ("training", "serving"):
-                    continue
-                step = next((k for k, end in ends if end >= span.start), None)
-                if step is None or step < skip_first:
-                    continue
-                (to_train if span.args["to"] == "training" else to_serve).append(span.duration)
-    for key, values in (
-        ("micro_steps", micro),
-        ("optimizer_steps", optim),
-        ("serving_to_training", to_train),
-        ("training_to_serving", to_serve),
-    ):
-        note[key] = {"controller_samples": len(m.get(key) or []), "after_warm_up": len(values)}
-        m[key] = values
-    if micro and first_micro:  # a cell's first micro-step beyond a steady one of the same FLOPs: its compile
-        s_per_flop = sum(s for _, s in micro) / sum(f for f, _ in micro)
-        m["warmup_micro_steps"] = [max(0.0, s - f * s_per_flop) for f, s in first_micro.values()]
-        note["warmup_micro_steps"] = m["warmup_micro_steps"]
-    if optim and first_optim:
-        m["warmup_optimizer_steps"] = [max(0.0, first_optim[0] - float(np.mean(optim)))]
-        note["warmup_optimizer_steps"] = m["warmup_optimizer_steps"]
+        costs.add(load_timeline(path))
+    costs.apply(m, note)
     pauses, boundaries = step_boundary_costs(run_dir, skip_first)
     if pauses:
         note["weight_syncs"] = {
@@ -540,6 +568,67 @@ def _pipeline_default(name: str):
     return next(f.default for f in dc.fields(TrajectoryConfig) if f.name == name)
 
 
+def _policy_options(sched: dict, num_cells: int) -> dict:
+    """The simulator's policy options for the run's ``schedule`` section (its defaults where it omits them)."""
+    if sched["policy"] == "async":
+        return {
+            "max_staleness": int(sched.get("max_staleness", 1)),
+            "training_cells": int(sched.get("training_cells", 0)) or max(1, num_cells // 2),
+        }
+    if sched["policy"] == "elastic":
+        return {
+            "max_staleness": int(sched.get("max_staleness", 1)),
+            "leave_on": sched.get("leave_on", "waterlevel"),
+            "idle_before_return_s": float(sched.get("idle_before_return_s", 0.0)),
+        }
+    return {}
+
+
+def _placeholder_cost(run_dir, model, cell: int, slots: int, micro_step_tokens: int) -> CostModel:
+    """A cost model of the run's shape (``model``: its ``ModelConfig``; cells of ``cell`` accelerators, one
+    serving replica of ``slots`` slots each) whose times are placeholders for ``fit_cost_model``."""
+    return CostModel(
+        serving=ServingCost(
+            replica_accelerators=cell,
+            slots_per_replica=slots,
+            decode_base_s=1e-3,
+            decode_per_seq_s=0.0,
+            decode_per_context_token_s=0.0,
+            prefill_base_s=0.0,
+            prefill_per_token_s=0.0,
+            prefill_per_token_context_s=0.0,
+        ),
+        training=TrainingCost(
+            # the controller's micro-step FLOPs count (ModelConfig.train_flops): a branch of l tokens has l^2/2 pairs
+            flops_per_token=model.train_flops(1, 0),
+            flops_per_token_sq=model.train_flops(0, 0.5),
+            accelerator_flops=1e9,
+            reference_cell_accelerators=cell,
+            scaling_exponent=1.0,
+            min_cell_accelerators=cell,
+            micro_step_tokens=micro_step_tokens,
+        ),
+        switch=SwitchCost(serving_to_training_s=0.0, training_to_serving_s=0.0, weight_sync_s=0.0),
+        source=f"placeholder for {run_dir}",
+    )
+
+
+def _replay_workload(name: str, timeout_s: float) -> WorkloadSpec:
+    """A workload spec for replaying recorded executions: only the timeout and the context shape matter."""
+    return WorkloadSpec(
+        name=name,
+        turns=Dist(1.0),
+        task_sigma=0.0,
+        gen_tokens=Dist(1.0),
+        obs_tokens=Dist(1.0),
+        initial_context=0,
+        tool_s=Dist(0.0),
+        setup_s=Dist(0.0),
+        eval_s=Dist(0.0),
+        timeout_s=timeout_s,
+    )
+
+
 def run_sim_config(run_dir: str | os.PathLike, steps: int | None = None, segments: int | None = None) -> SimConfig:
     """A ``SimConfig`` of the run's shape, from its ``config.json``: cluster (cells x devices per cell), one
     serving engine per cell with ``cells.sessions_per_cell`` slots (0: ``serving.max_concurrent_decodes``),
@@ -560,63 +649,15 @@ def run_sim_config(run_dir: str | os.PathLike, steps: int | None = None, segment
     slots = int(_get(c, "cells.sessions_per_cell", 0)) or int(_get(c, "serving.max_concurrent_decodes"))
     model = ModelConfig.from_config_dict(_get(c, "model"))
     sched = _get(c, "schedule")
-    policy = sched["policy"]
-    options: dict = {}
-    if policy == "async":
-        options = {
-            "max_staleness": int(sched.get("max_staleness", 1)),
-            "training_cells": int(sched.get("training_cells", 0)) or max(1, num_cells // 2),
-        }
-    elif policy == "elastic":
-        options = {
-            "max_staleness": int(sched.get("max_staleness", 1)),
-            "leave_on": sched.get("leave_on", "waterlevel"),
-            "idle_before_return_s": float(sched.get("idle_before_return_s", 0.0)),
-        }
-    cost = CostModel(
-        serving=ServingCost(
-            replica_accelerators=cell,
-            slots_per_replica=slots,
-            decode_base_s=1e-3,
-            decode_per_seq_s=0.0,
-            decode_per_context_token_s=0.0,
-            prefill_base_s=0.0,
-            prefill_per_token_s=0.0,
-            prefill_per_token_context_s=0.0,
-        ),
-        training=TrainingCost(
-            # the controller's micro-step FLOPs count (ModelConfig.train_flops): a branch of l tokens has l^2/2 pairs
-            flops_per_token=model.train_flops(1, 0),
-            flops_per_token_sq=model.train_flops(0, 0.5),
-            accelerator_flops=1e9,
-            reference_cell_accelerators=cell,
-            scaling_exponent=1.0,
-            min_cell_accelerators=cell,
-            micro_step_tokens=int(_get(c, "trajectory.tokens_per_micro_batch")),
-        ),
-        switch=SwitchCost(serving_to_training_s=0.0, training_to_serving_s=0.0, weight_sync_s=0.0),
-        source=f"placeholder for {run_dir}",
-    )
-    timeout = float(_get(c, "rollout.timeout_s"))
-    spec = WorkloadSpec(
-        name=f"run:{Path(run_dir).name}",
-        turns=Dist(1.0),
-        task_sigma=0.0,
-        gen_tokens=Dist(1.0),
-        obs_tokens=Dist(1.0),
-        initial_context=0,
-        tool_s=Dist(0.0),
-        setup_s=Dist(0.0),
-        eval_s=Dist(0.0),
-        timeout_s=timeout,
-    )  # only the timeout and the context shape matter for a replay
+    cost = _placeholder_cost(run_dir, model, cell, slots, int(_get(c, "trajectory.tokens_per_micro_batch")))
+    name = f"run:{Path(run_dir).name}"
     return SimConfig(
-        workload=spec,
+        workload=_replay_workload(name, float(_get(c, "rollout.timeout_s"))),
         cost=cost,
         accelerators=num_cells * cell,
         cell_accelerators=cell,
-        policy=policy,
-        policy_options=tuple(sorted(options.items())),
+        policy=sched["policy"],
+        policy_options=tuple(sorted(_policy_options(sched, num_cells).items())),
         steps=int(steps or _get(c, "total_steps")),
         tasks_per_step=int(_get(c, "rollout.tasks_per_step")),
         group_size=int(_get(c, "rl.group_size")),
@@ -628,7 +669,7 @@ def run_sim_config(run_dir: str | os.PathLike, steps: int | None = None, segment
         prefill_interference=True,
         stream_unit="group_in_order" if _get(c, "trajectory.stream_order", "task") == "task" else "group",
         pack_lookahead=int(_get(c, "trajectory.open_micro_batches", _pipeline_default("open_micro_batches"))),
-        name=f"run:{Path(run_dir).name}",
+        name=name,
     )
 
 

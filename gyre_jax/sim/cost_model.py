@@ -297,6 +297,30 @@ class HardwareSpec:
     memory_bytes: float
 
 
+def _roofline_serving(
+    model: ModelSpec,
+    hw: HardwareSpec,
+    g: int,
+    slots_per_replica: int,
+    decode_mbu: float,
+    prefill_mfu: float,
+    decode_overhead_s: float,
+) -> ServingCost:
+    """One serving replica of ``g`` accelerators: memory-bound decode, compute-bound prefill (see
+    ``roofline_cost_model``)."""
+    return ServingCost(
+        replica_accelerators=g,
+        slots_per_replica=slots_per_replica,
+        decode_base_s=decode_overhead_s
+        + model.total_params * model.serving_bytes_per_param / (g * hw.hbm_bandwidth * decode_mbu),
+        decode_per_seq_s=2 * model.active_params / (g * hw.flops * prefill_mfu),
+        decode_per_context_token_s=model.kv_bytes_per_token / (g * hw.hbm_bandwidth * decode_mbu),
+        prefill_base_s=decode_overhead_s,
+        prefill_per_token_s=2 * model.active_params / (g * hw.flops * prefill_mfu),
+        prefill_per_token_context_s=4 * model.layers * model.attention_dim / (g * hw.flops * prefill_mfu),
+    )
+
+
 def roofline_cost_model(
     model: ModelSpec,
     hw: HardwareSpec,
@@ -328,17 +352,8 @@ def roofline_cost_model(
     - training: 6 * active_params FLOPs per token plus causal attention forward + backward,
       6 * layers * attention_dim per token pair, at ``train_mfu``.
     """
-    g = replica_accelerators
-    serving = ServingCost(
-        replica_accelerators=g,
-        slots_per_replica=slots_per_replica,
-        decode_base_s=decode_overhead_s
-        + model.total_params * model.serving_bytes_per_param / (g * hw.hbm_bandwidth * decode_mbu),
-        decode_per_seq_s=2 * model.active_params / (g * hw.flops * prefill_mfu),
-        decode_per_context_token_s=model.kv_bytes_per_token / (g * hw.hbm_bandwidth * decode_mbu),
-        prefill_base_s=decode_overhead_s,
-        prefill_per_token_s=2 * model.active_params / (g * hw.flops * prefill_mfu),
-        prefill_per_token_context_s=4 * model.layers * model.attention_dim / (g * hw.flops * prefill_mfu),
+    serving = _roofline_serving(
+        model, hw, replica_accelerators, slots_per_replica, decode_mbu, prefill_mfu, decode_overhead_s
     )
     training = TrainingCost(
         flops_per_token=6 * model.active_params,
@@ -382,20 +397,9 @@ def _fit_linear(rows: Sequence[Sequence[float]], features, names: Sequence[str],
     return (coef / scale).tolist()
 
 
-def fit_cost_model(measurements: dict[str, Any], base: CostModel) -> CostModel:
-    """A cost model whose measured parts come from a real run; what was not measured stays from ``base``.
-
-    ``measurements`` (JSON written by the controller; every key optional):
-      ``decode_steps``: [[batch, context_tokens_in_batch, seconds], ...]  (one serving replica)
-      ``prefills``: [[new_tokens, context_tokens, seconds], ...]
-      ``micro_steps``: [[flops, seconds], ...]  (on cells of ``cell_accelerators``)
-      ``cell_accelerators``: int, ``optimizer_steps``: [seconds], ``serving_to_training``: [seconds],
-      ``training_to_serving``: [seconds], ``weight_syncs``: [seconds], ``step_boundaries``: [seconds]
-      (host time after an optimizer step before the next step's first micro-step), ``warmup_micro_steps``:
-      [seconds] (a cell's first micro-step beyond a steady one: its compile), ``warmup_optimizer_steps``:
-      [seconds], ``source``: str
-    """
-    serving, training, switch, pipeline = {}, {}, {}, {}
+def _fit_serving(measurements: dict[str, Any]) -> dict[str, float]:
+    """``ServingCost`` fields fitted to ``decode_steps`` and ``prefills`` (those measured)."""
+    serving: dict[str, float] = {}
     if measurements.get("decode_steps"):
         b, per_seq, per_ctx = _fit_linear(
             measurements["decode_steps"],
@@ -412,28 +416,52 @@ def fit_cost_model(measurements: dict[str, Any], base: CostModel) -> CostModel:
             "prefills",
         )
         serving.update(prefill_base_s=b, prefill_per_token_s=per_tok, prefill_per_token_context_s=per_tok_ctx)
-    if measurements.get("micro_steps"):
-        cell = int(measurements.get("cell_accelerators", base.training.reference_cell_accelerators))
-        d = np.asarray(measurements["micro_steps"], dtype=np.float64)
-        if d.ndim == 2 and len(d) and d.shape[1] == 2 and (d[:, 0] > 0).all() and d[:, 0].std() < 0.1 * d[:, 0].mean():
-            # Micro-batches of one fixed shape (the FLOPs barely vary): the slope cannot be told from the
-            # intercept; the mean rate keeps the total micro-step time.
-            overhead, s_per_flop = 0.0, float(d[:, 1].sum() / d[:, 0].sum())
-        else:
-            overhead, s_per_flop = _fit_linear(
-                measurements["micro_steps"],
-                [lambda d: np.ones(len(d)), lambda d: d[:, 0]],
-                ("micro_step_overhead_s", "seconds_per_flop"),
-                "micro_steps",
-            )
-        if s_per_flop <= 0:
-            raise CostModelError("measurements: micro_steps do not grow with their FLOPs; cannot fit a training rate")
-        training.update(
-            micro_step_overhead_s=overhead,
-            reference_cell_accelerators=cell,
-            scaling_exponent=1.0,
-            accelerator_flops=1.0 / (s_per_flop * cell),
+    return serving
+
+
+def _fit_training_rate(measurements: dict[str, Any], base: CostModel) -> dict[str, float]:
+    """``TrainingCost`` fields fitted to ``micro_steps`` ([FLOPs, seconds] on cells of ``cell_accelerators``)."""
+    if not measurements.get("micro_steps"):
+        return {}
+    cell = int(measurements.get("cell_accelerators", base.training.reference_cell_accelerators))
+    d = np.asarray(measurements["micro_steps"], dtype=np.float64)
+    if d.ndim == 2 and len(d) and d.shape[1] == 2 and (d[:, 0] > 0).all() and d[:, 0].std() < 0.1 * d[:, 0].mean():
+        # Micro-batches of one fixed shape (the FLOPs barely vary): the slope cannot be told from the
+        # intercept; the mean rate keeps the total micro-step time.
+        overhead, s_per_flop = 0.0, float(d[:, 1].sum() / d[:, 0].sum())
+    else:
+        overhead, s_per_flop = _fit_linear(
+            measurements["micro_steps"],
+            [lambda d: np.ones(len(d)), lambda d: d[:, 0]],
+            ("micro_step_overhead_s", "seconds_per_flop"),
+            "micro_steps",
         )
+    if s_per_flop <= 0:
+        raise CostModelError("measurements: micro_steps do not grow with their FLOPs; cannot fit a training rate")
+    return dict(
+        micro_step_overhead_s=overhead,
+        reference_cell_accelerators=cell,
+        scaling_exponent=1.0,
+        accelerator_flops=1.0 / (s_per_flop * cell),
+    )
+
+
+def fit_cost_model(measurements: dict[str, Any], base: CostModel) -> CostModel:
+    """A cost model whose measured parts come from a real run; what was not measured stays from ``base``.
+
+    ``measurements`` (JSON written by the controller; every key optional):
+      ``decode_steps``: [[batch, context_tokens_in_batch, seconds], ...]  (one serving replica)
+      ``prefills``: [[new_tokens, context_tokens, seconds], ...]
+      ``micro_steps``: [[flops, seconds], ...]  (on cells of ``cell_accelerators``)
+      ``cell_accelerators``: int, ``optimizer_steps``: [seconds], ``serving_to_training``: [seconds],
+      ``training_to_serving``: [seconds], ``weight_syncs``: [seconds], ``step_boundaries``: [seconds]
+      (host time after an optimizer step before the next step's first micro-step), ``warmup_micro_steps``:
+      [seconds] (a cell's first micro-step beyond a steady one: its compile), ``warmup_optimizer_steps``:
+      [seconds], ``source``: str
+    """
+    serving, training = _fit_serving(measurements), _fit_training_rate(measurements, base)
+    switch: dict[str, float] = {}
+    pipeline: dict[str, float] = {}
     for key, section, name in (
         ("optimizer_steps", training, "optimizer_step_s"),
         ("serving_to_training", switch, "serving_to_training_s"),

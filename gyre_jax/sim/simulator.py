@@ -27,9 +27,7 @@ Everything is seeded: the same config gives the same result, event for event.
 
 from __future__ import annotations
 
-import collections
 import heapq
-import itertools
 import math
 import time as _time
 from collections.abc import Callable
@@ -38,15 +36,17 @@ from typing import Any
 
 import numpy as np
 
-from gyre_jax.elastic.policies import ClusterState, Event, Role, SchedulingPolicy, Waterlevel, make_policy
+from gyre_jax.elastic.policies import Event, Role, SchedulingPolicy, Waterlevel, make_policy
 from gyre_jax.elastic.timeline import TimelineWriter
+from gyre_jax.sim.cells import CellRoles
 from gyre_jax.sim.cost_model import CostModel
-from gyre_jax.sim.trajectory_cost import branches, capped_flops
-from gyre_jax.sim.workload import SegmentPlan, WorkloadSpec, sample_step
+from gyre_jax.sim.events import BATCH, BOUNDARY, EVAL, MICRO, OPT, PULL, SEG, SWITCH, EventQueue
+from gyre_jax.sim.ledger import SimLedger
+from gyre_jax.sim.serving_model import ServingModel
+from gyre_jax.sim.training_model import TrainingModel
+from gyre_jax.sim.workload import SegmentPlan, StepPlans, WorkloadSpec
 
 SERVING, TRAINING, SWITCHING = Role.SERVING, Role.TRAINING, Role.SWITCHING
-_SEG, _EVAL, _BATCH, _MICRO, _OPT, _SWITCH, _PULL, _BOUNDARY = range(8)
-_EPS = 1e-6
 PLACEMENTS = ("last", "balanced")
 STREAM_UNITS = ("execution", "group", "group_in_order")
 
@@ -184,6 +184,49 @@ class SimResult:
         return out
 
 
+def _config_fields(cfg: SimConfig) -> dict[str, Any]:
+    """The ``SimResult`` fields that say which run it was."""
+    return dict(
+        name=cfg.name or cfg.workload.name,
+        policy=cfg.policy,
+        policy_options=dict(cfg.policy_options),
+        streaming=cfg.streaming,
+        seed=cfg.seed,
+        steps=cfg.steps,
+        accelerators=cfg.accelerators,
+        num_cells=cfg.num_cells,
+        cell_accelerators=cfg.cell_accelerators,
+        batch_size=cfg.batch_size,
+        max_branches=cfg.max_branches,
+    )
+
+
+class _WaterlevelSamples:
+    """The waterlevel written to a timeline at most every ``interval_s``; a change that was not written is
+    written (at its own time) before the next sample, so the curve is exact up to that resolution."""
+
+    def __init__(self, timeline: TimelineWriter, interval_s: float):
+        self.timeline, self.interval_s = timeline, interval_s
+        self.last_t = -math.inf
+        self.pending: tuple | None = None
+
+    def sample(self, now: float, wl: Waterlevel) -> None:
+        values = (wl.dispatched, wl.started, wl.finished)
+        if now - self.last_t >= self.interval_s:
+            if self.pending is not None and self.pending[0] > self.last_t:
+                self.timeline.waterlevel(*self.pending)
+            self.timeline.waterlevel(now, *values)
+            self.last_t = now
+            self.pending = None
+        else:
+            self.pending = (now, *values)
+
+    def close(self, end: float, wl: Waterlevel) -> None:
+        if self.pending is not None:
+            self.timeline.waterlevel(*self.pending)
+        self.timeline.waterlevel(end, wl.dispatched, wl.started, wl.finished)
+
+
 class Simulator:
     """One simulated run. ``Simulator(config).run() -> SimResult``.
 
@@ -192,6 +235,12 @@ class Simulator:
     ``trace_executions``, every execution. ``progress(version, time)`` is called after each optimizer step.
     ``plans`` replaces the sampled executions with given ones (one ``SegmentPlan`` per step; calibration
     replays a real run's executions this way).
+
+    The simulator is the policy's driver: it keeps the rollout's books (the facts of ``ClusterState``), calls
+    the policy after every event (``_replan``) and carries its decisions out, and handles each event kind
+    (``_on_*``) by moving its parts: the event queue (``events.py``), the cells' roles (``cells.py``), the
+    sessions on serving cells (``serving_model.py``), the micro-step queue and training cells
+    (``training_model.py``) and the executions' plans (``workload.StepPlans``).
     """
 
     def __init__(
@@ -205,12 +254,10 @@ class Simulator:
         plans: list[SegmentPlan] | None = None,
     ):
         self.cfg = config
-        if plans is not None:
-            if len(plans) != config.steps or any(p.size != config.batch_size for p in plans):
-                raise SimConfigError(
-                    f"plans: expected {config.steps} steps of {config.batch_size} executions, got "
-                    f"{[p.size for p in plans]}"
-                )
+        if plans is not None and (len(plans) != config.steps or any(p.size != config.batch_size for p in plans)):
+            raise SimConfigError(
+                f"plans: expected {config.steps} steps of {config.batch_size} executions, got {[p.size for p in plans]}"
+            )
         self.given_plans = plans
         self.policy: SchedulingPolicy = make_policy(config.policy, config.num_cells, **dict(config.policy_options))
         self.timeline = timeline
@@ -223,205 +270,83 @@ class Simulator:
     def cell_names(self) -> list[str]:
         return [f"cell{c}" for c in range(self.cfg.num_cells)]
 
+    @property
+    def now(self) -> float:
+        """Simulated seconds: the time of the event being handled."""
+        return self.clock.now
+
     # == setup ====================================================================================
     def _setup(self) -> None:
-        cfg, cost = self.cfg, self.cfg.cost
-        k = cfg.num_cells
-        self.k = k
+        cfg = self.cfg
+        k = self.k = cfg.num_cells
         self.n = cfg.batch_size
-        self.total = cfg.steps * self.n
-        self.slots = cfg.slots_per_cell
-        self.replicas = cfg.cell_accelerators // cost.serving.replica_accelerators
-        self.rate = cost.training.cell_flops(cfg.cell_accelerators)
-        self.micro_flops = cost.training.micro_step_flops
-        sv = cost.serving  # decode step = base + per_seq * B / replicas + per_token * X / replicas (B, X per cell)
-        self.dec_base = sv.decode_base_s
-        self.dec_seq = sv.decode_per_seq_s / self.replicas
-        self.dec_ctx = sv.decode_per_context_token_s / self.replicas
-        self.now = 0.0
-        self.heap: list = []
-        self.seq = itertools.count()
+        self.clock = EventQueue()
         self.events = 0
         self.done = False
-
-        roles = self.policy.initial_roles()
-        self.role: list[Role] = list(roles)
-        self.target: list[Role | None] = [None] * k
-        self.busy = [False] * k
-        self.pending_switch: list[Role | None] = [None] * k
-        self.any_pending = False
-        self.resident = [0] * k
-        self.load_b = [0.0] * k
-        self.load_x = [0.0] * k
-        self.load_p = [0.0] * k  # sum of the resident sessions' prefill shares (prefill_interference)
-        self.sessions: list[set[int]] = [set() for _ in range(k)]
-        self.wver = [0] * k  # weight version held by a training cell
-        self.switch_tok = [0] * k
-        self.micro_work = [0.0] * k
-        self.micro_t0 = [0.0] * k
-        # accounting
-        self.role_since = [0.0] * k
-        self.role_time = [dict.fromkeys(("serving", "training", "switching"), 0.0) for _ in range(k)]
-        self.occ_area = [0.0] * k
-        self.occ_last = [0.0] * k
-        self.pause_area = [0.0] * k
-        self.micro_time = [0.0] * k
-        self.opt_time = 0.0
-        self.micro_count = 0
-        self.warm = [False] * k  # the cell has run a micro-step (its gradient step is compiled)
-        self.opt_warm = False
-        self.switch_count = {"serving_to_training": 0, "training_to_serving": 0, "migrations": 0, "waited": 0}
-
-        # executions (global index i: step i // n, position i % n)
-        e = self.total
-        self.plans: dict[int, SegmentPlan] = {}
-        self.work_full: dict[int, list[float]] = {}
-        self.cell_of = [-1] * e
-        self.start_t = [0.0] * e
-        self.dispatch_t = [0.0] * e
-        self.dispatch_ver = [0] * e
-        self.seg = [0] * e
-        self.seg_t0 = [0.0] * e
-        self.seg_full = [0.0] * e
-        self.seg_end = [0.0] * e
-        self.tok = [0] * e
-        self.timed = [False] * e
-        self.duty = [0.0] * e
-        self.pduty = [0.0] * e  # share of the current segment spent prefilling
-        self.ctx = [0.0] * e
-        self.deadline = [0.0] * e
-        self.held_frac: dict[int, float] = {}  # session -> share of its segment still to run
-        self.held_t: dict[int, float] = {}  # session -> when it lost its slot (its timeout clock stops)
-        self.exec_work = [0.0] * e
-        self.durations: list[float] = []
-        self.tokens_done: list[float] = []  # trajectory tokens of each ended execution
-        self.waits: list[float] = []
-        self.timeouts = 0
-        self.next_exec = 0
-        self.queue: collections.deque[int] = collections.deque()
-        self.no_free_slot = False
-        self.held: list[int] = []  # heap: the oldest step's sessions get a slot first
-
-        # per step
-        s = cfg.steps
-        self.disp_count = [0] * s
-        self.fin_count = [0] * s
-        self.eval_count = [0] * s
-        self.queued_count = [0] * s  # executions whose micro-steps are in the queue
-        self.group_evals: dict[tuple[int, int], int] = {}  # (step, task) -> executions evaluated (stream_unit)
-        self.group_next = [0] * s  # the next task whose group enters the queue (stream_unit="group_in_order")
-        self.ready_work = [0.0] * s
-        self.total_work = [0.0] * s
-        self.in_flight = [0] * s
-        self.sat_used = [False] * s
-        self.version = 0
-        self.due_out = 0  # executions of steps <= version dispatched and not finished
-        self.opt_running = False
-        self.boundary_until = 0.0  # no micro-step is claimed before (pipeline.step_boundary_s after a step)
-        self.step_end: list[float] = []
-        self.staleness: list[int] = []
-
-        self.wl = Waterlevel()
-        self.state = ClusterState(
-            time=0.0,
-            roles=self.role,
-            capacity=[self.slots] * k,
-            waterlevel=self.wl,
-            targets=self.target,
-            busy=self.busy,
-            batch_size=self.n,
-        )
-        self._counter_t = -math.inf
-        self._counter_pending: tuple | None = None
-        tl = self.timeline
-        if tl is not None:
+        self.step_plans = StepPlans(cfg, self.given_plans)
+        self.cells = CellRoles(self.policy.initial_roles(), cfg.policy)
+        self.serving = ServingModel(cfg, self.clock, self.cells.role, self.step_plans.plans)
+        self.training = TrainingModel(cfg, self.clock, self.cells, self.step_plans.plans, self.timeline)
+        self.ledger = SimLedger(cfg.steps, self.n, self.cells, cfg.slots_per_cell)
+        # the books tests and tools read
+        self.wl, self.fin_count, self.staleness = self.ledger.wl, self.ledger.fin_count, self.ledger.staleness
+        self.total_work, self.exec_work = self.training.total_work, self.training.exec_work
+        self._samples = None if self.timeline is None else _WaterlevelSamples(self.timeline, self.counter_interval_s)
+        if self.timeline is not None:
             for c in range(k):
-                tl.role(0.0, c, self.role[c], reason="start")
+                self.timeline.role(0.0, c, self.cells.role[c], reason="start")
 
     # == the loop =================================================================================
     def run(self) -> SimResult:
         t_wall = _time.perf_counter()
         self._setup()
         self._replan("tick", None)
-        heap, pop = self.heap, heapq.heappop
+        clock, pop = self.clock, heapq.heappop
+        heap, tok = clock.heap, self.serving.tok
         handlers = {
-            _SEG: self._on_segment_end,
-            _EVAL: self._on_eval,
-            _BATCH: self._on_batch_ready,
-            _MICRO: self._on_micro_done,
-            _OPT: self._on_optimizer_done,
-            _SWITCH: self._on_switch_done,
-            _PULL: self._on_pull_done,
-            _BOUNDARY: self._on_boundary_done,
+            EVAL: self._on_eval,
+            BATCH: self._on_batch_ready,
+            MICRO: self._on_micro_done,
+            OPT: self._on_optimizer_done,
+            SWITCH: self._on_switch_done,
+            PULL: self._on_pull_done,
+            BOUNDARY: self._on_boundary_done,
         }
-        seg_handler = self._on_segment_end
-        tok = self.tok
+        segment_end = self.serving.segment_end  # most events are segment ends: the hot path
         while heap and not self.done:
             t, _, kind, x, y = pop(heap)
-            if kind == _SEG:
+            if kind == SEG:
                 if y != tok[x]:
-                    continue
-                self.now = t
+                    continue  # cancelled: the session moved or paused
+                clock.now = t
                 self.events += 1
-                seg_handler(x)
+                ended = segment_end(x)
+                if ended is not None:
+                    self._on_harness_end(x, *ended)
                 continue
-            self.now = t
+            clock.now = t
             self.events += 1
             handlers[kind](x, y)
         if not self.done:
             raise RuntimeError(
-                f"simulation stalled at t={self.now:.0f}s after {self.version}/{self.cfg.steps} steps: "
-                f"policy {self.cfg.policy} left no cell able to make progress (roles {self._roles_text()})"
+                f"simulation stalled at t={clock.now:.0f}s after {self.ledger.version}/{self.cfg.steps} steps: "
+                f"policy {self.cfg.policy} left no cell able to make progress (roles {self.cells.text()})"
             )
         return self._result(_time.perf_counter() - t_wall)
 
-    def _push(self, t: float, kind: int, x: int, y: int = 0) -> None:
-        heapq.heappush(self.heap, (t, next(self.seq), kind, x, y))
-
-    def _roles_text(self) -> str:
-        return " ".join(f"{c}:{r.value[:5]}" for c, r in enumerate(self.role))
-
     # == policy ===================================================================================
-    def _ready_micro_steps(self, v: int) -> int:
-        if v >= self.cfg.steps:
-            return 0
-        w = self.ready_work[v]
-        complete = self.queued_count[v] == self.n
-        if not complete:
-            w -= self.cfg.pack_lookahead * self.micro_flops  # still in the packer's open micro-batches
-        if w <= _EPS:
-            return 0
-        full = int(w // self.micro_flops)
-        rest = w - full * self.micro_flops
-        return full + (1 if complete and rest > _EPS else 0)
-
     def _replan(self, kind: str, execution: int | None, cell: int | None = None) -> None:
-        st = self.state
+        """Tells the policy about the event and carries its decision out, until it dispatches nothing more."""
+        ledger = self.ledger
         for _ in range(16):
-            v = self.version
-            st.time = self.now
-            st.version = v
-            st.undispatched = self.total - self.next_exec
-            st.due_outstanding = self.due_out
-            st.held = len(self.held)
-            if v < self.cfg.steps:
-                st.step_dispatched = self.disp_count[v]
-                st.step_finished = self.fin_count[v]
-                st.step_processed = self.queued_count[v]
-                st.ready = self._ready_micro_steps(v)
-                st.in_flight = self.in_flight[v]
-            else:
-                st.step_dispatched = st.step_finished = st.step_processed = st.ready = st.in_flight = 0
-            event = Event(
-                kind,
-                min(v, self.cfg.steps - 1),
-                self.now,
-                execution_id=None if execution is None else str(execution),
-                cell=cell,
-            )
+            v, now = ledger.version, self.clock.now
+            st = ledger.observe(now, len(self.serving.held), *self.training.step_facts(v))
+            execution_id = None if execution is None else str(execution)
+            event = Event(kind, min(v, ledger.steps - 1), now, execution_id=execution_id, cell=cell)
             decision = self.policy.plan(event, st)
-            self._apply_roles(decision.roles)
-            n = min(decision.dispatch, self.total - self.next_exec)
+            for c, want in self.cells.switches_to_begin(decision.roles):
+                self._begin_switch(c, want)
+            n = min(decision.dispatch, ledger.total - ledger.next_exec)
             if n > 0:
                 self._dispatch(n)
             started = self._start_waiting()
@@ -429,575 +354,170 @@ class Simulator:
                 return
             kind, execution, cell = "started", None, None
 
-    def _apply_roles(self, wanted: list[Role]) -> None:
-        if len(wanted) != self.k:
-            raise RuntimeError(f"policy {self.cfg.policy} returned {len(wanted)} roles for {self.k} cells")
-        role, busy, pending = self.role, self.busy, self.pending_switch
-        if wanted == role and not self.any_pending:
-            return
-        self.any_pending = False
-        for c in range(self.k):
-            want, cur = wanted[c], role[c]
-            if cur is SWITCHING:
-                continue
-            if want is cur:
-                pending[c] = None
-                continue
-            if want is not SERVING and want is not TRAINING:
-                raise RuntimeError(
-                    f"policy {self.cfg.policy} asked cell {c} for role {want!r} (SERVING or TRAINING only)"
-                )
-            if busy[c]:
-                pending[c] = want  # finishes its micro-step / weight pull first
-                self.any_pending = True
-                continue
-            self._begin_switch(c, want)
+    def _train_then_replan(self, kind: str, execution: int | None = None, cell: int | None = None) -> None:
+        """Training cells claim what is ready and a due optimizer step starts, then the policy decides."""
+        self.training.claim(self.ledger.version)
+        self.training.check_step(self.ledger.version)
+        self._replan(kind, execution, cell)
 
     # == executions ===============================================================================
-    def _plan(self, step: int) -> SegmentPlan:
-        plan = self.plans.get(step)
-        if plan is None:
-            cfg = self.cfg
-            if self.given_plans is not None:
-                plan = self.given_plans[step]
-            else:
-                plan = sample_step(
-                    cfg.workload,
-                    cfg.cost.serving,
-                    step=step,
-                    tasks=cfg.tasks_per_step,
-                    group_size=cfg.group_size,
-                    seed=cfg.seed,
-                    segments=cfg.segments,
-                )
-            self.plans[step] = plan
-            b = branches(plan.tokens, cfg.workload.trajectory_shape())
-            self.work_full[step] = (
-                capped_flops(b, cfg.max_branches, cfg.cost.training) * cfg.train_work_scale
-            ).tolist()
-        return plan
-
-    def _work_for(self, tokens: float) -> float:
-        b = branches(np.array([tokens]), self.cfg.workload.trajectory_shape())
-        return float(capped_flops(b, self.cfg.max_branches, self.cfg.cost.training)[0]) * self.cfg.train_work_scale
-
     def _dispatch(self, count: int) -> None:
         for _ in range(count):
-            i = self.next_exec
-            self.next_exec += 1
-            step = i // self.n
-            self._plan(step)
-            self.disp_count[step] += 1
-            if step <= self.version:
-                self.due_out += 1
-            self.dispatch_t[i] = self.now
-            self.dispatch_ver[i] = self.version
-            self.queue.append(i)
+            i = self.ledger.dispatch()
+            self.step_plans.get(i // self.n)
+            self.serving.enqueue(i)
         self.wl.dispatched += count
         self._counter()
 
-    def _best_cell(self, exclude: int = -1) -> int:
-        """Where a session goes: the serving cell with a free slot that stays serving longest (the highest
-        index: cells leave in index order), so cells next in line to leave hold few sessions; with
-        ``placement="balanced"`` the serving cell with the fewest sessions."""
-        role, resident, slots = self.role, self.resident, self.slots
-        if self.cfg.placement == "balanced":
-            best = -1
-            for c in range(self.k):
-                if (
-                    role[c] is SERVING
-                    and c != exclude
-                    and resident[c] < slots
-                    and (best < 0 or resident[c] < resident[best])
-                ):
-                    best = c
-            return best
-        for c in range(self.k - 1, -1, -1):
-            if role[c] is SERVING and c != exclude and resident[c] < slots:
-                return c
-        return -1
-
     def _start_waiting(self) -> int:
-        """Gives free slots to moved sessions and dispatched executions, the oldest step first."""
-        started = 0
-        if self.no_free_slot:
-            return 0
-        while self.held or self.queue:
-            c = self._best_cell()
-            if c < 0:
-                self.no_free_slot = True  # until a slot frees or a cell starts serving
-                break
-            if self.held and (not self.queue or self.held[0] < self.queue[0]):
-                i = heapq.heappop(self.held)
-                frac = self.held_frac.pop(i)
-                self.deadline[i] += self.now - self.held_t.pop(i)
-                self._attach(i, c, frac, self.cfg.cost.switch.kv_migration_s_per_token * self.ctx[i])
-                continue
-            i = self.queue.popleft()
-            self.start_t[i] = self.now
-            self.deadline[i] = self.now + self.cfg.workload.timeout_s
-            self.waits.append(self.now - self.dispatch_t[i])
-            self.seg[i] = 0
-            self.wl.started += 1
-            started += 1
-            if self.trace_executions:
-                self.timeline.execution_started(self.now, self._eid(i), step=i // self.n, cell=c)
-            self._attach(i, c, 1.0, 0.0)
+        """Gives free slots to waiting sessions; returns how many executions started."""
+        started = self.serving.start_waiting()
         if started:
+            self.wl.started += len(started)
+            if self.trace_executions:
+                for i, c in started:
+                    self.timeline.execution_started(self.clock.now, self._eid(i), step=i // self.n, cell=c)
             self._counter()
-        return started
+        return len(started)
 
     def _eid(self, i: int) -> str:
         step, j = divmod(i, self.n)
         return f"s{step}-t{j // self.cfg.group_size}-g{j % self.cfg.group_size}"
 
-    def _touch(self, c: int) -> None:
-        self.occ_area[c] += self.resident[c] * (self.now - self.occ_last[c])
-        self.occ_last[c] = self.now
-
-    def _attach(self, i: int, c: int, frac: float, delay: float) -> None:
-        self._touch(c)
-        self.cell_of[i] = c
-        self.resident[c] += 1
-        self.sessions[c].add(i)
-        self._begin_segment(i, frac, delay)
-
-    def _detach(self, i: int) -> float:
-        """Takes session i off its cell; returns the share of its current segment still to run."""
-        c = self.cell_of[i]
-        self._touch(c)
-        d = self.duty[i]
-        self.load_b[c] -= d
-        self.load_x[c] -= d * self.ctx[i]
-        self.load_p[c] -= self.pduty[i]
-        self.resident[c] -= 1
-        self.sessions[c].discard(i)
-        self.no_free_slot = False
-        if self.resident[c] == 0:
-            self.load_b[c] = self.load_x[c] = self.load_p[c] = 0.0
-        self.tok[i] += 1
-        full = self.seg_full[i]
-        return max(0.0, self.seg_end[i] - max(self.now, self.seg_t0[i])) / full if full > 0 else 0.0
-
-    def _begin_segment(self, i: int, frac: float, delay: float) -> None:
+    def _on_harness_end(self, i: int, status: str, tokens: float) -> None:
+        """Execution ``i``'s last segment ended, or its time is up (``tokens``: its trajectory tokens)."""
         step, j = divmod(i, self.n)
-        p = self.plans[step]
-        k = p.offset[j] + self.seg[i]
-        c = self.cell_of[i]
-        ctx = p.ctx[k]
-        load_b, load_x = self.load_b, self.load_x
-        step_s = self.dec_base + self.dec_seq * (load_b[c] + 1.0) + self.dec_ctx * (load_x[c] + ctx)
-        if self.cfg.prefill_interference:
-            step_s *= 1.0 + max(0.0, self.load_p[c] / self.replicas)
-        prefill = p.prefill_s[k]
-        model_s = prefill + p.gen[k] * step_s
-        dur = p.tool_s[k] + model_s
-        duty = model_s / dur if dur > 0 else 0.0
-        self.duty[i] = duty
-        pduty = prefill / dur if dur > 0 else 0.0
-        self.pduty[i] = pduty
-        self.load_p[c] += pduty
-        self.ctx[i] = ctx
-        load_b[c] += duty
-        load_x[c] += duty * ctx
-        t0 = self.now + delay
-        end = t0 + frac * dur
-        self.seg_t0[i] = t0
-        self.seg_full[i] = dur
-        self.seg_end[i] = end
-        tok = self.tok[i] + 1
-        self.tok[i] = tok
-        deadline = self.deadline[i]
-        timed = end >= deadline
-        self.timed[i] = timed
-        heapq.heappush(self.heap, (deadline if timed else end, next(self.seq), _SEG, i, tok))
-
-    def _on_segment_end(self, i: int) -> None:
-        c = self.cell_of[i]
-        d = self.duty[i]
-        self.load_b[c] -= d
-        self.load_x[c] -= d * self.ctx[i]
-        self.load_p[c] -= self.pduty[i]
-        step, j = divmod(i, self.n)
-        p = self.plans[step]
-        k = p.offset[j] + self.seg[i]
-        if self.timed[i]:
-            prev = p.tokens_end[k - 1] if self.seg[i] > 0 else float(self.cfg.workload.initial_context)
-            full = self.seg_full[i]
-            done = 1.0 - (self.seg_end[i] - self.now) / full if full > 0 else 1.0
-            tokens = prev + (p.tokens_end[k] - prev) * min(max(done, 0.0), 1.0)
-            self.timeouts += 1
-            self.tokens_done.append(tokens)
-            self._finish(i, "timeout", self._work_for(tokens))
-            return
-        self.seg[i] += 1
-        if self.seg[i] >= p.count[j]:
-            self.tokens_done.append(float(p.tokens[j]))
-            self._finish(i, "finished", self.work_full[step][j])
-            return
-        self._begin_segment(i, 1.0, 0.0)
+        work = self.step_plans.work_for(tokens) if status == "timeout" else self.step_plans.work_full[step][j]
+        self._finish(i, status, work)
 
     def _finish(self, i: int, status: str, work: float) -> None:
-        c = self.cell_of[i]
-        self._touch(c)
-        self.resident[c] -= 1
-        self.sessions[c].discard(i)
-        self.no_free_slot = False
-        if self.resident[c] == 0:
-            self.load_b[c] = self.load_x[c] = self.load_p[c] = 0.0
-        self.tok[i] += 1
+        """Execution ``i``'s harness ended (``work``: its training work): its evaluation starts."""
+        c = self.serving.end(i)
+        now = self.clock.now
         step, j = divmod(i, self.n)
-        self.fin_count[step] += 1
-        if step <= self.version:
-            self.due_out -= 1
-        self.wl.finished += 1
-        self.durations.append(self.now - self.start_t[i])
-        self.exec_work[i] = work
+        self.ledger.finished(i)
+        self.training.exec_work[i] = work
         if self.trace_executions:
-            self.timeline.execution_ended(self.now, self._eid(i), status, cell=c)
-        p = self.plans[step]
+            self.timeline.execution_ended(now, self._eid(i), status, cell=c)
+        p = self.step_plans.plans[step]
         delay = p.eval_s[j]
         if self.cfg.streaming:
             delay += float(p.tokens[j]) * self.cfg.cost.pipeline.processing_s_per_token
-        self._push(self.now + delay, _EVAL, i)
+        self.clock.push(now + delay, EVAL, i)
         self._counter()
         self._start_waiting()
         self._replan("finished", i)
 
     def _on_eval(self, i: int, _: int) -> None:
-        step = i // self.n
-        self.eval_count[step] += 1
-        self.total_work[step] += self.exec_work[i]
-        if self.cfg.streaming:
-            if not self._stream(i, step):
-                return
-        elif self.eval_count[step] == self.n:
-            tokens = float(np.sum(self.plans[step].tokens))
-            pipe = self.cfg.cost.pipeline
-            self._push(self.now + tokens * pipe.processing_s_per_token / pipe.workers, _BATCH, step)
-            return
-        else:
-            return
-        self._claim()
-        self._check_step()
-        self._replan("data_ready", i)
-
-    def _stream(self, i: int, step: int) -> bool:
-        """Puts what execution i's evaluation completes into the micro-step queue (``stream_unit``); False if
-        nothing entered it."""
-        unit = self.cfg.stream_unit
-        if unit == "execution":
-            self.queued_count[step] += 1
-            self.ready_work[step] += self.exec_work[i]
-            return True
-        g = self.cfg.group_size
-        task = (i % self.n) // g
-        done = self.group_evals.get((step, task), 0) + 1
-        self.group_evals[(step, task)] = done
-        if unit == "group":
-            if done < g:
-                return False
-            self._queue_group(step, task)
-            return True
-        released = False
-        while self.group_evals.get((step, self.group_next[step]), 0) == g:
-            self._queue_group(step, self.group_next[step])
-            self.group_next[step] += 1
-            released = True
-        return released
-
-    def _queue_group(self, step: int, task: int) -> None:
-        g = self.cfg.group_size
-        first = step * self.n + task * g
-        self.queued_count[step] += g
-        self.ready_work[step] += sum(self.exec_work[first : first + g])
+        if self.training.evaluated(i):
+            self._train_then_replan("data_ready", i)
 
     def _on_batch_ready(self, step: int, _: int) -> None:
-        self.queued_count[step] = self.n
-        self.ready_work[step] = self.total_work[step]
-        self._claim()
-        self._check_step()
-        self._replan("data_ready", None)
+        self.training.batch_ready(step)
+        self._train_then_replan("data_ready")
 
     # == training =================================================================================
-    def _claim(self) -> None:
-        v = self.version
-        if v >= self.cfg.steps or self.opt_running or self.now < self.boundary_until:
-            return
-        ready = self.ready_work[v]
-        if ready <= _EPS:
-            return
-        complete = self.queued_count[v] == self.n
-        m = self.micro_flops
-        held = 0.0 if complete else self.cfg.pack_lookahead * m  # in the packer's open micro-batches
-        tr = self.cfg.cost.training
-        role, busy, pending, wver = self.role, self.busy, self.pending_switch, self.wver
-        for c in range(self.k):
-            if role[c] is not TRAINING or busy[c] or pending[c] is not None or wver[c] != v:
-                continue
-            if ready - held < m - _EPS and not complete:
-                break
-            w = min(m, ready)
-            ready -= w
-            busy[c] = True
-            self.micro_work[c] = w
-            self.micro_t0[c] = self.now
-            self.in_flight[v] += 1
-            if c != 0:
-                self.sat_used[v] = True
-            self.switch_tok[c] += 1
-            compile_s = 0.0 if self.warm[c] else tr.warmup_micro_step_s
-            self.warm[c] = True
-            self._push(self.now + tr.micro_step_overhead_s + w / self.rate + compile_s, _MICRO, c, self.switch_tok[c])
-            if ready <= _EPS:
-                ready = 0.0
-                break
-        self.ready_work[v] = ready
-
     def _on_micro_done(self, c: int, tok: int) -> None:
-        v = self.version
-        self.busy[c] = False
-        self.in_flight[v] -= 1
-        self.micro_count += 1
-        self.micro_time[c] += self.now - self.micro_t0[c]
-        if self.timeline is not None:
-            self.timeline.micro_step(self.micro_t0[c], self.now, c, v, flops=self.micro_work[c])
-        if self.pending_switch[c] is not None:
-            want = self.pending_switch[c]
-            self.pending_switch[c] = None
-            self._begin_switch(c, want)
-        self._claim()
-        self._check_step()
-        self._replan("micro_step_done", None, c)
-
-    def _check_step(self) -> None:
-        v = self.version
-        if (
-            v >= self.cfg.steps
-            or self.opt_running
-            or self.queued_count[v] < self.n
-            or self.ready_work[v] > _EPS
-            or self.in_flight[v]
-        ):
-            return
-        if self.role[0] is not TRAINING or self.busy[0]:
-            return  # the core applies the optimizer step once it is training and free
-        tr = self.cfg.cost.training
-        dur = tr.optimizer_step_s + (tr.grad_reduce_s if self.sat_used[v] else 0.0)
-        if not self.opt_warm:
-            dur += tr.warmup_optimizer_step_s
-            self.opt_warm = True
-        self.opt_running = True
-        self.busy[0] = True
-        self.micro_t0[0] = self.now
-        self._push(self.now + dur, _OPT, v)
+        self.training.micro_done(c, self.ledger.version)
+        self._owed_switch(c)
+        self._train_then_replan("micro_step_done", cell=c)
 
     def _on_optimizer_done(self, v: int, _: int) -> None:
-        self.opt_running = False
-        self.busy[0] = False
-        self.opt_time += self.now - self.micro_t0[0]
-        if self.timeline is not None:
-            self.timeline.optimizer_step(self.micro_t0[0], self.now, 0, v, v + 1)
-        for i in range(v * self.n, (v + 1) * self.n):
-            self.staleness.append(v - self.dispatch_ver[i])
-        self.version = v + 1
-        self.wver[0] = self.version
-        if self.version < self.cfg.steps:
-            self.due_out += self.disp_count[self.version] - self.fin_count[self.version]
-        self.step_end.append(self.now)
+        self.training.optimizer_done(v)
+        now, version = self.clock.now, v + 1
+        self.ledger.trained(v, now)
+        self.cells.wver[0] = version
         if self.progress is not None:
-            self.progress(self.version, self.now)
-        if self.version >= self.cfg.steps:
+            self.progress(version, now)
+        if version >= self.cfg.steps:
             self.done = True
             return
-        boundary = self.cfg.cost.pipeline.step_boundary_s
-        if boundary > 0:
-            self.boundary_until = self.now + boundary
-            self._push(self.boundary_until, _BOUNDARY, self.version)
-        if self.pending_switch[0] is not None:
-            want = self.pending_switch[0]
-            self.pending_switch[0] = None
-            self._begin_switch(0, want)
+        self.training.start_boundary(version)
+        self._owed_switch(0)
         self._replan("step_trained", None)
         self._publish()
-        self._claim()  # data of the new step that arrived while the last one trained
-        self._check_step()
+        self.training.claim(version)  # data of the new step that arrived while the last one trained
+        self.training.check_step(version)
 
     def _publish(self) -> None:
         """New weights: serving cells pause for the sync; training satellites pull them."""
         sync = self.cfg.cost.switch.weight_sync_s
         for c in range(self.k):
-            if self.role[c] is SERVING:
-                if sync > 0 and self.sessions[c]:
-                    self.pause_area[c] += self.resident[c] * sync
-                    for i in sorted(self.sessions[c]):
-                        frac = self._detach(i)
-                        self._attach(i, c, frac, sync)
-            elif self.role[c] is TRAINING and c != 0 and not self.busy[c] and self.wver[c] != self.version:
-                self.busy[c] = True
-                self.switch_tok[c] += 1
-                self._push(self.now + sync, _PULL, c, self.switch_tok[c])
+            if self.cells.role[c] is SERVING:
+                self.serving.pause(c, sync)
+            elif self.cells.role[c] is TRAINING:
+                self.training.pull(c, self.ledger.version, sync)
 
     def _on_boundary_done(self, v: int, _: int) -> None:
-        self._claim()
-        self._check_step()
-        self._replan("data_ready", None)
+        self._train_then_replan("data_ready")
 
     def _on_pull_done(self, c: int, _: int) -> None:
-        self.busy[c] = False
-        self.wver[c] = self.version
-        if self.pending_switch[c] is not None:
-            want = self.pending_switch[c]
-            self.pending_switch[c] = None
-            self._begin_switch(c, want)
-        self._claim()
-        self._check_step()
-        self._replan("micro_step_done", None, c)
+        self.training.pull_done(c, self.ledger.version)
+        self._owed_switch(c)
+        self._train_then_replan("micro_step_done", cell=c)
 
     # == switches =================================================================================
-    def _account_role(self, c: int) -> None:
-        name = self.role[c].value
-        self.role_time[c][name] += self.now - self.role_since[c]
-        self.role_since[c] = self.now
+    def _owed_switch(self, c: int) -> None:
+        """A cell that was busy when the policy asked it to switch does so now."""
+        want = self.cells.take_pending(c)
+        if want is not None:
+            self._begin_switch(c, want)
 
     def _begin_switch(self, c: int, want: Role) -> None:
-        old = self.role[c]
-        self._account_role(c)
-        self.role[c] = SWITCHING
-        self.target[c] = want
+        now = self.clock.now
         sw = self.cfg.cost.switch
-        if old is SERVING:
-            self.switch_count["serving_to_training"] += 1
-            first_ahead = (self.version + 1) * self.n  # sessions of later steps yield their slots first
-            for i in sorted(self.sessions[c]):
-                frac = self._detach(i)
-                dest = self._best_cell(exclude=c)
-                if dest < 0 and i < first_ahead:
-                    dest = self._evict_ahead(first_ahead)
-                if dest < 0:
-                    self._hold(i, frac)
-                else:
-                    self.switch_count["migrations"] += 1
-                    self._attach(i, dest, frac, sw.kv_migration_s_per_token * self.ctx[i])
+        if self.cells.begin_switch(c, want, now) is SERVING:
+            # its sessions move; sessions of later steps yield their slots first
+            moved, waited = self.serving.vacate(c, first_ahead=(self.ledger.version + 1) * self.n)
+            self.cells.switch_count["migrations"] += moved
+            self.cells.switch_count["waited"] += waited
             dur = sw.serving_to_training_s
         else:
-            self.switch_count["training_to_serving"] += 1
             dur = sw.training_to_serving_s
         if self.timeline is not None:
-            self.timeline.role(self.now, c, SWITCHING, reason="policy", to=want)
-        self.switch_tok[c] += 1
-        self._push(self.now + dur, _SWITCH, c, self.switch_tok[c])
-
-    def _hold(self, i: int, frac: float) -> None:
-        heapq.heappush(self.held, i)
-        self.held_frac[i] = frac
-        self.held_t[i] = self.now
-        self.switch_count["waited"] += 1
-
-    def _evict_ahead(self, first_ahead: int) -> int:
-        """Frees a slot for a due session: the youngest session of a later step, on a serving cell, waits."""
-        victim = -1
-        for c in range(self.k):
-            if self.role[c] is SERVING and self.sessions[c]:
-                youngest = max(self.sessions[c])
-                if youngest >= first_ahead and youngest > victim:
-                    victim = youngest
-        if victim < 0:
-            return -1
-        dest = self.cell_of[victim]
-        self._hold(victim, self._detach(victim))
-        return dest
+            self.timeline.role(now, c, SWITCHING, reason="policy", to=want)
+        self.cells.switch_tok[c] += 1
+        self.clock.push(now + dur, SWITCH, c, self.cells.switch_tok[c])
 
     def _on_switch_done(self, c: int, _: int) -> None:
-        self._account_role(c)
-        want = self.target[c]
-        self.role[c] = want
-        self.target[c] = None
+        want = self.cells.end_switch(c, self.clock.now)
         if self.timeline is not None:
-            self.timeline.role(self.now, c, want, reason="switched")
+            self.timeline.role(self.clock.now, c, want, reason="switched")
         if want is TRAINING:
-            self.wver[c] = self.version  # the switch includes loading the current weights
-            self._claim()
-            self._check_step()
+            self.cells.wver[c] = self.ledger.version  # the switch includes loading the current weights
+            self._train_then_replan("switched", cell=c)
         else:
-            self.occ_last[c] = self.now
-            self.no_free_slot = False
+            self.serving.reopen(c)
             self._start_waiting()
-        self._replan("switched", None, c)
+            self._replan("switched", None, c)
 
     # == output ===================================================================================
     def _counter(self) -> None:
-        """Waterlevel samples at most every ``counter_interval_s``; a change that was not written is written
-        (at its own time) before the next sample, so the curve is exact up to that resolution."""
-        if self.timeline is None:
-            return
-        wl = self.wl
-        values = (wl.dispatched, wl.started, wl.finished)
-        if self.now - self._counter_t >= self.counter_interval_s:
-            if self._counter_pending is not None and self._counter_pending[0] > self._counter_t:
-                self.timeline.waterlevel(*self._counter_pending)
-            self.timeline.waterlevel(self.now, *values)
-            self._counter_t = self.now
-            self._counter_pending = None
-        else:
-            self._counter_pending = (self.now, *values)
+        if self._samples is not None:
+            self._samples.sample(self.clock.now, self.wl)
 
     def _result(self, wall: float) -> SimResult:
-        cfg, k, end = self.cfg, self.k, self.now
+        k, end = self.k, self.clock.now
         for c in range(k):
-            self._account_role(c)
-            self._touch(c)
-        if self.timeline is not None:
-            if self._counter_pending is not None:
-                self.timeline.waterlevel(*self._counter_pending)
-            wl = self.wl
-            self.timeline.waterlevel(end, wl.dispatched, wl.started, wl.finished)
+            self.cells.account(c, end)
+            self.serving.touch(c)
+        if self._samples is not None:
+            self._samples.close(end, self.wl)
         cell_time = k * end
-        serving_busy = sum(max(0.0, self.occ_area[c] - self.pause_area[c]) / self.slots for c in range(k))
-        training_busy = sum(self.micro_time) + self.opt_time
-        roles = {
-            name: float(sum(self.role_time[c][name] for c in range(k)) / cell_time)
-            for name in ("serving", "training", "switching")
-        }
-        d = np.asarray(self.durations) if self.durations else np.zeros(1)
-        waits = np.asarray(self.waits) if self.waits else np.zeros(1)
+        serving_busy, training_busy = self.serving.busy_s(), self.training.busy_s()
         stale = np.asarray(self.staleness) if self.staleness else np.zeros(1)
         return SimResult(
-            name=cfg.name or cfg.workload.name,
-            policy=cfg.policy,
-            policy_options=dict(cfg.policy_options),
-            streaming=cfg.streaming,
-            seed=cfg.seed,
-            steps=cfg.steps,
-            accelerators=cfg.accelerators,
-            num_cells=k,
-            cell_accelerators=cfg.cell_accelerators,
-            batch_size=self.n,
-            max_branches=cfg.max_branches,
+            **_config_fields(self.cfg),
             makespan_s=float(end),
-            step_end_s=[float(t) for t in self.step_end],
+            step_end_s=[float(t) for t in self.ledger.step_end],
             busy_fraction=(serving_busy + training_busy) / cell_time,
             serving_busy_fraction=serving_busy / cell_time,
             training_busy_fraction=training_busy / cell_time,
-            role_fractions=roles,
-            executions={
-                "ended": len(self.durations),
-                "timeout_fraction": self.timeouts / max(1, len(self.durations)),
-                "duration_mean_s": float(d.mean()),
-                "duration_p50_s": float(np.percentile(d, 50)),
-                "duration_p90_s": float(np.percentile(d, 90)),
-                "duration_max_s": float(d.max()),
-                "wait_mean_s": float(waits.mean()),
-                "tokens_mean": float(np.mean(self.tokens_done)) if self.tokens_done else 0.0,
-            },
+            role_fractions=self.cells.fractions(cell_time),
+            executions=self.serving.execution_stats(),
             staleness={"mean": float(stale.mean()), "max": int(stale.max())},
-            switches=dict(self.switch_count),
-            training={
-                "flops": float(sum(self.total_work[: cfg.steps])),
-                "micro_steps": self.micro_count,
-                "micro_step_cell_s": float(sum(self.micro_time)),
-                "optimizer_s": self.opt_time,
-            },
+            switches=dict(self.cells.switch_count),
+            training=self.training.stats(),
             sim={"wall_s": wall, "events": self.events},
         )
 

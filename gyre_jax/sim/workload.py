@@ -18,11 +18,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gyre_jax.sim.cost_model import ServingCost
-from gyre_jax.sim.trajectory_cost import TrajectoryShape
+from gyre_jax.sim.trajectory_cost import TrajectoryShape, branches, capped_flops
+
+if TYPE_CHECKING:
+    from gyre_jax.sim.simulator import SimConfig
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,50 @@ def sample_turns(spec: WorkloadSpec, rng: np.random.Generator, tasks: int, group
     ]
 
 
+def _compaction(
+    grown_before: np.ndarray, added: np.ndarray, obs: np.ndarray, gen: np.ndarray, spec: WorkloadSpec
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Context compaction per call, all [C]: (context tokens before the call, tokens it generates with the
+    summary that follows a compaction, tokens it prefills anew, whether it fills the window).
+
+    grown_before: tokens the execution added before the call; added: tokens the call adds (obs + gen)."""
+    l0 = float(spec.initial_context)
+    w = float(spec.context_window)
+    if w <= 0:
+        return l0 + grown_before, gen.copy(), obs.copy(), np.zeros(len(gen), dtype=bool)
+    first_room = w - l0  # tokens added before the first compaction
+    room = w - l0 - spec.summary_tokens  # tokens added between later compactions
+
+    def cycle(g):  # how many compactions happened once g tokens were added
+        return np.where(g < first_room, 0.0, 1.0 + np.floor(np.maximum(g - first_room, 0.0) / room))
+
+    k_before = cycle(grown_before)
+    ctx_before = np.where(
+        k_before == 0,
+        l0 + grown_before,
+        l0 + spec.summary_tokens + np.mod(np.maximum(grown_before - first_room, 0.0), room),
+    )
+    compacted = cycle(grown_before + added) > k_before  # this call fills the window: a summary call follows
+    gen_total = gen + compacted * spec.summary_tokens
+    new_prefill = obs + compacted * (l0 + spec.summary_tokens)  # the compacted context, re-rendered
+    return ctx_before, gen_total, new_prefill, compacted
+
+
+def _segment_bounds(
+    turns: np.ndarray, starts: np.ndarray, exec_of_call: np.ndarray, segments: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Execution j's calls split into min(turns_j, segments) near-equal runs: (segments per execution [E],
+    first segment of each execution [E], first call of each segment [S])."""
+    seg_count = np.minimum(turns, segments)
+    call_in_exec = np.arange(len(exec_of_call)) - starts[exec_of_call]
+    seg_in_exec = (call_in_exec * seg_count[exec_of_call]) // turns[exec_of_call]
+    seg_offset = np.concatenate([[0], np.cumsum(seg_count)[:-1]])
+    seg_id = seg_offset[exec_of_call] + seg_in_exec  # [C] nondecreasing
+    bounds = np.flatnonzero(np.diff(seg_id, prepend=-1))
+    assert len(bounds) == int(seg_count.sum())
+    return seg_count, seg_offset, bounds
+
+
 def build_plan(
     turns: np.ndarray,
     obs: np.ndarray,
@@ -155,64 +203,28 @@ def build_plan(
     exec_of_call = np.repeat(np.arange(e), turns)
     cum = np.cumsum(added)
     grown_before = cum - added - (cum - added)[starts][exec_of_call]  # [C] tokens added before this call
-    l0 = float(spec.initial_context)
-    w = float(spec.context_window)
-    gen_total = gen.copy()
-    new_prefill = obs.copy()
-    if w > 0:
-        first_room = w - l0  # tokens added before the first compaction
-        room = w - l0 - spec.summary_tokens  # tokens added between later compactions
-
-        def cycle(g):  # how many compactions happened once g tokens were added
-            return np.where(g < first_room, 0.0, 1.0 + np.floor(np.maximum(g - first_room, 0.0) / room))
-
-        k_before = cycle(grown_before)
-        ctx_before = np.where(
-            k_before == 0,
-            l0 + grown_before,
-            l0 + spec.summary_tokens + np.mod(np.maximum(grown_before - first_room, 0.0), room),
-        )
-        compacted = cycle(grown_before + added) > k_before  # this call fills the window: a summary call follows
-        gen_total = gen_total + compacted * spec.summary_tokens
-        new_prefill = new_prefill + compacted * (l0 + spec.summary_tokens)  # the compacted context, re-rendered
-    else:
-        compacted = np.zeros(len(gen), dtype=bool)
-        ctx_before = l0 + grown_before
+    ctx_before, gen_total, new_prefill, compacted = _compaction(grown_before, added, obs, gen, spec)
     prefill = serving.prefill_s(new_prefill, ctx_before)
     decode_ctx = ctx_before + obs + gen / 2.0  # mean context while this call decodes
     tool = tool.copy()
     tool[starts] += setup  # environment start before the first call
 
-    # Segment boundaries: execution j's calls split into min(turns_j, segments) near-equal runs.
-    seg_count = np.minimum(turns, segments)
-    call_in_exec = np.arange(len(gen)) - starts[exec_of_call]
-    seg_in_exec = (call_in_exec * seg_count[exec_of_call]) // turns[exec_of_call]
-    seg_offset = np.concatenate([[0], np.cumsum(seg_count)[:-1]])
-    seg_id = seg_offset[exec_of_call] + seg_in_exec  # [C] nondecreasing
-    n_seg = int(seg_count.sum())
-    bounds = np.flatnonzero(np.diff(seg_id, prepend=-1))  # first call of each segment
-    seg_tool = np.add.reduceat(tool, bounds)
-    seg_prefill = np.add.reduceat(prefill, bounds)
+    seg_count, seg_offset, bounds = _segment_bounds(turns, starts, exec_of_call, segments)
     seg_gen = np.add.reduceat(gen_total, bounds)
-    seg_ctx = np.add.reduceat(gen_total * decode_ctx, bounds) / np.maximum(seg_gen, 1e-9)
-    traj = l0 + grown_before + added  # trajectory tokens after each call (all branches together)
+    traj = float(spec.initial_context) + grown_before + added  # trajectory tokens after each call (all branches)
     last_call = np.concatenate([bounds[1:], [len(gen)]]) - 1
-    seg_tokens_end = traj[last_call]
-    assert len(seg_tool) == n_seg
-    tokens = traj[starts + turns - 1]
-    compactions = np.bincount(exec_of_call, weights=compacted.astype(np.float64), minlength=e)
     return SegmentPlan(
         offset=seg_offset.tolist(),
         count=seg_count.tolist(),
-        tool_s=seg_tool.tolist(),
-        prefill_s=seg_prefill.tolist(),
+        tool_s=np.add.reduceat(tool, bounds).tolist(),
+        prefill_s=np.add.reduceat(prefill, bounds).tolist(),
         gen=seg_gen.tolist(),
-        ctx=seg_ctx.tolist(),
-        tokens_end=seg_tokens_end.tolist(),
+        ctx=(np.add.reduceat(gen_total * decode_ctx, bounds) / np.maximum(seg_gen, 1e-9)).tolist(),
+        tokens_end=traj[last_call].tolist(),
         turns=turns,
-        tokens=tokens,
+        tokens=traj[starts + turns - 1],
         eval_s=eval_s.tolist(),
-        compactions=compactions,
+        compactions=np.bincount(exec_of_call, weights=compacted.astype(np.float64), minlength=e),
     )
 
 
@@ -224,6 +236,47 @@ def sample_step(
     turns, obs, gen, tool, setup = sample_turns(spec, rng, tasks, group_size)
     eval_s = spec.eval_s.sample(rng, len(turns))
     return build_plan(turns, obs, gen, tool, setup, eval_s, spec, serving, segments)
+
+
+class StepPlans:
+    """A run's executions, step by step: each step's ``SegmentPlan`` (sampled on first use, or given: one per
+    step, e.g. a real run's replayed) and each execution's training work (its J_max-capped FLOPs x
+    ``train_work_scale``, ``trajectory_cost.py``). ``config`` is the run's ``SimConfig``."""
+
+    def __init__(self, config: SimConfig, given: list[SegmentPlan] | None = None):
+        self.config = config
+        self.given = given
+        self.plans: dict[int, SegmentPlan] = {}
+        self.work_full: dict[int, list[float]] = {}  # step -> work of each of its executions, ended normally
+
+    def get(self, step: int) -> SegmentPlan:
+        plan = self.plans.get(step)
+        if plan is None:
+            cfg = self.config
+            if self.given is not None:
+                plan = self.given[step]
+            else:
+                plan = sample_step(
+                    cfg.workload,
+                    cfg.cost.serving,
+                    step=step,
+                    tasks=cfg.tasks_per_step,
+                    group_size=cfg.group_size,
+                    seed=cfg.seed,
+                    segments=cfg.segments,
+                )
+            self.plans[step] = plan
+            b = branches(plan.tokens, cfg.workload.trajectory_shape())
+            self.work_full[step] = (
+                capped_flops(b, cfg.max_branches, cfg.cost.training) * cfg.train_work_scale
+            ).tolist()
+        return plan
+
+    def work_for(self, tokens: float) -> float:
+        """The training work of an execution cut short at ``tokens`` trajectory tokens (a timeout)."""
+        cfg = self.config
+        b = branches(np.array([tokens]), cfg.workload.trajectory_shape())
+        return float(capped_flops(b, cfg.max_branches, cfg.cost.training)[0]) * cfg.train_work_scale
 
 
 # -- replay of a real run ----------------------------------------------------------------------------

@@ -64,8 +64,9 @@ def _start(sel: Selection, prev: int | None, k: int) -> int:
     return min(max(int(sel.lcp[prev, k]) - 1, 0), n)
 
 
-def layout(sel: Selection, members: list[int]) -> Chunk:
-    """Lays out the union of ``members``' paths (consecutive in depth-first order) as one chunk."""
+def _placement(sel: Selection, members: list[int]) -> tuple[list[int], list[int]]:
+    """Where each member's nodes go: (starts [M]: its first depth not laid out by the member before it,
+    offsets [M + 1]: member i's nodes are chunk positions offsets[i] .. offsets[i + 1] - 1)."""
     starts, offsets = [], [0]
     prev = None
     for k in members:
@@ -73,46 +74,59 @@ def layout(sel: Selection, members: list[int]) -> Chunk:
         starts.append(s)
         offsets.append(offsets[-1] + len(sel.arrays[k].tokens) - 1 - s)
         prev = k
+    return starts, offsets
+
+
+def _subtree_ends(sel: Selection, members: list[int], idx: int, start: int, offsets: list[int]) -> np.ndarray:
+    """[nodes of member idx] int32: one past the last descendant of each of member idx's nodes (chunk positions).
+
+    Descendants of node (k, t) end with the last later member that still shares it (t < lcp - 1); lcp
+    between sorted sequences is the running minimum of adjacent lcps."""
+    lo, hi = offsets[idx], offsets[idx + 1]
+    ends = np.full((hi - lo,), hi, np.int32)
+    run = None
+    for nxt in range(idx + 1, len(members)):
+        adj = int(sel.lcp[members[nxt - 1], members[nxt]])
+        run = adj if run is None else min(run, adj)
+        cut = run - 1 - start
+        if cut <= 0:
+            break
+        ends[: min(cut, hi - lo)] = offsets[nxt + 1]
+    return ends
+
+
+def _trained_here(sel: Selection, k: int, start: int, lo: int, local: dict[int, int]):
+    """Yields (o, where, src) for each branch o trained in this chunk that owns targets among branch k's
+    nodes from depth ``start`` on: ``where`` their chunk positions, ``src`` their indices in o's arrays."""
+    depth = np.arange(start, len(sel.arrays[k].tokens) - 1, dtype=np.int32)
+    owner = sel.owners(k)[start : len(sel.arrays[k].tokens) - 1]  # [nodes]
+    for o in np.unique(owner[owner >= 0]):
+        o = int(o)
+        if o not in local:
+            continue  # trained in the chunk that holds branch o
+        hit = owner == o
+        yield o, np.flatnonzero(hit) + lo, depth[hit] + 1
+
+
+def layout(sel: Selection, members: list[int]) -> Chunk:
+    """Lays out the union of ``members``' paths (consecutive in depth-first order) as one chunk."""
+    starts, offsets = _placement(sel, members)
     n = offsets[-1]
-    tokens = np.zeros((n,), np.int32)
-    targets = np.zeros((n,), np.int32)
-    positions = np.zeros((n,), np.int32)
-    subtree_end = np.zeros((n,), np.int32)
-    loss_mask = np.zeros((n,), np.float32)
-    old_logprobs = np.zeros((n,), np.float32)
+    tokens, targets, positions, subtree_end, seq = (np.zeros((n,), np.int32) for _ in range(5))
+    loss_mask, old_logprobs = np.zeros((n,), np.float32), np.zeros((n,), np.float32)
     temperature = np.ones((n,), np.float32)
     versions = np.full((n,), -1, np.int32)
-    seq = np.zeros((n,), np.int32)
     local = {k: i for i, k in enumerate(members)}
     for idx, k in enumerate(members):
         a, s, lo, hi = sel.arrays[k], starts[idx], offsets[idx], offsets[idx + 1]
         if hi == lo:
             continue
         length = len(a.tokens)
-        depth = np.arange(s, length - 1, dtype=np.int32)
         tokens[lo:hi] = a.tokens[s : length - 1]
         targets[lo:hi] = a.tokens[s + 1 : length]
-        positions[lo:hi] = depth
-        # Descendants of node (k, t) end with the last later member that still shares it (t < lcp - 1);
-        # lcp between sorted sequences is the running minimum of adjacent lcps.
-        ends = np.full((hi - lo,), hi, np.int32)
-        run = None
-        for nxt in range(idx + 1, len(members)):
-            adj = int(sel.lcp[members[nxt - 1], members[nxt]])
-            run = adj if run is None else min(run, adj)
-            cut = run - 1 - s
-            if cut <= 0:
-                break
-            ends[: min(cut, hi - lo)] = offsets[nxt + 1]
-        subtree_end[lo:hi] = ends
-        owner = sel.owners(k)[s : length - 1]  # [hi - lo]
-        for o in np.unique(owner[owner >= 0]):
-            o = int(o)
-            if o not in local:
-                continue  # trained in the chunk that holds branch o
-            hit = owner == o
-            where = np.flatnonzero(hit) + lo
-            src = depth[hit] + 1
+        positions[lo:hi] = np.arange(s, length - 1, dtype=np.int32)
+        subtree_end[lo:hi] = _subtree_ends(sel, members, idx, s, offsets)
+        for o, where, src in _trained_here(sel, k, s, lo, local):
             ao = sel.arrays[o]
             loss_mask[where] = 1.0
             old_logprobs[where] = ao.logprobs[src]

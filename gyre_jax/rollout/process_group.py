@@ -1,0 +1,122 @@
+"""Harness processes: each runs in its own process group, is waited for under a wall-clock limit, and its
+whole group is killed when it ends (the harness itself on timeout or cancel, whatever children it left
+after a normal exit). ``cancel`` kills every running group and is sticky: nothing starts afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+POLL_S = 0.05
+
+
+def kill_group(pgid: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:
+    """SIGTERM the process group, wait up to ``grace_s`` for it to empty, then SIGKILL what is left.
+
+    ``proc`` (the group leader, our child) is reaped while waiting, so it does not linger as a zombie.
+    """
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if proc is not None:
+            proc.poll()
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class ProcessGroups:
+    """The harness process groups running now (by execution id), and the sticky cancel flag."""
+
+    def __init__(self, kill_grace_s: float):
+        self.kill_grace_s = kill_grace_s
+        self._lock = threading.Lock()  # cancel and start are atomic with respect to each other
+        self._cancelled = threading.Event()
+        self._running: dict[str, subprocess.Popen] = {}
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """SIGTERM to every running group now (``run`` then kills what is left after the grace); sticky."""
+        with self._lock:
+            self._cancelled.set()
+            procs = list(self._running.values())
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def run(
+        self,
+        name: str,
+        cmd: Sequence[str],
+        cwd: Path,
+        env: Mapping[str, str],
+        log_dir: Path,
+        timeout_s: float,
+    ) -> tuple[str, int | None, float, bool]:
+        """Runs ``cmd`` in its own process group to its end (stdout/stderr to ``log_dir/harness.*``); returns
+        (status "finished" | "timeout" | "crashed", returncode, duration_s, cancelled)."""
+        start = time.monotonic()
+        with open(log_dir / "harness.stdout", "wb") as out, open(log_dir / "harness.stderr", "wb") as err:
+            with self._lock:
+                if self._cancelled.is_set():
+                    return "crashed", None, 0.0, True
+                try:
+                    proc = subprocess.Popen(
+                        cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
+                    )
+                except OSError as exc:
+                    err.write(f"executor: failed to start harness {list(cmd)!r}: {exc}\n".encode())
+                    return "crashed", None, time.monotonic() - start, False
+                self._running[name] = proc
+            try:
+                timed_out = self._wait(proc, start + timeout_s)
+                # Kill the whole group: on timeout/cancel the harness itself, after a normal exit
+                # whatever children it left behind.
+                kill_group(proc.pid, self.kill_grace_s, proc)
+                returncode = proc.wait()
+                duration = time.monotonic() - start
+            finally:
+                with self._lock:
+                    self._running.pop(name, None)
+        if self._cancelled.is_set() and not timed_out:
+            # Cancelled while the harness ran (or in the same instant it ended): never scored.
+            return "crashed", returncode, duration, True
+        if timed_out:
+            with open(log_dir / "harness.stderr", "ab") as err:
+                err.write(f"executor: harness killed after timeout_s={timeout_s}\n".encode())
+            return "timeout", returncode, duration, False
+        return ("finished" if returncode == 0 else "crashed"), returncode, duration, False
+
+    def _wait(self, proc: subprocess.Popen, deadline: float) -> bool:
+        """Waits for ``proc`` to exit, for the deadline or for a cancel; True if the deadline passed."""
+        while proc.poll() is None:
+            if self._cancelled.is_set():
+                return False
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return True
+            try:
+                proc.wait(timeout=min(POLL_S, remaining))
+            except subprocess.TimeoutExpired:
+                pass
+        return False

@@ -1,0 +1,286 @@
+"""The decode slots of one serving loop and the device state they share.
+
+``DecodeBatch`` owns which job holds which slot, each job's prefill progress, the engine's decode state,
+the weights it runs (and their policy version), the generate step in flight, and what each sampled token
+does to its job (stop, budget, context limit). It does the device side of one loop iteration (``step``):
+prefill chunks of the slots still prefilling (oldest first), insert those whose prompt is complete, dispatch
+one generate step and read the previous one. Jobs end here: their session's KV goes to the session cache
+and their future resolves. Used from the loop thread; slot changes that other threads may read are made
+under ``lock``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gyre_jax.serving.engine import DecodeState, Engine, KVPages
+from gyre_jax.serving.jobs import Job, LoopStats, Step
+from gyre_jax.serving.session_cache import SessionCache
+
+log = logging.getLogger(__name__)
+
+
+class DecodeBatch:
+    """``engine.max_concurrent_decodes`` slots serving weights ``params`` of policy ``version``."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        params,
+        version: int,
+        *,
+        name: str,
+        prefill_chunk: int,
+        lock: threading.Condition,
+        stats: LoopStats,
+        cache: SessionCache | None,
+    ):
+        self.engine = engine
+        self.params = params
+        self.version = version
+        self.name = name
+        self.max_context = engine.max_seq_len
+        self.prefill_chunk = prefill_chunk
+        self.lock = lock
+        self.stats = stats
+        self.cache = cache
+        self.slots: list[Job | None] = [None] * engine.max_concurrent_decodes
+        self.state: DecodeState | None = None
+        self.pending: Step | None = None  # the generate step in flight (dispatched, tokens not read yet)
+
+    def set_weights(self, params, version: int) -> bool:
+        """New weights for the next step; True if the policy version changed."""
+        changed = version != self.version
+        self.params, self.version = params, version
+        return changed
+
+    def ensure_state(self) -> None:
+        if self.state is None:
+            self.state = self.engine.init_decode_state()
+        if self.cache is not None:
+            self.cache.ensure_pool()
+
+    def has_work(self) -> bool:
+        return any(s is not None for s in self.slots)
+
+    def free_slots(self) -> list[int]:
+        return [slot for slot, job in enumerate(self.slots) if job is None]
+
+    # -- a job's start: the KV it starts from ---------------------------------------------------------
+    def admit(self, job: Job, reuse_stale_kv: bool) -> None:
+        """Gives a job (with its sampling key) any KV it can start from: imported, or the session's cache entry."""
+        if job.kv is not None:
+            ready = job.done if job.resuming else min(job.done, len(job.target) - 1)  # >= 1 token left to sample from
+            if ready > 0:
+                job.prefix = self.engine.prefix_from_pages(job.kv, ready, job.key)
+            job.done, job.kv = ready, None
+            return
+        sid = job.request.session_id
+        if self.cache is None or sid is None or job.resuming:
+            return
+        hit = self.cache.take(sid, job.target, None if reuse_stale_kv else self.version, job.key)
+        if hit is None:
+            return
+        job.prefix, job.done, job.kv_version = hit
+        job.cached_tokens = job.done
+
+    # -- one iteration -----------------------------------------------------------------------------
+    def step(self) -> Step | None:
+        """Prefills, dispatches the next generate step, then reads the previous one (returned). Pipelined: step
+        k+1 is dispatched before step k's tokens are read, so the device never waits for this thread; a request
+        that ends at step k wastes its token of step k+1."""
+        self.prefill_step()
+        previous = self.pending
+        self.pending = self._dispatch_generate(previous)
+        self._collect(previous)
+        return previous
+
+    def flush(self) -> None:
+        """Collects the step in flight, so slots, tokens and the decode state agree (before an export, a
+        recompute or a stop)."""
+        step, self.pending = self.pending, None
+        self._collect(step)
+
+    def prefill_step(self) -> None:
+        """Prefills up to ``prefill_chunk`` tokens of the slots still prefilling (oldest first); slots whose
+        prompt is complete start decoding. With no slot decoding, goes on until one can start."""
+        pending = sorted(
+            ((slot, job) for slot, job in enumerate(self.slots) if job is not None and not job.decoding),
+            key=lambda sj: sj[1].seq,
+        )
+        if not pending:
+            return
+        must_start = not any(j is not None and j.decoding for j in self.slots)
+        spent = 0
+        for slot, job in pending:
+            while job.done < len(job.target):
+                if spent >= self.prefill_chunk and not must_start:
+                    return
+                n = min(self.prefill_chunk, len(job.target) - job.done)
+                if not self._prefill_chunk(slot, job, n):
+                    break
+                spent += n
+            else:
+                self._start_decoding(slot, job)
+                must_start = False
+
+    def _prefill_chunk(self, slot: int, job: Job, n: int) -> bool:
+        """Prefills the next ``n`` ids of the job's target; False if that failed (the job failed, its slot is free)."""
+        if job.prefix is None and n < len(job.target):  # chunks follow: all of them on a full-length cache
+            job.prefix = self.engine.empty_prefix(job.key)
+        try:
+            job.prefix = self.engine.prefill(
+                params=self.params,
+                tokens=job.target[job.done : job.done + n],
+                sampling_params=job.request.sampling,
+                key=job.key,
+                existing_prefix=job.prefix,
+            )
+        except Exception as exc:  # this request fails; the loop serves on
+            log.warning("serving loop %s: prefill of %s failed: %s", self.name, job.request.request_id, exc)
+            with self.lock:
+                self.slots[slot] = None
+            if not job.future.done():
+                job.future.set_exception(exc)
+            return False
+        if job.kv_version is None:
+            job.kv_version = self.version
+        job.done += n
+        self.stats.prefill_tokens += n
+        self.stats.prefill_calls += 1
+        return True
+
+    def _start_decoding(self, slot: int, job: Job) -> None:
+        prefix = job.prefix
+        if job.resuming:  # insert the token sampled before the move/update, with the key state after it
+            prefix = dataclasses.replace(
+                prefix, token=jnp.int32(job.tokens[-1]), logprob=jnp.float32(job.logprobs[-1]), key=job.key
+            )
+        sp = job.request.sampling
+        self.state = self.engine.insert(prefix, self.state, slot, sp)
+        job.prefix = None
+        job.budget = min(sp.max_tokens, self.max_context - len(job.request.prompt_ids)) - len(job.tokens)
+        with self.lock:
+            job.decoding = True
+            if job.resuming:
+                if job.budget <= 0:
+                    self.finish(slot, "length")
+                return
+            token, logprob = jax.device_get((prefix.token, prefix.logprob))
+            self.accept(slot, int(token), float(logprob))
+
+    def _dispatch_generate(self, in_flight: Step | None) -> Step | None:
+        """Starts one generate step for the decoding slots (not waiting for it). Jobs still owed their token of
+        the step ``in_flight`` hold one more cached token by the time this step runs."""
+        decoding = {slot: j for slot, j in enumerate(self.slots) if j is not None and j.decoding}
+        if not decoding:
+            return None
+        owed = in_flight.jobs if in_flight is not None else {}
+        longest = max(
+            len(j.request.prompt_ids) + len(j.tokens) - 1 + (owed.get(slot) is j) for slot, j in decoding.items()
+        )
+        self.state, result = self.engine.generate(
+            self.params, self.state, max_length=longest, slot_limit=max(decoding) + 1, wait=False
+        )
+        self.stats.generate_steps += 1
+        return Step(result=result, jobs=decoding, version=self.version)
+
+    def _collect(self, step: Step | None) -> None:
+        """Gives each job its token of ``step``; a slot whose job ended or changed since it was dispatched
+        (finished, cancelled, exported) ignores it."""
+        if step is None:
+            return
+        result = step.result.to_host()
+        tokens, logprobs, valid = result.tokens.tolist(), result.logprobs.tolist(), result.valid.tolist()
+        with self.lock:
+            for slot, job in step.jobs.items():
+                if self.slots[slot] is not job or not job.decoding:
+                    continue
+                if not valid[slot]:  # cannot happen while budgets respect the context; never pass garbage on
+                    log.error(
+                        "serving loop %s: slot %d sampled no valid token (request %s); ending it",
+                        self.name,
+                        slot,
+                        job.request.request_id,
+                    )
+                    self.finish(slot, "length")
+                    continue
+                self.stats.tokens_generated += 1
+                self.accept(slot, tokens[slot], logprobs[slot], step.version)
+
+    # -- a job's tokens and end (caller holds the lock) ---------------------------------------------
+    def accept(self, slot: int, token: int, logprob: float, version: int | None = None) -> None:
+        """Records a sampled token (``version``: the policy that sampled it; default the current one)."""
+        job = self.slots[slot]
+        assert job is not None
+        ended = job.record(token, logprob, self.version if version is None else version)
+        if ended is not None:
+            self.finish(slot, ended[0], stop_reason=ended[1])
+
+    def finish(self, slot: int, reason: str, stop_reason=None, save: bool = True) -> None:
+        """Ends the request in ``slot``: caches its session's KV, frees the slot, resolves its future."""
+        job = self.slots[slot]
+        self.slots[slot] = None
+        if job is None:
+            return
+        if job.decoding and self.state is not None:
+            if save:
+                self._store_session(job, slot)
+            self.state = self.engine.release(self.state, slot)
+        self.stats.requests_done += 1
+        job.resolve(reason, self.name, stop_reason)
+
+    def cancel(self, request_ids: set[str]) -> None:
+        """Ends the requests of ``request_ids`` that hold a slot as "cancelled"."""
+        for slot, job in enumerate(self.slots):
+            if job is not None and job.request.request_id in request_ids:
+                self.finish(slot, "cancelled")
+
+    def _store_session(self, job: Job, slot: int) -> None:
+        sid = job.request.session_id
+        if self.cache is None or sid is None:
+            return
+        kv_tokens = list(job.request.prompt_ids) + job.tokens[:-1]  # the newest token is sampled, not cached
+        self.cache.store(sid, kv_tokens, self.version if job.kv_version is None else job.kv_version, self.state, slot)
+        self.stats.cache = self.cache.stats  # before the request's future resolves
+
+    # -- weight updates and migration -----------------------------------------------------------------
+    def recompute_in_flight(self) -> None:
+        """on_update="recompute": every request in a slot prefills its KV again under the new weights."""
+        keys = np.asarray(jax.device_get(self.state.keys))
+        for slot, job in enumerate(self.slots):
+            if job is None:
+                continue
+            if job.decoding:
+                job.key = jnp.asarray(keys[slot])
+                job.target = list(job.request.prompt_ids) + job.tokens[:-1]
+                job.decoding = False
+                self.state = self.engine.release(self.state, slot)
+            job.done, job.prefix, job.kv_version, job.cached_tokens = 0, None, None, 0
+
+    def export(self, wanted) -> list[tuple[Job, KVPages | None, list[int], np.ndarray | None]]:
+        """Takes the wanted jobs (by session id) out of their slots: (job, KV, ids the KV holds, sampling key)
+        each; a decoding job's KV and key come from its slot, a prefilling job's from its partial prefix."""
+        out, keys = [], None
+        for slot, job in enumerate(self.slots):
+            if job is None or not wanted(job.request.session_id):
+                continue
+            if job.decoding:
+                keys = np.asarray(jax.device_get(self.state.keys)) if keys is None else keys
+                kv_tokens = list(job.request.prompt_ids) + job.tokens[:-1]
+                kv = self.engine.export_slot(self.state, slot, len(kv_tokens))
+                self.state = self.engine.release(self.state, slot)
+                key = keys[slot]
+            else:
+                kv_tokens = job.target[: job.done]
+                kv = self.engine.export_prefix(job.prefix, job.done) if job.prefix is not None and job.done else None
+                key = None if job.key is None else np.asarray(job.key)
+            self.slots[slot] = None
+            out.append((job, kv, kv_tokens, key))
+        return out

@@ -1,0 +1,146 @@
+"""The device programs of serving: prefill a prompt (fresh, or on top of a prefix), insert it into a decode
+slot, release a slot, and one generate step over every slot. Pure functions over the ``kv_cache`` pytrees;
+``Engine`` jits each once, with its donation and shardings.
+
+Parameters arrive as flat leaves plus a (static) treedef, merged with the model's ``graphdef`` inside the
+program: flattening an ``nnx.State`` on every call would cost more host time than a tiny model's decode
+step. The model is called only as ``model(tokens, positions, mask, cache) -> (logits, cache)``; a position
+outside the cache writes nothing, which is how padding and slots that are not stepped stay untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gyre_jax.model.attention import LayerCache, cache_causal_mask, init_cache
+from gyre_jax.model.config import ModelConfig
+from gyre_jax.serving import sampling
+from gyre_jax.serving.kv_cache import DecodeState, Prefix, widen
+
+
+def _model(graphdef: nnx.GraphDef, leaves, treedef):
+    """The model inside a jitted function, from parameters passed as flat leaves (cheap to dispatch)."""
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+def _forward_and_sample(params, cache, positions, tokens, true_length, temperature, top_k, top_p, key):
+    """params: (graphdef, leaves, treedef); tokens, positions: [1, Tb] (padding rows at an out-of-cache
+    position, so their writes drop). Returns the cache, the token sampled from position true_length - 1 with
+    its log-prob, and the advanced key."""
+    model = _model(*params)
+    mask = cache_causal_mask(positions, cache[0].k.shape[1])
+    logits, cache = model(tokens, positions, mask, cache)  # logits: [1, Tb, V]
+    last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, axis=0, keepdims=True)  # [1, V]
+    key, use = sampling.split_keys(key[None])
+    token, logprob = sampling.sample(last, use, temperature[None], top_k[None], top_p[None])
+    return cache, token[0], logprob[0], key[0]
+
+
+def prefill(
+    graphdef: nnx.GraphDef, cfg: ModelConfig, leaves, treedef, tokens, true_length, temperature, top_k, top_p, key
+) -> Prefix:
+    """tokens: [1, Tb] padded; true_length: [] int32. Returns a Prefix whose cache is [1, Tb, K, D]."""
+    tb = tokens.shape[1]
+    idx = jnp.arange(tb, dtype=jnp.int32)
+    positions = jnp.where(idx < true_length, idx, tb)[None, :]  # padding writes are dropped
+    params = (graphdef, leaves, treedef)
+    cache, token, logprob, key = _forward_and_sample(
+        params, init_cache(cfg, 1, tb), positions, tokens, true_length, temperature, top_k, top_p, key
+    )
+    return Prefix(cache=cache, length=true_length, token=token, logprob=logprob, key=key)
+
+
+def prefill_extend(
+    graphdef: nnx.GraphDef,
+    max_seq_len: int,
+    leaves,
+    treedef,
+    existing: Prefix,
+    tokens,
+    true_length,
+    temperature,
+    top_k,
+    top_p,
+    key,
+) -> Prefix:
+    """Prefills tokens [1, Tb] (true_length real) at positions existing.length ...; cache grows to [1, S]."""
+    cache = [LayerCache(k=widen(c.k, max_seq_len), v=widen(c.v, max_seq_len)) for c in existing.cache]
+    idx = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    positions = jnp.where(idx < true_length, existing.length + idx, max_seq_len)[None, :]
+    params = (graphdef, leaves, treedef)
+    cache, token, logprob, key = _forward_and_sample(
+        params, cache, positions, tokens, true_length, temperature, top_k, top_p, key
+    )
+    return Prefix(cache=cache, length=existing.length + true_length, token=token, logprob=logprob, key=key)
+
+
+def insert(prefix: Prefix, state: DecodeState, slot, temperature, top_k, top_p) -> DecodeState:
+    """Writes the prefix's cache [1, C, K, D] at [slot, 0:C] of the slots' cache and activates the slot."""
+
+    def put(dst, src):  # dst: [slots, S, K, D]; src: [1, C, K, D] written at [slot, 0:C]
+        return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), (slot, 0, 0, 0))
+
+    cache = [LayerCache(k=put(s.k, p.k), v=put(s.v, p.v)) for s, p in zip(state.cache, prefix.cache)]
+    return DecodeState(
+        cache=cache,
+        tokens=state.tokens.at[slot].set(prefix.token),
+        lengths=state.lengths.at[slot].set(prefix.length),
+        active=state.active.at[slot].set(True),
+        temperature=state.temperature.at[slot].set(temperature),
+        top_k=state.top_k.at[slot].set(top_k),
+        top_p=state.top_p.at[slot].set(top_p),
+        keys=state.keys.at[slot].set(prefix.key),
+    )
+
+
+def release(state: DecodeState, slot) -> DecodeState:
+    return dataclasses.replace(state, active=state.active.at[slot].set(False))
+
+
+def generate(graphdef: nnx.GraphDef, leaves, treedef, state: DecodeState, window: int, num_slots: int):
+    """One step for slots [0, num_slots) over cache positions [0, window) (both static): attention reads
+    [num_slots, window] keys; the other slots are left as they are. Returns the new state, ints [3, slots]
+    (tokens, valid, lengths) and log-probs [slots] (two arrays: two host copies)."""
+    model = _model(graphdef, leaves, treedef)
+    slots, s = state.tokens.shape[0], state.cache[0].k.shape[1]
+    k = num_slots
+    lengths = state.lengths[:k]
+    ok = state.active[:k] & (lengths < window)  # stepped slots whose next position is inside the window
+    positions = jnp.where(ok, lengths, window)[:, None]  # [k, 1]; the others write nothing
+    mask = cache_causal_mask(positions, window)
+    if k == slots and window == s:  # the whole cache, updated in place
+        logits, cache = model(state.tokens[:, None], positions, mask, state.cache)
+    else:  # attend over a block of the cache, then write the one new KV row per slot back into the cache
+        sub = [LayerCache(k=c.k[:k, :window], v=c.v[:k, :window]) for c in state.cache]
+        logits, sub = model(state.tokens[:k, None], positions, mask, sub)
+        rows = jnp.arange(k)
+        read = jnp.minimum(positions[:, 0], window - 1)
+        write = jnp.where(ok, lengths, s)  # out of range: dropped
+
+        def put(full, part):  # full: [slots, S, K, D]; part: [k, window, K, D]
+            return full.at[rows, write].set(part[rows, read], mode="drop")
+
+        cache = [LayerCache(k=put(c.k, n.k), v=put(c.v, n.v)) for c, n in zip(state.cache, sub)]
+    keys, use = sampling.split_keys(state.keys[:k])
+    tokens, logprobs = sampling.sample(logits[:, 0], use, state.temperature[:k], state.top_k[:k], state.top_p[:k])
+    tokens = jnp.where(ok, tokens, state.tokens[:k])  # a slot that sampled nothing keeps its pending token and key
+    keys = jnp.where(ok[:, None], keys, state.keys[:k])
+    lengths = jnp.where(ok, lengths + 1, lengths)
+
+    def head(full, part):  # writes part: [k, ...] over full: [slots, ...]
+        return jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
+
+    new_state = dataclasses.replace(
+        state,
+        cache=cache,
+        tokens=head(state.tokens, tokens),
+        lengths=head(state.lengths, lengths),
+        keys=head(state.keys, keys),
+    )
+    pad = slots - k
+    ints = jnp.stack([new_state.tokens, jnp.pad(ok, (0, pad)).astype(jnp.int32), new_state.lengths])
+    return new_state, ints, jnp.pad(logprobs, (0, pad))
