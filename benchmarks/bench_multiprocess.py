@@ -293,15 +293,19 @@ def child(pid: int, port: int, out_dir: Path, smoke: bool) -> None:
     t_start = time.perf_counter()
     sys.path.insert(0, str(REPO))
     from gyre_jax import distributed
-    from gyre_jax.config import load_config
+    from gyre_jax.config import config_from_dict, load_config
 
-    config = load_config([])
-    d = distributed.default_config()
-    d.enabled, d.coordinator_address, d.num_processes, d.process_id = True, f"127.0.0.1:{port}", NUM_PROCESSES, pid
-    d.initialization_timeout_s = 120.0
-    with config.unlocked():
-        config.distributed = d
-        config.devices.num_cpu_devices = NUM_PROCESSES * DEVICES_PER_PROCESS
+    config = config_from_dict(
+        load_config([]),
+        {
+            "distributed.enabled": True,
+            "distributed.coordinator_address": f"127.0.0.1:{port}",
+            "distributed.num_processes": NUM_PROCESSES,
+            "distributed.process_id": pid,
+            "distributed.initialization_timeout_s": 120.0,
+            "devices.num_cpu_devices": NUM_PROCESSES * DEVICES_PER_PROCESS,  # the default mesh's 8
+        },
+    )
     distributed.initialize(config)
     import jax
 

@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for noisy in ("absl", "jax._src", "orbax", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    multi = config.get("distributed") is not None and config.distributed.enabled
+    multi = config.distributed.enabled
     if multi:  # joins the run (jax.distributed); a lost or failed peer stops every process (docs/multihost.md)
         from gyre_jax import distributed
 

@@ -36,18 +36,16 @@ from typing import Any
 
 import jax
 import numpy as np
-from ml_collections import config_dict
 
 from gyre_jax import config as config_lib
 from gyre_jax import distributed
 from gyre_jax.checkpoint import Checkpointer
 from gyre_jax.elastic.cells import make_cells
-from gyre_jax.elastic.controller import CellRuntime, Controller, ControllerConfig
+from gyre_jax.elastic.controller import CellRuntime, Controller
 from gyre_jax.elastic.policies import make_policy
 from gyre_jax.elastic.remote import Follower, FollowerCell, RemoteLoop, RemoteProcess, RemoteWorker
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.metrics import MetricsWriter, format_step_line
-from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import abstract_model, init_params, make_mesh
 from gyre_jax.model.tokenizer import load_tokenizer
 from gyre_jax.proxy.records import RecordStore
@@ -61,7 +59,7 @@ from gyre_jax.rollout.tasks import BuiltinSuite
 from gyre_jax.serving.engine import Engine
 from gyre_jax.serving.loop import ServingLoop
 from gyre_jax.trajectory.batch import row_length, supervised_micro_batch
-from gyre_jax.trajectory.pipeline import TrajectoryConfig, TrajectoryPipeline
+from gyre_jax.trajectory.pipeline import TrajectoryPipeline
 
 log = logging.getLogger("gyre_jax")
 
@@ -79,13 +77,13 @@ def _fsync_write(path: Path, text: str) -> None:
 class Trainer:
     """One run: build everything from ``config``, then ``run()`` until ``total_steps`` or a signal."""
 
-    def __init__(self, config: config_dict.ConfigDict):
+    def __init__(self, config: config_lib.RunConfig):
         config_lib.validate(config)
         self.config = config
         self.workdir = config_lib.resolve_workdir(config)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._stop = threading.Event()
-        ckpt_dir = config.model.get("checkpoint_dir", "") or None
+        ckpt_dir = config.model.checkpoint_dir or None
         self.tokenizer = load_tokenizer(config.tokenizer.kind, ckpt_dir)
         self.rules = tuple((k, v) for k, v in config.sharding_rules)
         n = config_lib.device_count(config)
@@ -95,12 +93,7 @@ class Trainer:
                 f"the config needs {n} devices but JAX sees {len(devices)} ({devices[0].platform}); "
                 f"on CPU set config.devices.num_cpu_devices before JAX starts (python -m gyre_jax.train does this)"
             )
-        cell_shape = dict(
-            data=config.cells.data,
-            fsdp=config.cells.fsdp,
-            tensor=config.cells.tensor,
-            **({"expert": config.cells.expert} if config.cells.get("expert", 1) > 1 else {}),
-        )
+        cell_shape = config.cells.shape()
         # Multi-process (docs/multihost.md): process 0 leads (proxy, executor, records, pipeline, controller,
         # core cell); every other process follows, running the cells on its own devices.
         self.process_id = jax.process_index()
@@ -113,7 +106,7 @@ class Trainer:
                     f"but the processes hold {len(devices)}"
                 )
             self.devices = list(distributed.host_ordered(devices))
-            self.train_mesh = distributed.make_global_mesh(dict(config.mesh), self.devices)
+            self.train_mesh = distributed.make_global_mesh(config.mesh.shape(), self.devices)
             self.cells = distributed.make_global_cells(self.devices, config.cells.num_cells, cell_shape)
             for cell in self.cells:
                 procs = distributed.cell_processes(cell)
@@ -125,7 +118,7 @@ class Trainer:
                     )
         else:
             self.devices = devices[:n]
-            self.train_mesh = make_mesh(self.devices, dict(config.mesh))
+            self.train_mesh = make_mesh(self.devices, config.mesh.shape())
             self.cells = make_cells(self.devices, config.cells.num_cells, cell_shape)
         if ckpt_dir is not None:  # a Hugging Face checkpoint: its config.json defines the architecture
             from gyre_jax.model.hf_checkpoint import load_hf_checkpoint
@@ -135,7 +128,7 @@ class Trainer:
             )
             log.info("loaded %s (%.1fM params)", ckpt_dir, self.model_cfg.num_params / 1e6)
         else:
-            self.model_cfg = ModelConfig.from_config_dict(config.model)
+            self.model_cfg = config.model_config()
             self.graphdef, params = init_params(self.model_cfg, self.train_mesh, self.rules, config.seed)
         self.suite = BuiltinSuite(
             kinds=tuple(config.rollout.task_kinds),
@@ -152,7 +145,7 @@ class Trainer:
             self._init_follower(config, params)
             return
         # The core cell (cell 0) holds the authoritative params and the only optimizer state.
-        self.learner = Learner.from_config(self.model_cfg, self.graphdef, self.cells[0].mesh, self.rules, config)
+        self.learner = self._make_learner()
         # Multi-process: the core lives on process 0 alone, which saves and restores it (orbax, primary host).
         self.checkpointer = Checkpointer(
             self.workdir / "checkpoints", max_to_keep=config.keep_checkpoints, primary_only=self.multi_process
@@ -162,7 +155,7 @@ class Trainer:
 
         message_end = self.tokenizer.token_id("<|im_end|>") if hasattr(self.tokenizer, "token_id") else None
         self.trajectory_cfg = dataclasses.replace(
-            TrajectoryConfig.from_config(config, message_end_id=message_end), vocab_size=self.model_cfg.vocab_size
+            config.trajectory_config(message_end_id=message_end), vocab_size=self.model_cfg.vocab_size
         )
         latest = self.checkpointer.latest_step()
         if self.multi_process:  # every process must agree on whether the (collective) warm start runs
@@ -261,7 +254,7 @@ class Trainer:
         for c in range(len(self.cells)):
             self.timeline.role(time.time(), c, "serving", reason="start")
         self.controller = Controller(
-            cfg=ControllerConfig.from_config(config),
+            cfg=config.controller_config(),
             cells=runtimes,
             learner=self.learner,
             state=self.state,
@@ -287,6 +280,12 @@ class Trainer:
         )
 
     # -- building blocks shared by the leader and the followers ----------------------------------------------
+    def _make_learner(self) -> Learner:
+        c = self.config
+        return Learner(
+            self.model_cfg, self.graphdef, self.cells[0].mesh, self.rules, c.optimizer, loss_cfg=c.loss_config()
+        )
+
     def _make_engine(self, cell) -> Engine:
         s = self.config.serving
         return Engine(
@@ -333,7 +332,7 @@ class Trainer:
             self._core_params(params)
         del params
         abstract_params = abstract_model(self.model_cfg)[1]
-        learner = Learner.from_config(self.model_cfg, self.graphdef, self.cells[0].mesh, self.rules, config)
+        learner = self._make_learner()
         mine, engines = [], {}
         for cell in self.cells:
             engine = engines[cell.index] = self._make_engine(cell)  # other processes' cells: their layouts only

@@ -133,31 +133,17 @@ class StepRun:
 
 @dataclass
 class ControllerConfig:
-    """What the controller needs from the run config (``from_config``)."""
+    """What the controller needs from the run config (``RunConfig.controller_config()`` derives it)."""
 
     tasks_per_step: int
     group_size: int
     sessions_per_cell: int
-    max_staleness: int  # eta for dropping (-1: no bound)
+    max_staleness: int  # the drop bound, config.rl.drop_staleness (-1: no bound)
     micro_steps_per_step: int  # slots per step's queue (0: derived from the data bound)
     max_branches: int
     stream_order: str = "task"
     claim_timeout_s: float = 0.05
     tick_s: float = 1.0  # a "tick" event after this long without one (time-based rules, e.g. idle_before_return_s)
-
-    @classmethod
-    def from_config(cls, config) -> ControllerConfig:
-        c = config
-        sessions = c.cells.get("sessions_per_cell", 0) or c.serving.max_concurrent_decodes
-        return cls(
-            tasks_per_step=c.rollout.tasks_per_step,
-            group_size=c.rl.group_size,
-            sessions_per_cell=sessions,
-            max_staleness=c.rl.get("max_staleness", -1),
-            micro_steps_per_step=c.rl.get("micro_steps_per_step", 0),
-            max_branches=c.rl.max_branches,
-            stream_order=c.trajectory.get("stream_order", "task"),
-        )
 
     @property
     def batch_size(self) -> int:

@@ -93,7 +93,7 @@ def load(out: Path, scenario: str, pid: int) -> tuple[dict, dict]:
 def single_process_reference() -> dict:
     """The same computation in this process: 1 process, 8 devices, the same mesh shape and seed."""
     config = worker.make_config(nproc=1)
-    mesh = distributed.make_global_mesh(dict(config.mesh))
+    mesh = distributed.make_global_mesh(config.mesh.shape())
     model_cfg, graphdef, params, rules = worker.model_setup(config, mesh)
     loss, grads, logits = worker.loss_and_grads(graphdef, params, mesh, rules)
     return dict(
