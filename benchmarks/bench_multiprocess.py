@@ -7,7 +7,7 @@ Starts itself as 2 child processes x 4 virtual CPU devices on loopback (gloo col
 of ``tests/runtime/``: process 0 is the leader, process 1 a follower. Two measurements, each with a
 baseline measured in the same run:
 
-1. **Channel round trip** (``gyre_jax.elastic.remote.Channel``, the leader <-> follower host messages
+1. **Channel round trip** (``gyre_jax.runtime.channel.Channel``, the leader <-> follower host messages
    through the coordination service's key-value store): process 0 sends a message on one channel,
    process 1 receives it and sends it back on another; median and p90 over N round trips, for a small
    payload (a ``GenerationRequest`` with a 2,000-token prompt) and a large one (a dict of numpy arrays of
@@ -15,7 +15,7 @@ baseline measured in the same run:
    over ``queue.Queue``, with the same pickling (``pickle.dumps`` / ``loads`` on both sides), so the
    ratio is the coordination service's cost. Also reported: ``zlib.compress(payload, 6)`` timed alone,
    since jax's coordination client gzips every request it sends (``use_compression=True``).
-2. **Weights across processes** (``runtime.transfer``, what ``RemoteLoop.update_params`` and
+2. **Weights across processes** (``runtime.transfer``, what ``RemoteCell.set_weights`` and
    ``RemoteWorker.snapshot`` run): the tiny model's params (``model.config.TINY``, initialized on cell 0
    with the default config's sharding rules) moved from a 4-device cell on process 0 (mesh data=4) to a
    4-device cell on process 1. Both processes call it; process 1 passes ``jax.ShapeDtypeStruct`` leaves
@@ -133,7 +133,7 @@ def _queue_round_trips(obj, warmup: int, n: int) -> list[float]:
 
 def _bench_channels(pid: int, client, warmup: int, n: int) -> dict:
     from gyre_jax import runtime
-    from gyre_jax.elastic.remote import Channel
+    from gyre_jax.runtime.channel import Channel
 
     ping, pong = Channel(client, "bench-ping"), Channel(client, "bench-pong")
     out = {}
@@ -293,15 +293,19 @@ def child(pid: int, port: int, out_dir: Path, smoke: bool) -> None:
     t_start = time.perf_counter()
     sys.path.insert(0, str(REPO))
     from gyre_jax import runtime
-    from gyre_jax.config import load_config
+    from gyre_jax.config import config_from_dict, load_config
 
-    config = load_config([])
-    d = runtime.process.default_config()
-    d.enabled, d.coordinator_address, d.num_processes, d.process_id = True, f"127.0.0.1:{port}", NUM_PROCESSES, pid
-    d.initialization_timeout_s = 120.0
-    with config.unlocked():
-        config.distributed = d
-        config.devices.num_cpu_devices = NUM_PROCESSES * DEVICES_PER_PROCESS
+    config = config_from_dict(
+        load_config([]),
+        {
+            "distributed.enabled": True,
+            "distributed.coordinator_address": f"127.0.0.1:{port}",
+            "distributed.num_processes": NUM_PROCESSES,
+            "distributed.process_id": pid,
+            "distributed.initialization_timeout_s": 120.0,
+            "devices.num_cpu_devices": NUM_PROCESSES * DEVICES_PER_PROCESS,  # the default mesh's 8
+        },
+    )
     runtime.initialize(config)
     import jax
 

@@ -125,7 +125,6 @@ def main(argv=None) -> int:
     import numpy as np
 
     from gyre_jax.config import load_config
-    from gyre_jax.model.config import ModelConfig
     from gyre_jax.model.sharding import init_params, make_mesh
     from gyre_jax.serving.engine import Engine
     from gyre_jax.serving.loop import ServingLoop
@@ -134,7 +133,7 @@ def main(argv=None) -> int:
 
     sz = SMOKE if args.smoke else FULL
     config = load_config([])
-    cfg = ModelConfig.from_config_dict(config.model)
+    cfg = config.model_config()
     rules = tuple((k, v) for k, v in config.sharding_rules)
     mesh = make_mesh(jax.devices()[: args.cell_devices], dict(data=args.cell_devices))
     graphdef, params = init_params(cfg, mesh, rules, seed=args.seed)

@@ -16,7 +16,6 @@ remat is on and the KV cache is kept to 16 slots x 32K tokens x 96 KB = 50 GB pe
 from pathlib import Path
 
 from gyre_jax import config as config_lib
-from gyre_jax import runtime
 from gyre_jax.model.config import QWEN3_30B_A3B
 from gyre_jax.model.sharding import RULES_EXPERT
 
@@ -51,7 +50,6 @@ def get_config():
     c.rl.group_size = 16
     c.warm_start.steps = 0
 
-    c.distributed = runtime.process.default_config()
     c.distributed.enabled = True  # coordinator_address, num_processes, process_id: detected from Slurm
     # One process drives all 8 GPUs of its host. Without this, JAX's Slurm detection would give each process
     # only the GPU numbered SLURM_LOCALID (its one-process-per-GPU layout).

@@ -14,7 +14,6 @@ pair shares NVLink). One process drives all 8 GPUs, so config.distributed stays 
 from pathlib import Path
 
 from gyre_jax import config as config_lib
-from gyre_jax import runtime
 from gyre_jax.model.config import QWEN3_1P7B
 
 
@@ -43,5 +42,4 @@ def get_config():
     c.rl.group_size = 16  # GSPO rollouts per task (published setting)
     c.warm_start.steps = 0  # a real checkpoint needs no format warm start
 
-    c.distributed = runtime.process.default_config()  # one process: disabled
     return c

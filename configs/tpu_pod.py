@@ -17,7 +17,6 @@ master weights, gradients and Adam moments) is not supported yet by the multi-pr
 from pathlib import Path
 
 from gyre_jax import config as config_lib
-from gyre_jax import runtime
 from gyre_jax.model.config import QWEN3_8B
 
 
@@ -48,7 +47,6 @@ def get_config():
     c.rl.group_size = 16
     c.warm_start.steps = 0
 
-    c.distributed = runtime.process.default_config()
     c.distributed.enabled = True  # everything else detected from the TPU VM metadata
     c.distributed.initialization_timeout_s = 600.0
     c.distributed.heartbeat_timeout_s = 60.0

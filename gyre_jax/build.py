@@ -61,10 +61,10 @@ def setup(config) -> Setup:
     """Devices -> training mesh and cells -> model and tokenizer (see the module docstring)."""
     ckpt_dir = config.model.checkpoint_dir or None
     tokenizer = load_tokenizer(config.tokenizer.kind, ckpt_dir)
-    rules = tuple((k, v) for k, v in config.sharding_rules)
+    rules = config.sharding_rules
     devices = _run_devices(config)
-    train_mesh = runtime.make_train_mesh(dict(config.mesh), devices)
-    cells = runtime.make_cells(devices, config.cells.num_cells, cell_mesh_shape(config))
+    train_mesh = runtime.make_train_mesh(config.mesh.shape(), devices)
+    cells = runtime.make_cells(devices, config.cells.num_cells, config.cells.shape())
     if jax.process_count() > 1:
         runtime.check_cells_within_processes(cells)
     if ckpt_dir is not None:  # a Hugging Face checkpoint: its config.json defines the architecture
@@ -76,15 +76,9 @@ def setup(config) -> Setup:
         )
         log.info("loaded %s (%.1fM params)", ckpt_dir, model_cfg.num_params / 1e6)
     else:
-        model_cfg = ModelConfig.from_config_dict(config.model)
+        model_cfg = config.model_config()
         graphdef, params = init_params(model_cfg, train_mesh, rules, config.seed)
     return Setup(config, tokenizer, rules, train_mesh, cells, model_cfg, graphdef, params)
-
-
-def cell_mesh_shape(config) -> dict[str, int]:
-    c = config.cells
-    expert = c.get("expert", 1)  # CONFIG-MERGE
-    return dict(data=c.data, fsdp=c.fsdp, tensor=c.tensor, **({"expert": expert} if expert > 1 else {}))
 
 
 def _run_devices(config) -> list[jax.Device]:

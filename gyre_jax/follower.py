@@ -29,7 +29,7 @@ def follow(config) -> int:
             params = build.warm_start(s, build.make_suite(config), threading.Event())
         build.core_params(s, params)
     s.params = None
-    factory = build.CellFactory(s, _loss_config(config))
+    factory = build.CellFactory(s, config.loss_config())
     layouts = {cell.index: factory.layout(cell) for cell in s.cells}
     mine = {
         cell.index: HostedCell(
@@ -46,17 +46,3 @@ def follow(config) -> int:
     host.serve()
     jax.effects_barrier()
     return 0
-
-
-def _loss_config(config):
-    from gyre_jax.rl.losses import LossConfig
-
-    rl = config.rl
-    return LossConfig(  # CONFIG-MERGE: config.loss_config()
-        name=rl.loss,
-        clip_low=rl.clip_low,
-        clip_high=rl.clip_high,
-        kl_coef=rl.kl_coef,
-        recompute_behaviour=rl.recompute_behaviour,
-        behaviour_is_cap=rl.behaviour_is_cap,
-    )

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from gyre_jax import build, runtime
 from gyre_jax import config as config_lib
 from gyre_jax.checkpoint import Checkpointer
-from gyre_jax.elastic.controller import Controller, ControllerConfig
+from gyre_jax.elastic.controller import Controller
 from gyre_jax.elastic.ledger import RolloutLedger
 from gyre_jax.elastic.policies import make_policy
 from gyre_jax.elastic.timeline import TimelineWriter
@@ -35,7 +35,7 @@ from gyre_jax.metrics import MetricsWriter
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.router import Router
 from gyre_jax.proxy.server import ProxyServer
-from gyre_jax.rl.learner import Learner, OptimizerConfig, TrainState
+from gyre_jax.rl.learner import Learner, TrainState
 from gyre_jax.rollout.executor import Executor
 from gyre_jax.run import ExecutionPlan, Run, fsync_write
 from gyre_jax.runtime.local import LocalCell
@@ -55,7 +55,9 @@ def build_run(config) -> Run:
     stop = threading.Event()
     s = build.setup(config)  # devices, training mesh, cells, model, tokenizer
     suite = build.make_suite(config)
-    learner = Learner(s.model_cfg, s.graphdef, s.cells[0].mesh, s.rules, _optimizer(config), **_loss(config))
+    learner = Learner(
+        s.model_cfg, s.graphdef, s.cells[0].mesh, s.rules, config.optimizer, loss_cfg=config.loss_config()
+    )
     checkpointer = Checkpointer(workdir / "checkpoints", config.keep_checkpoints, primary_only=s.multi_process)
     metrics = MetricsWriter(workdir, tensorboard=config.metrics.tensorboard)
     fsync_write(workdir / "config.json", json.dumps(config.to_dict(), indent=2, default=str))
@@ -82,7 +84,7 @@ def build_run(config) -> Run:
     training = CellTraining(learner, state, handles, ref_params=ref_params)
     training.publish([h for h in handles if h.policy_version != training.version])  # follower cells start serving
     controller = Controller(
-        _controller_config(config),
+        config.controller_config(),
         training=training,
         ledger=_ledger(config, executor, records, pipeline, plan.step, timeline),
         policy=make_policy(config.schedule.policy, len(handles), **config_lib.policy_options(config)),
@@ -162,42 +164,18 @@ def _cells(s: build.Setup, learner: Learner, state: TrainState) -> tuple[list, l
     return open_cells(s.cells, layouts, local, learner.param_shardings, s.config.serving.max_seq_len)
 
 
-def _optimizer(config) -> OptimizerConfig:
-    return OptimizerConfig.from_config_dict(config.optimizer)  # CONFIG-MERGE
-
-
-def _loss(config) -> dict:
-    rl = config.rl  # CONFIG-MERGE: config.loss_config()
-    return dict(
-        clip_low=rl.clip_low, clip_high=rl.clip_high, loss=rl.loss, kl_coef=rl.kl_coef,
-        recompute_behaviour=rl.recompute_behaviour, behaviour_is_cap=rl.behaviour_is_cap,
-    )  # fmt: skip
-
-
 def _trajectory_config(config, s: build.Setup) -> TrajectoryConfig:
     import dataclasses
 
     message_end = s.tokenizer.token_id("<|im_end|>") if hasattr(s.tokenizer, "token_id") else None
-    cfg = TrajectoryConfig.from_config(config, message_end_id=message_end)  # CONFIG-MERGE
-    return dataclasses.replace(cfg, vocab_size=s.model_cfg.vocab_size)
-
-
-def _controller_config(config) -> ControllerConfig:
-    c = config  # CONFIG-MERGE
-    return ControllerConfig(
-        tasks_per_step=c.rollout.tasks_per_step,
-        group_size=c.rl.group_size,
-        sessions_per_cell=c.cells.sessions_per_cell or c.serving.max_concurrent_decodes,
-        max_branches=c.rl.max_branches,
-        micro_steps_per_step=c.rl.micro_steps_per_step,
-    )
+    cfg = config.trajectory_config(message_end_id=message_end)
+    return dataclasses.replace(cfg, vocab_size=s.model_cfg.vocab_size)  # a checkpoint's own vocabulary
 
 
 def _ledger(config, executor, records, pipeline, make_specs, timeline) -> RolloutLedger:
-    bound = config.rl.max_staleness  # CONFIG-MERGE: drop_staleness
     return RolloutLedger(
         batch_size=config.rollout.tasks_per_step * config.rl.group_size,
-        drop_staleness=None if bound < 0 else bound,
+        drop_staleness=config.drop_bound,
         stream_order=config.trajectory.stream_order,
         executor=executor,
         records=records,

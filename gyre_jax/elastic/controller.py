@@ -40,8 +40,8 @@ log = logging.getLogger("gyre_jax.controller")
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    """The step's shape and the controller's timing. ``micro_steps_per_step`` 0: as many slots as the step's
-    data can fill (executions x J_max)."""
+    """The step's shape and the controller's timing (``RunConfig.controller_config()`` derives it).
+    ``micro_steps_per_step`` 0: as many slots as the step's data can fill (executions x J_max)."""
 
     tasks_per_step: int
     group_size: int
@@ -49,7 +49,7 @@ class ControllerConfig:
     max_branches: int
     micro_steps_per_step: int = 0
     claim_timeout_s: float = 0.05
-    tick_s: float = 1.0
+    tick_s: float = 1.0  # a "tick" event after this long without one (time-based rules, e.g. idle_before_return_s)
 
     @property
     def batch_size(self) -> int:

@@ -1,10 +1,11 @@
 """Frozen model configuration (one dataclass for the Qwen3 family, Flax-gemma style) and presets.
 
 ``ModelConfig`` describes both Qwen3 dense (``Qwen3ForCausalLM``) and Qwen3 MoE
-(``Qwen3MoeForCausalLM``): ``num_experts == 0`` is dense. ``from_config_dict`` reads our
-``config.model`` section; ``from_hf_config`` / ``to_hf_config`` translate a Hugging Face
+(``Qwen3MoeForCausalLM``): ``num_experts == 0`` is dense. The run config's ``model`` section is one
+(``gyre_jax.config.ModelSection``: this class plus ``checkpoint_dir``); ``from_config_dict`` reads a
+plain dict of it (e.g. a run's ``config.json``); ``from_hf_config`` / ``to_hf_config`` translate a Hugging Face
 ``config.json`` (the mapping lives in ``hf_config.py``). It also owns the parameter and FLOP counts the
-benchmarks use.
+benchmarks and the controller's measurements use.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import jax.numpy as jnp
 
 ROPE_TYPES = ("default", "linear", "yarn")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
@@ -120,10 +119,14 @@ class ModelConfig:
     # -- derived ---------------------------------------------------------------------------------
     @property
     def compute_dtype(self):
+        import jax.numpy as jnp  # here, not at the top: the run config imports this module without JAX
+
         return jnp.dtype(self.dtype)
 
     @property
     def weight_dtype(self):
+        import jax.numpy as jnp
+
         return jnp.dtype(self.param_dtype)
 
     @property
@@ -196,7 +199,8 @@ class ModelConfig:
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def from_config_dict(cls, model_cfg) -> ModelConfig:
-        """From our ``config.model`` section; keys that are not fields (e.g. ``checkpoint_dir``) are ignored."""
+        """From a dict of our ``config.model`` section (e.g. in a run's ``config.json``); keys that are not fields
+        (e.g. ``checkpoint_dir``) are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in dict(model_cfg).items() if k in names})
 

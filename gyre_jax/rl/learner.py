@@ -21,7 +21,6 @@ the accumulator's add (donated running sum).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import threading
@@ -41,13 +40,12 @@ from gyre_jax.rl import losses
 from gyre_jax.rl.accumulator import GradAccumulator
 from gyre_jax.rl.micro_step import GradWorker, run_micro_steps, token_logprobs
 from gyre_jax.rl.microstep_queue import MicroStepQueue, QueueAborted
+from gyre_jax.rl.optimizer_config import SCHEDULES, OptimizerConfig
 from gyre_jax.trajectory.batch import MicroBatch
 
 __all__ = ["Learner", "OptimizerConfig", "TrainState", "make_optimizer", "token_logprobs", "count_tokens", "SCHEDULES"]
 
 log = logging.getLogger("gyre_jax.learner")
-
-SCHEDULES = ("constant", "cosine", "linear")
 
 
 @jax.tree_util.register_dataclass
@@ -56,36 +54,6 @@ class TrainState:
     params: nnx.State
     opt_state: optax.OptState
     step: jax.Array  # [] int32: optimizer updates applied = the policy version these params define
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW with global-norm clipping. Learning rate: linear warmup over ``warmup_steps``, then
-    ``schedule``: ``constant``, or ``cosine`` / ``linear`` decay to ``learning_rate * min_lr_ratio`` over
-    the next ``decay_steps`` optimizer steps (constant afterwards)."""
-
-    learning_rate: float
-    warmup_steps: int = 0
-    b1: float = 0.9
-    b2: float = 0.99
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 1.0
-    schedule: str = "constant"
-    decay_steps: int = 0
-    min_lr_ratio: float = 0.0
-
-    def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"optimizer schedule {self.schedule!r} must be one of {SCHEDULES}")
-        if self.schedule != "constant" and self.decay_steps < 1:
-            raise ValueError(f"optimizer schedule {self.schedule!r} needs decay_steps >= 1 (got {self.decay_steps})")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"optimizer min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-
-    @classmethod
-    def from_config_dict(cls, c) -> OptimizerConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in dict(c).items() if k in names})
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
@@ -114,8 +82,9 @@ class Learner:
 
     Positional arguments as before; the objective is chosen by keyword (see ``losses.LossConfig``):
     ``loss`` (gspo | gspo_token | grpo), ``clip_low`` / ``clip_high`` (None = the loss's default),
-    ``kl_coef``, ``recompute_behaviour``, ``behaviour_is_cap``. ``ordered_accumulation`` (default True)
-    makes the summed gradients bit-identical for every claim order.
+    ``kl_coef``, ``recompute_behaviour``, ``behaviour_is_cap``; or whole, as ``loss_cfg`` (a run config's
+    ``loss_config()``). ``ordered_accumulation`` (default True) makes the summed gradients bit-identical
+    for every claim order.
     """
 
     def __init__(
@@ -134,12 +103,16 @@ class Learner:
         behaviour_is_cap: float = 0.0,
         ordered_accumulation: bool = True,
         name: str = "core",
+        loss_cfg: losses.LossConfig | None = None,
     ):
         self.model_cfg = model_cfg
         self.graphdef = graphdef
         self.mesh = mesh
         self.rules = rules
-        self.loss_cfg = losses.LossConfig(
+        keywords = (clip_low, clip_high, loss, kl_coef, recompute_behaviour, behaviour_is_cap)
+        if loss_cfg is not None and keywords != (None, None, "gspo", 0.0, False, 0.0):
+            raise ValueError("Learner: give the objective as loss_cfg or as keywords (loss, clip_low ...), not both")
+        self.loss_cfg = loss_cfg or losses.LossConfig(
             name=loss,
             clip_low=clip_low,
             clip_high=clip_high,
@@ -176,27 +149,6 @@ class Learner:
             out_shardings=(self.state_shardings, r),
         )
         self.skipped_steps = 0  # optimizer steps skipped for non-finite loss/gradients, over this learner's life
-
-    @classmethod
-    def from_config(
-        cls, model_cfg, graphdef: nnx.GraphDef, mesh: Mesh, rules: Rules, config, name: str = "core"
-    ) -> Learner:
-        """The RL learner a run's ``config`` describes (``config.rl`` objective keys, ``config.optimizer``)."""
-        rl = config.rl
-        return cls(
-            model_cfg,
-            graphdef,
-            mesh,
-            rules,
-            OptimizerConfig.from_config_dict(config.optimizer),
-            clip_low=rl.clip_low,
-            clip_high=rl.clip_high,
-            loss=rl.loss,
-            kl_coef=rl.get("kl_coef", 0.0),
-            recompute_behaviour=rl.get("recompute_behaviour", False),
-            behaviour_is_cap=rl.get("behaviour_is_cap", 0.0),
-            name=name,
-        )
 
     # -- state ------------------------------------------------------------------------------------
     def init_state(self, params: nnx.State, step: int = 0) -> TrainState:

@@ -33,7 +33,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from ml_collections import config_dict
 
 from gyre_jax.runtime.watchdog import (
     FAILED_EXIT_CODE,
@@ -54,105 +53,10 @@ MAX_DECISION_BYTES = 1 << 20  # JSON bytes of one broadcast decision
 _DEVICE_BROADCAST_CAPACITY = 4096  # bytes of a via="devices" broadcast that fit its first (fixed-shape) round
 
 
-# -- config ----------------------------------------------------------------------------------------------
-def default_config() -> config_dict.ConfigDict:
-    """The ``config.distributed`` section with its defaults (single process)."""
-    d = config_dict.ConfigDict()
-    d.enabled = False  # True: this is one of num_processes processes of one run (jax.distributed)
-    d.coordinator_address = ""  # "host:port" of process 0; "" = JAX_COORDINATOR_ADDRESS or cluster auto-detection
-    d.num_processes = 0  # 0 = auto-detect (Slurm / Open MPI / Cloud TPU); required on cpu
-    d.process_id = -1  # -1 = auto-detect
-    d.local_device_ids = ()  # GPU ids this process uses; () = all visible (one process per host)
-    d.initialization_timeout_s = 300.0  # how long processes wait for each other at start
-    d.heartbeat_timeout_s = 30.0  # a peer silent this long is declared dead and every process exits
-    d.shutdown_timeout_s = 60.0  # how long a finishing process waits for the others at the end
-    return d
-
-
-def _section(config) -> config_dict.ConfigDict:
-    """``config.distributed`` with defaults for missing keys (configs written before the section existed)."""
-    given = config.get("distributed", None) if config is not None else None
-    given = given.to_dict() if isinstance(given, config_dict.ConfigDict) else dict(given or {})
-    # Values keep their own types (and unknown keys stay) so that validation can name what is wrong.
-    return config_dict.ConfigDict({**default_config().to_dict(), **given})
-
-
-def validate_distributed(config) -> None:
-    """Checks ``config.distributed`` (and how it fits ``config.devices``); raises ``ValueError`` with one line.
-
-    ``gyre_jax.config.validate`` calls this and re-raises as ``ConfigError``.
-    """
-    d = _section(config)
-    known = set(default_config().keys())
-    unknown = sorted(set(d.keys()) - known)
-    if unknown:
-        raise ValueError(f"config.distributed has unknown key(s) {unknown}; known: {sorted(known)}")
-
-    def need(cond: bool, message: str) -> None:
-        if not cond:
-            raise ValueError(message)
-
-    need(isinstance(d.enabled, bool), f"config.distributed.enabled={d.enabled!r} must be true or false")
-    need(
-        isinstance(d.coordinator_address, str),
-        "config.distributed.coordinator_address must be a string 'host:port' (or '')",
-    )
-    if d.coordinator_address:
-        host, sep, port = d.coordinator_address.rpartition(":")
-        need(
-            bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536,
-            f"config.distributed.coordinator_address={d.coordinator_address!r} must be 'host:port' with a port in "
-            f"[1, 65535] (the address of process 0), or '' to auto-detect",
-        )
-    need(
-        isinstance(d.num_processes, int) and d.num_processes >= 0,
-        f"config.distributed.num_processes={d.num_processes!r} must be >= 1, or 0 to auto-detect",
-    )
-    need(
-        isinstance(d.process_id, int) and d.process_id >= -1,
-        f"config.distributed.process_id={d.process_id!r} must be >= 0, or -1 to auto-detect",
-    )
-    if d.num_processes >= 1 and d.process_id >= 0:
-        need(
-            d.process_id < d.num_processes,
-            f"config.distributed.process_id={d.process_id} must be < num_processes={d.num_processes} (ids are 0 .. N-1)",
-        )
-    ids = tuple(d.local_device_ids or ())
-    need(
-        all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) and len(set(ids)) == len(ids),
-        f"config.distributed.local_device_ids={ids!r} must be distinct device ids >= 0, or () for all",
-    )
-    for key in ("initialization_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s"):
-        need(
-            isinstance(d[key], (int, float)) and not isinstance(d[key], bool) and d[key] >= 1,
-            f"config.distributed.{key}={d[key]!r} must be a number of seconds >= 1",
-        )
-    platform = config.devices.platform if "devices" in config else "cpu"
-    if d.enabled and platform == "cpu":
-        n = config.devices.num_cpu_devices
-        need(
-            d.num_processes >= 1,
-            "config.distributed.num_processes must be set on cpu (the config's devices.num_cpu_devices are split "
-            "over the processes; cluster auto-detection is for gpu/tpu)",
-        )
-        need(
-            n % d.num_processes == 0,
-            f"config.devices.num_cpu_devices={n} (the run's total) must be a multiple of "
-            f"config.distributed.num_processes={d.num_processes}: every process gets the same number of devices",
-        )
-        need(not ids, "config.distributed.local_device_ids selects GPUs; leave it () on cpu")
-    if not d.enabled:
-        need(
-            d.num_processes in (0, 1) and d.process_id in (-1, 0),
-            f"config.distributed.num_processes={d.num_processes}, process_id={d.process_id} describe a multi-process "
-            f"run but config.distributed.enabled is false; set enabled=true",
-        )
-
-
 def local_cpu_device_count(config) -> int:
     """Virtual CPU devices this process creates: the run's ``num_cpu_devices`` split over its processes."""
-    d = _section(config)
-    n = int(config.devices.num_cpu_devices)
+    d = config.distributed
+    n = config.devices.num_cpu_devices
     return n // d.num_processes if d.enabled and d.num_processes >= 1 else n
 
 
@@ -182,7 +86,7 @@ def _configure_platform(platform: str, cpu_devices: int) -> None:
             raise DistributedError(
                 f"JAX already started on {backend} with {jax.local_device_count()} local devices, but the config asks "
                 f"for {platform}{f' with {cpu_devices} devices' if platform == 'cpu' else ''}: call "
-                f"gyre_jax.distributed.initialize(config) before any JAX computation"
+                f"gyre_jax.runtime.initialize(config) before any JAX computation"
             )
         return
     jax.config.update("jax_platforms", platform)
@@ -339,11 +243,7 @@ def initialize(config) -> ProcessInfo:
     configs (``config.distributed.enabled`` false) only set the platform and devices.
     """
     global _RUNTIME
-    try:
-        validate_distributed(config)
-    except ValueError as exc:
-        raise DistributedError(str(exc)) from None
-    d = _section(config)
+    d = config.distributed  # checked with the rest of the config (gyre_jax.config.DistributedSection)
     platform = config.devices.platform
     if _RUNTIME is not None:
         raise DistributedError("gyre_jax.runtime.initialize was already called in this process")

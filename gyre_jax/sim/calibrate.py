@@ -548,15 +548,29 @@ def read_run_config(run_dir: str | os.PathLike) -> dict:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
 
 
-def _get(config: dict, key: str, default=None):
+def _lookup(config: dict, key: str):
     node = config
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
-            if default is None:
-                raise KeyError(f"config.json has no {key!r}: is this a gyre_jax run directory?")
-            return default
+            return None
         node = node[part]
     return node
+
+
+def _get(config: dict, key: str, default=None):
+    """``config.json``'s value of ``key``; a run written before a key was renamed has it under its old name
+    (``schedule.max_staleness`` for ``schedule.dispatch_staleness``: new configs refuse the old names)."""
+    from gyre_jax.config import RENAMED_KEYS
+
+    value = _lookup(config, key)
+    old = next((old for old, (new, _) in RENAMED_KEYS.items() if new == key), None)
+    if value is None and old is not None:
+        value = _lookup(config, old)
+    if value is None:
+        if default is None:
+            raise KeyError(f"config.json has no {key!r}: is this a gyre_jax run directory?")
+        return default
+    return value
 
 
 def _pipeline_default(name: str):
@@ -568,18 +582,19 @@ def _pipeline_default(name: str):
     return next(f.default for f in dc.fields(TrajectoryConfig) if f.name == name)
 
 
-def _policy_options(sched: dict, num_cells: int) -> dict:
-    """The simulator's policy options for the run's ``schedule`` section (its defaults where it omits them)."""
-    if sched["policy"] == "async":
+def _policy_options(c: dict, num_cells: int) -> dict:
+    """The run's scheduling policy options, from its config.json (old runs' key names too)."""
+    policy = _get(c, "schedule.policy")
+    if policy == "async":
         return {
-            "max_staleness": int(sched.get("max_staleness", 1)),
-            "training_cells": int(sched.get("training_cells", 0)) or max(1, num_cells // 2),
+            "max_staleness": int(_get(c, "schedule.dispatch_staleness", 1)),
+            "training_cells": int(_get(c, "schedule.training_cells", 0)) or max(1, num_cells // 2),
         }
-    if sched["policy"] == "elastic":
+    if policy == "elastic":
         return {
-            "max_staleness": int(sched.get("max_staleness", 1)),
-            "leave_on": sched.get("leave_on", "waterlevel"),
-            "idle_before_return_s": float(sched.get("idle_before_return_s", 0.0)),
+            "max_staleness": int(_get(c, "schedule.dispatch_staleness", 1)),
+            "leave_on": _get(c, "schedule.leave_on", "waterlevel"),
+            "idle_before_return_s": float(_get(c, "schedule.idle_before_return_s", 0.0)),
         }
     return {}
 
@@ -648,7 +663,6 @@ def run_sim_config(run_dir: str | os.PathLike, steps: int | None = None, segment
         cell *= int(_get(c, f"cells.{axis}", 1))
     slots = int(_get(c, "cells.sessions_per_cell", 0)) or int(_get(c, "serving.max_concurrent_decodes"))
     model = ModelConfig.from_config_dict(_get(c, "model"))
-    sched = _get(c, "schedule")
     cost = _placeholder_cost(run_dir, model, cell, slots, int(_get(c, "trajectory.tokens_per_micro_batch")))
     name = f"run:{Path(run_dir).name}"
     return SimConfig(
@@ -656,8 +670,8 @@ def run_sim_config(run_dir: str | os.PathLike, steps: int | None = None, segment
         cost=cost,
         accelerators=num_cells * cell,
         cell_accelerators=cell,
-        policy=sched["policy"],
-        policy_options=tuple(sorted(_policy_options(sched, num_cells).items())),
+        policy=_get(c, "schedule.policy"),
+        policy_options=tuple(sorted(_policy_options(c, num_cells).items())),
         steps=int(steps or _get(c, "total_steps")),
         tasks_per_step=int(_get(c, "rollout.tasks_per_step")),
         group_size=int(_get(c, "rl.group_size")),

@@ -14,7 +14,7 @@ from typing import Any
 
 from ml_collections import config_dict
 
-from gyre_jax.config import ConfigError, _load_file, apply_override
+from gyre_jax.config import ConfigError, apply_override, base_config
 from gyre_jax.sim.cost_model import (
     CostModel,
     HardwareSpec,
@@ -36,7 +36,7 @@ def preset(name_or_path: str) -> config_dict.ConfigDict:
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]()
     if name_or_path.endswith(".py") or Path(name_or_path).exists():
-        return _load_file(name_or_path)
+        return base_config(name_or_path)
     raise ConfigError(
         f"unknown simulator preset {name_or_path!r} (presets: {', '.join(PRESETS)}; or a configs/sim_*.py file)"
     )

@@ -58,7 +58,7 @@ STATE_VERSION = 1
 
 @dataclass(frozen=True)
 class TrajectoryConfig:
-    """What the pipeline does; ``from_config`` reads it from the run config.
+    """What the pipeline does; ``RunConfig.trajectory_config()`` derives it from the run config.
 
     ``max_branches``: J_max (None = uncapped). ``packing``: "tree" (shared prefixes computed once) or
     "plain" (each branch its own sequence). Micro-batches are ``rows x row_length`` tokens with at
@@ -90,30 +90,6 @@ class TrajectoryConfig:
     @property
     def tokens_per_micro_batch(self) -> int:
         return self.rows * self.row_length
-
-    @classmethod
-    def from_config(cls, config, message_end_id: int | None = None) -> TrajectoryConfig:
-        """From a run config: ``rl.max_branches``, ``trajectory.*``, ``seed``, ``model.vocab_size``.
-
-        ``message_end_id``: the tokenizer's ``<|im_end|>`` id; by default the byte tokenizer's when
-        ``tokenizer.kind == "byte"`` (pass it for other tokenizers, else labels use thread ids only).
-        """
-        t = config.trajectory
-        if message_end_id is None and config.tokenizer.kind == "byte":
-            from gyre_jax.model.tokenizer import ByteTokenizer
-
-            message_end_id = ByteTokenizer().token_id("<|im_end|>")
-        return cls(
-            max_branches=int(config.rl.max_branches),
-            packing=t.packing,
-            row_length=int(t.row_length),
-            rows=int(t.tokens_per_micro_batch) // int(t.row_length),
-            max_sequences=int(t.max_sequences_per_micro_batch),
-            open_micro_batches=int(t.get("open_micro_batches", 4)),
-            seed=int(config.seed),
-            message_end_id=message_end_id,
-            vocab_size=int(config.model.vocab_size),
-        )
 
 
 # -- elements ---------------------------------------------------------------------------------------------------------

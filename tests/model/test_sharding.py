@@ -248,18 +248,22 @@ def test_make_mesh_adds_the_expert_axis_only_when_asked() -> None:
 
 
 def test_config_validation_accepts_the_expert_axis_and_checks_moe_keys() -> None:
-    from gyre_jax.config import ConfigError, device_count, validate
+    from gyre_jax.config import ConfigError, config_from_dict, device_count, validate
 
-    c = load_config([])
-    c.mesh.data, c.mesh.expert = 2, 2
-    c.sharding_rules = tuple(c.sharding_rules) + (("exp", "expert"),)
-    c.model.num_experts, c.model.num_experts_per_tok, c.model.moe_mlp_dim = 8, 2, 64
-    assert device_count(c) == 8
+    base = load_config([])
+    moe = {"model.num_experts": 8, "model.num_experts_per_tok": 2, "model.moe_mlp_dim": 64}
+    c = config_from_dict(
+        base,
+        {
+            "mesh.data": 2,
+            "mesh.expert": 2,
+            "sharding_rules": tuple(base.sharding_rules) + (("exp", "expert"),),
+            **moe,
+        },
+    )
+    assert device_count(c) == 8 and c.mesh.shape() == dict(data=2, fsdp=2, tensor=1, expert=2)
     validate(c)
-    c.model.num_experts_per_tok = 0
-    with pytest.raises(ConfigError, match="config.model: .*num_experts_per_tok=0 must be in \\[1, num_experts=8\\]"):
-        validate(c)
-    c.model.num_experts_per_tok = 2
-    c.model.remat_policy = "everything"
+    with pytest.raises(ConfigError, match="config.model.num_experts_per_tok=0 must be in \\[1, num_experts=8\\]"):
+        config_from_dict(c, {"model.num_experts_per_tok": 0})
     with pytest.raises(ConfigError, match="remat_policy='everything' must be one of"):
-        validate(c)
+        config_from_dict(c, {"model.remat_policy": "everything"})

@@ -419,10 +419,8 @@ def test_learning_rate_schedules_and_errors():
         OptimizerConfig(1e-3, schedule="cosine")
     with pytest.raises(ValueError, match="schedule"):
         OptimizerConfig(1e-3, schedule="step")
-    cfg = OptimizerConfig.from_config_dict(
-        {"learning_rate": 1e-3, "schedule": "linear", "decay_steps": 3, "unknown": 1}
-    )
-    assert cfg.schedule == "linear" and cfg.decay_steps == 3
+    cfg = load_config(["--config.optimizer.schedule=linear", "--config.optimizer.decay_steps=3"]).optimizer
+    assert isinstance(cfg, OptimizerConfig) and cfg.schedule == "linear" and cfg.decay_steps == 3
 
 
 def test_learner_from_the_run_config(base):
@@ -439,8 +437,11 @@ def test_learner_from_the_run_config(base):
             "--config.optimizer.decay_steps=40",
         ]
     )
-    learner = Learner.from_config(CFG, graphdef, mesh, rules, c)
+    learner = Learner(CFG, graphdef, mesh, rules, c.optimizer, loss_cfg=c.loss_config())
     assert learner.loss_cfg.name == "grpo" and (learner.clip_low, learner.clip_high) == (0.2, 0.28)
     assert learner.loss_cfg.kl_coef == 0.01 and not learner.loss_cfg.recompute_behaviour
-    default = Learner.from_config(CFG, graphdef, mesh, rules, load([]))
+    d = load([])
+    default = Learner(CFG, graphdef, mesh, rules, d.optimizer, loss_cfg=d.loss_config())
     assert default.loss_cfg == Learner(CFG, graphdef, mesh, rules, OPT).loss_cfg  # gspo, 3e-4 / 4e-4, no KL
+    with pytest.raises(ValueError, match="not both"):
+        Learner(CFG, graphdef, mesh, rules, OPT, loss="grpo", loss_cfg=d.loss_config())

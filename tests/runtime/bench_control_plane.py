@@ -33,13 +33,17 @@ def child(pid: int, port: int, out: Path) -> None:
     import numpy as np
 
     from gyre_jax import runtime
-    from gyre_jax.config import load_config
+    from gyre_jax.config import config_from_dict, load_config
 
-    config = load_config([])
-    d = runtime.process.default_config()
-    d.enabled, d.coordinator_address, d.num_processes, d.process_id = True, f"127.0.0.1:{port}", 2, pid
-    with config.unlocked():
-        config.distributed = d
+    config = config_from_dict(
+        load_config([]),
+        {
+            "distributed.enabled": True,
+            "distributed.coordinator_address": f"127.0.0.1:{port}",
+            "distributed.num_processes": 2,
+            "distributed.process_id": pid,
+        },
+    )
     runtime.initialize(config)
 
     import jax

@@ -27,13 +27,18 @@ MAX_TOKENS = 40
 def main() -> int:
     pid, port, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     from gyre_jax import runtime
-    from gyre_jax.config import load_config
+    from gyre_jax.config import config_from_dict, load_config
 
-    config = load_config([])
-    d = runtime.process.default_config()
-    d.enabled, d.coordinator_address, d.num_processes, d.process_id = True, f"127.0.0.1:{port}", 2, pid
-    d.heartbeat_timeout_s = 10.0
-    config.distributed = d
+    config = config_from_dict(
+        load_config([]),
+        {
+            "distributed.enabled": True,
+            "distributed.coordinator_address": f"127.0.0.1:{port}",
+            "distributed.num_processes": 2,
+            "distributed.process_id": pid,
+            "distributed.heartbeat_timeout_s": 10.0,
+        },
+    )
     runtime.initialize(config)
 
     from slow_engine import SlowEngine

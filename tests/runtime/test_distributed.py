@@ -1,4 +1,4 @@
-"""Single-process tests for gyre_jax/distributed.py: config validation, cells over hosts (with stand-in devices
+"""Single-process tests for gyre_jax/runtime/ (process start-up and the control plane, cells): config validation, cells over hosts (with stand-in devices
 for hosts this machine does not have), and the array movers on this process's 8 virtual devices.
 
 The multi-process behaviour (2 real processes) is in test_multiprocess.py.
@@ -25,29 +25,22 @@ from fakes import hosts  # noqa: E402
 
 
 def tiny_config(**section):
-    """The default config with a ``distributed`` section (values of any type, as a hand-written file could hold)."""
-    from ml_collections import config_dict
-
-    config = config_lib.load_config([])
-    d = config_dict.ConfigDict({**runtime.process.default_config().to_dict(), **section})
-    with config.unlocked():
-        config.distributed = d
-    return config
+    """The default config with these ``distributed`` keys (values of any type, as a hand-written file could hold);
+    the section is checked as the config is built (``gyre_jax.config.DistributedSection``)."""
+    values = config_lib.load_config([]).to_dict()
+    values["distributed"].update(section)
+    return config_lib.RunConfig.from_config_dict(values)
 
 
 # -- config ----------------------------------------------------------------------------------------------
 def test_defaults_and_a_full_multi_process_section_are_valid():
-    runtime.process.validate_distributed(tiny_config())
-    runtime.process.validate_distributed(
-        tiny_config(
-            enabled=True, coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1, heartbeat_timeout_s=5.0
-        )
+    assert tiny_config().distributed == config_lib.DistributedSection()
+    tiny_config(
+        enabled=True, coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1, heartbeat_timeout_s=5.0
     )
-    c = config_lib.load_config([])
-    if "distributed" in c:
-        with c.unlocked():
-            del c["distributed"]  # a config without the section is a single-process config
-    runtime.process.validate_distributed(c)
+    values = config_lib.load_config([]).to_dict()
+    del values["distributed"]  # a config without the section is a single-process config
+    assert config_lib.RunConfig.from_config_dict(values).distributed.enabled is False
 
 
 @pytest.mark.parametrize(
@@ -69,12 +62,12 @@ def test_defaults_and_a_full_multi_process_section_are_valid():
         ),
         (dict(enabled=True, num_processes=2, local_device_ids=(0,)), "leave it () on cpu"),
         (dict(num_processes=2, process_id=1), "config.distributed.enabled is false; set enabled=true"),
-        (dict(coordinatoraddress="h:1"), "unknown key(s) ['coordinatoraddress']"),
+        (dict(coordinatoraddress="h:1"), "unknown config key 'distributed.coordinatoraddress'"),
     ],
 )
 def test_bad_values_fail_with_one_line_naming_the_key(section, message):
-    with pytest.raises(ValueError) as err:
-        runtime.process.validate_distributed(tiny_config(**section))
+    with pytest.raises(ValueError) as err:  # a config_lib.ConfigError
+        tiny_config(**section)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -100,11 +93,11 @@ def test_initialize_after_jax_started_with_other_devices_says_to_call_it_first(m
     with pytest.raises(
         runtime.DistributedError,
         match=r"JAX already started on cpu with 8 local devices, but the "
-        r"config asks for cpu with 4 devices: call gyre_jax.distributed.initialize\(config\) before",
+        r"config asks for cpu with 4 devices: call gyre_jax.runtime.initialize\(config\) before",
     ):
         runtime.initialize(config)
-    with pytest.raises(runtime.DistributedError, match="num_processes must be set on cpu"):
-        runtime.initialize(tiny_config(enabled=True))
+    with pytest.raises(config_lib.ConfigError, match="num_processes must be set on cpu"):  # refused before
+        tiny_config(enabled=True)
 
 
 # -- control plane in one process ------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Multi-process tests for gyre_jax/distributed.py: 2 real processes x 4 virtual CPU devices on loopback.
+"""Multi-process tests for gyre_jax/runtime/ (processes, the control plane, transfers): 2 real processes x 4 virtual CPU devices on loopback.
 
 Every run starts ``tests/runtime/worker.py`` twice (process 0 and 1, a free port, gloo collectives) and
 compares what they wrote with the same computation done here in the test process (1 process, 8 devices).
@@ -93,7 +93,7 @@ def load(out: Path, scenario: str, pid: int) -> tuple[dict, dict]:
 def single_process_reference() -> dict:
     """The same computation in this process: 1 process, 8 devices, the same mesh shape and seed."""
     config = worker.make_config(nproc=1)
-    mesh = runtime.make_train_mesh(dict(config.mesh))
+    mesh = runtime.make_train_mesh(config.mesh.shape())
     model_cfg, graphdef, params, rules = worker.model_setup(config, mesh)
     loss, grads, logits = worker.loss_and_grads(graphdef, params, mesh, rules)
     return dict(

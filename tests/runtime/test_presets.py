@@ -11,7 +11,7 @@ import pytest
 
 from gyre_jax import config as config_lib
 from gyre_jax import runtime
-from gyre_jax.model.config import QWEN3_1P7B, QWEN3_8B, QWEN3_30B_A3B, ModelConfig
+from gyre_jax.model.config import QWEN3_1P7B, QWEN3_8B, QWEN3_30B_A3B
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakes import hosts  # noqa: E402
@@ -22,14 +22,12 @@ PRESETS = {
     "configs/gpu_cluster.py": ("gpu", 4, 8, QWEN3_30B_A3B, True, [[0], [1], [2], [3]]),
     "configs/tpu_pod.py": ("tpu", 8, 4, QWEN3_8B, True, [[h] for h in range(8)]),
 }
-AXES = ("data", "fsdp", "tensor", "expert")
 
 
 @pytest.mark.parametrize("path", sorted(PRESETS))
 def test_preset_loads_validates_and_fits_its_hosts(path):
     platform, num_hosts, per_host, model, multi, cell_hosts = PRESETS[path]
-    c = config_lib.load_config(["--config", path])  # runs gyre_jax.config.validate
-    runtime.process.validate_distributed(c)
+    c = config_lib.load_config(["--config", path])  # every section checked, then gyre_jax.config.validate
     assert c.devices.platform == platform
     assert config_lib.device_count(c) == num_hosts * per_host
     assert c.distributed.enabled is multi
@@ -38,7 +36,7 @@ def test_preset_loads_validates_and_fits_its_hosts(path):
     if platform == "gpu" and multi:  # one process per host drives all its GPUs (not Slurm's one GPU per task)
         assert tuple(c.distributed.local_device_ids) == tuple(range(per_host))
 
-    got = ModelConfig.from_config_dict(c.model)
+    got = c.model_config()
     assert (
         dataclasses.replace(got, dtype=model.dtype, param_dtype=model.param_dtype, remat_policy=model.remat_policy)
         == model
@@ -46,10 +44,8 @@ def test_preset_loads_validates_and_fits_its_hosts(path):
     assert (got.dtype, got.param_dtype) == ("bfloat16", "float32")
 
     devices = hosts(num_hosts, per_host)
-    mesh_shape = {a: c.mesh[a] for a in AXES if a in c.mesh}
-    cell_shape = {a: c.cells[a] for a in AXES if a in c.cells}
-    runtime.make_train_mesh(mesh_shape, devices)
-    cells = runtime.make_cells(devices, c.cells.num_cells, cell_shape)
+    runtime.make_train_mesh(c.mesh.shape(), devices)
+    cells = runtime.make_cells(devices, c.cells.num_cells, c.cells.shape())
     assert [list(cell.processes) for cell in cells] == cell_hosts
 
 
@@ -64,7 +60,6 @@ def test_explicit_launch_values_override_auto_detection(path):
             "--config.distributed.process_id=3",
         ]
     )
-    runtime.process.validate_distributed(c)
     assert (c.distributed.coordinator_address, c.distributed.num_processes, c.distributed.process_id) == (
         "10.0.0.1:8476",
         4,
@@ -72,7 +67,7 @@ def test_explicit_launch_values_override_auto_detection(path):
     )
     with pytest.raises(
         config_lib.ConfigError, match="process_id=4 must be < num_processes=4"
-    ):  # config.validate runs it
+    ):  # the distributed section checks it as it is built
         config_lib.load_config(
             ["--config", path, "--config.distributed.num_processes=4", "--config.distributed.process_id=4"]
         )

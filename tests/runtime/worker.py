@@ -2,7 +2,7 @@
 
     python tests/runtime/worker.py SCENARIO --pid P --nproc N --port PORT --out DIR [--heartbeat S]
 
-Each process joins the run through ``gyre_jax.distributed.initialize(config)`` with the tiny CPU config
+Each process joins the run through ``gyre_jax.runtime.initialize(config)`` with the tiny CPU config
 (``num_cpu_devices=8`` split over the processes), does the scenario's work and writes what it saw to
 ``DIR/<scenario>_<pid>.json`` (and arrays to ``.npz``) for the test to compare with a single-process run.
 Scenarios: ``main`` (global mesh compute, decisions, syncs, cells, publish, cell_put, checkpoint save),
@@ -28,27 +28,26 @@ BATCH, SEQ, SEED = 8, 32, 0
 
 def make_config(nproc: int = 1, pid: int = 0, port: int = 0, heartbeat_s: float = 30.0):
     """The tiny CPU config (8 devices in all) with a ``distributed`` section for ``nproc`` processes."""
+    import dataclasses
+
     from gyre_jax import config as config_lib
-    from gyre_jax import runtime
 
     config = config_lib.load_config(["--config", str(REPO / "configs" / "tiny_cpu.py")])
-    d = runtime.process.default_config()
-    d.enabled = nproc > 1
-    d.coordinator_address = f"127.0.0.1:{port}" if nproc > 1 else ""
-    d.num_processes = nproc if nproc > 1 else 0
-    d.process_id = pid if nproc > 1 else -1
-    d.initialization_timeout_s = 60.0
-    d.heartbeat_timeout_s = heartbeat_s
-    d.shutdown_timeout_s = 30.0
-    with config.unlocked():
-        config.distributed = d
-    runtime.process.validate_distributed(config)
-    return config
+    d = config_lib.DistributedSection(
+        enabled=nproc > 1,
+        coordinator_address=f"127.0.0.1:{port}" if nproc > 1 else "",
+        num_processes=nproc if nproc > 1 else 0,
+        process_id=pid if nproc > 1 else -1,
+        initialization_timeout_s=60.0,
+        heartbeat_timeout_s=heartbeat_s,
+        shutdown_timeout_s=30.0,
+    )
+    return dataclasses.replace(config, distributed=d)  # validated as it is built
 
 
 def cell_shape(config) -> dict[str, int]:
     """``config.cells`` as a mesh shape (its axis sizes only)."""
-    return {axis: int(config.cells[axis]) for axis in ("data", "fsdp", "tensor", "expert") if axis in config.cells}
+    return config.cells.shape()
 
 
 def make_tokens() -> np.ndarray:
@@ -58,10 +57,9 @@ def make_tokens() -> np.ndarray:
 
 def model_setup(config, mesh):
     """(model_cfg, graphdef, params on ``mesh``, rules)."""
-    from gyre_jax.model.config import ModelConfig
     from gyre_jax.model.sharding import init_params
 
-    model_cfg = ModelConfig.from_config_dict(config.model)
+    model_cfg = config.model_config()
     rules = tuple(tuple(r) for r in config.sharding_rules)
     graphdef, params = init_params(model_cfg, mesh, rules, SEED)
     return model_cfg, graphdef, params, rules
@@ -147,7 +145,7 @@ def scenario_main(args, info, config, out: dict) -> None:
     t0 = time.perf_counter()
     lap = lambda name: out.setdefault("seconds", {}).__setitem__(name, round(time.perf_counter() - t0, 2))  # noqa: E731
     out["devices"] = [[d.id, d.process_index] for d in runtime.cells.host_ordered()]
-    mesh = runtime.make_train_mesh(dict(config.mesh))
+    mesh = runtime.make_train_mesh(config.mesh.shape())
     model_cfg, graphdef, params, rules = model_setup(config, mesh)
     loss, grads, logits = loss_and_grads(graphdef, params, mesh, rules)
     host_params, host_grads, host_loss, host_logits = to_host((params, grads, loss, logits))
@@ -189,7 +187,7 @@ def scenario_main(args, info, config, out: dict) -> None:
     _, abstract = abstract_model(model_cfg)
 
     # publish_to_cells: the global params onto every cell; each process then runs its own cell(s).
-    for num_cells, shape in ((2, cell_shape(config)), (4, dict(data=2)), (1, dict(config.mesh))):
+    for num_cells, shape in ((2, cell_shape(config)), (4, dict(data=2)), (1, config.mesh.shape())):
         layout = runtime.make_cells(None, num_cells, shape)
         published = runtime.publish_to_cells(params, [param_shardings(abstract, rules, c.mesh) for c in layout])
         key = f"publish_{num_cells}"
@@ -252,12 +250,11 @@ def scenario_restore(args, info, config, out: dict) -> None:
     """Restore the ``main`` scenario's checkpoint onto the global mesh; write the params it holds."""
     from gyre_jax import runtime
     from gyre_jax.checkpoint import Checkpointer
-    from gyre_jax.model.config import ModelConfig
     from gyre_jax.model.sharding import abstract_model, param_shardings
 
-    mesh = runtime.make_train_mesh(dict(config.mesh))
+    mesh = runtime.make_train_mesh(config.mesh.shape())
     rules = tuple(tuple(r) for r in config.sharding_rules)
-    _, abstract = abstract_model(ModelConfig.from_config_dict(config.model))
+    _, abstract = abstract_model(config.model_config())
     target = jax_abstract(abstract, param_shardings(abstract, rules, mesh))
     ckpt = Checkpointer(Path(args.out) / "ckpt", max_to_keep=2)
     state, meta = ckpt.restore(ckpt.latest_step(), {"params": target})
@@ -294,7 +291,7 @@ def scenario_raise(args, info, config, out: dict) -> None:
 
     from gyre_jax import runtime
 
-    mesh = runtime.make_train_mesh(dict(config.mesh))
+    mesh = runtime.make_train_mesh(config.mesh.shape())
     x = jax.make_array_from_callback(
         (64, 8), NamedSharding(mesh, PartitionSpec(("data", "fsdp"))), lambda idx: np.ones((64, 8), np.float32)[idx]
     )

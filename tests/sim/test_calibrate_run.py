@@ -167,7 +167,7 @@ def test_run_sim_config_reads_the_runs_shape(tmp_path):
     _write_config(
         tmp_path,
         "--config.schedule.policy=elastic",
-        "--config.schedule.max_staleness=2",
+        "--config.schedule.dispatch_staleness=2",
         "--config.cells.sessions_per_cell=6",
         "--config.total_steps=7",
     )
@@ -188,6 +188,16 @@ def test_run_sim_config_reads_the_runs_shape(tmp_path):
     assert dict(cfg.policy_options)["training_cells"] == 1  # 0: half the cells
     with pytest.raises(FileNotFoundError, match="config.json not found"):
         run_sim_config(tmp_path / "nowhere")
+
+
+def test_run_sim_config_reads_runs_written_before_the_staleness_keys_were_renamed(tmp_path):
+    _write_config(tmp_path, "--config.schedule.policy=elastic", "--config.schedule.dispatch_staleness=3")
+    c = json.loads((tmp_path / "config.json").read_text())
+    assert "dispatch_staleness" in c["schedule"] and "max_staleness" not in c["schedule"]
+    c["schedule"]["max_staleness"] = c["schedule"].pop("dispatch_staleness")  # an old run's config.json
+    c["rl"]["max_staleness"] = c["rl"].pop("drop_staleness")
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    assert dict(run_sim_config(tmp_path).policy_options)["max_staleness"] == 3
 
 
 def test_execution_timing_comes_from_the_timeline_and_results(run_dir):

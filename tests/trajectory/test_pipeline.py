@@ -380,15 +380,13 @@ def test_config_is_validated_with_clear_messages():
 def test_config_from_the_run_config():
     from gyre_jax.config import load_config
 
-    c = TrajectoryConfig.from_config(
-        load_config(
-            [
-                "--config.rl.max_branches=3",
-                "--config.trajectory.packing=plain",
-                "--config.trajectory.tokens_per_micro_batch=8192",
-            ]
-        )
-    )
+    c = load_config(
+        [
+            "--config.rl.max_branches=3",
+            "--config.trajectory.packing=plain",
+            "--config.trajectory.tokens_per_micro_batch=8192",
+        ]
+    ).trajectory_config()
     assert (c.max_branches, c.packing, c.row_length, c.rows, c.max_sequences) == (3, "plain", 1024, 8, 64)
     assert c.message_end_id == 258 and c.vocab_size == 272 and c.seed == 0
-    assert TrajectoryConfig.from_config(load_config([]), message_end_id=7).message_end_id == 7
+    assert load_config([]).trajectory_config(message_end_id=7).message_end_id == 7

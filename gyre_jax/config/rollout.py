@@ -1,0 +1,189 @@
+"""Config sections of how rollouts are made: the ``model`` and ``tokenizer``, ``serving``, the ``proxy``,
+the ``rollout`` task suite and its harness.
+
+``ModelSection`` is a ``ModelConfig`` (every architecture field may be set in a config file: MoE, RoPE
+scaling, remat) with the tiny default model and one more key, ``checkpoint_dir``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from gyre_jax.config.base import ConfigError, Section, require
+from gyre_jax.model.config import ModelConfig
+
+DTYPES = ("float32", "bfloat16")
+TOKENIZERS = ("byte", "hf")
+TASK_KINDS = ("copy", "upper", "reverse")
+WEIGHT_UPDATE_RULES = ("continue", "recompute")
+
+
+@dataclass(frozen=True)
+class ModelSection(ModelConfig, Section):
+    """A Qwen3-style decoder (``ModelConfig``'s fields) and where its weights come from."""
+
+    _path = "model"
+    vocab_size: int = 272  # byte tokenizer: 256 bytes + 9 special tokens, padded to a multiple of 8
+    num_layers: int = 2
+    embed_dim: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    mlp_dim: int = 384
+    rope_theta: float = 10000.0
+    # A Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json); "" = random init.
+    # When set, its config.json defines the architecture (the fields above give only dtype / param_dtype).
+    checkpoint_dir: str = ""
+
+    def __post_init__(self):
+        self.check_types()
+        try:
+            ModelConfig.__post_init__(self)
+        except ValueError:
+            raise ConfigError("; ".join(f"config.model.{p}" for p in self.problems())) from None
+        for key in ("dtype", "param_dtype"):
+            value = getattr(self, key)
+            require(value in DTYPES, f"config.model.{key}={value!r} must be one of {DTYPES}")
+        require(
+            not self.checkpoint_dir or Path(self.checkpoint_dir, "config.json").is_file(),
+            f"config.model.checkpoint_dir={self.checkpoint_dir!r} has no config.json (a Hugging Face checkpoint "
+            f"directory is expected)",
+        )
+
+
+@dataclass(frozen=True)
+class TokenizerSection(Section):
+    _path = "tokenizer"
+    kind: str = "byte"  # byte | hf (the checkpoint's tokenizer.json: needs model.checkpoint_dir)
+    tools_format: str = "compact"  # tools as one-line signatures: every byte is a token here | qwen3
+
+    def __post_init__(self):
+        from gyre_jax.proxy.chat_template import TOOLS_FORMATS
+
+        self.check_types()
+        require(self.kind in TOKENIZERS, f"config.tokenizer.kind={self.kind!r} must be 'byte' or 'hf'")
+        require(
+            self.tools_format in TOOLS_FORMATS,
+            f"config.tokenizer.tools_format={self.tools_format!r} must be one of {TOOLS_FORMATS}",
+        )
+
+
+@dataclass(frozen=True)
+class ServingSection(Section):
+    """Each cell's serving engine (docs/serving.md)."""
+
+    _path = "serving"
+    max_concurrent_decodes: int = 16  # decode slots per cell
+    max_seq_len: int = 1024  # KV cache length per slot (prompt + completion)
+    max_prefill_length: int = 256  # tokens per prefill call: longer prompts are prefilled in chunks between decodes
+    prefill_buckets: tuple[int, ...] = (128, 256, 512, 1024)
+    page_size: int = 16  # tokens per KV page (divides max_seq_len)
+    kv_pages: int = 1024  # session prefix cache budget per cell, in pages (0 = no cache); 1024 x 16 = 16K tokens
+    on_weight_update: str = "continue"  # in-flight requests: continue on their KV | recompute it under the new weights
+    reuse_stale_kv: bool = False  # reuse cached KV computed by an older policy version (off: flushed on update)
+
+    def __post_init__(self):
+        self.check_types()
+        s = self
+        require(
+            s.max_concurrent_decodes >= 1,
+            f"config.serving.max_concurrent_decodes={s.max_concurrent_decodes} must be >= 1",
+        )
+        require(s.max_seq_len >= 16, f"config.serving.max_seq_len={s.max_seq_len} must be >= 16")
+        require(
+            1 <= s.max_prefill_length <= s.max_seq_len,
+            f"config.serving.max_prefill_length={s.max_prefill_length} must be in [1, serving.max_seq_len={s.max_seq_len}]",
+        )
+        buckets = s.prefill_buckets
+        require(
+            len(buckets) > 0 and all(b >= 1 for b in buckets) and list(buckets) == sorted(buckets),
+            f"config.serving.prefill_buckets={buckets} must be a non-empty increasing sequence of lengths",
+        )
+        require(
+            buckets[-1] >= s.max_prefill_length,
+            f"config.serving.prefill_buckets={buckets}: the largest bucket must be >= "
+            f"serving.max_prefill_length={s.max_prefill_length}",
+        )
+        require(
+            s.page_size >= 1 and s.max_seq_len % s.page_size == 0,
+            f"config.serving.page_size={s.page_size} must be >= 1 and divide serving.max_seq_len={s.max_seq_len}",
+        )
+        require(
+            s.kv_pages >= 0, f"config.serving.kv_pages={s.kv_pages} must be >= 0 (0 disables the session prefix cache)"
+        )
+        require(
+            s.on_weight_update in WEIGHT_UPDATE_RULES,
+            f"config.serving.on_weight_update={s.on_weight_update!r} must be 'continue' or 'recompute'",
+        )
+        require(
+            not (s.on_weight_update == "recompute" and s.reuse_stale_kv),
+            "config.serving.reuse_stale_kv=True contradicts on_weight_update='recompute' (which recomputes KV "
+            "under new weights)",
+        )
+
+
+@dataclass(frozen=True)
+class ProxySection(Section):
+    """The OpenAI-compatible proxy the harnesses call."""
+
+    _path = "proxy"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 picks a free port
+    model_name: str = "gyre-tiny"
+    max_request_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self):
+        self.check_types()
+        require(0 <= self.port <= 65535, f"config.proxy.port={self.port} must be in [0, 65535] (0 picks a free port)")
+        require(
+            self.max_request_bytes >= 1024,
+            f"config.proxy.max_request_bytes={self.max_request_bytes} must be >= 1024",
+        )
+
+
+@dataclass(frozen=True)
+class RolloutSection(Section):
+    """The task suite and the harness that runs its executions."""
+
+    _path = "rollout"
+    suite: str = "builtin"
+    task_kinds: tuple[str, ...] = ("copy", "reverse")
+    alphabet: str = "digits"  # input.txt holds input_min_len..input_max_len random characters
+    input_min_len: int = 2
+    input_max_len: int = 2
+    num_tasks: int = 16  # the suite's fixed training set, visited in seeded epochs (0 = fresh tasks every step)
+    tasks_per_step: int = 2
+    timeout_s: float = 60.0
+    max_parallel: int = 16
+    max_turns: int = 4
+    max_tokens_per_call: int = 128  # < serving.max_seq_len
+    temperature: float = 1.0
+    tool_latency_median_s: float = 0.05
+    tool_latency_sigma: float = 1.0  # lognormal sigma: long-tailed tool times
+    evaluator_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        from gyre_jax.rollout.tasks import ALPHABETS
+
+        self.check_types()
+        r = self
+        require(r.suite == "builtin", f"config.rollout.suite={r.suite!r}: only 'builtin' is supported yet")
+        require(
+            len(r.task_kinds) > 0 and all(k in TASK_KINDS for k in r.task_kinds),
+            f"config.rollout.task_kinds={r.task_kinds} must be a non-empty subset of {TASK_KINDS}",
+        )
+        require(r.alphabet in ALPHABETS, f"config.rollout.alphabet={r.alphabet!r} must be one of {tuple(ALPHABETS)}")
+        require(
+            1 <= r.input_min_len <= r.input_max_len,
+            f"config.rollout.input_min_len={r.input_min_len}, input_max_len={r.input_max_len} must satisfy "
+            f"1 <= min <= max",
+        )
+        require(r.num_tasks >= 0, f"config.rollout.num_tasks={r.num_tasks} must be >= 0 (0 = fresh tasks every step)")
+        for key in ("tasks_per_step", "max_parallel", "max_turns", "max_tokens_per_call"):
+            require(getattr(r, key) >= 1, f"config.rollout.{key}={getattr(r, key)} must be >= 1")
+        for key in ("timeout_s", "evaluator_timeout_s"):
+            require(getattr(r, key) > 0, f"config.rollout.{key}={getattr(r, key)} must be > 0")
+        require(r.temperature > 0, f"config.rollout.temperature={r.temperature} must be > 0 (RL needs sampling)")
+        for key in ("tool_latency_median_s", "tool_latency_sigma"):
+            require(getattr(r, key) >= 0, f"config.rollout.{key}={getattr(r, key)} must be >= 0")

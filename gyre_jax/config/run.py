@@ -1,0 +1,328 @@
+"""``RunConfig``: everything a run does, as a tree of frozen sections built once from the ConfigDict.
+
+Attribute paths are the config keys (``cfg.rl.group_size``, ``cfg.serving.max_seq_len``). Field defaults
+are the defaults of every config (``configs/tiny_cpu.py`` is them); each section checks its own values
+when it is built, and ``validate`` checks how the sections fit together. The configs of the run's
+components (``ModelConfig``, ``LossConfig``, ``TrajectoryConfig``, ``ControllerConfig``) are derived
+here, each by one method.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ml_collections import config_dict
+
+from gyre_jax.config.base import Section, require
+from gyre_jax.config.cluster import AXES, CellsSection, DevicesSection, DistributedSection, MeshSection
+from gyre_jax.config.rollout import ModelSection, ProxySection, RolloutSection, ServingSection, TokenizerSection
+from gyre_jax.config.training import (
+    EvalSection,
+    MetricsSection,
+    OptimizerSection,
+    RLSection,
+    ScheduleSection,
+    TrajectorySection,
+    WarmStartSection,
+)
+from gyre_jax.model.config import ModelConfig
+
+if TYPE_CHECKING:  # the components' modules import JAX: the derivations import them when called
+    from gyre_jax.elastic.controller import ControllerConfig
+    from gyre_jax.rl.losses import LossConfig
+    from gyre_jax.trajectory.pipeline import TrajectoryConfig
+
+# Logical axis -> mesh axes (MaxText style). Changing parallelism never touches model code.
+SHARDING_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+)
+
+
+def _sharding_rules(rules: Any) -> tuple:
+    """``rules`` as a tuple of ``(logical_axis, None | mesh_axis | (mesh_axes ...))`` pairs, checked."""
+    require(
+        isinstance(rules, (tuple, list)) and all(isinstance(r, (tuple, list)) and len(r) == 2 for r in rules),
+        "config.sharding_rules must be a sequence of (logical_axis, mesh_axes) pairs",
+    )
+    out = []
+    for logical, mesh_axes in rules:
+        targets = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+        for t in targets:
+            require(
+                t in AXES, f"config.sharding_rules: {logical!r} maps to unknown mesh axis {t!r}; mesh axes are {AXES}"
+            )
+        require(
+            len(set(targets)) == len(targets), f"config.sharding_rules: {logical!r} names a mesh axis twice: {targets}"
+        )
+        out.append((logical, mesh_axes if mesh_axes is None or isinstance(mesh_axes, str) else targets))
+    return tuple(out)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class RunConfig(Section):
+    """One run: its seed, run directory and length, then one section per part of the system."""
+
+    seed: int = 0
+    workdir: str = "runs/tiny_cpu"
+    total_steps: int = 40
+    checkpoint_every: int = 5  # steps; the last step and an interrupted run always save
+    keep_checkpoints: int = 2
+    devices: DevicesSection = field(default_factory=DevicesSection)
+    mesh: MeshSection = field(default_factory=MeshSection)
+    cells: CellsSection = field(default_factory=CellsSection)
+    sharding_rules: tuple = SHARDING_RULES  # (logical axis, mesh axes) pairs, MaxText style
+    model: ModelSection = field(default_factory=ModelSection)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    serving: ServingSection = field(default_factory=ServingSection)
+    proxy: ProxySection = field(default_factory=ProxySection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    rl: RLSection = field(default_factory=RLSection)
+    trajectory: TrajectorySection = field(default_factory=TrajectorySection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    warm_start: WarmStartSection = field(default_factory=WarmStartSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+
+    def __post_init__(self):
+        self.check_types()
+        object.__setattr__(self, "sharding_rules", _sharding_rules(self.sharding_rules))
+        require(self.total_steps >= 0, f"config.total_steps={self.total_steps} must be >= 0")
+        require(self.checkpoint_every >= 1, f"config.checkpoint_every={self.checkpoint_every} must be >= 1")
+        require(self.keep_checkpoints >= 1, f"config.keep_checkpoints={self.keep_checkpoints} must be >= 1")
+        require(bool(self.workdir), "config.workdir must be a non-empty path")
+        validate(self)
+
+    # -- conversions ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_config_dict(cls, config: config_dict.ConfigDict | Mapping[str, Any]) -> RunConfig:
+        """The typed config of a ConfigDict (or a nested dict, e.g. a run's config.json); validated."""
+        values = config.to_dict() if isinstance(config, config_dict.ConfigDict) else dict(config)
+        return cls.from_dict(values)
+
+    def to_config_dict(self) -> config_dict.ConfigDict:
+        """The ConfigDict of this config (the form config files and ``--config.a.b=value`` overrides edit)."""
+        return config_dict.ConfigDict(self.as_tree())
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, JSON-serializable dict (tuples become lists): the run's ``config.json``."""
+        return _jsonable(self.as_tree())
+
+    # -- what the components get ---------------------------------------------------------------------------
+    def model_config(self) -> ModelConfig:
+        """The architecture (``ModelConfig``): ``config.model`` without ``checkpoint_dir``."""
+        return ModelConfig(**{name: getattr(self.model, name) for name in ModelConfig.__dataclass_fields__})
+
+    def loss_config(self) -> LossConfig:
+        """What a micro-step optimizes (``gyre_jax.rl.losses.LossConfig``), from ``config.rl``."""
+        from gyre_jax.rl.losses import LossConfig
+
+        r = self.rl
+        return LossConfig(
+            name=r.loss,
+            clip_low=r.clip_low,
+            clip_high=r.clip_high,
+            kl_coef=r.kl_coef,
+            recompute_behaviour=r.recompute_behaviour,
+            behaviour_is_cap=r.behaviour_is_cap,
+        )
+
+    def trajectory_config(self, message_end_id: int | None = None) -> TrajectoryConfig:
+        """The pipeline's ``TrajectoryConfig``: ``rl.max_branches``, ``trajectory.*``, ``seed``, ``model.vocab_size``.
+
+        ``message_end_id``: the tokenizer's ``<|im_end|>`` id; by default the byte tokenizer's when
+        ``tokenizer.kind == "byte"`` (pass it for other tokenizers, else labels use thread ids only).
+        """
+        from gyre_jax.trajectory.pipeline import TrajectoryConfig
+
+        if message_end_id is None and self.tokenizer.kind == "byte":
+            from gyre_jax.model.tokenizer import ByteTokenizer
+
+            message_end_id = ByteTokenizer().token_id("<|im_end|>")
+        t = self.trajectory
+        return TrajectoryConfig(
+            max_branches=self.rl.max_branches,
+            packing=t.packing,
+            row_length=t.row_length,
+            rows=t.tokens_per_micro_batch // t.row_length,
+            max_sequences=t.max_sequences_per_micro_batch,
+            open_micro_batches=t.open_micro_batches,
+            seed=self.seed,
+            message_end_id=message_end_id,
+            vocab_size=self.model.vocab_size,
+        )
+
+    def controller_config(self) -> ControllerConfig:
+        """The elastic controller's ``ControllerConfig``: the step's shape, slots per serving cell, micro-step slots."""
+        from gyre_jax.elastic.controller import ControllerConfig
+
+        return ControllerConfig(
+            tasks_per_step=self.rollout.tasks_per_step,
+            group_size=self.rl.group_size,
+            sessions_per_cell=self.cells.sessions_per_cell or self.serving.max_concurrent_decodes,
+            max_branches=self.rl.max_branches,
+            micro_steps_per_step=self.rl.micro_steps_per_step,
+        )
+
+    @property
+    def drop_bound(self) -> int | None:
+        """``rl.drop_staleness`` as the ledger takes it: None for no bound (-1)."""
+        return None if self.rl.drop_staleness < 0 else self.rl.drop_staleness
+
+
+RENAMED_KEYS = RunConfig.renamed_keys()  # {"rl.max_staleness": ("rl.drop_staleness", meaning), ...}
+
+
+def default_config() -> config_dict.ConfigDict:
+    """The defaults of every key as a ConfigDict (what ``configs/tiny_cpu.py`` returns; presets start here)."""
+    return RunConfig().to_config_dict()
+
+
+def device_count(config: RunConfig) -> int:
+    return config.mesh.num_devices
+
+
+def policy_options(config: RunConfig) -> dict:
+    """Keyword options for ``make_policy`` from ``config.schedule``."""
+    return config.schedule.policy_options()
+
+
+def resolve_workdir(config: RunConfig) -> Path:
+    return Path(os.path.expanduser(config.workdir)).resolve()
+
+
+# -- how the sections fit together ---------------------------------------------------------------------------
+def validate(config: RunConfig) -> None:
+    """Checks the rules that span sections (each section checked its own values when it was built)."""
+    for check in (_devices_fit, _model_fits_cells, _tokenizer_fits_model, _lengths_fit, _schedule_fits, _processes_fit):
+        check(config)
+    require(
+        config.eval.split == "heldout" or config.rollout.num_tasks > 0,
+        "config.eval.split='train' needs a fixed training set (config.rollout.num_tasks > 0); use eval.split=heldout",
+    )
+
+
+def _devices_fit(c: RunConfig) -> None:
+    n = c.mesh.num_devices
+    if c.devices.platform == "cpu":
+        require(
+            n == c.devices.num_cpu_devices,
+            f"config.mesh data*fsdp*tensor*expert = {n} must equal config.devices.num_cpu_devices={c.devices.num_cpu_devices}",
+        )
+    k = c.cells.num_cells
+    require(n % k == 0, f"config.cells.num_cells={k} must divide the {n} devices of the mesh")
+    require(
+        c.cells.num_devices == n // k,
+        f"config.cells data*fsdp*tensor*expert = {c.cells.num_devices} must equal the {n // k} devices of each "
+        f"of the {k} cells",
+    )
+
+
+def _model_fits_cells(c: RunConfig) -> None:
+    """A random-init model's dims must split over a cell's mesh (a checkpoint's are checked when it loads)."""
+    m, ct, cf, ce = c.model, c.cells.tensor, c.cells.fsdp, c.cells.expert
+    if m.checkpoint_dir:
+        return
+    for key in ("num_heads", "num_kv_heads", "mlp_dim"):
+        require(
+            getattr(m, key) % ct == 0,
+            f"config.model.{key}={getattr(m, key)} does not split over config.cells.tensor={ct}: a "
+            f"tensor group cannot fit a cell; pick a cells.tensor that divides it",
+        )
+    require(m.embed_dim % cf == 0, f"config.model.embed_dim={m.embed_dim} does not split over config.cells.fsdp={cf}")
+    require(
+        m.num_experts % ce == 0,
+        f"config.model.num_experts={m.num_experts} does not split over config.cells.expert={ce}",
+    )
+
+
+def _tokenizer_fits_model(c: RunConfig) -> None:
+    from gyre_jax.model.tokenizer import ByteTokenizer
+
+    real = ByteTokenizer().num_real_tokens
+    require(
+        c.tokenizer.kind != "byte" or c.model.vocab_size >= real,
+        f"config.model.vocab_size={c.model.vocab_size} must be >= {real} for the byte tokenizer",
+    )
+    if c.model.checkpoint_dir:
+        require(
+            c.tokenizer.kind == "hf",
+            "config.model.checkpoint_dir is set: set config.tokenizer.kind='hf' so the checkpoint's tokenizer.json "
+            "is used",
+        )
+    else:
+        require(
+            c.tokenizer.kind == "byte",
+            f"config.tokenizer.kind={c.tokenizer.kind!r} needs config.model.checkpoint_dir "
+            f"(the directory with tokenizer.json); without one use 'byte'",
+        )
+
+
+def _lengths_fit(c: RunConfig) -> None:
+    n = c.serving.max_seq_len
+    require(
+        c.rollout.max_tokens_per_call < n,
+        f"config.rollout.max_tokens_per_call={c.rollout.max_tokens_per_call} must be in [1, serving.max_seq_len={n})",
+    )
+    require(
+        c.trajectory.row_length >= n,
+        f"config.trajectory.row_length={c.trajectory.row_length} must be >= serving.max_seq_len={n} (a branch "
+        f"can be that long and must fit one row)",
+    )
+
+
+def _schedule_fits(c: RunConfig) -> None:
+    s, k = c.schedule, c.cells.num_cells
+    require(
+        s.policy == "colocated" or k >= 2,
+        f"config.schedule.policy={s.policy!r} needs config.cells.num_cells >= 2 (one cell trains while another "
+        f"serves); got {k}",
+    )
+    drop = c.rl.drop_staleness
+    require(
+        s.policy == "colocated" or drop < 0 or drop >= s.dispatch_staleness,
+        f"config.rl.drop_staleness={drop} (the drop bound) must be >= config.schedule.dispatch_staleness="
+        f"{s.dispatch_staleness} (the dispatch bound), or executions would be dropped routinely",
+    )
+    require(
+        s.training_cells == 0 or 1 <= s.training_cells <= k - 1,
+        f"config.schedule.training_cells={s.training_cells} must be 0 (half the cells) or in [1, {k - 1}]",
+    )
+
+
+def _processes_fit(c: RunConfig) -> None:
+    """On CPU, a multi-process run splits the config's virtual devices over its processes."""
+    d = c.distributed
+    if not (d.enabled and c.devices.platform == "cpu"):
+        return
+    n = c.devices.num_cpu_devices
+    require(
+        d.num_processes >= 1,
+        "config.distributed.num_processes must be set on cpu (the config's devices.num_cpu_devices are split "
+        "over the processes; cluster auto-detection is for gpu/tpu)",
+    )
+    require(
+        n % d.num_processes == 0,
+        f"config.devices.num_cpu_devices={n} (the run's total) must be a multiple of "
+        f"config.distributed.num_processes={d.num_processes}: every process gets the same number of devices",
+    )
+    require(not d.local_device_ids, "config.distributed.local_device_ids selects GPUs; leave it () on cpu")

@@ -1,0 +1,224 @@
+"""Config sections of how a run learns: the ``rl`` objective, the ``trajectory`` pipeline, the ``optimizer``,
+the supervised ``warm_start``, ``eval``, the cells' ``schedule`` and the ``metrics`` it writes.
+
+Two bounds on staleness, in two sections: ``rl.drop_staleness`` (executions more policy versions behind
+when their step trains are dropped) and ``schedule.dispatch_staleness`` (eta: executions start at most
+this many versions ahead). Both were called ``max_staleness`` before; the old keys are refused with the
+new name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gyre_jax.config.base import Section, require
+from gyre_jax.rl.optimizer_config import SCHEDULES, OptimizerConfig
+
+LOSSES = ("gspo", "gspo_token", "grpo")  # gyre_jax.rl.losses.POLICY_LOSSES
+PACKINGS = ("tree", "plain")  # gyre_jax.trajectory.pipeline.PACKING
+STREAM_ORDERS = ("task", "arrival")  # gyre_jax.elastic.controller.STREAM_ORDERS
+POLICIES = ("colocated", "async", "elastic")  # gyre_jax.elastic.policies.make_policy
+LEAVE_RULES = ("waterlevel", "backlog")  # gyre_jax.elastic.policies.ElasticPolicy.LEAVE_RULES
+EVAL_SPLITS = ("train", "heldout")
+
+DROP_BOUND = "the drop bound: executions more policy versions behind are dropped"
+DISPATCH_BOUND = "the dispatch bound eta: executions may start at most this many policy versions ahead"
+
+
+@dataclass(frozen=True)
+class RLSection(Section):
+    """The RL objective (docs/learner.md): GSPO by default (grpo: set clip_low=0.2, clip_high=0.28)."""
+
+    _path = "rl"
+    _renamed = {"max_staleness": ("drop_staleness", DROP_BOUND)}
+    loss: str = "gspo"  # gspo | gspo_token | grpo
+    group_size: int = 8  # G executions per task
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+    max_branches: int = 5  # J_max
+    micro_batch_size: int = 8  # sequences per micro-step
+    kl_coef: float = 0.0  # k3 KL to the reference (warm-start) policy; 0 = off, no reference forward pass
+    recompute_behaviour: bool = False  # False: pi_old = behaviour log-probs recorded by the proxy
+    behaviour_is_cap: float = 0.0  # with recompute_behaviour: truncated behaviour importance weight (0 = off)
+    drop_staleness: int = 4  # executions more policy versions behind when their step trains are dropped (-1: no bound)
+    micro_steps_per_step: int = 0  # fixed micro-steps per optimizer step; 0 = as many as the step's data needs
+
+    def __post_init__(self):
+        self.check_types()
+        r = self
+        require(r.loss in LOSSES, f"config.rl.loss={r.loss!r} must be one of {LOSSES}")
+        require(
+            r.group_size >= 2,
+            f"config.rl.group_size={r.group_size} must be >= 2 (advantages are normalized within a group)",
+        )
+        require(0 <= r.clip_low < 1, f"config.rl.clip_low={r.clip_low} must be in [0, 1)")
+        require(r.clip_high >= 0, f"config.rl.clip_high={r.clip_high} must be >= 0")
+        require(r.max_branches >= 1, f"config.rl.max_branches={r.max_branches} must be >= 1")
+        require(r.micro_batch_size >= 1, f"config.rl.micro_batch_size={r.micro_batch_size} must be >= 1")
+        require(r.kl_coef >= 0, f"config.rl.kl_coef={r.kl_coef} must be >= 0 (0 turns the KL term off)")
+        require(r.behaviour_is_cap >= 0, f"config.rl.behaviour_is_cap={r.behaviour_is_cap} must be >= 0 (0 = off)")
+        require(
+            r.behaviour_is_cap == 0 or r.recompute_behaviour,
+            "config.rl.behaviour_is_cap > 0 needs config.rl.recompute_behaviour=True",
+        )
+        require(
+            r.drop_staleness >= -1,
+            f"config.rl.drop_staleness={r.drop_staleness} must be >= 0 (or -1: no bound)",
+        )
+        require(
+            r.micro_steps_per_step >= 0,
+            f"config.rl.micro_steps_per_step={r.micro_steps_per_step} must be >= 0 (0 = as many as the data needs)",
+        )
+
+
+@dataclass(frozen=True)
+class TrajectorySection(Section):
+    """The trajectory processor (docs/trajectory.md): records -> trees -> J_max branches -> packed rows."""
+
+    _path = "trajectory"
+    packing: str = "tree"  # tree: shared prefixes computed once (ancestor-only attention) | plain: a branch per row
+    row_length: int = 1024  # tokens per packed row; >= serving.max_seq_len so every branch fits a row
+    tokens_per_micro_batch: int = 2048  # rows per micro-batch = this / row_length (fixed shape: one compile)
+    max_sequences_per_micro_batch: int = 64  # sequence slots per micro-batch (GSPO ratios, advantages, weights)
+    open_micro_batches: int = 4  # micro-batches filled at once: more packs tighter, 1 streams each as soon as full
+    stream_order: str = "task"  # groups enter the pipeline in task order (deterministic) | arrival (sooner)
+
+    def __post_init__(self):
+        self.check_types()
+        t = self
+        require(t.packing in PACKINGS, f"config.trajectory.packing={t.packing!r} must be 'tree' or 'plain'")
+        require(t.row_length >= 1, f"config.trajectory.row_length={t.row_length} must be >= 1")
+        require(
+            t.tokens_per_micro_batch >= t.row_length and t.tokens_per_micro_batch % t.row_length == 0,
+            f"config.trajectory.tokens_per_micro_batch={t.tokens_per_micro_batch} must be a positive multiple of "
+            f"trajectory.row_length={t.row_length} (micro-batches are rows x row_length tokens)",
+        )
+        for key in ("max_sequences_per_micro_batch", "open_micro_batches"):
+            require(getattr(t, key) >= 1, f"config.trajectory.{key}={getattr(t, key)} must be >= 1")
+        require(
+            t.stream_order in STREAM_ORDERS,
+            f"config.trajectory.stream_order={t.stream_order!r} must be one of {STREAM_ORDERS}",
+        )
+
+
+@dataclass(frozen=True)
+class OptimizerSection(OptimizerConfig, Section):
+    """AdamW for RL: an ``OptimizerConfig`` (its other fields keep that class's defaults)."""
+
+    _path = "optimizer"
+    learning_rate: float = 3e-4
+    warmup_steps: int = 10
+
+    def __post_init__(self):
+        self.check_types()
+        o = self
+        require(
+            o.learning_rate > 0 and math.isfinite(o.learning_rate),
+            f"config.optimizer.learning_rate={o.learning_rate} must be > 0",
+        )
+        require(o.warmup_steps >= 0, f"config.optimizer.warmup_steps={o.warmup_steps} must be >= 0")
+        require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"config.optimizer.b1={o.b1}, b2={o.b2} must be in [0, 1)")
+        require(o.weight_decay >= 0, f"config.optimizer.weight_decay={o.weight_decay} must be >= 0")
+        require(o.grad_clip_norm > 0, f"config.optimizer.grad_clip_norm={o.grad_clip_norm} must be > 0")
+        require(o.schedule in SCHEDULES, f"config.optimizer.schedule={o.schedule!r} must be one of {SCHEDULES}")
+        require(
+            o.schedule == "constant" or o.decay_steps >= 1,
+            f"config.optimizer.schedule={o.schedule!r} needs config.optimizer.decay_steps >= 1",
+        )
+        require(0 <= o.min_lr_ratio <= 1, f"config.optimizer.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+        OptimizerConfig.__post_init__(self)
+
+
+@dataclass(frozen=True)
+class WarmStartSection(Section):
+    """Supervised warm start on the suite's built-in demonstrations, before RL step 0."""
+
+    _path = "warm_start"
+    steps: int = 400
+    batch_size: int = 8
+    learning_rate: float = 3e-3
+    warmup_steps: int = 50
+
+    def __post_init__(self):
+        self.check_types()
+        for key in ("steps", "warmup_steps"):
+            require(getattr(self, key) >= 0, f"config.warm_start.{key}={getattr(self, key)} must be >= 0")
+        require(self.batch_size >= 1, f"config.warm_start.batch_size={self.batch_size} must be >= 1")
+        require(self.learning_rate > 0, f"config.warm_start.learning_rate={self.learning_rate} must be > 0")
+
+
+@dataclass(frozen=True)
+class EvalSection(Section):
+    """Evaluation before the first RL step, after the last, and every ``every_steps`` (0: only those two).
+
+    Tasks: the training set when rollout.num_tasks > 0 ("train"), or fresh held-out tasks ("heldout").
+    """
+
+    _path = "eval"
+    split: str = "train"
+    num_tasks: int = 16  # for the held-out split
+    samples_per_task: int = 2  # 0 disables eval
+    every_steps: int = 0
+
+    def __post_init__(self):
+        self.check_types()
+        e = self
+        require(e.split in EVAL_SPLITS, f"config.eval.split={e.split!r} must be 'train' or 'heldout'")
+        require(e.num_tasks >= 1, f"config.eval.num_tasks={e.num_tasks} must be >= 1")
+        require(
+            e.samples_per_task >= 0,
+            f"config.eval.samples_per_task={e.samples_per_task} must be >= 0 (0 disables eval)",
+        )
+        require(e.every_steps >= 0, f"config.eval.every_steps={e.every_steps} must be >= 0")
+
+
+@dataclass(frozen=True)
+class ScheduleSection(Section):
+    """Scheduling (docs/elastic.md): colocated (all cells serve, then all train) | async (a fixed split; cells
+    0 .. training_cells-1 train) | elastic (cells leave serving as the rollout waterlevel falls, core first)."""
+
+    _path = "schedule"
+    _renamed = {"max_staleness": ("dispatch_staleness", DISPATCH_BOUND)}
+    policy: str = "colocated"
+    dispatch_staleness: int = 1  # async/elastic: executions start at most this many policy versions early (eta)
+    training_cells: int = 0  # async: cells that train (0 = half)
+    leave_on: str = "waterlevel"  # elastic: waterlevel (the published rule) | backlog (only with micro-steps waiting)
+    idle_before_return_s: float = 0.0  # elastic: a training cell idle this long may return for ahead executions
+
+    def __post_init__(self):
+        self.check_types()
+        s = self
+        require(s.policy in POLICIES, f"config.schedule.policy={s.policy!r} must be one of {POLICIES}")
+        require(
+            s.dispatch_staleness >= 0,
+            f"config.schedule.dispatch_staleness={s.dispatch_staleness} must be >= 0",
+        )
+        require(s.leave_on in LEAVE_RULES, f"config.schedule.leave_on={s.leave_on!r} must be one of {LEAVE_RULES}")
+        require(
+            s.idle_before_return_s >= 0,
+            f"config.schedule.idle_before_return_s={s.idle_before_return_s} must be >= 0",
+        )
+
+    def policy_options(self) -> dict:
+        """Keyword options of ``gyre_jax.elastic.policies.make_policy`` for this policy."""
+        if self.policy == "async":
+            cells = {"training_cells": self.training_cells} if self.training_cells else {}
+            return {"max_staleness": self.dispatch_staleness, **cells}
+        if self.policy == "elastic":
+            return {
+                "max_staleness": self.dispatch_staleness,
+                "leave_on": self.leave_on,
+                "idle_before_return_s": self.idle_before_return_s,
+            }
+        return {}
+
+
+@dataclass(frozen=True)
+class MetricsSection(Section):
+    _path = "metrics"
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+    def __post_init__(self):
+        self.check_types()
