@@ -126,6 +126,12 @@ class Learner:
         self.worker = GradWorker(model_cfg, graphdef, mesh, rules, self.loss_cfg, name=name)
         self.param_shardings = self.worker.param_shardings
         self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._build_jits()
+        self.skipped_steps = 0  # optimizer steps skipped for non-finite loss/gradients, over this learner's life
+
+    def _build_jits(self) -> None:
+        """The train state's shardings and the jitted optimizer init and apply (state donated)."""
+        model_cfg = self.model_cfg
         _, abstract_params = abstract_model(model_cfg)
         self._abstract_params = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract_params, self.param_shardings
@@ -148,7 +154,6 @@ class Learner:
             in_shardings=(self.state_shardings, self.param_shardings, r, r),
             out_shardings=(self.state_shardings, r),
         )
-        self.skipped_steps = 0  # optimizer steps skipped for non-finite loss/gradients, over this learner's life
 
     # -- state ------------------------------------------------------------------------------------
     def init_state(self, params: nnx.State, step: int = 0) -> TrainState:
