@@ -29,7 +29,7 @@ micro-steps are in the queue), ``micro_step_done``, ``step_trained`` (the optimi
 
 A policy's decisions depend only on the events and states it was given, so the same sequence gives the
 same decisions in the controller and in the simulator (tested in ``tests/elastic/test_policies.py``).
-The trainer's older call ``decide(event, waterlevel, roles) -> roles`` still works for the colocated
+The first trainer's call ``decide(event, waterlevel, roles) -> roles`` still works for the colocated
 policy: the policy then keeps the step facts itself from the events.
 """
 

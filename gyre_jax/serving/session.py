@@ -1,11 +1,12 @@
 """``SessionState``: a session leaving one serving loop for another, with its KV cache.
 
-``ServingLoop.export_sessions`` / ``drain`` produce them, ``ServingLoop.import_session`` consumes them (the
-elastic controller calls these when a cell leaves serving). The KV travels device to device
-(``jax.device_put`` onto the importing engine's mesh); the rest is host data. A state lives in one
-process (the single controller) and is never serialized: it holds device arrays and the request's
-``Future``, which the importing loop resolves, so whoever waits on the original ``submit`` (the proxy)
-gets the result without knowing the request moved.
+``ServingLoop.export_sessions`` / ``drain`` produce them, ``ServingLoop.import_session`` consumes them (a cell
+leaving serving: ``runtime.CellHandle.move_sessions_to``). Within a process a state moves whole: its KV
+travels device to device (``jax.device_put`` onto the importing engine's mesh) and the request's
+``Future`` goes with it, resolved by the importing loop, so whoever waits on the original ``submit`` (the
+proxy) gets the result without knowing the request moved. Across processes (``runtime/sessions.py``) the
+host fields travel as a command, the KV by one ``runtime.transfer`` program, and the importing process
+answers the caller's future.
 
 The migration rule: an in-flight request continues on the new loop exactly where it stopped (same
 tokens, same sampling key, nothing re-sampled), so a greedy or seeded continuation is identical to the
