@@ -118,7 +118,7 @@ def test_config_path_with_argument(tmp_path):
 def test_unknown_key_names_the_key_and_lists_known_ones():
     message = config_error(["--config.rl.grup_size=3"])
     assert "rl.grup_size" in message and "grup_size" in message
-    for known in ("group_size", "clip_low", "clip_high", "max_branches", "micro_batch_size"):
+    for known in ("group_size", "clip_low", "clip_high", "max_branches", "kl_coef"):
         assert known in message
     top = config_error(["--config.nope=1"])
     assert "'nope'" in top and "rl" in top and "optimizer" in top
@@ -445,6 +445,16 @@ def test_the_old_staleness_keys_are_refused_with_the_new_name(tmp_path, base, ol
     with pytest.raises(ConfigError, match="was renamed"):
         RunConfig.from_config_dict(values)
     assert config_lib.RENAMED_KEYS[old][0] in (f"{section}.drop_staleness", f"{section}.dispatch_staleness")
+
+
+def test_a_removed_key_is_refused_with_what_sets_it_now(tmp_path):
+    """``rl.micro_batch_size`` was validated but read by nothing: a key that does nothing is refused."""
+    message = config_error(["--config.rl.micro_batch_size=8"])
+    assert message == (
+        "config.rl.micro_batch_size was removed: micro-batches are config.trajectory.tokens_per_micro_batch "
+        "tokens (it did nothing)"
+    )
+    assert config_error(["--config", _file(tmp_path, "c.rl.micro_batch_size = 8")]) == message
 
 
 # Each section checks its own fields when it is built: (section, field, bad value, words in the message).

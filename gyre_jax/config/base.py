@@ -88,6 +88,7 @@ class Section:
 
     _path = ""  # the section's key in the run config ("rl"); "" for the run config itself
     _renamed: Mapping[str, tuple[str, str]] = {}  # old field name -> (new field name, what it means)
+    _removed: Mapping[str, str] = {}  # old field name -> what sets that now
 
     @classmethod
     def key(cls, name: str) -> str:
@@ -104,6 +105,8 @@ class Section:
         if name in cls._renamed:
             new, meaning = cls._renamed[name]
             raise renamed_key(cls.key(name), cls.key(new), meaning)
+        if name in cls._removed:
+            raise ConfigError(f"config.{cls.key(name)} was removed: {cls._removed[name]}")
         if name not in cls.field_names():
             raise unknown_key(cls.key(name), cls._path or "config", name, cls.field_names())
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gyre_jax.config.base import Section, require
+from gyre_jax.model.rules import ALL_MESH_AXES, EXPERT_AXIS, MESH_AXES
 
 PLATFORMS = ("cpu", "gpu", "tpu")
-MESH_AXES = ("data", "fsdp", "tensor")
-OPTIONAL_MESH_AXES = ("expert",)  # size 1 by default: MoE experts are split over it when > 1
-AXES = MESH_AXES + OPTIONAL_MESH_AXES
+OPTIONAL_MESH_AXES = (EXPERT_AXIS,)  # size 1 by default: MoE experts are split over it when > 1
+AXES = ALL_MESH_AXES
 
 
 @dataclass(frozen=True)

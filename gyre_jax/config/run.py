@@ -30,6 +30,7 @@ from gyre_jax.config.training import (
     WarmStartSection,
 )
 from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.rules import RULES_FSDP_TENSOR
 
 if TYPE_CHECKING:  # the components' modules import JAX: the derivations import them when called
     from gyre_jax.elastic.controller import ControllerConfig
@@ -37,15 +38,7 @@ if TYPE_CHECKING:  # the components' modules import JAX: the derivations import 
     from gyre_jax.trajectory.pipeline import TrajectoryConfig
 
 # Logical axis -> mesh axes (MaxText style). Changing parallelism never touches model code.
-SHARDING_RULES = (
-    ("batch", ("data", "fsdp")),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("head_dim", None),
-)
+SHARDING_RULES = RULES_FSDP_TENSOR
 
 
 def _sharding_rules(rules: Any) -> tuple:

@@ -32,12 +32,12 @@ class RLSection(Section):
 
     _path = "rl"
     _renamed = {"max_staleness": ("drop_staleness", DROP_BOUND)}
+    _removed = {"micro_batch_size": "micro-batches are config.trajectory.tokens_per_micro_batch tokens (it did nothing)"}
     loss: str = "gspo"  # gspo | gspo_token | grpo
     group_size: int = 8  # G executions per task
     clip_low: float = 3e-4
     clip_high: float = 4e-4
     max_branches: int = 5  # J_max
-    micro_batch_size: int = 8  # sequences per micro-step
     kl_coef: float = 0.0  # k3 KL to the reference (warm-start) policy; 0 = off, no reference forward pass
     recompute_behaviour: bool = False  # False: pi_old = behaviour log-probs recorded by the proxy
     behaviour_is_cap: float = 0.0  # with recompute_behaviour: truncated behaviour importance weight (0 = off)
@@ -55,7 +55,6 @@ class RLSection(Section):
         require(0 <= r.clip_low < 1, f"config.rl.clip_low={r.clip_low} must be in [0, 1)")
         require(r.clip_high >= 0, f"config.rl.clip_high={r.clip_high} must be >= 0")
         require(r.max_branches >= 1, f"config.rl.max_branches={r.max_branches} must be >= 1")
-        require(r.micro_batch_size >= 1, f"config.rl.micro_batch_size={r.micro_batch_size} must be >= 1")
         require(r.kl_coef >= 0, f"config.rl.kl_coef={r.kl_coef} must be >= 0 (0 turns the KL term off)")
         require(r.behaviour_is_cap >= 0, f"config.rl.behaviour_is_cap={r.behaviour_is_cap} must be >= 0 (0 = off)")
         require(

@@ -17,37 +17,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.modules import Transformer
-
-Rules = Sequence[tuple[str, "str | Sequence[str] | None"]]
-MESH_AXES = ("data", "fsdp", "tensor")  # every mesh has these (size 1 when unused)
-EXPERT_AXIS = "expert"  # added when the shape names it: MoE experts split over it (expert parallelism)
-ALL_MESH_AXES = MESH_AXES + (EXPERT_AXIS,)
-
-# Named rule sets (logical axis -> mesh axes). Configs carry their own ``sharding_rules``; these are
-# the reference layouts tests and benchmarks use. Logical axes: batch (activations / decode slots),
-# vocab, embed, heads, kv_heads, head_dim, mlp (dense and expert hidden), exp (the expert index).
-RULES_DATA: tuple = (("batch", ("data", "fsdp", "tensor", "expert")),)  # pure data parallel: weights replicated
-RULES_FSDP_TENSOR: tuple = (
-    ("batch", ("data", "fsdp")),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("exp", None),
-    ("head_dim", None),
-)
-RULES_EXPERT: tuple = (  # experts over `expert` (tokens are data-parallel over it outside the MoE blocks)
-    ("batch", ("data", "fsdp", "expert")),
-    ("exp", "expert"),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("head_dim", None),
-)
-RULE_SETS = {"data": RULES_DATA, "fsdp_tensor": RULES_FSDP_TENSOR, "expert": RULES_EXPERT}
+from gyre_jax.model.rules import ALL_MESH_AXES, MESH_AXES, Rules
+from gyre_jax.model.rules import EXPERT_AXIS as EXPERT_AXIS  # re-exported: the names and rule sets live in rules.py
+from gyre_jax.model.rules import RULE_SETS as RULE_SETS
+from gyre_jax.model.rules import RULES_DATA as RULES_DATA
+from gyre_jax.model.rules import RULES_EXPERT as RULES_EXPERT
+from gyre_jax.model.rules import RULES_FSDP_TENSOR as RULES_FSDP_TENSOR
 
 
 def make_mesh(devices: Sequence[jax.Device], shape: dict[str, int]) -> Mesh:

@@ -7,15 +7,14 @@ import concurrent.futures
 from typing import Any
 
 from gyre_jax.rl.micro_step import MicroStepWorker
-from gyre_jax.runtime import sessions
 from gyre_jax.runtime.cells import Cell, CellLayout
-from gyre_jax.runtime.handle import CellHandle, CellStats, MovedSession
+from gyre_jax.runtime.handle import CellHandleBase, CellStats
 from gyre_jax.runtime.transfer import transfer
 from gyre_jax.serving.loop import ServingLoop
 from gyre_jax.serving.types import GenerationRequest, GenerationResult
 
 
-class LocalCell:
+class LocalCell(CellHandleBase):
     """A ``CellHandle`` over a started ``ServingLoop`` and a ``MicroStepWorker`` on the cell's own devices."""
 
     def __init__(self, cell: Cell, layout: CellLayout, loop: ServingLoop, worker: MicroStepWorker):
@@ -23,14 +22,6 @@ class LocalCell:
         self.layout = layout
         self.loop = loop
         self.worker = worker
-
-    @property
-    def name(self) -> str:
-        return self.cell.name
-
-    @property
-    def index(self) -> int:
-        return self.cell.index
 
     @property
     def max_context(self) -> int:
@@ -49,9 +40,6 @@ class LocalCell:
     def set_weights(self, params: Any, version: int) -> None:
         """A copy of ``params`` on this cell's serving layout (never aliasing: the optimizer donates its own)."""
         self.loop.update_params(transfer(params, self.layout.param_shardings, may_alias=False), version)
-
-    def move_sessions_to(self, target: CellHandle) -> list[MovedSession]:
-        return sessions.move_sessions(self, target)
 
     def drop_sessions(self) -> int:
         states = self.loop.drain()

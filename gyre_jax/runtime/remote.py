@@ -25,10 +25,9 @@ import jax
 import numpy as np
 
 from gyre_jax.runtime import commands as cmd
-from gyre_jax.runtime import sessions
 from gyre_jax.runtime.cells import Cell, CellLayout
 from gyre_jax.runtime.channel import Channel
-from gyre_jax.runtime.handle import CellHandle, CellStats, MovedSession
+from gyre_jax.runtime.handle import CellHandle, CellHandleBase, CellStats
 from gyre_jax.runtime.transfer import abstract_on, transfer
 from gyre_jax.serving.types import GenerationRequest, GenerationResult
 
@@ -198,7 +197,7 @@ class RemoteWorker:
         return grads, aux
 
 
-class RemoteCell:
+class RemoteCell(CellHandleBase):
     """A ``CellHandle`` for a cell on follower process ``link.process_id``."""
 
     def __init__(
@@ -219,14 +218,6 @@ class RemoteCell:
         self._moved: dict[str, CellHandle] = {}  # request id -> the cell it moved to (cancels follow it)
         self._lock = threading.Lock()
         self.worker = RemoteWorker(self, core_shardings)
-
-    @property
-    def name(self) -> str:
-        return self.cell.name
-
-    @property
-    def index(self) -> int:
-        return self.cell.index
 
     @property
     def max_context(self) -> int:
@@ -278,9 +269,6 @@ class RemoteCell:
             self.link.send(cmd.SetWeights(cell=self.index, version=version, transfer=seqs[self.process]))
             transfer(params, self.layout.param_shardings)
         self._version = version
-
-    def move_sessions_to(self, target: CellHandle) -> list[MovedSession]:
-        return sessions.move_sessions(self, target)
 
     def drop_sessions(self) -> int:
         return int(self.link.ask(lambda t: cmd.DropSessions(cell=self.index, token=t), timeout_s=600.0))

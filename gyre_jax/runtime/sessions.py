@@ -93,12 +93,22 @@ def _local_to_remote(source: LocalCell, target: RemoteCell) -> list[MovedSession
     return out
 
 
-def _remote_to_local(source: RemoteCell, target: LocalCell) -> list[MovedSession]:
+def _exported(source: RemoteCell, target: CellHandle):
+    """Drains ``source`` on its follower; yields ``(index, part, caller)`` per session (``caller``: the future
+    waiting for its request, which the follower no longer answers: ``target`` does), then makes cancels sent
+    to ``source`` follow each moved request."""
     parts = source.link.ask(lambda t: cmd.ExportSessions(cell=source.index, token=t), timeout_s=600.0)
-    out = []
     for index, exported in enumerate(parts):
-        caller = source.link.take(exported.token)  # the follower no longer answers for it: the target does
+        caller = source.link.take(exported.token)
         part = _waiting(exported, caller)
+        yield index, part, caller
+        if part.fields["request"] is not None:
+            source.forward_cancels(part.fields["request"].request_id, target, caller)
+
+
+def _remote_to_local(source: RemoteCell, target: LocalCell) -> list[MovedSession]:
+    out = []
+    for index, part, caller in _exported(source, target):
         kv = None
         if part.kv is not None:
             like = target.layout.kv_pages_shardings(part.kv[0])
@@ -106,18 +116,13 @@ def _remote_to_local(source: RemoteCell, target: LocalCell) -> list[MovedSession
                 source.link.send(cmd.SendKV(source.index, index, target.index, seqs[source.process]))
                 kv = transfer(abstract_on(part.kv[1], source.cell.mesh, like), like)
         target.loop.import_session(SessionState(kv=kv, future=caller, **part.fields))
-        if part.fields["request"] is not None:
-            source.forward_cancels(part.fields["request"].request_id, target, caller)
         out.append(moved(part))
     return out
 
 
 def _remote_to_remote(source: RemoteCell, target: RemoteCell) -> list[MovedSession]:
-    parts = source.link.ask(lambda t: cmd.ExportSessions(cell=source.index, token=t), timeout_s=600.0)
     out = []
-    for index, exported in enumerate(parts):
-        caller = source.link.take(exported.token)
-        part = _waiting(exported, caller)
+    for index, part, caller in _exported(source, target):
         token = _import_token(target, part, caller)
         if part.kv is None:
             target.link.send(cmd.ImportSession(target.index, token, part, source.index, None))
@@ -125,8 +130,6 @@ def _remote_to_remote(source: RemoteCell, target: RemoteCell) -> list[MovedSessi
             with source.program("kv_move", target.process) as seqs:  # the two followers run it
                 source.link.send(cmd.SendKV(source.index, index, target.index, seqs[source.process]))
                 target.link.send(cmd.ImportSession(target.index, token, part, source.index, seqs[target.process]))
-        if part.fields["request"] is not None:
-            source.forward_cancels(part.fields["request"].request_id, target, caller)
         out.append(moved(part))
     return out
 
