@@ -32,7 +32,9 @@ class RLSection(Section):
 
     _path = "rl"
     _renamed = {"max_staleness": ("drop_staleness", DROP_BOUND)}
-    _removed = {"micro_batch_size": "micro-batches are config.trajectory.tokens_per_micro_batch tokens (it did nothing)"}
+    _removed = {
+        "micro_batch_size": "micro-batches are config.trajectory.tokens_per_micro_batch tokens (it did nothing)"
+    }
     loss: str = "gspo"  # gspo | gspo_token | grpo
     group_size: int = 8  # G executions per task
     clip_low: float = 3e-4
