@@ -109,7 +109,7 @@ def plan_runs(presets, steps: int, quick: bool) -> list[Run]:
             Run(f"{p}/async-half", p, {**base, "schedule.policy": "async"}),
             Run(f"{p}/async-half-nostream", p, {**base, "schedule.policy": "async", "schedule.streaming": False}),
             Run(f"{p}/elastic", p, {**base}),
-            Run(f"{p}/elastic-eta0", p, {**base, "schedule.max_staleness": 0}),
+            Run(f"{p}/elastic-eta0", p, {**base, "schedule.dispatch_staleness": 0}),
             Run(f"{p}/elastic-nostream", p, {**base, "schedule.streaming": False}),
         ]
         for t in grid:
@@ -141,7 +141,7 @@ def plan_runs(presets, steps: int, quick: bool) -> list[Run]:
                 runs += [
                     Run(f"flagship/timeout{hours}h/colocated", p, {**o, "schedule.policy": "colocated"}),
                     Run(f"flagship/timeout{hours}h/elastic", p, dict(o)),
-                    Run(f"flagship/timeout{hours}h/elastic-eta0", p, {**o, "schedule.max_staleness": 0}),
+                    Run(f"flagship/timeout{hours}h/elastic-eta0", p, {**o, "schedule.dispatch_staleness": 0}),
                 ]
     return runs
 

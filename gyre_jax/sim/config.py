@@ -14,7 +14,7 @@ from typing import Any
 
 from ml_collections import config_dict
 
-from gyre_jax.config import ConfigError, apply_override, base_config
+from gyre_jax.config import RENAMED_KEYS, ConfigError, apply_override, base_config
 from gyre_jax.sim.cost_model import (
     CostModel,
     HardwareSpec,
@@ -43,8 +43,13 @@ def preset(name_or_path: str) -> config_dict.ConfigDict:
 
 
 def apply_overrides(config: config_dict.ConfigDict, overrides: Mapping[str, Any] | Sequence[tuple[str, Any]]) -> None:
+    """``{"a.b": value}`` onto a preset, each typed by the field it replaces; a key the run config renamed
+    (``schedule.max_staleness`` -> ``schedule.dispatch_staleness``) is refused here too, with the new name."""
     items = overrides.items() if isinstance(overrides, Mapping) else overrides
     for key, value in items:
+        if key in RENAMED_KEYS and key.startswith("schedule."):
+            new, meaning = RENAMED_KEYS[key]
+            raise ConfigError(f"config.{key} was renamed: use config.{new} ({meaning})")
         text = value if isinstance(value, str) else repr(value) if isinstance(value, (tuple, list)) else str(value)
         apply_override(config, key, text)
 
@@ -94,9 +99,9 @@ def sim_config(c: config_dict.ConfigDict) -> SimConfig:
         options: dict[str, Any] = {}
         if s.policy == "async":
             cells = c.cluster.accelerators // c.cluster.cell_accelerators
-            options = {"training_cells": s.training_cells or max(1, cells // 2), "max_staleness": s.max_staleness}
+            options = {"training_cells": s.training_cells or max(1, cells // 2), "max_staleness": s.dispatch_staleness}
         elif s.policy == "elastic":
-            options = {"max_staleness": s.max_staleness}
+            options = {"max_staleness": s.dispatch_staleness}
         return SimConfig(
             workload=workload(c),
             cost=cost_model(c),

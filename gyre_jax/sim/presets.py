@@ -87,7 +87,7 @@ def base(name: str, description: str) -> config_dict.ConfigDict:
     c.schedule = config_dict.ConfigDict(
         dict(
             policy="elastic",  # colocated | async | elastic
-            max_staleness=1,  # eta, for async and elastic (colocated is on-policy)
+            dispatch_staleness=1,  # eta, for async and elastic (colocated is on-policy); as the run config's
             training_cells=0,  # async only: cells in the training pool (0 = half of them)
             streaming=True,
         )

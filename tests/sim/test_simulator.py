@@ -209,3 +209,11 @@ def test_training_starts_as_soon_as_its_data_and_weights_are_there():
         first = min(s.start for cell in tl.micro_steps for s in cell if s.args["step"] == k)
         assert first == pytest.approx(max(opt_end[k - 1], ready_at[k]))
     assert any(ready_at[k] < opt_end[k - 1] for k in range(1, cfg.steps))  # the case that matters happened
+
+
+def test_the_dispatch_bound_has_the_run_configs_name():
+    """``schedule.dispatch_staleness`` (eta) in the simulator's presets as in the run config; the old name is
+    refused with the new one."""
+    assert dict(load_sim_config("tiny", {"schedule.dispatch_staleness": 2}).policy_options)["max_staleness"] == 2
+    with pytest.raises(ConfigError, match="schedule.max_staleness was renamed: use config.schedule.dispatch_staleness"):
+        load_sim_config("tiny", {"schedule.max_staleness": 2})
