@@ -13,6 +13,7 @@ lost or failed process stops all of them (exit code 75 on the survivors): rerun 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -165,11 +166,10 @@ def _cells(s: build.Setup, learner: Learner, state: TrainState) -> tuple[list, l
 
 
 def _trajectory_config(config, s: build.Setup) -> TrajectoryConfig:
-    import dataclasses
-
-    message_end = s.tokenizer.token_id("<|im_end|>") if hasattr(s.tokenizer, "token_id") else None
-    cfg = config.trajectory_config(message_end_id=message_end)
-    return dataclasses.replace(cfg, vocab_size=s.model_cfg.vocab_size)  # a checkpoint's own vocabulary
+    """The pipeline's config with the tokenizer's message end (branch labels) and the model's own vocabulary
+    (a Hugging Face checkpoint's, which ``config.model`` does not hold)."""
+    cfg = config.trajectory_config(message_end_id=s.tokenizer.token_id("<|im_end|>"))
+    return dataclasses.replace(cfg, vocab_size=s.model_cfg.vocab_size)
 
 
 def _ledger(config, executor, records, pipeline, make_specs, timeline) -> RolloutLedger:
