@@ -48,7 +48,6 @@ class ControllerConfig:
     sessions_per_cell: int
     max_branches: int
     micro_steps_per_step: int = 0
-    claim_timeout_s: float = 0.05
     tick_s: float = 1.0  # a "tick" event after this long without one (time-based rules, e.g. idle_before_return_s)
 
     @property
