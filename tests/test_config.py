@@ -321,7 +321,9 @@ def test_each_component_config_is_derived_by_one_method(base):
     assert c.loss_config() == LossConfig(name="grpo", clip_low=0.2, clip_high=4e-4, kl_coef=0.01)
     ctl = c.controller_config()
     assert type(ctl) is ControllerConfig and (ctl.tasks_per_step, ctl.group_size) == (2, 8)
-    assert (ctl.sessions_per_cell, ctl.max_staleness, ctl.stream_order) == (3, 2, "task")
+    assert (ctl.sessions_per_cell, ctl.max_branches, ctl.micro_step_slots) == (3, 5, 2 * 8 * 5)
+    assert (c.drop_bound, base.drop_bound) == (2, 4)  # the ledger's drop bound (-1: None)
+    assert config_from_dict(base, {"rl.drop_staleness": -1}).drop_bound is None
     assert base.controller_config().sessions_per_cell == base.serving.max_concurrent_decodes  # 0: the decode slots
     traj = c.trajectory_config()
     assert type(traj) is TrajectoryConfig and (traj.rows, traj.open_micro_batches, traj.max_branches) == (2, 4, 5)
@@ -635,7 +637,7 @@ def test_policy_options_come_from_the_schedule_section(base):
 
 
 def test_the_config_constants_are_the_components_own():
-    from gyre_jax.elastic.controller import STREAM_ORDERS
+    from gyre_jax.elastic.ledger import STREAM_ORDERS
     from gyre_jax.elastic.policies import ElasticPolicy
     from gyre_jax.model.sharding import ALL_MESH_AXES
     from gyre_jax.rl.learner import SCHEDULES

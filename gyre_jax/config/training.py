@@ -17,7 +17,7 @@ from gyre_jax.rl.optimizer_config import SCHEDULES, OptimizerConfig
 
 LOSSES = ("gspo", "gspo_token", "grpo")  # gyre_jax.rl.losses.POLICY_LOSSES
 PACKINGS = ("tree", "plain")  # gyre_jax.trajectory.pipeline.PACKING
-STREAM_ORDERS = ("task", "arrival")  # gyre_jax.elastic.controller.STREAM_ORDERS
+STREAM_ORDERS = ("task", "arrival")  # gyre_jax.elastic.ledger.STREAM_ORDERS
 POLICIES = ("colocated", "async", "elastic")  # gyre_jax.elastic.policies.make_policy
 LEAVE_RULES = ("waterlevel", "backlog")  # gyre_jax.elastic.policies.ElasticPolicy.LEAVE_RULES
 EVAL_SPLITS = ("train", "heldout")

@@ -143,12 +143,13 @@ class FollowerLink:
         else:
             fut.set_result(message.value)
 
-    def close(self) -> None:
-        """Tells the follower to stop (its ``serve`` returns) and stops the reader."""
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Tells the follower to stop (its ``serve`` returns), waiting ``timeout_s`` for its answer, and stops
+        the reader."""
         if self._closed.is_set():
             return
         try:
-            self.ask(lambda token: cmd.Stop(token=token), timeout_s=60.0)
+            self.ask(lambda token: cmd.Stop(token=token), timeout_s=timeout_s)
         except Exception as exc:  # noqa: BLE001 - best effort: the follower may be gone already
             log.warning("process %d did not confirm stopping: %s", self.process_id, exc)
         self._closed.set()

@@ -87,7 +87,7 @@ def remote_cell(engine, model_params):
     link = FollowerLink(kv, 1, on_error=errors.append, on_stop=lambda: stops.append(True))
     remote = RemoteCell(link, TransferLog(), cell, layout, core_shardings=None, max_context=engine.max_seq_len)
     yield Router({"cell1": remote}), remote, host, thread, stops, errors, loop
-    link.close()
+    link.close(timeout_s=60.0 if thread.is_alive() else 0.1)  # a follower that stopped answers nothing
     thread.join(timeout=10)
 
 
