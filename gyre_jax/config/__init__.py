@@ -44,6 +44,7 @@ from gyre_jax.config.rollout import (
 )
 from gyre_jax.config.run import (
     RENAMED_KEYS,
+    RETIRED_KEYS,
     SHARDING_RULES,
     RunConfig,
     default_config,
@@ -76,6 +77,7 @@ __all__ = [
     "PLATFORMS",
     "POLICIES",
     "RENAMED_KEYS",
+    "RETIRED_KEYS",
     "REPO_ROOT",
     "SHARDING_RULES",
     "STREAM_ORDERS",

@@ -130,6 +130,17 @@ class Section:
         }
 
     @classmethod
+    def retired_keys(cls) -> dict[str, str]:
+        """Every renamed or removed key of this section and the sections below it, with the one-line error
+        that refuses it: ``{old key: message}``."""
+        out = {old: str(renamed_key(old, new, meaning)) for old, (new, meaning) in cls.renamed_keys().items()}
+        out.update({cls.key(old): f"config.{cls.key(old)} was removed: {what}" for old, what in cls._removed.items()})
+        for hint in _field_types(cls).values():
+            if isinstance(hint, type) and issubclass(hint, Section):
+                out.update({k: v for k, v in hint.retired_keys().items() if k not in out})
+        return out
+
+    @classmethod
     def renamed_keys(cls) -> dict[str, tuple[str, str]]:
         """Every renamed key of this section and the sections below it: ``{old key: (new key, meaning)}``."""
         out = {cls.key(old): (cls.key(new), meaning) for old, (new, meaning) in cls._renamed.items()}

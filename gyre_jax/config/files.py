@@ -17,8 +17,8 @@ from typing import Any
 
 from ml_collections import config_dict
 
-from gyre_jax.config.base import ConfigError, renamed_key, unknown_key
-from gyre_jax.config.run import RENAMED_KEYS, RunConfig, default_config
+from gyre_jax.config.base import ConfigError, unknown_key
+from gyre_jax.config.run import RETIRED_KEYS, RunConfig, default_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny_cpu.py"
@@ -118,19 +118,20 @@ def _parse_value(key: str, text: str, current: Any) -> Any:
 
 
 def apply_override(
-    config: config_dict.ConfigDict, key: str, text: str, renamed: Mapping[str, tuple[str, str]] | None = None
+    config: config_dict.ConfigDict, key: str, text: str, retired: Mapping[str, str] | None = None
 ) -> None:
     """Sets ``config.<key>`` from its command-line text, with the type of the field it replaces.
 
-    ``renamed``: ``{old key: (new key, meaning)}``; an old key is refused with the new one's name.
+    ``retired``: ``{old key: message}`` (``RETIRED_KEYS``); a renamed or removed key is refused with its
+    message (the new name, or what sets it now).
     """
     parts = key.split(".")
     node = config
     for depth, part in enumerate(parts):
         if not isinstance(node, config_dict.ConfigDict) or part not in node:
             so_far = ".".join(parts[: depth + 1])
-            if renamed and so_far in renamed:
-                raise renamed_key(so_far, *renamed[so_far])
+            if retired and so_far in retired:
+                raise ConfigError(retired[so_far])
             parent = ".".join(parts[:depth]) or "config"
             if not isinstance(node, config_dict.ConfigDict):
                 raise ConfigError(f"unknown config key {key!r}: {parent!r} has no field {part!r} (not a section)")
@@ -205,7 +206,7 @@ def load_config(argv: Sequence[str] = ()) -> RunConfig:
     spec, overrides = parse_args(argv)
     config = _complete(_load_file(spec))
     for key, value in overrides:
-        apply_override(config, key, value, RENAMED_KEYS)
+        apply_override(config, key, value, RETIRED_KEYS)
     return RunConfig.from_config_dict(config)
 
 
@@ -216,5 +217,5 @@ def config_from_dict(base: config_dict.ConfigDict | RunConfig, overrides: Mappin
     """
     config = base.to_config_dict() if isinstance(base, RunConfig) else _complete(base)
     for key, value in overrides.items():
-        apply_override(config, key, _override_text(value), RENAMED_KEYS)
+        apply_override(config, key, _override_text(value), RETIRED_KEYS)
     return RunConfig.from_config_dict(config)

@@ -183,6 +183,7 @@ class RunConfig(Section):
 
 
 RENAMED_KEYS = RunConfig.renamed_keys()  # {"rl.max_staleness": ("rl.drop_staleness", meaning), ...}
+RETIRED_KEYS = RunConfig.retired_keys()  # renamed and removed keys: {old key: the one-line error refusing it}
 
 
 def default_config() -> config_dict.ConfigDict:

@@ -84,24 +84,3 @@ class CellHandle(Protocol):
     def stats(self) -> CellStats: ...
 
     def close(self) -> None: ...
-
-
-class CellHandleBase:
-    """What every ``CellHandle`` implementation shares: the cell it stands for, its layout, its name and index,
-    and that its sessions move by ``runtime.sessions.move_sessions``."""
-
-    cell: Cell
-    layout: CellLayout
-
-    @property
-    def name(self) -> str:
-        return self.cell.name
-
-    @property
-    def index(self) -> int:
-        return self.cell.index
-
-    def move_sessions_to(self, target: CellHandle) -> list[MovedSession]:
-        from gyre_jax.runtime.sessions import move_sessions  # its two-handle cases import the handle modules
-
-        return move_sessions(self, target)

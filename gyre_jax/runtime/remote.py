@@ -25,9 +25,10 @@ import jax
 import numpy as np
 
 from gyre_jax.runtime import commands as cmd
+from gyre_jax.runtime.base import CellHandleBase
 from gyre_jax.runtime.cells import Cell, CellLayout
 from gyre_jax.runtime.channel import Channel
-from gyre_jax.runtime.handle import CellHandle, CellHandleBase, CellStats
+from gyre_jax.runtime.handle import CellHandle, CellStats
 from gyre_jax.runtime.transfer import abstract_on, transfer
 from gyre_jax.serving.types import GenerationRequest, GenerationResult
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from ml_collections import config_dict
 
-from gyre_jax.config import RENAMED_KEYS, ConfigError, apply_override, base_config
+from gyre_jax.config import RETIRED_KEYS, ConfigError, apply_override, base_config
 from gyre_jax.sim.cost_model import (
     CostModel,
     HardwareSpec,
@@ -46,12 +46,10 @@ def apply_overrides(config: config_dict.ConfigDict, overrides: Mapping[str, Any]
     """``{"a.b": value}`` onto a preset, each typed by the field it replaces; a key the run config renamed
     (``schedule.max_staleness`` -> ``schedule.dispatch_staleness``) is refused here too, with the new name."""
     items = overrides.items() if isinstance(overrides, Mapping) else overrides
+    retired = {k: v for k, v in RETIRED_KEYS.items() if k.startswith("schedule.")}
     for key, value in items:
-        if key in RENAMED_KEYS and key.startswith("schedule."):
-            new, meaning = RENAMED_KEYS[key]
-            raise ConfigError(f"config.{key} was renamed: use config.{new} ({meaning})")
         text = value if isinstance(value, str) else repr(value) if isinstance(value, (tuple, list)) else str(value)
-        apply_override(config, key, text)
+        apply_override(config, key, text, retired)
 
 
 def cost_model(c: config_dict.ConfigDict) -> CostModel:
