@@ -7,8 +7,9 @@ import concurrent.futures
 from typing import Any
 
 from gyre_jax.rl.micro_step import MicroStepWorker
+from gyre_jax.runtime.base import CellHandleBase
 from gyre_jax.runtime.cells import Cell, CellLayout
-from gyre_jax.runtime.handle import CellHandleBase, CellStats
+from gyre_jax.runtime.handle import CellStats
 from gyre_jax.runtime.transfer import transfer
 from gyre_jax.serving.loop import ServingLoop
 from gyre_jax.serving.types import GenerationRequest, GenerationResult
