@@ -31,7 +31,7 @@ class TurnRequest:
     verbatim). Sampling fields left None take the pipeline's defaults.
     """
 
-    api: str  # the record's "api": chat | completions | messages (one name per API)
+    api: str  # the record's "api": chat | completions | messages | responses (one name per API)
     messages: list[dict[str, Any]] | None = None  # internal (OpenAI chat) messages, key order as the client sent
     tools: list[dict[str, Any]] | None = None  # internal (OpenAI function) tools
     prompt: str | list[int] | None = None
