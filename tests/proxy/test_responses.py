@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -41,7 +42,7 @@ class StreamingBackend:
     """Completes ``script(prompt)`` + <|im_end|>, telling each token to the request's listener as it goes."""
 
     def __init__(self) -> None:
-        self.max_context = 8192
+        self.max_context = 65536  # a real Codex request is about 25K byte tokens
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4)
 
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future[GenerationResult]:
@@ -218,6 +219,26 @@ def test_codex_shaped_request_is_served(server, store, execution) -> None:
     assert "<tool_response>\nsunny\n</tool_response>" in prompt and "<think>\nLook it up.\n</think>" in prompt
     plain = httpx.post(f"{server.base_url}/responses", json=codex_body(stream=False), headers=headers, timeout=20)
     assert plain.status_code == 200 and plain.json()["output"][-1]["content"][0]["text"] == ANSWER
+
+
+def test_a_real_codex_cli_request_is_served(server, store, execution) -> None:
+    """The first request of ``codex exec "say hi"`` (Codex CLI 0.171.0, custom provider with wire_api = "responses",
+    captured against a logging server): developer messages, function tools next to a ``namespace`` and a
+    ``web_search`` tool (ignored), ``client_metadata``, ``include``, ``store: false``, ``stream: true``."""
+    execution_id, key = execution
+    body = json.loads(
+        (Path(__file__).resolve().parents[1] / "fixtures" / "codex_0.171.0_responses_request.json").read_text()
+    )
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.stream("POST", f"{server.base_url}/responses", json=body, headers=headers, timeout=30) as reply:
+        assert reply.status_code == 200, reply.read()
+        payloads = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: ")]
+    assert payloads[-1]["type"] == "response.completed" and payloads[-1]["response"]["status"] == "completed"
+    (record,) = store.read(execution_id)
+    prompt = TOKENIZER.decode(record.prompt_ids)
+    assert prompt.startswith("<|im_start|>system\n") and '"name": "exec_command"' in prompt
+    assert "multi_agent_v1" not in prompt and "external_web_access" not in prompt
+    assert prompt.endswith("<|im_start|>user\nsay hi<|im_end|>\n<|im_start|>assistant\n")
 
 
 @pytest.mark.parametrize(
