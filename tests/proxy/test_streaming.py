@@ -189,3 +189,26 @@ def test_messages_stream_live_and_add_up(server, store, backend, execution, ask)
     else:
         assert text == ANSWER_TEXT and final.stop_reason == "end_turn"
     assert final.usage.output_tokens == len(store.read(execution_id)[-1].completion_ids)
+
+
+def test_keepalives_flow_while_nothing_decodes(server, store, backend, execution, monkeypatch) -> None:
+    """After the first deltas the backend stalls (gate closed): keep-alive comments go out meanwhile, and the
+    stream then completes normally once decoding resumes."""
+    import httpx
+
+    from gyre_jax.proxy import pipeline
+
+    monkeypatch.setattr(pipeline, "KEEPALIVE_S", 0.05)
+    execution_id, key = execution
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "plain"}], "stream": True}
+    seen_text, keepalives_after_text, lines = False, 0, []
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {key}"}, timeout=20) as reply:  # fmt: skip
+        for line in reply.iter_lines():
+            lines.append(line)
+            seen_text = seen_text or '"content":"H' in line
+            if seen_text and line.startswith(": keep-alive"):
+                keepalives_after_text += 1
+                backend.gate.set()  # only a keep-alive sent while the backend stalls gets here
+    assert keepalives_after_text >= 1 and [line for line in lines if line][-1] == "data: [DONE]"
+    assert record_text(store, execution_id) == ANSWER_TEXT
