@@ -162,7 +162,7 @@ class TurnPipeline:
     async def run(self, turn: Turn, is_disconnected: IsDisconnected) -> Completion | None:
         """Submits the turn, waits and commits it; None if the client went away meanwhile. Errors: ProxyError."""
         result = None
-        async for item in self._wait(turn, is_disconnected, listen=True):
+        async for item in self._wait(turn, is_disconnected, listen=False):
             result = item
         if result is None:
             return None
