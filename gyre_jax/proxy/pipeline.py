@@ -1,9 +1,10 @@
 """The turn pipeline shared by every API: a ``TurnRequest`` in, a committed ``Completion`` out.
 
 Places a turn (thread, token-in/token-out prompt, sampling), submits it to the backend, waits for it
-(cancelling it if the client goes away, yielding keep-alives to a stream), checks the result, and commits
-it: the completion is parsed, its TITO record is fsynced into the execution's file, and the thread
-remembers it, all before any reply is framed. Wire formats live in ``adapters/``.
+(cancelling it if the client goes away; for a stream, passing on text deltas as the backend samples tokens,
+and keep-alives while nothing comes), checks the result, and commits it: the completion is parsed, its TITO
+record is fsynced into the execution's file, and the thread remembers it, all before the reply (or a
+stream's last event) is framed. Wire formats live in ``adapters/``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from gyre_jax.proxy import chat_template, tito
 from gyre_jax.proxy.errors import ProxyError, execution_ended, internal_error
 from gyre_jax.proxy.identity import Execution
 from gyre_jax.proxy.records import RecordStore
+from gyre_jax.proxy.streaming import LiveReply, Pieces
 from gyre_jax.proxy.turns import (
     Completed,
     Completion,
+    Delta,
     Failed,
     KeepAlive,
     Turn,
@@ -27,6 +30,8 @@ from gyre_jax.proxy.turns import (
     TurnRequest,
     complete,
     derive_seed,
+    parse_text,
+    text_ids_of,
     thread_state,
     tito_record,
 )
@@ -36,6 +41,7 @@ from gyre_jax.serving.types import (
     GenerationRequest,
     GenerationResult,
     SamplingParams,
+    TokenChunk,
 )
 
 logger = logging.getLogger(__name__)
@@ -156,26 +162,39 @@ class TurnPipeline:
     async def run(self, turn: Turn, is_disconnected: IsDisconnected) -> Completion | None:
         """Submits the turn, waits and commits it; None if the client went away meanwhile. Errors: ProxyError."""
         result = None
-        async for item in self._wait(turn, is_disconnected):
+        async for item in self._wait(turn, is_disconnected, listen=False):
             result = item
         if result is None:
             return None
         return await self._commit(turn, result)
 
     async def stream(self, turn: Turn, is_disconnected: IsDisconnected) -> AsyncIterator[TurnEvent]:
-        """``run`` for a stream: KeepAlive while the turn waits, then Completed, or Failed with the error.
+        """``run`` for a stream: a Delta as soon as the backend samples tokens that make new text, KeepAlive while
+        nothing comes, then (the record fsynced) the last Delta with the text held back so far, and Completed; or
+        Failed with the error. Ends without either if the client went away. Nothing is raised: the stream's
+        headers are already sent.
 
-        Ends without either if the client went away. Nothing is raised: the stream's headers are already sent.
+        The deltas concatenate to the committed completion (see ``streaming``); tokens the backend did not stream
+        (a cell in another process) arrive with the result and go out in one piece before Completed.
         """
+        live = LiveReply(self.tokenizer.decode, turn.generation.sampling.stop_ids,
+                         chat=turn.request.messages is not None, parse_tools=turn.request.parse_tools)  # fmt: skip
         try:
             result = None
-            async for item in self._wait(turn, is_disconnected):
+            async for item in self._wait(turn, is_disconnected, listen=True):
                 if item is None:
                     yield KeepAlive()
-                result = item
+                elif isinstance(item, TokenChunk):
+                    pieces = live.feed(item.token_ids)
+                    if pieces:
+                        yield Delta(item.token_ids, pieces.text, pieces.reasoning, pieces.content)
+                else:
+                    result = item
             if result is None:
                 return
-            completion = await self._commit(turn, result)
+            last = tuple(result.token_ids[live.tokens :])  # tokens that were not streamed: in the closing delta
+            closing, completion = self._close(turn, result, live)
+            await asyncio.to_thread(self._record, turn, completion)
         except ProxyError as err:
             yield Failed(err)
             return
@@ -183,35 +202,51 @@ class TurnPipeline:
             logger.exception("unexpected error in a streamed call")
             yield Failed(internal_error())
             return
+        if closing:
+            yield Delta(last, closing.text, closing.reasoning, closing.content)
         yield Completed(completion)
 
-    async def _wait(self, turn: Turn, is_disconnected: IsDisconnected) -> AsyncIterator[GenerationResult | None]:
-        """Submits the turn; yields None every KEEPALIVE_S while it runs, then its checked result.
+    def _close(self, turn: Turn, result: GenerationResult, live: LiveReply) -> tuple[Pieces, Completion]:
+        """The closing text of a streamed turn and its completion, parsed as its deltas showed it."""
+        text = self.tokenizer.decode(text_ids_of(turn, result))
+        whole = parse_text(text, turn.request.parse_tools) if turn.request.messages is not None else None
+        closing, parsed = live.finish(result.token_ids, text, whole)
+        return closing, complete(turn, result, self.tokenizer, parsed)
+
+    async def _wait(
+        self, turn: Turn, is_disconnected: IsDisconnected, listen: bool
+    ) -> AsyncIterator[GenerationResult | TokenChunk | None]:
+        """Submits the turn; yields (with ``listen``) each TokenChunk as the backend samples it, None when nothing
+        came for KEEPALIVE_S, then its checked result.
 
         Ends without a result if the client disconnects (the backend request is then cancelled).
         """
         request_id = turn.generation.request_id
+        chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        if listen:
+            event_loop = asyncio.get_running_loop()
+            turn.generation.on_tokens = lambda chunk: event_loop.call_soon_threadsafe(chunks.put_nowait, chunk)
         turn.execution.begin(request_id)
         try:
-            try:
-                future = self.backend.submit(turn.generation)
-            except RuntimeError as exc:  # e.g. the router has no serving backend left
-                raise ProxyError(
-                    503, f"no serving backend is available: {exc}; retry later", error_type="server_error"
-                ) from None
-            waiting = asyncio.wrap_future(future)
-            waiting.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "exception was never retrieved"
+            waiting = self._submit(turn)
             next_keepalive = time.monotonic() + KEEPALIVE_S
+            next_poll = time.monotonic() + DISCONNECT_POLL_S
             try:
-                while not waiting.done():
-                    await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+                while not (waiting.done() and chunks.empty()):
+                    chunk = await _next_chunk(chunks, waiting, DISCONNECT_POLL_S)
+                    now = time.monotonic()
+                    if chunk is not None:
+                        next_keepalive = now + KEEPALIVE_S
+                        yield chunk
                     if waiting.done():
-                        break
-                    if await is_disconnected():
-                        self.backend.cancel(request_id)
-                        return
-                    if time.monotonic() >= next_keepalive:
-                        next_keepalive += KEEPALIVE_S
+                        continue
+                    if now >= next_poll:
+                        next_poll = now + DISCONNECT_POLL_S
+                        if await is_disconnected():
+                            self.backend.cancel(request_id)
+                            return
+                    if now >= next_keepalive:
+                        next_keepalive = now + KEEPALIVE_S
                         yield None
             except asyncio.CancelledError:
                 self.backend.cancel(request_id)
@@ -219,6 +254,18 @@ class TurnPipeline:
             yield self._checked_result(turn, waiting)
         finally:
             turn.execution.finish(request_id)
+
+    def _submit(self, turn: Turn) -> asyncio.Future[GenerationResult]:
+        """The turn's backend request, submitted; 503 if no backend can take it."""
+        try:
+            future = self.backend.submit(turn.generation)
+        except RuntimeError as exc:  # e.g. the router has no serving backend left
+            raise ProxyError(
+                503, f"no serving backend is available: {exc}; retry later", error_type="server_error"
+            ) from None
+        waiting = asyncio.wrap_future(future)
+        waiting.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "exception was never retrieved"
+        return waiting
 
     @staticmethod
     def _checked_result(turn: Turn, waiting: asyncio.Future[GenerationResult]) -> GenerationResult:
@@ -257,3 +304,18 @@ class TurnPipeline:
             turn.thread_id,
             thread_state(turn, completion),
         )
+
+
+async def _next_chunk(chunks: asyncio.Queue[TokenChunk], waiting: asyncio.Future, timeout: float) -> TokenChunk | None:
+    """The next queued chunk, waiting up to ``timeout`` s for one (or for ``waiting`` to finish); None if none came."""
+    if not chunks.empty():
+        return chunks.get_nowait()
+    if waiting.done():
+        return None
+    getter = asyncio.ensure_future(chunks.get())
+    try:
+        await asyncio.wait({getter, waiting}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not getter.done():
+            getter.cancel()
+    return getter.result() if getter.done() and not getter.cancelled() else None

@@ -7,7 +7,7 @@ and fsynced before the HTTP response is sent), see docs/records.md:
      "prompt_ids": [int], "completion_ids": [int], "completion_logprobs": [float],
      "policy_versions": [int], "finish_reason": "stop" | "length" | "cancelled",
      "temperature": float, "reused_prefix_len": int, "t_start": float, "t_end": float,
-     "model": str, "api": "chat" | "completions" | "messages", "cell": str}
+     "model": str, "api": "chat" | "completions" | "messages" | "responses", "cell": str}
 
 ``reused_prefix_len`` is how many leading prompt ids were taken verbatim from an earlier call of the
 same execution (its prompt + completion): those tokens are exactly what the policy saw and produced,
@@ -40,7 +40,8 @@ class TitoRecord:
     t_start: float
     t_end: float
     model: str = ""
-    # the API the call came through: chat (OpenAI chat), completions (OpenAI legacy), messages (Anthropic)
+    # the API the call came through: chat (OpenAI chat), completions (OpenAI legacy), messages (Anthropic),
+    # responses (OpenAI Responses)
     api: str = ""
     cell: str = ""  # the serving cell that produced the completion
 

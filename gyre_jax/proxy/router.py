@@ -7,18 +7,24 @@ before its cell changes role, and transparent retry: a request that a backend ca
 because the loop stopped is re-submitted to another backend, or held until one is available, so the
 caller only ever sees a completed generation. Only a cancel the caller asked for resolves as
 "cancelled". Thread-safe: the proxy's event loop and the scheduler call it concurrently.
+
+A streamed request (one with a ``TokenListener``) that is retried after some of its tokens reached the caller
+continues from them: the retry's prompt is the original prompt + those tokens (its budget what is left), the
+caller's listener hears only the new tokens, and the result holds exactly the tokens the caller was told, with
+their log-probs and policy versions, then the continuation's.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from gyre_jax.serving.types import GenerationBackend, GenerationRequest, GenerationResult
+from gyre_jax.serving.types import GenerationBackend, GenerationRequest, GenerationResult, TokenChunk
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +38,53 @@ class _Routed:
     backend: str | None = None  # where it runs now (None: parked, waiting for an available backend)
     attempts: int = 0  # re-submissions so far
     cancel_requested: bool = False
+    # the tokens the caller's listener was told, over every attempt: ids, log-probs, policy versions
+    told: tuple[list[int], list[float], list[int]] = field(default_factory=lambda: ([], [], []))
+    base: int = 0  # told tokens the running attempt continues from (its prompt ends with them)
+
+    def attempt(self) -> GenerationRequest:
+        """What to submit for the next attempt: the request itself, or, once tokens were told to a streaming
+        caller, a continuation after them (same request id) whose listener tells the caller the rest."""
+        request = self.request
+        if request.on_tokens is None:
+            return request
+        self.base = len(self.told[0])
+        attempt, told = self.attempts, self.told
+
+        def tell(chunk: TokenChunk) -> None:
+            if self.attempts != attempt:  # a late chunk of an attempt that was given up: the caller never sees it
+                return
+            start = self.base + chunk.start
+            if start != len(told[0]):
+                raise RuntimeError(f"request {chunk.request_id}: token {start} told out of order")
+            told[0].extend(chunk.token_ids)
+            told[1].extend(chunk.logprobs)
+            told[2].extend(chunk.policy_versions)
+            request.on_tokens(dataclasses.replace(chunk, start=start))
+
+        sampling = dataclasses.replace(request.sampling, max_tokens=request.sampling.max_tokens - self.base)
+        return dataclasses.replace(
+            request, prompt_ids=list(request.prompt_ids) + told[0][: self.base], sampling=sampling, on_tokens=tell
+        )
+
+    def merged(self, result: GenerationResult) -> GenerationResult:
+        """The caller's result: the told tokens this attempt continued from, then the attempt's own."""
+        if self.base == 0:
+            return result
+        ids, logprobs, versions = (part[: self.base] for part in self.told)
+        return dataclasses.replace(
+            result,
+            token_ids=ids + list(result.token_ids),
+            logprobs=logprobs + list(result.logprobs),
+            policy_versions=versions + list(result.policy_versions),
+            prompt_len=len(self.request.prompt_ids),
+            cached_tokens=min(result.cached_tokens, len(self.request.prompt_ids)),
+        )
+
+    def told_result(self, reason: str) -> GenerationResult:
+        """A result of just the told tokens (nothing left to generate, or cancelled by the caller)."""
+        ids, logprobs, versions = (list(part) for part in self.told)
+        return GenerationResult(self.request.request_id, ids, logprobs, versions, reason, len(self.request.prompt_ids))
 
 
 class Router:
@@ -129,6 +182,7 @@ class Router:
         Raises RuntimeError if every backend is drained or refuses the request.
         """
         routed = _Routed(request=request, future=concurrent.futures.Future())
+        attempt = routed.attempt()
         tried: set[str] = set()
         while True:
             with self._lock:
@@ -144,7 +198,7 @@ class Router:
                     )
                 self._start(routed, name)
             try:
-                inner = self._backends[name].submit(request)
+                inner = self._backends[name].submit(attempt)
             except RuntimeError:
                 logger.warning("backend %s refused request %s; trying another", name, request.request_id, exc_info=True)
                 with self._lock:
@@ -168,7 +222,7 @@ class Router:
                 self._parked.remove(routed)
                 self._routed.pop(request_id, None)
         if parked:
-            self._resolve(routed, GenerationResult(request_id, [], [], [], "cancelled", len(routed.request.prompt_ids)))
+            self._resolve(routed, routed.told_result("cancelled"))
         elif name is not None:
             self._backends[name].cancel(request_id)
 
@@ -227,7 +281,7 @@ class Router:
         elif exc is not None:
             routed.future.set_exception(exc)
         else:
-            self._resolve(routed, result)
+            self._resolve(routed, routed.merged(result))
 
     def _dispatch(self, routed: _Routed, exclude: str | None) -> None:
         """Re-submits ``routed``: preferably not to ``exclude``; parks it when no backend is available."""
@@ -256,12 +310,16 @@ class Router:
                 )
                 return
             if cancelled:
-                self._resolve(
-                    routed, GenerationResult(request.request_id, [], [], [], "cancelled", len(request.prompt_ids))
-                )
+                self._resolve(routed, routed.told_result("cancelled"))
+                return
+            if len(routed.told[0]) >= request.sampling.max_tokens:  # the told tokens used the whole budget
+                with self._lock:
+                    self._stop(routed, name)
+                    self._routed.pop(request.request_id, None)
+                self._resolve(routed, routed.told_result("length"))
                 return
             try:
-                inner = self._backends[name].submit(request)
+                inner = self._backends[name].submit(routed.attempt())
             except RuntimeError:
                 with self._lock:
                     self._stop(routed, name)

@@ -4,7 +4,8 @@ Owns the HTTP side: the server's lifecycle (uvicorn in a daemon thread), reading
 registration and error handlers. Each API route is an adapter (``adapters/``) over the shared turn pipeline
 (``pipeline.py``); execution and thread identity live in ``identity.py``.
 
-Endpoints: ``GET /v1/models``; ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI);
+Endpoints: ``GET /v1/models``; ``POST /v1/chat/completions``, ``POST /v1/completions`` and
+``POST /v1/responses`` (OpenAI);
 ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic; ``?beta=true`` accepted);
 ``GET /health``. All calls may stream (SSE). Errors are OpenAI error bodies on the OpenAI routes and
 Anthropic error bodies on the Anthropic routes, always a 4xx for bad input; nothing a client sends
@@ -34,6 +35,7 @@ from gyre_jax.proxy.adapters.anthropic_messages import Messages
 from gyre_jax.proxy.adapters.base import TurnAdapter
 from gyre_jax.proxy.adapters.openai_chat import ChatCompletions
 from gyre_jax.proxy.adapters.openai_completions import Completions
+from gyre_jax.proxy.adapters.openai_responses import Responses
 from gyre_jax.proxy.errors import ProxyError, internal_error
 from gyre_jax.proxy.identity import MAX_THREADS_PER_EXECUTION, Executions, thread_base
 from gyre_jax.proxy.pipeline import DEFAULT_MAX_TOKENS, TurnPipeline
@@ -258,6 +260,7 @@ class ProxyServer:
         messages = Messages(self.model_name)
         self._mount(app, "/v1/chat/completions", ChatCompletions(self.model_name))
         self._mount(app, "/v1/completions", Completions(self.model_name))
+        self._mount(app, "/v1/responses", Responses(self.model_name))
         self._mount(app, "/v1/messages", messages)
         self._post(app, "/v1/messages/count_tokens", self._count_tokens_handler(messages), messages)
         return app

@@ -31,7 +31,7 @@ class TurnRequest:
     verbatim). Sampling fields left None take the pipeline's defaults.
     """
 
-    api: str  # the record's "api": chat | completions | messages (one name per API)
+    api: str  # the record's "api": chat | completions | messages | responses (one name per API)
     messages: list[dict[str, Any]] | None = None  # internal (OpenAI chat) messages, key order as the client sent
     tools: list[dict[str, Any]] | None = None  # internal (OpenAI function) tools
     prompt: str | list[int] | None = None
@@ -97,6 +97,23 @@ class KeepAlive:
 
 
 @dataclass(frozen=True)
+class Delta:
+    """New text of a streamed turn, as its tokens were sampled (never half a character, never a stop token's text).
+
+    ``token_ids``: the ids this delta covers (a delta may cover none: the text held back at the end);
+    ``text``: their raw text; ``reasoning`` / ``content``: the same text as a chat reply splits it (the
+    ``<think>`` block's text, the content; text from a ``<tool_call>`` opener on is held back and goes out
+    parsed in the completion). For a raw completion ``content == text``. The deltas of a turn concatenate
+    to its committed ``Completion``: ``text``, ``parsed.reasoning`` and ``parsed.content``.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    reasoning: str = ""
+    content: str = ""
+
+
+@dataclass(frozen=True)
 class Completed:
     """A streamed turn's committed completion: always its last event."""
 
@@ -110,8 +127,9 @@ class Failed:
     error: ProxyError
 
 
-# What a streamed turn yields: KeepAlive* then Completed or Failed (neither if the client went away).
-TurnEvent = KeepAlive | Completed | Failed
+# What a streamed turn yields: KeepAlive and Delta events in any order, then Completed or Failed (neither if the
+# client went away).
+TurnEvent = KeepAlive | Delta | Completed | Failed
 
 
 def derive_seed(server_seed: int, execution_id: str, call_index: int) -> int:
@@ -152,13 +170,23 @@ def token_bytes(tokenizer: tito.Tokenizer, token_id: int) -> bytes:
     return tokenizer.decode([token_id]).encode("utf-8")
 
 
-def complete(turn: Turn, result: GenerationResult, tokenizer: tito.Tokenizer) -> Completion:
-    """What a generation means for its turn: text ids [N] (stop id cut), text, parse, finish reason, pieces."""
+def text_ids_of(turn: Turn, result: GenerationResult) -> list[int]:
+    """The completion's ids without the trailing stop id: [N] or [N - 1]."""
     ids = list(result.token_ids)
     stop_ids = turn.generation.sampling.stop_ids
-    text_ids = ids[:-1] if result.finish_reason == "stop" and ids and ids[-1] in stop_ids else ids
+    return ids[:-1] if result.finish_reason == "stop" and ids and ids[-1] in stop_ids else ids
+
+
+def complete(
+    turn: Turn, result: GenerationResult, tokenizer: tito.Tokenizer, parsed: ParsedCompletion | None = None
+) -> Completion:
+    """What a generation means for its turn: text ids [N] (stop id cut), text, parse, finish reason, pieces.
+
+    ``parsed``: the parse a streamed turn committed to (what its deltas showed); None: parse the text here."""
+    text_ids = text_ids_of(turn, result)
     text = tokenizer.decode(text_ids)
-    parsed = parse_text(text, turn.request.parse_tools) if turn.request.messages is not None else None
+    if parsed is None and turn.request.messages is not None:
+        parsed = parse_text(text, turn.request.parse_tools)
     if parsed is not None and parsed.tool_calls:
         finish = "tool_calls"
     else:

@@ -6,6 +6,7 @@ generate step in flight (``Step``) and the loop's counters (``LoopStats``). No d
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from dataclasses import dataclass, field
 
 import jax
@@ -13,7 +14,9 @@ import jax
 from gyre_jax.serving.engine import KVPages, Prefix, ResultTokens
 from gyre_jax.serving.prefix_cache import PrefixCacheStats
 from gyre_jax.serving.stopping import Detokenize, StopStrings
-from gyre_jax.serving.types import ContextTooLongError, GenerationRequest, GenerationResult
+from gyre_jax.serving.types import ContextTooLongError, GenerationRequest, GenerationResult, TokenChunk
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Job:
         self.logprobs.append(logprob)
         self.versions.append(version)
         self.budget -= 1
+        self._tell(token, logprob, version)
         if token in self.request.sampling.stop_ids:
             return "stop", token
         if self.stop is not None and (matched := self.stop.check(self.tokens)) is not None:
@@ -56,6 +60,18 @@ class Job:
         if self.budget <= 0:
             return "length", None
         return None
+
+    def _tell(self, token: int, logprob: float, version: int) -> None:
+        """Hands the new token to the request's listener, if any; a listener that raises is dropped, not fatal."""
+        listener = self.request.on_tokens
+        if listener is None:
+            return
+        chunk = TokenChunk(self.request.request_id, len(self.tokens) - 1, (token,), (logprob,), (version,))
+        try:
+            listener(chunk)
+        except Exception:
+            log.exception("token listener of request %s failed; it is told nothing more", self.request.request_id)
+            self.request.on_tokens = None
 
     def resolve(self, reason: str, cell: str, stop_reason=None) -> None:
         """Resolves the request's future with what it generated (unless it is resolved already)."""

@@ -1,15 +1,19 @@
 """Records that cross the serving boundary: what the proxy asks a serving cell for, and what comes back.
 
 The proxy (and anything else that wants tokens) talks to serving through the ``GenerationBackend``
-protocol: ``submit`` returns a ``concurrent.futures.Future`` resolved by the cell's serving loop.
+protocol: ``submit`` returns a ``concurrent.futures.Future`` resolved by the cell's serving loop. A request
+may carry a ``TokenListener`` (``GenerationRequest.on_tokens``): the loop calls it with each ``TokenChunk``
+as it samples them, so a caller can stream tokens before the future resolves. The result always holds every
+token, whether or not a listener saw them (a listener never crosses a process: see ``GenerationRequest``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 _request_ids = itertools.count()
 
@@ -52,14 +56,46 @@ class SamplingParams:
             raise ValueError(f"stop_strings={self.stop_strings!r} must be a tuple of non-empty strings")
 
 
+@dataclass(frozen=True)
+class TokenChunk:
+    """Tokens one request just sampled, in order: ``token_ids[k]`` is token ``start + k`` of its completion.
+
+    token_ids / logprobs / policy_versions: [n] each, as they will appear in the ``GenerationResult``.
+    """
+
+    request_id: str
+    start: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    policy_versions: tuple[int, ...]
+
+
+# Called by a serving loop's thread, under its lock, with each step's new tokens of one request: it must return
+# at once (hand the chunk to another thread or event loop) and should not raise (an error is logged and the
+# listener is dropped for that request; the request itself goes on).
+TokenListener = Callable[[TokenChunk], None]
+
+
 @dataclass
 class GenerationRequest:
-    """A prompt (exact token ids) to complete. ``session_id`` lets the router keep a session on one cell."""
+    """A prompt (exact token ids) to complete. ``session_id`` lets the router keep a session on one cell.
+
+    ``on_tokens``: an optional ``TokenListener`` told of every sampled token as it is sampled, chunk by chunk
+    with no gap or repeat (tokens sampled before a migration or a recompute are not told again). It stays in
+    this process: a pickled request (sent to a cell of another process) travels without it, and its tokens
+    then reach the caller only in the result.
+    """
 
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     session_id: str | None = None
     request_id: str = field(default_factory=new_request_id)
+    on_tokens: TokenListener | None = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["on_tokens"] = None  # a callable of this process means nothing in another one
+        return state
 
 
 @dataclass

@@ -248,3 +248,38 @@ def test_routing_invariants(ops: list[tuple[str, object]]) -> None:
             drained.discard(arg)
         for name in backends:
             assert router.in_flight(name) == sum(1 for n, _ in outstanding if n == name)
+
+
+def test_a_streamed_request_retried_after_tokens_went_out_continues_from_them() -> None:
+    from gyre_jax.serving.types import SamplingParams, TokenChunk
+
+    backends = {"a": HeldBackend(), "b": HeldBackend()}
+    router = Router(backends)
+    heard: list[TokenChunk] = []
+    req = GenerationRequest([1, 2, 3], SamplingParams(max_tokens=10), session_id="s", on_tokens=heard.append)
+    future = router.submit(req)
+    (sent,) = backends["a"].received
+    for k, token in enumerate([7, 8, 9]):  # the backend tells three tokens, then is drained
+        sent.on_tokens(TokenChunk(req.request_id, k, (token,), (-0.1 * k,), (4,)))
+    router.drain("a", cancel_in_flight=True)
+    (continuation,) = backends["b"].received
+    assert continuation.request_id == req.request_id and continuation.prompt_ids == [1, 2, 3, 7, 8, 9]
+    assert continuation.sampling.max_tokens == 7 and req.sampling.max_tokens == 10
+    sent.on_tokens(TokenChunk(req.request_id, 3, (99,), (0.0,), (4,)))  # late, from the given-up attempt: dropped
+    continuation.on_tokens(TokenChunk(req.request_id, 0, (5,), (-1.0,), (6,)))
+    backends["b"].pending.pop(req.request_id).set_result(GenerationResult(req.request_id, [5], [-1.0], [6], "stop", 6))
+    result = future.result()
+    assert [c.start for c in heard] == [0, 1, 2, 3] and [c.token_ids[0] for c in heard] == [7, 8, 9, 5]
+    assert (result.token_ids, result.policy_versions, result.prompt_len) == ([7, 8, 9, 5], [4, 4, 4, 6], 3)
+    assert result.logprobs == [0.0, -0.1, -0.2, -1.0] and result.finish_reason == "stop"
+
+    # told tokens that used the whole budget: no continuation, the caller gets them as a length finish
+    full = GenerationRequest([1], SamplingParams(max_tokens=2), session_id="t", on_tokens=heard.append)
+    full_future = router.submit(full)
+    (sent,) = [r for r in backends["b"].received if r.request_id == full.request_id]
+    for k in range(2):
+        sent.on_tokens(TokenChunk(full.request_id, k, (k,), (0.0,), (4,)))
+    router.undrain("a")
+    router.drain("b", cancel_in_flight=True)
+    assert full_future.result().token_ids == [0, 1] and full_future.result().finish_reason == "length"
+    assert not any(r.request_id == full.request_id for r in backends["a"].received)

@@ -110,6 +110,11 @@ def test_requests_through_the_remote_cell_get_the_loops_own_completions(
         r = f.result(timeout=120)
         assert r.token_ids == reference.greedy(model_params[1], p, 6)[0]  # what the loop itself computes
         assert r.policy_versions == [3] * 6 and r.cell == "cell1"
+    # a token listener stays in the leader's process: the follower streams nothing, the result holds every token
+    heard = []
+    streamed = router.submit(GenerationRequest(prompts[0], greedy, session_id="s0", on_tokens=heard.append))
+    assert streamed.result(timeout=120).token_ids == reference.greedy(model_params[1], prompts[0], 6)[0]
+    assert heard == []
     # a prompt that cannot fit: the caller's future raises the loop's own error
     with pytest.raises(ContextTooLongError):
         router.submit(GenerationRequest(list(range(MAX_SEQ_LEN + 5)), greedy)).result(timeout=60)

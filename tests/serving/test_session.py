@@ -171,3 +171,67 @@ def test_bad_states_are_refused_clearly(cells, engine, prompts) -> None:
         fut.result(TIMEOUT)
     ok = b.submit(GenerationRequest(prompt_ids=prompts[0], sampling=greedy(2))).result(TIMEOUT)
     assert len(ok.token_ids) == 2 and b.error is None
+
+
+def test_token_listener_hears_every_token_once_across_a_move(cells, model_params, reference, prompts) -> None:
+    """A listener hears each token as it is sampled (before the future resolves), in order, with no repeat when
+    the request moves to another loop; the result holds exactly what it heard. A pickled request drops it."""
+    import pickle
+
+    a, b = cells
+    _, params, _ = model_params
+    heard = []
+    request = GenerationRequest(prompt_ids=prompts[1], sampling=greedy(30), on_tokens=heard.append)
+    future = a.submit(request)
+    _wait_until(lambda: len(heard) >= 4)
+    assert not future.done()  # tokens arrive while the request still runs
+    b.import_sessions(a.drain())
+    result = future.result(TIMEOUT)
+    assert [c.start for c in heard] == list(range(len(heard)))
+    assert [t for c in heard for t in c.token_ids] == result.token_ids
+    assert [x for c in heard for x in c.logprobs] == result.logprobs
+    assert [v for c in heard for v in c.policy_versions] == result.policy_versions
+    assert result.token_ids == reference.greedy(params, prompts[1], 30)[0]
+    assert pickle.loads(pickle.dumps(request)).on_tokens is None
+
+
+def test_a_failing_listener_is_dropped_and_the_request_completes(cells, model_params, reference, prompts) -> None:
+    a, _ = cells
+    _, params, _ = model_params
+    calls = []
+
+    def broken(chunk) -> None:
+        calls.append(chunk)
+        raise RuntimeError("listener bug")
+
+    result = a.submit(GenerationRequest(prompt_ids=prompts[2], sampling=greedy(5), on_tokens=broken)).result(TIMEOUT)
+    assert len(calls) == 1 and result.token_ids == reference.greedy(params, prompts[2], 5)[0]
+    assert a.error is None
+
+
+def test_router_continues_a_streamed_request_from_the_tokens_told(cells, model_params, reference, prompts) -> None:
+    """Drained with cancel_in_flight mid-stream, a streamed request continues on the other loop from the tokens its
+    caller heard (prompt + those tokens), not from scratch: the caller hears each token once and the result is
+    exactly what it heard, the greedy completion of the original prompt."""
+    from gyre_jax.proxy.router import Router
+
+    a, b = cells
+    _, params, _ = model_params
+    router = Router({"a": a, "b": b})
+    router.drain("b")
+    heard = []
+    request = GenerationRequest(prompt_ids=prompts[3], sampling=greedy(24), session_id="s", on_tokens=heard.append)
+    future = router.submit(request)
+    _wait_until(lambda: len(heard) >= 5)
+    router.undrain("b")
+    router.drain("a", cancel_in_flight=True)
+    result = future.result(TIMEOUT)
+    told = len(heard)
+    assert router.retries == 1 and result.finish_reason == "length"
+    assert [c.start for c in heard] == list(range(told))
+    assert [t for c in heard for t in c.token_ids] == result.token_ids
+    assert [x for c in heard for x in c.logprobs] == result.logprobs
+    assert result.prompt_len == len(prompts[3])
+    want, want_logprobs = reference.greedy(params, prompts[3], 24)
+    assert result.token_ids == want
+    np.testing.assert_allclose(result.logprobs, want_logprobs, atol=2e-3)

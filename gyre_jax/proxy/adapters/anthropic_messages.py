@@ -16,7 +16,7 @@ the chat template renders and token-in/token-out compares:
 and back: a parsed completion becomes thinking / text / tool_use blocks, returned as one ``message`` object
 or as the SSE event sequence (``message_start``, per block ``content_block_start`` / ``_delta`` /
 ``_stop``, ``message_delta`` with ``stop_reason`` and ``usage``, ``message_stop``; ``ping`` while
-waiting). Unknown request fields (``metadata``, ``context_management``, ``output_config``,
+waiting), thinking and text deltas streamed as they are sampled, tool_use blocks at the end. Unknown request fields (``metadata``, ``context_management``, ``output_config``,
 ``cache_control`` ...) are ignored. Images, documents and server tools fail with "not supported yet".
 """
 
@@ -31,10 +31,10 @@ from typing import Any
 from pydantic import Field
 
 from gyre_jax.proxy import sse
-from gyre_jax.proxy.adapters.base import Lenient, TurnAdapter
+from gyre_jax.proxy.adapters.base import Lenient, StreamWriter, TurnAdapter
 from gyre_jax.proxy.chat_template import ParsedCompletion, tojson
 from gyre_jax.proxy.errors import ProxyError
-from gyre_jax.proxy.turns import Completion, Turn, TurnRequest
+from gyre_jax.proxy.turns import Completion, Delta, Turn, TurnRequest
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}  # internal -> Anthropic
 
@@ -298,41 +298,82 @@ def message_body(
 PING = sse.event("ping", {"type": "ping"})
 
 
-def stream_events(blocks: list[dict[str, Any]], stop_reason: str, output_tokens: int) -> list[str]:
-    """Everything after ``message_start``: each block as start / delta(s) / stop, then the message's end."""
-    events = []
-    for index, block in enumerate(blocks):
-        kind = block["type"]
-        if kind == "thinking":
-            start = {"type": "thinking", "thinking": "", "signature": ""}
-            deltas = [{"type": "thinking_delta", "thinking": block["thinking"]},
-                      {"type": "signature_delta", "signature": block["signature"]}]  # fmt: skip
-        elif kind == "text":
-            start = {"type": "text", "text": ""}
-            deltas = [{"type": "text_delta", "text": block["text"]}] if block["text"] else []
-        else:
+def block_event(kind: str, index: int, **fields: Any) -> str:
+    """``content_block_start`` / ``_delta`` / ``_stop`` of block ``index``."""
+    return sse.event(kind, {"type": kind, "index": index, **fields})
+
+
+class MessageStreamWriter(StreamWriter):
+    """Anthropic SSE: ``message_start`` and a ping at once; a thinking block then a text block, each opened by its
+    first delta and streamed as sampled; at the end the open block's stop, one ``tool_use`` block per tool call
+    (its input as one ``input_json_delta``), ``message_delta`` (stop reason, usage) and ``message_stop``."""
+
+    def __init__(self, adapter: TurnAdapter, turn: Turn, reply_id: str) -> None:
+        super().__init__(adapter, turn, reply_id)
+        self.index = -1  # index of the newest block
+        self.open_kind: str | None = None  # "thinking" | "text" while that block is open
+        self.thinking = ""  # the thinking block's text so far
+        self.had_text = False
+
+    def open(self) -> list[str]:
+        start = message_body(self.reply_id, self.model, None, None, self.turn.prompt_tokens, 0)
+        return [sse.event("message_start", {"type": "message_start", "message": start}), PING]
+
+    def _start(self, kind: str, block: dict[str, Any]) -> list[str]:
+        events = self._stop_open()
+        self.index += 1
+        self.open_kind = kind
+        return events + [block_event("content_block_start", self.index, content_block=block)]
+
+    def _stop_open(self) -> list[str]:
+        events = []
+        if self.open_kind == "thinking":
+            delta = {"type": "signature_delta", "signature": signature(self.thinking)}
+            events.append(block_event("content_block_delta", self.index, delta=delta))
+        if self.open_kind is not None:
+            events.append(block_event("content_block_stop", self.index))
+        self.open_kind = None
+        return events
+
+    def delta(self, delta: Delta) -> list[str]:
+        events = []
+        if delta.reasoning:
+            if self.open_kind != "thinking":
+                events += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            self.thinking += delta.reasoning
+            events.append(block_event("content_block_delta", self.index,
+                                      delta={"type": "thinking_delta", "thinking": delta.reasoning}))  # fmt: skip
+        if delta.content:
+            if self.open_kind != "text":
+                events += self._start("text", {"type": "text", "text": ""})
+                self.had_text = True
+            events.append(block_event("content_block_delta", self.index,
+                                      delta={"type": "text_delta", "text": delta.content}))  # fmt: skip
+        return events
+
+    def close(self, completion: Completion) -> list[str]:
+        parsed = completion.parsed
+        assert parsed is not None
+        events = []
+        if parsed.reasoning is not None and self.index < 0:  # an empty thinking block, as the message body has it
+            events += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        if not self.had_text and not parsed.tool_calls:  # a message always has a text block or a tool call
+            events += self._start("text", {"type": "text", "text": ""})
+        events += self._stop_open()
+        for block in content_blocks(parsed):
+            if block["type"] != "tool_use":
+                continue
+            self.index += 1
             start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
-            deltas = [{"type": "input_json_delta", "partial_json": tojson(block["input"])}]
-        events.append(
-            sse.event("content_block_start", {"type": "content_block_start", "index": index, "content_block": start})
-        )
-        for delta in deltas:
-            events.append(
-                sse.event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
-            )
-        events.append(sse.event("content_block_stop", {"type": "content_block_stop", "index": index}))
-    events.append(
-        sse.event(
-            "message_delta",
-            {
-                "type": "message_delta",
-                "delta": {"stop_reason": stop_reason, "stop_sequence": None},
-                "usage": {"output_tokens": output_tokens},
-            },
-        )  # fmt: skip
-    )
-    events.append(sse.event("message_stop", {"type": "message_stop"}))
-    return events
+            events.append(block_event("content_block_start", self.index, content_block=start))
+            delta = {"type": "input_json_delta", "partial_json": tojson(block["input"])}
+            events.append(block_event("content_block_delta", self.index, delta=delta))
+            events.append(block_event("content_block_stop", self.index))
+        end = {"stop_reason": STOP_REASONS[completion.finish_reason], "stop_sequence": None}
+        events.append(sse.event("message_delta", {"type": "message_delta", "delta": end,
+                                                  "usage": {"output_tokens": completion.completion_tokens}}))  # fmt: skip
+        events.append(sse.event("message_stop", {"type": "message_stop"}))
+        return events
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -340,8 +381,8 @@ def stream_events(blocks: list[dict[str, Any]], stop_reason: str, output_tokens:
 
 
 class Messages(TurnAdapter):
-    """``POST /v1/messages``: a chat turn; replies one ``message``, or ``message_start`` and a ping at once, pings
-    while waiting, each content block's events and the message's end. Also parses ``count_tokens`` bodies."""
+    """``POST /v1/messages``: a chat turn; replies one ``message``, or its SSE events (``MessageStreamWriter``, pings
+    while nothing comes). Also parses ``count_tokens`` bodies."""
 
     error_style = "anthropic"
     keepalive = PING
@@ -381,14 +422,8 @@ class Messages(TurnAdapter):
             STOP_REASONS[completion.finish_reason], turn.prompt_tokens, completion.completion_tokens,
         )  # fmt: skip
 
-    def stream_open(self, turn: Turn, reply_id: str) -> list[str]:
-        start = message_body(reply_id, self.model_name, None, None, turn.prompt_tokens, 0)
-        return [sse.event("message_start", {"type": "message_start", "message": start}), PING]
-
-    def stream_close(self, turn: Turn, reply_id: str, completion: Completion) -> list[str]:
-        assert completion.parsed is not None
-        blocks = content_blocks(completion.parsed)
-        return stream_events(blocks, STOP_REASONS[completion.finish_reason], completion.completion_tokens)
+    def writer(self, turn: Turn, reply_id: str) -> StreamWriter:
+        return MessageStreamWriter(self, turn, reply_id)
 
     def stream_error(self, err: ProxyError) -> str:
         return sse.event("error", self.error_body(err))

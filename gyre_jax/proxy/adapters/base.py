@@ -14,7 +14,7 @@ import pydantic
 
 from gyre_jax.proxy import sse
 from gyre_jax.proxy.errors import Api, ProxyError, validation_error
-from gyre_jax.proxy.turns import Completed, Completion, Failed, Turn, TurnEvent, TurnRequest
+from gyre_jax.proxy.turns import Completed, Completion, Delta, Failed, Turn, TurnEvent, TurnRequest
 
 Schema = TypeVar("Schema", bound=pydantic.BaseModel)
 
@@ -25,6 +25,33 @@ class Lenient(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="ignore")
 
 
+class StreamWriter(abc.ABC):
+    """The framing of one streamed reply, with the state it needs between events (open blocks, counters).
+
+    ``open`` is sent as soon as the stream starts, ``delta`` for each ``Delta`` as the turn's text arrives,
+    ``close`` for the committed completion (everything the deltas did not carry: tool calls, finish reason,
+    usage, the end marker); ``error`` if the turn failed after the stream started.
+    """
+
+    def __init__(self, adapter: TurnAdapter, turn: Turn, reply_id: str) -> None:
+        self.adapter = adapter
+        self.turn = turn
+        self.reply_id = reply_id
+        self.model = adapter.model_name
+
+    def open(self) -> list[str]:
+        return []
+
+    @abc.abstractmethod
+    def delta(self, delta: Delta) -> list[str]: ...
+
+    @abc.abstractmethod
+    def close(self, completion: Completion) -> list[str]: ...
+
+    def error(self, err: ProxyError) -> list[str]:
+        return [self.adapter.stream_error(err)]
+
+
 class TurnAdapter(abc.ABC):
     """One API's wire format, for the model ``model_name``. ``ProxyServer`` calls four methods:
 
@@ -32,9 +59,9 @@ class TurnAdapter(abc.ABC):
       (a 4xx saying what was wrong). Nothing is placed on the backend before ``parse`` returns.
     - ``respond(turn, completion) -> body``: the JSON reply of a committed, non-streamed turn.
     - ``stream(turn, events) -> SSE strings``: the event stream of a streamed turn, given the pipeline's
-      ``KeepAlive`` / ``Completed`` / ``Failed`` events. The default frames ``stream_open`` at once, ``keepalive``
-      per KeepAlive, then ``stream_close`` of the completion or ``stream_error``; an adapter that frames
-      incrementally (live deltas) overrides it.
+      ``KeepAlive`` / ``Delta`` / ``Completed`` / ``Failed`` events, framed by the adapter's ``StreamWriter``
+      (``writer``): its ``open`` at once, ``keepalive`` per KeepAlive, its ``delta`` per Delta, then its
+      ``close`` of the completion or its ``error``.
     - ``error_body(err) -> body``: an error in the style (``error_style``) this API's clients understand.
     """
 
@@ -55,26 +82,25 @@ class TurnAdapter(abc.ABC):
     def respond(self, turn: Turn, completion: Completion) -> dict[str, Any]: ...
 
     @abc.abstractmethod
-    def stream_close(self, turn: Turn, reply_id: str, completion: Completion) -> list[str]:
-        """The events that carry the completion and end the stream."""
-
-    def stream_open(self, turn: Turn, reply_id: str) -> list[str]:
-        """The events sent as soon as the stream starts, before the turn runs."""
-        return []
+    def writer(self, turn: Turn, reply_id: str) -> StreamWriter:
+        """A fresh ``StreamWriter`` for one streamed reply."""
 
     async def stream(self, turn: Turn, events: AsyncIterator[TurnEvent]) -> AsyncIterator[str]:
         """SSE strings for the pipeline's events; ends early, without a close, if the client went away."""
-        reply_id = self.reply_id()
-        for text in self.stream_open(turn, reply_id):
+        writer = self.writer(turn, self.reply_id())
+        for text in writer.open():
             yield text
         async for event in events:
-            if isinstance(event, Completed):
-                for text in self.stream_close(turn, reply_id, event.completion):
-                    yield text
+            if isinstance(event, Delta):
+                texts = writer.delta(event)
+            elif isinstance(event, Completed):
+                texts = writer.close(event.completion)
             elif isinstance(event, Failed):
-                yield self.stream_error(event.error)
+                texts = writer.error(event.error)
             else:
-                yield self.keepalive
+                texts = [self.keepalive]
+            for text in texts:
+                yield text
 
     def error_body(self, err: ProxyError) -> dict[str, Any]:
         return err.body(self.error_style)

@@ -13,9 +13,9 @@ from typing import Any, Literal
 from pydantic import Field
 
 from gyre_jax.proxy import sse
-from gyre_jax.proxy.adapters.base import Lenient, TurnAdapter
+from gyre_jax.proxy.adapters.base import Lenient, StreamWriter, TurnAdapter
 from gyre_jax.proxy.errors import ProxyError
-from gyre_jax.proxy.turns import Completion, Turn, TurnRequest
+from gyre_jax.proxy.turns import Completion, Delta, Turn, TurnRequest
 
 
 class TextPart(Lenient):
@@ -139,37 +139,40 @@ def chat_chunk(completion_id: str, created: int, model: str, choices: list[dict[
     return sse.data(payload)
 
 
-def chat_stream_chunks(
-    completion_id: str,
-    created: int,
-    model: str,
-    message: dict[str, Any],
-    logprobs: dict[str, Any] | None,
-    finish_reason: str,
-    usage_body: dict[str, int] | None,
-) -> list[str]:
-    """A whole chat completion as chunks: reasoning, content (with logprobs), each tool call, the finish."""
+def stream_choice(delta: dict[str, Any], logprobs: dict[str, Any] | None = None, finish: str | None = None) -> dict:
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-    def choice(delta: dict[str, Any], lp: dict[str, Any] | None = None, finish: str | None = None) -> dict:
-        return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
-    chunks = []
-    if message.get("reasoning_content") is not None:
-        chunks.append(
-            chat_chunk(completion_id, created, model, [choice({"reasoning_content": message["reasoning_content"]})])
-        )
-    if message["content"] or logprobs is not None:
-        chunks.append(
-            chat_chunk(completion_id, created, model, [choice({"content": message["content"] or ""}, logprobs)])
-        )
-    for index, tool_call in enumerate(message.get("tool_calls", [])):
-        chunks.append(
-            chat_chunk(completion_id, created, model, [choice({"tool_calls": [{"index": index, **tool_call}]})])
-        )
-    chunks.append(chat_chunk(completion_id, created, model, [choice({}, finish=finish_reason)]))
-    if usage_body is not None:
-        chunks.append(chat_chunk(completion_id, created, model, [], usage=usage_body))
-    return chunks
+class ChatStreamWriter(StreamWriter):
+    """``chat.completion.chunk``s: the role at once, then ``reasoning_content`` / ``content`` deltas as they are
+    sampled; at the end the log-probs (one chunk, if asked), each tool call, the finish, usage if asked, ``[DONE]``."""
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        return chat_chunk(self.reply_id, self.turn.created, self.model, choices, **extra)
+
+    def open(self) -> list[str]:
+        return [self.chunk([stream_choice({"role": "assistant", "content": ""})])]
+
+    def delta(self, delta: Delta) -> list[str]:
+        chunks = []
+        if delta.reasoning:
+            chunks.append(self.chunk([stream_choice({"reasoning_content": delta.reasoning})]))
+        if delta.content:
+            chunks.append(self.chunk([stream_choice({"content": delta.content})]))
+        return chunks
+
+    def close(self, completion: Completion) -> list[str]:
+        assert completion.message is not None
+        chunks = []
+        logprobs = chat_logprobs(completion)
+        if logprobs is not None:
+            chunks.append(self.chunk([stream_choice({"content": ""}, logprobs)]))
+        for index, tool_call in enumerate(completion.message.get("tool_calls", [])):
+            chunks.append(self.chunk([stream_choice({"tool_calls": [{"index": index, **tool_call}]})]))
+        chunks.append(self.chunk([stream_choice({}, finish=completion.finish_reason)]))
+        if include_usage(self.turn.request.wire):
+            chunks.append(self.chunk([], usage=usage(self.turn, completion)))
+        return chunks + [sse.data("[DONE]")]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -177,8 +180,8 @@ def chat_stream_chunks(
 
 
 class ChatCompletions(TurnAdapter):
-    """``POST /v1/chat/completions``: a chat turn; replies ``chat.completion``, or a role chunk, keep-alive comments
-    while waiting, the completion's chunks, a usage chunk if asked, and ``[DONE]``."""
+    """``POST /v1/chat/completions``: a chat turn; replies ``chat.completion``, or a stream of chunks
+    (``ChatStreamWriter``, keep-alive comments while nothing comes)."""
 
     def parse(self, body: dict[str, Any]) -> TurnRequest:
         req = self.validated(ChatCompletionRequest, body, "chat completion request", "the OpenAI chat completions API")
@@ -218,15 +221,5 @@ class ChatCompletions(TurnAdapter):
             "usage": usage(turn, completion),
         }
 
-    def stream_open(self, turn: Turn, reply_id: str) -> list[str]:
-        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [chat_chunk(reply_id, turn.created, self.model_name, [role])]
-
-    def stream_close(self, turn: Turn, reply_id: str, completion: Completion) -> list[str]:
-        assert completion.message is not None
-        usage_body = usage(turn, completion) if include_usage(turn.request.wire) else None
-        chunks = chat_stream_chunks(
-            reply_id, turn.created, self.model_name, completion.message, chat_logprobs(completion),
-            completion.finish_reason, usage_body,
-        )  # fmt: skip
-        return chunks + [sse.data("[DONE]")]
+    def writer(self, turn: Turn, reply_id: str) -> StreamWriter:
+        return ChatStreamWriter(self, turn, reply_id)

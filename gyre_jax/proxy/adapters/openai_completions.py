@@ -13,10 +13,10 @@ from typing import Any
 from pydantic import Field
 
 from gyre_jax.proxy import sse
-from gyre_jax.proxy.adapters.base import Lenient, TurnAdapter
+from gyre_jax.proxy.adapters.base import Lenient, StreamWriter, TurnAdapter
 from gyre_jax.proxy.adapters.openai_chat import StreamOptions, include_usage, usage
 from gyre_jax.proxy.errors import ProxyError
-from gyre_jax.proxy.turns import Completion, Turn, TurnRequest
+from gyre_jax.proxy.turns import Completion, Delta, Turn, TurnRequest
 
 
 class CompletionRequest(Lenient):
@@ -81,8 +81,8 @@ def completion_choice(completion: Completion) -> dict[str, Any]:
 
 
 class Completions(TurnAdapter):
-    """``POST /v1/completions``: a raw-prompt turn; replies ``text_completion``, or keep-alive comments while
-    waiting, the whole completion as one chunk, a usage chunk if asked, and ``[DONE]``."""
+    """``POST /v1/completions``: a raw-prompt turn; replies ``text_completion``, or a stream of chunks
+    (``CompletionStreamWriter``, keep-alive comments while nothing comes)."""
 
     def parse(self, body: dict[str, Any]) -> TurnRequest:
         req = self.validated(CompletionRequest, body, "completion request", "the OpenAI completions API")
@@ -110,10 +110,26 @@ class Completions(TurnAdapter):
         choices = [completion_choice(completion)]
         return text_completion_body(self.reply_id(), turn, self.model_name, choices, usage(turn, completion))
 
-    def stream_close(self, turn: Turn, reply_id: str, completion: Completion) -> list[str]:
-        choices = [completion_choice(completion)]
-        events = [sse.data(text_completion_body(reply_id, turn, self.model_name, choices, None))]
-        if include_usage(turn.request.wire):
-            usage_body = usage(turn, completion)
-            events.append(sse.data(text_completion_body(reply_id, turn, self.model_name, [], usage_body)))
+    def writer(self, turn: Turn, reply_id: str) -> StreamWriter:
+        return CompletionStreamWriter(self, turn, reply_id)
+
+
+class CompletionStreamWriter(StreamWriter):
+    """``text_completion`` chunks: the text as it is sampled, then one chunk with the log-probs (if asked) and the
+    finish reason, a usage chunk if asked, and ``[DONE]``."""
+
+    def chunk(self, choices: list[dict[str, Any]], usage_body: dict[str, int] | None = None) -> str:
+        return sse.data(text_completion_body(self.reply_id, self.turn, self.model, choices, usage_body))
+
+    def delta(self, delta: Delta) -> list[str]:
+        if not delta.text:
+            return []
+        return [self.chunk([{"text": delta.text, "index": 0, "logprobs": None, "finish_reason": None}])]
+
+    def close(self, completion: Completion) -> list[str]:
+        last = {"text": "", "index": 0, "logprobs": completion_logprobs(completion),
+                "finish_reason": completion.finish_reason}  # fmt: skip
+        events = [self.chunk([last])]
+        if include_usage(self.turn.request.wire):
+            events.append(self.chunk([], usage(self.turn, completion)))
         return events + [sse.data("[DONE]")]
