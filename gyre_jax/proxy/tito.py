@@ -5,6 +5,11 @@ assistant message the proxy returned), the new prompt is ``previous prompt ids +
 ids`` followed by the template rendering of only the new messages. Nothing generated is
 re-tokenized, so the trainer trains on what the policy produced. Any other call (a summary, a
 sub-agent, a retry with edited history) is rendered in full and starts a new branch.
+
+A client that re-sends the assistant turn with text appended (smolagents appends the stop string it cut)
+still continues: when the re-sent turn's text starts with the returned text, the previous ids are reused
+up to there (without a trailing ``<|im_end|>``) and only the appended rest is tokenized. A call with
+several choices (n > 1) remembers each: the next call may continue any of them.
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ class ThreadState:
     completion_ids: list[int]
     returned: dict  # normalized assistant message the proxy returned
     finished: bool  # the completion ended with a stop token
+    completion_text: str = ""  # the returned turn's text (decode of the turn's forced + completion ids)
+    alternatives: tuple[ThreadState, ...] = ()  # the same call's other choices (n > 1)
 
 
 @dataclass
@@ -104,22 +111,74 @@ def build_prompt(
     enable_thinking: bool | None = None,
     tools_format: str = "qwen3",
 ) -> PromptBuild:
-    """Prompt ids for ``messages``, reusing ``state``'s exact ids when the conversation continues it."""
-    if state is not None and tools_key(tools) == state.tools_key:
-        k = len(state.messages)
-        normalized = [normalize_message(m) for m in messages[: k + 1]]
-        if len(messages) > k and normalized[:k] == state.messages and normalized[k] == state.returned:
-            ids = list(state.prompt_ids) + list(state.completion_ids)
-            if not state.finished or not ids or ids[-1] != tokenizer.token_id(chat_template.IM_END):
-                ids += tokenizer.encode(chat_template.IM_END)  # the turn was cut (length) or ended otherwise
-            reused = len(ids)
-            suffix = chat_template.render_segments(messages, tools, tools_format)[k + 1 :]
-            ids += tokenizer.encode("\n" + "".join(suffix) + chat_template.generation_prompt(enable_thinking))
-            return PromptBuild(prompt_ids=ids, reused_prefix_len=reused, continued=True)
+    """Prompt ids for ``messages``, reusing ``state``'s (or one of its alternatives') exact ids when the
+    conversation continues it."""
+    candidates = [] if state is None else [state, *state.alternatives]
+    for candidate in candidates:
+        build = _continue(tokenizer, messages, tools, candidate, enable_thinking, tools_format)
+        if build is not None:
+            return build
     text = chat_template.render(
         messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking, tools_format=tools_format
     )
     return PromptBuild(prompt_ids=tokenizer.encode(text), reused_prefix_len=0, continued=False)
+
+
+def _continue(
+    tokenizer: Tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    state: ThreadState,
+    enable_thinking: bool | None,
+    tools_format: str,
+) -> PromptBuild | None:
+    """The prompt continuing ``state`` (its ids, then the new messages rendered), or None if it does not."""
+    k = len(state.messages)
+    if tools_key(tools) != state.tools_key or len(messages) <= k:
+        return None
+    if [normalize_message(m) for m in messages[:k]] != state.messages:
+        return None
+    im_end = tokenizer.token_id(chat_template.IM_END)
+    ids = list(state.prompt_ids) + list(state.completion_ids)
+    if normalize_message(messages[k]) == state.returned:
+        if not state.finished or not ids or ids[-1] != im_end:
+            ids += tokenizer.encode(chat_template.IM_END)  # the turn was cut (length, stop string) or ended otherwise
+    else:
+        resent = _resent_text(messages[k])
+        if resent is None or not state.completion_text or not resent.startswith(state.completion_text):
+            return None
+        if ids and ids[-1] == im_end:
+            ids.pop()  # the client appended text after the end of the turn: reuse up to it
+        reused = len(ids)
+        ids += tokenizer.encode(resent[len(state.completion_text) :] + chat_template.IM_END)
+        return _with_suffix(tokenizer, ids, reused, messages, tools, k, enable_thinking, tools_format)
+    return _with_suffix(tokenizer, ids, len(ids), messages, tools, k, enable_thinking, tools_format)
+
+
+def _resent_text(message: dict) -> str | None:
+    """The re-sent assistant turn as the model would have generated it; None if it is not an assistant turn."""
+    if message.get("role") != "assistant":
+        return None
+    try:
+        return assistant_completion_text(message)
+    except ValueError:
+        return None
+
+
+def _with_suffix(
+    tokenizer: Tokenizer,
+    ids: list[int],
+    reused: int,
+    messages: list[dict],
+    tools: list[dict] | None,
+    k: int,
+    enable_thinking: bool | None,
+    tools_format: str,
+) -> PromptBuild:
+    """``ids`` (ending with the continued turn's ``<|im_end|>``) followed by the messages after ``messages[k]``."""
+    suffix = chat_template.render_segments(messages, tools, tools_format)[k + 1 :]
+    ids += tokenizer.encode("\n" + "".join(suffix) + chat_template.generation_prompt(enable_thinking))
+    return PromptBuild(prompt_ids=ids, reused_prefix_len=reused, continued=True)
 
 
 @dataclass
