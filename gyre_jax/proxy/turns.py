@@ -177,17 +177,6 @@ def token_bytes(tokenizer: tito.Tokenizer, token_id: int) -> bytes:
     return tokenizer.decode([token_id]).encode("utf-8")
 
 
-def whole_tokens(tokenizer: tito.Tokenizer, ids: list[int], visible: str) -> int:
-    """The most leading ``ids`` whose text is a prefix of ``visible`` (whole tokens only)."""
-    k = len(ids)
-    while k > 0:
-        text = tokenizer.decode(ids[:k])
-        if len(text) <= len(visible) and visible.startswith(text):
-            break
-        k -= 1
-    return k
-
-
 def parse_forced(text: str, parse_tools: bool) -> ParsedCompletion:
     """``parse_text`` of a turn forced to open a tool call: a call the model closed without the template's
     ``}\n</tool_call>`` (it stopped after valid arguments) is closed for it; the record keeps the real ids."""
@@ -212,11 +201,11 @@ def complete(turn: Turn, result: GenerationResult, tokenizer: tito.Tokenizer) ->
     stop_ids = turn.generation.sampling.stop_ids
     text_ids = ids[:-1] if result.finish_reason == "stop" and ids and ids[-1] in stop_ids else ids
     kept, stop_sequence = None, None
-    if turn.request.stop and result.finish_reason == "stop":
+    if turn.request.stop:
         decoded = tokenizer.decode(text_ids)
         cut, stop_sequence = sampling.visible_len(decoded, turn.request.stop)
         if stop_sequence is not None:
-            kept = whole_tokens(tokenizer, text_ids, decoded[:cut])
+            kept = tito.whole_tokens(tokenizer, text_ids, decoded[:cut])
             text_ids = ids[:kept]
     text = turn.forced_text + tokenizer.decode(text_ids)
     parsed = None
@@ -226,7 +215,7 @@ def complete(turn: Turn, result: GenerationResult, tokenizer: tito.Tokenizer) ->
     if parsed is not None and parsed.tool_calls:
         finish = "tool_calls"
     else:
-        finish = "stop" if result.finish_reason == "stop" else "length"
+        finish = "stop" if result.finish_reason == "stop" or stop_sequence is not None else "length"
     pieces = None
     if turn.request.logprobs:
         pieces = [
@@ -278,6 +267,6 @@ def thread_state(
         completion_ids=completion.kept_ids,
         returned=tito.normalize_message(completion.message),
         finished=completion.result.finish_reason == "stop",
-        completion_text=completion.text,
+        forced_text=turn.forced_text,
         alternatives=siblings,
     )

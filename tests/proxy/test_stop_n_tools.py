@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from gyre_jax.model.tokenizer import ByteTokenizer
-from gyre_jax.proxy import chat_template
+from gyre_jax.proxy import chat_template, tito
 from gyre_jax.proxy.sampling import TOOL_CALL_OPEN
 from gyre_jax.serving.types import GenerationRequest
 
@@ -65,8 +65,11 @@ def test_chat_stop_cuts_the_text_and_the_record_and_the_next_call_reuses_it(make
     with make_stack(script) as stack:
         messages = user("solve it")
         content = "Thought: look it up\nCode: print(1)\n"
-        # the client re-sends the text as returned; smolagents re-sends it with the stop string (and more) appended
-        for eid, resent in (("e-plain", content), ("e-appended", content + "Observation: 1")):
+        # the client re-sends the text as returned (reuse: + the <|im_end|> the cut turn lacked); smolagents re-sends
+        # it with the stop string (and more) appended; another strips it and appends (reuse: as far as it agrees)
+        cases = [("e-plain", content, 1), ("e-appended", content + "Observation: 1", 0),
+                 ("e-stripped", content.rstrip() + "</code>", -1)]  # fmt: skip
+        for eid, resent, extra in cases:
             client = oai(stack, eid)
             first = client.chat.completions.create(model=MODEL, messages=messages, stop=["Observation:", "Nope"])
             assert first.choices[0].message.content == content and first.choices[0].finish_reason == "stop"
@@ -79,11 +82,15 @@ def test_chat_stop_cuts_the_text_and_the_record_and_the_next_call_reuses_it(make
             client.chat.completions.create(model=MODEL, messages=conv, stop=["Observation:"])
             nxt = stack.store.read(eid)[1]
             previous = rec.prompt_ids + rec.completion_ids
-            assert nxt.prompt_ids[: len(previous)] == previous
-            # as returned: + the <|im_end|> the cut turn lacked; appended: only the appended text is tokenized
-            assert nxt.reused_prefix_len == len(previous) + (resent == content)
-            assert TOK.decode(nxt.prompt_ids[len(previous) :]).startswith(resent[len(content) :] + "<|im_end|>\n")
+            assert nxt.reused_prefix_len == len(previous) + extra
+            reused = min(len(previous), nxt.reused_prefix_len)
+            assert nxt.prompt_ids[:reused] == previous[:reused]
             assert TOK.decode(nxt.prompt_ids) == chat_template.render(conv)  # same text as a full rendering
+
+
+def test_whole_tokens_stop_at_the_last_whole_character() -> None:
+    ids = TOK.encode("aéb")  # é is two byte tokens
+    assert [tito.whole_tokens(TOK, ids, t) for t in ("aéb!", "aé", "aè", "x", "")] == [4, 3, 1, 0, 0]
 
 
 def test_a_stop_string_starting_inside_a_token_drops_that_token(make_stack) -> None:
