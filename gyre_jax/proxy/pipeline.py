@@ -278,7 +278,9 @@ class TurnPipeline:
         finally:
             for task in tasks:
                 task.cancel()
-        rest = [task.result() for task in tasks]  # a failed choice's ProxyError fails the call
+        for error in [task.exception() for task in tasks if task.exception() is not None][:1]:
+            raise error  # every exception retrieved; the first one fails the call
+        rest = [task.result() for task in tasks]
         if all(result is not None for result in rest):
             yield [first, *rest]
 
