@@ -61,7 +61,7 @@ class SamplingPolicy:
         return (
             1.0 if temperature is None else float(temperature),
             1.0 if top_p is None else float(top_p),
-            int(top_k or 0),
+            min(int(top_k or 0), 2**31 - 1),  # top-k past the vocabulary is no truncation; int32 on the device
         )
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from gyre_jax.config import ConfigError, load_config
 from gyre_jax.model.tokenizer import ByteTokenizer
+from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.sampling import SamplingPolicy
 from gyre_jax.trajectory.pipeline import LoadExecution, SelectBranches, TrajectoryConfig
 from gyre_jax.trajectory.queue import QueuedExecution
@@ -58,6 +59,7 @@ def test_client_serves_the_clients_values(make_stack) -> None:
 EDGES = {
     "temperature": [None, 0, 1e-6, 2],
     "top_p": [None, 1e-6, 1],
+    "top_k": [None, 0, 1, 2**40],  # Anthropic's; the OpenAI APIs ignore it (sent in the body all the same)
     "seed": [None, -1, 2**63 - 1],
     "stop": [None, "", ["", "\n"], ["Observation:", "Thought", "x", "ok"]],
     "max_tokens": [None, 1],
@@ -78,6 +80,8 @@ def call(stack, api: str, execution_id: str, fields: dict) -> None:
     key = stack.key(execution_id)
     messages = [{"role": "user", "content": "go"}]
     tool_choice = fields.pop("tool_choice", None)
+    if api != "messages" and "top_k" in fields:
+        fields["extra_body"] = {"top_k": fields.pop("top_k")}
     if api == "chat":
         client = openai.OpenAI(base_url=stack.server.base_url, api_key=key, max_retries=0)
         extra = {"tools": TOOLS, "tool_choice": tool_choice} if tool_choice else {}
@@ -131,9 +135,16 @@ def test_no_legitimate_request_makes_a_record_the_trainer_rejects(make_stack, tm
                 assert {r.temperature for r in records} == {0.7}
 
 
-def test_the_sampling_mode_is_checked_at_config_load() -> None:
+def test_the_sampling_mode_is_checked_at_config_load_and_reaches_the_runs_proxy(tmp_path) -> None:
+    from gyre_jax import train
+
+    built = {}
+    for mode in ("policy", "client"):
+        config = load_config([f"--config.proxy.sampling={mode}", "--config.rollout.temperature=0.6"])
+        assert config.proxy.sampling == mode
+        built[mode] = train._proxy(config, None, TOK, RecordStore(tmp_path / mode))._pipeline.sampling  # noqa: SLF001
+    assert built == {"policy": SamplingPolicy.policy(0.6), "client": SamplingPolicy.client()}
     assert load_config([]).proxy.sampling == "policy"
-    assert load_config(["--config.proxy.sampling=client"]).proxy.sampling == "client"
     with pytest.raises(ConfigError, match=r"config.proxy.sampling='greedy' must be one of \('policy', 'client'\)"):
         load_config(["--config.proxy.sampling=greedy"])
     with pytest.raises(ValueError, match="must be > 0"):
