@@ -162,17 +162,21 @@ def _continue_resent(
     tools_format: str,
 ) -> PromptBuild | None:
     """The prompt continuing ``state`` whose turn was re-sent changed: its ids as far as the re-sent text agrees,
-    the rest of that text tokenized; None if the re-sent turn does not start with the forced text."""
+    the rest of that text tokenized. A turn re-sent without the forced text it started with (smolagents re-sends
+    a forced tool call as "Calling tools: ..." text) reuses the prompt before the forced ids."""
     k = len(state.messages)
     resent = _resent_text(messages[k])
-    if resent is None or not resent.startswith(state.forced_text):
+    if resent is None:
         return None
+    prompt, rest, agree = list(state.prompt_ids), resent[len(state.forced_text) :], 0
     generated = list(state.completion_ids)
     if generated and generated[-1] == tokenizer.token_id(chat_template.IM_END):
         generated.pop()
-    rest = resent[len(state.forced_text) :]
-    agree = whole_tokens(tokenizer, generated, rest)
-    ids = list(state.prompt_ids) + generated[:agree]
+    if resent.startswith(state.forced_text):
+        agree = whole_tokens(tokenizer, generated, rest)
+    else:
+        prompt, rest = prompt[: len(prompt) - len(tokenizer.encode(state.forced_text))], resent
+    ids = prompt + generated[:agree]
     reused = len(ids)
     ids += tokenizer.encode(rest[len(tokenizer.decode(generated[:agree])) :] + chat_template.IM_END)
     return _with_suffix(tokenizer, ids, reused, messages, tools, k, enable_thinking, tools_format)

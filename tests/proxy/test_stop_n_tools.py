@@ -223,6 +223,23 @@ def test_named_and_required_tool_choice_force_a_call(make_stack) -> None:
         assert last.reused_prefix_len > len(rec.prompt_ids) + len(rec.completion_ids) - 1
 
 
+def test_a_forced_call_re_sent_as_text_reuses_the_prompt_before_the_forced_ids(make_stack) -> None:
+    with make_stack(script) as stack:
+        client = oai(stack, "e-astext")
+        messages = user("weather?")
+        client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required")
+        # smolagents' ToolCallingAgent re-sends the call as text, then the observation as a user turn
+        as_text = "Calling tools:\n[{'id': 'call_1', 'function': {'name': 'get_time'}}]"
+        conv = [*messages, {"role": "assistant", "content": as_text}, {"role": "user", "content": "Observation: noon"}]
+        client.chat.completions.create(model=MODEL, messages=conv, tools=TOOLS, tool_choice="required")
+        first, second = stack.store.read("e-astext")
+        before_forced = len(first.prompt_ids) - len(TOK.encode(TOOL_CALL_OPEN))
+        assert second.reused_prefix_len == before_forced and second.prompt_ids[:before_forced] == first.prompt_ids[
+            :before_forced]  # fmt: skip
+        rendered = chat_template.render(conv, TOOLS, tools_format="qwen3") + TOOL_CALL_OPEN
+        assert TOK.decode(second.prompt_ids) == rendered
+
+
 def test_forced_call_closed_for_the_model_or_left_as_text(make_stack) -> None:
     answers = iter(['{"city": "Rome"}}', '{"city": Rome}}\n</tool_call>'])
     with make_stack(lambda request: next(answers)) as stack:
