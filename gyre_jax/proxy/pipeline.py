@@ -10,15 +10,16 @@ stream's last event) is framed. Wire formats live in ``adapters/``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
-from gyre_jax.proxy import chat_template, tito
-from gyre_jax.proxy.errors import ProxyError, execution_ended, internal_error
+from gyre_jax.proxy import chat_template, sampling, tito
+from gyre_jax.proxy.errors import ProxyError, internal_error
 from gyre_jax.proxy.identity import Execution
 from gyre_jax.proxy.records import RecordStore
-from gyre_jax.proxy.streaming import LiveReply, Pieces
+from gyre_jax.proxy.sampling import CLIENT, SamplingPolicy
+from gyre_jax.proxy.streaming import LiveReply
 from gyre_jax.proxy.turns import (
     Completed,
     Completion,
@@ -28,29 +29,37 @@ from gyre_jax.proxy.turns import (
     Turn,
     TurnEvent,
     TurnRequest,
+    committed_text,
     complete,
     derive_seed,
-    parse_text,
-    text_ids_of,
+    parse_turn_text,
     thread_state,
     tito_record,
 )
+from gyre_jax.proxy.waiting import IsDisconnected, Waiter, drain, final
 from gyre_jax.serving.types import (
-    ContextTooLongError,
     GenerationBackend,
     GenerationRequest,
     GenerationResult,
     SamplingParams,
     TokenChunk,
+    new_request_id,
 )
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 4096  # completion budget when a request names none (always clipped to the context)
-DISCONNECT_POLL_S = 0.1  # how often a waiting turn checks whether its client went away
-KEEPALIVE_S = 15.0  # interval of KeepAlive events while a streamed turn waits
 
-IsDisconnected = Callable[[], Awaitable[bool]]  # e.g. Starlette's ``request.is_disconnected``
+
+def forced_prefix(request: TurnRequest) -> str:
+    """The text a chat turn's ``tool_choice`` forces it to start with ("" if none); 400 if it cannot be served."""
+    if request.messages is None:
+        return ""
+    try:
+        sampling.check_tool_choice(request.tool_choice, request.tools)
+    except ValueError as exc:
+        raise ProxyError(400, str(exc), param="tool_choice") from None
+    return sampling.forced_prefix(request.tool_choice, request.tools)
 
 
 class TurnPipeline:
@@ -58,7 +67,8 @@ class TurnPipeline:
 
     ``tokenizer`` renders and decodes; ``max_tokens_cap`` bounds every completion whatever the client asks
     (None: only the context bounds it); ``default_max_tokens`` is the budget of a request that names none;
-    ``seed`` is the proxy's seed, from which calls that name no seed get theirs.
+    ``seed`` is the proxy's seed, from which calls that name no seed get theirs; ``sampling`` says whose
+    temperature / top-p / top-k a call is served with (``SamplingPolicy``: the client's unless told otherwise).
     """
 
     def __init__(
@@ -71,8 +81,10 @@ class TurnPipeline:
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         tools_format: str = "qwen3",
         max_tokens_cap: int | None = None,
+        sampling: SamplingPolicy = CLIENT,
     ) -> None:
         self.backend = backend
+        self.waiter = Waiter(backend)
         self.tokenizer = tokenizer
         self.record_store = record_store
         self.model_name = model_name
@@ -80,6 +92,7 @@ class TurnPipeline:
         self.default_max_tokens = default_max_tokens
         self.tools_format = tools_format
         self.max_tokens_cap = max_tokens_cap
+        self.sampling = sampling
 
     # -- placing a turn --------------------------------------------------------------------------------------------
 
@@ -96,11 +109,25 @@ class TurnPipeline:
                                           enable_thinking=request.enable_thinking, tools_format=self.tools_format)  # fmt: skip
             except ValueError as exc:
                 raise ProxyError(400, f"cannot render messages: {exc}", param="messages") from None
-        sampling = self._sampling(request, execution, len(build.prompt_ids))
+        forced = forced_prefix(request)
+        if forced:  # forced ids end the prompt: recorded as given, never trained, continued verbatim
+            build = dataclasses.replace(build, prompt_ids=build.prompt_ids + self.tokenizer.encode(forced))
+        params = self._sampling(request, execution, len(build.prompt_ids))
         generation = GenerationRequest(
-            prompt_ids=build.prompt_ids, sampling=sampling, session_id=f"{execution.execution_id}/{thread_id}"
+            prompt_ids=build.prompt_ids, sampling=params, session_id=f"{execution.execution_id}/{thread_id}"
         )
-        return Turn(request, execution, thread_id, build, generation, t_start)
+        return Turn(request, execution, thread_id, build, generation, t_start, forced_text=forced)
+
+    def choices(self, turn: Turn) -> list[Turn]:
+        """The turn's ``n`` choices (itself first): the same prompt, each with its own seed, request and record."""
+        turns = [turn]  # each a whole generation and record; adapters bound n by sampling.MAX_CHOICES
+        for index in range(1, turn.request.n or 1):
+            request = turn.request  # a client seed stays reproducible, and differs per choice
+            seed = None if request.seed is None else request.seed + index
+            params = self._sampling(dataclasses.replace(request, seed=seed), turn.execution, turn.prompt_tokens)
+            generation = dataclasses.replace(turn.generation, sampling=params, request_id=new_request_id())
+            turns.append(dataclasses.replace(turn, generation=generation, index=index))
+        return turns
 
     def _raw_prompt(self, prompt: str | list[int] | None) -> tito.PromptBuild:
         """Prompt ids of a raw completion: token ids verbatim (checked against the vocabulary) or an encoded string."""
@@ -136,17 +163,19 @@ class TurnPipeline:
         if self.max_tokens_cap is not None:
             requested = min(requested, self.max_tokens_cap)
         seed = request.seed
-        sampling = SamplingParams(
-            temperature=1.0 if request.temperature is None else float(request.temperature),
-            top_p=1.0 if request.top_p is None else float(request.top_p),
-            top_k=int(request.top_k or 0),
+        temperature, top_p, top_k = self.sampling.resolve(request.temperature, request.top_p, request.top_k)
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
             max_tokens=min(requested, room),
             stop_ids=tuple(self.tokenizer.eos_ids),
             # A client seed is folded into [0, 2**31) so every backend's PRNG accepts it.
             seed=seed % 2**31 if seed is not None else derive_seed(self.seed, execution.execution_id, call_number),
+            stop_strings=tuple(request.stop),
         )
-        sampling.validate()
-        return sampling
+        params.validate()
+        return params
 
     def count_tokens(self, request: TurnRequest) -> int:
         """Prompt tokens of the request's conversation rendered in full (no thread state, nothing recorded)."""
@@ -162,39 +191,43 @@ class TurnPipeline:
     async def run(self, turn: Turn, is_disconnected: IsDisconnected) -> Completion | None:
         """Submits the turn, waits and commits it; None if the client went away meanwhile. Errors: ProxyError."""
         result = None
-        async for item in self._wait(turn, is_disconnected, listen=False):
+        async for item in self.waiter.wait(turn, is_disconnected, listen=False):
             result = item
         if result is None:
             return None
         return await self._commit(turn, result)
 
     async def stream(self, turn: Turn, is_disconnected: IsDisconnected) -> AsyncIterator[TurnEvent]:
-        """``run`` for a stream: a Delta as soon as the backend samples tokens that make new text, KeepAlive while
-        nothing comes, then (the record fsynced) the last Delta with the text held back so far, and Completed; or
-        Failed with the error. Ends without either if the client went away. Nothing is raised: the stream's
-        headers are already sent.
+        """``run`` for a stream: a Delta as soon as the backend samples tokens that make new text (first the text a
+        ``tool_choice`` forced, if any), KeepAlive while nothing comes, then (the record fsynced) the last Delta
+        with the text held back so far, and Completed; or Failed with the error. Ends without either if the
+        client went away. Nothing is raised: the stream's headers are already sent.
 
-        The deltas concatenate to the committed completion (see ``streaming``); tokens the backend did not stream
-        (a cell in another process) arrive with the result and go out in one piece before Completed.
+        The deltas concatenate to the committed completion (see ``streaming``: with stop strings, no delta goes
+        past where the committed text may end); tokens the backend did not stream (a cell in another process)
+        arrive with the result and go out in one piece before Completed.
         """
-        live = LiveReply(self.tokenizer.decode, turn.generation.sampling.stop_ids,
-                         chat=turn.request.messages is not None, parse_tools=turn.request.parse_tools)  # fmt: skip
+        async for event in self.stream_choices([turn], is_disconnected):
+            yield event
+
+    async def stream_choices(self, turns: list[Turn], is_disconnected: IsDisconnected) -> AsyncIterator[TurnEvent]:
+        """``stream`` of a call's choices (``choices``; one or more), each streamed live, its events tagged with
+        its ``index``: the first choice runs alone, then the rest at once, their deltas interleaved as sampled.
+        Once all finished and their records are fsynced: each choice's closing Delta and Completed, in order."""
+        lives = [self._live_reply(turn) for turn in turns]
         try:
-            result = None
-            async for item in self._wait(turn, is_disconnected, listen=True):
+            results = None
+            async for item in self._live_choices(turns, lives, is_disconnected):
                 if item is None:
                     yield KeepAlive()
-                elif isinstance(item, TokenChunk):
-                    pieces = live.feed(item.token_ids)
-                    if pieces:
-                        yield Delta(item.token_ids, pieces.text, pieces.reasoning, pieces.content)
+                elif isinstance(item, Delta):
+                    yield item
                 else:
-                    result = item
-            if result is None:
+                    results = item
+            if results is None:
                 return
-            last = tuple(result.token_ids[live.tokens :])  # tokens that were not streamed: in the closing delta
-            closing, completion = self._close(turn, result, live)
-            await asyncio.to_thread(self._record, turn, completion)
+            closes = [self._close(turn, result, live) for turn, result, live in zip(turns, results, lives)]
+            await asyncio.to_thread(self._record, turns, [completion for _, completion in closes])
         except ProxyError as err:
             yield Failed(err)
             return
@@ -202,120 +235,103 @@ class TurnPipeline:
             logger.exception("unexpected error in a streamed call")
             yield Failed(internal_error())
             return
-        if closing:
-            yield Delta(last, closing.text, closing.reasoning, closing.content)
-        yield Completed(completion)
+        for turn, (closing, completion) in zip(turns, closes):
+            if closing is not None:
+                yield closing
+            yield Completed(completion, turn.index)
 
-    def _close(self, turn: Turn, result: GenerationResult, live: LiveReply) -> tuple[Pieces, Completion]:
-        """The closing text of a streamed turn and its completion, parsed as its deltas showed it."""
-        text = self.tokenizer.decode(text_ids_of(turn, result))
-        whole = parse_text(text, turn.request.parse_tools) if turn.request.messages is not None else None
-        closing, parsed = live.finish(result.token_ids, text, whole)
+    def _live_reply(self, turn: Turn) -> LiveReply:
+        return LiveReply(self.tokenizer.decode, turn.generation.sampling.stop_ids, chat=turn.request.messages
+                         is not None, parse_tools=turn.request.parse_tools, stops=turn.request.stop,
+                         forced=turn.forced_text)  # fmt: skip
+
+    async def _live(
+        self, turn: Turn, live: LiveReply, is_disconnected: IsDisconnected
+    ) -> AsyncIterator[Delta | GenerationResult | None]:
+        """One choice's stream: the forced text's Delta at once, a Delta per chunk that makes new text, None
+        for a keep-alive, then its checked result (none if the client went away)."""
+        pieces = live.start()
+        if pieces:
+            yield Delta((), pieces.text, pieces.reasoning, pieces.content, turn.index)
+        async for item in self.waiter.wait(turn, is_disconnected, listen=True):
+            if isinstance(item, TokenChunk):
+                pieces = live.feed(item.token_ids)
+                if pieces:
+                    yield Delta(item.token_ids, pieces.text, pieces.reasoning, pieces.content, turn.index)
+            else:
+                yield item
+
+    async def _live_choices(
+        self, turns: list[Turn], lives: list[LiveReply], is_disconnected: IsDisconnected
+    ) -> AsyncIterator[Delta | list[GenerationResult] | None]:
+        """``_live`` of each choice: the first alone, then the rest at once (one of them reuses the prompt's KV
+        the first left in its session's prefix cache), their deltas as they come, None after KEEPALIVE_S without
+        any; then all the results. Ends without results if the client went away (every choice cancelled)."""
+        first = None
+        async for item in self._live(turns[0], lives[0], is_disconnected):
+            if isinstance(item, GenerationResult):
+                first = item
+            else:
+                yield item
+        if first is None:
+            return
+        deltas: asyncio.Queue[Delta] = asyncio.Queue()
+
+        async def pump(turn: Turn, live: LiveReply) -> GenerationResult | None:
+            result = None
+            async for item in self._live(turn, live, is_disconnected):
+                if isinstance(item, Delta):
+                    deltas.put_nowait(item)
+                elif item is not None:
+                    result = item
+            return result
+
+        tasks = [asyncio.ensure_future(pump(turn, live)) for turn, live in zip(turns[1:], lives[1:])]
+        try:
+            async for item in drain(deltas, tasks):
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+        for error in [task.exception() for task in tasks if task.exception() is not None][:1]:
+            raise error  # every exception retrieved; the first one fails the call
+        rest = [task.result() for task in tasks]
+        if all(result is not None for result in rest):
+            yield [first, *rest]
+
+    def _close(self, turn: Turn, result: GenerationResult, live: LiveReply) -> tuple[Delta | None, Completion]:
+        """The closing Delta of a streamed turn (None if nothing is left to send) and its completion, cut at a
+        stop string as a non-streamed call's is and parsed as its deltas showed it."""
+        last = tuple(result.token_ids[live.tokens :])  # tokens that were not streamed: in the closing delta
+        _, text, _, _ = committed_text(turn, result, self.tokenizer)
+        pieces, parsed = live.finish(result.token_ids, text, parse_turn_text(turn, text))
+        closing = Delta(last, pieces.text, pieces.reasoning, pieces.content, turn.index) if pieces else None
         return closing, complete(turn, result, self.tokenizer, parsed)
 
-    async def _wait(
-        self, turn: Turn, is_disconnected: IsDisconnected, listen: bool
-    ) -> AsyncIterator[GenerationResult | TokenChunk | None]:
-        """Submits the turn; yields (with ``listen``) each TokenChunk as the backend samples it, None when nothing
-        came for KEEPALIVE_S, then its checked result.
-
-        Ends without a result if the client disconnects (the backend request is then cancelled).
-        """
-        request_id = turn.generation.request_id
-        chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
-        if listen:
-            event_loop = asyncio.get_running_loop()
-            turn.generation.on_tokens = lambda chunk: event_loop.call_soon_threadsafe(chunks.put_nowait, chunk)
-        turn.execution.begin(request_id)
-        try:
-            waiting = self._submit(turn)
-            next_keepalive = time.monotonic() + KEEPALIVE_S
-            next_poll = time.monotonic() + DISCONNECT_POLL_S
-            try:
-                while not (waiting.done() and chunks.empty()):
-                    chunk = await _next_chunk(chunks, waiting, DISCONNECT_POLL_S)
-                    now = time.monotonic()
-                    if chunk is not None:
-                        next_keepalive = now + KEEPALIVE_S
-                        yield chunk
-                    if waiting.done():
-                        continue
-                    if now >= next_poll:
-                        next_poll = now + DISCONNECT_POLL_S
-                        if await is_disconnected():
-                            self.backend.cancel(request_id)
-                            return
-                    if now >= next_keepalive:
-                        next_keepalive = now + KEEPALIVE_S
-                        yield None
-            except asyncio.CancelledError:
-                self.backend.cancel(request_id)
-                raise
-            yield self._checked_result(turn, waiting)
-        finally:
-            turn.execution.finish(request_id)
-
-    def _submit(self, turn: Turn) -> asyncio.Future[GenerationResult]:
-        """The turn's backend request, submitted; 503 if no backend can take it."""
-        try:
-            future = self.backend.submit(turn.generation)
-        except RuntimeError as exc:  # e.g. the router has no serving backend left
-            raise ProxyError(
-                503, f"no serving backend is available: {exc}; retry later", error_type="server_error"
-            ) from None
-        waiting = asyncio.wrap_future(future)
-        waiting.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "exception was never retrieved"
-        return waiting
-
-    @staticmethod
-    def _checked_result(turn: Turn, waiting: asyncio.Future[GenerationResult]) -> GenerationResult:
-        """The generation, or the ProxyError its failure means to the client (400 context, 409 ended, 503)."""
-        try:
-            result = waiting.result()
-        except ContextTooLongError as exc:
-            raise ProxyError(
-                400,
-                f"the prompt of {turn.prompt_tokens} tokens does not fit the serving context: {exc}; "
-                "shorten or summarize the conversation",
-                code="context_length_exceeded",
-                param="messages",
-            ) from None
-        if result.finish_reason == "cancelled":
-            if turn.execution.ended:
-                raise execution_ended(turn.execution.execution_id)
-            raise ProxyError(
-                503,
-                "the serving backend cancelled this generation and could not place it elsewhere; retry the call",
-                error_type="server_error",
-                code="generation_cancelled",
-            )
-        return result
+    async def run_choices(self, turns: list[Turn], is_disconnected: IsDisconnected) -> list[Completion] | None:
+        """``run`` for a call's choices (``choices``): their completions in order; None if the client went away."""
+        results = await final(self.waiter.wait_choices(turns, is_disconnected))
+        return None if results is None else await self._commit_all(turns, results)
 
     async def _commit(self, turn: Turn, result: GenerationResult) -> Completion:
         """Parses the completion, records it durably (fsync, off the event loop) and remembers the thread's call."""
-        completion = complete(turn, result, self.tokenizer)
-        await asyncio.to_thread(self._record, turn, completion)
-        return completion
+        return (await self._commit_all([turn], [result]))[0]
 
-    def _record(self, turn: Turn, completion: Completion) -> None:
-        turn.execution.record(
-            self.record_store,
-            lambda call_index: tito_record(turn, completion, call_index, self.model_name),
-            turn.thread_id,
-            thread_state(turn, completion),
-        )
+    async def _commit_all(self, turns: list[Turn], results: list[GenerationResult]) -> list[Completion]:
+        """``_commit`` of a call's choices, in order: each its own record; the thread remembers them all."""
+        completions = [complete(turn, result, self.tokenizer) for turn, result in zip(turns, results)]
+        await asyncio.to_thread(self._record, turns, completions)
+        return completions
 
-
-async def _next_chunk(chunks: asyncio.Queue[TokenChunk], waiting: asyncio.Future, timeout: float) -> TokenChunk | None:
-    """The next queued chunk, waiting up to ``timeout`` s for one (or for ``waiting`` to finish); None if none came."""
-    if not chunks.empty():
-        return chunks.get_nowait()
-    if waiting.done():
-        return None
-    getter = asyncio.ensure_future(chunks.get())
-    try:
-        await asyncio.wait({getter, waiting}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not getter.done():
-            getter.cancel()
-    return getter.result() if getter.done() and not getter.cancelled() else None
+    def _record(self, turns: list[Turn], completions: list[Completion]) -> None:
+        siblings: tuple[tito.ThreadState, ...] = ()
+        for turn, completion in zip(turns, completions):
+            state = thread_state(turn, completion, siblings)
+            turn.execution.record(
+                self.record_store,
+                lambda call_index, t=turn, c=completion: tito_record(t, c, call_index, self.model_name),
+                turn.thread_id,
+                state,
+            )
+            if state is not None:
+                siblings = (*siblings, dataclasses.replace(state, alternatives=()))

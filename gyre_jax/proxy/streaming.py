@@ -5,7 +5,9 @@ decoding still ends in U+FFFD is held until the next token completes it, or unti
 text of a stop id. ``ReplySplitter`` splits a chat completion's text into reasoning and content deltas as
 ``parse_completion`` will split the whole: the ``<think>`` block streams as reasoning, what follows as
 content, and from a ``<tool_call>`` opener on the text is held back (the parsed calls go out at the end).
-``LiveReply`` joins them for one turn and, at the end, reconciles what was streamed with the committed parse,
+With stop strings, ``TextStream`` holds back the text a stop string could still cut off (see there), so no
+delta goes past the committed cut. ``LiveReply`` joins them for one turn (a forced tool call's opener
+first) and, at the end, reconciles what was streamed with the committed parse,
 so that what the client accumulated from the deltas is exactly the committed completion.
 
 Rules at the end (``ReplySplitter.finish``): the committed parse is the one of the whole text (as a
@@ -43,18 +45,39 @@ class TextStream:
 
     ``decode`` maps ids to text (the tokenizer's); ids in ``skip_ids`` (stop ids) are never decoded. Only the
     ids since the last clean boundary (a decoding with no trailing U+FFFD) are decoded again per call, so
-    the cost per token stays small.
+    the cost per token stays small. ``prefix``: text the completion starts with that no id makes (a forced
+    tool call's opener), counted as already emitted.
+
+    With ``stops`` (the request's stop strings, matched in the generated text only) the text goes out only up
+    to a whole-token boundary (a clean boundary after one of the ids) that no stop string can cut off: before
+    the earliest stop string found, and at least ``len(longest stop) - 1`` characters before the end (a stop
+    string completed by later tokens starts there at the earliest). A stop string starting inside a token
+    drops that whole token from the committed text (``turns.committed_text``), so the text of the token the
+    boundary falls in is held too. What is held goes out in ``finish``, up to the committed cut.
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], skip_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        decode: Callable[[Sequence[int]], str],
+        skip_ids: Sequence[int] = (),
+        stops: Sequence[str] = (),
+        prefix: str = "",
+    ) -> None:
         self._decode = decode
         self._skip = frozenset(int(i) for i in skip_ids)
         self._window: list[int] = []  # ids since the last clean boundary
         self._sent = 0  # characters of decode(window) already emitted
-        self.text = ""  # everything emitted so far
+        self.text = prefix  # everything emitted so far
+        self._stops = tuple(stops)
+        self._hold = max((len(stop) for stop in self._stops), default=1) - 1
+        self._held = ""  # with stops: clean text decoded and not emitted yet
+        self._bounds: list[int] = []  # with stops: offsets in _held where a token ends at a clean boundary
 
     def feed(self, ids: Sequence[int]) -> str:
-        self._window.extend(int(i) for i in ids if int(i) not in self._skip)
+        kept = [int(i) for i in ids if int(i) not in self._skip]
+        if self._stops:
+            return self._feed_held(kept)
+        self._window.extend(kept)
         if not self._window:
             return ""
         text = self._decode(self._window)
@@ -67,15 +90,33 @@ class TextStream:
         self.text += out
         return out
 
+    def _feed_held(self, ids: list[int]) -> str:
+        """``feed`` with stop strings: token by token, emitting only what no stop string can cut off."""
+        for token_id in ids:
+            self._window.append(token_id)
+            text = self._decode(self._window)
+            if not text.endswith(REPLACEMENT):
+                self._held += text
+                self._bounds.append(len(self._held))
+                self._window = []
+        found = [self._held.find(stop) for stop in self._stops]
+        limit = min([at for at in found if at >= 0] + [len(self._held) - self._hold])
+        cut = max((bound for bound in self._bounds if bound <= limit), default=0)
+        out, self._held = self._held[:cut], self._held[cut:]
+        self._bounds = [bound - cut for bound in self._bounds if bound > cut]
+        self.text += out
+        return out
+
     def finish(self, final_text: str) -> str:
-        """The rest of the text, given the completion's whole text (``decode`` of all its text ids)."""
+        """The rest of the text, given the completion's committed text (``turns.committed_text``: the prefix, then
+        the kept ids decoded)."""
         if final_text.startswith(self.text):
             rest = final_text[len(self.text) :]
         else:  # a tokenizer whose decoding is not additive at character boundaries: keep what was streamed
             logger.warning("streamed text is not a prefix of the decoded completion; closing with the held bytes")
-            rest = self._decode(self._window)[self._sent :] if self._window else ""
+            rest = "" if self._stops else self._decode(self._window)[self._sent :] if self._window else ""
         self.text += rest
-        self._window, self._sent = [], 0
+        self._window, self._sent, self._held, self._bounds = [], 0, "", []
         return rest
 
 
@@ -191,15 +232,34 @@ class Pieces:
 class LiveReply:
     """One streamed turn's text as its tokens arrive: ``feed(ids) -> Pieces``; ``finish`` reconciles at the end.
 
-    ``chat``: split into reasoning / content (a chat turn) or not (a raw completion).
+    ``chat``: split into reasoning / content (a chat turn) or not (a raw completion). ``stops``: the request's
+    stop strings (``TextStream``). ``forced``: the text a ``tool_choice`` forced the completion to start with;
+    ``start`` gives its pieces (the first delta: a tool call's opener, which a chat reply holds back and sends
+    parsed as the tool call at the end).
     """
 
     def __init__(
-        self, decode: Callable[[Sequence[int]], str], stop_ids: Sequence[int], chat: bool, parse_tools: bool
+        self,
+        decode: Callable[[Sequence[int]], str],
+        stop_ids: Sequence[int],
+        chat: bool,
+        parse_tools: bool,
+        stops: Sequence[str] = (),
+        forced: str = "",
     ) -> None:
-        self.text = TextStream(decode, stop_ids)
+        self.text = TextStream(decode, stop_ids, stops, prefix=forced)
         self.splitter = ReplySplitter(parse_tools) if chat else None
         self.tokens = 0  # token ids fed so far
+        self.forced = forced
+
+    def start(self) -> Pieces:
+        """The pieces of the forced text (empty if none): sent before any token."""
+        if not self.forced:
+            return Pieces()
+        if self.splitter is None:
+            return Pieces(self.forced, "", self.forced)
+        reasoning, content = self.splitter.feed(self.forced)
+        return Pieces(self.forced, reasoning, content)
 
     def feed(self, ids: Sequence[int]) -> Pieces:
         self.tokens += len(ids)

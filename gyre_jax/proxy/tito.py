@@ -5,6 +5,12 @@ assistant message the proxy returned), the new prompt is ``previous prompt ids +
 ids`` followed by the template rendering of only the new messages. Nothing generated is
 re-tokenized, so the trainer trains on what the policy produced. Any other call (a summary, a
 sub-agent, a retry with edited history) is rendered in full and starts a new branch.
+
+A client that re-sends the assistant turn changed (smolagents appends the stop string it cut; another
+may edit it) still continues as far as its text agrees: the previous prompt ids (the forced tool-call
+opener included, if the re-sent turn starts with it) and the leading completion ids whose text the re-sent
+turn starts with verbatim are reused, and only the rest of the re-sent turn is tokenized. A call with
+several choices (n > 1) remembers each: the next call may continue any of them.
 """
 
 from __future__ import annotations
@@ -83,6 +89,8 @@ class ThreadState:
     completion_ids: list[int]
     returned: dict  # normalized assistant message the proxy returned
     finished: bool  # the completion ended with a stop token
+    forced_text: str = ""  # text forced at the turn's start (tool_choice): the end of prompt_ids
+    alternatives: tuple[ThreadState, ...] = ()  # the same call's other choices (n > 1)
 
 
 @dataclass
@@ -104,22 +112,118 @@ def build_prompt(
     enable_thinking: bool | None = None,
     tools_format: str = "qwen3",
 ) -> PromptBuild:
-    """Prompt ids for ``messages``, reusing ``state``'s exact ids when the conversation continues it."""
-    if state is not None and tools_key(tools) == state.tools_key:
-        k = len(state.messages)
-        normalized = [normalize_message(m) for m in messages[: k + 1]]
-        if len(messages) > k and normalized[:k] == state.messages and normalized[k] == state.returned:
-            ids = list(state.prompt_ids) + list(state.completion_ids)
-            if not state.finished or not ids or ids[-1] != tokenizer.token_id(chat_template.IM_END):
-                ids += tokenizer.encode(chat_template.IM_END)  # the turn was cut (length) or ended otherwise
-            reused = len(ids)
-            suffix = chat_template.render_segments(messages, tools, tools_format)[k + 1 :]
-            ids += tokenizer.encode("\n" + "".join(suffix) + chat_template.generation_prompt(enable_thinking))
-            return PromptBuild(prompt_ids=ids, reused_prefix_len=reused, continued=True)
+    """Prompt ids for ``messages``, reusing the exact ids of ``state`` (or of one of its alternatives, the
+    choices of an n > 1 call) when the conversation continues it: one whose returned turn is re-sent as
+    returned first, else the one of which the re-sent turn agrees longest."""
+    candidates = [state, *state.alternatives] if state is not None else []
+    candidates = [c for c in candidates if _extends_history(messages, tools, c)]
+    for candidate in candidates:
+        if normalize_message(messages[len(candidate.messages)]) == candidate.returned:
+            return _continue_returned(tokenizer, messages, tools, candidate, enable_thinking, tools_format)
+    builds = [_continue_resent(tokenizer, messages, tools, c, enable_thinking, tools_format) for c in candidates]
+    builds = [b for b in builds if b is not None]
+    if builds:
+        return max(builds, key=lambda b: b.reused_prefix_len)
     text = chat_template.render(
         messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking, tools_format=tools_format
     )
     return PromptBuild(prompt_ids=tokenizer.encode(text), reused_prefix_len=0, continued=False)
+
+
+def _extends_history(messages: list[dict], tools: list[dict] | None, state: ThreadState) -> bool:
+    """Whether ``messages`` repeat ``state``'s messages (same tools) and go on past its assistant turn."""
+    k = len(state.messages)
+    if tools_key(tools) != state.tools_key or len(messages) <= k:
+        return False
+    return [normalize_message(m) for m in messages[:k]] == state.messages
+
+
+def _continue_returned(
+    tokenizer: Tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    state: ThreadState,
+    enable_thinking: bool | None,
+    tools_format: str,
+) -> PromptBuild:
+    """The prompt continuing ``state`` whose returned turn was re-sent as returned: all its ids, then the rest."""
+    ids = list(state.prompt_ids) + list(state.completion_ids)
+    if not state.finished or not ids or ids[-1] != tokenizer.token_id(chat_template.IM_END):
+        ids += tokenizer.encode(chat_template.IM_END)  # the turn was cut (length, stop string) or ended otherwise
+    return _with_suffix(tokenizer, ids, len(ids), messages, tools, len(state.messages), enable_thinking, tools_format)
+
+
+def _continue_resent(
+    tokenizer: Tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    state: ThreadState,
+    enable_thinking: bool | None,
+    tools_format: str,
+) -> PromptBuild | None:
+    """The prompt continuing ``state`` whose turn was re-sent changed: its ids as far as the re-sent text agrees,
+    the rest of that text tokenized. A turn re-sent without the forced text it started with (smolagents re-sends
+    a forced tool call as "Calling tools: ..." text) reuses the prompt before the forced ids."""
+    k = len(state.messages)
+    resent = _resent_text(messages[k])
+    if resent is None:
+        return None
+    prompt, rest, agree = list(state.prompt_ids), resent[len(state.forced_text) :], 0
+    generated = list(state.completion_ids)
+    if generated and generated[-1] == tokenizer.token_id(chat_template.IM_END):
+        generated.pop()
+    if resent.startswith(state.forced_text):
+        agree = whole_tokens(tokenizer, generated, rest)
+    else:
+        prompt, rest = prompt[: len(prompt) - len(tokenizer.encode(state.forced_text))], resent
+    ids = prompt + generated[:agree]
+    reused = len(ids)
+    ids += tokenizer.encode(rest[len(tokenizer.decode(generated[:agree])) :] + chat_template.IM_END)
+    return _with_suffix(tokenizer, ids, reused, messages, tools, k, enable_thinking, tools_format)
+
+
+def whole_tokens(tokenizer: Tokenizer, ids: Sequence[int], text: str) -> int:
+    """The most leading ``ids`` whose decoded text ``text`` starts with (whole tokens; O(log N) decodes)."""
+    full = tokenizer.decode(list(ids))
+    if text.startswith(full):
+        return len(ids)
+    agree = next((i for i, (a, b) in enumerate(zip(full, text)) if a != b), min(len(full), len(text)))
+    lo, hi = 0, len(ids)  # the most ids whose text is no longer than the agreeing characters
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(tokenizer.decode(list(ids[:mid]))) <= agree:
+            lo = mid
+        else:
+            hi = mid - 1
+    while lo > 0 and not text.startswith(tokenizer.decode(list(ids[:lo]))):
+        lo -= 1  # a token cut inside a character decodes to U+FFFD: step back to a whole one
+    return lo
+
+
+def _resent_text(message: dict) -> str | None:
+    """The re-sent assistant turn as the model would have generated it; None if it is not an assistant turn."""
+    if message.get("role") != "assistant":
+        return None
+    try:
+        return assistant_completion_text(message)
+    except ValueError:
+        return None
+
+
+def _with_suffix(
+    tokenizer: Tokenizer,
+    ids: list[int],
+    reused: int,
+    messages: list[dict],
+    tools: list[dict] | None,
+    k: int,
+    enable_thinking: bool | None,
+    tools_format: str,
+) -> PromptBuild:
+    """``ids`` (ending with the continued turn's ``<|im_end|>``) followed by the messages after ``messages[k]``."""
+    suffix = chat_template.render_segments(messages, tools, tools_format)[k + 1 :]
+    ids += tokenizer.encode("\n" + "".join(suffix) + chat_template.generation_prompt(enable_thinking))
+    return PromptBuild(prompt_ids=ids, reused_prefix_len=reused, continued=True)
 
 
 @dataclass

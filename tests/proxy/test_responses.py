@@ -249,7 +249,9 @@ def test_a_real_codex_cli_request_is_served(server, store, execution) -> None:
         ({"input": [{"type": "function_call", "name": "f"}]}, 400, "'call_id'"),
         ({"model": "gpt-5"}, 404, "does not exist"),
         ({"previous_response_id": "resp_1"}, 400, "send the whole history (store=false)"),
-        ({"tool_choice": "required"}, 400, "not supported yet: tool_choice"),
+        ({"tool_choice": {"type": "file_search"}}, 400, "not supported yet: tool_choice"),
+        ({"tool_choice": "required"}, 400, "requires a tool call but the request has no tools"),
+        ({"tool_choice": {"type": "function", "name": "nope"}}, 400, "not among the tools"),
         ({"input": 3}, 400, "input"),
     ],
 )

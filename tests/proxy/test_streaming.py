@@ -196,9 +196,9 @@ def test_keepalives_flow_while_nothing_decodes(server, store, backend, execution
     stream then completes normally once decoding resumes."""
     import httpx
 
-    from gyre_jax.proxy import pipeline
+    from gyre_jax.proxy import waiting
 
-    monkeypatch.setattr(pipeline, "KEEPALIVE_S", 0.05)
+    monkeypatch.setattr(waiting, "KEEPALIVE_S", 0.05)
     execution_id, key = execution
     body = {"model": MODEL, "messages": [{"role": "user", "content": "plain"}], "stream": True}
     seen_text, keepalives_after_text, lines = False, 0, []

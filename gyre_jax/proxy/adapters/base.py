@@ -26,11 +26,14 @@ class Lenient(pydantic.BaseModel):
 
 
 class StreamWriter(abc.ABC):
-    """The framing of one streamed reply, with the state it needs between events (open blocks, counters).
+    """The framing of one streamed reply (of one choice, ``turn.index``, of a call with several), with the state it
+    needs between events (open blocks, counters).
 
     ``open`` is sent as soon as the stream starts, ``delta`` for each ``Delta`` as the turn's text arrives,
     ``close`` for the committed completion (everything the deltas did not carry: tool calls, finish reason,
-    usage, the end marker); ``error`` if the turn failed after the stream started.
+    usage, the end marker); ``error`` if the turn failed after the stream started. An API with ``n`` splits
+    ``close`` into ``finish`` (the end of one choice) and ``end`` (usage once and the end marker, once every
+    choice finished; told every choice's completion).
     """
 
     def __init__(self, adapter: TurnAdapter, turn: Turn, reply_id: str) -> None:
@@ -45,8 +48,14 @@ class StreamWriter(abc.ABC):
     @abc.abstractmethod
     def delta(self, delta: Delta) -> list[str]: ...
 
-    @abc.abstractmethod
-    def close(self, completion: Completion) -> list[str]: ...
+    def close(self, completion: Completion) -> list[str]:
+        return self.finish(completion) + self.end([completion])
+
+    def finish(self, completion: Completion) -> list[str]:
+        raise NotImplementedError(f"{type(self).__name__} frames a whole reply in close (one choice per call)")
+
+    def end(self, completions: list[Completion]) -> list[str]:
+        return []
 
     def error(self, err: ProxyError) -> list[str]:
         return [self.adapter.stream_error(err)]
@@ -63,6 +72,10 @@ class TurnAdapter(abc.ABC):
       (``writer``): its ``open`` at once, ``keepalive`` per KeepAlive, its ``delta`` per Delta, then its
       ``close`` of the completion or its ``error``.
     - ``error_body(err) -> body``: an error in the style (``error_style``) this API's clients understand.
+
+    A call with several choices (``TurnRequest.n`` > 1; each choice a ``Turn`` with its ``index``) is answered by
+    ``respond_choices`` / ``stream_choices``; an API with ``n`` implements ``respond_choices`` and its writer's
+    ``finish`` and ``end``.
     """
 
     error_style: ClassVar[Api] = "openai"
@@ -87,16 +100,35 @@ class TurnAdapter(abc.ABC):
 
     async def stream(self, turn: Turn, events: AsyncIterator[TurnEvent]) -> AsyncIterator[str]:
         """SSE strings for the pipeline's events; ends early, without a close, if the client went away."""
-        writer = self.writer(turn, self.reply_id())
-        for text in writer.open():
+        async for text in self.stream_choices([turn], events):
             yield text
+
+    def respond_choices(self, turns: list[Turn], completions: list[Completion]) -> dict[str, Any]:
+        """The JSON reply of a call with several choices (n > 1), in choice order."""
+        raise ProxyError(400, f"not supported: n > 1 on {type(self).__name__}; request one choice per call", param="n")
+
+    async def stream_choices(self, turns: list[Turn], events: AsyncIterator[TurnEvent]) -> AsyncIterator[str]:
+        """``stream`` of a call's choices (one, or n > 1): one writer per choice, each ``Delta`` and ``Completed``
+        to its choice's writer (``index``); a single choice closes with ``close``, several each ``finish`` and,
+        once all finished, one ``end``."""
+        reply_id = self.reply_id()
+        writers = [self.writer(turn, reply_id) for turn in turns]
+        for writer in writers:
+            for text in writer.open():
+                yield text
+        done: dict[int, Completion] = {}
         async for event in events:
             if isinstance(event, Delta):
-                texts = writer.delta(event)
+                texts = writers[event.index].delta(event)
+            elif isinstance(event, Completed) and len(writers) == 1:
+                texts = writers[0].close(event.completion)
             elif isinstance(event, Completed):
-                texts = writer.close(event.completion)
+                done[event.index] = event.completion
+                texts = writers[event.index].finish(event.completion)
+                if len(done) == len(writers):
+                    texts += writers[0].end([done[i] for i in range(len(writers))])
             elif isinstance(event, Failed):
-                texts = writer.error(event.error)
+                texts = writers[0].error(event.error)
             else:
                 texts = [self.keepalive]
             for text in texts:

@@ -15,6 +15,7 @@ from pydantic import Field
 from gyre_jax.proxy import sse
 from gyre_jax.proxy.adapters.base import Lenient, StreamWriter, TurnAdapter
 from gyre_jax.proxy.errors import ProxyError
+from gyre_jax.proxy.sampling import MAX_CHOICES, stop_strings
 from gyre_jax.proxy.turns import Completion, Delta, Turn, TurnRequest
 
 
@@ -72,7 +73,7 @@ class ChatCompletionRequest(Lenient):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     seed: int | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stop: str | list[str] | None = None
@@ -83,28 +84,29 @@ class ChatCompletionRequest(Lenient):
 
 def check_chat_supported(req: ChatCompletionRequest) -> None:
     """Rejects valid OpenAI features this proxy does not implement, rather than silently ignoring them."""
-    if req.n not in (None, 1):
-        raise ProxyError(400, f"not supported yet: n={req.n}; request one choice (n=1) per call", param="n")
-    if req.stop:
+    choice = req.tool_choice
+    if isinstance(choice, str) and choice not in ("auto", "none", "required"):
         raise ProxyError(
-            400,
-            "not supported yet: stop sequences; omit 'stop' (generation ends at the end-of-turn token)",
-            param="stop",
+            400, f"tool_choice={choice!r}: expected 'auto', 'none', 'required' or a named function", param="tool_choice"
         )
-    if req.tool_choice not in (None, "auto", "none"):
-        raise ProxyError(
-            400,
-            f"not supported yet: tool_choice={req.tool_choice!r}; use 'auto', 'none' or omit it",
-            param="tool_choice",
-        )
+
+
+def openai_stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    """OpenAI ``stop`` (a string or up to 4 strings) as stop strings; 400 if there are more."""
+    try:
+        return stop_strings(stop, 4, "stop")
+    except ValueError as exc:
+        raise ProxyError(400, str(exc), param="stop") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Response bodies and stream chunks (shared with legacy completions: usage, include_usage)
 
 
-def usage(turn: Turn, completion: Completion) -> dict[str, int]:
-    prompt_tokens, completion_tokens = turn.prompt_tokens, completion.completion_tokens
+def usage(turn: Turn, completion: Completion, *more: Completion) -> dict[str, int]:
+    """Token usage of a call: its prompt once, the completions of all its choices."""
+    prompt_tokens = turn.prompt_tokens
+    completion_tokens = sum(c.completion_tokens for c in (completion, *more))
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -139,39 +141,48 @@ def chat_chunk(completion_id: str, created: int, model: str, choices: list[dict[
     return sse.data(payload)
 
 
-def stream_choice(delta: dict[str, Any], logprobs: dict[str, Any] | None = None, finish: str | None = None) -> dict:
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+def stream_choice(
+    delta: dict[str, Any], logprobs: dict[str, Any] | None = None, finish: str | None = None, index: int = 0
+) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
 class ChatStreamWriter(StreamWriter):
-    """``chat.completion.chunk``s: the role at once, then ``reasoning_content`` / ``content`` deltas as they are
-    sampled; at the end the log-probs (one chunk, if asked), each tool call, the finish, usage if asked, ``[DONE]``."""
+    """``chat.completion.chunk``s of one choice (``turn.index``): the role at once, then ``reasoning_content`` /
+    ``content`` deltas as they are sampled; at its end the log-probs (one chunk, if asked), each tool call, the
+    finish; at the call's end usage if asked and ``[DONE]``."""
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         return chat_chunk(self.reply_id, self.turn.created, self.model, choices, **extra)
 
+    def choice(self, delta: dict[str, Any], logprobs: dict[str, Any] | None = None, finish: str | None = None) -> dict:
+        return stream_choice(delta, logprobs, finish, self.turn.index)
+
     def open(self) -> list[str]:
-        return [self.chunk([stream_choice({"role": "assistant", "content": ""})])]
+        return [self.chunk([self.choice({"role": "assistant", "content": ""})])]
 
     def delta(self, delta: Delta) -> list[str]:
         chunks = []
         if delta.reasoning:
-            chunks.append(self.chunk([stream_choice({"reasoning_content": delta.reasoning})]))
+            chunks.append(self.chunk([self.choice({"reasoning_content": delta.reasoning})]))
         if delta.content:
-            chunks.append(self.chunk([stream_choice({"content": delta.content})]))
+            chunks.append(self.chunk([self.choice({"content": delta.content})]))
         return chunks
 
-    def close(self, completion: Completion) -> list[str]:
+    def finish(self, completion: Completion) -> list[str]:
         assert completion.message is not None
         chunks = []
         logprobs = chat_logprobs(completion)
         if logprobs is not None:
-            chunks.append(self.chunk([stream_choice({"content": ""}, logprobs)]))
+            chunks.append(self.chunk([self.choice({"content": ""}, logprobs)]))
         for index, tool_call in enumerate(completion.message.get("tool_calls", [])):
-            chunks.append(self.chunk([stream_choice({"tool_calls": [{"index": index, **tool_call}]})]))
-        chunks.append(self.chunk([stream_choice({}, finish=completion.finish_reason)]))
+            chunks.append(self.chunk([self.choice({"tool_calls": [{"index": index, **tool_call}]})]))
+        return chunks + [self.chunk([self.choice({}, finish=completion.finish_reason)])]
+
+    def end(self, completions: list[Completion]) -> list[str]:
+        chunks = []
         if include_usage(self.turn.request.wire):
-            chunks.append(self.chunk([], usage=usage(self.turn, completion)))
+            chunks.append(self.chunk([], usage=usage(self.turn, *completions)))
         return chunks + [sse.data("[DONE]")]
 
 
@@ -193,6 +204,9 @@ class ChatCompletions(TurnAdapter):
             tools=body.get("tools") or None,
             enable_thinking=kwargs.enable_thinking if kwargs is not None else None,
             parse_tools=req.tool_choice != "none",
+            tool_choice=req.tool_choice,
+            stop=openai_stop(req.stop),
+            n=req.n,
             logprobs=bool(req.logprobs),
             stream=bool(req.stream),
             temperature=req.temperature,
@@ -207,7 +221,7 @@ class ChatCompletions(TurnAdapter):
 
     def respond(self, turn: Turn, completion: Completion) -> dict[str, Any]:
         choice = {
-            "index": 0,
+            "index": turn.index,
             "message": completion.message,
             "logprobs": chat_logprobs(completion),
             "finish_reason": completion.finish_reason,
@@ -220,6 +234,12 @@ class ChatCompletions(TurnAdapter):
             "choices": [choice],
             "usage": usage(turn, completion),
         }
+
+    def respond_choices(self, turns: list[Turn], completions: list[Completion]) -> dict[str, Any]:
+        body = self.respond(turns[0], completions[0])
+        body["choices"] = [self.respond(t, c)["choices"][0] for t, c in zip(turns, completions)]
+        body["usage"] = usage(turns[0], *completions)
+        return body
 
     def writer(self, turn: Turn, reply_id: str) -> StreamWriter:
         return ChatStreamWriter(self, turn, reply_id)

@@ -14,8 +14,9 @@ from pydantic import Field
 
 from gyre_jax.proxy import sse
 from gyre_jax.proxy.adapters.base import Lenient, StreamWriter, TurnAdapter
-from gyre_jax.proxy.adapters.openai_chat import StreamOptions, include_usage, usage
+from gyre_jax.proxy.adapters.openai_chat import StreamOptions, include_usage, openai_stop, usage
 from gyre_jax.proxy.errors import ProxyError
+from gyre_jax.proxy.sampling import MAX_CHOICES
 from gyre_jax.proxy.turns import Completion, Delta, Turn, TurnRequest
 
 
@@ -26,7 +27,7 @@ class CompletionRequest(Lenient):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool | None = None
     stop: str | list[str] | None = None
@@ -37,13 +38,10 @@ class CompletionRequest(Lenient):
 
 def check_completion_supported(req: CompletionRequest) -> None:
     """Rejects valid OpenAI features this proxy does not implement, rather than silently ignoring them."""
-    if req.n not in (None, 1):
-        raise ProxyError(400, f"not supported yet: n={req.n}; request one choice (n=1) per call", param="n")
     if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) and len(req.prompt) != 1:
         raise ProxyError(400, "not supported yet: a batch of prompts; send one prompt per call", param="prompt")
-    for name in ("stop", "suffix"):
-        if getattr(req, name):
-            raise ProxyError(400, f"not supported yet: {name!r}; omit it", param=name)
+    if req.suffix:
+        raise ProxyError(400, "not supported yet: 'suffix'; omit it", param="suffix")
     if req.echo:
         raise ProxyError(400, "not supported yet: echo=true; omit it", param="echo")
 
@@ -71,10 +69,10 @@ def text_completion_body(
     return body
 
 
-def completion_choice(completion: Completion) -> dict[str, Any]:
+def completion_choice(completion: Completion, index: int = 0) -> dict[str, Any]:
     return {
         "text": completion.text,
-        "index": 0,
+        "index": index,
         "logprobs": completion_logprobs(completion),
         "finish_reason": completion.finish_reason,
     }
@@ -100,6 +98,8 @@ class Completions(TurnAdapter):
             top_p=req.top_p,
             max_tokens=req.max_tokens,
             seed=req.seed,
+            stop=openai_stop(req.stop),
+            n=req.n,
             wire=req,
         )
 
@@ -110,13 +110,17 @@ class Completions(TurnAdapter):
         choices = [completion_choice(completion)]
         return text_completion_body(self.reply_id(), turn, self.model_name, choices, usage(turn, completion))
 
+    def respond_choices(self, turns: list[Turn], completions: list[Completion]) -> dict[str, Any]:
+        choices = [completion_choice(c, t.index) for t, c in zip(turns, completions)]
+        return text_completion_body(self.reply_id(), turns[0], self.model_name, choices, usage(turns[0], *completions))
+
     def writer(self, turn: Turn, reply_id: str) -> StreamWriter:
         return CompletionStreamWriter(self, turn, reply_id)
 
 
 class CompletionStreamWriter(StreamWriter):
-    """``text_completion`` chunks: the text as it is sampled, then one chunk with the log-probs (if asked) and the
-    finish reason, a usage chunk if asked, and ``[DONE]``."""
+    """``text_completion`` chunks of one choice (``turn.index``): the text as it is sampled, then one chunk with
+    the log-probs (if asked) and the finish reason; at the call's end a usage chunk if asked, and ``[DONE]``."""
 
     def chunk(self, choices: list[dict[str, Any]], usage_body: dict[str, int] | None = None) -> str:
         return sse.data(text_completion_body(self.reply_id, self.turn, self.model, choices, usage_body))
@@ -124,12 +128,15 @@ class CompletionStreamWriter(StreamWriter):
     def delta(self, delta: Delta) -> list[str]:
         if not delta.text:
             return []
-        return [self.chunk([{"text": delta.text, "index": 0, "logprobs": None, "finish_reason": None}])]
+        return [self.chunk([{"text": delta.text, "index": self.turn.index, "logprobs": None, "finish_reason": None}])]
 
-    def close(self, completion: Completion) -> list[str]:
-        last = {"text": "", "index": 0, "logprobs": completion_logprobs(completion),
+    def finish(self, completion: Completion) -> list[str]:
+        last = {"text": "", "index": self.turn.index, "logprobs": completion_logprobs(completion),
                 "finish_reason": completion.finish_reason}  # fmt: skip
-        events = [self.chunk([last])]
+        return [self.chunk([last])]
+
+    def end(self, completions: list[Completion]) -> list[str]:
+        events = []
         if include_usage(self.turn.request.wire):
-            events.append(self.chunk([], usage(self.turn, completion)))
+            events.append(self.chunk([], usage(self.turn, *completions)))
         return events + [sse.data("[DONE]")]

@@ -18,10 +18,15 @@ whole history every call, as Codex CLI does) continues its thread on the exact p
     tools of type "function" (flat)       -> [{"type": "function", "function": {name, description, parameters}}]
 
 Tools of any other type (``local_shell``, ``web_search``, ``custom`` ...) are ignored: the model is offered
-only the function tools (Codex CLI sends such tools and works without them). ``tool_choice`` other than
-auto/none, ``previous_response_id`` (nothing is stored: send the whole history) and non-text input parts are
-refused with a 400 "not supported yet". ``store``, ``include``, ``text``, ``reasoning``, ``prompt_cache_key``,
-``metadata``, ``truncation`` are accepted and ignored.
+only the function tools (Codex CLI sends such tools and works without them). ``tool_choice`` is served as
+for chat (``sampling.py``): ``auto``, ``none``, ``required`` and ``{"type": "function", "name": ...}`` (the
+reply then starts with that call's forced opener); other forms (hosted tools, ``allowed_tools``),
+``previous_response_id`` (nothing is stored: send the whole history) and non-text input parts are refused
+with a 400 "not supported yet". ``temperature`` / ``top_p`` are served under the sampling policy and kept in
+the record's ``client_sampling`` with ``tool_choice``; the API has no ``n``, ``stop`` or ``seed``.
+``parallel_tool_calls`` is echoed, not enforced (the model may make several calls either way). ``store``,
+``include``, ``text``, ``reasoning``, ``prompt_cache_key``, ``metadata``, ``truncation`` are accepted and
+ignored.
 
 A completion comes back as output items: ``reasoning`` (its text as ``reasoning_text`` content) if the model
 thought, ``message`` with one ``output_text`` part (if it wrote text, or made no call), one ``function_call``
@@ -78,9 +83,21 @@ def check_responses_supported(req: ResponsesRequest) -> None:
     if req.previous_response_id is not None:
         raise ProxyError(400, "not supported yet: previous_response_id; send the whole history (store=false)",
                          param="previous_response_id")  # fmt: skip
-    if req.tool_choice not in (None, "auto", "none"):
-        raise ProxyError(400, f"not supported yet: tool_choice={req.tool_choice!r}; use 'auto', 'none' or omit it",
-                         param="tool_choice")  # fmt: skip
+    choice = req.tool_choice
+    if isinstance(choice, str) and choice not in ("auto", "none", "required"):
+        raise ProxyError(400, f"tool_choice={choice!r}: expected 'auto', 'none', 'required' or "
+                         '{"type": "function", "name": ...}', param="tool_choice")  # fmt: skip
+    if isinstance(choice, dict) and (choice.get("type") != "function" or not isinstance(choice.get("name"), str)):
+        raise ProxyError(400, f"not supported yet: tool_choice={choice!r}; use 'auto', 'none', 'required' or "
+                         '{"type": "function", "name": ...} naming a function tool', param="tool_choice")  # fmt: skip
+
+
+def internal_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """Responses ``tool_choice`` in the internal (OpenAI chat) form: the strings as they are, a named function
+    ``{"type": "function", "name": n}`` as ``{"type": "function", "function": {"name": n}}``."""
+    if isinstance(choice, dict):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
 
 
 def content_text(content: Any, where: str, joiner: str) -> str:
@@ -378,6 +395,7 @@ class Responses(TurnAdapter):
             messages=messages,
             tools=tools,
             parse_tools=req.tool_choice != "none",
+            tool_choice=internal_tool_choice(req.tool_choice),
             stream=bool(req.stream),
             temperature=req.temperature,
             top_p=req.top_p,
