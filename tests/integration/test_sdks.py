@@ -193,3 +193,51 @@ def test_stop_strings_choices_and_forced_tool_calls_on_the_real_engine(stack) ->
         assert stack.tokenizer.decode(record.prompt_ids).endswith("<|im_start|>assistant\n" + forced)
         assert record.client_sampling == {"seed": 1, "n": 2, "tool_choice": named}
     stack.proxy.close_execution("sdk-sampling")
+
+
+def test_streamed_stop_strings_choices_and_forced_tool_calls_on_the_real_engine(stack) -> None:
+    """Live streams (the serving loop's token listener) with stop strings, n = 2 and a forced tool call: what each
+    client accumulated from the deltas is exactly what its record decodes to (BPE tokens: the whole-token rule
+    at a stop string's cut), each choice streams with its index, usage and [DONE] come once."""
+    key = stack.proxy.open_execution("sdk-stream-sampling")
+    client = openai.OpenAI(base_url=stack.proxy.base_url, api_key=key, max_retries=0, timeout=120)
+    stops, cuts = [" ", "e", "a", "\n"], 0
+    prompt = "<|im_start|>user\nRead input.txt.<|im_end|>\n<|im_start|>assistant\n"
+    for seed in range(6):
+        text, finish = "", None
+        for chunk in client.completions.create(model="gyre-tiny", prompt=prompt, stop=stops, seed=seed, stream=True):
+            text += chunk.choices[0].text if chunk.choices else ""
+            finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+        record = stack.records.read("sdk-stream-sampling")[-1]
+        assert stack.completion_text(record) == text and not any(s in text for s in stops)
+        cuts += finish == "stop" and record.completion_ids[-1:] != [stack.tokenizer.eos_ids[0]]
+    assert cuts >= 1
+
+    anthropic_client = anthropic.Anthropic(base_url=stack.proxy.anthropic_base_url, api_key=key, max_retries=0)
+    with anthropic_client.messages.stream(model="gyre-tiny", max_tokens=24, stop_sequences=["e", " "],
+                                          messages=[{"role": "user", "content": "Read input.txt."}]) as stream:  # fmt: skip
+        deltas = [e.delta.text for e in stream if e.type == "content_block_delta" and e.delta.type == "text_delta"]
+        final = stream.get_final_message()
+    record = stack.records.read("sdk-stream-sampling")[-1]
+    assert "".join(deltas) == stack.parsed(record).content == "".join(b.text for b in final.content if b.type == "text")
+
+    named = {"type": "function", "function": {"name": "read_file"}}
+    body = {"model": "gyre-tiny", "messages": [{"role": "user", "content": "Read input.txt."}], "tools": TOOLS_OPENAI,
+            "tool_choice": named, "n": 2, "seed": 3, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    reply = httpx.post(f"{stack.proxy.base_url}/chat/completions", json=body, timeout=120,
+                       headers={"Authorization": f"Bearer {key}"}).text  # fmt: skip
+    chunks = [json.loads(line[6:]) for line in reply.splitlines() if line.startswith("data: {")]
+    content, arguments = {0: "", 1: ""}, {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            content[choice["index"]] += choice["delta"].get("content") or ""
+            for call in choice["delta"].get("tool_calls") or []:
+                assert call["function"]["name"] == "read_file"
+                arguments[choice["index"]] += call["function"]["arguments"]
+    forced = '<tool_call>\n{"name": "read_file", "arguments": '
+    for index, record in enumerate(stack.records.read("sdk-stream-sampling")[-2:]):
+        served = turns.parse_forced(forced + stack.completion_text(record), True)
+        assert content[index] == served.content
+        assert arguments[index] == "".join(c["function"]["arguments"] for c in served.tool_calls)
+    assert len([c for c in chunks if c.get("usage")]) == 1 and reply.count("data: [DONE]") == 1
+    stack.proxy.close_execution("sdk-stream-sampling")
