@@ -241,9 +241,10 @@ class TurnPipeline:
             yield Completed(completion, turn.index)
 
     def _live_reply(self, turn: Turn) -> LiveReply:
-        return LiveReply(self.tokenizer.decode, turn.generation.sampling.stop_ids, chat=turn.request.messages
-                         is not None, parse_tools=turn.request.parse_tools, stops=turn.request.stop,
-                         forced=turn.forced_text)  # fmt: skip
+        request = turn.request
+        chat = request.messages is not None
+        return LiveReply(self.tokenizer.decode, turn.generation.sampling.stop_ids, chat, request.parse_tools,
+                         stops=request.stop, forced=turn.forced_text)  # fmt: skip
 
     async def _live(
         self, turn: Turn, live: LiveReply, is_disconnected: IsDisconnected
