@@ -13,11 +13,13 @@ agent. A call that extends none starts a new conversation, and these rules name 
    when its system prompt or first user turn carries one of ``AUXILIARY_MARKERS``. Auxiliary conversations are
    recorded with ``agent_kind = "auxiliary"`` and never take the thread's own name (they are never the main agent).
 3. **Same agent.** Among the agents with the same key, a new conversation belongs to one whose first user turn
-   it repeats (a retry or an edited history), or, failing that, to one whose last answer was prose (no tool call)
-   that the new conversation quotes (a summary continuation: the harness starts over from the summary the agent
-   wrote; a line of at least ``MIN_QUOTE_CHARS`` characters, tags removed, appears verbatim). A conversation
-   that quotes the prose of an agent with another key (a separate summarizer) continues the most recently
-   active agent of its own key.
+   it repeats (a retry or an edited history), or, failing that, to the agent whose answer was recorded last in
+   the thread if that answer was prose (no tool call) and the new conversation quotes it (a summary
+   continuation: the harness starts over at once from the summary the agent just wrote; a line of at least
+   ``MIN_QUOTE_CHARS`` characters, tags removed, appears verbatim). Text that reached a new conversation later,
+   through another agent (a parent quoting a finished sub-agent's report in a new task), does not count. A
+   conversation quoting the summary of an agent with another key (a separate summarizer) continues the most
+   recently active agent of its own key.
 4. **New agent.** Otherwise it is a new agent (a sub-agent; several sub-agents may share one system prompt).
    The first non-auxiliary agent of a thread header takes the header's name (``main`` without a header); each
    other agent is ``<header>~<12 hex digits of its key>``, and ``.2``, ``.3`` ... for further agents of the
@@ -126,17 +128,19 @@ def agent_name(base: str, key: str, auxiliary: bool, taken: set[str]) -> str:
     return name
 
 
-def match_agent(agents: list[Agent], base: str, key: str, auxiliary: bool, messages: list[dict]) -> Agent | None:
+def match_agent(
+    agents: list[Agent], base: str, key: str, auxiliary: bool, messages: list[dict], last: Agent | None
+) -> Agent | None:
     """Rule 3: the agent of the same kind (``auxiliary`` or not) that a new conversation of ``base`` with ``key``
-    continues, or None. ``agents``: the execution's, least recently active first."""
+    continues, or None. ``agents``: the execution's, least recently active first; ``last``: the agent whose
+    answer was recorded last under ``base`` (only it can have just written a summary to restart from)."""
     same = [a for a in agents if a.base == base and a.key == key and a.auxiliary == auxiliary]
     user = first_user(messages)
     for agent in reversed(same):
         if agent.first_user == user:
             return agent
-    for agent in reversed([a for a in agents if a.base == base and a.last_prose]):
-        if quotes(agent.last_prose, messages):
-            if agent.key == key:
-                return agent
-            return same[-1] if same else None
+    if last is not None and last.last_prose and quotes(last.last_prose, messages):
+        if last in same:
+            return last
+        return same[-1] if same else None
     return None

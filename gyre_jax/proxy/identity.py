@@ -67,6 +67,7 @@ class Execution:
     conversations: OrderedDict[int, tito.LiveConversation] = field(default_factory=OrderedDict)  # by id, LRU first
     agents: OrderedDict[str, agents.Agent] = field(default_factory=OrderedDict)  # by thread id, LRU first
     next_conversation: int = 0
+    last_answered: dict[str, str] = field(default_factory=dict)  # header -> thread whose answer was recorded last
     in_flight: set[str] = field(default_factory=set)  # backend request ids
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -110,7 +111,8 @@ class Execution:
         key = agents.system_key(messages)
         known = list(self.agents.values())
         auxiliary = agents.is_auxiliary(messages, tools, any(a.tools and a.base == base for a in known))
-        agent = agents.match_agent(known, base, key, auxiliary, messages)
+        last = self.agents.get(self.last_answered.get(base, ""))
+        agent = agents.match_agent(known, base, key, auxiliary, messages, last)
         if agent is None:
             name = agents.agent_name(base, key, auxiliary, set(self.agents))
             agent = agents.Agent(name, base, key, agents.first_user(messages), auxiliary, bool(tools))
@@ -171,6 +173,7 @@ class Execution:
             if agent is not None:
                 agent.last_prose = "" if state.returned.get("tool_calls") else state.returned["content"]
                 self.agents.move_to_end(placement.thread_id)
+                self.last_answered[agent.base] = agent.thread_id
 
     def end(self) -> list[str]:
         """Ends the execution and forgets its conversations and agents; returns the backend request ids in flight."""
@@ -178,6 +181,7 @@ class Execution:
             self.ended = True
             self.conversations.clear()
             self.agents.clear()
+            self.last_answered.clear()
             return list(self.in_flight)
 
 

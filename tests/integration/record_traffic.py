@@ -286,6 +286,24 @@ def claude_subagents(recorder: Recorder, out: Path) -> None:
     recorder.save("claude_code", "subagents", out)
 
 
+def claude_parallel(recorder: Recorder, out: Path) -> None:
+    """Main starts two background sub-agents in one turn; each runs a Bash command, then answers (interleaved
+    conversations with one system prompt); main hears of each when it ends."""
+    both = agent("TASK-P1: run the check.", background=True) + "\n" + agent("TASK-P2: run the check.", background=True)
+    script = Script([
+        Rule("main", "main", in_last("RESULT-P"), "Noted."),
+        Rule("p1", "subagent", in_last("CHECK-P1"), "RESULT-P1: p1 done."),
+        Rule("p2", "subagent", in_last("CHECK-P2"), "RESULT-P2: p2 done."),
+        Rule("p1", "subagent", in_last("TASK-P1"), tool_call("Bash", command="echo CHECK-P1", description="check")),
+        Rule("p2", "subagent", in_last("TASK-P2"), tool_call("Bash", command="echo CHECK-P2", description="check")),
+        Rule("main", "main", in_last("SCENARIO-PARALLEL"), both),
+        Rule("main", "main", in_first("SCENARIO-PARALLEL"), "Waiting for both agents."),
+    ])  # fmt: skip
+    key, root = recorder.scenario("claude_code/parallel", script)
+    run(claude("SCENARIO-PARALLEL: run two agents at once."), root / "ws", claude_env(recorder, key, root))
+    recorder.save("claude_code", "parallel", out)
+
+
 def claude_compact(recorder: Recorder, out: Path) -> None:
     """A turn with a tool call, then ``/compact`` (``--continue``), then one more turn after the summary."""
     summary = "<analysis>The user ran two checks.</analysis>\n<summary>SUMMARY-TEXT: the user asked for a check; it ran.</summary>"
@@ -363,11 +381,50 @@ def mini_swe_agent_steps(recorder: Recorder, out: Path) -> None:
     recorder.save("mini_swe_agent", "steps", out)
 
 
+def aider_python() -> Path:
+    """aider's interpreter: ``$AIDER_PYTHON``, else aider in the venv running this script (aider pins ~100
+    packages, so it usually lives in a venv of its own: ``tests/integration/requirements-aider.txt``)."""
+    python = Path(os.environ.get("AIDER_PYTHON", sys.executable))
+    check = subprocess.run([str(python), "-m", "aider", "--version"], capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, f"aider is not importable by {python}; set AIDER_PYTHON to a venv with aider-chat"
+    return python
+
+
+def aider_edit(recorder: Recorder, out: Path) -> None:
+    """aider (no tools: whole-file edits in text) writes a file, then asks for a commit message (auxiliary)."""
+    script = Script([
+        Rule("commit", "auxiliary", in_system("commit message"), "Add the answer file"),
+        Rule("main", "main", in_last("SCENARIO-AIDER"), "answer.txt\n```\nAIDER-ANSWER\n```"),
+    ])  # fmt: skip
+    key, root = recorder.scenario("aider/edit", script)
+    ws, home = root / "ws", root / "home"
+    subprocess.run(["git", "init", "-q"], cwd=ws, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "init"],
+                   cwd=ws, check=True)  # fmt: skip
+    info = {"max_input_tokens": 65536, "max_output_tokens": 4096, "input_cost_per_token": 0.0,
+            "output_cost_per_token": 0.0, "litellm_provider": "openai", "mode": "chat"}  # fmt: skip
+    (home / ".aider" / "caches").mkdir(parents=True)
+    (home / ".aider" / "caches" / "model_prices_and_context_window.json").write_text(
+        json.dumps({f"openai/{MODEL}": info, MODEL: info})
+    )
+    cmd = [str(aider_python()), "-m", "aider", "--model", f"openai/{MODEL}", "--openai-api-base",
+           recorder.proxy.base_url, "--openai-api-key", key, "--message", "SCENARIO-AIDER: write answer.txt.",
+           "--yes-always", "--analytics-disable", "--no-check-update", "--no-show-model-warnings",
+           "--no-show-release-notes", "--no-pretty", "--no-fancy-input", "--map-tokens", "0", "--no-detect-urls",
+           "--edit-format", "whole", "--git-commit-verify"]  # fmt: skip
+    env = {"HOME": str(home), "LITELLM_LOCAL_MODEL_COST_MAP": "True", "TERM": "dumb", "GIT_AUTHOR_NAME": "t",
+           "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
+    run(cmd, ws, env)
+    recorder.save("aider", "edit", out)
+
+
 SCENARIOS: dict[str, Callable[[Recorder, Path], None]] = {
     "claude_code/subagents": claude_subagents,
     "claude_code/compact": claude_compact,
+    "claude_code/parallel": claude_parallel,
     "opencode/subagent": opencode_subagent,
     "mini_swe_agent/steps": mini_swe_agent_steps,
+    "aider/edit": aider_edit,
 }
 
 

@@ -137,3 +137,20 @@ def test_fork_from_an_earlier_call_reuses_it_and_a_summary_continues_the_agent(p
     assert [r.thread_id for r in records[:4]] == ["main"] * 4
     assert records[4].agent_kind == "auxiliary" and records[4].thread_id.startswith("main~")
     assert [r.agent_kind for r in records[:4]] == [""] * 4
+
+
+def test_a_finished_subagents_report_quoted_in_a_new_task_starts_a_new_agent(proxy) -> None:
+    """A parent passing a finished sub-agent's report into the task of the next sub-agent of the same type is not
+    a summary continuation of the first: only the agent whose answer was recorded last can be continued."""
+    key = proxy.open_execution("quoted-report")
+    worker = {"role": "system", "content": "You are a worker."}
+    main = [{"role": "system", "content": "You are the main agent."}, {"role": "user", "content": "go"}]
+    chat(proxy, key, main)
+    report = chat(proxy, key, [worker, {"role": "user", "content": "first task, report in one line"}])
+    chat(proxy, key, main + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": report}])
+    chat(proxy, key, [worker, {"role": "user", "content": f"second task; the first said:\n{report}"}])
+    threads = [r.thread_id for r in proxy.record_store.read("quoted-report")]
+    assert threads[0] == "main" and len({threads[1], threads[3]}) == 2 and "main" not in (threads[1], threads[3])
+    assert (
+        threads[2] == "main"
+    )  # main again: a new conversation (its "ok" is not what it was answered) repeating its first turn
