@@ -68,6 +68,7 @@ class Execution:
     agents: OrderedDict[str, agents.Agent] = field(default_factory=OrderedDict)  # by thread id, LRU first
     next_conversation: int = 0
     last_answered: dict[str, str] = field(default_factory=dict)  # header -> thread whose answer was recorded last
+    named: set[str] = field(default_factory=set)  # every thread id given to an agent (one string each), never reused
     in_flight: set[str] = field(default_factory=set)  # backend request ids
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -114,7 +115,8 @@ class Execution:
         last = self.agents.get(self.last_answered.get(base, ""))
         agent = agents.match_agent(known, base, key, auxiliary, messages, last)
         if agent is None:
-            name = agents.agent_name(base, key, auxiliary, set(self.agents))
+            name = agents.agent_name(base, key, auxiliary, self.named)
+            self.named.add(name)
             agent = agents.Agent(name, base, key, agents.first_user(messages), auxiliary, bool(tools))
         _bounded_put(self.agents, agent.thread_id, agent, self.max_threads)
         return agent
@@ -182,6 +184,7 @@ class Execution:
             self.conversations.clear()
             self.agents.clear()
             self.last_answered.clear()
+            self.named.clear()
             return list(self.in_flight)
 
 
