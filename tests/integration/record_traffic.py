@@ -193,6 +193,9 @@ class Recorder:
 
     def save(self, harness: str, scenario: str, out: Path) -> None:
         calls = sorted(self.calls, key=lambda c: c["seq"])
+        if not any(c["completion"] is not None for c in calls):
+            print(f"{harness}/{scenario}: NOT SAVED: no call reached the model (see the CLI's output above)")
+            return
         folder = out / harness
         folder.mkdir(parents=True, exist_ok=True)
         with lzma.open(folder / f"{scenario}.jsonl.xz", "wt", encoding="utf-8", preset=9) as f:
@@ -418,6 +421,69 @@ def aider_edit(recorder: Recorder, out: Path) -> None:
     recorder.save("aider", "edit", out)
 
 
+CODEX_CONFIG = """model = "{model}"
+model_provider = "gyre"
+approval_policy = "never"
+sandbox_mode = "danger-full-access"
+check_for_update_on_startup = false
+
+[analytics]
+enabled = false
+
+[model_providers.gyre]
+name = "gyre"
+base_url = "{base_url}"
+env_key = "OPENAI_API_KEY"
+wire_api = "responses"
+request_max_retries = 0
+stream_max_retries = 0
+"""
+
+
+def codex_answer(recorder: Recorder, out: Path) -> None:
+    """Codex CLI (``codex exec``, OpenAI Responses API): runs a shell command, then answers. Needs the proxy's
+    ``POST /v1/responses`` (issue 15, another branch) and ``@openai/codex`` in ``tests/integration/npm``."""
+    script = Script([
+        Rule("main", "main", in_last("CODEX-CHECK"), "CODEX-DONE: checked."),
+        Rule("main", "main", in_last("SCENARIO-CODEX"), tool_call("shell", command=["echo", "CODEX-CHECK"])),
+    ])  # fmt: skip
+    key, root = recorder.scenario("codex/answer", script)
+    (root / "codex_home").mkdir()
+    (root / "codex_home" / "config.toml").write_text(CODEX_CONFIG.format(model=MODEL, base_url=recorder.proxy.base_url))
+    cmd = [str(NPM_BIN / "codex"), "exec", "--skip-git-repo-check", "--ephemeral", "--json",
+           "SCENARIO-CODEX: run the check."]  # fmt: skip
+    env = {"CODEX_HOME": str(root / "codex_home"), "HOME": str(root / "home"), "OPENAI_API_KEY": key, "TERM": "dumb"}
+    run(cmd, root / "ws", env)
+    recorder.save("codex", "answer", out)
+
+
+SMOLAGENTS_DRIVER = """import os, sys
+from smolagents import CodeAgent, OpenAIModel, ToolCallingAgent
+model = OpenAIModel(model_id=sys.argv[2], api_base=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"])
+agent = (CodeAgent if sys.argv[1] == "code" else ToolCallingAgent)(tools=[], model=model, max_steps=3)
+print("FINAL ANSWER:", agent.run(sys.argv[3]))
+"""
+
+
+def smolagents_run(kind: str) -> Callable[[Recorder, Path], None]:
+    """smolagents' CodeAgent (``code``) or ToolCallingAgent (``tool``): one step, then its final answer. Needs
+    the proxy's ``stop`` and ``tool_choice`` support (issue 15, another branch) and smolagents importable."""
+
+    def scenario(recorder: Recorder, out: Path) -> None:
+        final = (
+            "Thought: done.\n<code>\nfinal_answer('SMOL-DONE')\n</code>"
+            if kind == "code"
+            else tool_call("final_answer", answer="SMOL-DONE")
+        )
+        script = Script([Rule("main", "main", in_first("SCENARIO-SMOL"), final)])
+        key, root = recorder.scenario(f"smolagents/{kind}", script)
+        env = {"OPENAI_BASE_URL": recorder.proxy.base_url, "OPENAI_API_KEY": key, "HOME": str(root / "home")}
+        run([sys.executable, "-c", SMOLAGENTS_DRIVER, kind, MODEL, "SCENARIO-SMOL: answer."], root / "ws", env)
+        recorder.save("smolagents", f"{kind}_agent", out)
+
+    return scenario
+
+
 SCENARIOS: dict[str, Callable[[Recorder, Path], None]] = {
     "claude_code/subagents": claude_subagents,
     "claude_code/compact": claude_compact,
@@ -425,17 +491,21 @@ SCENARIOS: dict[str, Callable[[Recorder, Path], None]] = {
     "opencode/subagent": opencode_subagent,
     "mini_swe_agent/steps": mini_swe_agent_steps,
     "aider/edit": aider_edit,
+    "codex/answer": codex_answer,
+    "smolagents/code_agent": smolagents_run("code"),
+    "smolagents/tool_agent": smolagents_run("tool"),
 }
+# Recorded by default: what this proxy serves today (Codex needs /v1/responses, smolagents stop and tool_choice).
+DEFAULT = ("claude_code/subagents", "claude_code/compact", "claude_code/parallel", "opencode/subagent",
+           "mini_swe_agent/steps", "aider/edit")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--only", nargs="*", default=None, help=f"scenarios to record (default: all of {list(SCENARIOS)})"
-    )
+    parser.add_argument("--only", nargs="*", default=None, help=f"some of {list(SCENARIOS)} (default: {DEFAULT})")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
-    names = args.only or list(SCENARIOS)
+    names = args.only or list(DEFAULT)
     unknown = sorted(set(names) - set(SCENARIOS))
     if unknown:
         parser.error(f"unknown scenarios {unknown}; known: {list(SCENARIOS)}")
