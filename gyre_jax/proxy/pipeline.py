@@ -79,14 +79,13 @@ class TurnPipeline:
 
     def prepare(self, request: TurnRequest, execution: Execution, thread_base: str, t_start: float) -> Turn:
         """Names the thread, builds the prompt ids and the sampling of the turn; 400 if it cannot be served."""
+        placement = execution.place(thread_base, request.messages, request.tools)
+        thread_id = placement.thread_id
         if request.messages is None:
             build = self._raw_prompt(request.prompt)
-            thread_id = execution.thread_id(thread_base, None)
         else:
-            thread_id = execution.thread_id(thread_base, request.messages)
-            state = execution.thread_state(thread_id)
             try:
-                build = tito.build_prompt(self.tokenizer, request.messages, request.tools, state,
+                build = tito.build_prompt(self.tokenizer, request.messages, request.tools, placement.state,
                                           enable_thinking=request.enable_thinking, tools_format=self.tools_format)  # fmt: skip
             except ValueError as exc:
                 raise ProxyError(400, f"cannot render messages: {exc}", param="messages") from None
@@ -94,7 +93,7 @@ class TurnPipeline:
         generation = GenerationRequest(
             prompt_ids=build.prompt_ids, sampling=sampling, session_id=f"{execution.execution_id}/{thread_id}"
         )
-        return Turn(request, execution, thread_id, build, generation, t_start)
+        return Turn(request, execution, thread_id, build, generation, t_start, placement=placement)
 
     def _raw_prompt(self, prompt: str | list[int] | None) -> tito.PromptBuild:
         """Prompt ids of a raw completion: token ids verbatim (checked against the vocabulary) or an encoded string."""
@@ -254,6 +253,6 @@ class TurnPipeline:
         turn.execution.record(
             self.record_store,
             lambda call_index: tito_record(turn, completion, call_index, self.model_name),
-            turn.thread_id,
+            turn.placement,
             thread_state(turn, completion),
         )

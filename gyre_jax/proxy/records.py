@@ -7,7 +7,7 @@ and fsynced before the HTTP response is sent), see docs/records.md:
      "prompt_ids": [int], "completion_ids": [int], "completion_logprobs": [float],
      "policy_versions": [int], "finish_reason": "stop" | "length" | "cancelled",
      "temperature": float, "reused_prefix_len": int, "t_start": float, "t_end": float,
-     "model": str, "api": "chat" | "completions" | "messages", "cell": str}
+     "model": str, "api": "chat" | "completions" | "messages", "cell": str, "agent_kind": "" | "auxiliary"}
 
 ``reused_prefix_len`` is how many leading prompt ids were taken verbatim from an earlier call of the
 same execution (its prompt + completion): those tokens are exactly what the policy saw and produced,
@@ -22,6 +22,8 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+AGENT_KINDS = ("", "auxiliary")  # TitoRecord.agent_kind: the trajectory processor decides | a harness utility call
 
 
 @dataclass
@@ -43,6 +45,8 @@ class TitoRecord:
     # the API the call came through: chat (OpenAI chat), completions (OpenAI legacy), messages (Anthropic)
     api: str = ""
     cell: str = ""  # the serving cell that produced the completion
+    # "" (the trajectory processor decides the agent's label) | "auxiliary" (a harness-side utility call)
+    agent_kind: str = ""
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

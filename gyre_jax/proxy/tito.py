@@ -1,7 +1,8 @@
 """Token-in/token-out prompt building: earlier turns are reused as the exact ids the policy saw and made.
 
-When a call's messages extend the previous call of the same thread (same earlier messages, then the
-assistant message the proxy returned), the new prompt is ``previous prompt ids + previous completion
+When a call's messages extend the last call of a live conversation (same tools, same earlier messages, then
+the assistant message the proxy returned; ``identity.Execution.place`` picks the longest such conversation
+among the several each thread keeps), the new prompt is ``previous prompt ids + previous completion
 ids`` followed by the template rendering of only the new messages. Nothing generated is
 re-tokenized, so the trainer trains on what the policy produced. Any other call (a summary, a
 sub-agent, a retry with edited history) is rendered in full and starts a new branch.
@@ -75,7 +76,7 @@ def normalize_message(message: dict) -> dict:
 
 @dataclass
 class ThreadState:
-    """What the proxy remembers of a thread's last call: bounded by one context, however long the run."""
+    """What the proxy remembers of a conversation's last call: bounded by one context, however long the run."""
 
     messages: list[dict]  # normalized messages of the last request
     tools_key: str  # canonical JSON of the tools of the last request
@@ -83,6 +84,51 @@ class ThreadState:
     completion_ids: list[int]
     returned: dict  # normalized assistant message the proxy returned
     finished: bool  # the completion ended with a stop token
+
+
+CallPoint = tuple[int, int, int, bool]  # an earlier call: (its messages, prompt ids, completion ids, finished)
+
+
+def call_point(state: ThreadState) -> CallPoint:
+    return (len(state.messages), len(state.prompt_ids), len(state.completion_ids), state.finished)
+
+
+def _common_len(a: list[dict], b: list[dict]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+@dataclass
+class LiveConversation:
+    """A conversation the proxy can continue token-in/token-out from its last call *or any earlier one*.
+
+    ``latest`` is its last call; ``points`` its earlier calls (oldest first) as offsets into ``latest``: each
+    earlier call's messages, returned turn, prompt and completion ids are prefixes of ``latest``'s (that is what
+    continuing them meant), so a fork from any of them (a retry, a summary request re-sending an earlier point)
+    reuses its ids at the cost of four integers per call.
+    """
+
+    thread_id: str
+    latest: ThreadState
+    points: tuple[CallPoint, ...] = ()
+
+    def match(self, normalized: list[dict], key: str) -> tuple[int, ThreadState, tuple[CallPoint, ...]] | None:
+        """The call of this conversation that a request (``normalized`` messages, tools ``key``) extends, latest
+        or else the latest earlier one: ``(its message count, its state, the call points before it and it)``."""
+        latest = self.latest
+        if key != latest.tools_key:
+            return None
+        common = _common_len(normalized, latest.messages)
+        k = len(latest.messages)
+        if common == k and len(normalized) > k and normalized[k] == latest.returned:
+            return k, latest, (*self.points, call_point(latest))
+        for i in range(len(self.points) - 1, -1, -1):
+            k, p, c, finished = self.points[i]
+            if k < common:  # its messages and the turn it returned (latest.messages[k]) are re-sent verbatim
+                state = ThreadState(latest.messages[:k], key, latest.prompt_ids[:p], latest.prompt_ids[p : p + c],
+                                    latest.messages[k], finished)  # fmt: skip
+                return k, state, self.points[: i + 1]
+        return None
 
 
 @dataclass
@@ -96,6 +142,19 @@ def tools_key(tools: list[dict] | None) -> str:
     return json.dumps(tools or [], sort_keys=True)
 
 
+def extends(state: ThreadState, normalized: list[dict], key: str) -> bool:
+    """Whether a call with ``normalized`` messages (``normalize_message``; at least the first ``len(state.messages)
+    + 1`` of them) and tools ``key`` (``tools_key``) continues ``state``: same tools, the same earlier messages,
+    then the assistant message the proxy returned for it."""
+    k = len(state.messages)
+    return (
+        key == state.tools_key
+        and len(normalized) > k
+        and normalized[k] == state.returned
+        and normalized[:k] == state.messages
+    )
+
+
 def build_prompt(
     tokenizer: Tokenizer,
     messages: list[dict],
@@ -105,10 +164,9 @@ def build_prompt(
     tools_format: str = "qwen3",
 ) -> PromptBuild:
     """Prompt ids for ``messages``, reusing ``state``'s exact ids when the conversation continues it."""
-    if state is not None and tools_key(tools) == state.tools_key:
+    if state is not None:
         k = len(state.messages)
-        normalized = [normalize_message(m) for m in messages[: k + 1]]
-        if len(messages) > k and normalized[:k] == state.messages and normalized[k] == state.returned:
+        if extends(state, [normalize_message(m) for m in messages[: k + 1]], tools_key(tools)):
             ids = list(state.prompt_ids) + list(state.completion_ids)
             if not state.finished or not ids or ids[-1] != tokenizer.token_id(chat_template.IM_END):
                 ids += tokenizer.encode(chat_template.IM_END)  # the turn was cut (length) or ended otherwise

@@ -17,7 +17,7 @@ from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy import tito
 from gyre_jax.proxy.chat_template import ParsedCompletion, parse_completion
 from gyre_jax.proxy.errors import ProxyError
-from gyre_jax.proxy.identity import Execution
+from gyre_jax.proxy.identity import Execution, Placement
 from gyre_jax.proxy.records import TitoRecord
 from gyre_jax.serving.types import GenerationRequest, GenerationResult
 
@@ -58,6 +58,7 @@ class Turn:
     generation: GenerationRequest
     t_start: float  # when the HTTP request arrived (Unix time)
     created: int = field(default_factory=lambda: int(time.time()))  # when the turn was placed (Unix second)
+    placement: Placement | None = None  # the conversation it continues or starts (None: recorded on no conversation)
 
     @property
     def prompt_tokens(self) -> int:
@@ -193,6 +194,7 @@ def tito_record(turn: Turn, completion: Completion, call_index: int, model: str)
         model=model,
         api=turn.request.api,
         cell=result.cell,
+        agent_kind=turn.placement.agent_kind if turn.placement is not None else "",
     )
 
 
