@@ -158,6 +158,17 @@ class Stack:
         """What the client was served, re-derived from the record's token ids alone."""
         return parse_completion(self.completion_text(record))
 
+    def parsed_turn(self, record: TitoRecord) -> ParsedCompletion:
+        """``parsed``, for a turn whose prompt already opened the reply: under a forced ``tool_choice`` the
+        proxy ends the prompt with the tool call's opener (recorded as prompt, never trained), so the client
+        was served that text + the completion, parsed as the proxy parses a forced turn."""
+        opened = self.tokenizer.decode(record.prompt_ids).rsplit("<|im_start|>assistant\n", 1)[-1]
+        if "<tool_call>" not in opened:
+            return self.parsed(record)
+        from gyre_jax.proxy.turns import parse_forced  # forced tool_choice: issue 15 (branch i15-sampling)
+
+        return parse_forced(opened + self.completion_text(record), parse_tools=True)
+
     def trainer_load(self, execution_id: str) -> LoadedExecution:
         """The execution's records as the trainer reads them (``LoadExecution``: strict reader, then branches);
         ``.excluded`` says why when it would not train on them."""
