@@ -219,9 +219,13 @@ def npm_installed_version(package: str) -> str | None:
 @pytest.fixture(scope="session")
 def npm_bins() -> dict[str, Path]:
     """The npm CLIs (``NPM_CLIS``: Claude Code, Codex CLI, opencode) at the versions ``npm/package.json`` pins,
-    installed from the committed ``package-lock.json`` (``npm ci``, once) when one is missing or at another
-    version; after an install each must answer ``--version`` (offline) with its pinned version (not checked
-    on every session: opencode's 185 MB binary takes seconds to start)."""
+    installed (once) from the committed ``package-lock.json`` when one is missing or at another version; after
+    an install each must answer ``--version`` (offline) with its pinned version (not checked on every session:
+    opencode's 185 MB binary takes seconds to start).
+
+    ``npm install --no-save``, not ``npm ci``: the lock holds opencode's linux-x64 binary packages only (the
+    registry this lock was made from serves no other platform's), so ``npm ci`` refuses it as out of sync;
+    ``npm install`` installs the locked tree and, with ``--no-save``, leaves both files as they are."""
     pins = json.loads((NPM_DIR / "package.json").read_text())["dependencies"]
     bins = {name: NPM_DIR / "node_modules" / ".bin" / name for name in NPM_CLIS}
     if all(npm_installed_version(pkg) == pins[pkg] and bins[name].exists() for name, pkg in NPM_CLIS.items()):
@@ -229,10 +233,9 @@ def npm_bins() -> dict[str, Path]:
     npm = shutil.which("npm")
     if npm is None:
         pytest.fail(f"npm is needed to install {sorted(NPM_CLIS.values())} for these tests (apt-get install npm)")
-    done = subprocess.run(
-        [npm, "ci", "--no-audit", "--no-fund"], cwd=NPM_DIR, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, f"npm ci failed in {NPM_DIR}:\n{done.stdout}\n{done.stderr}"
+    cmd = [npm, "install", "--no-save", "--no-audit", "--no-fund"]
+    done = subprocess.run(cmd, cwd=NPM_DIR, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(cmd)} failed in {NPM_DIR}:\n{done.stdout}\n{done.stderr}"
     for name, pkg in NPM_CLIS.items():
         check = subprocess.run([str(bins[name]), "--version"], capture_output=True, text=True, timeout=120,
                                env={**os.environ}, stdin=subprocess.DEVNULL)  # fmt: skip
