@@ -258,22 +258,24 @@ def aider_python() -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gyre-jax"
     venv = cache / f"aider-{hashlib.sha256(spec).hexdigest()[:12]}"
     python = venv / "bin" / "python"
-    if not python.exists():
-        building = cache / f"{venv.name}.building-{os.getpid()}"
-        shutil.rmtree(building, ignore_errors=True)
-        for cmd in ([sys.executable, "-m", "venv", str(building)],
-                    [str(building / "bin" / "python"), "-m", "pip", "install", "-q", "-r", str(AIDER_REQUIREMENTS)]):  # fmt: skip
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            assert done.returncode == 0, (
-                f"building aider's venv failed: {cmd}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-            )
-        try:
-            building.rename(venv)  # atomic: a venv at ``venv`` is always whole (scripts there are run as python -m)
-        except OSError:  # another session built it meanwhile
-            shutil.rmtree(building, ignore_errors=True)
+    if python.exists():  # built whole (renamed into place when done) from these very requirements
+        return python
+    building = cache / f"{venv.name}.building-{os.getpid()}"
+    shutil.rmtree(building, ignore_errors=True)
+    for cmd in ([sys.executable, "-m", "venv", str(building)],
+                [str(building / "bin" / "python"), "-m", "pip", "install", "-q", "-r", str(AIDER_REQUIREMENTS)]):  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, (
+            f"building aider's venv failed: {cmd}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
     [pin] = [
         line.split("==")[1] for line in AIDER_REQUIREMENTS.read_text().splitlines() if line.startswith("aider-chat==")
     ]
-    check = subprocess.run([str(python), "-m", "aider", "--version"], capture_output=True, text=True, timeout=120)
+    check = subprocess.run([str(building / "bin" / "python"), "-m", "aider", "--version"], capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
     assert check.returncode == 0 and pin in check.stdout, (check.stdout, check.stderr)
+    try:
+        building.rename(venv)  # atomic: a venv at ``venv`` is always whole (run as ``python -m aider``, so movable)
+    except OSError:  # another session built it meanwhile
+        shutil.rmtree(building, ignore_errors=True)
     return python
