@@ -35,6 +35,7 @@ from gyre_jax.elastic.training import CellTraining
 from gyre_jax.metrics import MetricsWriter
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.router import Router
+from gyre_jax.proxy.sampling import SamplingPolicy
 from gyre_jax.proxy.server import ProxyServer
 from gyre_jax.rl.learner import Learner, TrainState
 from gyre_jax.rollout.executor import Executor
@@ -191,6 +192,7 @@ def _proxy(config, router, tokenizer, records) -> ProxyServer:
         router, tokenizer, records, model_name=p.model_name, host=p.host, port=p.port,
         max_request_bytes=p.max_request_bytes, seed=config.seed, default_max_tokens=r.max_tokens_per_call,
         max_tokens_cap=r.max_tokens_per_call, tools_format=config.tokenizer.tools_format,
+        sampling=SamplingPolicy.policy(r.temperature) if p.sampling == "policy" else SamplingPolicy.client(),
     )  # fmt: skip
 
 

@@ -132,10 +132,21 @@ class ProxySection(Section):
     port: int = 0  # 0 picks a free port
     model_name: str = "gyre-tiny"
     max_request_bytes: int = 4 * 1024 * 1024
+    # whose temperature / top-p / top-k calls are served with: "policy" (rollout.temperature, full distribution,
+    # whatever the harness asks; what it asked is kept in the records) | "client" (the harness's values; its
+    # greedy calls, temperature 0, are recorded but not trained on)
+    sampling: str = "policy"
 
     def __post_init__(self):
+        from gyre_jax.proxy.sampling import SAMPLING_MODES
+
         self.check_types()
         require(0 <= self.port <= 65535, f"config.proxy.port={self.port} must be in [0, 65535] (0 picks a free port)")
+        require(
+            self.sampling in SAMPLING_MODES,
+            f"config.proxy.sampling={self.sampling!r} must be one of {SAMPLING_MODES} ('policy': the run's "
+            "temperature for every call; 'client': what each harness asks)",
+        )
         require(
             self.max_request_bytes >= 1024,
             f"config.proxy.max_request_bytes={self.max_request_bytes} must be >= 1024",

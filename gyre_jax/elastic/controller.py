@@ -283,6 +283,7 @@ class Controller:
             "dropped_stale": len(run.staleness.dropped),
             "skipped_groups": run.skipped_groups,
             "executions_excluded_by_pipeline": len(run.pipeline_excluded),
+            "calls_untrained_greedy": stats.get("greedy_calls", 0),
             "tokens_computed": stats.get("tokens_computed", 0),
             "tokens_trained": stats.get("tokens_trained", 0),
             "micro_batches": stats.get("micro_batches", 0),

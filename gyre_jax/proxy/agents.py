@@ -1,7 +1,8 @@
 """Which agent a new conversation belongs to, decided from what harness traffic really carries.
 
-A call that extends a live conversation (token-in/token-out, ``tito.extends``) belongs to that conversation's
-agent. A call that extends none starts a new conversation, and these rules name its agent (``Execution.place``):
+A call that extends a live conversation (token-in/token-out, ``tito.LiveConversation.match``) belongs to that
+conversation's agent. A call that extends none starts a new conversation, and these rules name its agent
+(``Execution.place``):
 
 1. **Key.** Conversations are keyed by their *normalized* system prompt (``system_key``). Normalizing removes
    per-conversation noise that says nothing about who is speaking: whole lines that are transport headers

@@ -7,6 +7,7 @@ requests) behind its own lock; ``Executions`` issues and resolves keys. Nothing 
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import threading
 from collections import OrderedDict
@@ -44,13 +45,20 @@ def _bounded_put(table: OrderedDict, key: object, value: object, limit: int) -> 
 class Placement:
     """Where a call goes: its thread (= agent), the conversation it continues or starts, and the call of it that it
     extends (None: a new conversation, rendered in full). ``agent_kind`` is the record's (``""`` or auxiliary);
-    ``points`` the calls of the conversation up to and including ``state`` (``tito.LiveConversation``)."""
+    ``points`` the calls of the conversation before ``state`` (``tito.LiveConversation``); ``built`` adds ``state``'s.
+    """
 
     thread_id: str
     conversation: int  # -1 for a raw prompt (no conversation state)
     state: tito.ThreadState | None = None
     agent_kind: str = ""
     points: tuple[tito.CallPoint, ...] = ()
+
+    def built(self, build: tito.PromptBuild) -> Placement:
+        """The placement once its prompt is built: the continued call's point as ``build`` holds it (re-sent
+        verbatim or changed), after the earlier ones; no points if ``build`` continues nothing (rendered in full)."""
+        points = (*self.points, build.point) if build.continued and build.point is not None else ()
+        return dataclasses.replace(self, points=points)
 
 
 @dataclass
@@ -86,15 +94,15 @@ class Execution:
         normalized = [tito.normalize_message(m) for m in messages]
         key = tito.tools_key(tools)
         with self.lock:
-            best, best_len = None, -1
+            best, best_rank = None, (-1, False)
             for number, conversation in self.conversations.items():
                 agent = self.agents.get(conversation.thread_id)
                 found = None if agent is not None and agent.base != base else conversation.match(normalized, key)
-                if found is not None and found[0] >= best_len:
-                    best, best_len = (number, conversation, *found[1:]), found[0]
+                if found is not None and found[:2] >= best_rank:  # the longest; a verbatim re-send over a changed one
+                    best, best_rank = (number, conversation, *found[2:]), found[:2]
             if best is not None:
                 number, conversation, state, points = best
-                if points[-1] != tito.call_point(conversation.latest):  # a fork from an earlier call
+                if state is not conversation.latest:  # a fork from an earlier call
                     number = self._new_number()
                 agent = self.agents.get(conversation.thread_id)
                 kind = AUXILIARY if agent is not None and agent.auxiliary else ""

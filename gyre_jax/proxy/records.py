@@ -7,11 +7,15 @@ and fsynced before the HTTP response is sent), see docs/records.md:
      "prompt_ids": [int], "completion_ids": [int], "completion_logprobs": [float],
      "policy_versions": [int], "finish_reason": "stop" | "length" | "cancelled",
      "temperature": float, "reused_prefix_len": int, "t_start": float, "t_end": float,
-     "model": str, "api": "chat" | "completions" | "messages", "cell": str, "agent_kind": "" | "auxiliary"}
+     "model": str, "api": "chat" | "completions" | "messages", "cell": str, "agent_kind": "" | "auxiliary",
+     "client_sampling": {"temperature": float, "top_p": float, "top_k": int, "seed": int, "stop": [str],
+                         "n": int, "tool_choice": str | object} | null}
 
 ``reused_prefix_len`` is how many leading prompt ids were taken verbatim from an earlier call of the
 same execution (its prompt + completion): those tokens are exactly what the policy saw and produced,
-never re-tokenized.
+never re-tokenized. ``temperature`` is what the call was sampled with: 0.0 means greedy (served under
+``proxy.sampling = "client"``): kept for evaluation, never trained on. ``client_sampling`` holds only the
+sampling fields the client sent (None: it sent none), whatever the proxy served.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class TitoRecord:
     cell: str = ""  # the serving cell that produced the completion
     # "" (the trajectory processor decides the agent's label) | "auxiliary" (a harness-side utility call)
     agent_kind: str = ""
+    client_sampling: dict | None = None  # the sampling fields the client sent (see the module docstring)
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

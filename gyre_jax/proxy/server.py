@@ -38,6 +38,8 @@ from gyre_jax.proxy.errors import ProxyError, internal_error
 from gyre_jax.proxy.identity import MAX_THREADS_PER_EXECUTION, Executions, thread_base
 from gyre_jax.proxy.pipeline import DEFAULT_MAX_TOKENS, TurnPipeline
 from gyre_jax.proxy.records import RecordStore
+from gyre_jax.proxy.sampling import CLIENT, SamplingPolicy
+from gyre_jax.proxy.turns import Turn
 from gyre_jax.serving.types import GenerationBackend
 
 logger = logging.getLogger(__name__)
@@ -97,7 +99,9 @@ class ProxyServer:
     tokenizer, or a ``tokenizer.json`` wrapper). ``max_tokens_cap`` bounds every call's completion
     whatever the client asks (None: only the context bounds it); ``default_max_tokens`` is the budget
     of a request that names none. ``max_threads_per_execution`` bounds the per-thread state an
-    execution keeps (one context each), so memory stays bounded however long it runs. The settings are
+    execution keeps (one context each), so memory stays bounded however long it runs. ``sampling`` says whose
+    temperature / top-p / top-k calls are served with: the client's (``CLIENT``, the default here) or a
+    training run's (``SamplingPolicy.policy(...)``, what ``train`` passes). The settings are
     read once, at construction.
     """
 
@@ -115,6 +119,7 @@ class ProxyServer:
         tools_format: str = "qwen3",
         max_tokens_cap: int | None = None,
         max_threads_per_execution: int = MAX_THREADS_PER_EXECUTION,
+        sampling: SamplingPolicy = CLIENT,
     ) -> None:
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes={max_request_bytes} must be >= 1")
@@ -138,7 +143,7 @@ class ProxyServer:
         self._executions = Executions(record_store, max_threads_per_execution)
         self._pipeline = TurnPipeline(backend, tokenizer, record_store, model_name, seed=seed,
                                       default_max_tokens=default_max_tokens, tools_format=tools_format,
-                                      max_tokens_cap=max_tokens_cap)  # fmt: skip
+                                      max_tokens_cap=max_tokens_cap, sampling=sampling)  # fmt: skip
         self._requested_port = port
         self._server: uvicorn.Server | None = None
         self._socket: socket.socket | None = None
@@ -291,6 +296,8 @@ class ProxyServer:
             body = await read_json(request, self.max_request_bytes)
             turn_request = adapter.parse(body)
             turn = self._pipeline.prepare(turn_request, execution, thread_base(request.headers), t_start)
+            if (turn_request.n or 1) > 1:
+                return await self._choices(adapter, turn, request)
             if turn_request.stream:
                 return sse.response(adapter.stream(turn, self._pipeline.stream(turn, request.is_disconnected)))
             completion = await self._pipeline.run(turn, request.is_disconnected)
@@ -299,6 +306,17 @@ class ProxyServer:
             return JSONResponse(adapter.respond(turn, completion))
 
         return handle
+
+    async def _choices(self, adapter: TurnAdapter, turn: Turn, request: Request) -> Response:
+        """A call with several choices (n > 1): each its own generation and record, answered together."""
+        turns = self._pipeline.choices(turn)
+        if turn.request.stream:
+            events = self._pipeline.stream_choices(turns, request.is_disconnected)
+            return sse.response(adapter.stream_choices(turns, events))
+        completions = await self._pipeline.run_choices(turns, request.is_disconnected)
+        if completions is None:
+            return Response(status_code=499)
+        return JSONResponse(adapter.respond_choices(turns, completions))
 
     def _count_tokens_handler(self, messages: Messages) -> Handler:
         """Anthropic ``count_tokens``: the full rendering's token count; nothing is run or recorded."""

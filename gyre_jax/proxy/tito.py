@@ -1,11 +1,17 @@
 """Token-in/token-out prompt building: earlier turns are reused as the exact ids the policy saw and made.
 
-When a call's messages extend the last call of a live conversation (same tools, same earlier messages, then
-the assistant message the proxy returned; ``identity.Execution.place`` picks the longest such conversation
-among the several each thread keeps), the new prompt is ``previous prompt ids + previous completion
+When a call's messages extend a call of a live conversation (same tools, same earlier messages, then
+the assistant message the proxy returned; ``identity.Execution.place`` picks the conversation with the longest
+such call among the several each thread keeps, its last call or an earlier one), the new prompt is ``previous prompt ids + previous completion
 ids`` followed by the template rendering of only the new messages. Nothing generated is
 re-tokenized, so the trainer trains on what the policy produced. Any other call (a summary, a
 sub-agent, a retry with edited history) is rendered in full and starts a new branch.
+
+A client that re-sends the assistant turn changed (smolagents appends the stop string it cut; another
+may edit it) still continues as far as its text agrees: the previous prompt ids (the forced tool-call
+opener included, if the re-sent turn starts with it) and the leading completion ids whose text the re-sent
+turn starts with verbatim are reused, and only the rest of the re-sent turn is tokenized. A call with
+several choices (n > 1) remembers each: the next call may continue any of them.
 """
 
 from __future__ import annotations
@@ -76,7 +82,7 @@ def normalize_message(message: dict) -> dict:
 
 @dataclass
 class ThreadState:
-    """What the proxy remembers of a conversation's last call: bounded by one context, however long the run."""
+    """What the proxy remembers of a thread's last call: bounded by one context, however long the run."""
 
     messages: list[dict]  # normalized messages of the last request
     tools_key: str  # canonical JSON of the tools of the last request
@@ -84,13 +90,11 @@ class ThreadState:
     completion_ids: list[int]
     returned: dict  # normalized assistant message the proxy returned
     finished: bool  # the completion ended with a stop token
+    forced_text: str = ""  # text forced at the turn's start (tool_choice): the end of prompt_ids
+    alternatives: tuple[ThreadState, ...] = ()  # the same call's other choices (n > 1)
 
 
-CallPoint = tuple[int, int, int, bool]  # an earlier call: (its messages, prompt ids, completion ids, finished)
-
-
-def call_point(state: ThreadState) -> CallPoint:
-    return (len(state.messages), len(state.prompt_ids), len(state.completion_ids), state.finished)
+CallPoint = tuple[int, int, int]  # an earlier call: (its messages, prompt ids before its turn, its turn's ids)
 
 
 def _common_len(a: list[dict], b: list[dict]) -> int:
@@ -98,36 +102,49 @@ def _common_len(a: list[dict], b: list[dict]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
+def _resends(normalized: list[dict], k: int, returned: list[dict]) -> bool | None:
+    """Whether ``normalized[k]`` re-sends one of the ``returned`` turns as returned (True), an assistant turn
+    changed (False: ``build_prompt`` reuses it as far as its text agrees), or is no assistant turn (None)."""
+    if len(normalized) <= k or normalized[k].get("role") != "assistant":
+        return None
+    return normalized[k] in returned
+
+
 @dataclass
 class LiveConversation:
     """A conversation the proxy can continue token-in/token-out from its last call *or any earlier one*.
 
-    ``latest`` is its last call; ``points`` its earlier calls (oldest first) as offsets into ``latest``: each
-    earlier call's messages, returned turn, prompt and completion ids are prefixes of ``latest``'s (that is what
-    continuing them meant), so a fork from any of them (a retry, a summary request re-sending an earlier point)
-    reuses its ids at the cost of four integers per call.
+    ``latest`` is its last call (its n > 1 choices in ``alternatives``); ``points`` its earlier calls (oldest
+    first) as offsets into ``latest``: each earlier call's messages, prompt ids and turn, *as the call that
+    continued it re-sent them* (``PromptBuild.point``: its forced opener and the kept tokens of its completion,
+    the rest of a changed re-send tokenized), are prefixes of ``latest``'s, so a fork from any of them (a retry,
+    a summary request re-sending an earlier point) reuses its ids at the cost of three integers per call.
     """
 
     thread_id: str
     latest: ThreadState
     points: tuple[CallPoint, ...] = ()
 
-    def match(self, normalized: list[dict], key: str) -> tuple[int, ThreadState, tuple[CallPoint, ...]] | None:
+    def match(self, normalized: list[dict], key: str) -> tuple[int, bool, ThreadState, tuple[CallPoint, ...]] | None:
         """The call of this conversation that a request (``normalized`` messages, tools ``key``) extends, latest
-        or else the latest earlier one: ``(its message count, its state, the call points before it and it)``."""
+        or else the latest earlier one: ``(its message count, whether its turn is re-sent verbatim, its state, the
+        call points before it)``. A turn re-sent changed (``_resends``) still matches: the request continues the
+        latest call whose earlier messages it repeats."""
         latest = self.latest
         if key != latest.tools_key:
             return None
         common = _common_len(normalized, latest.messages)
         k = len(latest.messages)
-        if common == k and len(normalized) > k and normalized[k] == latest.returned:
-            return k, latest, (*self.points, call_point(latest))
+        exact = _resends(normalized, k, [c.returned for c in (latest, *latest.alternatives)])
+        if common == k and exact is not None:
+            return k, exact, latest, self.points
         for i in range(len(self.points) - 1, -1, -1):
-            k, p, c, finished = self.points[i]
-            if k < common:  # its messages and the turn it returned (latest.messages[k]) are re-sent verbatim
-                state = ThreadState(latest.messages[:k], key, latest.prompt_ids[:p], latest.prompt_ids[p : p + c],
-                                    latest.messages[k], finished)  # fmt: skip
-                return k, state, self.points[: i + 1]
+            k, p, t = self.points[i]
+            exact = _resends(normalized, k, [latest.messages[k]])  # the turn as it was re-sent after this call
+            if k <= common and exact is not None:
+                state = ThreadState(latest.messages[:k], key, latest.prompt_ids[:p], latest.prompt_ids[p : p + t],
+                                    latest.messages[k], True)  # fmt: skip
+                return k, exact, state, self.points[:i]
         return None
 
 
@@ -136,23 +153,13 @@ class PromptBuild:
     prompt_ids: list[int]
     reused_prefix_len: int  # leading ids copied verbatim from the previous call (0 for a new branch)
     continued: bool
+    # where the continued call lies in ``prompt_ids``: (its messages, prompt ids before its turn, its turn's ids up to
+    # and including <|im_end|>); a forced opener counts as turn (``LiveConversation.points``)
+    point: CallPoint | None = None
 
 
 def tools_key(tools: list[dict] | None) -> str:
     return json.dumps(tools or [], sort_keys=True)
-
-
-def extends(state: ThreadState, normalized: list[dict], key: str) -> bool:
-    """Whether a call with ``normalized`` messages (``normalize_message``; at least the first ``len(state.messages)
-    + 1`` of them) and tools ``key`` (``tools_key``) continues ``state``: same tools, the same earlier messages,
-    then the assistant message the proxy returned for it."""
-    k = len(state.messages)
-    return (
-        key == state.tools_key
-        and len(normalized) > k
-        and normalized[k] == state.returned
-        and normalized[:k] == state.messages
-    )
 
 
 def build_prompt(
@@ -163,21 +170,126 @@ def build_prompt(
     enable_thinking: bool | None = None,
     tools_format: str = "qwen3",
 ) -> PromptBuild:
-    """Prompt ids for ``messages``, reusing ``state``'s exact ids when the conversation continues it."""
-    if state is not None:
-        k = len(state.messages)
-        if extends(state, [normalize_message(m) for m in messages[: k + 1]], tools_key(tools)):
-            ids = list(state.prompt_ids) + list(state.completion_ids)
-            if not state.finished or not ids or ids[-1] != tokenizer.token_id(chat_template.IM_END):
-                ids += tokenizer.encode(chat_template.IM_END)  # the turn was cut (length) or ended otherwise
-            reused = len(ids)
-            suffix = chat_template.render_segments(messages, tools, tools_format)[k + 1 :]
-            ids += tokenizer.encode("\n" + "".join(suffix) + chat_template.generation_prompt(enable_thinking))
-            return PromptBuild(prompt_ids=ids, reused_prefix_len=reused, continued=True)
+    """Prompt ids for ``messages``, reusing the exact ids of ``state`` (or of one of its alternatives, the
+    choices of an n > 1 call) when the conversation continues it: one whose returned turn is re-sent as
+    returned first, else the one of which the re-sent turn agrees longest."""
+    candidates = [state, *state.alternatives] if state is not None else []
+    candidates = [c for c in candidates if _extends_history(messages, tools, c)]
+    for candidate in candidates:
+        if normalize_message(messages[len(candidate.messages)]) == candidate.returned:
+            return _continue_returned(tokenizer, messages, tools, candidate, enable_thinking, tools_format)
+    builds = [_continue_resent(tokenizer, messages, tools, c, enable_thinking, tools_format) for c in candidates]
+    builds = [b for b in builds if b is not None]
+    if builds:
+        return max(builds, key=lambda b: b.reused_prefix_len)
     text = chat_template.render(
         messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking, tools_format=tools_format
     )
     return PromptBuild(prompt_ids=tokenizer.encode(text), reused_prefix_len=0, continued=False)
+
+
+def _extends_history(messages: list[dict], tools: list[dict] | None, state: ThreadState) -> bool:
+    """Whether ``messages`` repeat ``state``'s messages (same tools) and go on past its assistant turn."""
+    k = len(state.messages)
+    if tools_key(tools) != state.tools_key or len(messages) <= k:
+        return False
+    return [normalize_message(m) for m in messages[:k]] == state.messages
+
+
+def _continue_returned(
+    tokenizer: Tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    state: ThreadState,
+    enable_thinking: bool | None,
+    tools_format: str,
+) -> PromptBuild:
+    """The prompt continuing ``state`` whose returned turn was re-sent as returned: all its ids, then the rest."""
+    prompt, turn = _split_turn(tokenizer, state)
+    if not state.finished or not turn or turn[-1] != tokenizer.token_id(chat_template.IM_END):
+        turn += tokenizer.encode(chat_template.IM_END)  # the turn was cut (length, stop string) or ended otherwise
+    ids = prompt + turn
+    return _with_suffix(tokenizer, ids, len(ids), messages, tools, state, len(prompt), enable_thinking, tools_format)
+
+
+def _continue_resent(
+    tokenizer: Tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    state: ThreadState,
+    enable_thinking: bool | None,
+    tools_format: str,
+) -> PromptBuild | None:
+    """The prompt continuing ``state`` whose turn was re-sent changed: its ids (the forced opener, then the
+    completion) as far as the re-sent text agrees, the rest of that text tokenized. A turn re-sent without the
+    forced text it started with (smolagents re-sends a forced tool call as "Calling tools: ..." text) so reuses
+    the prompt before the forced ids."""
+    resent = _resent_text(messages[len(state.messages)])
+    if resent is None:
+        return None
+    prompt, turn = _split_turn(tokenizer, state)
+    if turn and turn[-1] == tokenizer.token_id(chat_template.IM_END):
+        turn.pop()
+    agree = whole_tokens(tokenizer, turn, resent)
+    ids = prompt + turn[:agree]
+    reused = len(ids)
+    ids += tokenizer.encode(resent[len(tokenizer.decode(turn[:agree])) :] + chat_template.IM_END)
+    return _with_suffix(tokenizer, ids, reused, messages, tools, state, len(prompt), enable_thinking, tools_format)
+
+
+def _split_turn(tokenizer: Tokenizer, state: ThreadState) -> tuple[list[int], list[int]]:
+    """``state``'s prompt ids before its assistant turn, and the turn's ids: the forced opener (``forced_text``,
+    the end of its prompt ids), then the completion ids."""
+    start = len(state.prompt_ids) - (len(tokenizer.encode(state.forced_text)) if state.forced_text else 0)
+    return list(state.prompt_ids[:start]), list(state.prompt_ids[start:]) + list(state.completion_ids)
+
+
+def whole_tokens(tokenizer: Tokenizer, ids: Sequence[int], text: str) -> int:
+    """The most leading ``ids`` whose decoded text ``text`` starts with (whole tokens; O(log N) decodes)."""
+    full = tokenizer.decode(list(ids))
+    if text.startswith(full):
+        return len(ids)
+    agree = next((i for i, (a, b) in enumerate(zip(full, text)) if a != b), min(len(full), len(text)))
+    lo, hi = 0, len(ids)  # the most ids whose text is no longer than the agreeing characters
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(tokenizer.decode(list(ids[:mid]))) <= agree:
+            lo = mid
+        else:
+            hi = mid - 1
+    while lo > 0 and not text.startswith(tokenizer.decode(list(ids[:lo]))):
+        lo -= 1  # a token cut inside a character decodes to U+FFFD: step back to a whole one
+    return lo
+
+
+def _resent_text(message: dict) -> str | None:
+    """The re-sent assistant turn as the model would have generated it; None if it is not an assistant turn."""
+    if message.get("role") != "assistant":
+        return None
+    try:
+        return assistant_completion_text(message)
+    except ValueError:
+        return None
+
+
+def _with_suffix(
+    tokenizer: Tokenizer,
+    ids: list[int],
+    reused: int,
+    messages: list[dict],
+    tools: list[dict] | None,
+    state: ThreadState,
+    turn_start: int,
+    enable_thinking: bool | None,
+    tools_format: str,
+) -> PromptBuild:
+    """``ids`` (``state``'s turn, as re-sent, from ``turn_start`` to its ``<|im_end|>``) followed by the messages
+    after it."""
+    k = len(state.messages)
+    point = (k, turn_start, len(ids) - turn_start)
+    suffix = chat_template.render_segments(messages, tools, tools_format)[k + 1 :]
+    ids += tokenizer.encode("\n" + "".join(suffix) + chat_template.generation_prompt(enable_thinking))
+    return PromptBuild(prompt_ids=ids, reused_prefix_len=reused, continued=True, point=point)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gyre_jax.model.tokenizer import ByteTokenizer
-from gyre_jax.proxy import tito
+from gyre_jax.proxy import sampling, tito
 from gyre_jax.proxy.chat_template import ParsedCompletion, parse_completion
 from gyre_jax.proxy.errors import ProxyError
 from gyre_jax.proxy.identity import Execution, Placement
@@ -28,7 +28,12 @@ class TurnRequest:
 
     Either ``messages`` (a chat turn: rendered with the chat template, continuing its thread token-in/token-out)
     or ``prompt`` (a raw completion: a string whose special tokens become their single ids, or token ids used
-    verbatim). Sampling fields left None take the pipeline's defaults.
+    verbatim). Sampling fields left None take the pipeline's defaults (``SamplingPolicy``).
+
+    This is the one place an API's sampling features land: an adapter (any API, e.g. a Responses adapter) fills
+    ``temperature`` / ``top_p`` / ``top_k`` / ``seed``, ``stop``, ``n`` and ``tool_choice`` (internal form,
+    ``sampling.py``) with what the client sent, None / () where it sent nothing; the pipeline serves them and
+    ``client_sampling()`` records them.
     """
 
     api: str  # the record's "api": chat | completions | messages (one name per API)
@@ -44,7 +49,17 @@ class TurnRequest:
     top_k: int | None = None  # None or 0: off
     max_tokens: int | None = None  # None: the proxy's default; always clipped to its cap and to the context
     seed: int | None = None  # None: derived from the proxy's seed, the execution and its call number
+    stop: tuple[str, ...] = ()  # stop strings: the returned text ends before the first one (sampling.stop_strings)
+    n: int | None = None  # choices (None: 1): each its own generation and TITO record, sharing the prompt
+    tool_choice: str | dict[str, Any] | None = None  # internal form (sampling.py); None: not sent, as "auto"
     wire: Any = None  # the adapter's validated request, for framing the reply; the pipeline never reads it
+
+    def client_sampling(self) -> dict[str, Any] | None:
+        """The sampling fields the client sent, as the record keeps them (``TitoRecord.client_sampling``)."""
+        return sampling.client_sampling(
+            {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+             "stop": self.stop, "n": self.n, "tool_choice": self.tool_choice}
+        )  # fmt: skip
 
 
 @dataclass
@@ -59,6 +74,8 @@ class Turn:
     t_start: float  # when the HTTP request arrived (Unix time)
     created: int = field(default_factory=lambda: int(time.time()))  # when the turn was placed (Unix second)
     placement: Placement | None = None  # the conversation it continues or starts (None: recorded on no conversation)
+    forced_text: str = ""  # text forced at the turn's start (tool_choice): its ids end build.prompt_ids
+    index: int = 0  # the choice this turn is (n > 1), in the reply's ``choices``
 
     @property
     def prompt_tokens(self) -> int:
@@ -85,6 +102,14 @@ class Completion:
     message: dict[str, Any] | None  # the assistant message (internal form) for a chat turn, else None
     finish_reason: str  # stop | length | tool_calls
     pieces: list[TokenPiece] | None  # one per text id when the request asked for log-probs, else None
+    kept: int | None = None  # leading generated ids the record keeps (None: all); fewer when a stop string cut it
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
+
+    @property
+    def kept_ids(self) -> list[int]:
+        """The generated ids the record and the thread keep: [kept] (see ``complete``)."""
+        ids = self.result.token_ids
+        return list(ids if self.kept is None else ids[: self.kept])
 
     @property
     def completion_tokens(self) -> int:
@@ -153,17 +178,45 @@ def token_bytes(tokenizer: tito.Tokenizer, token_id: int) -> bytes:
     return tokenizer.decode([token_id]).encode("utf-8")
 
 
+def parse_forced(text: str, parse_tools: bool) -> ParsedCompletion:
+    """``parse_text`` of a turn forced to open a tool call: a call the model closed without the template's
+    ``}\n</tool_call>`` (it stopped after valid arguments) is closed for it; the record keeps the real ids."""
+    parsed = parse_text(text, parse_tools)
+    if parsed.tool_calls or "</tool_call>" in text:
+        return parsed
+    for closing in ("\n</tool_call>", "}\n</tool_call>"):
+        repaired = parse_text(text.rstrip() + closing, parse_tools)
+        if repaired.tool_calls and not repaired.tool_call_errors:
+            return repaired
+    return parsed
+
+
 def complete(turn: Turn, result: GenerationResult, tokenizer: tito.Tokenizer) -> Completion:
-    """What a generation means for its turn: text ids [N] (stop id cut), text, parse, finish reason, pieces."""
+    """What a generation means for its turn: text ids [N] (stop id cut), text, parse, finish reason, pieces.
+
+    A stop string cuts the text before it; the record keeps only whole generated tokens (``kept``): when the
+    stop string starts inside a token, that token and the rest are dropped and the text ends where the kept
+    tokens end, so the record decodes to exactly the returned text (``forced_text`` + kept ids).
+    """
     ids = list(result.token_ids)
     stop_ids = turn.generation.sampling.stop_ids
     text_ids = ids[:-1] if result.finish_reason == "stop" and ids and ids[-1] in stop_ids else ids
-    text = tokenizer.decode(text_ids)
-    parsed = parse_text(text, turn.request.parse_tools) if turn.request.messages is not None else None
+    kept, stop_sequence = None, None
+    if turn.request.stop:
+        decoded = tokenizer.decode(text_ids)
+        cut, stop_sequence = sampling.visible_len(decoded, turn.request.stop)
+        if stop_sequence is not None:
+            kept = tito.whole_tokens(tokenizer, text_ids, decoded[:cut])
+            text_ids = ids[:kept]
+    text = turn.forced_text + tokenizer.decode(text_ids)
+    parsed = None
+    if turn.request.messages is not None:
+        parse = parse_forced if turn.forced_text else parse_text
+        parsed = parse(text, turn.request.parse_tools)
     if parsed is not None and parsed.tool_calls:
         finish = "tool_calls"
     else:
-        finish = "stop" if result.finish_reason == "stop" else "length"
+        finish = "stop" if result.finish_reason == "stop" or stop_sequence is not None else "length"
     pieces = None
     if turn.request.logprobs:
         pieces = [
@@ -171,21 +224,22 @@ def complete(turn: Turn, result: GenerationResult, tokenizer: tito.Tokenizer) ->
             for token_id, logprob in zip(text_ids, result.logprobs)
         ]
     message = returned_message(parsed) if parsed is not None else None
-    return Completion(result, text_ids, text, parsed, message, finish, pieces)
+    return Completion(result, text_ids, text, parsed, message, finish, pieces, kept, stop_sequence)
 
 
 def tito_record(turn: Turn, completion: Completion, call_index: int, model: str) -> TitoRecord:
     """The turn's durable record (``t_end`` is now): exactly the prompt and completion ids it was served."""
     result = completion.result
+    kept = len(completion.kept_ids)
     return TitoRecord(
         execution_id=turn.execution.execution_id,
         call_index=call_index,
         thread_id=turn.thread_id,
         request_id=turn.generation.request_id,
         prompt_ids=list(turn.build.prompt_ids),
-        completion_ids=list(result.token_ids),
-        completion_logprobs=[float(x) for x in result.logprobs],
-        policy_versions=[int(v) for v in result.policy_versions],
+        completion_ids=completion.kept_ids,
+        completion_logprobs=[float(x) for x in result.logprobs[:kept]],
+        policy_versions=[int(v) for v in result.policy_versions[:kept]],
         finish_reason=result.finish_reason,
         temperature=turn.generation.sampling.temperature,
         reused_prefix_len=turn.build.reused_prefix_len,
@@ -195,18 +249,26 @@ def tito_record(turn: Turn, completion: Completion, call_index: int, model: str)
         api=turn.request.api,
         cell=result.cell,
         agent_kind=turn.placement.agent_kind if turn.placement is not None else "",
+        client_sampling=turn.request.client_sampling(),
     )
 
 
-def thread_state(turn: Turn, completion: Completion) -> tito.ThreadState | None:
-    """What the thread remembers of a chat turn for the next call's token-in/token-out; None for a raw prompt."""
+def thread_state(
+    turn: Turn, completion: Completion, siblings: tuple[tito.ThreadState, ...] = ()
+) -> tito.ThreadState | None:
+    """What the thread remembers of a chat turn for the next call's token-in/token-out; None for a raw prompt.
+
+    ``siblings``: the states of the call's other choices (n > 1), so the next call may continue any of them.
+    """
     if turn.request.messages is None or completion.message is None:
         return None
     return tito.ThreadState(
         messages=[tito.normalize_message(m) for m in turn.request.messages],
         tools_key=tito.tools_key(turn.request.tools),
         prompt_ids=list(turn.build.prompt_ids),
-        completion_ids=list(completion.result.token_ids),
+        completion_ids=completion.kept_ids,
         returned=tito.normalize_message(completion.message),
         finished=completion.result.finish_reason == "stop",
+        forced_text=turn.forced_text,
+        alternatives=siblings,
     )

@@ -18,6 +18,10 @@ Each branch belongs to an *agent* and is labelled by priority class:
   that branch's agent (a summary, a retry); one with a different first message is a new agent.
 - An agent whose first record has ``agent_kind == "auxiliary"`` (a harness-side utility call: a title, a
   topic check) labels all its branches ``auxiliary`` and is never the main agent.
+- A greedy call (``temperature`` 0, served under ``proxy.sampling = "client"``) is not a sample of the
+  policy's distribution: its completion joins its branch as context (not trainable, temperature 1.0, so
+  no 0 ever reaches the loss) and is counted in ``BranchBuilder.greedy_calls``. The execution's other
+  calls still train: they were sampled, and the greedy turns are part of what they were conditioned on.
 - The main agent is the first non-auxiliary agent of the main thread (``"main"`` if a non-auxiliary call
   has it, else the first non-auxiliary call's thread). Its first branch is ``main``, its later branches
   ``main-summary``; every other agent's first branch is ``subagent``, its later ones ``subagent-summary``.
@@ -129,6 +133,7 @@ class BranchBuilder:
         self._agents: list[str] = []  # thread of each agent, by agent number
         self._auxiliary: set[int] = set()  # agents of harness utility calls
         self._last_call = -1
+        self.greedy_calls = 0  # calls whose completion is kept as context only (temperature 0)
 
     def _first_message_len(self, tokens: list[int]) -> int:
         if self.message_end_id is None:
@@ -168,9 +173,11 @@ class BranchBuilder:
             )
             self.branches.append(parent)
         parent._append(rec.prompt_ids[len(parent.tokens) :], trainable=False)
+        greedy = rec.temperature == 0
+        self.greedy_calls += greedy
         parent._append(
             rec.completion_ids,
-            trainable=True,
+            trainable=not greedy,
             logprobs=list(rec.completion_logprobs),
             temperature=rec.temperature,
             versions=list(rec.policy_versions),

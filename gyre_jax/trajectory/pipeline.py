@@ -43,6 +43,7 @@ PACKING = ("tree", "plain")
 STEP_STATS = (
     "executions",
     "excluded",
+    "greedy_calls",
     "branches",
     "selected",
     "targets",
@@ -105,6 +106,7 @@ class LoadedExecution:
     entry: QueuedExecution
     branches: list[Branch] | None = None
     excluded: str | None = None
+    greedy_calls: int = 0  # calls kept as context only (temperature 0, see branches.py)
 
 
 @dataclass
@@ -112,6 +114,7 @@ class SelectedExecution:
     entry: QueuedExecution
     selection: Selection | None = None
     excluded: str | None = None
+    greedy_calls: int = 0
 
 
 @dataclass
@@ -120,6 +123,7 @@ class ExecutionChunks:
     selection: Selection | None = None
     chunks: list[Chunk] = field(default_factory=list)
     excluded: str | None = None
+    greedy_calls: int = 0
 
 
 @dataclass
@@ -202,7 +206,7 @@ class LoadExecution(grain.transforms.Map):
             return LoadedExecution(entry=entry, excluded=f"corrupt records: {e}")
         except OSError as e:  # unreadable file (permissions, I/O error): this execution only
             return LoadedExecution(entry=entry, excluded=f"unreadable records: {path}: {e}")
-        return LoadedExecution(entry=entry, branches=branches)
+        return LoadedExecution(entry=entry, branches=branches, greedy_calls=builder.greedy_calls)
 
 
 class SelectBranches(grain.transforms.Map):
@@ -212,14 +216,20 @@ class SelectBranches(grain.transforms.Map):
         self.config = config
 
     def map(self, element: LoadedExecution) -> SelectedExecution:
+        greedy = element.greedy_calls
         if element.excluded is not None:
-            return SelectedExecution(entry=element.entry, excluded=element.excluded)
+            return SelectedExecution(entry=element.entry, excluded=element.excluded, greedy_calls=greedy)
         eid = element.entry.execution_id
         sel = select(eid, element.branches, self.config.max_branches, execution_rng(self.config.seed, eid),
                      auxiliary=self.config.auxiliary)  # fmt: skip
         if sel.num_selected == 0:
-            return SelectedExecution(entry=element.entry, excluded="nothing to train: no policy-generated token")
-        return SelectedExecution(entry=element.entry, selection=sel)
+            reason = "nothing to train: no policy-generated token"
+            if greedy:
+                reason = (
+                    f"nothing to train: every call was greedy (temperature 0, {greedy} calls; proxy.sampling=client)"
+                )
+            return SelectedExecution(entry=element.entry, excluded=reason, greedy_calls=greedy)
+        return SelectedExecution(entry=element.entry, selection=sel, greedy_calls=greedy)
 
 
 class BuildChunks(grain.transforms.Map):
@@ -230,7 +240,7 @@ class BuildChunks(grain.transforms.Map):
 
     def map(self, element: SelectedExecution) -> ExecutionChunks:
         if element.excluded is not None:
-            return ExecutionChunks(entry=element.entry, excluded=element.excluded)
+            return ExecutionChunks(entry=element.entry, excluded=element.excluded, greedy_calls=element.greedy_calls)
         c, sel = self.config, element.selection
         try:
             if c.packing == "tree":
@@ -238,8 +248,12 @@ class BuildChunks(grain.transforms.Map):
             else:
                 chunks = plain_chunks(sel, c.row_length)
         except ValueError as e:
-            return ExecutionChunks(entry=element.entry, excluded=f"does not fit: {e}; raise trajectory.row_length")
-        return ExecutionChunks(entry=element.entry, selection=sel, chunks=chunks)
+            return ExecutionChunks(
+                entry=element.entry,
+                excluded=f"does not fit: {e}; raise trajectory.row_length",
+                greedy_calls=element.greedy_calls,
+            )
+        return ExecutionChunks(entry=element.entry, selection=sel, chunks=chunks, greedy_calls=element.greedy_calls)
 
 
 # -- packing -----------------------------------------------------------------------------------------------------------
@@ -283,6 +297,7 @@ class _PackIterator(grain.DatasetIterator):
                 f"(each step must be enqueued whole, with its last entry marked)"
             )
         self._stats["executions"] += 1
+        self._stats["greedy_calls"] += element.greedy_calls
         if element.excluded is not None:
             log.warning("execution %s excluded from training: %s", e.execution_id, element.excluded)
             self._excluded.append((e.execution_id, element.excluded))

@@ -11,8 +11,10 @@ file, the line and what was wrong. The checks:
   execution instead of training on a log that ends in the middle of a call;
 - every line parses as a ``TitoRecord`` of this execution, with ``call_index`` equal to its line
   number (the proxy assigns indices as it appends, so a gap or a reordering means lost records);
-- completion log-probs are finite and <= 0, temperatures > 0, and, when ``vocab_size`` is given,
-  every token id lies in ``[0, vocab_size)``.
+- completion log-probs are finite and <= 0, temperatures finite and >= 0 (0 is a greedy call, served
+  under ``proxy.sampling = "client"``: read, kept as context, never trained: ``branches.py``),
+  ``client_sampling`` an object or null, and, when ``vocab_size`` is given, every token id lies in
+  ``[0, vocab_size)``.
 
 An execution that fails a check is excluded from training with that reason; the pipeline goes on.
 """
@@ -90,8 +92,10 @@ def parse_record(line: str, execution_id: str, line_no: int, vocab_size: int | N
         raise CorruptRecords(f"{where}: completion_logprobs must be finite log-probabilities (<= 0)")
     if not all(type(v) is int for v in rec.policy_versions):
         raise CorruptRecords(f"{where}: policy_versions must be integers")
-    if not (isinstance(rec.temperature, (int, float)) and math.isfinite(rec.temperature) and rec.temperature > 0):
-        raise CorruptRecords(f"{where}: temperature {rec.temperature!r} must be a finite number > 0")
+    if not (isinstance(rec.temperature, (int, float)) and math.isfinite(rec.temperature) and rec.temperature >= 0):
+        raise CorruptRecords(f"{where}: temperature {rec.temperature!r} must be a finite number >= 0 (0: greedy)")
+    if rec.client_sampling is not None and not isinstance(rec.client_sampling, dict):
+        raise CorruptRecords(f"{where}: client_sampling must be an object or null")
     if not rec.prompt_ids:
         raise CorruptRecords(f"{where}: empty prompt_ids")
     return rec

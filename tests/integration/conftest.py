@@ -193,7 +193,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     params = brief_training(graphdef, params, tokenizer)
     engine = Engine(cfg, graphdef, mesh, rules, max_concurrent_decodes=4, max_seq_len=MAX_SEQ_LEN,
                     max_prefill_length=1024, prefill_buckets=(128, 1024))  # fmt: skip
-    loop = ServingLoop(engine, params, policy_version=0, name="cell0", seed=0).start()
+    loop = ServingLoop(engine, params, policy_version=0, name="cell0", seed=0, detokenize=tokenizer.decode).start()
     router = Router({"cell0": loop})
     records = RecordStore(tmp_path_factory.mktemp("records"))
     proxy = ProxyServer(router, tokenizer, records, model_name=MODEL, tools_format="compact", max_tokens_cap=MAX_TOKENS_CAP,

@@ -164,3 +164,32 @@ def test_bad_input_burst_against_the_real_engine_then_valid(stack) -> None:
     assert httpx.post(oai, json=good_oai, headers=auth, timeout=60).status_code == 200
     assert httpx.post(anth, json=good_anth, headers=auth, timeout=60).status_code == 200
     assert stack.proxy.execution_calls("sdk-burst") == 2
+
+
+def test_stop_strings_choices_and_forced_tool_calls_on_the_real_engine(stack) -> None:
+    """Stop strings run in the real serving loop (built with ``detokenize``): each record decodes to exactly the
+    returned text; n choices and a forced tool call are recorded as served."""
+    key = stack.proxy.open_execution("sdk-sampling")
+    client = openai.OpenAI(base_url=stack.proxy.base_url, api_key=key, max_retries=0, timeout=120)
+    stops, cuts = [" ", "e", "a", "\n"], 0
+    for seed in range(6):
+        prompt = "<|im_start|>user\nRead input.txt.<|im_end|>\n<|im_start|>assistant\n"  # what it was trained on
+        out = client.completions.create(model="gyre-tiny", prompt=prompt, stop=stops, seed=seed)
+        record = stack.records.read("sdk-sampling")[-1]
+        ids = record.completion_ids
+        ids = ids[:-1] if ids and ids[-1] in stack.tokenizer.eos_ids else ids
+        assert stack.tokenizer.decode(ids) == out.choices[0].text and not any(s in out.choices[0].text for s in stops)
+        cuts += out.choices[0].finish_reason == "stop" and ids == record.completion_ids  # ended by a stop string
+    assert cuts >= 1
+    named = {"type": "function", "function": {"name": "read_file"}}
+    messages = [{"role": "user", "content": "Read input.txt."}]
+    out = client.chat.completions.create(model="gyre-tiny", messages=messages, tools=TOOLS_OPENAI, tool_choice=named,
+                                         n=2, seed=1)  # fmt: skip
+    assert [c.index for c in out.choices] == [0, 1]
+    records = stack.records.read("sdk-sampling")[-2:]
+    forced = '<tool_call>\n{"name": "read_file", "arguments": '
+    for record in records:
+        check_record(stack, record, 24)
+        assert stack.tokenizer.decode(record.prompt_ids).endswith("<|im_start|>assistant\n" + forced)
+        assert record.client_sampling == {"seed": 1, "n": 2, "tool_choice": named}
+    stack.proxy.close_execution("sdk-sampling")

@@ -281,7 +281,8 @@ def test_malformed_anthropic_burst_then_valid(server, backend, execution) -> Non
         ({**good, "messages": [{"role": "user", "content": [{"text": "no type"}]}]}, 400, "invalid_request_error"),
         ({**good, "tools": [{"description": "no name"}]}, 400, "invalid_request_error"),
         ({**good, "temperature": -3}, 400, "invalid_request_error"),
-        ({**good, "stop_sequences": ["\n"]}, 400, "invalid_request_error"),
+        ({**good, "stop_sequences": ["x"] * 65}, 400, "invalid_request_error"),
+        ({**good, "tool_choice": {"type": "tool"}}, 400, "invalid_request_error"),
         ({**good, "thinking": {"type": "sometimes"}}, 400, "invalid_request_error"),
         ({**good, "model": "claude-opus"}, 404, "not_found_error"),
         ({**good, "messages": [{"role": "user", "content": "x" * (MAX_CONTEXT + 5)}]}, 400, "invalid_request_error"),
@@ -294,8 +295,8 @@ def test_malformed_anthropic_burst_then_valid(server, backend, execution) -> Non
     for body, status, kind in bad:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         assert_anthropic_error(httpx.post(url, content=content, headers=headers, timeout=10), status, kind)
-    assert "not supported yet" in assert_anthropic_error(
-        httpx.post(url, json={**good, "stop_sequences": ["x"]}, headers=headers, timeout=10), 400
+    assert "no tools" in assert_anthropic_error(
+        httpx.post(url, json={**good, "tool_choice": {"type": "any"}}, headers=headers, timeout=10), 400
     )
     assert_anthropic_error(
         httpx.post(url, json=good, headers={"x-api-key": "never-issued"}, timeout=10), 401, "authentication_error"

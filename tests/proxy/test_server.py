@@ -444,9 +444,11 @@ def test_malformed_burst_then_valid(server: ProxyServer, store: RecordStore, exe
         (valid_body(max_tokens="many"), 400, None),
         (valid_body(tools=[{"type": "function"}]), 400, None),
         (valid_body(tools=[{"type": "retrieval", "function": {"name": "x"}}]), 400, None),
-        (valid_body(n=2), 400, None),
-        (valid_body(stop=["\n"]), 400, None),
-        (valid_body(tool_choice="required"), 400, None),
+        (valid_body(n=17), 400, None),  # more choices than sampling.MAX_CHOICES
+        (valid_body(stop=["a", "b", "c", "d", "e"]), 400, None),  # OpenAI allows 4
+        (valid_body(tool_choice="required"), 400, None),  # no tools to call
+        (valid_body(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), 400, None),
+        (valid_body(tool_choice="sometimes"), 400, None),
         (valid_body(model="gpt-4o"), 404, "model_not_found"),
         (valid_body(messages=[{"role": "user", "content": "x" * (MAX_CONTEXT + 10)}]), 400, "context_length_exceeded"),
     ]
@@ -456,8 +458,10 @@ def test_malformed_burst_then_valid(server: ProxyServer, store: RecordStore, exe
             assert "temperature" in error["message"] and error["param"] == "temperature"
         if status == 400 and code is None and isinstance(body, dict) and "messages" not in body:
             assert "messages" in error["message"]
-    assert "not supported yet" in assert_openai_error(post(server, key, valid_body(n=2)))["message"]
-    assert "stop sequences" in assert_openai_error(post(server, key, valid_body(stop="x")))["message"]
+    assert (
+        "at most 4 stop sequences" in assert_openai_error(post(server, key, valid_body(stop=list("abcde"))))["message"]
+    )
+    assert "no tools" in assert_openai_error(post(server, key, valid_body(tool_choice="required")))["message"]
     assert server.execution_calls(execution_id) == 0
     assert post(server, key, valid_body()).status_code == 200
     assert server.execution_calls(execution_id) == 1

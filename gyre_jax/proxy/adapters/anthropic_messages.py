@@ -34,9 +34,31 @@ from gyre_jax.proxy import sse
 from gyre_jax.proxy.adapters.base import Lenient, TurnAdapter
 from gyre_jax.proxy.chat_template import ParsedCompletion, tojson
 from gyre_jax.proxy.errors import ProxyError
+from gyre_jax.proxy.sampling import stop_strings
 from gyre_jax.proxy.turns import Completion, Turn, TurnRequest
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}  # internal -> Anthropic
+MAX_STOP_SEQUENCES = 64  # each is checked after every generated token
+
+
+def stop_reason(completion: Completion) -> str:
+    """``end_turn`` | ``stop_sequence`` (one of the request's ``stop_sequences`` ended it) | ``max_tokens`` |
+    ``tool_use``."""
+    if completion.finish_reason == "stop" and completion.stop_sequence is not None:
+        return "stop_sequence"
+    return STOP_REASONS[completion.finish_reason]
+
+
+def internal_tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """Anthropic ``tool_choice`` in the internal (OpenAI chat) form: auto, none, any -> required, tool -> named."""
+    if choice is None:
+        return None
+    kind = choice.get("type")
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return kind
 
 
 class TextBlock(Lenient):
@@ -222,24 +244,25 @@ def to_internal(req: MessagesRequest | CountTokensRequest) -> TurnRequest:
                 texts.append(_text_of(block, f"{where}.content.{k}"))
             messages.append({"role": "system", "content": "\n\n".join(texts)})
     thinking = req.thinking.type if req.thinking is not None else None
-    choice = getattr(req, "tool_choice", None) or {}
+    choice = internal_tool_choice(getattr(req, "tool_choice", None))
     return TurnRequest(
         api="messages",
         messages=messages,
         tools=convert_tools(req.tools),
         enable_thinking=False if thinking == "disabled" else None,
-        parse_tools=choice.get("type") != "none",  # False for tool_choice {"type": "none"}
+        parse_tools=choice != "none",  # False for tool_choice {"type": "none"}
+        tool_choice=choice,
         wire=req,
     )
 
 
 def check_supported(req: MessagesRequest) -> None:
     """Raises ValueError for valid Anthropic features this proxy does not implement."""
-    if req.stop_sequences:
-        raise ValueError("not supported yet: stop_sequences; omit them (generation ends at the end-of-turn token)")
     choice = req.tool_choice
     if choice is not None and choice.get("type") not in ("auto", "any", "tool", "none"):
         raise ValueError(f"tool_choice {choice!r}: expected type 'auto', 'any', 'tool' or 'none'")
+    if choice is not None and choice.get("type") == "tool" and not isinstance(choice.get("name"), str):
+        raise ValueError(f"tool_choice {choice!r}: type 'tool' needs the tool's 'name'")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -282,6 +305,7 @@ def message_body(
     stop_reason: str | None,
     input_tokens: int,
     output_tokens: int,
+    stop_sequence: str | None = None,
 ) -> dict[str, Any]:
     return {
         "id": message_id,
@@ -290,7 +314,7 @@ def message_body(
         "model": model,
         "content": blocks if blocks is not None else [],
         "stop_reason": stop_reason,
-        "stop_sequence": None,
+        "stop_sequence": stop_sequence,
         "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
     }
 
@@ -298,7 +322,9 @@ def message_body(
 PING = sse.event("ping", {"type": "ping"})
 
 
-def stream_events(blocks: list[dict[str, Any]], stop_reason: str, output_tokens: int) -> list[str]:
+def stream_events(
+    blocks: list[dict[str, Any]], stop_reason: str, output_tokens: int, stop_sequence: str | None = None
+) -> list[str]:
     """Everything after ``message_start``: each block as start / delta(s) / stop, then the message's end."""
     events = []
     for index, block in enumerate(blocks):
@@ -326,7 +352,7 @@ def stream_events(blocks: list[dict[str, Any]], stop_reason: str, output_tokens:
             "message_delta",
             {
                 "type": "message_delta",
-                "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                 "usage": {"output_tokens": output_tokens},
             },
         )  # fmt: skip
@@ -349,6 +375,10 @@ class Messages(TurnAdapter):
     def parse(self, body: dict[str, Any]) -> TurnRequest:
         turn_request = self._convert(body, MessagesRequest)
         req = turn_request.wire
+        try:
+            stop = stop_strings(req.stop_sequences, MAX_STOP_SEQUENCES, "stop_sequences")
+        except ValueError as exc:
+            raise ProxyError(400, f"invalid messages request: {exc}") from None
         return dataclasses.replace(
             turn_request,
             stream=bool(req.stream),
@@ -356,6 +386,7 @@ class Messages(TurnAdapter):
             top_p=req.top_p,
             top_k=req.top_k,
             max_tokens=req.max_tokens,
+            stop=stop,
         )
 
     def parse_count_tokens(self, body: dict[str, Any]) -> TurnRequest:
@@ -377,8 +408,8 @@ class Messages(TurnAdapter):
     def respond(self, turn: Turn, completion: Completion) -> dict[str, Any]:
         assert completion.parsed is not None
         return message_body(
-            self.reply_id(), self.model_name, content_blocks(completion.parsed),
-            STOP_REASONS[completion.finish_reason], turn.prompt_tokens, completion.completion_tokens,
+            self.reply_id(), self.model_name, content_blocks(completion.parsed), stop_reason(completion),
+            turn.prompt_tokens, completion.completion_tokens, completion.stop_sequence,
         )  # fmt: skip
 
     def stream_open(self, turn: Turn, reply_id: str) -> list[str]:
@@ -388,7 +419,7 @@ class Messages(TurnAdapter):
     def stream_close(self, turn: Turn, reply_id: str, completion: Completion) -> list[str]:
         assert completion.parsed is not None
         blocks = content_blocks(completion.parsed)
-        return stream_events(blocks, STOP_REASONS[completion.finish_reason], completion.completion_tokens)
+        return stream_events(blocks, stop_reason(completion), completion.completion_tokens, completion.stop_sequence)
 
     def stream_error(self, err: ProxyError) -> str:
         return sse.event("error", self.error_body(err))

@@ -36,6 +36,10 @@ class TurnAdapter(abc.ABC):
       per KeepAlive, then ``stream_close`` of the completion or ``stream_error``; an adapter that frames
       incrementally (live deltas) overrides it.
     - ``error_body(err) -> body``: an error in the style (``error_style``) this API's clients understand.
+
+    A call with several choices (``TurnRequest.n`` > 1; each choice a ``Turn`` with its ``index``) is answered by
+    ``respond_choices`` / ``stream_choices``; an API with ``n`` implements ``respond_choices``, ``stream_choice``
+    and ``stream_end``.
     """
 
     error_style: ClassVar[Api] = "openai"
@@ -71,6 +75,39 @@ class TurnAdapter(abc.ABC):
             if isinstance(event, Completed):
                 for text in self.stream_close(turn, reply_id, event.completion):
                     yield text
+            elif isinstance(event, Failed):
+                yield self.stream_error(event.error)
+            else:
+                yield self.keepalive
+
+    def respond_choices(self, turns: list[Turn], completions: list[Completion]) -> dict[str, Any]:
+        """The JSON reply of a call with several choices (n > 1), in choice order."""
+        raise ProxyError(400, f"not supported: n > 1 on {type(self).__name__}; request one choice per call", param="n")
+
+    def stream_choice(self, turn: Turn, reply_id: str, completion: Completion) -> list[str]:
+        """The events that carry one choice of a streamed call with several choices."""
+        raise ProxyError(400, f"not supported: n > 1 on {type(self).__name__}; request one choice per call", param="n")
+
+    def stream_end(self, turns: list[Turn], reply_id: str, completions: list[Completion]) -> list[str]:
+        """The events that end a streamed call with several choices, once every choice was sent."""
+        return []
+
+    async def stream_choices(self, turns: list[Turn], events: AsyncIterator[TurnEvent]) -> AsyncIterator[str]:
+        """``stream`` of a call with several choices: each choice's open events, keep-alives, then each choice's
+        events as its ``Completed`` arrives (in choice order), then ``stream_end``."""
+        reply_id = self.reply_id()
+        for turn in turns:
+            for text in self.stream_open(turn, reply_id):
+                yield text
+        done: list[Completion] = []
+        async for event in events:
+            if isinstance(event, Completed):
+                done.append(event.completion)
+                for text in self.stream_choice(turns[len(done) - 1], reply_id, event.completion):
+                    yield text
+                if len(done) == len(turns):
+                    for text in self.stream_end(turns, reply_id, done):
+                        yield text
             elif isinstance(event, Failed):
                 yield self.stream_error(event.error)
             else:

@@ -15,6 +15,7 @@ from pydantic import Field
 from gyre_jax.proxy import sse
 from gyre_jax.proxy.adapters.base import Lenient, TurnAdapter
 from gyre_jax.proxy.errors import ProxyError
+from gyre_jax.proxy.sampling import MAX_CHOICES, stop_strings
 from gyre_jax.proxy.turns import Completion, Turn, TurnRequest
 
 
@@ -72,7 +73,7 @@ class ChatCompletionRequest(Lenient):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     seed: int | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stop: str | list[str] | None = None
@@ -83,28 +84,29 @@ class ChatCompletionRequest(Lenient):
 
 def check_chat_supported(req: ChatCompletionRequest) -> None:
     """Rejects valid OpenAI features this proxy does not implement, rather than silently ignoring them."""
-    if req.n not in (None, 1):
-        raise ProxyError(400, f"not supported yet: n={req.n}; request one choice (n=1) per call", param="n")
-    if req.stop:
+    choice = req.tool_choice
+    if isinstance(choice, str) and choice not in ("auto", "none", "required"):
         raise ProxyError(
-            400,
-            "not supported yet: stop sequences; omit 'stop' (generation ends at the end-of-turn token)",
-            param="stop",
+            400, f"tool_choice={choice!r}: expected 'auto', 'none', 'required' or a named function", param="tool_choice"
         )
-    if req.tool_choice not in (None, "auto", "none"):
-        raise ProxyError(
-            400,
-            f"not supported yet: tool_choice={req.tool_choice!r}; use 'auto', 'none' or omit it",
-            param="tool_choice",
-        )
+
+
+def openai_stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    """OpenAI ``stop`` (a string or up to 4 strings) as stop strings; 400 if there are more."""
+    try:
+        return stop_strings(stop, 4, "stop")
+    except ValueError as exc:
+        raise ProxyError(400, str(exc), param="stop") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Response bodies and stream chunks (shared with legacy completions: usage, include_usage)
 
 
-def usage(turn: Turn, completion: Completion) -> dict[str, int]:
-    prompt_tokens, completion_tokens = turn.prompt_tokens, completion.completion_tokens
+def usage(turn: Turn, completion: Completion, *more: Completion) -> dict[str, int]:
+    """Token usage of a call: its prompt once, the completions of all its choices."""
+    prompt_tokens = turn.prompt_tokens
+    completion_tokens = sum(c.completion_tokens for c in (completion, *more))
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -147,11 +149,13 @@ def chat_stream_chunks(
     logprobs: dict[str, Any] | None,
     finish_reason: str,
     usage_body: dict[str, int] | None,
+    index: int = 0,
 ) -> list[str]:
-    """A whole chat completion as chunks: reasoning, content (with logprobs), each tool call, the finish."""
+    """A whole chat completion (choice ``index``) as chunks: reasoning, content (with logprobs), each tool call,
+    the finish."""
 
     def choice(delta: dict[str, Any], lp: dict[str, Any] | None = None, finish: str | None = None) -> dict:
-        return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
     chunks = []
     if message.get("reasoning_content") is not None:
@@ -190,6 +194,9 @@ class ChatCompletions(TurnAdapter):
             tools=body.get("tools") or None,
             enable_thinking=kwargs.enable_thinking if kwargs is not None else None,
             parse_tools=req.tool_choice != "none",
+            tool_choice=req.tool_choice,
+            stop=openai_stop(req.stop),
+            n=req.n,
             logprobs=bool(req.logprobs),
             stream=bool(req.stream),
             temperature=req.temperature,
@@ -204,7 +211,7 @@ class ChatCompletions(TurnAdapter):
 
     def respond(self, turn: Turn, completion: Completion) -> dict[str, Any]:
         choice = {
-            "index": 0,
+            "index": turn.index,
             "message": completion.message,
             "logprobs": chat_logprobs(completion),
             "finish_reason": completion.finish_reason,
@@ -218,8 +225,34 @@ class ChatCompletions(TurnAdapter):
             "usage": usage(turn, completion),
         }
 
+    def respond_choices(self, turns: list[Turn], completions: list[Completion]) -> dict[str, Any]:
+        body = self.respond(turns[0], completions[0])
+        body["choices"] = [self.respond(t, c)["choices"][0] for t, c in zip(turns, completions)]
+        body["usage"] = usage(turns[0], *completions)
+        return body
+
+    def stream_choice(self, turn: Turn, reply_id: str, completion: Completion) -> list[str]:
+        assert completion.message is not None
+        return chat_stream_chunks(
+            reply_id, turn.created, self.model_name, completion.message, chat_logprobs(completion),
+            completion.finish_reason, None, index=turn.index,
+        )  # fmt: skip
+
+    def stream_end(self, turns: list[Turn], reply_id: str, completions: list[Completion]) -> list[str]:
+        chunks = []
+        if include_usage(turns[0].request.wire):
+            chunks.append(
+                chat_chunk(reply_id, turns[0].created, self.model_name, [], usage=usage(turns[0], *completions))
+            )
+        return chunks + [sse.data("[DONE]")]
+
     def stream_open(self, turn: Turn, reply_id: str) -> list[str]:
-        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        role = {
+            "index": turn.index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         return [chat_chunk(reply_id, turn.created, self.model_name, [role])]
 
     def stream_close(self, turn: Turn, reply_id: str, completion: Completion) -> list[str]:

@@ -14,8 +14,9 @@ from pydantic import Field
 
 from gyre_jax.proxy import sse
 from gyre_jax.proxy.adapters.base import Lenient, TurnAdapter
-from gyre_jax.proxy.adapters.openai_chat import StreamOptions, include_usage, usage
+from gyre_jax.proxy.adapters.openai_chat import StreamOptions, include_usage, openai_stop, usage
 from gyre_jax.proxy.errors import ProxyError
+from gyre_jax.proxy.sampling import MAX_CHOICES
 from gyre_jax.proxy.turns import Completion, Turn, TurnRequest
 
 
@@ -26,7 +27,7 @@ class CompletionRequest(Lenient):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool | None = None
     stop: str | list[str] | None = None
@@ -37,13 +38,10 @@ class CompletionRequest(Lenient):
 
 def check_completion_supported(req: CompletionRequest) -> None:
     """Rejects valid OpenAI features this proxy does not implement, rather than silently ignoring them."""
-    if req.n not in (None, 1):
-        raise ProxyError(400, f"not supported yet: n={req.n}; request one choice (n=1) per call", param="n")
     if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) and len(req.prompt) != 1:
         raise ProxyError(400, "not supported yet: a batch of prompts; send one prompt per call", param="prompt")
-    for name in ("stop", "suffix"):
-        if getattr(req, name):
-            raise ProxyError(400, f"not supported yet: {name!r}; omit it", param=name)
+    if req.suffix:
+        raise ProxyError(400, "not supported yet: 'suffix'; omit it", param="suffix")
     if req.echo:
         raise ProxyError(400, "not supported yet: echo=true; omit it", param="echo")
 
@@ -71,10 +69,10 @@ def text_completion_body(
     return body
 
 
-def completion_choice(completion: Completion) -> dict[str, Any]:
+def completion_choice(completion: Completion, index: int = 0) -> dict[str, Any]:
     return {
         "text": completion.text,
-        "index": 0,
+        "index": index,
         "logprobs": completion_logprobs(completion),
         "finish_reason": completion.finish_reason,
     }
@@ -100,6 +98,8 @@ class Completions(TurnAdapter):
             top_p=req.top_p,
             max_tokens=req.max_tokens,
             seed=req.seed,
+            stop=openai_stop(req.stop),
+            n=req.n,
             wire=req,
         )
 
@@ -109,6 +109,21 @@ class Completions(TurnAdapter):
     def respond(self, turn: Turn, completion: Completion) -> dict[str, Any]:
         choices = [completion_choice(completion)]
         return text_completion_body(self.reply_id(), turn, self.model_name, choices, usage(turn, completion))
+
+    def respond_choices(self, turns: list[Turn], completions: list[Completion]) -> dict[str, Any]:
+        choices = [completion_choice(c, t.index) for t, c in zip(turns, completions)]
+        return text_completion_body(self.reply_id(), turns[0], self.model_name, choices, usage(turns[0], *completions))
+
+    def stream_choice(self, turn: Turn, reply_id: str, completion: Completion) -> list[str]:
+        choices = [completion_choice(completion, turn.index)]
+        return [sse.data(text_completion_body(reply_id, turn, self.model_name, choices, None))]
+
+    def stream_end(self, turns: list[Turn], reply_id: str, completions: list[Completion]) -> list[str]:
+        events = []
+        if include_usage(turns[0].request.wire):
+            usage_body = usage(turns[0], *completions)
+            events.append(sse.data(text_completion_body(reply_id, turns[0], self.model_name, [], usage_body)))
+        return events + [sse.data("[DONE]")]
 
     def stream_close(self, turn: Turn, reply_id: str, completion: Completion) -> list[str]:
         choices = [completion_choice(completion)]

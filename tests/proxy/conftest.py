@@ -1,0 +1,108 @@
+"""A scripted backend that stops the way a serving loop does (stop ids, stop strings through the real
+``serving.jobs.stop_checker``, max_tokens), and a factory for a real ProxyServer over it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from gyre_jax.model.tokenizer import ByteTokenizer
+from gyre_jax.proxy.records import RecordStore
+from gyre_jax.proxy.sampling import SamplingPolicy
+from gyre_jax.proxy.server import ProxyServer
+from gyre_jax.serving.jobs import stop_checker
+from gyre_jax.serving.types import GenerationRequest, GenerationResult
+
+BYTES = ByteTokenizer()
+
+
+class StoppingBackend:
+    """Completions are ``script(request)`` + <|im_end|>, emitted token by token and cut like the serving loop cuts
+    them: after a stop id, after the token that completes a stop string (kept), or at max_tokens.
+
+    ``detokenize`` None makes stop strings fail as on a loop built without one. ``requests`` holds what was
+    submitted; ``cached`` the prompt tokens a session's previous finished request left (a session cache stand-in).
+    """
+
+    def __init__(self, script: Callable[[GenerationRequest], str], max_context: int = 4096, detokenize=BYTES.decode):
+        self.script = script
+        self.max_context = max_context
+        self.detokenize = detokenize
+        self.requests: list[GenerationRequest] = []
+        self.results: list[GenerationResult] = []
+        self.log: list[tuple[str, str]] = []  # ("submit" | "done", request id) in the order they happened
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
+
+    def submit(self, request: GenerationRequest) -> concurrent.futures.Future[GenerationResult]:
+        with self._lock:
+            self.requests.append(request)
+            self.log.append(("submit", request.request_id))
+        future: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
+        try:
+            stop = stop_checker(request, self.detokenize, "scripted")
+        except ValueError as exc:
+            future.set_exception(exc)
+            return future
+        return self._pool.submit(self._generate, request, stop)
+
+    def cancel(self, request_id: str) -> None:
+        pass
+
+    def _generate(self, request: GenerationRequest, stop) -> GenerationResult:
+        im_end = BYTES.token_id("<|im_end|>")
+        out: list[int] = []
+        finish, reason = "length", None
+        for token in BYTES.encode(self.script(request)) + [im_end]:
+            out.append(token)
+            if token in request.sampling.stop_ids:
+                finish, reason = "stop", token
+                break
+            hit = stop.check(out) if stop is not None else None
+            if hit is not None:
+                finish, reason = "stop", hit
+                break
+            if len(out) >= request.sampling.max_tokens:
+                break
+        result = GenerationResult(request.request_id, out, [-0.5] * len(out), [3] * len(out), finish,
+                                  len(request.prompt_ids), stop_reason=reason)  # fmt: skip
+        with self._lock:
+            self.results.append(result)
+            self.log.append(("done", request.request_id))
+        return result
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+@dataclass
+class Stack:
+    backend: StoppingBackend
+    store: RecordStore
+    server: ProxyServer
+
+    def key(self, execution_id: str) -> str:
+        return self.server.open_execution(execution_id)
+
+
+@pytest.fixture()
+def make_stack(tmp_path) -> Iterator[Callable[..., contextlib.AbstractContextManager[Stack]]]:
+    """``make_stack(script, sampling=..., **proxy_kwargs)``: a started ProxyServer over a StoppingBackend."""
+
+    @contextlib.contextmanager
+    def make(script, sampling: SamplingPolicy | None = None, detokenize=BYTES.decode, **kwargs) -> Iterator[Stack]:
+        backend = StoppingBackend(script, detokenize=detokenize)
+        store = RecordStore(tmp_path / f"records-{len(list(tmp_path.iterdir()))}")
+        extra = {} if sampling is None else {"sampling": sampling}
+        try:
+            with ProxyServer(backend, BYTES, store, model_name="gyre-tiny", **extra, **kwargs) as server:
+                yield Stack(backend, store, server)
+        finally:
+            backend.shutdown()
+
+    yield make
