@@ -364,18 +364,20 @@ class TurnPipeline:
     async def _commit_all(self, turns: list[Turn], results: list[GenerationResult]) -> list[Completion]:
         """``_commit`` of a call's choices, in order: each its own record; the thread remembers them all."""
         completions = [complete(turn, result, self.tokenizer) for turn, result in zip(turns, results)]
-        await asyncio.to_thread(self._record, turns, completions)
+        await asyncio.to_thread(_record, self.record_store, self.model_name, turns, completions)
         return completions
 
-    def _record(self, turns: list[Turn], completions: list[Completion]) -> None:
-        siblings: tuple[tito.ThreadState, ...] = ()
-        for turn, completion in zip(turns, completions):
-            state = thread_state(turn, completion, siblings)
-            turn.execution.record(
-                self.record_store,
-                lambda call_index, t=turn, c=completion: tito_record(t, c, call_index, self.model_name),
-                turn.placement,
-                state,
-            )
-            if state is not None:
-                siblings = (*siblings, dataclasses.replace(state, alternatives=()))
+
+def _record(record_store: RecordStore, model_name: str, turns: list[Turn], completions: list[Completion]) -> None:
+    """Records a call's choices in order (each fsynced), each remembered with the others as its alternatives."""
+    siblings: tuple[tito.ThreadState, ...] = ()
+    for turn, completion in zip(turns, completions):
+        state = thread_state(turn, completion, siblings)
+        turn.execution.record(
+            record_store,
+            lambda call_index, t=turn, c=completion: tito_record(t, c, call_index, model_name),
+            turn.placement,
+            state,
+        )
+        if state is not None:
+            siblings = (*siblings, dataclasses.replace(state, alternatives=()))
