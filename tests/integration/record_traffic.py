@@ -100,10 +100,11 @@ class Script:
     answered: list[tuple[str, str]] = field(default_factory=list)  # (agent, label) of each call, in call order
 
     def __call__(self, prompt: str) -> str:
+        opened = prompt.rsplit(IM_START + "assistant\n", 1)[-1]  # what a forced tool_choice opened the turn with
         for rule in self.rules:
             if rule.when(prompt):
                 self.answered.append((rule.agent, rule.label))
-                return rule.reply
+                return rule.reply[len(opened) :] if opened and rule.reply.startswith(opened) else rule.reply
         raise RuntimeError(f"no rule of the script matches the call; its last user turn: {last_user(prompt)[-400:]!r}")
 
 
@@ -458,27 +459,46 @@ def codex_answer(recorder: Recorder, out: Path) -> None:
 
 
 SMOLAGENTS_DRIVER = """import os, sys
-from smolagents import CodeAgent, OpenAIModel, ToolCallingAgent
+from smolagents import CodeAgent, OpenAIModel, ToolCallingAgent, tool
+
+
+@tool
+def check(word: str) -> str:
+    \"\"\"Checks a word.
+
+    Args:
+        word: the word to check
+    \"\"\"
+    return "SMOL-CHECKED " + word
+
+
 model = OpenAIModel(model_id=sys.argv[2], api_base=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"])
-agent = (CodeAgent if sys.argv[1] == "code" else ToolCallingAgent)(tools=[], model=model, max_steps=3)
+agent = (CodeAgent if sys.argv[1] == "code" else ToolCallingAgent)(tools=[check], model=model, max_steps=3)
 print("FINAL ANSWER:", agent.run(sys.argv[3]))
 """
 
 
 def smolagents_run(kind: str) -> Callable[[Recorder, Path], None]:
-    """smolagents' CodeAgent (``code``) or ToolCallingAgent (``tool``): one step, then its final answer. Needs
-    the proxy's ``stop`` and ``tool_choice`` support (issue 15, another branch) and smolagents importable."""
+    """smolagents' CodeAgent (``code``) or ToolCallingAgent (``tool``, every call ``tool_choice="required"``): one
+    step that calls its ``check`` tool, then its final answer. smolagents re-sends the model's turn changed: the
+    CodeAgent's with the stop string the proxy cut (``</code>``) appended, the ToolCallingAgent's forced tool call
+    as text; both continue their conversation."""
 
     def scenario(recorder: Recorder, out: Path) -> None:
-        final = (
-            "Thought: done.\n<code>\nfinal_answer('SMOL-DONE')\n</code>"
-            if kind == "code"
-            else tool_call("final_answer", answer="SMOL-DONE")
-        )
-        script = Script([Rule("main", "main", in_first("SCENARIO-SMOL"), final)])
+        if kind == "code":
+            step = "Thought: check first.\n<code>\nprint(check('ok'))\n</code>"
+            final = "Thought: checked.\n<code>\nfinal_answer('SMOL-DONE')\n</code>"
+        else:
+            step, final = tool_call("check", word="ok"), tool_call("final_answer", answer="SMOL-DONE")
+        script = Script([
+            Rule("main", "main", in_last("SMOL-CHECKED"), final),
+            Rule("main", "main", in_first("SCENARIO-SMOL"), step),
+        ])  # fmt: skip
         key, root = recorder.scenario(f"smolagents/{kind}", script)
+        (root / "driver.py").write_text(SMOLAGENTS_DRIVER)  # a file: smolagents' @tool reads its function's source
         env = {"OPENAI_BASE_URL": recorder.proxy.base_url, "OPENAI_API_KEY": key, "HOME": str(root / "home")}
-        run([sys.executable, "-c", SMOLAGENTS_DRIVER, kind, MODEL, "SCENARIO-SMOL: answer."], root / "ws", env)
+        run([sys.executable, str(root / "driver.py"), kind, MODEL, "SCENARIO-SMOL: check the word, then answer."],
+            root / "ws", env)  # fmt: skip
         recorder.save("smolagents", f"{kind}_agent", out)
 
     return scenario
@@ -495,9 +515,9 @@ SCENARIOS: dict[str, Callable[[Recorder, Path], None]] = {
     "smolagents/code_agent": smolagents_run("code"),
     "smolagents/tool_agent": smolagents_run("tool"),
 }
-# Recorded by default: what this proxy serves today (Codex needs /v1/responses, smolagents stop and tool_choice).
+# Recorded by default: what this proxy serves today (Codex needs /v1/responses).
 DEFAULT = ("claude_code/subagents", "claude_code/compact", "claude_code/parallel", "opencode/subagent",
-           "mini_swe_agent/steps", "aider/edit")  # fmt: skip
+           "mini_swe_agent/steps", "aider/edit", "smolagents/code_agent", "smolagents/tool_agent")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

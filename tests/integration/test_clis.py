@@ -25,12 +25,9 @@ pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 
-# What each harness needs from the proxy that another branch of issue 15 builds; strict, so the marker must go
+# What a harness needs from the proxy that another branch of issue 15 builds; strict, so the marker must go
 # (and the test then pass) once that branch is merged.
 NEEDS_RESPONSES = pytest.mark.xfail(strict=True, reason="Codex CLI speaks only POST /v1/responses (issue 15, branch i15-stream)")  # fmt: skip
-NEEDS_STOP = pytest.mark.xfail(strict=True, reason="smolagents sends `stop` on every call; 400 until issue 15's stop support (branch i15-sampling)")  # fmt: skip
-NEEDS_TOOL_CHOICE = pytest.mark.xfail(strict=True, reason="ToolCallingAgent sends `stop` and tool_choice='required' (issue 15, branch i15-sampling)")  # fmt: skip
-NEEDS_SAMPLING_POLICY = pytest.mark.xfail(strict=True, reason="aider sends temperature 0: its records are excluded by the trainer's reader until issue 15's sampling policy (branch i15-sampling)")  # fmt: skip
 
 
 def common_checks(stack, result, execution_id: str, logs: str) -> list:
@@ -122,12 +119,10 @@ def run_smolagents(stack, tmp_path, agent: str) -> None:
     assert replies[0]["stop_sequences"], "smolagents sends stop sequences on its steps"
 
 
-@NEEDS_STOP
 def test_smolagents_code_agent(stack, tmp_path) -> None:
     run_smolagents(stack, tmp_path, "code")
 
 
-@NEEDS_TOOL_CHOICE
 def test_smolagents_tool_calling_agent(stack, tmp_path) -> None:
     run_smolagents(stack, tmp_path, "tool")
 
@@ -174,7 +169,6 @@ def aider_home(root: Path) -> Path:
     return root
 
 
-@NEEDS_SAMPLING_POLICY
 def test_aider(stack, tmp_path, aider_python) -> None:
     cmd = [str(aider_python), "-m", "aider", "--model", "openai/{model}", "--openai-api-base", "{base_url}",
            "--message", "{task.instruction}", "--yes-always", "--no-git", "--analytics-disable", "--no-check-update",

@@ -7,8 +7,11 @@ returning the completion each call got when it was recorded. Then, from the reco
 
 - every call is labelled as the truth says (main, main-summary, subagent, subagent-summary, auxiliary);
 - calls are split into agents exactly as the truth groups them;
-- every call that re-sends an earlier call's conversation verbatim reuses that call's prompt + completion ids
-  (``reused_prefix_len`` > 0, and those ids are its prefix), and no other call reuses anything.
+- every call that continues an earlier call (re-sends its conversation verbatim, then an assistant turn: the one
+  returned, or that turn changed) reuses that call's prompt + completion ids (``reused_prefix_len`` at least
+  that, and those ids are its prefix), or, where the truth says ``"reuses": "prompt"`` (the turn re-sent as
+  other text: smolagents' forced tool call), the prompt ids before its assistant turn; no other call reuses
+  anything.
 
 The label table is printed (``pytest -s``) and kept in docs/proxy.md.
 """
@@ -32,6 +35,7 @@ from gyre_jax.trajectory.branches import BranchBuilder
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "harness_traffic"
 SCENARIOS = sorted(CORPUS.glob("*/*.jsonl.xz"))
+TOKENIZER = ByteTokenizer()
 
 
 class Replay:
@@ -49,7 +53,7 @@ class Replay:
 @pytest.fixture(scope="module")
 def replay_server(tmp_path_factory) -> Iterator[tuple[ProxyServer, Replay, RecordStore]]:
     replay = Replay()
-    tokenizer = ByteTokenizer()
+    tokenizer = TOKENIZER
     store = RecordStore(tmp_path_factory.mktemp("records"))
     with ProxyServer(ScriptedBackend(tokenizer, replay), tokenizer, store, max_request_bytes=16 << 20) as proxy:
         yield proxy, replay, store
@@ -62,7 +66,7 @@ class Row:
     calls: int
     labels_right: int
     agents_right: bool
-    continuing: int  # calls that re-send an earlier call verbatim (truth)
+    continuing: int  # calls that continue an earlier call (truth)
     reuse_right: int  # calls whose reuse is as the truth says (all calls)
     problems: list[str]
 
@@ -92,6 +96,13 @@ def replay_scenario(proxy: ProxyServer, replay: Replay, path: Path) -> list[Tito
     return proxy.record_store.read(execution_id)
 
 
+def turn_start(prompt_ids: list[int]) -> int:
+    """Where a prompt's assistant turn starts: after its last ``<|im_start|>assistant\\n`` (a forced opener follows)."""
+    opener = TOKENIZER.encode("<|im_start|>assistant\n")
+    starts = [i for i in range(len(prompt_ids) - len(opener) + 1) if prompt_ids[i : i + len(opener)] == opener]
+    return starts[-1] + len(opener)
+
+
 def check(path: Path, records: list[TitoRecord]) -> Row:
     truth = json.loads(path.with_name(path.name.replace(".jsonl.xz", ".truth.json")).read_text())
     expected = truth["calls"]
@@ -119,6 +130,8 @@ def check(path: Path, records: list[TitoRecord]) -> Row:
             ok = rec.reused_prefix_len == 0
         else:
             before = records[j].prompt_ids + records[j].completion_ids
+            if call.get("reuses", "turn") == "prompt":
+                before = records[j].prompt_ids[: turn_start(records[j].prompt_ids)]
             ok = rec.reused_prefix_len >= len(before) and rec.prompt_ids[: len(before)] == before
         reuse_right += ok
         if not ok:
@@ -130,7 +143,7 @@ def check(path: Path, records: list[TitoRecord]) -> Row:
 
 def test_corpus_is_there() -> None:
     harnesses = {p.parent.name for p in SCENARIOS}
-    assert {"claude_code", "opencode", "mini_swe_agent"} <= harnesses, harnesses
+    assert {"claude_code", "opencode", "mini_swe_agent", "aider", "smolagents"} <= harnesses, harnesses
     total = sum(p.stat().st_size for p in CORPUS.rglob("*") if p.is_file())
     assert total < 2 * 1024 * 1024, f"the corpus is {total} bytes; keep it under 2 MB"
     for path in SCENARIOS:
