@@ -17,7 +17,7 @@ truth of each scenario is ``<scenario>.truth.json`` (labels, agents, continuatio
 draft, ``<scenario>.truth.draft.json``, from what the script answered, to check the truth against.
 
 Run (offline; needs the npm CLIs of ``tests/integration/npm`` installed with ``npm ci`` and
-mini-swe-agent in the venv):
+mini-swe-agent and smolagents in the venv):
 
     PYTHONPATH=$PWD python tests/integration/record_traffic.py [--only claude_code/subagents ...] [--out DIR]
 """
