@@ -1,9 +1,9 @@
 """Token-in/token-out prompt building: earlier turns are reused as the exact ids the policy saw and made.
 
-When a call's messages extend a call of a live conversation (same tools, same earlier messages, then
-the assistant message the proxy returned; ``identity.Execution.place`` picks the conversation with the longest
-such call among the several each thread keeps, its last call or an earlier one), the new prompt is ``previous prompt ids + previous completion
-ids`` followed by the template rendering of only the new messages. Nothing generated is
+When a call's messages extend a call of a live conversation (same tools, same earlier messages, then the
+assistant message the proxy returned; ``identity.Execution.place`` picks the conversation with the longest such
+call among the several each thread keeps, its last call or an earlier one), the new prompt is ``previous prompt
+ids + previous completion ids`` followed by the template rendering of only the new messages. Nothing generated is
 re-tokenized, so the trainer trains on what the policy produced. Any other call (a summary, a
 sub-agent, a retry with edited history) is rendered in full and starts a new branch.
 
