@@ -84,8 +84,9 @@ class Execution:
         """Names a call's thread and finds the conversation it continues (see ``agents.py``).
 
         A chat call continues, among the live conversations of its header (``base``), the one with the longest
-        call it extends verbatim (its last call, or an earlier one: then it forks a new conversation), whatever
-        agent that is; otherwise it starts a new conversation, whose agent the rules of ``agents.py`` decide. So
+        call it extends (its last call, or an earlier one: then it forks a new conversation; its assistant turn
+        re-sent verbatim, as one of an n > 1 call's choices, or changed: ``tito.LiveConversation.match``, a
+        verbatim re-send winning a tie), whatever agent that is; otherwise it starts a new conversation, whose agent the rules of ``agents.py`` decide. So
         agents sharing a system prompt (nested sub-agents) never take each other's state. A raw prompt
         (``messages`` None) goes to ``base`` with no state.
         """
