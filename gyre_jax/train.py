@@ -167,9 +167,9 @@ def _cells(s: build.Setup, learner: Learner, state: TrainState) -> tuple[list, l
 
 
 def _trajectory_config(config, s: build.Setup) -> TrajectoryConfig:
-    """The pipeline's config with the tokenizer's message end (branch labels) and the model's own vocabulary
-    (a Hugging Face checkpoint's, which ``config.model`` does not hold)."""
-    cfg = config.trajectory_config(message_end_id=s.tokenizer.token_id("<|im_end|>"))
+    """The pipeline's config with the model's own vocabulary (a Hugging Face checkpoint's, which ``config.model``
+    does not hold). Branch labels follow the proxy's threads (one per agent), so no message end is passed."""
+    cfg = config.trajectory_config()
     return dataclasses.replace(cfg, vocab_size=s.model_cfg.vocab_size)
 
 

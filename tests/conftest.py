@@ -1,10 +1,28 @@
-"""Test session setup: 8 virtual CPU devices (so cells are real submeshes), before JAX starts."""
+"""Test session setup: 8 virtual CPU devices (so cells are real submeshes), before JAX starts, and one
+XLA compilation cache for the session.
 
+The cache is a fresh temporary directory per session, so every session still compiles each program once
+(nothing carries over from an older checkout), and the many training subprocesses (``python -m
+gyre_jax.train``, 2-process runs) and in-process runs of the same config load what an earlier one compiled
+instead of compiling it again. A cached executable is the one XLA compiled for the same program, devices
+and options; only the compile is skipped. An outer ``JAX_COMPILATION_CACHE_DIR`` is left as it is.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="gyre-jax-test-xla-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir  # read by this process's JAX and inherited by subprocesses
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the many small programs add up
+    # a size bound turns on the cache's file lock: processes of one run write and read entries concurrently
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
 
 import jax  # noqa: E402
 

@@ -142,15 +142,11 @@ class RunConfig(Section):
     def trajectory_config(self, message_end_id: int | None = None) -> TrajectoryConfig:
         """The pipeline's ``TrajectoryConfig``: ``rl.max_branches``, ``trajectory.*``, ``seed``, ``model.vocab_size``.
 
-        ``message_end_id``: the tokenizer's ``<|im_end|>`` id; by default the byte tokenizer's when
-        ``tokenizer.kind == "byte"`` (pass it for other tokenizers, else labels use thread ids only).
+        ``message_end_id``: the chat template's ``<|im_end|>`` id, only for records whose threads mix agents
+        (``branches.py``); by default None: the proxy names one thread per agent, and labels follow thread ids.
         """
         from gyre_jax.trajectory.pipeline import TrajectoryConfig
 
-        if message_end_id is None and self.tokenizer.kind == "byte":
-            from gyre_jax.model.tokenizer import ByteTokenizer
-
-            message_end_id = ByteTokenizer().token_id("<|im_end|>")
         t = self.trajectory
         return TrajectoryConfig(
             max_branches=self.rl.max_branches,
@@ -162,6 +158,7 @@ class RunConfig(Section):
             seed=self.seed,
             message_end_id=message_end_id,
             vocab_size=self.model.vocab_size,
+            auxiliary=t.auxiliary,
         )
 
     def controller_config(self) -> ControllerConfig:

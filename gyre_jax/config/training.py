@@ -18,6 +18,7 @@ from gyre_jax.rl.optimizer_config import SCHEDULES, OptimizerConfig
 LOSSES = ("gspo", "gspo_token", "grpo")  # gyre_jax.rl.losses.POLICY_LOSSES
 PACKINGS = ("tree", "plain")  # gyre_jax.trajectory.pipeline.PACKING
 STREAM_ORDERS = ("task", "arrival")  # gyre_jax.elastic.ledger.STREAM_ORDERS
+AUXILIARY_POLICIES = ("lowest", "exclude")  # gyre_jax.trajectory.select.AUXILIARY_POLICIES
 POLICIES = ("colocated", "async", "elastic")  # gyre_jax.elastic.policies.make_policy
 LEAVE_RULES = ("waterlevel", "backlog")  # gyre_jax.elastic.policies.ElasticPolicy.LEAVE_RULES
 EVAL_SPLITS = ("train", "heldout")
@@ -84,6 +85,7 @@ class TrajectorySection(Section):
     max_sequences_per_micro_batch: int = 64  # sequence slots per micro-batch (GSPO ratios, advantages, weights)
     open_micro_batches: int = 4  # micro-batches filled at once: more packs tighter, 1 streams each as soon as full
     stream_order: str = "task"  # groups enter the pipeline in task order (deterministic) | arrival (sooner)
+    auxiliary: str = "lowest"  # harness utility calls (titles ...): lowest J_max priority | exclude: never trained
 
     def __post_init__(self):
         self.check_types()
@@ -100,6 +102,11 @@ class TrajectorySection(Section):
         require(
             t.stream_order in STREAM_ORDERS,
             f"config.trajectory.stream_order={t.stream_order!r} must be one of {STREAM_ORDERS}",
+        )
+        require(
+            t.auxiliary in AUXILIARY_POLICIES,
+            f"config.trajectory.auxiliary={t.auxiliary!r} must be one of {AUXILIARY_POLICIES} (how J_max selection "
+            "treats branches of harness-side utility calls)",
         )
 
 

@@ -1,27 +1,27 @@
-"""Execution and thread identity: the API key issued to each execution, its per-thread conversation state, and
-how a call is named to a thread (a header where the harness sends one, else the structure of the conversation).
+"""Execution and agent identity: the API key issued to each execution, its live conversations (for
+token-in/token-out), and how a call is named to a thread, i.e. an agent (``agents.py`` has the rules).
 
-An ``Execution`` owns everything mutable about one execution (record numbering, thread states, in-flight
+An ``Execution`` owns everything mutable about one execution (record numbering, conversations, agents, in-flight
 requests) behind its own lock; ``Executions`` issues and resolves keys. Nothing here knows a wire format.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import dataclasses
 import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from gyre_jax.proxy import tito
+from gyre_jax.proxy import agents, tito
 from gyre_jax.proxy.errors import ProxyError, execution_ended
 from gyre_jax.proxy.records import RecordStore, TitoRecord
 
 THREAD_HEADERS = ("x-gyre-thread-id", "x-claude-code-session-id")  # first present one names the thread
 DEFAULT_THREAD = "main"
-MAX_THREADS_PER_EXECUTION = 256  # thread states kept per execution (least recently used forgotten first)
+MAX_THREADS_PER_EXECUTION = 256  # conversations (and agents) kept per execution (least recently used forgotten first)
+AUXILIARY = "auxiliary"  # TitoRecord.agent_kind of a harness-side utility call
 
 
 def thread_base(headers: Mapping[str, str]) -> str:
@@ -33,24 +33,32 @@ def thread_base(headers: Mapping[str, str]) -> str:
     return DEFAULT_THREAD
 
 
-def structure_key(messages: list[dict]) -> str:
-    """What tells threads apart when no header does: the first system prompt and the first user message.
-
-    A sub-agent, a summarizer or a side query starts from a different system prompt or first request
-    than the main conversation, and keeps them for its whole life. Returns 12 hex digits.
-    """
-    system = next((m for m in messages[:1] if m.get("role") == "system"), None)
-    user = next((m for m in messages if m.get("role") == "user"), None)
-    parts = [tito.normalize_message(m)["content"] if m is not None else None for m in (system, user)]
-    return hashlib.sha256(json.dumps(parts).encode("utf-8")).hexdigest()[:12]
-
-
 def _bounded_put(table: OrderedDict, key: object, value: object, limit: int) -> None:
     """Sets ``table[key]`` as the most recently used entry, forgetting the least recently used beyond ``limit``."""
     table[key] = value
     table.move_to_end(key)
     while len(table) > limit:
         table.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a call goes: its thread (= agent), the conversation it continues or starts, and the call of it that it
+    extends (None: a new conversation, rendered in full). ``agent_kind`` is the record's (``""`` or auxiliary);
+    ``points`` the calls of the conversation before ``state`` (``tito.LiveConversation``); ``built`` adds ``state``'s.
+    """
+
+    thread_id: str
+    conversation: int  # -1 for a raw prompt (no conversation state)
+    state: tito.ThreadState | None = None
+    agent_kind: str = ""
+    points: tuple[tito.CallPoint, ...] = ()
+
+    def built(self, build: tito.PromptBuild) -> Placement:
+        """The placement once its prompt is built: the continued call's point as ``build`` holds it (re-sent
+        verbatim or changed), after the earlier ones; no points if ``build`` continues nothing (rendered in full)."""
+        points = (*self.points, build.point) if build.continued and build.point is not None else ()
+        return dataclasses.replace(self, points=points)
 
 
 @dataclass
@@ -61,37 +69,77 @@ class Execution:
     execution_id: str
     api_key: str
     next_record_index: int  # call_index of the next record; equals the number of recorded calls
-    max_threads: int  # bound on ``threads`` and ``thread_names`` (one context each)
+    max_threads: int  # bound on ``conversations`` and ``agents`` (one context each)
     ended: bool = False
     started_calls: int = 0  # calls placed on the backend, for derived seeds
-    # Last call of each thread, least recently used first.
-    threads: OrderedDict[str, tito.ThreadState] = field(default_factory=OrderedDict)
-    # (header thread, structure key) -> thread id, for threads told apart by structure.
-    thread_names: OrderedDict[tuple[str, str], str] = field(default_factory=OrderedDict)
+    conversations: OrderedDict[int, tito.LiveConversation] = field(default_factory=OrderedDict)  # by id, LRU first
+    agents: OrderedDict[str, agents.Agent] = field(default_factory=OrderedDict)  # by thread id, LRU first
+    next_conversation: int = 0
+    last_answered: dict[str, str] = field(default_factory=dict)  # header -> thread whose answer was recorded last
+    named: set[str] = field(default_factory=set)  # every thread id given to an agent (one string each), never reused
     in_flight: set[str] = field(default_factory=set)  # backend request ids
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def thread_id(self, base: str, messages: list[dict] | None) -> str:
-        """The header's thread (``base``) for the first conversation structure seen under it, ``<base>~<structure
-        key>`` for each other one (a sub-agent sharing its parent's header); ``base`` for a raw prompt."""
+    def place(self, base: str, messages: list[dict] | None, tools: list[dict] | None = None) -> Placement:
+        """Names a call's thread and finds the conversation it continues (see ``agents.py``).
+
+        A chat call continues, among the live conversations of its header (``base``), the one with the longest
+        call it extends (its last call, or an earlier one: then it forks a new conversation; its assistant turn
+        re-sent verbatim, as one of an n > 1 call's choices, or changed: ``tito.LiveConversation.match``, a
+        verbatim re-send winning a tie), whatever agent that is; otherwise it starts a new conversation, whose agent the rules of ``agents.py`` decide. So
+        agents sharing a system prompt (nested sub-agents) never take each other's state. A raw prompt
+        (``messages`` None) goes to ``base`` with no state.
+        """
         if messages is None:
-            return base
-        key = structure_key(messages)
+            return Placement(base, -1)
+        normalized = [tito.normalize_message(m) for m in messages]
+        key = tito.tools_key(tools)
         with self.lock:
-            name = self.thread_names.get((base, key))
-            if name is None:
-                name = base if not any(b == base for b, _ in self.thread_names) else f"{base}~{key}"
-            _bounded_put(self.thread_names, (base, key), name, self.max_threads)
-        return name
+            best, best_rank = None, (-1, False)
+            for number, conversation in self.conversations.items():
+                agent = self.agents.get(conversation.thread_id)
+                found = None if agent is not None and agent.base != base else conversation.match(normalized, key)
+                if found is not None and found[:2] >= best_rank:  # the longest; a verbatim re-send over a changed one
+                    best, best_rank = (number, conversation, *found[2:]), found[:2]
+            if best is not None:
+                number, conversation, state, points = best
+                if state is not conversation.latest:  # a fork from an earlier call
+                    number = self._new_number()
+                agent = self.agents.get(conversation.thread_id)
+                kind = AUXILIARY if agent is not None and agent.auxiliary else ""
+                return Placement(conversation.thread_id, number, state, kind, points)
+            agent = self._new_conversation_agent(base, messages, tools)
+            return Placement(agent.thread_id, self._new_number(), None, AUXILIARY if agent.auxiliary else "")
+
+    def _new_number(self) -> int:
+        number = self.next_conversation
+        self.next_conversation += 1
+        return number
+
+    def _new_conversation_agent(self, base: str, messages: list[dict], tools: list[dict] | None) -> agents.Agent:
+        """The agent of a new conversation (rules 2-4 of ``agents.py``); caller holds ``lock``."""
+        key = agents.system_key(messages)
+        known = list(self.agents.values())
+        auxiliary = agents.is_auxiliary(messages, tools, any(a.tools and a.base == base for a in known))
+        last = self.agents.get(self.last_answered.get(base, ""))
+        agent = agents.match_agent(known, base, key, auxiliary, messages, last)
+        if agent is None:
+            name = agents.agent_name(base, key, auxiliary, self.named)
+            self.named.add(name)
+            agent = agents.Agent(name, base, key, agents.first_user(messages), auxiliary, bool(tools))
+        _bounded_put(self.agents, agent.thread_id, agent, self.max_threads)
+        return agent
 
     def thread_ids(self) -> list[str]:
-        """Threads with live state, least recently used first."""
+        """Threads (agents) with a live conversation, least recently used first."""
         with self.lock:
-            return list(self.threads)
+            return list(dict.fromkeys(c.thread_id for c in self.conversations.values()))
 
     def thread_state(self, thread_id: str) -> tito.ThreadState | None:
+        """The last call of the thread's most recently used conversation."""
         with self.lock:
-            return self.threads.get(thread_id)
+            states = [c.latest for c in self.conversations.values() if c.thread_id == thread_id]
+            return states[-1] if states else None
 
     def next_call_number(self) -> int:
         """Numbers the calls placed on the backend (0, 1, ...), recorded or not: the input of derived seeds."""
@@ -115,10 +163,11 @@ class Execution:
         self,
         store: RecordStore,
         make_record: Callable[[int], TitoRecord],
-        thread_id: str,
+        placement: Placement | None,
         state: tito.ThreadState | None,
     ) -> None:
-        """Appends ``make_record(call_index)`` (fsynced) and remembers ``state`` as the thread's last call, atomically.
+        """Appends ``make_record(call_index)`` (fsynced) and remembers ``state`` as the last call of the placement's
+        conversation (and its answer as its agent's last), atomically.
 
         409 if the execution ended while the call ran: nothing is recorded then.
         """
@@ -127,15 +176,24 @@ class Execution:
                 raise execution_ended(self.execution_id, "ended while this call ran; it was not recorded")
             store.append(make_record(self.next_record_index))
             self.next_record_index += 1
-            if state is not None:
-                _bounded_put(self.threads, thread_id, state, self.max_threads)
+            if state is None or placement is None or placement.conversation < 0:
+                return
+            conversation = tito.LiveConversation(placement.thread_id, state, placement.points)
+            _bounded_put(self.conversations, placement.conversation, conversation, self.max_threads)
+            agent = self.agents.get(placement.thread_id)
+            if agent is not None:
+                agent.last_prose = "" if state.returned.get("tool_calls") else state.returned["content"]
+                self.agents.move_to_end(placement.thread_id)
+                self.last_answered[agent.base] = agent.thread_id
 
     def end(self) -> list[str]:
-        """Ends the execution and forgets its threads; returns the backend request ids still in flight."""
+        """Ends the execution and forgets its conversations and agents; returns the backend request ids in flight."""
         with self.lock:
             self.ended = True
-            self.threads.clear()
-            self.thread_names.clear()
+            self.conversations.clear()
+            self.agents.clear()
+            self.last_answered.clear()
+            self.named.clear()
             return list(self.in_flight)
 
 

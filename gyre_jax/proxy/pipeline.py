@@ -98,14 +98,13 @@ class TurnPipeline:
 
     def prepare(self, request: TurnRequest, execution: Execution, thread_base: str, t_start: float) -> Turn:
         """Names the thread, builds the prompt ids and the sampling of the turn; 400 if it cannot be served."""
+        placement = execution.place(thread_base, request.messages, request.tools)
+        thread_id = placement.thread_id
         if request.messages is None:
             build = self._raw_prompt(request.prompt)
-            thread_id = execution.thread_id(thread_base, None)
         else:
-            thread_id = execution.thread_id(thread_base, request.messages)
-            state = execution.thread_state(thread_id)
             try:
-                build = tito.build_prompt(self.tokenizer, request.messages, request.tools, state,
+                build = tito.build_prompt(self.tokenizer, request.messages, request.tools, placement.state,
                                           enable_thinking=request.enable_thinking, tools_format=self.tools_format)  # fmt: skip
             except ValueError as exc:
                 raise ProxyError(400, f"cannot render messages: {exc}", param="messages") from None
@@ -116,7 +115,16 @@ class TurnPipeline:
         generation = GenerationRequest(
             prompt_ids=build.prompt_ids, sampling=params, session_id=f"{execution.execution_id}/{thread_id}"
         )
-        return Turn(request, execution, thread_id, build, generation, t_start, forced_text=forced)
+        return Turn(
+            request,
+            execution,
+            thread_id,
+            build,
+            generation,
+            t_start,
+            placement=placement.built(build),
+            forced_text=forced,
+        )
 
     def choices(self, turn: Turn) -> list[Turn]:
         """The turn's ``n`` choices (itself first): the same prompt, each with its own seed, request and record."""
@@ -321,18 +329,20 @@ class TurnPipeline:
     async def _commit_all(self, turns: list[Turn], results: list[GenerationResult]) -> list[Completion]:
         """``_commit`` of a call's choices, in order: each its own record; the thread remembers them all."""
         completions = [complete(turn, result, self.tokenizer) for turn, result in zip(turns, results)]
-        await asyncio.to_thread(self._record, turns, completions)
+        await asyncio.to_thread(_record, self.record_store, self.model_name, turns, completions)
         return completions
 
-    def _record(self, turns: list[Turn], completions: list[Completion]) -> None:
-        siblings: tuple[tito.ThreadState, ...] = ()
-        for turn, completion in zip(turns, completions):
-            state = thread_state(turn, completion, siblings)
-            turn.execution.record(
-                self.record_store,
-                lambda call_index, t=turn, c=completion: tito_record(t, c, call_index, self.model_name),
-                turn.thread_id,
-                state,
-            )
-            if state is not None:
-                siblings = (*siblings, dataclasses.replace(state, alternatives=()))
+
+def _record(record_store: RecordStore, model_name: str, turns: list[Turn], completions: list[Completion]) -> None:
+    """Records a call's choices in order (each fsynced), each remembered with the others as its alternatives."""
+    siblings: tuple[tito.ThreadState, ...] = ()
+    for turn, completion in zip(turns, completions):
+        state = thread_state(turn, completion, siblings)
+        turn.execution.record(
+            record_store,
+            lambda call_index, t=turn, c=completion: tito_record(t, c, call_index, model_name),
+            turn.placement,
+            state,
+        )
+        if state is not None:
+            siblings = (*siblings, dataclasses.replace(state, alternatives=()))

@@ -7,7 +7,7 @@ and fsynced before the HTTP response is sent), see docs/records.md:
      "prompt_ids": [int], "completion_ids": [int], "completion_logprobs": [float],
      "policy_versions": [int], "finish_reason": "stop" | "length" | "cancelled",
      "temperature": float, "reused_prefix_len": int, "t_start": float, "t_end": float,
-     "model": str, "api": "chat" | "completions" | "messages" | "responses", "cell": str,
+     "model": str, "api": "chat" | "completions" | "messages" | "responses", "cell": str, "agent_kind": "" | "auxiliary",
      "client_sampling": {"temperature": float, "top_p": float, "top_k": int, "seed": int, "stop": [str],
                          "n": int, "tool_choice": str | object} | null}
 
@@ -26,6 +26,8 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+AGENT_KINDS = ("", "auxiliary")  # TitoRecord.agent_kind: the trajectory processor decides | a harness utility call
 
 
 @dataclass
@@ -48,6 +50,8 @@ class TitoRecord:
     # responses (OpenAI Responses)
     api: str = ""
     cell: str = ""  # the serving cell that produced the completion
+    # "" (the trajectory processor decides the agent's label) | "auxiliary" (a harness-side utility call)
+    agent_kind: str = ""
     client_sampling: dict | None = None  # the sampling fields the client sent (see the module docstring)
 
     def __post_init__(self) -> None:

@@ -1,8 +1,9 @@
 """Token-in/token-out prompt building: earlier turns are reused as the exact ids the policy saw and made.
 
-When a call's messages extend the previous call of the same thread (same earlier messages, then the
-assistant message the proxy returned), the new prompt is ``previous prompt ids + previous completion
-ids`` followed by the template rendering of only the new messages. Nothing generated is
+When a call's messages extend a call of a live conversation (same tools, same earlier messages, then the
+assistant message the proxy returned; ``identity.Execution.place`` picks the conversation with the longest such
+call among the several each thread keeps, its last call or an earlier one), the new prompt is ``previous prompt
+ids + previous completion ids`` followed by the template rendering of only the new messages. Nothing generated is
 re-tokenized, so the trainer trains on what the policy produced. Any other call (a summary, a
 sub-agent, a retry with edited history) is rendered in full and starts a new branch.
 
@@ -93,11 +94,68 @@ class ThreadState:
     alternatives: tuple[ThreadState, ...] = ()  # the same call's other choices (n > 1)
 
 
+CallPoint = tuple[int, int, int]  # an earlier call: (its messages, prompt ids before its turn, its turn's ids)
+
+
+def _common_len(a: list[dict], b: list[dict]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _resends(normalized: list[dict], k: int, returned: list[dict]) -> bool | None:
+    """Whether ``normalized[k]`` re-sends one of the ``returned`` turns as returned (True), an assistant turn
+    changed (False: ``build_prompt`` reuses it as far as its text agrees), or is no assistant turn (None)."""
+    if len(normalized) <= k or normalized[k].get("role") != "assistant":
+        return None
+    return normalized[k] in returned
+
+
+@dataclass
+class LiveConversation:
+    """A conversation the proxy can continue token-in/token-out from its last call *or any earlier one*.
+
+    ``latest`` is its last call (its n > 1 choices in ``alternatives``); ``points`` its earlier calls (oldest
+    first) as offsets into ``latest``: each earlier call's messages, prompt ids and turn, *as the call that
+    continued it re-sent them* (``PromptBuild.point``: its forced opener and the kept tokens of its completion,
+    the rest of a changed re-send tokenized), are prefixes of ``latest``'s, so a fork from any of them (a retry,
+    a summary request re-sending an earlier point) reuses its ids at the cost of three integers per call.
+    """
+
+    thread_id: str
+    latest: ThreadState
+    points: tuple[CallPoint, ...] = ()
+
+    def match(self, normalized: list[dict], key: str) -> tuple[int, bool, ThreadState, tuple[CallPoint, ...]] | None:
+        """The call of this conversation that a request (``normalized`` messages, tools ``key``) extends, latest
+        or else the latest earlier one: ``(its message count, whether its turn is re-sent verbatim, its state, the
+        call points before it)``. A turn re-sent changed (``_resends``) still matches: the request continues the
+        latest call whose earlier messages it repeats."""
+        latest = self.latest
+        if key != latest.tools_key:
+            return None
+        common = _common_len(normalized, latest.messages)
+        k = len(latest.messages)
+        exact = _resends(normalized, k, [c.returned for c in (latest, *latest.alternatives)])
+        if common == k and exact is not None:
+            return k, exact, latest, self.points
+        for i in range(len(self.points) - 1, -1, -1):
+            k, p, t = self.points[i]
+            exact = _resends(normalized, k, [latest.messages[k]])  # the turn as it was re-sent after this call
+            if k <= common and exact is not None:
+                state = ThreadState(latest.messages[:k], key, latest.prompt_ids[:p], latest.prompt_ids[p : p + t],
+                                    latest.messages[k], True)  # fmt: skip
+                return k, exact, state, self.points[:i]
+        return None
+
+
 @dataclass
 class PromptBuild:
     prompt_ids: list[int]
     reused_prefix_len: int  # leading ids copied verbatim from the previous call (0 for a new branch)
     continued: bool
+    # where the continued call lies in ``prompt_ids``: (its messages, prompt ids before its turn, its turn's ids up to
+    # and including <|im_end|>); a forced opener counts as turn (``LiveConversation.points``)
+    point: CallPoint | None = None
 
 
 def tools_key(tools: list[dict] | None) -> str:
@@ -147,10 +205,11 @@ def _continue_returned(
     tools_format: str,
 ) -> PromptBuild:
     """The prompt continuing ``state`` whose returned turn was re-sent as returned: all its ids, then the rest."""
-    ids = list(state.prompt_ids) + list(state.completion_ids)
-    if not state.finished or not ids or ids[-1] != tokenizer.token_id(chat_template.IM_END):
-        ids += tokenizer.encode(chat_template.IM_END)  # the turn was cut (length, stop string) or ended otherwise
-    return _with_suffix(tokenizer, ids, len(ids), messages, tools, len(state.messages), enable_thinking, tools_format)
+    prompt, turn = _split_turn(tokenizer, state)
+    if not state.finished or not turn or turn[-1] != tokenizer.token_id(chat_template.IM_END):
+        turn += tokenizer.encode(chat_template.IM_END)  # the turn was cut (length, stop string) or ended otherwise
+    ids = prompt + turn
+    return _with_suffix(tokenizer, ids, len(ids), messages, tools, state, len(prompt), enable_thinking, tools_format)
 
 
 def _continue_resent(
@@ -161,25 +220,28 @@ def _continue_resent(
     enable_thinking: bool | None,
     tools_format: str,
 ) -> PromptBuild | None:
-    """The prompt continuing ``state`` whose turn was re-sent changed: its ids as far as the re-sent text agrees,
-    the rest of that text tokenized. A turn re-sent without the forced text it started with (smolagents re-sends
-    a forced tool call as "Calling tools: ..." text) reuses the prompt before the forced ids."""
-    k = len(state.messages)
-    resent = _resent_text(messages[k])
+    """The prompt continuing ``state`` whose turn was re-sent changed: its ids (the forced opener, then the
+    completion) as far as the re-sent text agrees, the rest of that text tokenized. A turn re-sent without the
+    forced text it started with (smolagents re-sends a forced tool call as "Calling tools: ..." text) so reuses
+    the prompt before the forced ids."""
+    resent = _resent_text(messages[len(state.messages)])
     if resent is None:
         return None
-    prompt, rest, agree = list(state.prompt_ids), resent[len(state.forced_text) :], 0
-    generated = list(state.completion_ids)
-    if generated and generated[-1] == tokenizer.token_id(chat_template.IM_END):
-        generated.pop()
-    if resent.startswith(state.forced_text):
-        agree = whole_tokens(tokenizer, generated, rest)
-    else:
-        prompt, rest = prompt[: len(prompt) - len(tokenizer.encode(state.forced_text))], resent
-    ids = prompt + generated[:agree]
+    prompt, turn = _split_turn(tokenizer, state)
+    if turn and turn[-1] == tokenizer.token_id(chat_template.IM_END):
+        turn.pop()
+    agree = whole_tokens(tokenizer, turn, resent)
+    ids = prompt + turn[:agree]
     reused = len(ids)
-    ids += tokenizer.encode(rest[len(tokenizer.decode(generated[:agree])) :] + chat_template.IM_END)
-    return _with_suffix(tokenizer, ids, reused, messages, tools, k, enable_thinking, tools_format)
+    ids += tokenizer.encode(resent[len(tokenizer.decode(turn[:agree])) :] + chat_template.IM_END)
+    return _with_suffix(tokenizer, ids, reused, messages, tools, state, len(prompt), enable_thinking, tools_format)
+
+
+def _split_turn(tokenizer: Tokenizer, state: ThreadState) -> tuple[list[int], list[int]]:
+    """``state``'s prompt ids before its assistant turn, and the turn's ids: the forced opener (``forced_text``,
+    the end of its prompt ids), then the completion ids."""
+    start = len(state.prompt_ids) - (len(tokenizer.encode(state.forced_text)) if state.forced_text else 0)
+    return list(state.prompt_ids[:start]), list(state.prompt_ids[start:]) + list(state.completion_ids)
 
 
 def whole_tokens(tokenizer: Tokenizer, ids: Sequence[int], text: str) -> int:
@@ -216,14 +278,18 @@ def _with_suffix(
     reused: int,
     messages: list[dict],
     tools: list[dict] | None,
-    k: int,
+    state: ThreadState,
+    turn_start: int,
     enable_thinking: bool | None,
     tools_format: str,
 ) -> PromptBuild:
-    """``ids`` (ending with the continued turn's ``<|im_end|>``) followed by the messages after ``messages[k]``."""
+    """``ids`` (``state``'s turn, as re-sent, from ``turn_start`` to its ``<|im_end|>``) followed by the messages
+    after it."""
+    k = len(state.messages)
+    point = (k, turn_start, len(ids) - turn_start)
     suffix = chat_template.render_segments(messages, tools, tools_format)[k + 1 :]
     ids += tokenizer.encode("\n" + "".join(suffix) + chat_template.generation_prompt(enable_thinking))
-    return PromptBuild(prompt_ids=ids, reused_prefix_len=reused, continued=True)
+    return PromptBuild(prompt_ids=ids, reused_prefix_len=reused, continued=True, point=point)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy import sampling, tito
 from gyre_jax.proxy.chat_template import ParsedCompletion, parse_completion
 from gyre_jax.proxy.errors import ProxyError
-from gyre_jax.proxy.identity import Execution
+from gyre_jax.proxy.identity import Execution, Placement
 from gyre_jax.proxy.records import TitoRecord
 from gyre_jax.serving.types import GenerationRequest, GenerationResult
 
@@ -73,6 +73,7 @@ class Turn:
     generation: GenerationRequest
     t_start: float  # when the HTTP request arrived (Unix time)
     created: int = field(default_factory=lambda: int(time.time()))  # when the turn was placed (Unix second)
+    placement: Placement | None = None  # the conversation it continues or starts (None: recorded on no conversation)
     forced_text: str = ""  # text forced at the turn's start (tool_choice): its ids end build.prompt_ids
     index: int = 0  # the choice this turn is (n > 1), in the reply's ``choices``
 
@@ -285,6 +286,7 @@ def tito_record(turn: Turn, completion: Completion, call_index: int, model: str)
         model=model,
         api=turn.request.api,
         cell=result.cell,
+        agent_kind=turn.placement.agent_kind if turn.placement is not None else "",
         client_sampling=turn.request.client_sampling(),
     )
 

@@ -8,21 +8,23 @@ linear sequence.
 
 Each branch belongs to an *agent* and is labelled by priority class:
 
-- Agents are told apart by explicit thread metadata when the harness supplies it
-  (``TitoRecord.thread_id``: the ``X-Gyre-Thread-Id`` or ``X-Claude-Code-Session-Id`` header, else
-  ``"main"``): calls of different threads are different agents.
-- Within one thread, by structure: a new branch whose prompt repeats the first message (the system
-  prompt, up to and including the first ``message_end_id``) of an earlier branch of the thread
-  continues that branch's agent (a summary, a retry); one with a different first message is a new
-  agent (e.g. a Claude Code sub-agent, which sends the same session id as its parent). Without
-  ``message_end_id`` every new branch of a thread belongs to the thread's first agent.
+- Agents are threads: the proxy names one ``TitoRecord.thread_id`` per agent (``gyre_jax/proxy/agents.py``:
+  the thread header, then the normalized system prompt, the conversation a call continues, and a new
+  conversation's shape: a retry, a summary continuation, or a new sub-agent). Calls of different threads
+  are different agents; every branch of a thread belongs to its agent.
+- Optionally (``message_end_id`` given), structure splits a thread, for records whose threads mix agents
+  (synthetic traces, older proxies): a new branch whose prompt repeats the first message (the system
+  prompt, up to and including the first ``message_end_id``) of an earlier branch of the thread continues
+  that branch's agent (a summary, a retry); one with a different first message is a new agent.
+- An agent whose first record has ``agent_kind == "auxiliary"`` (a harness-side utility call: a title, a
+  topic check) labels all its branches ``auxiliary`` and is never the main agent.
 - A greedy call (``temperature`` 0, served under ``proxy.sampling = "client"``) is not a sample of the
   policy's distribution: its completion joins its branch as context (not trainable, temperature 1.0, so
   no 0 ever reaches the loss) and is counted in ``BranchBuilder.greedy_calls``. The execution's other
   calls still train: they were sampled, and the greedy turns are part of what they were conditioned on.
-- The main agent is the first agent of the main thread (``"main"`` if any call has it, else the
-  first call's thread). Its first branch is ``main``, its later branches ``main-summary``; every
-  other agent's first branch is ``subagent``, its later ones ``subagent-summary``.
+- The main agent is the first non-auxiliary agent of the main thread (``"main"`` if a non-auxiliary call
+  has it, else the first non-auxiliary call's thread). Its first branch is ``main``, its later branches
+  ``main-summary``; every other agent's first branch is ``subagent``, its later ones ``subagent-summary``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import numpy as np
 
 from gyre_jax.proxy.records import TitoRecord
 
-PRIORITY = ("main", "main-summary", "subagent", "subagent-summary")
+AUXILIARY_LABEL = "auxiliary"  # the label of a harness utility call's branches (TitoRecord.agent_kind)
+PRIORITY = ("main", "main-summary", "subagent", "subagent-summary", AUXILIARY_LABEL)
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ class BranchBuilder:
         self.message_end_id = message_end_id
         self.branches: list[Branch] = []
         self._agents: list[str] = []  # thread of each agent, by agent number
+        self._auxiliary: set[int] = set()  # agents of harness utility calls
         self._last_call = -1
         self.greedy_calls = 0  # calls whose completion is kept as context only (temperature 0)
 
@@ -150,9 +154,12 @@ class BranchBuilder:
         if best is not None and best_len >= self._first_message_len(best.tokens):
             return best.agent
         self._agents.append(rec.thread_id)
+        if rec.agent_kind == AUXILIARY_LABEL:
+            self._auxiliary.add(len(self._agents) - 1)
         return len(self._agents) - 1
 
-    def add(self, rec: TitoRecord) -> None:
+    def add(self, rec: TitoRecord) -> Branch:
+        """Adds the next record (in call order) to the branch it continues, or to a new one; returns that branch."""
         if rec.call_index <= self._last_call:
             raise ValueError(f"records must be added in call order: call {rec.call_index} after {self._last_call}")
         self._last_call = rec.call_index
@@ -176,15 +183,16 @@ class BranchBuilder:
             versions=list(rec.policy_versions),
         )
         parent.num_calls += 1
+        return parent
 
     def finish(self) -> list[Branch]:
-        threads = {b.thread_id for b in self.branches}
-        main_thread = (
-            self.main_thread if self.main_thread in threads else (self.branches[0].thread_id if self.branches else "")
-        )
-        main_agent = next((i for i, t in enumerate(self._agents) if t == main_thread), None)
+        agents = [(i, t) for i, t in enumerate(self._agents) if i not in self._auxiliary]  # by first appearance
+        main_agent = next((i for i, t in agents if t == self.main_thread), agents[0][0] if agents else None)
         seen: set[int] = set()
         for b in self.branches:
+            if b.agent in self._auxiliary:
+                b.label = AUXILIARY_LABEL
+                continue
             kind = "main" if b.agent == main_agent else "subagent"
             b.label = kind if b.agent not in seen else kind + "-summary"
             seen.add(b.agent)

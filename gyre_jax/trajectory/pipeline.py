@@ -34,7 +34,7 @@ from gyre_jax.trajectory.branches import Branch, BranchBuilder
 from gyre_jax.trajectory.packing import MicroBatchPacker, PackedMicroBatch, SequenceInfo
 from gyre_jax.trajectory.queue import ExecutionQueue, QueuedExecution
 from gyre_jax.trajectory.reader import CorruptRecords, check_token_ids, iter_records
-from gyre_jax.trajectory.select import Selection, execution_rng, select
+from gyre_jax.trajectory.select import AUXILIARY_POLICIES, Selection, execution_rng, select
 from gyre_jax.trajectory.tree import Chunk, plain_chunks, tree_chunks
 
 log = logging.getLogger("gyre_jax.trajectory")
@@ -64,8 +64,10 @@ class TrajectoryConfig:
     ``max_branches``: J_max (None = uncapped). ``packing``: "tree" (shared prefixes computed once) or
     "plain" (each branch its own sequence). Micro-batches are ``rows x row_length`` tokens with at
     most ``max_sequences`` sequences; ``open_micro_batches`` are filled at once (``packing.py``).
-    ``message_end_id`` (the chat template's ``<|im_end|>``) lets structure tell sub-agents from
-    summaries (``branches.py``); ``vocab_size`` bounds token ids; ``seed`` seeds branch sampling.
+    ``message_end_id`` (the chat template's ``<|im_end|>``) lets structure tell sub-agents from summaries
+    within one thread, for records whose threads mix agents (``branches.py``; None: one agent per thread, as the
+    proxy names them); ``auxiliary``: "lowest" (utility-call branches last in J_max selection) or "exclude";
+    ``vocab_size`` bounds token ids; ``seed`` seeds branch sampling.
     """
 
     max_branches: int | None = 5
@@ -78,8 +80,11 @@ class TrajectoryConfig:
     message_end_id: int | None = None
     vocab_size: int | None = None
     main_thread: str = "main"
+    auxiliary: str = "lowest"
 
     def __post_init__(self) -> None:
+        if self.auxiliary not in AUXILIARY_POLICIES:
+            raise ValueError(f"auxiliary={self.auxiliary!r} must be one of {AUXILIARY_POLICIES}")
         if self.packing not in PACKING:
             raise ValueError(f"packing={self.packing!r} must be one of {PACKING}")
         if self.max_branches is not None and self.max_branches < 1:
@@ -215,7 +220,8 @@ class SelectBranches(grain.transforms.Map):
         if element.excluded is not None:
             return SelectedExecution(entry=element.entry, excluded=element.excluded, greedy_calls=greedy)
         eid = element.entry.execution_id
-        sel = select(eid, element.branches, self.config.max_branches, execution_rng(self.config.seed, eid))
+        sel = select(eid, element.branches, self.config.max_branches, execution_rng(self.config.seed, eid),
+                     auxiliary=self.config.auxiliary)  # fmt: skip
         if sel.num_selected == 0:
             reason = "nothing to train: no policy-generated token"
             if greedy:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gyre_jax.proxy.records import TitoRecord
+from gyre_jax.proxy.records import AGENT_KINDS, TitoRecord
 
 
 class CorruptRecords(ValueError):
@@ -81,6 +81,8 @@ def parse_record(line: str, execution_id: str, line_no: int, vocab_size: int | N
         )
     if not isinstance(rec.thread_id, str) or not rec.thread_id:
         raise CorruptRecords(f"{where}: thread_id must be a non-empty string")
+    if rec.agent_kind not in AGENT_KINDS:
+        raise CorruptRecords(f"{where}: agent_kind {rec.agent_kind!r} must be one of {AGENT_KINDS}")
     if not isinstance(rec.prompt_ids, list) or not isinstance(rec.completion_ids, list):
         raise CorruptRecords(f"{where}: prompt_ids and completion_ids must be lists")
     # Prompt ids are checked once they are laid out in branches (``check_token_ids``): a prompt repeats its

@@ -7,8 +7,9 @@ log-prob is the same number in both.
 
 Selection, per execution (deterministic given ``rng``):
 
-1. Candidates are visited by label priority ``main > main-summary > subagent > subagent-summary``;
-   within a label in a seeded random order (``rng``; appearance order when ``rng`` is None).
+1. Candidates are visited by label priority ``main > main-summary > subagent > subagent-summary >
+   auxiliary``; within a label in a seeded random order (``rng``; appearance order when ``rng`` is None).
+   With ``auxiliary="exclude"`` branches of harness utility calls are never candidates.
 2. A candidate is selected if it has a trainable target that no branch selected before it trains
    (policy-generated there and shared); branches that would add nothing are skipped, so they cost
    no compute. Selection stops at ``max_branches`` (J_max; None = uncapped).
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gyre_jax.trajectory.branches import PRIORITY, Branch, BranchArrays, common_prefix_len
+from gyre_jax.trajectory.branches import AUXILIARY_LABEL, PRIORITY, Branch, BranchArrays, common_prefix_len
 
 
 def execution_rng(seed: int, execution_id: str) -> np.random.Generator:
@@ -79,10 +80,20 @@ class Selection:
         return out
 
 
-def candidate_order(branches: list[Branch], rng: np.random.Generator | None) -> list[int]:
-    """Branch indices by label priority; within a label shuffled by ``rng`` (appearance order without one)."""
+AUXILIARY_POLICIES = ("lowest", "exclude")  # what selection does with "auxiliary" branches
+
+
+def candidate_order(branches: list[Branch], rng: np.random.Generator | None, auxiliary: str = "lowest") -> list[int]:
+    """Branch indices by label priority; within a label shuffled by ``rng`` (appearance order without one).
+
+    ``auxiliary``: "lowest" (auxiliary branches last) or "exclude" (left out).
+    """
+    if auxiliary not in AUXILIARY_POLICIES:
+        raise ValueError(f"auxiliary={auxiliary!r} must be one of {AUXILIARY_POLICIES}")
     order: list[int] = []
     for label in PRIORITY:
+        if label == AUXILIARY_LABEL and auxiliary == "exclude":
+            continue
         tier = [i for i, b in enumerate(branches) if b.label == label]
         if rng is not None and len(tier) > 1:
             tier = [tier[i] for i in rng.permutation(len(tier))]
@@ -94,15 +105,22 @@ def candidate_order(branches: list[Branch], rng: np.random.Generator | None) -> 
 
 
 def select(
-    execution_id: str, branches: list[Branch], max_branches: int | None, rng: np.random.Generator | None = None
+    execution_id: str,
+    branches: list[Branch],
+    max_branches: int | None,
+    rng: np.random.Generator | None = None,
+    auxiliary: str = "lowest",
 ) -> Selection:
-    """Selects at most ``max_branches`` branches and assigns each trainable target to one of them."""
+    """Selects at most ``max_branches`` branches and assigns each trainable target to one of them.
+
+    ``auxiliary``: "lowest" or "exclude", as in ``candidate_order``.
+    """
     if max_branches is not None and max_branches < 1:
         raise ValueError(f"max_branches={max_branches} must be >= 1 (or None for uncapped)")
     chosen: list[Branch] = []
     arrays: list[BranchArrays] = []
     assigned: list[np.ndarray] = []
-    for i in candidate_order(branches, rng):
+    for i in candidate_order(branches, rng, auxiliary):
         if max_branches is not None and len(chosen) >= max_branches:
             break
         a = branches[i].arrays()

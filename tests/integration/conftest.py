@@ -13,9 +13,12 @@ records hold exactly the tokens the clients were served.
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -37,6 +40,8 @@ from gyre_jax.proxy.router import Router
 from gyre_jax.proxy.server import ProxyServer
 from gyre_jax.serving.engine import Engine
 from gyre_jax.serving.loop import ServingLoop
+from gyre_jax.trajectory.pipeline import LoadedExecution, LoadExecution, TrajectoryConfig
+from gyre_jax.trajectory.queue import QueuedExecution
 
 REPO = Path(__file__).resolve().parents[2]
 NPM_DIR = Path(__file__).resolve().parent / "npm"
@@ -153,6 +158,28 @@ class Stack:
         """What the client was served, re-derived from the record's token ids alone."""
         return parse_completion(self.completion_text(record))
 
+    def parsed_turn(self, record: TitoRecord) -> ParsedCompletion:
+        """``parsed``, for a turn whose prompt already opened the reply: under a forced ``tool_choice`` the
+        proxy ends the prompt with the tool call's opener (recorded as prompt, never trained), so the client
+        was served that text + the completion, parsed as the proxy parses a forced turn."""
+        opened = self.tokenizer.decode(record.prompt_ids).rsplit("<|im_start|>assistant\n", 1)[-1]
+        if "<tool_call>" not in opened:
+            return self.parsed(record)
+        from gyre_jax.proxy.turns import parse_forced  # forced tool_choice: issue 15 (branch i15-sampling)
+
+        return parse_forced(opened + self.completion_text(record), parse_tools=True)
+
+    def trainer_load(self, execution_id: str) -> LoadedExecution:
+        """The execution's records as the trainer reads them (``LoadExecution``: strict reader, then branches);
+        ``.excluded`` says why when it would not train on them."""
+        config = TrajectoryConfig(
+            vocab_size=self.tokenizer.vocab_size, message_end_id=self.tokenizer.token_id("<|im_end|>")
+        )
+        entry = QueuedExecution(
+            index=0, execution_id=execution_id, step=0, advantage=1.0, weight=1.0, last_in_step=True
+        )
+        return LoadExecution(self.records.root, config).map(entry)
+
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
@@ -179,18 +206,79 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         assert loop.error is None, loop.error
 
 
+# The npm CLIs the tests drive: executable name -> npm package (versions pinned in npm/package.json + lockfile).
+NPM_CLIS = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex", "opencode": "opencode-ai"}
+AIDER_REQUIREMENTS = Path(__file__).resolve().parent / "requirements-aider.txt"
+
+
+def npm_installed_version(package: str) -> str | None:
+    manifest = NPM_DIR / "node_modules" / package / "package.json"
+    return json.loads(manifest.read_text())["version"] if manifest.exists() else None
+
+
 @pytest.fixture(scope="session")
-def claude_bin() -> Path:
-    """The Claude Code CLI from npm, installed from the committed package-lock.json (``npm ci``) when missing."""
-    binary = NPM_DIR / "node_modules" / ".bin" / "claude"
-    if not binary.exists():
-        npm = shutil.which("npm")
-        if npm is None:
-            pytest.fail("npm is needed to install @anthropic-ai/claude-code for this test (apt-get install npm)")
-        done = subprocess.run(
-            [npm, "ci", "--no-audit", "--no-fund"], cwd=NPM_DIR, capture_output=True, text=True, timeout=600
+def npm_bins() -> dict[str, Path]:
+    """The npm CLIs (``NPM_CLIS``: Claude Code, Codex CLI, opencode) at the versions ``npm/package.json`` pins,
+    installed (once) from the committed ``package-lock.json`` when one is missing or at another version; after
+    an install each must answer ``--version`` (offline) with its pinned version (not checked on every session:
+    opencode's 185 MB binary takes seconds to start).
+
+    ``npm install --no-save``, not ``npm ci``: the lock holds opencode's linux-x64 binary packages only (the
+    registry this lock was made from serves no other platform's), so ``npm ci`` refuses it as out of sync;
+    ``npm install`` installs the locked tree and, with ``--no-save``, leaves both files as they are."""
+    pins = json.loads((NPM_DIR / "package.json").read_text())["dependencies"]
+    bins = {name: NPM_DIR / "node_modules" / ".bin" / name for name in NPM_CLIS}
+    if all(npm_installed_version(pkg) == pins[pkg] and bins[name].exists() for name, pkg in NPM_CLIS.items()):
+        return bins
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.fail(f"npm is needed to install {sorted(NPM_CLIS.values())} for these tests (apt-get install npm)")
+    cmd = [npm, "install", "--no-save", "--no-audit", "--no-fund"]
+    done = subprocess.run(cmd, cwd=NPM_DIR, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(cmd)} failed in {NPM_DIR}:\n{done.stdout}\n{done.stderr}"
+    for name, pkg in NPM_CLIS.items():
+        check = subprocess.run([str(bins[name]), "--version"], capture_output=True, text=True, timeout=120,
+                               env={**os.environ}, stdin=subprocess.DEVNULL)  # fmt: skip
+        assert check.returncode == 0 and pins[pkg] in check.stdout, (name, check.stdout, check.stderr)
+    return bins
+
+
+@pytest.fixture(scope="session")
+def claude_bin(npm_bins: dict[str, Path]) -> Path:
+    """The Claude Code CLI from npm (see ``npm_bins``)."""
+    return npm_bins["claude"]
+
+
+@pytest.fixture(scope="session")
+def aider_python() -> Path:
+    """A Python that runs aider (``python -m aider``) at the versions ``requirements-aider.txt`` pins, in its own
+    venv (aider pins about 100 packages exactly; they must not meet the project's), built once and cached
+    under ``$XDG_CACHE_HOME/gyre-jax`` (default ``~/.cache``), keyed by the requirements' hash and this Python."""
+    spec = AIDER_REQUIREMENTS.read_bytes() + sys.version.encode()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gyre-jax"
+    venv = cache / f"aider-{hashlib.sha256(spec).hexdigest()[:12]}"
+    python = venv / "bin" / "python"
+    if python.exists():  # built whole (renamed into place when done) from these very requirements
+        return python
+    building = cache / f"{venv.name}.building-{os.getpid()}"
+    shutil.rmtree(building, ignore_errors=True)
+    # uv (a test dependency) resolves nothing here (the file pins every package) and installs in parallel: seconds,
+    # where pip takes minutes for aider's ~100 packages on 2 cores.
+    uv = [sys.executable, "-m", "uv"]
+    for cmd in ([*uv, "venv", "-q", "--python", sys.executable, str(building)],
+                [*uv, "pip", "install", "-q", "--python", str(building / "bin" / "python"), "-r", str(AIDER_REQUIREMENTS)]):  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, (
+            f"building aider's venv failed: {cmd}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         )
-        assert done.returncode == 0, f"npm ci failed in {NPM_DIR}:\n{done.stdout}\n{done.stderr}"
-    check = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60, env={**os.environ})
-    assert check.returncode == 0 and "Claude Code" in check.stdout, check.stderr
-    return binary
+    [pin] = [
+        line.split("==")[1] for line in AIDER_REQUIREMENTS.read_text().splitlines() if line.startswith("aider-chat==")
+    ]
+    check = subprocess.run([str(building / "bin" / "python"), "-m", "aider", "--version"], capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert check.returncode == 0 and pin in check.stdout, (check.stdout, check.stderr)
+    try:
+        building.rename(venv)  # atomic: a venv at ``venv`` is always whole (run as ``python -m aider``, so movable)
+    except OSError:  # another session built it meanwhile
+        shutil.rmtree(building, ignore_errors=True)
+    return python

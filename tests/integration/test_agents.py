@@ -58,6 +58,8 @@ def test_mini_swe_agent(stack, tmp_path) -> None:
     records = stack.records.read("mini-0")
     assert records, f"mini-swe-agent made no model call:\n{logs}"
     assert all(r.api == "chat" and r.thread_id == "main" for r in records)
+    loaded = stack.trainer_load("mini-0")  # the trainer's reader takes the execution
+    assert loaded.excluded is None and loaded.branches, loaded.excluded
     # Every model response litellm handed the agent (kept in the trajectory, with the assistant message or
     # with the format error it caused) is exactly what its record's ids decode and parse to.
     trajectory = json.loads((exec_dir / "trajectory.json").read_text())
@@ -92,6 +94,8 @@ def test_claude_code(stack, tmp_path, claude_bin) -> None:
     assert records, f"Claude Code made no model call:\n{logs}"
     assert all(r.api == "messages" for r in records)
     assert len(records[0].prompt_ids) > 5000  # its ~50 KB request: system prompt, tools, environment
+    loaded = stack.trainer_load("claude-0")  # the trainer's reader takes the execution
+    assert loaded.excluded is None and loaded.branches, loaded.excluded
     # The assistant messages Claude Code reports are, in order, what the records' ids decode and parse to.
     events = [
         json.loads(line) for line in (exec_dir / "harness.stdout").read_text().splitlines() if line.startswith("{")

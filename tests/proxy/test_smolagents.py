@@ -50,6 +50,7 @@ def test_smolagents_runs_to_its_answer_with_reuse(make_stack, kind) -> None:
         assert str(agent.run("What is the weather in Paris?")) == "sunny"
         first, second = stack.store.read(kind)
         assert first.client_sampling["stop"] and second.reused_prefix_len > 0.9 * len(first.prompt_ids)
+        assert first.thread_id == second.thread_id == "main"  # the re-sent turn continues the agent's conversation
         if kind == "CodeAgent":  # the turn re-sent with "</code>" appended: the completion's ids are reused too
             assert second.reused_prefix_len == len(first.prompt_ids) + len(first.completion_ids)
         else:

@@ -163,6 +163,18 @@ def test_n_choices_each_recorded_and_any_one_continued(make_stack) -> None:
             assert (
                 records[-1].reused_prefix_len == len(previous) and records[-1].prompt_ids[: len(previous)] == previous
             )
+            assert {r.thread_id for r in records} == {"main"}  # the choices and their continuation: one agent
+        # a choice re-sent changed (text appended) continues that choice, as far as its text agrees
+        client = oai(stack, "e-n1x")
+        texts = [c.message.content for c in client.chat.completions.create(model=MODEL, messages=messages, n=3,
+                                                                           seed=41).choices]  # fmt: skip
+        follow = [*messages, {"role": "assistant", "content": texts[1] + "!"}, {"role": "user", "content": "go"}]
+        client.chat.completions.create(model=MODEL, messages=follow, seed=1)
+        records = stack.store.read("e-n1x")
+        kept = records[1].prompt_ids + records[1].completion_ids[:-1]  # all but its <|im_end|>
+        assert records[-1].reused_prefix_len == len(kept) and records[-1].prompt_ids[: len(kept)] == kept
+        assert TOK.decode(records[-1].prompt_ids) == chat_template.render(follow)
+        assert {r.thread_id for r in records} == {"main"}
 
 
 def test_n_choices_stream_and_completions(make_stack) -> None:
@@ -271,3 +283,60 @@ def test_anthropic_tool_choice_any_and_tool(make_stack) -> None:
         records = stack.store.read("e-atc")
         assert [r.client_sampling["tool_choice"] for r in records] == [
             {"type": "function", "function": {"name": "get_weather"}}, "required"]  # fmt: skip
+
+
+# -- re-sent turns and the conversation a call continues ---------------------------------------------------------------
+
+
+def test_a_turn_re_sent_changed_continues_its_conversation_whose_earlier_call_stays_forkable(make_stack) -> None:
+    with make_stack(script) as stack:
+        client = oai(stack, "e-fork")
+        messages = user("solve it")
+        out = client.chat.completions.create(model=MODEL, messages=messages, stop=["Observation:"])
+        turn = {"role": "assistant", "content": out.choices[0].message.content + "Observation:"}  # smolagents' shape
+        client.chat.completions.create(model=MODEL, messages=[*messages, turn, {"role": "user", "content": "go on"}])
+        fork = [*messages, turn, {"role": "user", "content": "summarize instead"}]  # back to the first call
+        client.chat.completions.create(model=MODEL, messages=fork)
+        first, second, third = stack.store.read("e-fork")
+        assert first.thread_id == second.thread_id == third.thread_id == "main"  # not a new agent
+        assert second.reused_prefix_len == len(first.prompt_ids) + len(first.completion_ids)
+        # the fork reuses the second call's ids up to the first turn as it was re-sent (+ "Observation:<|im_end|>")
+        turn_end = second.reused_prefix_len + len(TOK.encode("Observation:")) + 1
+        assert third.reused_prefix_len == turn_end and third.prompt_ids[:turn_end] == second.prompt_ids[:turn_end]
+        assert TOK.decode(third.prompt_ids) == chat_template.render(fork)
+
+
+def test_a_fork_re_sending_an_earlier_forced_call_as_text_reuses_the_prompt_before_the_forced_ids(make_stack) -> None:
+    with make_stack(script) as stack:
+        client = oai(stack, "e-forkforced")
+        messages = user("time?")
+        out = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required")
+        call = out.choices[0].message
+        result = {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "noon"}
+        client.chat.completions.create(model=MODEL, messages=[*messages, call.model_dump(exclude_none=True), result],
+                                       tools=TOOLS)  # fmt: skip
+        # a fork from the first call, its forced turn re-sent as text: the forced ids are not kept (nor repeated)
+        as_text = {"role": "assistant", "content": "Calling tools:\n[{'function': {'name': 'get_time'}}]"}
+        fork = [*messages, as_text, {"role": "user", "content": "Observation: noon"}]
+        client.chat.completions.create(model=MODEL, messages=fork, tools=TOOLS)
+        first, second, third = stack.store.read("e-forkforced")
+        assert second.reused_prefix_len == len(first.prompt_ids) + len(first.completion_ids)
+        before_forced = len(first.prompt_ids) - len(TOK.encode(TOOL_CALL_OPEN))
+        assert third.reused_prefix_len == before_forced
+        assert third.prompt_ids[:before_forced] == second.prompt_ids[:before_forced]
+        assert TOK.decode(third.prompt_ids) == chat_template.render(fork, TOOLS, tools_format="qwen3")
+        assert {first.thread_id, second.thread_id, third.thread_id} == {"main"}
+
+
+def test_a_conversation_whose_turn_is_re_sent_verbatim_wins_over_one_re_sent_changed(make_stack) -> None:
+    with make_stack(script) as stack:
+        client = oai(stack, "e-tie")
+        messages = user("CHOICES")
+        answer = client.chat.completions.create(model=MODEL, messages=messages, seed=41).choices[0].message.content
+        client.chat.completions.create(model=MODEL, messages=messages, seed=42)  # a retry: a later conversation
+        follow = [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": "CHOICES"}]
+        client.chat.completions.create(model=MODEL, messages=follow, seed=1)
+        first, retry, last = stack.store.read("e-tie")
+        assert TOK.decode(retry.completion_ids[:-1]) == "answer 42"  # agrees with "answer 41" for 8 characters
+        assert last.reused_prefix_len == len(first.prompt_ids) + len(first.completion_ids)
+        assert last.prompt_ids[: last.reused_prefix_len] == first.prompt_ids + first.completion_ids

@@ -296,3 +296,26 @@ def test_branch_builder_takes_records_in_call_order_only():
     builder.add(rec(1, [1], [2]))
     with pytest.raises(ValueError, match="call order"):
         builder.add(rec(0, [1], [2]))
+
+
+def test_auxiliary_calls_are_never_main_and_come_last_or_not_at_all():
+    """opencode's first call is its title: an auxiliary record. The real agent after it is the main agent; the
+    title's branch is labelled ``auxiliary``, selected last, or never with ``auxiliary="exclude"``."""
+    from gyre_jax.trajectory.select import candidate_order, select
+
+    title = rec(0, [90, 91], [92])
+    title.agent_kind = "auxiliary"
+    title.thread_id = "main~0123456789ab"
+    records = [title, rec(1, [1, 2], [3]), rec(2, [1, 2, 3, 4], [5]), rec(3, [7, 8], [9], thread="main~fedcba987654")]
+    branches = build_branches(records)
+    assert [b.label for b in branches] == ["auxiliary", "main", "subagent"]
+    assert PRIORITY[-1] == "auxiliary" and candidate_order(branches, None) == [1, 2, 0]
+    assert candidate_order(branches, None, "exclude") == [1, 2]
+    assert [b.label for b in select("ex", branches, None, auxiliary="exclude").branches] == ["main", "subagent"]
+    assert [b.label for b in select("ex", branches, None).branches] == ["main", "subagent", "auxiliary"]
+    with pytest.raises(ValueError, match="auxiliary='last' must be one of"):
+        candidate_order(branches, None, "last")
+    # An execution of only auxiliary calls has no main branch; old records (no agent_kind) load as before.
+    assert [b.label for b in build_branches([title])] == ["auxiliary"]
+    line = rec(0, [1], [2]).to_json().replace(',"agent_kind":""', "")
+    assert "agent_kind" not in line and TitoRecord.from_json(line).agent_kind == ""

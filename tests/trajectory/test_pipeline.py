@@ -388,5 +388,9 @@ def test_config_from_the_run_config():
         ]
     ).trajectory_config()
     assert (c.max_branches, c.packing, c.row_length, c.rows, c.max_sequences) == (3, "plain", 1024, 8, 64)
-    assert c.message_end_id == 258 and c.vocab_size == 272 and c.seed == 0
+    # Labels follow the proxy's threads (one per agent) unless a message end is passed for structure.
+    assert c.message_end_id is None and c.vocab_size == 272 and c.seed == 0 and c.auxiliary == "lowest"
     assert load_config([]).trajectory_config(message_end_id=7).message_end_id == 7
+    assert load_config(["--config.trajectory.auxiliary=exclude"]).trajectory_config().auxiliary == "exclude"
+    with pytest.raises(ValueError, match="trajectory.auxiliary='drop' must be one of"):
+        load_config(["--config.trajectory.auxiliary=drop"])

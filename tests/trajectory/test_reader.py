@@ -73,6 +73,7 @@ CASES = {
     "a token id outside the vocabulary": ([line(**rec(0, completion=(3, 99)))], r"token id 99, outside \[0, 8\)"),
     "a float token id": ([line(**rec(0, completion=(3, 4.5)))], r"completion_ids must be a list of integers"),
     "an empty prompt": ([line(**rec(0, prompt=()))], r"empty prompt_ids"),
+    "an unknown agent kind": ([line(**rec(0), agent_kind="helper")], r"agent_kind 'helper' must be one of"),
     "a blank line": ([line(**rec(0)), ""], r"ex\.jsonl:2: blank line"),
     "not UTF-8": ([b"\xff\xfe{}\n"], r"not UTF-8"),
     "not an object": (["[1, 2]"], r"expected a JSON object, got list"),
