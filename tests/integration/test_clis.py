@@ -27,7 +27,6 @@ HERE = Path(__file__).resolve().parent
 
 # What a harness needs from the proxy that another branch of issue 15 builds; strict, so the marker must go
 # (and the test then pass) once that branch is merged.
-NEEDS_RESPONSES = pytest.mark.xfail(strict=True, reason="Codex CLI speaks only POST /v1/responses (issue 15, branch i15-stream)")  # fmt: skip
 
 
 def common_checks(stack, result, execution_id: str, logs: str) -> list:
@@ -77,7 +76,6 @@ stream_max_retries = 0
 """
 
 
-@NEEDS_RESPONSES
 def test_codex_cli(stack, tmp_path, npm_bins) -> None:
     home = tmp_path / "codex_home"  # CODEX_HOME: its config.toml names the proxy as a Responses API provider
     home.mkdir()

@@ -45,6 +45,9 @@ RUN = [
 def _env() -> dict:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the config decides the devices
+    # no shared compilation cache (tests/conftest.py): only process 0 writes it, so process 1 would fall further
+    # behind process 0 at start-up, against gloo's 30 s rendezvous deadline
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
