@@ -235,7 +235,7 @@ class TurnPipeline:
             if results is None:
                 return
             closes = [self._close(turn, result, live) for turn, result, live in zip(turns, results, lives)]
-            await asyncio.to_thread(self._record, turns, [completion for _, completion in closes])
+            await asyncio.to_thread(_record, self.record_store, self.model_name, turns, [c for _, c in closes])
         except ProxyError as err:
             yield Failed(err)
             return
