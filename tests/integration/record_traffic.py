@@ -16,7 +16,7 @@ e.g. token counting). Lines are ordered as the backend was called, so a sequenti
 truth of each scenario is ``<scenario>.truth.json`` (labels, agents, continuations); the recorder writes a
 draft, ``<scenario>.truth.draft.json``, from what the script answered, to check the truth against.
 
-Run (offline; needs the npm CLIs of ``tests/integration/npm`` installed with ``npm ci`` and
+Run (offline; needs the npm CLIs of ``tests/integration/npm`` installed (``npm install --no-save`` there) and
 mini-swe-agent and smolagents in the venv):
 
     PYTHONPATH=$PWD python tests/integration/record_traffic.py [--only claude_code/subagents ...] [--out DIR]
@@ -442,11 +442,11 @@ stream_max_retries = 0
 
 
 def codex_answer(recorder: Recorder, out: Path) -> None:
-    """Codex CLI (``codex exec``, OpenAI Responses API): runs a shell command, then answers. Needs the proxy's
-    ``POST /v1/responses`` (issue 15, another branch) and ``@openai/codex`` in ``tests/integration/npm``."""
+    """Codex CLI (``codex exec``, OpenAI Responses API, ``store: false``): runs a command with its
+    ``exec_command`` tool, then answers."""
     script = Script([
         Rule("main", "main", in_last("CODEX-CHECK"), "CODEX-DONE: checked."),
-        Rule("main", "main", in_last("SCENARIO-CODEX"), tool_call("shell", command=["echo", "CODEX-CHECK"])),
+        Rule("main", "main", in_last("SCENARIO-CODEX"), tool_call("exec_command", cmd="echo CODEX-CHECK")),
     ])  # fmt: skip
     key, root = recorder.scenario("codex/answer", script)
     (root / "codex_home").mkdir()
@@ -515,9 +515,7 @@ SCENARIOS: dict[str, Callable[[Recorder, Path], None]] = {
     "smolagents/code_agent": smolagents_run("code"),
     "smolagents/tool_agent": smolagents_run("tool"),
 }
-# Recorded by default: what this proxy serves today (Codex needs /v1/responses).
-DEFAULT = ("claude_code/subagents", "claude_code/compact", "claude_code/parallel", "opencode/subagent",
-           "mini_swe_agent/steps", "aider/edit", "smolagents/code_agent", "smolagents/tool_agent")  # fmt: skip
+DEFAULT = tuple(SCENARIOS)  # recorded when --only names none
 
 
 def main(argv: list[str] | None = None) -> int:
