@@ -12,10 +12,10 @@ conversation's agent. A call that extends none starts a new conversation, and th
 2. **Restated history.** A new conversation that restates a known conversation's history under another system
    prompt (or tools) belongs to that conversation's agent: after its system prompt it repeats that conversation's
    messages up to one of the turns the agent answered, and goes on with that answer re-sent there (verbatim, or
-   changed as harnesses re-send a turn: a stop string appended, a tool call written out as text; smolagents' final-answer
-   call after its step limit re-sends the agent's memory with its own system prompt and no tools). It is that
-   agent's new branch (``main-summary`` for the main agent), never an auxiliary call of another agent; a
-   sub-agent given the same task restates no answer of the parent's, so stays a new agent.
+   changed as harnesses re-send a turn: a stop string appended, a tool call written out as text). smolagents'
+   final-answer call after its step limit does this: its own system prompt, no tools, the agent's memory re-sent.
+   It is that agent's new branch (``main-summary`` for the main agent), never an auxiliary call; a sub-agent
+   given the same task restates no answer of the parent's, so stays a new agent.
 3. **Auxiliary.** A new conversation that offers no tools is a harness-side utility call (a title, a topic
    check, a quota probe, a commit message) when an agent that offers tools is already known in its thread, or
    when its system prompt or first user turn carries one of ``AUXILIARY_MARKERS``. Auxiliary conversations are
