@@ -116,6 +116,8 @@ def resends(turn: dict, answer: dict) -> bool:
     of its tool calls re-sent as a call or written out in the text (name, argument names and values)."""
     if turn == answer:
         return True
+    if not answer.get("content") and not answer.get("tool_calls"):
+        return False  # an empty answer is re-sent only verbatim
     text = turn.get("content", "")
     if not text.startswith(answer.get("content", "")):
         return False

@@ -188,6 +188,7 @@ def test_restated_history_rule() -> None:
     }
     assert agents.resends(as_text, call) and agents.resends(call, call)
     assert not agents.resends({"role": "assistant", "content": "Calling tools: check({'word': 'no'})"}, call)
+    assert not agents.resends(answer, {"role": "assistant", "content": ""})  # an empty answer: only verbatim
 
 
 def test_a_final_answer_call_restating_the_history_is_the_agent_never_auxiliary(proxy) -> None:
