@@ -9,11 +9,18 @@ conversation's agent. A call that extends none starts a new conversation, and th
    (``x-<name>: value``, e.g. Claude Code's ``x-anthropic-billing-header`` whose hash differs per
    conversation), UUIDs, hex digests of 8 or more digits, dates and times. Instructions, tool lists and
    working directories are kept.
-2. **Auxiliary.** A new conversation that offers no tools is a harness-side utility call (a title, a topic
+2. **Restated history.** A new conversation that restates a known conversation's history under another system
+   prompt (or tools) belongs to that conversation's agent: after its system prompt it repeats that conversation's
+   messages up to one of the turns the agent answered, and goes on with that answer re-sent there (verbatim, or
+   changed as harnesses re-send a turn: a stop string appended, a tool call written out as text). smolagents'
+   final-answer call after its step limit does this: its own system prompt, no tools, the agent's memory re-sent.
+   It is that agent's new branch (``main-summary`` for the main agent), never an auxiliary call; a sub-agent
+   given the same task restates no answer of the parent's, so stays a new agent.
+3. **Auxiliary.** A new conversation that offers no tools is a harness-side utility call (a title, a topic
    check, a quota probe, a commit message) when an agent that offers tools is already known in its thread, or
    when its system prompt or first user turn carries one of ``AUXILIARY_MARKERS``. Auxiliary conversations are
    recorded with ``agent_kind = "auxiliary"`` and never take the thread's own name (they are never the main agent).
-3. **Same agent.** Among the agents with the same key, a new conversation belongs to one whose first user turn
+4. **Same agent.** Among the agents with the same key, a new conversation belongs to one whose first user turn
    it repeats (a retry or an edited history), or, failing that, to the agent whose answer was recorded last in
    the thread if that answer was prose (no tool call) and the new conversation quotes it (a summary
    continuation: the harness starts over at once from the summary the agent just wrote; a line of at least
@@ -21,7 +28,7 @@ conversation's agent. A call that extends none starts a new conversation, and th
    through another agent (a parent quoting a finished sub-agent's report in a new task), does not count. A
    conversation quoting the summary of an agent with another key (a separate summarizer) continues the most
    recently active agent of its own key.
-4. **New agent.** Otherwise it is a new agent (a sub-agent; several sub-agents may share one system prompt).
+5. **New agent.** Otherwise it is a new agent (a sub-agent; several sub-agents may share one system prompt).
    The first non-auxiliary agent of a thread header takes the header's name (``main`` without a header); each
    other agent is ``<header>~<12 hex digits of its key>``, and ``.2``, ``.3`` ... for further agents of the
    same key.
@@ -32,6 +39,7 @@ Nothing here knows a wire format: messages are the internal (OpenAI chat) form.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 
@@ -93,8 +101,54 @@ def quotes(prose: str, messages: list[dict]) -> bool:
     return any(line in text for line in lines)
 
 
+def _leaves(value: object) -> list[str]:
+    """The names and primitive values in a tool call's arguments, as text."""
+    if isinstance(value, dict):
+        return [text for k, v in value.items() for text in (str(k), *_leaves(v))]
+    if isinstance(value, list):
+        return [text for v in value for text in _leaves(v)]
+    return [value if isinstance(value, str) else json.dumps(value)]
+
+
+def resends(turn: dict, answer: dict) -> bool:
+    """Whether assistant ``turn`` re-sends ``answer`` (both in ``tito.normalize_message``'s form): verbatim, or
+    changed as harnesses re-send a turn: its text starting with the answer's text (a stop string appended), each
+    of its tool calls re-sent as a call or written out in the text (name, argument names and values)."""
+    if turn == answer:
+        return True
+    if not answer.get("content") and not answer.get("tool_calls"):
+        return False  # an empty answer is re-sent only verbatim
+    text = turn.get("content", "")
+    if not text.startswith(answer.get("content", "")):
+        return False
+    calls = turn.get("tool_calls", [])
+    return all(
+        call in calls or all(part in text for part in (call[0], *_leaves(call[1])))
+        for call in answer.get("tool_calls", [])
+    )
+
+
+def restates(normalized: list[dict], history: list[dict], answers: dict[int, list[dict]]) -> bool:
+    """Rule 2: whether a new conversation restates a known one's history under another system prompt.
+
+    ``normalized``: the new conversation's messages; ``history``: the known conversation's; ``answers``: for each
+    turn its agent answered, its index into ``history`` (``len(history)`` for its last call's answer) and the
+    answer (its n > 1 choices), all in ``tito.normalize_message``'s form. True if, system prompts aside,
+    ``normalized`` repeats ``history`` up to one of those turns (at least one message) and re-sends the answer
+    there (``resends``).
+    """
+    mine = normalized[1:] if normalized and normalized[0].get("role") == "system" else normalized
+    skip = 1 if history and history[0].get("role") == "system" else 0
+    for index, choices in answers.items():
+        k = index - skip
+        if 0 < k < len(mine) and mine[k].get("role") == "assistant" and mine[:k] == history[skip:index]:
+            if any(resends(mine[k], answer) for answer in choices):
+                return True
+    return False
+
+
 def is_auxiliary(messages: list[dict], tools: list[dict] | None, tooled_agent_known: bool) -> bool:
-    """Rule 2: a tool-less new conversation after a tool-using agent, or one carrying a utility marker."""
+    """Rule 3: a tool-less new conversation after a tool-using agent, or one carrying a utility marker."""
     if tools:
         return False
     if tooled_agent_known:
@@ -106,7 +160,7 @@ def is_auxiliary(messages: list[dict], tools: list[dict] | None, tooled_agent_kn
 
 @dataclass
 class Agent:
-    """What an execution remembers of one agent: how new conversations are matched to it (rules 3 and 4)."""
+    """What an execution remembers of one agent: how new conversations are matched to it (rules 4 and 5)."""
 
     thread_id: str
     base: str  # the thread header's name (or "main")
@@ -118,7 +172,7 @@ class Agent:
 
 
 def agent_name(base: str, key: str, auxiliary: bool, taken: set[str]) -> str:
-    """Rule 4's name of a new agent, given the thread ids ``taken`` by earlier agents."""
+    """Rule 5's name of a new agent, given the thread ids ``taken`` by earlier agents."""
     if not auxiliary and base not in taken:
         return base
     name = f"{base}~{key}"
@@ -132,7 +186,7 @@ def agent_name(base: str, key: str, auxiliary: bool, taken: set[str]) -> str:
 def match_agent(
     agents: list[Agent], base: str, key: str, auxiliary: bool, messages: list[dict], last: Agent | None
 ) -> Agent | None:
-    """Rule 3: the agent of the same kind (``auxiliary`` or not) that a new conversation of ``base`` with ``key``
+    """Rule 4: the agent of the same kind (``auxiliary`` or not) that a new conversation of ``base`` with ``key``
     continues, or None. ``agents``: the execution's, least recently active first; ``last``: the agent whose
     answer was recorded last under ``base`` (only it can have just written a summary to restart from)."""
     same = [a for a in agents if a.base == base and a.key == key and a.auxiliary == auxiliary]

@@ -108,7 +108,7 @@ class Execution:
                 agent = self.agents.get(conversation.thread_id)
                 kind = AUXILIARY if agent is not None and agent.auxiliary else ""
                 return Placement(conversation.thread_id, number, state, kind, points)
-            agent = self._new_conversation_agent(base, messages, tools)
+            agent = self._restated_agent(base, normalized) or self._new_conversation_agent(base, messages, tools)
             return Placement(agent.thread_id, self._new_number(), None, AUXILIARY if agent.auxiliary else "")
 
     def _new_number(self) -> int:
@@ -116,8 +116,21 @@ class Execution:
         self.next_conversation += 1
         return number
 
+    def _restated_agent(self, base: str, normalized: list[dict]) -> agents.Agent | None:
+        """Rule 2 of ``agents.py``: the agent of ``base`` whose live conversation (the most recent first) a new one
+        restates under another system prompt, marked most recently used; None if none. Caller holds ``lock``."""
+        for conversation in reversed(self.conversations.values()):
+            agent = self.agents.get(conversation.thread_id)
+            latest = conversation.latest
+            answers = {k: [latest.messages[k]] for k, _, _ in conversation.points}
+            answers[len(latest.messages)] = [c.returned for c in (latest, *latest.alternatives)]
+            if agent is not None and agent.base == base and agents.restates(normalized, latest.messages, answers):
+                self.agents.move_to_end(agent.thread_id)
+                return agent
+        return None
+
     def _new_conversation_agent(self, base: str, messages: list[dict], tools: list[dict] | None) -> agents.Agent:
-        """The agent of a new conversation (rules 2-4 of ``agents.py``); caller holds ``lock``."""
+        """The agent of a new conversation (rules 3-5 of ``agents.py``); caller holds ``lock``."""
         key = agents.system_key(messages)
         known = list(self.agents.values())
         auxiliary = agents.is_auxiliary(messages, tools, any(a.tools and a.base == base for a in known))

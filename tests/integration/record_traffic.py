@@ -473,16 +473,18 @@ def check(word: str) -> str:
 
 
 model = OpenAIModel(model_id=sys.argv[2], api_base=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"])
-agent = (CodeAgent if sys.argv[1] == "code" else ToolCallingAgent)(tools=[check], model=model, max_steps=3)
+agent = (CodeAgent if sys.argv[1] == "code" else ToolCallingAgent)(tools=[check], model=model, max_steps=int(sys.argv[4]))
 print("FINAL ANSWER:", agent.run(sys.argv[3]))
 """
 
 
-def smolagents_run(kind: str) -> Callable[[Recorder, Path], None]:
+def smolagents_run(kind: str, limit: bool = False) -> Callable[[Recorder, Path], None]:
     """smolagents' CodeAgent (``code``) or ToolCallingAgent (``tool``, every call ``tool_choice="required"``): one
     step that calls its ``check`` tool, then its final answer. smolagents re-sends the model's turn changed: the
     CodeAgent's with the stop string the proxy cut (``</code>``) appended, the ToolCallingAgent's forced tool call
-    as text; both continue their conversation."""
+    as text; both continue their conversation. With ``limit`` the agent may take one step only (``max_steps=1``)
+    and never answers in it, so smolagents makes its final-answer call: a new system prompt ("got stuck") over the
+    agent's memory re-sent (its turns included), answered in prose."""
 
     def scenario(recorder: Recorder, out: Path) -> None:
         if kind == "code":
@@ -491,15 +493,16 @@ def smolagents_run(kind: str) -> Callable[[Recorder, Path], None]:
         else:
             step, final = tool_call("check", word="ok"), tool_call("final_answer", answer="SMOL-DONE")
         script = Script([
+            Rule("main", "main-summary", in_system("got stuck and failed"), "SMOL-DONE (from the memory)"),
             Rule("main", "main", in_last("SMOL-CHECKED"), final),
             Rule("main", "main", in_first("SCENARIO-SMOL"), step),
         ])  # fmt: skip
-        key, root = recorder.scenario(f"smolagents/{kind}", script)
+        key, root = recorder.scenario(f"smolagents/{kind}" + ("_limit" if limit else ""), script)
         (root / "driver.py").write_text(SMOLAGENTS_DRIVER)  # a file: smolagents' @tool reads its function's source
         env = {"OPENAI_BASE_URL": recorder.proxy.base_url, "OPENAI_API_KEY": key, "HOME": str(root / "home")}
-        run([sys.executable, str(root / "driver.py"), kind, MODEL, "SCENARIO-SMOL: check the word, then answer."],
-            root / "ws", env)  # fmt: skip
-        recorder.save("smolagents", f"{kind}_agent", out)
+        task = "SCENARIO-SMOL: check the word, then answer."
+        run([sys.executable, str(root / "driver.py"), kind, MODEL, task, "1" if limit else "3"], root / "ws", env)
+        recorder.save("smolagents", f"{kind}_agent" + ("_limit" if limit else ""), out)
 
     return scenario
 
@@ -514,6 +517,8 @@ SCENARIOS: dict[str, Callable[[Recorder, Path], None]] = {
     "codex/answer": codex_answer,
     "smolagents/code_agent": smolagents_run("code"),
     "smolagents/tool_agent": smolagents_run("tool"),
+    "smolagents/code_agent_limit": smolagents_run("code", limit=True),
+    "smolagents/tool_agent_limit": smolagents_run("tool", limit=True),
 }
 DEFAULT = tuple(SCENARIOS)  # recorded when --only names none
 

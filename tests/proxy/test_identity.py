@@ -154,3 +154,63 @@ def test_a_finished_subagents_report_quoted_in_a_new_task_starts_a_new_agent(pro
     assert (
         threads[2] == "main"
     )  # main again: a new conversation (its "ok" is not what it was answered) repeating its first turn
+
+
+def test_restated_history_rule() -> None:
+    """Rule 2 on its own: the known conversation's messages, system prompts aside, up to an answer of its agent,
+    then an assistant turn there (verbatim or changed); a shared first turn alone is no restatement."""
+    history = [{"role": "system", "content": "You are a coder."}, {"role": "user", "content": "fix it"}]
+    answer = {"role": "assistant", "content": "looking"}
+    stuck = {"role": "system", "content": "The agent got stuck; answer from its memory:"}
+    changed = {"role": "assistant", "content": "looking\nCalling tools: [...]"}
+    then = {"role": "user", "content": "Observation: ok. Now answer the task."}
+    assert agents.restates([stuck, history[1], answer, then], history, {2: [answer]})
+    assert agents.restates(
+        [stuck, history[1], changed, then], history, {2: [answer]}
+    )  # a re-send shape build_prompt accepts
+    assert agents.restates([history[1], changed], history, {2: [answer]})  # no system prompt at all
+    assert not agents.restates(
+        [stuck, history[1]], history, {2: [answer]}
+    )  # the same task, but no answer of the agent's
+    assert not agents.restates([stuck, {"role": "user", "content": "fix that"}, answer, then], history, {2: [answer]})
+    assert not agents.restates(
+        [stuck, history[1], then, answer], history, {2: [answer]}
+    )  # no assistant turn where it answered
+    assert not agents.restates(
+        [stuck, answer], [history[0], answer], {1: [answer]}
+    )  # at least one message repeated first
+    other = {"role": "assistant", "content": "another agent's answer"}
+    assert not agents.restates([stuck, history[1], other, then], history, {2: [answer]})  # not its answer
+    call = {"role": "assistant", "content": "", "tool_calls": [("check", {"word": "ok", "n": 2})]}
+    as_text = {
+        "role": "assistant",
+        "content": "Calling tools:\n[{'name': 'check', 'arguments': {'word': 'ok', 'n': 2}}]",
+    }
+    assert agents.resends(as_text, call) and agents.resends(call, call)
+    assert not agents.resends({"role": "assistant", "content": "Calling tools: check({'word': 'no'})"}, call)
+    assert not agents.resends(answer, {"role": "assistant", "content": ""})  # an empty answer: only verbatim
+
+
+def test_a_final_answer_call_restating_the_history_is_the_agent_never_auxiliary(proxy) -> None:
+    """smolagents' shape after its step limit: a new system prompt, no tools, the agent's memory re-sent (its turn
+    changed). It is the agent whose history it restates (the main agent's new branch, or a sub-agent's), never an
+    auxiliary call (tool-less after a tool-using agent) nor a new agent; a sub-agent given the main agent's task
+    restates no answer of the main agent's, so it stays a new agent."""
+    key = proxy.open_execution("restated")
+    task = {"role": "user", "content": "New task:\ncheck the word"}
+    main = [{"role": "system", "content": "You are the main agent."}, task]
+    turn = chat(proxy, key, main)
+    sub = [{"role": "system", "content": "You are a worker."}, task]
+    sub_turn = chat(proxy, key, sub)  # the same first turn, another system prompt: a new agent
+    stuck = {"role": "system", "content": "An agent got stuck. Here is the agent's memory:"}
+    observation = {"role": "user", "content": "Observation: ok\nNow answer the task."}
+    client = openai.OpenAI(base_url=proxy.base_url, api_key=key)
+    for own in (turn, sub_turn):
+        memory = [stuck, task, {"role": "assistant", "content": own + "\nCalling tools: [...]"}, observation]
+        client.chat.completions.create(model="gyre-tiny", messages=memory)  # no tools
+    client.chat.completions.create(model="gyre-tiny", messages=[stuck, task, observation])  # restates no answer
+    records = proxy.record_store.read("restated")
+    threads, kinds = [r.thread_id for r in records], [r.agent_kind for r in records]
+    assert threads[:4] == ["main", threads[1], "main", threads[1]] and threads[1].startswith("main~")
+    assert kinds[:4] == [""] * 4
+    assert kinds[4] == "auxiliary" and threads[4] not in threads[:4]
