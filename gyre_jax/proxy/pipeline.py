@@ -36,7 +36,7 @@ from gyre_jax.proxy.turns import (
     thread_state,
     tito_record,
 )
-from gyre_jax.proxy.waiting import IsDisconnected, Waiter, drain, final
+from gyre_jax.proxy.waiting import IsDisconnected, Waiter, drain, final, results_of
 from gyre_jax.serving.types import (
     GenerationBackend,
     GenerationRequest,
@@ -302,10 +302,8 @@ class TurnPipeline:
         finally:
             for task in tasks:
                 task.cancel()
-        for error in [task.exception() for task in tasks if task.exception() is not None][:1]:
-            raise error  # every exception retrieved; the first one fails the call
-        rest = [task.result() for task in tasks]
-        if all(result is not None for result in rest):
+        rest = results_of(tasks)
+        if rest is not None:
             yield [first, *rest]
 
     def _close(self, turn: Turn, result: GenerationResult, live: LiveReply) -> tuple[Delta | None, Completion]:

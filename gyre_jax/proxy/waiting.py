@@ -135,11 +135,18 @@ class Waiter:
         finally:
             for task in tasks:
                 task.cancel()
-        for error in [task.exception() for task in tasks if task.exception() is not None][:1]:
-            raise error  # every exception retrieved; the first one fails the call
-        rest = [task.result() for task in tasks]
-        if all(result is not None for result in rest):
+        rest = results_of(tasks)
+        if rest is not None:
             yield [first, *rest]
+
+
+def results_of(tasks: list[asyncio.Future]) -> list | None:
+    """The results of a call's finished choice tasks, in order; None if one ended without a result (its client
+    went away). Every exception is retrieved and the first one raised: it fails the call."""
+    for error in [task.exception() for task in tasks if task.exception() is not None][:1]:
+        raise error
+    results = [task.result() for task in tasks]
+    return results if all(result is not None for result in results) else None
 
 
 async def final(items: AsyncIterator[T | None]) -> T | None:
