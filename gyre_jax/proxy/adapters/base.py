@@ -52,7 +52,10 @@ class StreamWriter(abc.ABC):
         return self.finish(completion) + self.end([completion])
 
     def finish(self, completion: Completion) -> list[str]:
-        raise NotImplementedError(f"{type(self).__name__} frames a whole reply in close (one choice per call)")
+        raise RuntimeError(
+            f"not supported yet: {type(self).__name__} streams one choice per call (its API has no n; its adapter "
+            "refuses n > 1 in parse), so a call's choices cannot end one by one here"
+        )
 
     def end(self, completions: list[Completion]) -> list[str]:
         return []
