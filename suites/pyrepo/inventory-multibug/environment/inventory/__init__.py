@@ -1,0 +1,1 @@
+"""inventory: a small stock-keeping package with a command line interface."""
