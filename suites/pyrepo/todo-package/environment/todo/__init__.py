@@ -1,0 +1,1 @@
+"""todo: a small to-do list manager (see README.md)."""

@@ -1,0 +1,1 @@
+"""The Task model (see README.md)."""

@@ -1,0 +1,1 @@
+"""Selecting and ordering tasks (see README.md)."""

@@ -1,0 +1,1 @@
+"""Loading and atomically saving the JSON file (see README.md)."""
