@@ -1,0 +1,177 @@
+"""The "bwrap" backend: each process in its own bubblewrap sandbox (Debian's ``bubblewrap``).
+
+What the process sees (``bwrap_args``): a read-only view of the host system (every top-level entry of ``/``
+bound read-only, on bwrap's own root tmpfs, which is then remounted read-only), its own ``/proc``, ``/dev``
+and ``/tmp``, an empty tmpfs over each ``hide`` path and over ``$HOME`` (the run's records, other
+executions, keys), the interpreter and this checkout bound back read-only when they lie under a hidden
+path, then the launch's mounts. Its own PID, IPC and UTS namespaces, ``--die-with-parent``: killing the
+bwrap process (the executor kills the process group) ends everything inside, daemons included. Network
+"none": its own network namespace (loopback only); "proxy": the same, plus the proxy reachable at the same
+127.0.0.1:PORT through ``bridge.ProxyBridge`` (host) and ``forward.py`` (inside); with
+``Limits.allow_internet`` the host network is shared instead. Limits through ``limits.plan``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from gyre_jax.rollout.sandbox import limits as limits_mod
+from gyre_jax.rollout.sandbox.base import (
+    FORWARD_SCRIPT,
+    PROXY_SOCKET_INSIDE,
+    REPO_ROOT,
+    Launch,
+    Mount,
+    Prepared,
+    SandboxUnavailable,
+    coerced_names,
+    host_cwd,
+    requested_limits,
+)
+from gyre_jax.rollout.sandbox.bridge import LazyBridge
+
+INSTALL_HINT = "apt-get install -y bubblewrap"
+NAMESPACES = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
+_OWN = {"/proc": ["--proc", "/proc"], "/dev": ["--dev", "/dev"], "/tmp": ["--tmpfs", "/tmp"]}
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def system_binds(targets: Sequence[str], directory: Path = Path("/")) -> list[str]:
+    """bwrap args binding every entry of ``directory`` read-only at the same path (symlinks recreated),
+    except /proc, /dev, /tmp (the sandbox's own). A directory that holds one of ``targets`` (inside paths
+    the sandbox mounts on) is recreated and its entries bound one by one, so the mount point can be made.
+    E.g. on a merged-/usr system the list starts ``["--symlink", "usr/bin", "/bin", "--ro-bind-try", "/boot", ...]``.
+    """
+    args: list[str] = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return args
+    for name in names:
+        path = directory / name
+        key = str(path)
+        if key in _OWN:
+            args += _OWN[key]
+        elif path.is_symlink():
+            args += ["--symlink", os.readlink(path), key]
+        elif path.is_dir() and any(_inside(t, key) and t != key for t in targets):
+            args += ["--dir", key, *system_binds(targets, path)]
+        else:
+            args += ["--ro-bind-try", key, key]
+    return args
+
+
+def hide_args(hide: Sequence[Path], keep: Sequence[Path]) -> list[str]:
+    """bwrap args putting an empty tmpfs over each ``hide`` path that the sandbox would otherwise see, then
+    binding back read-only each ``keep`` path that lies under one (e.g. an interpreter under $HOME)."""
+    args: list[str] = []
+    hidden: list[str] = []
+    for path in sorted({os.path.realpath(p) for p in hide}):
+        if not os.path.exists(path) or path == "/" or any(_inside(path, own) for own in _OWN):
+            continue
+        args += ["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
+        hidden.append(path)
+    for path in sorted({os.path.realpath(p) for p in keep}):
+        if os.path.exists(path) and any(_inside(path, h) for h in hidden):
+            args += ["--ro-bind", path, path]
+    return args
+
+
+def mount_args(mounts: Sequence[Mount]) -> list[str]:
+    """bwrap args for the launch's mounts, parents before nested ones."""
+    args: list[str] = []
+    for mount in sorted(mounts, key=lambda m: len(Path(m.inside).parts)):
+        args += ["--bind" if mount.writable else "--ro-bind", str(mount.host), mount.inside]
+    return args
+
+
+class BwrapSandbox:
+    """See the module docstring. ``use_cgroups=False`` forces the no-cgroup fallbacks (for tests)."""
+
+    name = "bwrap"
+    maps_paths = True
+
+    def __init__(
+        self,
+        proxy_address: tuple[str, int] | None,
+        hide: Sequence[Path],
+        state_dir: Path,
+        *,
+        keep: Sequence[Path] | None = None,
+        use_cgroups: bool = True,
+    ) -> None:
+        self.proxy_address = proxy_address
+        self.hide = [Path(p) for p in hide] + [Path.home()]
+        self.keep = (
+            [Path(p) for p in keep] if keep is not None else [Path(sys.prefix), Path(sys.base_prefix), REPO_ROOT]
+        )
+        self.state_dir = Path(state_dir)
+        self.use_cgroups = use_cgroups
+        self._bridge = LazyBridge(proxy_address, self.state_dir)
+
+    def check(self) -> None:
+        """Raises SandboxUnavailable when bwrap is missing or cannot create the namespaces it needs."""
+        exe = shutil.which("bwrap")
+        if exe is None:
+            raise SandboxUnavailable(
+                f"config.rollout.sandbox='bwrap' needs bubblewrap: `bwrap` is not on PATH; install it: "
+                f"{INSTALL_HINT} (or use sandbox='none')"
+            )
+        trial = [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+                 "--unshare-net", *NAMESPACES, "true"]  # fmt: skip
+        try:
+            done = subprocess.run(trial, capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
+            problem = done.stderr.strip().splitlines()[0] if done.returncode else None
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            problem = str(exc)
+        if problem is not None:
+            raise SandboxUnavailable(
+                f"config.rollout.sandbox='bwrap': {exe} cannot create its namespaces here: {problem or 'failed'}; "
+                "allow user namespaces (sudo sysctl -w kernel.unprivileged_userns_clone=1 and "
+                "sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0) or run as root, or use sandbox='none'"
+            )
+
+    def path(self, mount: Mount) -> str:
+        return mount.inside
+
+    def prepare(self, launch: Launch) -> Prepared:
+        """The bwrap argv for ``launch`` (see the module docstring), limits applied, and the record."""
+        exe = shutil.which("bwrap")
+        if exe is None:
+            raise SandboxUnavailable(f"`bwrap` is not on PATH; install it: {INSTALL_HINT}")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        share_host = launch.network == "proxy" and launch.limits.allow_internet
+        inner = list(launch.argv)
+        net = [] if share_host else ["--unshare-net"]
+        extra_binds: list[str] = []
+        if launch.network == "proxy" and not share_host:
+            extra_binds = ["--bind", str(self._bridge.socket_path()), PROXY_SOCKET_INSIDE]
+            port = str(self._bridge.port)
+            forward = [sys.executable, "-I", str(FORWARD_SCRIPT), "--port", port, "--socket", PROXY_SOCKET_INSIDE]
+            forward += [f"--unset={name}" for name in coerced_names(launch.env)]
+            inner = [*forward, "--", *inner]
+        targets = [m.inside for m in launch.mounts] + ([PROXY_SOCKET_INSIDE] if extra_binds else [])
+        argv = [exe, *NAMESPACES, *net, *system_binds(targets), *hide_args(self.hide, self.keep),
+                *mount_args(launch.mounts), *extra_binds, "--remount-ro", "/", "--chdir", launch.cwd, "--", *inner]  # fmt: skip
+        plan = limits_mod.plan(launch.limits, launch.env, use_cgroups=self.use_cgroups)
+        applied = {"backend": "bwrap", "network": "host" if share_host else launch.network,
+                   **requested_limits(launch.limits), **plan.applied}  # fmt: skip
+        return Prepared(
+            argv=[*plan.prefix, *argv],
+            env=dict(launch.env),
+            cwd=host_cwd(launch, self.state_dir),
+            applied=applied,
+            cleanup=lambda: limits_mod.remove(plan.dirs),
+        )
+
+    def close(self) -> None:
+        """Stops the proxy bridge (idempotent)."""
+        self._bridge.close()
