@@ -134,6 +134,20 @@ def test_two_executions_see_only_their_own_workspace(run_dir):
         assert (run_dir / me / "workspace" / "mine.txt").read_text() == me  # writes land in its own workspace
 
 
+def test_a_hidden_dir_inside_a_kept_one_stays_hidden(run_dir):
+    # e.g. $HOME hidden, the checkout under it kept (the interpreter and code), the run dir inside the checkout
+    home = run_dir / "home"
+    (home / "proj" / "runs" / "r1").mkdir(parents=True)
+    (home / "proj" / "code.py").write_text("x")
+    (home / ".ssh").mkdir()
+    sandbox = BwrapSandbox(None, [home, home / "proj" / "runs"], run_dir / "state", keep=[home / "proj"])
+    ls = "import os, sys; print([sorted(os.listdir(p)) for p in sys.argv[1:]])"
+    done = run(sandbox, launch(run_dir / "A" / "workspace", [PY, "-c", ls, str(home), str(home / "proj"),
+                                                          str(home / "proj" / "runs")]))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[['proj'], ['code.py', 'runs'], []]"
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     acked = threading.Event()
@@ -230,6 +244,9 @@ def test_proxy_network_reaches_only_the_proxy_and_none_reaches_nothing(run_dir, 
         probe = "import socket, sys\ntry:\n    socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=5)\n    print('connected')\nexcept OSError as e:\n    print(type(e).__name__)"  # fmt: skip
         none = run(sandbox, launch(ws, [PY, "-c", probe, str(port)], network="none"))
         assert none.stdout.strip() == "ConnectionRefusedError", none.stderr
+        internet = launch(ws, [PY, "-c", probe, str(other)], network="proxy", limits=Limits(allow_internet=True))
+        assert sandbox.prepare(internet).applied["network"] == "host"  # the task asked for the internet
+        assert run(sandbox, internet).stdout.strip() == "connected"  # the host network is shared
     finally:
         sandbox.close()
     assert not (run_dir / "state" / "proxy.sock").exists()  # close() removes the bridge socket

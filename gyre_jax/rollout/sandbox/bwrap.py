@@ -71,18 +71,19 @@ def system_binds(targets: Sequence[str], directory: Path = Path("/")) -> list[st
 
 def hide_args(hide: Sequence[Path], keep: Sequence[Path]) -> list[str]:
     """bwrap args putting an empty tmpfs over each ``hide`` path that the sandbox would otherwise see, then
-    binding back read-only each ``keep`` path that lies under one (e.g. an interpreter under $HOME)."""
-    args: list[str] = []
-    hidden: list[str] = []
-    for path in sorted({os.path.realpath(p) for p in hide}):
-        if not os.path.exists(path) or path == "/" or any(_inside(path, own) for own in _OWN):
-            continue
-        args += ["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
-        hidden.append(path)
-    for path in sorted({os.path.realpath(p) for p in keep}):
-        if os.path.exists(path) and any(_inside(path, h) for h in hidden):
-            args += ["--ro-bind", path, path]
-    return args
+    binding back read-only each ``keep`` path that lies under one (e.g. an interpreter under $HOME), then
+    hiding again what a kept path brought back (a run directory inside a checkout under $HOME)."""
+    hidden = [p for p in sorted({os.path.realpath(p) for p in hide})
+              if os.path.exists(p) and p != "/" and not any(_inside(p, own) for own in _OWN)]  # fmt: skip
+    kept = [p for p in sorted({os.path.realpath(p) for p in keep})
+            if os.path.exists(p) and any(_inside(p, h) and p != h for h in hidden)]  # fmt: skip
+
+    def cover(path: str) -> list[str]:
+        return ["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
+
+    args = [arg for path in hidden for arg in cover(path)]
+    args += [arg for path in kept for arg in ("--ro-bind", path, path)]
+    return args + [arg for h in hidden if any(_inside(h, k) for k in kept) for arg in cover(h)]
 
 
 def mount_args(mounts: Sequence[Mount]) -> list[str]:
@@ -94,7 +95,8 @@ def mount_args(mounts: Sequence[Mount]) -> list[str]:
 
 
 class BwrapSandbox:
-    """See the module docstring. ``use_cgroups=False`` forces the no-cgroup fallbacks (for tests)."""
+    """See the module docstring. ``keep``: host paths to show read-only even under a hidden path (besides this
+    interpreter's prefixes and this checkout); ``use_cgroups=False`` forces the no-cgroup fallbacks."""
 
     name = "bwrap"
     maps_paths = True
@@ -105,14 +107,12 @@ class BwrapSandbox:
         hide: Sequence[Path],
         state_dir: Path,
         *,
-        keep: Sequence[Path] | None = None,
+        keep: Sequence[Path] = (),
         use_cgroups: bool = True,
     ) -> None:
         self.proxy_address = proxy_address
         self.hide = [Path(p) for p in hide] + [Path.home()]
-        self.keep = (
-            [Path(p) for p in keep] if keep is not None else [Path(sys.prefix), Path(sys.base_prefix), REPO_ROOT]
-        )
+        self.keep = [Path(sys.prefix), Path(sys.base_prefix), REPO_ROOT, *(Path(p) for p in keep)]
         self.state_dir = Path(state_dir)
         self.use_cgroups = use_cgroups
         self._bridge = LazyBridge(proxy_address, self.state_dir)
