@@ -373,10 +373,10 @@ def test_cpus_fall_back_to_affinity_without_a_cgroup(run_dir):
 def test_forwarder_exits_with_its_childs_status(tmp_path):
     sock = tmp_path / "s.sock"
     sock.touch()  # forward.py only checks that the socket exists before it starts the command
-    base = [PY, "-I", str(FORWARD_SCRIPT), "--port", "0", "--socket", str(sock), "--"]
+    base = [PY, "-I", "-S", str(FORWARD_SCRIPT), "--port", "0", "--socket", str(sock), "--"]
     assert subprocess.run([*base, "sh", "-c", "exit 7"], timeout=30).returncode == 7
     assert subprocess.run([*base, "sh", "-c", "kill -TERM $$"], timeout=30).returncode == -signal.SIGTERM
-    nope = [PY, "-I", str(FORWARD_SCRIPT), "--port", "0", "--socket", str(tmp_path / "nope"), "--", "true"]
+    nope = [PY, "-I", "-S", str(FORWARD_SCRIPT), "--port", "0", "--socket", str(tmp_path / "nope"), "--", "true"]
     missing = subprocess.run(nope, capture_output=True, text=True, timeout=30)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
@@ -444,7 +444,7 @@ def test_docker_run_argv(tmp_path, monkeypatch):
         "--memory", "2048m", "--memory-swap", "2048m", "-v", f"{ws}:/app", "-v", f"{tests}:/tests:ro",
         "-v", f"{REPO_ROOT}:{REPO_INSIDE}:ro", "-v", f"{sock}:{PROXY_SOCKET_INSIDE}", "-w", "/app",
         "-e", "PATH=/usr/bin", "-e", "OPENAI_API_KEY=k", "-e", f"PYTHONPATH={REPO_INSIDE}", tag,
-        "python3", "-I", FORWARD_INSIDE, "--port", "8123", "--socket", PROXY_SOCKET_INSIDE, "--unset=LC_CTYPE",
+        "python3", "-I", "-S", FORWARD_INSIDE, "--port", "8123", "--socket", PROXY_SOCKET_INSIDE, "--unset=LC_CTYPE",
         "--", "claude", "-p", "fix it",
     ]  # fmt: skip
     assert again.applied["container"] != name  # one container per execution

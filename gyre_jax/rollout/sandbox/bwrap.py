@@ -155,7 +155,7 @@ class BwrapSandbox:
         if launch.network == "proxy" and not share_host:
             extra_binds = ["--bind", str(self._bridge.socket_path()), PROXY_SOCKET_INSIDE]
             port = str(self._bridge.port)
-            forward = [sys.executable, "-I", str(FORWARD_SCRIPT), "--port", port, "--socket", PROXY_SOCKET_INSIDE]
+            forward = [sys.executable, "-I", "-S", str(FORWARD_SCRIPT), "--port", port, "--socket", PROXY_SOCKET_INSIDE]
             forward += [f"--unset={name}" for name in coerced_names(launch.env)]
             inner = [*forward, "--", *inner]
         targets = [m.inside for m in launch.mounts] + ([PROXY_SOCKET_INSIDE] if extra_binds else [])

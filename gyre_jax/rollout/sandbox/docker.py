@@ -93,7 +93,7 @@ def run_argv(exe: str, launch: Launch, image: str, name: str, socket: Path | Non
     inner = list(launch.argv)
     if socket is not None:
         argv += _volume(socket, PROXY_SOCKET_INSIDE, True)
-        forward = ["python3", "-I", FORWARD_INSIDE, "--port", str(port), "--socket", PROXY_SOCKET_INSIDE]
+        forward = ["python3", "-I", "-S", FORWARD_INSIDE, "--port", str(port), "--socket", PROXY_SOCKET_INSIDE]
         inner = [*forward, *(f"--unset={n}" for n in coerced_names(launch.env)), "--", *inner]
     argv += ["-w", launch.cwd]
     for key, value in container_env(launch.env).items():

@@ -1,7 +1,7 @@
 """The in-sandbox forwarder: makes the run's proxy reachable at 127.0.0.1:PORT inside a sandbox whose network
 is only loopback, then runs the harness as its child.
 
-    python -I .../gyre_jax/rollout/sandbox/forward.py --port P --socket /run/gyre/proxy.sock -- ARGV...
+    python -I -S .../gyre_jax/rollout/sandbox/forward.py --port P --socket /run/gyre/proxy.sock -- ARGV...
     python -m gyre_jax.rollout.sandbox.forward --port P --socket /run/gyre/proxy.sock -- ARGV...
 
 It listens on 127.0.0.1:P (and [::1]:P when the sandbox has IPv6), forwards every accepted connection to the
@@ -9,7 +9,7 @@ Unix socket (a bidirectional byte stream; many concurrent connections; half-clos
 as its child with the environment and directory it was given (less ``--unset`` names: the interpreter's
 own locale coercion), forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT/
 SIGUSR1/SIGUSR2 to it, and exits with the child's exit status (a child killed by signal N kills the
-forwarder with N too). Standard library only and no package imports: it runs as a plain script (``-I``)
+forwarder with N too). Standard library only and no package imports: it runs as a plain script (``-I -S``)
 in sandboxes where nothing but the interpreter and this file is known to exist. The host side of the
 socket is ``bridge.ProxyBridge``; both use ``splice`` and ``serve``.
 """
@@ -51,7 +51,14 @@ def _copy(src: socket.socket, dst: socket.socket) -> None:
 
 
 def splice(a: socket.socket, b: socket.socket) -> None:
-    """Copies bytes both ways between two connected sockets until both directions have ended; closes both."""
+    """Copies bytes both ways between two connected sockets until both directions have ended; closes both.
+    TCP sockets get TCP_NODELAY: a relayed small write (a streamed event) must not wait for an ACK."""
+    for sock in (a, b):
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
     other = threading.Thread(target=_copy, args=(b, a), name="gyre-splice", daemon=True)
     other.start()
     try:

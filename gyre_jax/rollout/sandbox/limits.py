@@ -178,7 +178,7 @@ def _affinity(cpus: float, plan: LimitPlan, unset: list[str]) -> bool:
         return False
     start = next(_affinity_turn) * n
     chosen = sorted(allowed[(start + i) % len(allowed)] for i in range(n))
-    plan.prefix += [sys.executable, "-I", "-c", _AFFINITY, ",".join(map(str, chosen)), ",".join(unset)]
+    plan.prefix += [sys.executable, "-I", "-S", "-c", _AFFINITY, ",".join(map(str, chosen)), ",".join(unset)]
     plan.applied["cpu_list"] = chosen
     return True
 
