@@ -252,6 +252,59 @@ def test_proxy_network_reaches_only_the_proxy_and_none_reaches_nothing(run_dir, 
     assert not (run_dir / "state" / "proxy.sock").exists()  # close() removes the bridge socket
 
 
+class _ChatHandler(http.server.BaseHTTPRequestHandler):
+    """A stand-in proxy speaking the OpenAI chat API: streams the words of the last user message back."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        words = body["messages"][-1]["content"].split()
+        key = self.headers.get("Authorization", "")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for i, word in enumerate([*words, key]):
+            delta = {"content": word + " "} if i else {"role": "assistant", "content": word + " "}
+            chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}  # fmt: skip
+            event = f"data: {json.dumps(chunk)}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+        done = b"data: [DONE]\n\n"
+        self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+
+
+SDK_CLIENT = r"""
+import openai
+client = openai.OpenAI()
+for i in range(2):  # the second call reuses the kept-alive connection through the bridge
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"one two {i}"}],
+                                            stream=True)
+    print("".join(c.choices[0].delta.content or "" for c in stream).strip())
+"""
+
+
+def test_openai_sdk_streams_through_the_bridge(run_dir):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ChatHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_port
+    sandbox = make(run_dir, ("127.0.0.1", port))
+    env = {**BASE_ENV, "OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1", "OPENAI_API_KEY": "key-e0"}
+    try:
+        done = run(sandbox, launch(run_dir / "A" / "workspace", [PY, "-c", SDK_CLIENT], network="proxy", env=env))
+    finally:
+        sandbox.close()
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["one two 0 Bearer key-e0", "one two 1 Bearer key-e0"]
+
+
 DAEMON = r"""
 set -e
 setsid sh -c '(python3 -c "import time; time.sleep(1000)" "$0-daemon" &) ; exit 0' "$MARKER" &
