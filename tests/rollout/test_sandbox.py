@@ -307,7 +307,7 @@ def test_openai_sdk_streams_through_the_bridge(run_dir):
 
 DAEMON = r"""
 set -e
-setsid sh -c '(python3 -c "import time; time.sleep(1000)" "$0-daemon" &) ; exit 0' "$MARKER" &
+setsid bash -c '(exec -a "$0-daemon" sleep 1000 &) ; exit 0' "$MARKER" &
 for i in $(seq 100); do
   if pgrep -f -- "$MARKER-daemon" > /dev/null; then echo up > daemon.txt; break; fi
   sleep 0.05
