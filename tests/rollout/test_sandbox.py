@@ -148,6 +148,14 @@ def test_a_hidden_dir_inside_a_kept_one_stays_hidden(run_dir):
     assert done.stdout.strip() == "[['proj'], ['code.py', 'runs'], []]"
 
 
+def test_root_in_the_sandbox_cannot_undo_the_read_only_system_or_the_hiding(run_dir):
+    escape = f"grep CapEff /proc/self/status; mount -o remount,bind,rw /usr && echo REMOUNTED; umount {run_dir} && echo UNMOUNTED; ls {run_dir}"  # fmt: skip
+    done = run(make(run_dir), launch(run_dir / "A" / "workspace", ["sh", "-c", escape]))
+    assert "REMOUNTED" not in done.stdout and "UNMOUNTED" not in done.stdout
+    assert done.stdout.splitlines()[0].split() == ["CapEff:", "0000000000000000"]
+    assert "records" not in done.stdout
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     acked = threading.Event()
@@ -359,10 +367,13 @@ def test_timeout_kill_ends_setsid_double_forked_daemons(run_dir, tmp_path):
     marker = f"gyre-daemon-{uuid.uuid4().hex}"
     try:
         assert _run_daemon_harness(sandbox, ws, marker, tmp_path) == "timeout"
+        assert (ws / "daemon.txt").read_text() == "up\n"  # it was running inside when the timeout hit
+        survivors = [] if _gone(marker) else _marked(marker)
     finally:
         sandbox.close()
-    assert (ws / "daemon.txt").read_text() == "up\n"  # it was running inside when the timeout hit
-    assert _gone(marker), f"processes {_marked(marker)} survived the kill"
+        for pid in _marked(marker):  # leave nothing behind, even when the test fails
+            os.kill(pid, signal.SIGKILL)
+    assert survivors == [], f"processes {survivors} survived the kill"
 
 
 def test_launch_env_is_the_whole_environment(run_dir, servers, monkeypatch):

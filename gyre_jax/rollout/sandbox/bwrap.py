@@ -4,7 +4,8 @@ What the process sees (``bwrap_args``): a read-only view of the host system (eve
 bound read-only, on bwrap's own root tmpfs, which is then remounted read-only), its own ``/proc``, ``/dev``
 and ``/tmp``, an empty tmpfs over each ``hide`` path and over ``$HOME`` (the run's records, other
 executions, keys), the interpreter and this checkout bound back read-only when they lie under a hidden
-path, then the launch's mounts. Its own PID, IPC and UTS namespaces, ``--die-with-parent``: killing the
+path, then the launch's mounts. No capabilities (``--cap-drop ALL`` as root: the system stays read-only
+and hidden paths hidden). Its own PID, IPC and UTS namespaces, ``--die-with-parent``: killing the
 bwrap process (the executor kills the process group) ends everything inside, daemons included. Network
 "none": its own network namespace (loopback only); "proxy": the same, plus the proxy reachable at the same
 127.0.0.1:PORT through ``bridge.ProxyBridge`` (host) and ``forward.py`` (inside); with
@@ -37,6 +38,9 @@ from gyre_jax.rollout.sandbox.bridge import LazyBridge
 
 INSTALL_HINT = "apt-get install -y bubblewrap"
 NAMESPACES = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
+# As root, bwrap leaves the process its capabilities: CAP_SYS_ADMIN could remount the read-only system
+# read-write or unmount the tmpfs over a hidden path. Without a user namespace, drop them all.
+DROP_CAPS = ["--cap-drop", "ALL"]
 _OWN = {"/proc": ["--proc", "/proc"], "/dev": ["--dev", "/dev"], "/tmp": ["--tmpfs", "/tmp"]}
 
 
@@ -159,7 +163,8 @@ class BwrapSandbox:
             forward += [f"--unset={name}" for name in coerced_names(launch.env)]
             inner = [*forward, "--", *inner]
         targets = [m.inside for m in launch.mounts] + ([PROXY_SOCKET_INSIDE] if extra_binds else [])
-        argv = [exe, *NAMESPACES, *net, *system_binds(targets), *hide_args(self.hide, self.keep),
+        caps = DROP_CAPS if os.geteuid() == 0 else []  # unprivileged bwrap gives the process no capabilities
+        argv = [exe, *NAMESPACES, *caps, *net, *system_binds(targets), *hide_args(self.hide, self.keep),
                 *mount_args(launch.mounts), *extra_binds, "--remount-ro", "/", "--chdir", launch.cwd, "--", *inner]  # fmt: skip
         plan = limits_mod.plan(launch.limits, launch.env, use_cgroups=self.use_cgroups)
         applied = {"backend": "bwrap", "network": "host" if share_host else launch.network,
