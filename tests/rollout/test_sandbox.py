@@ -89,8 +89,9 @@ attempt("own_seed", lambda: open("/app/seed.txt").read())
 attempt("own_write", lambda: open("/app/mine.txt", "w").write(os.environ["WHO"]))
 attempt("tmp_write", lambda: open("/tmp/t.txt", "w").write("x"))
 attempt("tmp_list", lambda: sorted(os.listdir("/tmp")))
-for path in ("/new_file", "/usr/new_file", "/etc/new_file", "/run/new_file"):
+for path in ("/new_file", "/usr/new_file", "/etc/new_file", "/var/new_file"):
     attempt("write " + path, lambda: open(path, "w").write("x"))
+attempt("run", lambda: sorted(os.listdir("/run")))
 attempt("visible", lambda: sorted(os.listdir(sys.argv[3])))
 print(json.dumps(out))
 """
@@ -128,8 +129,9 @@ def test_two_executions_see_only_their_own_workspace(run_dir):
         assert s["home"] == home_inside  # ...but not inside
         assert s["own_seed"] == f"seed of {me}" and s["own_write"] == 1
         assert s["tmp_write"] == 1 and s["tmp_list"] == ["t.txt"]  # its own /tmp
-        for path in ("/new_file", "/usr/new_file", "/etc/new_file", "/run/new_file"):
+        for path in ("/new_file", "/usr/new_file", "/etc/new_file", "/var/new_file"):
             assert s["write " + path] == "error: OSError", path  # EROFS: the system is read-only
+        assert set(s["run"]) <= {"systemd"}  # not the host's /run (daemon sockets) but its own tmpfs
         assert s["visible"] == ["v.txt"]  # what is not hidden is visible (the control for run_dir)
         assert (run_dir / me / "workspace" / "mine.txt").read_text() == me  # writes land in its own workspace
 

@@ -1,8 +1,8 @@
 """The "bwrap" backend: each process in its own bubblewrap sandbox (Debian's ``bubblewrap``).
 
 What the process sees (``bwrap_args``): a read-only view of the host system (every top-level entry of ``/``
-bound read-only, on bwrap's own root tmpfs, which is then remounted read-only), its own ``/proc``, ``/dev``
-and ``/tmp``, an empty tmpfs over each ``hide`` path and over ``$HOME`` (the run's records, other
+bound read-only, on bwrap's own root tmpfs, which is then remounted read-only), its own ``/proc``, ``/dev``,
+``/tmp`` and ``/run`` (the host's daemon sockets stay out), an empty tmpfs over each ``hide`` path and over ``$HOME`` (the run's records, other
 executions, keys), the interpreter and this checkout bound back read-only when they lie under a hidden
 path, then the launch's mounts. No capabilities (``--cap-drop ALL`` as root: the system stays read-only
 and hidden paths hidden). Its own PID, IPC and UTS namespaces, ``--die-with-parent``: killing the
@@ -41,7 +41,11 @@ NAMESPACES = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-par
 # As root, bwrap leaves the process its capabilities: CAP_SYS_ADMIN could remount the read-only system
 # read-write or unmount the tmpfs over a hidden path. Without a user namespace, drop them all.
 DROP_CAPS = ["--cap-drop", "ALL"]
-_OWN = {"/proc": ["--proc", "/proc"], "/dev": ["--dev", "/dev"], "/tmp": ["--tmpfs", "/tmp"]}
+# The sandbox's own /proc, /dev, /tmp and /run. /run holds the host's daemons' sockets (docker, dbus, ...): a
+# read-only bind does not stop connect(), so it is an empty tmpfs, less the resolver files (DNS with
+# allow_internet on systemd-resolved hosts, where /etc/resolv.conf links into /run/systemd/resolve).
+_OWN = {"/proc": ["--proc", "/proc"], "/dev": ["--dev", "/dev"], "/tmp": ["--tmpfs", "/tmp"],
+        "/run": ["--tmpfs", "/run", "--ro-bind-try", "/run/systemd/resolve", "/run/systemd/resolve"]}  # fmt: skip
 
 
 def _inside(path: str, parent: str) -> bool:
@@ -50,7 +54,7 @@ def _inside(path: str, parent: str) -> bool:
 
 def system_binds(targets: Sequence[str], directory: Path = Path("/")) -> list[str]:
     """bwrap args binding every entry of ``directory`` read-only at the same path (symlinks recreated),
-    except /proc, /dev, /tmp (the sandbox's own). A directory that holds one of ``targets`` (inside paths
+    except /proc, /dev, /tmp, /run (the sandbox's own, see ``_OWN``). A directory that holds one of ``targets`` (inside paths
     the sandbox mounts on) is recreated and its entries bound one by one, so the mount point can be made.
     E.g. on a merged-/usr system the list starts ``["--symlink", "usr/bin", "/bin", "--ro-bind-try", "/boot", ...]``.
     """
