@@ -7,8 +7,9 @@ process, started before ``true``).
 
 Part 2, request latency: a real HTTP server on the host (``http.server``, a 2-byte answer); one client script
 times ``--requests`` GETs (median), once on the host against the server directly and once inside a bwrap
-sandbox with network "proxy" (forwarder on 127.0.0.1:PORT -> Unix socket -> host bridge -> server). Both
-with a new connection per request and with one kept-alive connection.
+sandbox with network "proxy" (forwarder on 127.0.0.1:PORT -> Unix socket -> host bridge -> server), in
+``--rounds`` alternating rounds (median of the round medians). Both with a new connection per request and
+with one kept-alive connection.
 
     python benchmarks/bench_sandbox.py                   # prints a table, writes benchmarks/results/sandbox.json
     python benchmarks/bench_sandbox.py --starts 5 --requests 10 --out /tmp/sandbox_smoke.json
@@ -93,23 +94,38 @@ def bench_start(sandbox: BwrapSandbox, workspace: Path, n: int) -> dict[str, flo
     return rows
 
 
-def bench_requests(sandbox: BwrapSandbox, workspace: Path, port: int, n: int) -> dict[str, dict[str, float]]:
+def _client(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> dict[str, list[float]]:
+    done = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the benchmark client failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout)
+
+
+def bench_requests(
+    sandbox: BwrapSandbox, workspace: Path, port: int, n: int, rounds: int
+) -> dict[str, dict[str, float]]:
+    """Median request time per kind, direct and through the bridge: the median over ``rounds`` alternating
+    rounds of the median of ``n`` requests (the machine is shared: alternating spreads its noise evenly)."""
     argv = [sys.executable, "-c", CLIENT, str(port), str(n)]
     env = {"PATH": "/usr/bin:/bin"}
-    direct = json.loads(subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout)
-    prepared = sandbox.prepare(Launch(argv, "/app", env, (Mount(workspace, "/app", True),), "proxy"))
-    done = subprocess.run(prepared.argv, env=prepared.env, cwd=prepared.cwd, capture_output=True, text=True)
-    prepared.cleanup()
-    if done.returncode != 0:
-        raise RuntimeError(f"the client in the sandbox failed: {done.stderr[-2000:]}")
-    bridged = json.loads(done.stdout)
-    return {kind: {"direct_ms": _median_ms(direct[kind]), "bridge_ms": _median_ms(bridged[kind])} for kind in direct}
+    medians: dict[str, dict[str, list[float]]] = {}
+    for _ in range(rounds):
+        direct = _client(argv, env)
+        prepared = sandbox.prepare(Launch(argv, "/app", env, (Mount(workspace, "/app", True),), "proxy"))
+        bridged = _client(prepared.argv, prepared.env, prepared.cwd)
+        prepared.cleanup()
+        for kind in direct:
+            row = medians.setdefault(kind, {"direct_ms": [], "bridge_ms": []})
+            row["direct_ms"].append(_median_ms(direct[kind]))
+            row["bridge_ms"].append(_median_ms(bridged[kind]))
+    return {kind: {k: statistics.median(v) for k, v in row.items()} | {"rounds": row} for kind, row in medians.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--starts", type=int, default=20, help="runs of `true` per variant (median)")
-    ap.add_argument("--requests", type=int, default=50, help="requests per variant (median)")
+    ap.add_argument("--requests", type=int, default=50, help="requests per variant and round (median)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating direct/bridge rounds (median of medians)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sandbox.json")
     args = ap.parse_args(argv)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
@@ -121,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sandbox.check()
         start = bench_start(sandbox, workspace, args.starts)
-        requests = bench_requests(sandbox, workspace, server.server_port, args.requests)
+        requests = bench_requests(sandbox, workspace, server.server_port, args.requests, args.rounds)
     finally:
         sandbox.close()
         server.shutdown()
@@ -130,13 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"process start, `true` to exit (median of {args.starts}):")
     for name, ms in start.items():
         print(f"  {name:<24} {ms:8.2f} ms")
-    print(f"one GET through the proxy bridge vs direct (median of {args.requests}):")
+    print(f"one GET through the proxy bridge vs direct (median of {args.rounds} rounds of medians of {args.requests}):")
     print(f"  {'':<16} {'direct':>10} {'bridge':>10} {'added':>10}")
     for kind, row in requests.items():
         added = row["bridge_ms"] - row["direct_ms"]
         print(f"  {kind:<16} {row['direct_ms']:8.3f} ms {row['bridge_ms']:8.3f} ms {added:8.3f} ms")
     report = {"benchmark": "sandbox", "python": platform.python_version(), "bwrap": bwrap_version,
-              "cpus": len(os.sched_getaffinity(0)), "starts": args.starts, "requests": args.requests,
+              "cpus": len(os.sched_getaffinity(0)), "starts": args.starts, "requests": args.requests, "rounds": args.rounds,
               "start_median_ms": start, "request_median_ms": requests}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
