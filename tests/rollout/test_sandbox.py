@@ -434,6 +434,24 @@ def test_cpus_fall_back_to_affinity_without_a_cgroup(run_dir):
     assert prepared.applied["limits"] == "affinity" and len(prepared.applied["cpu_list"]) == 1
     assert any(n.startswith("memory_mb: no writable cgroup") for n in prepared.applied["not_applied"])
     assert done.returncode == 0 and done.stdout.strip().isdigit(), done.stderr  # one CPU, not "0-1"
+    env = run(sandbox, launch(run_dir / "A" / "workspace", ["env", "-0"], limits=Limits(cpus=1))).stdout
+    assert dict(i.split("=", 1) for i in env.split("\0") if i) == {**BASE_ENV, "PWD": "/app"}  # the wrapper adds none
+
+
+def test_bad_launches_are_refused_with_what_to_do(tmp_path):
+    for bad, match in (
+        (lambda: Limits(cpus=0), "positive number of CPUs"),
+        (lambda: Limits(memory_mb=1.5), "positive integer"),
+        (lambda: Mount(tmp_path, "app"), "absolute path"),
+        (lambda: Launch(["true"], "/app", {}, (), "internet"), "network='internet' must be one of"),
+        (lambda: Launch(["true"], "/app", {}, (Mount(tmp_path / "nope", "/app"),), "none"), "does not exist"),
+        (lambda: Launch([], "/app", {}, (), "none"), "non-empty list"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            bad()
+    sandbox = BwrapSandbox(None, [], tmp_path)
+    with pytest.raises(ValueError, match="proxy_address=None"):
+        sandbox.prepare(Launch(["true"], "/app", {}, (), "proxy"))
 
 
 def test_forwarder_exits_with_its_childs_status(tmp_path):
