@@ -1,15 +1,16 @@
 """The "bwrap" backend: each process in its own bubblewrap sandbox (Debian's ``bubblewrap``).
 
-What the process sees (``bwrap_args``): a read-only view of the host system (every top-level entry of ``/``
-bound read-only, on bwrap's own root tmpfs, which is then remounted read-only), its own ``/proc``, ``/dev``,
-``/tmp`` and ``/run`` (the host's daemon sockets stay out), an empty tmpfs over each ``hide`` path and over ``$HOME`` (the run's records, other
-executions, keys), the interpreter and this checkout bound back read-only when they lie under a hidden
-path, then the launch's mounts. No capabilities (``--cap-drop ALL`` as root: the system stays read-only
-and hidden paths hidden). Its own PID, IPC and UTS namespaces, ``--die-with-parent``: killing the
-bwrap process (the executor kills the process group) ends everything inside, daemons included. Network
-"none": its own network namespace (loopback only); "proxy": the same, plus the proxy reachable at the same
-127.0.0.1:PORT through ``bridge.ProxyBridge`` (host) and ``forward.py`` (inside); with
-``Limits.allow_internet`` the host network is shared instead. Limits through ``limits.plan``.
+What the process sees: a read-only view of the host system (``system_binds``: every top-level entry of ``/``
+bound read-only on bwrap's own root tmpfs, which is then remounted read-only), its own ``/proc``, ``/dev``,
+``/tmp`` and ``/run`` (the host's daemon sockets stay out), an empty tmpfs over each ``hide`` path and over
+``$HOME`` (the run's records, other executions, keys), the interpreter and this checkout bound back
+read-only when they lie under a hidden path (``hide_args``), then the launch's mounts (``mount_args``). No
+capabilities (``--cap-drop ALL`` as root: the system stays read-only and hidden paths hidden). Its own PID,
+IPC and UTS namespaces and ``--die-with-parent``: killing the bwrap process (the executor kills the process
+group) ends everything inside, daemons included. Network "none": its own network namespace (loopback
+only); "proxy": the same, plus the proxy reachable at the same 127.0.0.1:PORT through
+``bridge.ProxyBridge`` (host) and ``forward.py`` (inside); with ``Limits.allow_internet`` the host network
+is shared instead. Limits through ``limits.plan``.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ def _inside(path: str, parent: str) -> bool:
 
 def system_binds(targets: Sequence[str], directory: Path = Path("/")) -> list[str]:
     """bwrap args binding every entry of ``directory`` read-only at the same path (symlinks recreated),
-    except /proc, /dev, /tmp, /run (the sandbox's own, see ``_OWN``). A directory that holds one of ``targets`` (inside paths
-    the sandbox mounts on) is recreated and its entries bound one by one, so the mount point can be made.
-    E.g. on a merged-/usr system the list starts ``["--symlink", "usr/bin", "/bin", "--ro-bind-try", "/boot", ...]``.
+    except /proc, /dev, /tmp, /run (the sandbox's own, see ``_OWN``). A directory that holds one of
+    ``targets`` (inside paths the sandbox mounts on) is recreated and its entries bound one by one, so the
+    mount point can be made. E.g. on a merged-/usr system the list starts
+    ``["--symlink", "usr/bin", "/bin", "--ro-bind-try", "/boot", "/boot", ...]``.
     """
     args: list[str] = []
     try:
@@ -152,24 +154,25 @@ class BwrapSandbox:
 
     def prepare(self, launch: Launch) -> Prepared:
         """The bwrap argv for ``launch`` (see the module docstring), limits applied, and the record."""
+        share_host = launch.network == "proxy" and launch.limits.allow_internet
+        bridged = launch.network == "proxy" and not share_host
+        port = str(self._bridge.port) if bridged else None  # (raises first when there is no proxy address)
         exe = shutil.which("bwrap")
         if exe is None:
             raise SandboxUnavailable(f"`bwrap` is not on PATH; install it: {INSTALL_HINT}")
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        share_host = launch.network == "proxy" and launch.limits.allow_internet
         inner = list(launch.argv)
         net = [] if share_host else ["--unshare-net"]
         extra_binds: list[str] = []
-        if launch.network == "proxy" and not share_host:
+        if bridged:
             extra_binds = ["--bind", str(self._bridge.socket_path()), PROXY_SOCKET_INSIDE]
-            port = str(self._bridge.port)
             forward = [sys.executable, "-I", "-S", str(FORWARD_SCRIPT), "--port", port, "--socket", PROXY_SOCKET_INSIDE]
             forward += [f"--unset={name}" for name in coerced_names(launch.env)]
             inner = [*forward, "--", *inner]
         targets = [m.inside for m in launch.mounts] + ([PROXY_SOCKET_INSIDE] if extra_binds else [])
         caps = DROP_CAPS if os.geteuid() == 0 else []  # unprivileged bwrap gives the process no capabilities
-        argv = [exe, *NAMESPACES, *caps, *net, *system_binds(targets), *hide_args(self.hide, self.keep),
-                *mount_args(launch.mounts), *extra_binds, "--remount-ro", "/", "--chdir", launch.cwd, "--", *inner]  # fmt: skip
+        view = [*system_binds(targets), *hide_args(self.hide, self.keep), *mount_args(launch.mounts), *extra_binds]
+        argv = [exe, *NAMESPACES, *caps, *net, *view, "--remount-ro", "/", "--chdir", launch.cwd, "--", *inner]
         plan = limits_mod.plan(launch.limits, launch.env, use_cgroups=self.use_cgroups)
         applied = {"backend": "bwrap", "network": "host" if share_host else launch.network,
                    **requested_limits(launch.limits), **plan.applied}  # fmt: skip

@@ -30,7 +30,10 @@ logger = logging.getLogger(__name__)
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CFS_PERIOD_US = 100_000
 # argv: CPU list, names to unset (the interpreter's own locale coercion, see base.coerced_names), command...
-_AFFINITY = "import os, sys; env = {k: v for k, v in os.environ.items() if k not in sys.argv[2].split(',')}; os.sched_setaffinity(0, [int(c) for c in sys.argv[1].split(',')]); os.execve(sys.argv[3], sys.argv[3:], env)"  # fmt: skip
+_AFFINITY = """import os, sys
+env = {k: v for k, v in os.environ.items() if k not in sys.argv[2].split(",")}
+os.sched_setaffinity(0, [int(c) for c in sys.argv[1].split(",")])
+os.execve(sys.argv[3], sys.argv[3:], env)"""
 _affinity_turn = itertools.count()  # spreads affinity-limited processes over the CPUs
 
 
