@@ -1,7 +1,6 @@
 from decimal import Decimal
 
 import pytest
-
 from ledger import Bank, InsufficientFunds, LedgerError, apply_monthly_interest, to_money
 from ledger.accounts import Account
 

@@ -1,7 +1,5 @@
 """Business-day arithmetic (see instruction.md)."""
 
-import datetime
-
 
 class Calendar:
     def __init__(self, weekend=(5, 6), holidays=()):

@@ -2,7 +2,6 @@ import datetime as dt
 import random
 
 import pytest
-
 from bizdays import Calendar
 
 D = dt.date

@@ -1,12 +1,22 @@
 import heapq
 import random
 
-import pytest
-
 import graphs
+import pytest
 from graphs import (
-    CycleError, EdgeNotFound, Graph, GraphError, NodeNotFound, NoPathError,
-    bfs, connected_components, dfs, dijkstra, has_cycle, shortest_path, topological_sort,
+    CycleError,
+    EdgeNotFound,
+    Graph,
+    GraphError,
+    NodeNotFound,
+    NoPathError,
+    bfs,
+    connected_components,
+    dfs,
+    dijkstra,
+    has_cycle,
+    shortest_path,
+    topological_sort,
 )
 
 
@@ -181,8 +191,18 @@ def test_shortest_paths_random_with_ties():
 
 
 def test_topological_sort_insertion_order_ties():
-    g = make([("shirt", "tie"), ("tie", "jacket"), ("pants", "shoes"), ("pants", "belt"),
-              ("belt", "jacket"), ("socks", "shoes")], directed=True, nodes=["watch"])
+    g = make(
+        [
+            ("shirt", "tie"),
+            ("tie", "jacket"),
+            ("pants", "shoes"),
+            ("pants", "belt"),
+            ("belt", "jacket"),
+            ("socks", "shoes"),
+        ],
+        directed=True,
+        nodes=["watch"],
+    )
     assert topological_sort(g) == ["watch", "shirt", "tie", "pants", "belt", "jacket", "socks", "shoes"]
     assert has_cycle(g) is False
 
@@ -243,8 +263,19 @@ def test_topological_sort_undirected_rejected():
 
 
 def test_package_exports():
-    for name in ["Graph", "bfs", "dfs", "connected_components", "dijkstra", "shortest_path",
-                 "topological_sort", "has_cycle", "CycleError", "NoPathError", "NodeNotFound"]:
+    for name in [
+        "Graph",
+        "bfs",
+        "dfs",
+        "connected_components",
+        "dijkstra",
+        "shortest_path",
+        "topological_sort",
+        "has_cycle",
+        "CycleError",
+        "NoPathError",
+        "NodeNotFound",
+    ]:
         assert hasattr(graphs, name), name
     import importlib
 

@@ -1,7 +1,11 @@
 import pytest
-
 from iniparse import (
-    InterpolationCycleError, InterpolationError, NoOptionError, NoSectionError, ParseError, parse,
+    InterpolationCycleError,
+    InterpolationError,
+    NoOptionError,
+    NoSectionError,
+    ParseError,
+    parse,
 )
 
 SAMPLE = """\

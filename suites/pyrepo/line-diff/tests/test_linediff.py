@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from linediff import PatchError, apply, diff
 
 
@@ -58,9 +57,7 @@ def test_identical_is_empty():
 def test_simple_replace_exact():
     a = ["one", "two", "three", "four", "five"]
     b = ["one", "two", "THREE", "four", "five"]
-    assert diff(a, b) == (
-        "--- a\n+++ b\n@@ -1,5 +1,5 @@\n one\n two\n-three\n+THREE\n four\n five\n"
-    )
+    assert diff(a, b) == ("--- a\n+++ b\n@@ -1,5 +1,5 @@\n one\n two\n-three\n+THREE\n four\n five\n")
     assert diff(a, b) == ref(a, b)
 
 
@@ -68,9 +65,7 @@ def test_headers_and_single_line_ranges():
     a = [f"l{i}" for i in range(10)]
     b = list(a)
     b[5] = "X"
-    assert diff(a, b, n=0, fromfile="old.txt", tofile="new.txt") == (
-        "--- old.txt\n+++ new.txt\n@@ -6 +6 @@\n-l5\n+X\n"
-    )
+    assert diff(a, b, n=0, fromfile="old.txt", tofile="new.txt") == ("--- old.txt\n+++ new.txt\n@@ -6 +6 @@\n-l5\n+X\n")
 
 
 def test_empty_sides():
@@ -103,9 +98,7 @@ def test_hunks_merge_when_gap_at_most_2n():
 def test_deletions_before_insertions():
     a = ["keep", "old1", "old2", "keep2"]
     b = ["keep", "new1", "new2", "new3", "keep2"]
-    assert diff(a, b) == (
-        "--- a\n+++ b\n@@ -1,4 +1,5 @@\n keep\n-old1\n-old2\n+new1\n+new2\n+new3\n keep2\n"
-    )
+    assert diff(a, b) == ("--- a\n+++ b\n@@ -1,4 +1,5 @@\n keep\n-old1\n-old2\n+new1\n+new2\n+new3\n keep2\n")
 
 
 def test_zero_context_pure_insert_and_delete():

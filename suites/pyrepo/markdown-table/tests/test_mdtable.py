@@ -1,5 +1,4 @@
 import pytest
-
 from mdtable import parse_table, render_table
 
 
@@ -11,22 +10,14 @@ def test_example_from_spec():
 def test_default_columns_order_and_missing():
     rows = [{"b": 1, "a": 2}, {"c": 3, "a": 4}]
     assert render_table(rows) == (
-        "| b   | a   | c   |\n"
-        "| --- | --- | --- |\n"
-        "| 1   | 2   |     |\n"
-        "|     | 4   | 3   |\n"
+        "| b   | a   | c   |\n| --- | --- | --- |\n| 1   | 2   |     |\n|     | 4   | 3   |\n"
     )
 
 
 def test_explicit_columns_headers_and_center():
     rows = [{"id": 7, "title": "x", "extra": "ignored"}, {"id": 12345, "title": "longer"}]
     got = render_table(rows, columns=["title", "id"], align="cc", headers={"id": "ID"})
-    assert got == (
-        "| title  |  ID   |\n"
-        "| :----: | :---: |\n"
-        "|   x    |   7   |\n"
-        "| longer | 12345 |\n"
-    )
+    assert got == ("| title  |  ID   |\n| :----: | :---: |\n|   x    |   7   |\n| longer | 12345 |\n")
 
 
 def test_center_odd_gap_extra_space_right():
@@ -42,9 +33,7 @@ def test_bool_float_precision_and_newlines():
         "| true  | 1.5 | a<br>b      |\n"
         "| false | 2.0 | c<br>d<br>e |\n"
     )
-    assert render_table(rows, columns=["x"], precision=2, align="r") == (
-        "|    x |\n| ---: |\n| 1.50 |\n| 2.00 |\n"
-    )
+    assert render_table(rows, columns=["x"], precision=2, align="r") == ("|    x |\n| ---: |\n| 1.50 |\n| 2.00 |\n")
 
 
 def test_no_rows_with_columns_and_errors():

@@ -1,5 +1,4 @@
 import pytest
-
 from legacy.billing import invoice_total, line_total, render_invoice
 from legacy.parse import parse_transactions
 from legacy.reports import monthly_summary, render_summary
@@ -36,8 +35,7 @@ def test_normalize_unchanged_cases_and_errors():
 def test_parse_statement_amounts():
     txs = parse_transactions(STATEMENT)
     assert [t.amount_cents for t in txs] == [250000, -450, -1290, 70, -95000, -50]
-    assert [t.category for t in txs] == ["income", "food-drink", "education", "food-drink", "housing",
-                                          "uncategorized"]
+    assert [t.category for t in txs] == ["income", "food-drink", "education", "food-drink", "housing", "uncategorized"]
 
 
 def test_parse_bad_row_still_reports_row_number():

@@ -1,5 +1,4 @@
 import pytest
-
 from ratelimit import KeyedLimiter, TokenBucket
 
 

@@ -3,20 +3,21 @@ import subprocess
 import sys
 
 import pytest
-
 import wordfreq
 
 
 def run_cli(*args):
     return subprocess.run(
         [sys.executable, "-m", "wordfreq", *map(str, args)],
-        cwd=os.getcwd(), capture_output=True, text=True, timeout=30,
+        cwd=os.getcwd(),
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
 
 
 def test_tokenize_punctuation_and_case():
-    assert wordfreq.tokenize("Don't stop\u2014it's ROCK-n-roll!") == [
-        "don't", "stop", "it's", "rock", "n", "roll"]
+    assert wordfreq.tokenize("Don't stop\u2014it's ROCK-n-roll!") == ["don't", "stop", "it's", "rock", "n", "roll"]
 
 
 def test_tokenize_apostrophes():

@@ -1,5 +1,4 @@
 import pytest
-
 from bounded_stack import BoundedStack, StackEmpty, StackFull
 
 

@@ -15,7 +15,7 @@ MUTANTS = sorted(p.stem for p in (HERE / "mutants").glob("*.py"))
 TEST_FILE = "test_bounded_stack.py"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run_against(impl):
     """Exit status and output of the agent's tests run next to `impl` (a path to a bounded_stack.py)."""
     src = pathlib.Path(os.getcwd()) / TEST_FILE
@@ -28,7 +28,11 @@ def run_against(impl):
         try:
             r = subprocess.run(
                 [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", TEST_FILE],
-                cwd=d, capture_output=True, text=True, timeout=120, env=env,
+                cwd=d,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=env,
             )
         except subprocess.TimeoutExpired:
             return None, "timed out"

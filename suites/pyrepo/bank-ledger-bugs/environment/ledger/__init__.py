@@ -6,6 +6,11 @@ from ledger.interest import apply_monthly_interest
 from ledger.money import to_money
 
 __all__ = [
-    "Account", "Bank", "InsufficientFunds", "LedgerError", "UnknownAccount",
-    "apply_monthly_interest", "to_money",
+    "Account",
+    "Bank",
+    "InsufficientFunds",
+    "LedgerError",
+    "UnknownAccount",
+    "apply_monthly_interest",
+    "to_money",
 ]

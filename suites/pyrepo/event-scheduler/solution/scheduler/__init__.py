@@ -7,6 +7,14 @@ from scheduler.model import WEEKDAYS, Event, Occurrence, Recurrence
 from scheduler.recurrence import occurrences
 
 __all__ = [
-    "WEEKDAYS", "Calendar", "Event", "Occurrence", "Recurrence",
-    "event_from_dict", "from_ics", "load_json", "occurrences", "to_ics",
+    "WEEKDAYS",
+    "Calendar",
+    "Event",
+    "Occurrence",
+    "Recurrence",
+    "event_from_dict",
+    "from_ics",
+    "load_json",
+    "occurrences",
+    "to_ics",
 ]

@@ -49,8 +49,9 @@ def main(argv=None):
             for a, b in cal.conflicts(args.start, args.end):
                 print(f"{a.uid} {a.start:%Y-%m-%dT%H:%M} <-> {b.uid} {b.start:%Y-%m-%dT%H:%M}")
         elif args.cmd == "free":
-            slots = cal.free_slots(args.start, args.end, dt.timedelta(minutes=args.minutes),
-                                   args.day_start, args.day_end)
+            slots = cal.free_slots(
+                args.start, args.end, dt.timedelta(minutes=args.minutes), args.day_start, args.day_end
+            )
             for s, e in slots:
                 print(f"{s:%Y-%m-%d %H:%M}-{e:%H:%M}")
         else:

@@ -36,7 +36,7 @@ class Calendar:
         occ = self.occurrences(window_start, window_end)
         pairs = []
         for i, a in enumerate(occ):
-            for b in occ[i + 1:]:
+            for b in occ[i + 1 :]:
                 if b.start >= a.end:
                     break
                 pairs.append((a, b))

@@ -40,8 +40,13 @@ def _rule(ev):
 def to_ics(calendar):
     lines = ["BEGIN:VCALENDAR", "VERSION:2.0", "PRODID:-//gyre//scheduler//EN"]
     for ev in calendar.events():
-        lines += ["BEGIN:VEVENT", f"UID:{ev.uid}", f"SUMMARY:{_escape(ev.title)}",
-                  f"DTSTART:{ev.start.strftime(_FMT)}", f"DTEND:{ev.end.strftime(_FMT)}"]
+        lines += [
+            "BEGIN:VEVENT",
+            f"UID:{ev.uid}",
+            f"SUMMARY:{_escape(ev.title)}",
+            f"DTSTART:{ev.start.strftime(_FMT)}",
+            f"DTEND:{ev.end.strftime(_FMT)}",
+        ]
         if ev.recurrence is not None:
             lines.append(f"RRULE:{_rule(ev)}")
         if ev.exceptions:
@@ -82,8 +87,14 @@ def _make_event(props, n):
             raise ValueError(f"line {n}: VEVENT without {key}")
     start = props["DTSTART"]
     try:
-        return Event(props["UID"], props.get("SUMMARY", ""), start, props["DTEND"],
-                     recurrence=props.get("RRULE"), exceptions=props.get("EXDATE", frozenset()))
+        return Event(
+            props["UID"],
+            props.get("SUMMARY", ""),
+            start,
+            props["DTEND"],
+            recurrence=props.get("RRULE"),
+            exceptions=props.get("EXDATE", frozenset()),
+        )
     except ValueError as e:
         raise ValueError(f"line {n}: {e}") from None
 

@@ -43,8 +43,9 @@ def event_from_dict(d):
         if until is not None:
             until = _date(until, f"{where} until") if len(str(until)) == 10 else _datetime(until, f"{where} until")
         byweekday = r.get("byweekday")
-        rec = Recurrence(freq, r.get("interval", 1), r.get("count"), until,
-                         frozenset(byweekday) if byweekday is not None else None)
+        rec = Recurrence(
+            freq, r.get("interval", 1), r.get("count"), until, frozenset(byweekday) if byweekday is not None else None
+        )
     exceptions = frozenset(_date(x, f"{where} exception") for x in d.get("exceptions", []))
     if not isinstance(title, str):
         raise ValueError(f"{where}: title must be a string")

@@ -7,6 +7,17 @@ from graphs.topo import has_cycle, topological_sort
 from graphs.traversal import bfs, connected_components, dfs
 
 __all__ = [
-    "CycleError", "EdgeNotFound", "Graph", "GraphError", "NoPathError", "NodeNotFound",
-    "bfs", "connected_components", "dfs", "dijkstra", "has_cycle", "shortest_path", "topological_sort",
+    "CycleError",
+    "EdgeNotFound",
+    "Graph",
+    "GraphError",
+    "NoPathError",
+    "NodeNotFound",
+    "bfs",
+    "connected_components",
+    "dfs",
+    "dijkstra",
+    "has_cycle",
+    "shortest_path",
+    "topological_sort",
 ]

@@ -29,7 +29,9 @@ def render_invoice(customer, lines, tax_rate_percent=0, discount=None):
     t = invoice_total(lines, tax_rate_percent, discount)
     out = [f"Invoice for {customer}"]
     for desc, q, p in lines:
-        out.append(f"  {desc:<20} {q:>3} x {format_cents(normalize_amount(p)):>10} = {format_cents(line_total(q, p)):>10}")
+        out.append(
+            f"  {desc:<20} {q:>3} x {format_cents(normalize_amount(p)):>10} = {format_cents(line_total(q, p)):>10}"
+        )
     out.append(f"  {'Subtotal':<37} {format_cents(t['subtotal']):>10}")
     if t["discount"]:
         out.append(f"  {'Discount':<37} {format_cents(-t['discount']):>10}")
