@@ -1,0 +1,3 @@
+"""Command line: python -m scheduler FILE COMMAND ..."""
+
+raise SystemExit("not implemented yet")

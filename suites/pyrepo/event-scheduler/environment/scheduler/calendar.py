@@ -1,0 +1,5 @@
+"""The Calendar: a set of events, conflicts and free time."""
+
+
+class Calendar:
+    pass

@@ -1,0 +1,9 @@
+"""iCalendar-like export and import."""
+
+
+def to_ics(calendar):
+    raise NotImplementedError
+
+
+def from_ics(text):
+    raise NotImplementedError

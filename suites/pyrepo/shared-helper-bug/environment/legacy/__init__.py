@@ -1,0 +1,1 @@
+"""Legacy bookkeeping code: statement import, invoicing and monthly reports."""
