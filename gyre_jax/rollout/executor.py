@@ -52,9 +52,14 @@ from typing import Any, Protocol
 from gyre_jax.rollout import templates
 from gyre_jax.rollout.evaluators import CommandEvaluator, run_evaluator
 from gyre_jax.rollout.process_group import ProcessGroups
+from gyre_jax.rollout.sandbox import Launch, Mount, Sandbox, make_sandbox
+from gyre_jax.rollout.suites import DOCKER_FILES
 from gyre_jax.rollout.tasks import Task, evaluate
+from gyre_jax.rollout.verifier import SOLUTION_INSIDE, HarborVerifier, image_context, task_limits, workdir_of
 
 logger = logging.getLogger(__name__)
+HARNESS_DIR = "harness"  # <execution dir>/harness: the harness's own directory ({exec_dir})
+EXEC_DIR_INSIDE = "/gyre"  # where a sandboxed harness sees it
 
 STATUSES = ("finished", "timeout", "crashed")
 EXCLUSION_KINDS = (
@@ -65,8 +70,8 @@ EXCLUSION_KINDS = (
     "executor_error",
     "cancelled",
 )
-PLACEHOLDERS = ("task", "model", "temperature", "max_tokens", "seed", "workspace", "exec_dir", "execution_id", "base_url",
-                "anthropic_base_url")  # fmt: skip
+PLACEHOLDERS = ("task", "instruction_file", "model", "temperature", "max_tokens", "max_turns", "seed", "timeout_s",
+                "workspace", "exec_dir", "execution_id", "base_url", "anthropic_base_url", "api_key")  # fmt: skip
 
 # The harness command; placeholders {task} {model} {temperature} {max_tokens} {seed} {workspace}
 # are substituted per execution. ``Executor(harness_cmd=...)`` takes a list of the same form.
@@ -115,6 +120,7 @@ class ExecutionResult:
     duration_s: float  # harness wall time, spawn to exit or kill (evaluation not included)
     workspace: str
     exclusion_kind: str | None = None  # why it is excluded, as one of EXCLUSION_KINDS (None when scored)
+    sandbox: dict[str, Any] | None = None  # how the harness was isolated and limited (Prepared.applied)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -192,9 +198,13 @@ class Executor:
         max_tokens: int,
         evaluator_timeout_s: float = 30.0,
         harness_cmd: Sequence[str] | None = None,
-        evaluator: Evaluator | Sequence[str] = evaluate,
+        evaluator: Evaluator | Sequence[str] | None = None,
         kill_grace_s: float = 2.0,
         extra_env: dict[str, str] | None = None,
+        harness_files: dict[str, str] | None = None,
+        sandbox: Sandbox | None = None,
+        mount_solution: bool = False,
+        network: str = "proxy",
     ) -> None:
         for name, value in (("timeout_s", timeout_s), ("evaluator_timeout_s", evaluator_timeout_s)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -219,14 +229,27 @@ class Executor:
             evaluator = CommandEvaluator(
                 evaluator, timeout_s=self.evaluator_timeout_s, kill_grace_s=min(float(kill_grace_s), 1.0)
             )
-        if not callable(evaluator):
+        if evaluator is not None and not callable(evaluator):
             raise ValueError(
                 f"evaluator={evaluator!r} must be a callable (task, workspace) -> float or a command (list of str)"
             )
+        self.sandbox = sandbox if sandbox is not None else make_sandbox("none", proxy_address=None, state_dir=self.root)
         self.evaluator = evaluator
+        self.verifier = HarborVerifier(
+            self.sandbox, self.evaluator_timeout_s, kill_grace_s=min(float(kill_grace_s), 1.0)
+        )
         self.kill_grace_s = float(kill_grace_s)
         self.extra_env = dict(extra_env or {})
-        templates.check_task_fields([*self.harness_cmd, *self.extra_env.values()])
+        self.harness_files = dict(harness_files or {})
+        self.mount_solution = mount_solution
+        if network not in ("proxy", "none"):
+            raise ValueError(
+                f"network={network!r} must be 'proxy' (harnesses reach the proxy) or 'none' (no model calls)"
+            )
+        self.network = network
+        for rel in self.harness_files:
+            _check_relative(rel)
+        templates.check_task_fields([*self.harness_cmd, *self.extra_env.values(), *self.harness_files.values()])
         self._callback_lock = threading.Lock()
         self._procs = ProcessGroups(self.kill_grace_s)
 
@@ -313,15 +336,18 @@ class Executor:
         exec_dir = self.root / spec.execution_id
         workspace = exec_dir / "workspace"
 
+        applied: dict[str, Any] = {}  # what the sandbox applied, once the harness started
+
         def result(status, reward, reason, returncode, duration, kind=None) -> ExecutionResult:  # written to disk
             r = _result(spec, workspace, status, reward, reason, returncode, duration, kind)
+            r.sandbox = applied or None
             _write_result(exec_dir, r)
             return r
 
         if self._procs.cancelled:
             return result("crashed", None, "cancelled", None, 0.0, "cancelled")
         try:
-            task_path = self._prepare(spec, exec_dir, workspace)
+            self._prepare(spec, exec_dir, workspace)
         except Exception as exc:  # noqa: BLE001 - infrastructure failure: exclude, never score
             logger.exception("workspace setup failed for execution %s", spec.execution_id)
             return result(
@@ -335,9 +361,7 @@ class Executor:
                 "crashed", None, f"open_execution failed: {type(exc).__name__}: {exc}", None, 0.0, "setup_failed"
             )
         try:
-            status, returncode, duration, cancelled = self._spawn_and_wait(
-                spec, exec_dir, workspace, task_path, api_key
-            )
+            status, returncode, duration, cancelled = self._spawn_and_wait(spec, exec_dir, workspace, api_key, applied)
         except Exception as exc:  # noqa: BLE001 - an executor fault (not the harness's): exclude
             logger.exception("running the harness of execution %s failed", spec.execution_id)
             return result("crashed", None, f"executor error: {type(exc).__name__}: {exc}", None, 0.0, "executor_error")
@@ -348,22 +372,40 @@ class Executor:
                 logger.exception("close_execution failed for execution %s", spec.execution_id)
         if cancelled:
             return result("crashed", None, "cancelled", returncode, duration, "cancelled")
-        reward, reason, kind = run_evaluator(
-            self.evaluator, spec.task, workspace, self.evaluator_timeout_s, lambda: self._procs.cancelled
-        )
+        evaluator, timeout_s = self._evaluator_for(spec.task)
+        reward, reason, kind = run_evaluator(evaluator, spec.task, workspace, timeout_s, lambda: self._procs.cancelled)
         return result(status, reward, reason, returncode, duration, kind)
 
-    def _prepare(self, spec: ExecutionSpec, exec_dir: Path, workspace: Path) -> Path:
+    def _evaluator_for(self, task: Task) -> tuple[Evaluator, float]:
+        """The evaluator of ``task`` and its time limit: the executor's own if given, else the Harbor verifier
+        for a task with a source directory and the expected-files check otherwise. The verifier's own limit
+        (its test.sh is killed then) is ``task.verifier_timeout_s`` or the executor's; the thread gets 5 s more."""
+        if self.evaluator is not None:
+            return self.evaluator, self.evaluator_timeout_s
+        if task.source:
+            return self.verifier, (task.verifier_timeout_s or self.evaluator_timeout_s) + 5.0
+        return evaluate, self.evaluator_timeout_s
+
+    def _prepare(self, spec: ExecutionSpec, exec_dir: Path, workspace: Path) -> None:
+        """A fresh execution directory: the workspace (the task's Harbor environment/ minus its Docker files,
+        then ``task.files``), ``task.json`` (the record) and ``harness/`` (the harness's own directory:
+        ``task.json`` without the expected answers, ``instruction.md``, ``home/``)."""
         if exec_dir.exists():  # a re-run of the same execution starts from a fresh workspace
             shutil.rmtree(exec_dir)
-        workspace.mkdir(parents=True)
+        if spec.task.source:
+            ignore = shutil.ignore_patterns(*DOCKER_FILES)
+            shutil.copytree(Path(spec.task.source) / "environment", workspace, ignore=ignore, symlinks=True)
+        workspace.mkdir(parents=True, exist_ok=True)
         for rel, text in spec.task.files.items():
             path = workspace / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
-        task_path = exec_dir / "task.json"
-        task_path.write_text(spec.task.to_json(), encoding="utf-8")
-        return task_path
+        (exec_dir / templates.TASK_FILE).write_text(spec.task.to_json(), encoding="utf-8")  # the record
+        harness_dir = exec_dir / HARNESS_DIR  # what the harness sees of its execution: no answers, no logs
+        (harness_dir / "home").mkdir(parents=True)
+        seen = {**spec.task.to_dict(), "expected": {}}
+        (harness_dir / templates.TASK_FILE).write_text(json.dumps(seen, ensure_ascii=False), encoding="utf-8")
+        (harness_dir / templates.INSTRUCTION_FILE).write_text(spec.task.instruction, encoding="utf-8")
 
     @property
     def anthropic_base_url(self) -> str:
@@ -371,21 +413,42 @@ class Executor:
         return templates.anthropic_base_url(self.base_url)
 
     def _spawn_and_wait(
-        self, spec: ExecutionSpec, exec_dir: Path, workspace: Path, task_path: Path, api_key: str
+        self, spec: ExecutionSpec, exec_dir: Path, workspace: Path, api_key: str, applied: dict[str, Any]
     ) -> tuple[str, int | None, float, bool]:
-        """Runs the harness to its end; returns (status, returncode, duration_s, cancelled)."""
+        """Runs the harness to its end in the sandbox; returns (status, returncode, duration_s, cancelled) and
+        fills ``applied`` with what the sandbox applied."""
+        timeout_s = spec.task.agent_timeout or self.timeout_s
+        harness_dir = exec_dir / HARNESS_DIR
+        mounts = [Mount(harness_dir, EXEC_DIR_INSIDE, writable=True),
+                  Mount(workspace, workdir_of(spec.task), writable=True)]  # fmt: skip
+        if self.mount_solution and spec.task.source:
+            mounts.append(Mount(Path(spec.task.source) / "solution", SOLUTION_INSIDE))
+        exec_in, ws_in = self.sandbox.path(mounts[0]), self.sandbox.path(mounts[1])
         values = templates.template_values(
-            spec,
-            task_path,
-            workspace,
-            model_name=self.model_name,
-            temperature=self.temperature,
-            max_tokens=self.max_tokens,
-            base_url=self.base_url,
+            spec, exec_in, ws_in, model_name=self.model_name, temperature=self.temperature,
+            max_tokens=self.max_tokens, base_url=self.base_url, api_key=api_key, timeout_s=timeout_s,
+        )  # fmt: skip
+        if self.mount_solution:
+            values["{solution}"] = self.sandbox.path(mounts[-1]) if spec.task.source else ""
+        for rel, text in self.harness_files.items():
+            target = harness_dir / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(templates.fill(text, values), encoding="utf-8")
+        launch = Launch(
+            argv=[templates.fill(arg, values) for arg in self.harness_cmd],
+            cwd=ws_in,
+            env=templates.harness_env(api_key, self.base_url, self.extra_env, values),
+            mounts=tuple(mounts),
+            network=self.network,
+            limits=task_limits(spec.task),
+            image_context=image_context(spec.task),
         )
-        cmd = [templates.fill(arg, values) for arg in self.harness_cmd]
-        env = templates.harness_env(api_key, self.base_url, self.extra_env, values)
-        return self._procs.run(spec.execution_id, cmd, workspace, env, exec_dir, self.timeout_s)
+        prepared = self.sandbox.prepare(launch)
+        applied.update(prepared.applied)
+        try:
+            return self._procs.run(spec.execution_id, prepared.argv, prepared.cwd, prepared.env, exec_dir, timeout_s)
+        finally:
+            prepared.cleanup()
 
 
 def _result(
@@ -412,6 +475,12 @@ def _result(
         workspace=str(workspace),
         exclusion_kind=kind if reason is not None else None,
     )
+
+
+def _check_relative(rel: str) -> None:
+    p = Path(rel)
+    if not rel or p.is_absolute() or ".." in p.parts:
+        raise ValueError(f"harness file path {rel!r} must be relative to the execution directory, without '..'")
 
 
 def _check_execution_id(execution_id: str) -> None:

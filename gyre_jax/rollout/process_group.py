@@ -29,15 +29,39 @@ def kill_group(pgid: int, grace_s: float, proc: subprocess.Popen | None = None) 
     while time.monotonic() < deadline:
         if proc is not None:
             proc.poll()
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
+        if not group_alive(pgid):
             return
         time.sleep(0.02)
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs. Zombies do not count: an orphan of the group (e.g. a
+    sandbox's init, reparented when the sandbox exits) waits for the machine's init to reap it, which may be
+    never in a container, and ``killpg(pgid, 0)`` still reports it."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True  # no /proc: trust killpg
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
 
 
 class ProcessGroups:

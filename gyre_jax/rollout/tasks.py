@@ -14,6 +14,12 @@ Serialized form of a task (``Task.to_json``; the harness reads this file, see ha
 
 ``expected`` maps workspace paths to their exact expected text; the reward is the mean over those
 paths of the per-path positional partial credit (see ``evaluate``).
+
+A task loaded from a Harbor task directory (``suites.py``) also has ``source`` (that directory: its
+``environment/`` seeds the workspace and ``tests/test.sh`` is the verifier, ``verifier.py``), an empty
+``expected``, the task's own agent / verifier timeouts (0 = the run's), ``environment`` (``cpus``,
+``memory_mb``, ``allow_internet``, ``workdir``: what the sandbox applies), ``verifier_env`` and
+``metadata`` (``task.toml``'s tables, kept as given). These keys may be absent in a task JSON.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -62,6 +68,9 @@ TOOLS: tuple[dict[str, Any], ...] = (
         },
     },
 )
+
+# What a task's ``environment`` may say (from task.toml's [environment]; the sandbox applies what it can).
+ENVIRONMENT_KEYS = ("cpus", "memory_mb", "allow_internet", "workdir")
 
 WRITE_OK = "ok"  # the write_file tool result, as the reference harness returns it
 FINAL_MESSAGE = "Done."
@@ -109,6 +118,12 @@ class Task:
     max_turns: int  # model calls the harness may make
     tool_latency_median_s: float  # simulated tool time: lognormal(log(median), sigma); 0 for none
     tool_latency_sigma: float
+    source: str = ""  # a Harbor task directory (environment/ seeds the workspace, tests/ verifies); "" for none
+    agent_timeout_s: float = 0.0  # the task's own harness time limit (0: the run's rollout.timeout_s)
+    verifier_timeout_s: float = 0.0  # the task's own verifier time limit (0: the run's rollout.evaluator_timeout_s)
+    environment: dict[str, Any] = field(default_factory=dict)  # cpus, memory_mb, allow_internet, workdir
+    verifier_env: dict[str, str] = field(default_factory=dict)  # extra variables of the verifier's environment
+    metadata: dict[str, Any] = field(default_factory=dict)  # task.toml's [metadata], as given
 
     def __post_init__(self) -> None:
         if not isinstance(self.task_id, str) or not self.task_id:
@@ -130,8 +145,12 @@ class Task:
                 )
             for path in mapping:
                 _check_relative_path(path, f"task {self.task_id}: {name}")
-        if not self.expected:
-            raise ValueError(f"task {self.task_id}: expected must name at least one file to evaluate")
+        if not self.expected and not self.source:
+            raise ValueError(
+                f"task {self.task_id}: expected must name at least one file to evaluate (or source a Harbor task "
+                "directory whose tests/test.sh verifies it)"
+            )
+        self._check_harbor_fields()
         if not isinstance(self.tools, list) or not all(isinstance(t, dict) for t in self.tools):
             raise ValueError(f"task {self.task_id}: tools must be a list of OpenAI tool schema objects")
         if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int) or self.max_turns < 1:
@@ -141,6 +160,28 @@ class Task:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"task {self.task_id}: {name}={value!r} must be a finite number >= 0")
 
+    def _check_harbor_fields(self) -> None:
+        where = f"task {self.task_id}"
+        if not isinstance(self.source, str):
+            raise ValueError(f"{where}: source must be a directory path (str), got {self.source!r}")
+        for name in ("agent_timeout_s", "verifier_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{where}: {name}={value!r} must be a finite number >= 0 (0: the run's limit)")
+        for name in ("environment", "metadata", "verifier_env"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{where}: {name} must be a JSON object, got {getattr(self, name)!r}")
+        unknown = sorted(set(self.environment) - set(ENVIRONMENT_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: environment has unknown keys {unknown}; known: {ENVIRONMENT_KEYS}")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.verifier_env.items()):
+            raise ValueError(f"{where}: verifier_env must map names to strings, got {self.verifier_env!r}")
+
+    @property
+    def agent_timeout(self) -> float | None:
+        """The task's own harness time limit in seconds, None for the run's."""
+        return float(self.agent_timeout_s) or None
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -149,13 +190,15 @@ class Task:
         if not isinstance(data, dict):
             raise ValueError(f"a task must be a JSON object, got {type(data).__name__}")
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in data]
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [n for n in required if n not in data]
         unknown = sorted(set(data) - set(names))
         if missing or unknown:
             raise ValueError(
-                f"task JSON has missing keys {missing} and unknown keys {unknown}; expected exactly {names}"
+                f"task JSON has missing keys {missing} and unknown keys {unknown}; expected {required} "
+                f"and optionally {[n for n in names if n not in required]}"
             )
-        return cls(**{n: data[n] for n in names})
+        return cls(**{n: data[n] for n in names if n in data})
 
     def to_json(self) -> str:
         # Key order is kept (not sorted): tool schemas are rendered into the prompt in this order.
@@ -306,16 +349,7 @@ class BuiltinSuite:
         if self.num_tasks == 0:
             rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(_STEP_STREAM, step)))
             return [self._make_task(rng, f"s{step:06d}-t{i}") for i in range(n)]
-        pool = self.pool()
-        out = []
-        for i in range(n):
-            k = step * n + i
-            epoch, pos = divmod(k, self.num_tasks)
-            perm = np.random.default_rng(
-                np.random.SeedSequence(self.seed, spawn_key=(_EPOCH_STREAM, epoch))
-            ).permutation(self.num_tasks)
-            out.append(replace(pool[int(perm[pos])], task_id=f"s{step:06d}-t{i}"))
-        return out
+        return epoch_tasks(self.pool(), self.seed, step, n)
 
     def heldout_tasks(self, n: int) -> list[Task]:
         """``n`` tasks from a stream disjoint from training, pool and demonstrations (ids ``heldout-{k:05d}``)."""
@@ -334,6 +368,19 @@ class BuiltinSuite:
     def demonstrations(self, n: int, seed: int) -> list[list[dict[str, Any]]]:
         """``n`` ideal conversations (OpenAI messages) over random tasks; render them with ``self.tools``."""
         return [task.demonstration() for task in self.demonstration_tasks(n, seed)]
+
+
+def epoch_tasks(pool: Sequence[Task], seed: int, step: int, n: int) -> list[Task]:
+    """``n`` tasks of ``pool`` for step ``step``, visited in seeded epochs: the ``k``-th task of the run is
+    ``pool[perm_e[k % len(pool)]]`` with a fresh permutation per epoch ``e``; ids ``s{step:06d}-t{i}``."""
+    out = []
+    for i in range(n):
+        epoch, pos = divmod(step * n + i, len(pool))
+        perm = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_EPOCH_STREAM, epoch))).permutation(
+            len(pool)
+        )
+        out.append(replace(pool[int(perm[pos])], task_id=f"s{step:06d}-t{i}"))
+    return out
 
 
 def _strip_newline(text: str) -> str:

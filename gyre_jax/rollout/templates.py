@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,6 +41,8 @@ ENV_KEEP = (
     "SSL_CERT_DIR",
 )
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the gyre_jax package
+TASK_FILE = "task.json"  # in the execution's directory: the task (tasks.Task JSON)
+INSTRUCTION_FILE = "instruction.md"  # beside it: the task's instruction text
 
 
 def check_task_fields(templates: Iterable[str]) -> None:
@@ -59,26 +62,33 @@ def anthropic_base_url(base_url: str) -> str:
 
 def template_values(
     spec: ExecutionSpec,
-    task_path: Path,
-    workspace: Path,
+    exec_dir: str,
+    workspace: str,
     *,
     model_name: str,
     temperature: float,
     max_tokens: int,
     base_url: str,
+    api_key: str,
+    timeout_s: float,
 ) -> dict[str, str]:
-    """Placeholder -> its value for one execution (``{task}`` is ``task_path``, in the execution's directory)."""
+    """Placeholder -> its value for one execution. ``exec_dir`` and ``workspace`` are the paths the harness
+    sees (inside a sandbox: ``/gyre`` and ``/app``); ``{task}`` and ``{instruction_file}`` are in ``exec_dir``."""
     values = {
-        "{task}": str(task_path),
+        "{task}": f"{exec_dir}/{TASK_FILE}",
+        "{instruction_file}": f"{exec_dir}/{INSTRUCTION_FILE}",
         "{model}": model_name,
         "{temperature}": repr(float(temperature)),
         "{max_tokens}": str(int(max_tokens)),
+        "{max_turns}": str(int(spec.task.max_turns)),
         "{seed}": str(int(spec.seed)),
-        "{workspace}": str(workspace),
-        "{exec_dir}": str(task_path.parent),
+        "{timeout_s}": str(int(timeout_s)) if float(timeout_s).is_integer() else repr(float(timeout_s)),
+        "{workspace}": workspace,
+        "{exec_dir}": exec_dir,
         "{execution_id}": spec.execution_id,
         "{base_url}": base_url,
         "{anthropic_base_url}": anthropic_base_url(base_url),
+        "{api_key}": api_key,
     }
     values.update(task_values(spec.task))
     return values
@@ -103,6 +113,8 @@ def harness_env(
 ) -> dict[str, str]:
     """The harness's whole environment; ``extra_env`` values are templates filled with ``values``."""
     env = {k: os.environ[k] for k in ENV_KEEP if k in os.environ}
+    # This Python's bin first: a harness installed beside gyre-jax (mini-swe-agent, ...) is found by name.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "/usr/bin:/bin")])
     pythonpath = os.environ.get("PYTHONPATH")
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + pythonpath if pythonpath else "")
     env["PYTHONUNBUFFERED"] = "1"

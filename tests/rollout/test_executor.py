@@ -20,7 +20,8 @@ HARNESS = r"""
 import json, os, signal, subprocess, sys, time
 task = json.load(open(sys.argv[1]))
 mode = task["instruction"]
-answer = task["expected"]["answer.txt"]
+assert task["expected"] == {}, "the harness's task.json must not hold the answers"
+answer = open("input.txt").read().upper()  # the task kind is "upper"
 with open("seen.json", "w") as f:
     json.dump({"env": dict(os.environ), "cwd": os.getcwd(), "argv": sys.argv[1:]}, f)
 
@@ -125,14 +126,19 @@ def test_finished_harness_is_scored_and_sees_only_its_key_and_workspace(tmp_path
     assert result == ExecutionResult(
         execution_id="e0", task_id="t0", group_id="t0", status="finished", reward=1.0, excluded=False,
         exclusion_reason=None, returncode=0, duration_s=result.duration_s, workspace=str(exec_dir / "workspace"),
+        sandbox=result.sandbox,
     )  # fmt: skip
+    assert result.sandbox["backend"] == "none" and result.sandbox["network"] == "host"  # recorded as not isolated
     assert 0 < result.duration_s < 5
     seen = json.loads((exec_dir / "workspace" / "seen.json").read_text())
     assert seen["env"]["OPENAI_API_KEY"] == "key-e0" and seen["env"]["OPENAI_BASE_URL"] == BASE_URL
     assert "GYRE_TEST_SECRET" not in seen["env"]
     assert Path(seen["cwd"]).resolve() == (exec_dir / "workspace").resolve()
-    assert seen["argv"] == [str(exec_dir / "task.json"), "--model", "tiny", "--seed", "7"]
-    assert Task.from_json((exec_dir / "task.json").read_text()) == task  # the task sits outside the workspace
+    assert seen["argv"] == [str(exec_dir / "harness" / "task.json"), "--model", "tiny", "--seed", "7"]
+    assert Task.from_json((exec_dir / "task.json").read_text()) == task  # the record sits outside the workspace
+    seen_task = json.loads((exec_dir / "harness" / "task.json").read_text())  # the harness's copy: no answers
+    assert seen_task == {**task.to_dict(), "expected": {}}
+    assert (exec_dir / "harness" / "instruction.md").read_text() == task.instruction
     assert (exec_dir / "workspace" / INPUT_FILE).read_text() == "qkzmt"
     assert json.loads((exec_dir / "result.json").read_text()) == result.to_dict()
     assert ExecutionResult.from_dict(json.loads(json.dumps(result.to_dict()))) == result
@@ -344,7 +350,7 @@ def test_anthropic_env_and_templated_command_and_env(tmp_path):
     seen = json.loads((exec_dir / "workspace" / "seen.json").read_text())
     assert seen["env"]["ANTHROPIC_API_KEY"] == seen["env"]["OPENAI_API_KEY"] == "key-e0"
     assert seen["env"]["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:1" and seen["env"]["OPENAI_BASE_URL"] == BASE_URL
-    assert seen["env"]["HOME"] == f"{exec_dir}/home" and seen["env"]["PLAIN"] == "x{y}"
+    assert seen["env"]["HOME"] == f"{exec_dir}/harness/home" and seen["env"]["PLAIN"] == "x{y}"
     assert seen["argv"][5:] == ["--instruction=ok", json.dumps({INPUT_FILE: "qkzmt"}), "e0", "http://127.0.0.1:1",
                                 "{not_a_placeholder}", "uppertiny"]  # fmt: skip
     with pytest.raises(ValueError, match=r"\{task.nope\}.*names no task field"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -85,7 +86,12 @@ def test_task_json_round_trip_keeps_key_order():
     # Tool schemas keep their key order: the harness sends them as read, and the prompt renders them so.
     assert json.dumps(json.loads(text)["tools"]) == json.dumps(BuiltinSuite().tools)
     assert list(json.loads(text)) == ["task_id", "kind", "system", "instruction", "files", "expected", "tools",
-                                      "max_turns", "tool_latency_median_s", "tool_latency_sigma"]  # fmt: skip
+                                      "max_turns", "tool_latency_median_s", "tool_latency_sigma", "source",
+                                      "agent_timeout_s", "verifier_timeout_s", "environment", "verifier_env",
+                                      "metadata"]  # fmt: skip
+    # A task JSON written before the Harbor fields existed still loads (they default).
+    old = {k: v for k, v in json.loads(text).items() if k in [f.name for f in dataclasses.fields(Task)][:10]}
+    assert Task.from_dict(old) == task
 
 
 def test_task_from_json_reports_what_is_wrong():

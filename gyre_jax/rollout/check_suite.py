@@ -1,0 +1,136 @@
+"""Checks a Harbor task suite through the real executor, sandbox and verifier: every oracle scores 1.0 and
+every untouched starting workspace scores below a bound.
+
+Run: ``python -m gyre_jax.rollout.check_suite SUITE [--sandbox bwrap] [--tasks a,b] [--max-start 0.2]
+[--parallel 2] [--json out.json]`` where SUITE is a directory of Harbor tasks (or ``harbor:<dir>`` /
+``jsonl:<file>``). For each task two executions run exactly as in training, with a different harness: the
+oracle (``bash /solution/solve.sh``, the task's ``solution/`` mounted read-only) and nothing (``true``:
+the starting state). No model is called (the harness gets a proxy URL nothing listens on). Prints one row
+per task and exits 1 when an oracle scores below 1.0, a starting state scores ``--max-start`` or more, or an
+execution is excluded (its reason is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from gyre_jax.rollout.executor import ExecutionResult, ExecutionSpec, Executor
+from gyre_jax.rollout.sandbox import SANDBOXES, SandboxUnavailable, make_sandbox
+from gyre_jax.rollout.suites import SuiteError, load_tasks
+from gyre_jax.rollout.tasks import Task
+
+ORACLE_CMD = ("bash", "{solution}/solve.sh")
+START_CMD = ("true",)
+NO_PROXY_URL = "http://127.0.0.1:9/v1"  # the discard port: nothing answers
+
+
+class KeysOnly:
+    """The executor's registry for runs that call no model: a fresh key per execution, nothing recorded."""
+
+    def open_execution(self, execution_id: str) -> str:
+        return "gyre-check-" + secrets.token_hex(8)
+
+    def close_execution(self, execution_id: str) -> None:
+        return None
+
+
+def run_mode(tasks: list[Task], cmd: tuple[str, ...], root: Path, sandbox: str, suite_root: Path, parallel: int,
+             timeout_s: float) -> list[ExecutionResult]:  # fmt: skip
+    """One execution per task with the harness ``cmd`` (the oracle or nothing), in order of ``tasks``."""
+    box = make_sandbox(sandbox, proxy_address=None, hide=[root, suite_root], state_dir=root / "sandbox")
+    executor = Executor(KeysOnly(), NO_PROXY_URL, root, model_name="none", timeout_s=timeout_s,
+                        max_parallel=parallel, temperature=1.0, max_tokens=1, harness_cmd=list(cmd),
+                        sandbox=box, mount_solution=True, network="none")  # fmt: skip
+    specs = [ExecutionSpec(f"{t.task_id}", t, t.task_id, seed=0) for t in tasks]
+    try:
+        return executor.run(specs)
+    finally:
+        box.close()
+
+
+def table(tasks: list[Task], start: list[ExecutionResult], oracle: list[ExecutionResult]) -> list[dict]:
+    rows = []
+    for t, s, o in zip(tasks, start, oracle):
+        rows.append({
+            "task": t.task_id, "difficulty": t.metadata.get("difficulty", ""), "start": s.reward, "oracle": o.reward,
+            "oracle_s": round(o.duration_s, 2), "start_excluded": s.exclusion_reason,
+            "oracle_excluded": o.exclusion_reason, "oracle_status": o.status, "sandbox": o.sandbox,
+        })  # fmt: skip
+    return rows
+
+
+def failures(rows: list[dict], max_start: float) -> list[str]:
+    """What fails the check, one line per task and reason."""
+    out = []
+    for r in rows:
+        if r["oracle"] is None or r["start"] is None:
+            out.append(f"{r['task']}: excluded: {r['oracle_excluded'] or r['start_excluded']}")
+            continue
+        if r["oracle"] < 1.0:
+            out.append(f"{r['task']}: the oracle scored {r['oracle']} (status {r['oracle_status']}), expected 1.0")
+        if r["start"] >= max_start:
+            out.append(f"{r['task']}: the starting state scored {r['start']}, expected < {max_start}")
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'task':32s} {'difficulty':10s} {'start':>6s} {'oracle':>6s} {'oracle s':>8s}")
+    for r in rows:
+        fmt = lambda v: "excl" if v is None else f"{v:.2f}"  # noqa: E731
+        print(
+            f"{r['task']:32s} {r['difficulty']:10s} {fmt(r['start']):>6s} {fmt(r['oracle']):>6s} {r['oracle_s']:8.2f}"
+        )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("suite", help="a directory of Harbor tasks, or harbor:<dir> / jsonl:<file>")
+    parser.add_argument("--sandbox", default="bwrap", choices=SANDBOXES)
+    parser.add_argument("--tasks", default="", help="comma-separated task names (default: all)")
+    parser.add_argument("--max-start", type=float, default=0.2, help="the starting state must score below this")
+    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=600.0, help="oracle time limit when task.toml has none")
+    parser.add_argument("--json", default="", help="also write the rows to this file")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    spec = args.suite if args.suite.startswith(("harbor:", "jsonl:")) else f"harbor:{args.suite}"
+    try:
+        tasks, suite_root = load_tasks(spec)
+        make_sandbox(args.sandbox, proxy_address=None, state_dir=Path(tempfile.gettempdir())).check()
+    except (SuiteError, SandboxUnavailable) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    wanted = [n for n in args.tasks.split(",") if n]
+    unknown = sorted(set(wanted) - {t.task_id for t in tasks})
+    if unknown:
+        print(f"error: no such task(s) {unknown} in {suite_root}", file=sys.stderr)
+        return 2
+    tasks = [t for t in tasks if not wanted or t.task_id in wanted]
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="gyre-check-suite-") as tmp:
+        root = Path(tmp)
+        start = run_mode(tasks, START_CMD, root / "start", args.sandbox, suite_root, args.parallel, args.timeout)
+        oracle = run_mode(tasks, ORACLE_CMD, root / "oracle", args.sandbox, suite_root, args.parallel, args.timeout)
+    rows = table(tasks, start, oracle)
+    print_table(rows)
+    bad = failures(rows, args.max_start)
+    print(f"{len(tasks)} tasks, sandbox {args.sandbox}, {time.monotonic() - t0:.1f} s: "
+          f"{'all oracles 1.0 and all starts below ' + str(args.max_start) if not bad else str(len(bad)) + ' failure(s)'}")  # fmt: skip
+    for line in bad:
+        print(f"FAIL {line}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"sandbox": args.sandbox, "rows": rows}, indent=2), encoding="utf-8")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
