@@ -206,15 +206,7 @@ class Executor:
         mount_solution: bool = False,
         network: str = "proxy",
     ) -> None:
-        for name, value in (("timeout_s", timeout_s), ("evaluator_timeout_s", evaluator_timeout_s)):
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}={value!r} must be a positive number of seconds")
-        if not (isinstance(kill_grace_s, (int, float)) and kill_grace_s >= 0):
-            raise ValueError(f"kill_grace_s={kill_grace_s!r} must be >= 0 seconds")
-        if isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1:
-            raise ValueError(f"max_parallel={max_parallel!r} must be an integer >= 1")
-        if harness_cmd is not None and (not harness_cmd or not all(isinstance(a, str) for a in harness_cmd)):
-            raise ValueError(f"harness_cmd={harness_cmd!r} must be a non-empty list of strings")
+        _check_arguments(timeout_s, evaluator_timeout_s, kill_grace_s, max_parallel, harness_cmd, network)
         self.registry = registry
         self.base_url = base_url
         self.root = Path(root)
@@ -242,10 +234,6 @@ class Executor:
         self.extra_env = dict(extra_env or {})
         self.harness_files = dict(harness_files or {})
         self.mount_solution = mount_solution
-        if network not in ("proxy", "none"):
-            raise ValueError(
-                f"network={network!r} must be 'proxy' (harnesses reach the proxy) or 'none' (no model calls)"
-            )
         self.network = network
         for rel in self.harness_files:
             _check_relative(rel)
@@ -475,6 +463,21 @@ def _result(
         workspace=str(workspace),
         exclusion_kind=kind if reason is not None else None,
     )
+
+
+def _check_arguments(timeout_s, evaluator_timeout_s, kill_grace_s, max_parallel, harness_cmd, network) -> None:
+    """ValueError naming the first bad ``Executor`` argument."""
+    for name, value in (("timeout_s", timeout_s), ("evaluator_timeout_s", evaluator_timeout_s)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+    if not (isinstance(kill_grace_s, (int, float)) and kill_grace_s >= 0):
+        raise ValueError(f"kill_grace_s={kill_grace_s!r} must be >= 0 seconds")
+    if isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1:
+        raise ValueError(f"max_parallel={max_parallel!r} must be an integer >= 1")
+    if harness_cmd is not None and (not harness_cmd or not all(isinstance(a, str) for a in harness_cmd)):
+        raise ValueError(f"harness_cmd={harness_cmd!r} must be a non-empty list of strings")
+    if network not in ("proxy", "none"):
+        raise ValueError(f"network={network!r} must be 'proxy' (harnesses reach the proxy) or 'none' (no model calls)")
 
 
 def _check_relative(rel: str) -> None:
