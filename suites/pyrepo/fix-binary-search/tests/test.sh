@@ -6,7 +6,7 @@ TESTS="${GYRE_TESTS:-/tests}"
 LOGS="${GYRE_LOGS:-/logs}"
 cd "${GYRE_WORKSPACE:-/app}"
 mkdir -p "$LOGS/verifier"
-export PYTHONDONTWRITEBYTECODE=1
+export PYTHONDONTWRITEBYTECODE=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1  # no third-party plugins: 4x faster start
 python3 -m pytest -q -p no:cacheprovider --rootdir="$TESTS" --junitxml="$LOGS/verifier/junit.xml" "$TESTS" \
   > "$LOGS/verifier/pytest.log" 2>&1
 python3 - "$LOGS/verifier/junit.xml" > "$LOGS/verifier/reward.txt" <<'EOF'

@@ -1,0 +1,141 @@
+"""Harbor tasks run by the real executor in the bwrap sandbox, scored by their own tests/test.sh in a fresh
+sandbox: an upstream-format task unchanged, what the harness and the verifier can see, every way a verifier
+can fail (each excluded with its kind, never scored 0), and the oracle check of the bundled suite."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre_jax.rollout.check_suite import KeysOnly
+from gyre_jax.rollout.executor import ExecutionSpec, Executor
+from gyre_jax.rollout.sandbox import make_sandbox
+from gyre_jax.rollout.suites import load_harbor_task, load_tasks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_suites import write_upstream_task  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+if shutil.which("bwrap") is None:
+    if os.geteuid() == 0:
+        pytest.fail("bwrap is missing: `sh scripts/install_system_deps.sh` installs it (apt-get install -y bubblewrap)")
+    pytestmark = pytest.mark.skip(reason="bwrap is missing and this is not root: sudo apt-get install -y bubblewrap")
+
+
+def run(tmp_path: Path, task, cmd: list[str], env: dict[str, str] | None = None, suite_root: Path | None = None):
+    root = tmp_path / "run"
+    sandbox = make_sandbox("bwrap", proxy_address=None, hide=[root, suite_root or Path(task.source).parent],
+                           state_dir=tmp_path / "state")  # fmt: skip
+    executor = Executor(KeysOnly(), "http://127.0.0.1:9/v1", root / "executions", model_name="m", timeout_s=30,
+                        max_parallel=1, temperature=1.0, max_tokens=8, harness_cmd=cmd, extra_env=env or {},
+                        sandbox=sandbox, network="none", evaluator_timeout_s=20)  # fmt: skip
+    try:
+        [result] = executor.run([ExecutionSpec("e0", task, task.task_id, seed=0)])
+    finally:
+        sandbox.close()
+    return result, root / "executions" / "e0"
+
+
+def test_an_upstream_task_runs_unchanged_in_bwrap(tmp_path):
+    task = load_harbor_task(write_upstream_task(tmp_path / "suite"))
+    solved, exec_dir = run(tmp_path / "a", task, ["sh", "-c", "echo 'hello, world' > /app/greeting.txt"])
+    assert solved.status == "finished" and solved.reward == 1.0, solved
+    assert (exec_dir / "workspace" / "notes.txt").read_text() == "starting file\n"  # environment/ minus Dockerfile
+    assert not (exec_dir / "workspace" / "Dockerfile").exists()
+    assert (exec_dir / "verifier" / "logs" / "verifier" / "reward.txt").read_text().strip() == "1"
+    applied = solved.sandbox
+    assert applied["backend"] == "bwrap" and applied["network"] == "none" and applied["memory_mb"] == 2048
+    assert applied["cpus"] == 1.0 and applied["limits"] in ("cgroup-v1", "cgroup-v2", "affinity", "none")
+    untouched, _ = run(tmp_path / "b", task, ["true"])
+    assert untouched.status == "finished" and untouched.reward == 0.0 and not untouched.excluded
+
+
+def test_the_harness_sees_neither_tests_nor_solution_and_the_verifier_none_of_its_environment(tmp_path):
+    task_dir = write_upstream_task(tmp_path / "suite")
+    (task_dir / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nenv > /logs/verifier/env.txt\nls /app > /logs/verifier/app.txt\n"
+        "echo 0.5 > /logs/verifier/reward.txt\n"
+    )
+    task = load_harbor_task(task_dir)
+    look = (f"ls /tests /solution {task_dir} {task_dir / 'tests'} > /app/looked.txt 2>&1; "
+            "cat /gyre/task.json > /app/task_seen.json; echo $GYRE_SECRET > /app/secret.txt")  # fmt: skip
+    result, exec_dir = run(tmp_path / "r", task, ["sh", "-c", look], env={"GYRE_SECRET": "s3cret"})
+    assert result.reward == 0.5, result
+    looked = (exec_dir / "workspace" / "looked.txt").read_text()
+    assert "No such file" in looked and "test.sh" not in looked and "solve.sh" not in looked, looked
+    assert json.loads((exec_dir / "workspace" / "task_seen.json").read_text())["instruction"] == task.instruction
+    assert (exec_dir / "workspace" / "secret.txt").read_text().strip() == "s3cret"  # the harness had it ...
+    env = (exec_dir / "verifier" / "logs" / "verifier" / "env.txt").read_text()
+    assert "s3cret" not in env and "OPENAI_API_KEY" not in env and "ANTHROPIC" not in env  # ... the verifier not
+    assert "GYRE_TESTS=/tests" in env and "GYRE_WORKSPACE=/app" in env
+    assert "looked.txt" in (exec_dir / "verifier" / "logs" / "verifier" / "app.txt").read_text()
+
+
+@pytest.mark.parametrize(
+    ("script", "kind", "reason"),
+    [
+        ("true", "evaluator_error", "wrote no reward"),
+        ("echo many > /logs/verifier/reward.txt", "evaluator_error", "expected a number"),
+        ("echo nan > /logs/verifier/reward.txt", "evaluator_bad_value", "nan"),
+        ("echo 1.5 > /logs/verifier/reward.txt", "evaluator_bad_value", "1.5"),
+        ("echo '{\"score\": 1}' > /logs/verifier/reward.json", "evaluator_error", "reward.json holds"),
+        ("sleep 30; echo 1 > /logs/verifier/reward.txt", "evaluator_timeout", "exceeded 1.0 s"),
+    ],
+)
+def test_a_failing_verifier_excludes_the_execution_with_its_kind(tmp_path, script, kind, reason):
+    task_dir = write_upstream_task(tmp_path / "suite")
+    (task_dir / "tests" / "test.sh").write_text(f"#!/bin/bash\n{script}\n")
+    toml = (
+        (task_dir / "task.toml").read_text().replace("[verifier]\ntimeout_sec = 30.0", "[verifier]\ntimeout_sec = 1.0")
+    )
+    (task_dir / "task.toml").write_text(toml)
+    result, _ = run(tmp_path / "r", load_harbor_task(task_dir), ["true"])
+    assert result.excluded and result.reward is None and result.exclusion_kind == kind, result
+    assert reason in result.exclusion_reason
+
+
+def test_reward_json_is_read(tmp_path):
+    task_dir = write_upstream_task(tmp_path / "suite")
+    (task_dir / "tests" / "test.sh").write_text("#!/bin/bash\necho '{\"reward\": 0.25}' > /logs/verifier/reward.json\n")
+    result, _ = run(tmp_path / "r", load_harbor_task(task_dir), ["true"])
+    assert result.reward == 0.25
+
+
+def check_suite(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gyre_jax.rollout.check_suite", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+
+
+def test_check_suite_fails_a_wrong_oracle_and_a_solved_start(tmp_path):
+    write_upstream_task(tmp_path, "good")
+    bad = write_upstream_task(tmp_path, "wrong-oracle")
+    (bad / "solution" / "solve.sh").write_text("echo 'hello' > /app/greeting.txt\n")
+    easy = write_upstream_task(tmp_path, "solved-start")
+    (easy / "environment" / "greeting.txt").write_text("hello, world\n")
+    done = check_suite(str(tmp_path), "--json", str(tmp_path / "rows.json"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "FAIL wrong-oracle: the oracle scored 0.0" in done.stdout
+    assert "FAIL solved-start: the starting state scored 1.0" in done.stdout
+    assert "FAIL good" not in done.stdout
+    rows = {r["task"]: r for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
+    assert rows["good"]["oracle"] == 1.0 and rows["good"]["start"] == 0.0
+
+
+def test_every_oracle_of_the_bundled_suite_scores_1_and_every_start_below_0_2(tmp_path):
+    """The bundled suite through the real executor, bwrap and verifier (the issue's oracle check)."""
+    tasks, _ = load_tasks(f"harbor:{REPO / 'suites' / 'pyrepo'}")
+    assert len(tasks) >= 24
+    done = check_suite("suites/pyrepo", "--sandbox", "bwrap", "--json", str(tmp_path / "rows.json"))
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert len(rows) == len(tasks)
+    assert all(r["oracle"] == 1.0 and r["start"] < 0.2 for r in rows)
+    assert {r["sandbox"]["backend"] for r in rows} == {"bwrap"}
