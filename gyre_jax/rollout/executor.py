@@ -40,7 +40,6 @@ import logging
 import math
 import os
 import shutil
-import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -51,6 +50,7 @@ from typing import Any, Protocol
 
 from gyre_jax.rollout import templates
 from gyre_jax.rollout.evaluators import CommandEvaluator, run_evaluator
+from gyre_jax.rollout.harnesses import DEFAULT_HARNESS_CMD
 from gyre_jax.rollout.process_group import ProcessGroups
 from gyre_jax.rollout.sandbox import Launch, Mount, Sandbox, make_sandbox
 from gyre_jax.rollout.suites import DOCKER_FILES
@@ -72,14 +72,6 @@ EXCLUSION_KINDS = (
 )
 PLACEHOLDERS = ("task", "instruction_file", "model", "temperature", "max_tokens", "max_turns", "seed", "timeout_s",
                 "workspace", "exec_dir", "execution_id", "base_url", "anthropic_base_url", "api_key")  # fmt: skip
-
-# The harness command; placeholders {task} {model} {temperature} {max_tokens} {seed} {workspace}
-# are substituted per execution. ``Executor(harness_cmd=...)`` takes a list of the same form.
-DEFAULT_HARNESS_CMD: tuple[str, ...] = (
-    sys.executable, "-m", "gyre_jax.rollout.harness",
-    "--task", "{task}", "--model", "{model}", "--temperature", "{temperature}",
-    "--max-tokens", "{max_tokens}", "--seed", "{seed}",
-)  # fmt: skip
 
 
 class ExecutionRegistry(Protocol):

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 TASK_FIELDS = tuple(f.name for f in dataclasses.fields(Task))
 _TASK_FIELD_RE = re.compile(r"\{task\.([A-Za-z_][A-Za-z0-9_]*)\}")
-_PLACEHOLDER_RE = re.compile(r"\{(?:task\.)?[A-Za-z_][A-Za-z0-9_]*\}")
+PLACEHOLDER_RE = re.compile(r"\{(?:task\.)?[A-Za-z_][A-Za-z0-9_]*\}")
 # Environment variables a harness inherits (everything else, e.g. credentials, is dropped).
 ENV_KEEP = (
     "PATH",
@@ -105,7 +105,7 @@ def task_values(task: Task) -> dict[str, str]:
 
 def fill(template: str, values: Mapping[str, str]) -> str:
     """``template`` with its placeholders replaced (one pass: a substituted value is never expanded again)."""
-    return _PLACEHOLDER_RE.sub(lambda m: values.get(m.group(0), m.group(0)), template)
+    return PLACEHOLDER_RE.sub(lambda m: values.get(m.group(0), m.group(0)), template)
 
 
 def harness_env(

@@ -8,13 +8,15 @@ parse to exactly what the client received, and be scored by an evaluator.
 from __future__ import annotations
 
 import json
-import shutil
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from gyre_jax.rollout import templates
 from gyre_jax.rollout.executor import ExecutionSpec, Executor
+from gyre_jax.rollout.harnesses import HarnessSpec, check_harness, fill_spec, harness_spec, write_files
 from gyre_jax.rollout.tasks import ANSWER_FILE, INPUT_FILE, Task, evaluate
 
 pytestmark = pytest.mark.slow
@@ -36,6 +38,11 @@ def run_one(stack, tmp_path: Path, execution_id: str, harness_cmd: list[str], ex
     executor = Executor(stack.proxy, stack.proxy.base_url, tmp_path / "executions", model_name="gyre-tiny",
                         timeout_s=timeout_s, max_parallel=1, temperature=1.0, max_tokens=24, evaluator_timeout_s=30,
                         harness_cmd=harness_cmd, evaluator=evaluator, extra_env=extra_env)  # fmt: skip
+    return execute(executor, tmp_path, execution_id)
+
+
+def execute(executor: Executor, tmp_path: Path, execution_id: str):
+    """Runs the one task ``execution_id``; (result, its execution directory, the tail of the harness's output)."""
     [result] = executor.run([ExecutionSpec(execution_id, make_task(execution_id), execution_id, seed=0)])
     exec_dir = tmp_path / "executions" / execution_id
     logs = (exec_dir / "harness.stdout").read_text(errors="replace")[-3000:] + (exec_dir / "harness.stderr").read_text(
@@ -44,19 +51,54 @@ def run_one(stack, tmp_path: Path, execution_id: str, harness_cmd: list[str], ex
     return result, exec_dir, logs
 
 
+class PresetExecutor(Executor):
+    """The Executor running a ``HarnessSpec``: it also fills ``{max_turns}``, ``{timeout_s}``, ``{api_key}`` and
+    ``{instruction_file}`` (writing instruction.md) and writes ``spec.files`` into the execution directory before
+    the start. Test scaffolding until the executor itself does this (issue 16: the integrator moves it there)."""
+
+    def __init__(self, *args, spec: HarnessSpec, **kwargs) -> None:
+        super().__init__(*args, harness_cmd=list(spec.cmd), extra_env=dict(spec.env), **kwargs)
+        self.spec = spec
+
+    def _spawn_and_wait(self, spec, exec_dir, workspace, task_path, api_key):
+        values = templates.template_values(spec, task_path, workspace, model_name=self.model_name,
+                                           temperature=self.temperature, max_tokens=self.max_tokens,
+                                           base_url=self.base_url)  # fmt: skip
+        (exec_dir / "instruction.md").write_text(spec.task.instruction, encoding="utf-8")
+        values.update({"{max_turns}": str(spec.task.max_turns), "{timeout_s}": str(int(self.timeout_s)),
+                       "{api_key}": api_key, "{instruction_file}": str(exec_dir / "instruction.md")})  # fmt: skip
+        cmd, env, files = fill_spec(self.spec, values)
+        write_files(files, exec_dir)
+        env = templates.harness_env(api_key, self.base_url, env)
+        return self._procs.run(spec.execution_id, cmd, workspace, env, exec_dir, self.timeout_s)
+
+
+def run_preset(stack, tmp_path: Path, execution_id: str, spec: HarnessSpec, timeout_s: float, evaluator=evaluate):
+    """``run_one`` for a harness preset (``PresetExecutor``)."""
+    executor = PresetExecutor(stack.proxy, stack.proxy.base_url, tmp_path / "executions", model_name="gyre-tiny",
+                              timeout_s=timeout_s, max_parallel=1, temperature=1.0, max_tokens=24,
+                              evaluator_timeout_s=30, evaluator=evaluator, spec=spec)  # fmt: skip
+    return execute(executor, tmp_path, execution_id)
+
+
+def on_npm_path(monkeypatch, npm_bins: dict[str, Path], spec: HarnessSpec) -> HarnessSpec:
+    """``spec`` unchanged, with the npm CLIs' folder first on PATH (harnesses inherit PATH) as a global install
+    would have them; the installed CLI must be the one the preset pins (``check_harness``: no warning)."""
+    monkeypatch.setenv("PATH", f"{next(iter(npm_bins.values())).parent}{os.pathsep}{os.environ['PATH']}")
+    assert check_harness(spec) is None
+    return spec
+
+
 def test_mini_swe_agent(stack, tmp_path) -> None:
-    mini = shutil.which("mini", path=str(Path(sys.executable).parent))
-    assert mini is not None, "mini-swe-agent is a test dependency: pip install -e '.[test]'"
-    cmd = [mini, "-m", "openai/{model}", "-t", "{task.instruction}", "--yolo", "--exit-immediately",
-           "-o", "{exec_dir}/trajectory.json", "-c", "mini.yaml", "-c", "model.model_kwargs.api_base={base_url}",
-           "-c", "model.model_kwargs.max_tokens={max_tokens}", "-c", "agent.step_limit=3", "-c", "agent.cost_limit=0"]  # fmt: skip
-    env = {"MSWEA_COST_TRACKING": "ignore_errors", "LITELLM_LOCAL_MODEL_COST_MAP": "True", "HOME": "{exec_dir}/home",
-           "MSWEA_CONFIGURED": "true", "TERM": "dumb"}  # fmt: skip
-    result, exec_dir, logs = run_one(stack, tmp_path, "mini-0", cmd, env, timeout_s=150)
+    spec = harness_spec("mini-swe-agent")  # python -m minisweagent with our compact config, step limit = max_turns
+    assert check_harness(spec) is None, "mini-swe-agent is a test dependency: pip install -e '.[test]'"
+    result, exec_dir, logs = run_preset(stack, tmp_path, "mini-0", spec, timeout_s=150)
     assert result.status in ("finished", "timeout", "crashed"), logs
     assert not result.excluded and result.reward is not None and 0.0 <= result.reward <= 1.0, logs
     records = stack.records.read("mini-0")
     assert records, f"mini-swe-agent made no model call:\n{logs}"
+    first = stack.tokenizer.decode(records[0].prompt_ids)  # our compact templates, not mini.yaml's
+    assert "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in first and "Recommended Workflow" not in first, first
     assert all(r.api == "chat" and r.thread_id == "main" for r in records)
     loaded = stack.trainer_load("mini-0")  # the trainer's reader takes the execution
     assert loaded.excluded is None and loaded.branches, loaded.excluded
@@ -82,12 +124,9 @@ def test_mini_swe_agent(stack, tmp_path) -> None:
             )
 
 
-def test_claude_code(stack, tmp_path, claude_bin) -> None:
-    cmd = [str(claude_bin), "-p", "{task.instruction}", "--model", "{model}", "--dangerously-skip-permissions",
-           "--output-format", "stream-json", "--verbose"]  # fmt: skip
-    env = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "IS_SANDBOX": "1", "HOME": "{exec_dir}/home",
-           "DISABLE_AUTOUPDATER": "1", "TERM": "dumb"}  # fmt: skip
-    result, exec_dir, logs = run_one(stack, tmp_path, "claude-0", cmd, env, timeout_s=170, evaluator=EVALUATOR)
+def test_claude_code(stack, tmp_path, npm_bins, monkeypatch) -> None:
+    spec = on_npm_path(monkeypatch, npm_bins, harness_spec("claude-code"))
+    result, exec_dir, logs = run_preset(stack, tmp_path, "claude-0", spec, timeout_s=170, evaluator=EVALUATOR)
     assert result.status in ("finished", "timeout"), logs
     assert not result.excluded and result.reward in (0.0, 0.5, 1.0), (result, logs)
     records = stack.records.read("claude-0")

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_agents import EVALUATOR, run_one  # noqa: E402
+from test_agents import EVALUATOR, on_npm_path, run_one, run_preset  # noqa: E402
+
+from gyre_jax.rollout.harnesses import harness_spec  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -52,38 +54,10 @@ def tool_calls_of(calls) -> list[tuple[str, object]]:
 
 # -- Codex CLI (Responses API) -----------------------------------------------------------------------------------------
 
-CODEX_CONFIG = """\
-model = "{model}"
-model_provider = "gyre"
-approval_policy = "never"
-sandbox_mode = "danger-full-access"
-check_for_update_on_startup = false
-model_context_window = 16384
 
-[analytics]
-enabled = false
-
-[feedback]
-enabled = false
-
-[model_providers.gyre]
-name = "gyre"
-base_url = "{base_url}"
-env_key = "OPENAI_API_KEY"
-wire_api = "responses"
-request_max_retries = 0
-stream_max_retries = 0
-"""
-
-
-def test_codex_cli(stack, tmp_path, npm_bins) -> None:
-    home = tmp_path / "codex_home"  # CODEX_HOME: its config.toml names the proxy as a Responses API provider
-    home.mkdir()
-    (home / "config.toml").write_text(CODEX_CONFIG.format(model="gyre-tiny", base_url=stack.proxy.base_url))
-    cmd = [str(npm_bins["codex"]), "exec", "--strict-config", "--skip-git-repo-check", "--ephemeral", "--json",
-           "-o", "{exec_dir}/last_message.txt", "{task.instruction}"]  # fmt: skip
-    env = {"CODEX_HOME": str(home), "HOME": "{exec_dir}/home", "TERM": "dumb"}
-    result, exec_dir, logs = run_one(stack, tmp_path, "codex-0", cmd, env, timeout_s=300, evaluator=EVALUATOR)
+def test_codex_cli(stack, tmp_path, npm_bins, monkeypatch) -> None:
+    spec = on_npm_path(monkeypatch, npm_bins, harness_spec("codex"))  # its config.toml names the proxy (Responses API)
+    result, exec_dir, logs = run_preset(stack, tmp_path, "codex-0", spec, timeout_s=300, evaluator=EVALUATOR)
     records = common_checks(stack, result, "codex-0", logs)
     # What Codex reports (--json events): its agent messages are, in order, the records' parsed text.
     events = [json.loads(x) for x in (exec_dir / "harness.stdout").read_text().splitlines() if x.startswith("{")]
@@ -128,18 +102,9 @@ def test_smolagents_tool_calling_agent(stack, tmp_path) -> None:
 # -- opencode (OpenAI chat, streamed) -----------------------------------------------------------------------------------
 
 
-def test_opencode(stack, tmp_path, npm_bins) -> None:
-    model = {"name": "gyre-tiny", "limit": {"context": 16384, "output": 24}}
-    provider = {"npm": "@ai-sdk/openai-compatible", "name": "gyre", "models": {"gyre-tiny": model},
-                "options": {"baseURL": stack.proxy.base_url, "apiKey": "{env:OPENAI_API_KEY}"}}  # fmt: skip
-    config = {"autoupdate": False, "share": "disabled", "model": "gyre/gyre-tiny", "small_model": "gyre/gyre-tiny",
-              "provider": {"gyre": provider}}  # fmt: skip
-    cmd = [str(npm_bins["opencode"]), "run", "--format", "json", "--pure", "--auto", "{task.instruction}"]
-    env = {"OPENCODE_CONFIG_CONTENT": json.dumps(config), "HOME": "{exec_dir}/home", "TERM": "dumb",
-           "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
-           "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1", "OPENCODE_DISABLE_SHARE": "1",
-           "npm_config_offline": "true"}  # its background install of @opencode-ai/plugin fails at once (a warning)  # fmt: skip
-    result, exec_dir, logs = run_one(stack, tmp_path, "opencode-0", cmd, env, timeout_s=300, evaluator=EVALUATOR)
+def test_opencode(stack, tmp_path, npm_bins, monkeypatch) -> None:
+    spec = on_npm_path(monkeypatch, npm_bins, harness_spec("opencode"))  # its opencode.json names the proxy
+    result, exec_dir, logs = run_preset(stack, tmp_path, "opencode-0", spec, timeout_s=300, evaluator=EVALUATOR)
     records = common_checks(stack, result, "opencode-0", logs)
     assert all(r.api == "chat" for r in records)
     events = [json.loads(x) for x in (exec_dir / "harness.stdout").read_text().splitlines() if x.startswith("{")]
