@@ -187,10 +187,10 @@ def _presets() -> dict[str, HarnessSpec]:
             install=f"pip install mini-swe-agent=={MINI_SWE_AGENT_VERSION}",
             version_cmd=mini_version,
             version=MINI_SWE_AGENT_VERSION,
-        ),  # fmt: skip
+        ),
         "claude-code": _npm_preset(
             "claude-code", "@anthropic-ai/claude-code", CLAUDE_CODE_VERSION, claude_cmd, claude_env, {}
-        ),  # fmt: skip
+        ),
         "codex": _npm_preset(
             "codex",
             "@openai/codex",
@@ -198,10 +198,10 @@ def _presets() -> dict[str, HarnessSpec]:
             codex_cmd,
             {**home, "CODEX_HOME": "{exec_dir}/codex_home"},
             {"codex_home/config.toml": CODEX_CONFIG},
-        ),  # fmt: skip
+        ),
         "opencode": _npm_preset(
             "opencode", "opencode-ai", OPENCODE_VERSION, opencode_cmd, opencode_env, {"opencode.json": OPENCODE_CONFIG}
-        ),  # fmt: skip
+        ),
     }
 
 
