@@ -24,7 +24,7 @@ from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.server import ProxyServer
 from gyre_jax.rollout import templates
-from gyre_jax.rollout.harnesses import fill_spec, harness_spec, write_files
+from gyre_jax.rollout.harnesses import CLAUDE_CODE_SMALL_CMD, fill_spec, harness_spec, write_files
 from gyre_jax.serving.types import GenerationRequest, GenerationResult, TokenChunk
 
 BYTES = ByteTokenizer()
@@ -39,9 +39,10 @@ VARIANTS = {
     "--tools Bash": ["--tools", "Bash"],
     "--system-prompt SHORT --tools Bash": ["--system-prompt", SHORT_SYSTEM, "--tools", "Bash"],
     "--bare --system-prompt SHORT --tools Bash": ["--bare", "--system-prompt", SHORT_SYSTEM, "--tools", "Bash"],
-    "small: --bare --system-prompt SHORT --tools Bash,Read,Write,Edit --disable-slash-commands --strict-mcp-config --setting-sources ''": [
+    "--bare --system-prompt SHORT --tools Bash,Read,Write,Edit --disable-slash-commands --strict-mcp-config --setting-sources ''": [
         "--bare", "--system-prompt", SHORT_SYSTEM, "--tools", "Bash,Read,Write,Edit", "--disable-slash-commands",
         "--strict-mcp-config", "--setting-sources", ""],
+    "harness_cmd = CLAUDE_CODE_SMALL_CMD": None,
 }  # fmt: skip
 
 
@@ -75,13 +76,16 @@ class ScriptedBackend:
         self._pool.shutdown(wait=True)
 
 
-def run_variant(proxy: ProxyServer, store: RecordStore, claude: str, root: Path, name: str, extra: list[str]) -> dict:
-    """One Claude Code run of the preset + ``extra`` flags; the measurements of its first request."""
+def run_variant(
+    proxy: ProxyServer, store: RecordStore, claude: str, root: Path, name: str, extra: list[str] | None
+) -> dict:
+    """One Claude Code run of the preset + ``extra`` flags (None: the preset with ``CLAUDE_CODE_SMALL_CMD``); the
+    measurements of its first request."""
     execution_id = f"v{len(list(root.iterdir()))}"
     exec_dir = root / execution_id
     (exec_dir / "workspace").mkdir(parents=True)
     (exec_dir / "workspace" / "input.txt").write_text("12345\n")
-    spec = harness_spec("claude-code")
+    spec = harness_spec("claude-code", cmd=CLAUDE_CODE_SMALL_CMD if extra is None else "")
     values = {
         "{task.instruction}": INSTRUCTION,
         "{model}": "gyre-tiny",
@@ -93,7 +97,7 @@ def run_variant(proxy: ProxyServer, store: RecordStore, claude: str, root: Path,
     key = proxy.open_execution(execution_id)
     full_env = templates.harness_env(key, proxy.base_url, env)
     bodies_before = len(proxy_bodies)
-    done = subprocess.run([claude, *argv[1:], *extra], cwd=exec_dir / "workspace", env=full_env, capture_output=True,
+    done = subprocess.run([claude, *argv[1:], *(extra or [])], cwd=exec_dir / "workspace", env=full_env, capture_output=True,
                           text=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
     proxy.close_execution(execution_id)
     records = store.read(execution_id)

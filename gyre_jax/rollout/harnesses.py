@@ -100,6 +100,16 @@ CODEX_VERSION = "0.171.0"
 OPENCODE_VERSION = "1.18.33"
 MINI_SWE_AGENT_VERSION = "2.4.6"  # pyproject's test extra pins the same
 
+# ``rollout.harness_cmd`` for the claude-code preset that keeps Claude Code an agent (Bash, Read, Edit) with a
+# first request of ~4.2K prompt tokens with a byte tokenizer (qwen3 tool format; ~0.8K with the compact one)
+# instead of ~49K (36K): a short system prompt, three tools, ``--bare``; ``--tools Bash`` alone gives ~2.3K.
+# docs/harnesses.md has the measurements; scripts/measure_claude_request.py makes them.
+CLAUDE_CODE_SMALL_CMD = (
+    "claude -p {task.instruction} --model {model} --max-turns {max_turns} --dangerously-skip-permissions "
+    "--output-format stream-json --verbose --bare --tools Bash,Read,Edit --system-prompt "
+    "'You are a coding agent. Use the tools to do the task in the current directory, then say Done.'"
+)
+
 CODEX_CONFIG = """\
 model = "{model}"
 model_provider = "gyre"
@@ -177,10 +187,10 @@ def _presets() -> dict[str, HarnessSpec]:
             install=f"pip install mini-swe-agent=={MINI_SWE_AGENT_VERSION}",
             version_cmd=mini_version,
             version=MINI_SWE_AGENT_VERSION,
-        ),  # fmt: skip
+        ),
         "claude-code": _npm_preset(
             "claude-code", "@anthropic-ai/claude-code", CLAUDE_CODE_VERSION, claude_cmd, claude_env, {}
-        ),  # fmt: skip
+        ),
         "codex": _npm_preset(
             "codex",
             "@openai/codex",
@@ -188,10 +198,10 @@ def _presets() -> dict[str, HarnessSpec]:
             codex_cmd,
             {**home, "CODEX_HOME": "{exec_dir}/codex_home"},
             {"codex_home/config.toml": CODEX_CONFIG},
-        ),  # fmt: skip
+        ),
         "opencode": _npm_preset(
             "opencode", "opencode-ai", OPENCODE_VERSION, opencode_cmd, opencode_env, {"opencode.json": OPENCODE_CONFIG}
-        ),  # fmt: skip
+        ),
     }
 
 

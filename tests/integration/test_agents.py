@@ -16,7 +16,14 @@ import pytest
 
 from gyre_jax.rollout import templates
 from gyre_jax.rollout.executor import ExecutionSpec, Executor
-from gyre_jax.rollout.harnesses import HarnessSpec, check_harness, fill_spec, harness_spec, write_files
+from gyre_jax.rollout.harnesses import (
+    CLAUDE_CODE_SMALL_CMD,
+    HarnessSpec,
+    check_harness,
+    fill_spec,
+    harness_spec,
+    write_files,
+)
 from gyre_jax.rollout.tasks import ANSWER_FILE, INPUT_FILE, Task, evaluate
 
 pytestmark = pytest.mark.slow
@@ -124,16 +131,23 @@ def test_mini_swe_agent(stack, tmp_path) -> None:
             )
 
 
-def test_claude_code(stack, tmp_path, npm_bins, monkeypatch) -> None:
-    spec = on_npm_path(monkeypatch, npm_bins, harness_spec("claude-code"))
-    result, exec_dir, logs = run_preset(stack, tmp_path, "claude-0", spec, timeout_s=170, evaluator=EVALUATOR)
+@pytest.mark.parametrize("small", [False, True], ids=["preset", "small_cmd"])
+def test_claude_code(stack, tmp_path, npm_bins, monkeypatch, small: bool) -> None:
+    """The preset, and the preset with ``CLAUDE_CODE_SMALL_CMD`` (``--bare``, 3 tools, a short system prompt)."""
+    spec = harness_spec("claude-code", cmd=CLAUDE_CODE_SMALL_CMD if small else "")
+    spec = on_npm_path(monkeypatch, npm_bins, spec)
+    execution_id = "claude-small-0" if small else "claude-0"
+    result, exec_dir, logs = run_preset(stack, tmp_path, execution_id, spec, timeout_s=170, evaluator=EVALUATOR)
     assert result.status in ("finished", "timeout"), logs
     assert not result.excluded and result.reward in (0.0, 0.5, 1.0), (result, logs)
-    records = stack.records.read("claude-0")
+    records = stack.records.read(execution_id)
     assert records, f"Claude Code made no model call:\n{logs}"
     assert all(r.api == "messages" for r in records)
-    assert len(records[0].prompt_ids) > 5000  # its ~50 KB request: system prompt, tools, environment
-    loaded = stack.trainer_load("claude-0")  # the trainer's reader takes the execution
+    if small:  # ~4.3 KB request, < 1K tokens rendered (compact tools): a short system prompt, Bash/Read/Edit
+        assert len(records[0].prompt_ids) < 1500, len(records[0].prompt_ids)
+    else:  # its ~50 KB request: system prompt, tools, environment
+        assert len(records[0].prompt_ids) > 5000
+    loaded = stack.trainer_load(execution_id)  # the trainer's reader takes the execution
     assert loaded.excluded is None and loaded.branches, loaded.excluded
     # The assistant messages Claude Code reports are, in order, what the records' ids decode and parse to.
     events = [

@@ -192,3 +192,11 @@ def test_pins_match_the_test_installs() -> None:
     test_extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     assert f"mini-swe-agent=={harnesses.MINI_SWE_AGENT_VERSION}" in test_extra
     assert harness_spec("mini-swe-agent").install == f"pip install mini-swe-agent=={harnesses.MINI_SWE_AGENT_VERSION}"
+
+
+def test_claude_code_small_command() -> None:
+    spec = harness_spec("claude-code", cmd=harnesses.CLAUDE_CODE_SMALL_CMD)
+    argv, _, _ = fill_spec(spec, sandbox_values())
+    assert argv[:3] == ["claude", "-p", "Reverse {input.txt} into answer.txt."] and "--bare" in argv
+    assert argv[argv.index("--tools") + 1] == "Bash,Read,Edit" and argv[-2] == "--system-prompt"
+    assert spec.version == harnesses.CLAUDE_CODE_VERSION and spec.env == harness_spec("claude-code").env
