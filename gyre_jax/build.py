@@ -10,9 +10,11 @@ onto the core cell (across processes, one program every process runs: ``publish_
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -26,7 +28,10 @@ from gyre_jax.proxy.tito import render_demonstration
 from gyre_jax.rl.learner import Learner, OptimizerConfig
 from gyre_jax.rl.losses import LossConfig
 from gyre_jax.rl.micro_step import GradWorker
+from gyre_jax.rollout import suites
+from gyre_jax.rollout.suites import TaskSuite
 from gyre_jax.rollout.tasks import BuiltinSuite
+from gyre_jax.rollout.templates import harness_env
 from gyre_jax.runtime.cells import Cell, CellLayout
 from gyre_jax.serving.engine import Engine
 from gyre_jax.serving.loop import ServingLoop
@@ -142,8 +147,11 @@ class CellFactory:
         return GradWorker(self.s.model_cfg, self.s.graphdef, cell.mesh, self.s.rules, self.loss_cfg, name=cell.name)
 
 
-def make_suite(config) -> BuiltinSuite:
+def make_suite(config) -> TaskSuite:
+    """The suite ``config.rollout.suite`` names (``rollout.suites.make_suite``)."""
     r = config.rollout
+    if r.suite != "builtin":
+        return suites.make_suite(r.suite, seed=config.seed, max_turns=r.max_turns, heldout_fraction=r.heldout_fraction)
     return BuiltinSuite(
         kinds=tuple(r.task_kinds),
         seed=config.seed,
@@ -157,7 +165,35 @@ def make_suite(config) -> BuiltinSuite:
     )
 
 
-def warm_start(s: Setup, suite: BuiltinSuite, stop: threading.Event, on_done=None) -> Any:
+class PreflightError(RuntimeError):
+    """The machine lacks what the config needs (a sandbox, a harness); the message says what to install."""
+
+
+def preflight(config) -> list[str]:
+    """Checks, before any work starts, that the config's sandbox works here and its harness is installed;
+    raises ``PreflightError`` naming the command that installs what is missing; returns warnings (a harness
+    version other than the pinned one)."""
+    from gyre_jax.rollout.harnesses import HarnessMissing, check_harness
+    from gyre_jax.rollout.sandbox import SandboxUnavailable, make_sandbox
+
+    r = config.rollout
+    sandbox = make_sandbox(r.sandbox, proxy_address=None, state_dir=Path(tempfile.gettempdir()))
+    try:
+        sandbox.check()
+    except SandboxUnavailable as exc:
+        raise PreflightError(f"config.rollout.sandbox={r.sandbox!r}: {exc}") from None
+    finally:
+        sandbox.close()
+    spec = r.harness_spec()
+    path = harness_env("", "", {k: v for k, v in spec.env.items() if k == "PATH"})["PATH"]
+    try:
+        warning = check_harness(spec, path=path)
+    except HarnessMissing as exc:
+        raise PreflightError(str(exc)) from None
+    return [warning] if warning else []
+
+
+def warm_start(s: Setup, suite: TaskSuite, stop: threading.Event, on_done=None) -> Any:
     """Supervised warm start of ``s.params`` on the suite's demonstrations (``config.warm_start``); returns
     the new params. Every process of a multi-process run runs it (the training mesh spans them all)."""
     c = s.config

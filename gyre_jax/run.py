@@ -43,7 +43,7 @@ from gyre_jax.proxy.router import Router
 from gyre_jax.proxy.server import ProxyServer
 from gyre_jax.rl.learner import Learner, TrainState
 from gyre_jax.rollout.executor import ExecutionResult, ExecutionSpec, Executor, summarize
-from gyre_jax.rollout.tasks import BuiltinSuite
+from gyre_jax.rollout.suites import TaskSuite
 from gyre_jax.runtime.handle import CellHandle
 from gyre_jax.sim.calibrate import MEASUREMENTS_FILE, write_measurements
 from gyre_jax.trajectory.pipeline import TrajectoryConfig, TrajectoryPipeline
@@ -68,7 +68,7 @@ class ExecutionPlan:
     attempt at them are set aside first (never trained on)."""
 
     config: Any
-    suite: BuiltinSuite
+    suite: TaskSuite
     records: RecordStore
     executions_dir: Path  # the executor's root: one directory per execution
     workdir: Path

@@ -39,6 +39,8 @@ from gyre_jax.proxy.sampling import SamplingPolicy
 from gyre_jax.proxy.server import ProxyServer
 from gyre_jax.rl.learner import Learner, TrainState
 from gyre_jax.rollout.executor import Executor
+from gyre_jax.rollout.sandbox import make_sandbox
+from gyre_jax.rollout.suites import HarborSuite
 from gyre_jax.run import ExecutionPlan, Run, fsync_write
 from gyre_jax.runtime.local import LocalCell
 from gyre_jax.runtime.remote import open_cells
@@ -52,6 +54,7 @@ def build_run(config) -> Run:
     """Process 0's run from ``config``, top to bottom: setup -> core learner and train state -> data ->
     cells -> proxy and executor -> controller."""
     config_lib.validate(config)
+    [log.warning("%s", w) for w in build.preflight(config)]  # sandbox works, harness installed: before any work
     workdir = config_lib.resolve_workdir(config)
     workdir.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
@@ -74,7 +77,7 @@ def build_run(config) -> Run:
     handles, links = _cells(s, learner, state)
     router = Router({h.name: h for h in handles})
     proxy = _proxy(config, router, s.tokenizer, records).start()
-    executor = _executor(config, proxy, workdir)
+    executor = _executor(config, proxy, workdir, suite)
     if s.multi_process:  # a lost peer ends the run: kill the harnesses before this process exits
         runtime.add_failure_hook(executor.cancel)
 
@@ -196,12 +199,18 @@ def _proxy(config, router, tokenizer, records) -> ProxyServer:
     )  # fmt: skip
 
 
-def _executor(config, proxy: ProxyServer, workdir) -> Executor:
+def _executor(config, proxy: ProxyServer, workdir, suite) -> Executor:
+    """The executor: the config's harness preset, run in its sandbox, which hides the run directory (records,
+    other executions) and the suite's directory (hidden tests, oracle solutions) from every harness."""
     r = config.rollout
+    harness = r.harness_spec()
+    hide = [workdir, *([suite.root] if isinstance(suite, HarborSuite) else [])]
+    sandbox = make_sandbox(r.sandbox, proxy_address=(proxy.host, proxy.port), hide=hide, state_dir=workdir / "sandbox")
     return Executor(
         proxy, proxy.base_url, workdir / "executions", model_name=config.proxy.model_name, timeout_s=r.timeout_s,
         max_parallel=r.max_parallel, temperature=r.temperature, max_tokens=r.max_tokens_per_call,
-        evaluator_timeout_s=r.evaluator_timeout_s,
+        evaluator_timeout_s=r.evaluator_timeout_s, harness_cmd=harness.cmd, extra_env=harness.env,
+        harness_files=harness.files, sandbox=sandbox,
     )  # fmt: skip
 
 
@@ -231,7 +240,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = follow(config)
         runtime.shutdown()
         return code
-    run = build_run(config)
+    try:
+        run = build_run(config)
+    except build.PreflightError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        runtime.shutdown()
+        return 2
     try:
         step = run.run()
     finally:

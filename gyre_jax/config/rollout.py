@@ -155,10 +155,20 @@ class ProxySection(Section):
 
 @dataclass(frozen=True)
 class RolloutSection(Section):
-    """The task suite and the harness that runs its executions."""
+    """The task suite, the harness that runs its executions and the sandbox it runs in (docs/tasks.md).
+
+    ``suite``: ``builtin`` (generated copy/upper/reverse tasks: the keys task_kinds .. num_tasks) |
+    ``harbor:<dir>`` (Harbor task directories) | ``jsonl:<file>`` (the one-file form). A loaded suite is
+    checked here, task by task, so a malformed task stops the run before anything starts.
+    """
 
     _path = "rollout"
     suite: str = "builtin"
+    heldout_fraction: float = 0.0  # harbor/jsonl: this share of the tasks (seeded by config.seed) is held out
+    harness: str = "reference"  # reference | claude-code | mini-swe-agent | codex | opencode | command
+    harness_cmd: str = ""  # a templated command line (shell words): required by "command", overrides a preset's
+    harness_env: tuple[str, ...] = ()  # "KEY=VALUE" templates added to (or overriding) the harness's environment
+    sandbox: str = "none"  # none | bwrap | docker (what each isolates: docs/tasks.md)
     task_kinds: tuple[str, ...] = ("copy", "reverse")
     alphabet: str = "digits"  # input.txt holds input_min_len..input_max_len random characters
     input_min_len: int = 2
@@ -179,7 +189,8 @@ class RolloutSection(Section):
 
         self.check_types()
         r = self
-        require(r.suite == "builtin", f"config.rollout.suite={r.suite!r}: only 'builtin' is supported yet")
+        self._check_suite()
+        self._check_harness()
         require(
             len(r.task_kinds) > 0 and all(k in TASK_KINDS for k in r.task_kinds),
             f"config.rollout.task_kinds={r.task_kinds} must be a non-empty subset of {TASK_KINDS}",
@@ -198,3 +209,38 @@ class RolloutSection(Section):
         require(r.temperature > 0, f"config.rollout.temperature={r.temperature} must be > 0 (RL needs sampling)")
         for key in ("tool_latency_median_s", "tool_latency_sigma"):
             require(getattr(r, key) >= 0, f"config.rollout.{key}={getattr(r, key)} must be >= 0")
+
+    def _check_suite(self) -> None:
+        from gyre_jax.rollout.suites import SuiteError, load_tasks, parse_suite_spec
+
+        require(
+            0.0 <= self.heldout_fraction < 1.0,
+            f"config.rollout.heldout_fraction={self.heldout_fraction} must be in [0, 1) (0: no held-out split)",
+        )
+        try:
+            kind, _ = parse_suite_spec(self.suite)
+            if kind != "builtin":
+                load_tasks(self.suite, self.max_turns)
+        except SuiteError as exc:
+            raise ConfigError(f"config.rollout.suite={self.suite!r}: {exc}") from None
+        require(
+            kind != "builtin" or self.heldout_fraction == 0.0,
+            "config.rollout.heldout_fraction applies to harbor/jsonl suites; the builtin suite's held-out tasks come "
+            "from their own stream (eval.split='heldout')",
+        )
+
+    def _check_harness(self) -> None:
+        from gyre_jax.rollout.harnesses import harness_spec
+        from gyre_jax.rollout.sandbox import SANDBOXES
+
+        require(self.sandbox in SANDBOXES, f"config.rollout.sandbox={self.sandbox!r} must be one of {SANDBOXES}")
+        try:
+            harness_spec(self.harness, self.harness_cmd, self.harness_env)
+        except ValueError as exc:
+            raise ConfigError(f"config.rollout.harness={self.harness!r}: {exc}") from None
+
+    def harness_spec(self):
+        """The harness preset with this section's overrides (``rollout.harnesses.HarnessSpec``)."""
+        from gyre_jax.rollout.harnesses import harness_spec
+
+        return harness_spec(self.harness, self.harness_cmd, self.harness_env)

@@ -206,9 +206,28 @@ def validate(config: RunConfig) -> None:
     """Checks the rules that span sections (each section checked its own values when it was built)."""
     for check in (_devices_fit, _model_fits_cells, _tokenizer_fits_model, _lengths_fit, _schedule_fits, _processes_fit):
         check(config)
+    _suite_fits(config)
+
+
+def _suite_fits(c: RunConfig) -> None:
+    """Evaluation splits and warm start against the suite: a loaded suite is its own training set, and has a
+    held-out split only with rollout.heldout_fraction > 0; only the builtin suite has demonstrations."""
+    builtin = c.rollout.suite == "builtin"
+    if builtin:
+        require(
+            c.eval.split == "heldout" or c.rollout.num_tasks > 0,
+            "config.eval.split='train' needs a fixed training set (config.rollout.num_tasks > 0); use eval.split=heldout",
+        )
+        return
     require(
-        config.eval.split == "heldout" or config.rollout.num_tasks > 0,
-        "config.eval.split='train' needs a fixed training set (config.rollout.num_tasks > 0); use eval.split=heldout",
+        c.eval.split == "train" or c.rollout.heldout_fraction > 0 or c.eval.samples_per_task == 0,
+        f"config.eval.split='heldout' with config.rollout.suite={c.rollout.suite!r} needs a held-out split: set "
+        "config.rollout.heldout_fraction (e.g. 0.25)",
+    )
+    require(
+        c.warm_start.steps == 0,
+        f"not supported yet: warm-start demonstrations exist only for the builtin suite; set "
+        f"config.warm_start.steps=0 with config.rollout.suite={c.rollout.suite!r}",
     )
 
 

@@ -50,7 +50,7 @@ from typing import Any, Protocol
 
 from gyre_jax.rollout import templates
 from gyre_jax.rollout.evaluators import CommandEvaluator, run_evaluator
-from gyre_jax.rollout.harnesses import DEFAULT_HARNESS_CMD
+from gyre_jax.rollout.harnesses import DEFAULT_HARNESS_CMD, write_files
 from gyre_jax.rollout.process_group import ProcessGroups
 from gyre_jax.rollout.sandbox import Launch, Mount, Sandbox, make_sandbox
 from gyre_jax.rollout.suites import DOCKER_FILES
@@ -410,10 +410,7 @@ class Executor:
         )  # fmt: skip
         if self.mount_solution:
             values["{solution}"] = self.sandbox.path(mounts[-1]) if spec.task.source else ""
-        for rel, text in self.harness_files.items():
-            target = harness_dir / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(templates.fill(text, values), encoding="utf-8")
+        write_files({rel: templates.fill(text, values) for rel, text in self.harness_files.items()}, harness_dir)
         launch = Launch(
             argv=[templates.fill(arg, values) for arg in self.harness_cmd],
             cwd=ws_in,

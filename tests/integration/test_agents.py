@@ -14,16 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gyre_jax.rollout import templates
 from gyre_jax.rollout.executor import ExecutionSpec, Executor
-from gyre_jax.rollout.harnesses import (
-    CLAUDE_CODE_SMALL_CMD,
-    HarnessSpec,
-    check_harness,
-    fill_spec,
-    harness_spec,
-    write_files,
-)
+from gyre_jax.rollout.harnesses import CLAUDE_CODE_SMALL_CMD, HarnessSpec, check_harness, harness_spec
 from gyre_jax.rollout.tasks import ANSWER_FILE, INPUT_FILE, Task, evaluate
 
 pytestmark = pytest.mark.slow
@@ -58,33 +50,12 @@ def execute(executor: Executor, tmp_path: Path, execution_id: str):
     return result, exec_dir, logs
 
 
-class PresetExecutor(Executor):
-    """The Executor running a ``HarnessSpec``: it also fills ``{max_turns}``, ``{timeout_s}``, ``{api_key}`` and
-    ``{instruction_file}`` (writing instruction.md) and writes ``spec.files`` into the execution directory before
-    the start. Test scaffolding until the executor itself does this (issue 16: the integrator moves it there)."""
-
-    def __init__(self, *args, spec: HarnessSpec, **kwargs) -> None:
-        super().__init__(*args, harness_cmd=list(spec.cmd), extra_env=dict(spec.env), **kwargs)
-        self.spec = spec
-
-    def _spawn_and_wait(self, spec, exec_dir, workspace, task_path, api_key):
-        values = templates.template_values(spec, task_path, workspace, model_name=self.model_name,
-                                           temperature=self.temperature, max_tokens=self.max_tokens,
-                                           base_url=self.base_url)  # fmt: skip
-        (exec_dir / "instruction.md").write_text(spec.task.instruction, encoding="utf-8")
-        values.update({"{max_turns}": str(spec.task.max_turns), "{timeout_s}": str(int(self.timeout_s)),
-                       "{api_key}": api_key, "{instruction_file}": str(exec_dir / "instruction.md")})  # fmt: skip
-        cmd, env, files = fill_spec(self.spec, values)
-        write_files(files, exec_dir)
-        env = templates.harness_env(api_key, self.base_url, env)
-        return self._procs.run(spec.execution_id, cmd, workspace, env, exec_dir, self.timeout_s)
-
-
 def run_preset(stack, tmp_path: Path, execution_id: str, spec: HarnessSpec, timeout_s: float, evaluator=evaluate):
-    """``run_one`` for a harness preset (``PresetExecutor``)."""
-    executor = PresetExecutor(stack.proxy, stack.proxy.base_url, tmp_path / "executions", model_name="gyre-tiny",
-                              timeout_s=timeout_s, max_parallel=1, temperature=1.0, max_tokens=24,
-                              evaluator_timeout_s=30, evaluator=evaluator, spec=spec)  # fmt: skip
+    """``run_one`` for a harness preset: its command, environment and files, as a run config's harness."""
+    executor = Executor(stack.proxy, stack.proxy.base_url, tmp_path / "executions", model_name="gyre-tiny",
+                        timeout_s=timeout_s, max_parallel=1, temperature=1.0, max_tokens=24, evaluator_timeout_s=30,
+                        evaluator=evaluator, harness_cmd=list(spec.cmd), extra_env=dict(spec.env),
+                        harness_files=dict(spec.files))  # fmt: skip
     return execute(executor, tmp_path, execution_id)
 
 
@@ -111,7 +82,7 @@ def test_mini_swe_agent(stack, tmp_path) -> None:
     assert loaded.excluded is None and loaded.branches, loaded.excluded
     # Every model response litellm handed the agent (kept in the trajectory, with the assistant message or
     # with the format error it caused) is exactly what its record's ids decode and parse to.
-    trajectory = json.loads((exec_dir / "trajectory.json").read_text())
+    trajectory = json.loads((exec_dir / "harness" / "trajectory.json").read_text())  # {exec_dir}: the harness's dir
     responses = [
         m["extra"]["response"]
         for m in trajectory["messages"]

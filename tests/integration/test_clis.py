@@ -65,7 +65,7 @@ def test_codex_cli(stack, tmp_path, npm_bins, monkeypatch) -> None:
     parsed = [stack.parsed(r) for r in records]
     assert "".join(said) == "".join(p.content for p in parsed), logs
     assert events[-1]["type"] == "turn.completed", logs
-    assert (exec_dir / "last_message.txt").read_text() == parsed[-1].content
+    assert (exec_dir / "harness" / "last_message.txt").read_text() == parsed[-1].content
     if len(records) == 1:
         assert events[-1]["usage"]["output_tokens"] == len(records[0].completion_ids)
 
@@ -81,7 +81,7 @@ def run_smolagents(stack, tmp_path, agent: str) -> None:
                                      evaluator=EVALUATOR)  # fmt: skip
     records = common_checks(stack, result, execution_id, logs)
     # Every reply the agent was handed (logged by the driver before the agent acted on it) is its record's parse.
-    replies = [json.loads(x) for x in (exec_dir / "replies.jsonl").read_text().splitlines()]
+    replies = [json.loads(x) for x in (exec_dir / "harness" / "replies.jsonl").read_text().splitlines()]
     assert len(replies) == len(records), logs
     for reply, record in zip(replies, records):
         parsed = stack.parsed_turn(record)  # ToolCallingAgent's tool_choice="required" opens the reply in the prompt
@@ -142,7 +142,7 @@ def test_aider(stack, tmp_path, aider_python) -> None:
     records = common_checks(stack, result, "aider-0", logs)
     assert all(r.api == "chat" for r in records)
     # aider's LLM history file logs each reply it received (``ASSISTANT `` before each line) after the call.
-    history = (exec_dir / "llm_history.txt").read_text()
+    history = (exec_dir / "harness" / "llm_history.txt").read_text()
     parts = re.split(r"^(TO LLM|LLM RESPONSE) \S+\n", history, flags=re.M)  # [head, kind, body, kind, body, ...]
     replies = [body.removesuffix("\n") for kind, body in zip(parts[1::2], parts[2::2]) if kind == "LLM RESPONSE"]
     expected = ["\n".join(f"ASSISTANT {line}" for line in stack.parsed(r).content.splitlines()) for r in records]

@@ -40,10 +40,10 @@ def sandbox_values() -> dict[str, str]:
     task = Task(task_id="t1", kind="reverse", system="", instruction="Reverse {input.txt} into answer.txt.",
                 files={}, expected={"answer.txt": "x"}, tools=[], max_turns=3, tool_latency_median_s=0.0, tool_latency_sigma=0.0)  # fmt: skip
     spec = ExecutionSpec("exec-1", task, "t1", seed=7)
-    values = templates.template_values(spec, Path("/gyre/task.json"), Path("/app"), model_name="gyre-tiny",
-                                       temperature=1.0, max_tokens=24, base_url=BASE_URL)  # fmt: skip
-    values.update({"{max_turns}": "3", "{timeout_s}": "300", "{api_key}": "key-1",
-                   "{instruction_file}": "/gyre/instruction.md"})  # fmt: skip
+    values = templates.template_values(spec, "/gyre", "/app", model_name="gyre-tiny", temperature=1.0, max_tokens=24,
+                                       base_url=BASE_URL, api_key="key-1", timeout_s=300)  # fmt: skip
+    assert values["{task}"] == "/gyre/task.json" and values["{instruction_file}"] == "/gyre/instruction.md"
+    assert values["{max_turns}"] == "3" and values["{timeout_s}"] == "300" and values["{api_key}"] == "key-1"
     assert set(values) >= {"{" + p + "}" for p in PLACEHOLDERS}
     return values
 
