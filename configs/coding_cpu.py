@@ -24,6 +24,11 @@ def get_config():
     c = config_lib.base_config(Path(__file__).with_name("tiny_cpu.py"))
     c.workdir = "runs/coding_cpu"
     c.total_steps = 10
+    # Two cells of one device each: this model is tiny, and on a 2-core machine more virtual devices only add
+    # per-device overhead (and a compile per device set).
+    c.devices.num_cpu_devices = 2
+    c.mesh.data, c.mesh.fsdp = 2, 1
+    c.cells.data, c.cells.num_cells = 1, 2
     c.rollout.suite = f"harbor:{SUITE}"
     c.rollout.heldout_fraction = 0.25  # 6 of the 24 tasks, for evaluation
     c.rollout.harness = "mini-swe-agent"
