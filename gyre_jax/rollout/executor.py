@@ -1,17 +1,23 @@
 """The executor: runs black-box harness subprocesses on task workspaces and scores what they leave.
 
 It owns the life of one execution: workspace setup, opening/closing the execution at the proxy
-(the ``registry``), spawning the harness in its own process group, the wall-clock timeout (the whole
-group is killed), evaluation under its own timeout, and the ``ExecutionResult`` record. It does not
-know the model or the proxy's internals: a harness only gets ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` and
+(the ``registry``), spawning the harness in its sandbox (``sandbox/``; "none" by default) and its own
+process group, the wall-clock timeout (the task's ``agent_timeout_s`` or ``timeout_s``; the whole group is
+killed), evaluation under its own timeout (a task with a Harbor ``source`` is scored by its ``tests/test.sh``
+in a fresh sandbox, ``verifier.py``; others by ``evaluator``), and the ``ExecutionResult`` record. It does
+not know the model or the proxy's internals: a harness only gets ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` and
 ``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY`` (the same per-execution key).
 
-Layout on disk, per execution, under ``root/<execution_id>/``::
+Layout on disk, per execution, under ``root/<execution_id>/`` (docs/tasks.md)::
 
-    task.json        the task (tasks.Task JSON), outside the workspace so the agent cannot read it
-    workspace/       the harness's current directory, seeded with task.files; evaluated afterwards
+    task.json        the task (tasks.Task JSON): the record, outside the harness's view
+    harness/         the harness's own directory, {exec_dir} (/gyre in a sandbox): task.json without the
+                     expected answers, instruction.md, home/, the preset's files, what the harness writes
+    workspace/       the harness's current directory (/app in a sandbox), seeded with the task's Harbor
+                     environment/ (minus Docker files) and task.files; evaluated afterwards
     harness.stdout   harness output (and executor notes on a failed start, in harness.stderr)
     harness.stderr
+    verifier/        a Harbor verifier's logs/verifier/reward.txt|json, test.stdout, test.stderr
     result.json      ExecutionResult.to_dict(), written atomically when the execution is done
 
 Serialized form of an ``ExecutionResult`` (``to_dict``)::
@@ -20,16 +26,19 @@ Serialized form of an ``ExecutionResult`` (``to_dict``)::
      "status": "finished" | "timeout" | "crashed", "reward": float | null, "excluded": bool,
      "exclusion_reason": str | null, "returncode": int | null, "duration_s": float, "workspace": str,
      "exclusion_kind": null | "evaluator_error" | "evaluator_timeout" | "evaluator_bad_value" | "setup_failed"
-                       | "executor_error" | "cancelled"}
+                       | "executor_error" | "cancelled",
+     "sandbox": null | {"backend", "network", "cpus", "memory_mb", "allow_internet", "limits", "not_applied", ...}}
 
-Harness command lines (and ``extra_env`` values) are templates: ``{task}`` (task.json path),
-``{task.FIELD}`` (any field of the task: strings verbatim, others as JSON), ``{model}``,
-``{temperature}``, ``{max_tokens}``, ``{seed}``, ``{workspace}``, ``{exec_dir}``, ``{execution_id}``,
-``{base_url}`` (OpenAI style, ends in /v1) and ``{anthropic_base_url}``. Other braces are left alone.
+Harness command lines, ``extra_env`` values and ``harness_files`` contents are templates (``PLACEHOLDERS``,
+filled with the paths the harness sees): ``{task}`` (its task.json), ``{instruction_file}``,
+``{task.FIELD}`` (any field of the task: strings verbatim, others as JSON), ``{model}``, ``{temperature}``,
+``{max_tokens}``, ``{max_turns}``, ``{seed}``, ``{timeout_s}``, ``{workspace}``, ``{exec_dir}``,
+``{execution_id}``, ``{base_url}`` (OpenAI style, ends in /v1), ``{anthropic_base_url}`` and ``{api_key}``.
+Other braces are left alone.
 
-Its parts: ``templates`` (command line and environment of a harness), ``process_group`` (spawning a
-harness in its own process group, timeout and kill, cancel), ``evaluators.run_evaluator`` (scoring under
-a timeout, exclusions).
+Its parts: ``templates`` (command line and environment of a harness), ``harnesses`` (the named presets),
+``sandbox`` (isolation), ``process_group`` (spawning a harness in its own process group, timeout and kill,
+cancel), ``evaluators.run_evaluator`` (scoring under a timeout, exclusions), ``verifier`` (Harbor tests).
 """
 
 from __future__ import annotations
