@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,114 @@ def test_every_oracle_of_the_bundled_suite_scores_1_and_every_start_below_0_2(tm
     assert len(rows) == len(tasks)
     assert all(r["oracle"] == 1.0 and r["start"] < 0.2 for r in rows)
     assert {r["sandbox"]["backend"] for r in rows} == {"bwrap"}
+
+
+ISOLATION_HARNESS = r"""
+import json, os, socket, subprocess, sys, time, urllib.request
+out = {"key": os.environ["OPENAI_API_KEY"], "base_url": os.environ["OPENAI_BASE_URL"]}
+other = sys.argv[1]
+def can_read(path):
+    try:
+        return sorted(os.listdir(path)) if os.path.isdir(path) else open(path).read()
+    except OSError as exc:
+        return None
+out["other_workspace"] = can_read(other)
+out["records"] = can_read(sys.argv[2])
+environs = []
+for pid in os.listdir("/proc"):
+    if pid.isdigit():
+        try:
+            environs.append(open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace"))
+        except OSError:
+            pass
+out["keys_seen"] = sorted({k for e in environs for k in e.split("\0") if k.startswith("OPENAI_API_KEY=")})
+out["proxy"] = urllib.request.urlopen(os.environ["OPENAI_BASE_URL"] + "/models", timeout=5).read().decode()
+def reach(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+out["other_port"] = reach(int(sys.argv[3]))
+subprocess.Popen(["setsid", "bash", "-c", "(exec -a gyre-daemon-" + out["key"] + " sleep 1000 &)"])
+time.sleep(0.5)
+out["daemon_started"] = any(
+    b"gyre-daemon-" in open(f"/proc/{p}/cmdline", "rb").read() for p in os.listdir("/proc") if p.isdigit()
+)
+json.dump(out, open("isolation.json", "w"))
+time.sleep(60)
+"""
+
+
+def test_concurrent_executions_are_isolated_and_a_timeout_leaves_nothing(tmp_path):
+    """Two harness processes at once through the executor in bwrap, with network "proxy" to a real HTTP server
+    standing in for the proxy: neither sees the other's workspace, the run's records or the other's key; only
+    the proxy answers; each leaves a setsid'd daemon and is killed at its timeout, and nothing survives."""
+    import http.server
+    import threading
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = b'{"data": [{"id": "m"}]}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), Models) for _ in range(2)]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    proxy, other = servers
+    root = tmp_path / "run"
+    (root / "records").mkdir(parents=True)
+    (root / "records" / "e0.jsonl").write_text("secret record\n")
+    base_url = f"http://127.0.0.1:{proxy.server_address[1]}/v1"
+
+    class Keys:
+        def open_execution(self, execution_id):
+            return f"key-{execution_id}"
+
+        def close_execution(self, execution_id):
+            return None
+
+    sandbox = make_sandbox("bwrap", proxy_address=proxy.server_address, hide=[root], state_dir=tmp_path / "state")
+    cmd = [sys.executable, "-c", ISOLATION_HARNESS, "{task.instruction}", str(root / "records"),
+           str(other.server_address[1])]  # fmt: skip
+    executor = Executor(Keys(), base_url, root / "executions", model_name="m", timeout_s=8, max_parallel=2,
+                        temperature=1.0, max_tokens=8, harness_cmd=cmd, sandbox=sandbox, kill_grace_s=0.5)  # fmt: skip
+    tasks = [replace_instruction(str(root / "executions" / other_id / "workspace")) for other_id in ("e1", "e0")]
+    try:
+        results = executor.run([ExecutionSpec(f"e{i}", t, f"g{i}", seed=i) for i, t in enumerate(tasks)])
+    finally:
+        sandbox.close()
+        for s in servers:
+            s.shutdown()
+    for i, r in enumerate(results):
+        assert r.status == "timeout" and r.sandbox["network"] == "proxy", r
+        seen = json.loads((root / "executions" / f"e{i}" / "workspace" / "isolation.json").read_text())
+        assert seen["key"] == f"key-e{i}" and seen["base_url"] == base_url
+        assert seen["other_workspace"] is None and seen["records"] is None, seen
+        assert seen["keys_seen"] == [f"OPENAI_API_KEY=key-e{i}"], seen  # its own process only
+        assert json.loads(seen["proxy"]) == {"data": [{"id": "m"}]} and seen["other_port"] is False
+        assert seen["daemon_started"] is True
+    time.sleep(0.5)
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and b"gyre-daemon-key-e" in _cmdline(p)]
+    assert not left, "a daemon of a timed-out harness survived"
+
+
+def replace_instruction(other_workspace: str):
+    from gyre_jax.rollout.tasks import ANSWER_FILE, INPUT_FILE, Task
+
+    return Task(task_id="t", kind="upper", system="", instruction=other_workspace, files={INPUT_FILE: "ab"},
+                expected={ANSWER_FILE: "AB"}, tools=[], max_turns=1, tool_latency_median_s=0.0,
+                tool_latency_sigma=0.0)  # fmt: skip
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
