@@ -181,7 +181,8 @@ def preflight(config) -> list[str]:
     try:
         sandbox.check()
     except SandboxUnavailable as exc:
-        raise PreflightError(f"config.rollout.sandbox={r.sandbox!r}: {exc}") from None
+        message = str(exc) if "config.rollout.sandbox" in str(exc) else f"config.rollout.sandbox={r.sandbox!r}: {exc}"
+        raise PreflightError(message) from None
     finally:
         sandbox.close()
     spec = r.harness_spec()

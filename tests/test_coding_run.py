@@ -51,3 +51,24 @@ def test_coding_cpu_trains_two_steps_through_mini_swe_agent_in_bwrap(tmp_path):
         assert m["micro_steps"] >= 1 and m["tokens_trained"] > 0 and math.isfinite(m["loss"]), m
     assert [m["policy_version"] for m in steps] == [1, 2]
     assert (workdir / "checkpoints" / "2").is_dir()
+
+
+def test_preflight_stops_a_run_before_any_work_naming_what_to_install(tmp_path, monkeypatch):
+    from gyre_jax import build
+    from gyre_jax.config import load_config
+
+    config = load_config(["--config", "configs/coding_cpu.py", f"--config.workdir={tmp_path / 'run'}"])
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
+    with pytest.raises(
+        build.PreflightError, match=r"config.rollout.sandbox='bwrap' needs bubblewrap.*apt-get install -y bubblewrap"
+    ):
+        build.preflight(config)
+    monkeypatch.undo()
+    docker = load_config(["--config", "configs/coding_cpu.py", "--config.rollout.sandbox=docker"])
+    with pytest.raises(build.PreflightError, match=r"^config.rollout.sandbox='docker' needs"):
+        build.preflight(docker)  # this machine has no Docker daemon (docs/tasks.md)
+    command = load_config(["--config", "configs/coding_cpu.py", "--config.rollout.harness=command",
+                           "--config.rollout.harness_cmd=no-such-agent --task {task}"])  # fmt: skip
+    with pytest.raises(build.PreflightError, match="no-such-agent"):
+        build.preflight(command)
+    assert not (tmp_path / "run").exists()
