@@ -34,7 +34,10 @@ BASE = {
     "model.mlp_dim": 128,
     "model.head_dim": 16,
     "serving.max_seq_len": 512,
-    "serving.prefill_buckets": (128, 256, 512),
+    # one prefill length (a prompt is one chunk): one prefill program per cell layout to compile, not one per bucket
+    # (chunked prefill, bucket choice: tests/serving/ and tests/test_train.py's default-sized runs)
+    "serving.max_prefill_length": 512,
+    "serving.prefill_buckets": (512,),
     "trajectory.row_length": 512,
     "trajectory.tokens_per_micro_batch": 1024,
 }

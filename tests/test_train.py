@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,11 +73,19 @@ def test_bad_config_fails_before_work_with_one_line(tmp_path, override, key):
     assert not (tmp_path / "w").exists(), "a bad config must fail before any work (no run directory)"
 
 
-@pytest.mark.slow
-def test_two_rl_steps_then_resume(tmp_path):
-    workdir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One fresh run of 2 RL steps (warm start, eval before and after, checkpoints 0 and 2); the tests below read
+    it, and the resume test continues a copy of it."""
+    workdir = tmp_path_factory.mktemp("two_steps") / "run"
     first = _train(*SMALL, f"--config.workdir={workdir}", "--config.total_steps=2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    return workdir, first
+
+
+@pytest.mark.slow
+def test_two_rl_steps(two_steps):
+    workdir, first = two_steps
     assert _metric_steps(workdir) == [0, 1]
     assert 2 in _checkpoint_steps(workdir)
     assert "step 2/2" in first.stdout
@@ -101,19 +110,14 @@ def test_two_rl_steps_then_resume(tmp_path):
     assert len(results) == 4 and all(r["status"] in ("finished", "timeout", "crashed") for r in results)
     assert (workdir / "tensorboard").is_dir() and any((workdir / "tensorboard").iterdir())
 
-    second = _train(*SMALL, f"--config.workdir={workdir}", "--config.total_steps=3")
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "resumed" in second.stderr and "at step 2" in second.stderr
-    assert "warm start" not in second.stderr  # the warm start is part of checkpoint 0, never redone
-    assert _metric_steps(workdir) == [0, 1, 2], "a resumed run neither drops nor repeats a step"
-    assert 3 in _checkpoint_steps(workdir)
-    meta = json.loads((workdir / "checkpoints" / "3" / "meta" / "metadata").read_text())
-    assert meta["next_step"] == 3 and meta["policy_version"] <= 3
-
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes(two_steps, tmp_path):
+    """Resumes a copy of the 2-step run with a long ``total_steps``, SIGTERMs it after its first RL step, then
+    resumes again to one step more: the resume path (no warm start redone, no step dropped or repeated) and the
+    SIGTERM path (a checkpoint at the step cursor) on one run, without a second warm start."""
     workdir = tmp_path / "run"
+    shutil.copytree(two_steps[0], workdir)
     proc = subprocess.Popen(
         [sys.executable, "-m", "gyre_jax.train", *SMALL, f"--config.workdir={workdir}", "--config.total_steps=50"],
         cwd=REPO,
@@ -125,7 +129,7 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     try:
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline:
-            if (workdir / "metrics.jsonl").exists() and _metric_steps(workdir):
+            if len(_metric_steps(workdir)) > 2:  # an RL step of the resumed run finished
                 break
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(0.5)
@@ -137,13 +141,19 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
+    assert "resumed" in err and "at step 2" in err
+    assert "warm start" not in err  # the warm start is part of checkpoint 0, never redone
     assert "stopped at step" in err
     done = _metric_steps(workdir)
-    assert done == list(range(len(done))) and len(done) >= 1
+    assert done == list(range(len(done))) and len(done) >= 3, "a resumed run neither drops nor repeats a step"
     assert _checkpoint_steps(workdir)[-1] == len(done), "the checkpoint cursor is the next step to run"
     again = _train(*SMALL, f"--config.workdir={workdir}", f"--config.total_steps={len(done) + 1}")
     assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed" in again.stderr and f"at step {len(done)}" in again.stderr
     assert _metric_steps(workdir) == list(range(len(done) + 1))
+    assert len(done) + 1 in _checkpoint_steps(workdir)
+    meta = json.loads((workdir / "checkpoints" / str(len(done) + 1) / "meta" / "metadata").read_text())
+    assert meta["next_step"] == len(done) + 1 and meta["policy_version"] <= len(done) + 1
 
 
 @pytest.mark.slow

@@ -42,12 +42,15 @@ RUN = [
 ]
 
 
-def _env() -> dict:
+def _env(shared_cache: bool = False) -> dict:
+    """The environment of a training process. ``shared_cache``: keep the session's compilation cache
+    (tests/conftest.py), only for a one-process run: the same config's later runs in tests/test_train.py then load
+    what it compiled. A 2-process run goes without it: only process 0 writes it, so process 1 would fall further
+    behind process 0 at start-up, against gloo's 30 s rendezvous deadline."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the config decides the devices
-    # no shared compilation cache (tests/conftest.py): only process 0 writes it, so process 1 would fall further
-    # behind process 0 at start-up, against gloo's 30 s rendezvous deadline
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    if not shared_cache:
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -122,7 +125,7 @@ def reference(tmp_path_factory) -> Path:
     proc = subprocess.run(
         [sys.executable, "-m", "gyre_jax.train", *RUN, f"--config.workdir={workdir}"],
         cwd=REPO,
-        env=_env(),
+        env=_env(shared_cache=True),
         capture_output=True,
         text=True,
         timeout=900,
