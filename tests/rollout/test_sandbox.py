@@ -149,6 +149,21 @@ def test_a_hidden_dir_inside_a_kept_one_stays_hidden(run_dir):
     assert done.stdout.strip() == "[['proj'], ['code.py', 'runs'], []]"
 
 
+def test_a_checkout_and_interpreter_in_tmp_are_bound_back_and_its_run_dir_stays_hidden(run_dir):
+    # e.g. CI cloning into /tmp/ci_clone with its venv inside: the sandbox's own /tmp must not hide them
+    proj = Path(tempfile.mkdtemp(prefix="gyre-checkout-", dir="/tmp"))
+    try:
+        (proj / "runs" / "r1").mkdir(parents=True)
+        (proj / "code.py").write_text("x")
+        sandbox = BwrapSandbox(None, [proj / "runs"], run_dir / "state", keep=[proj])
+        ls = "import os, sys; print([sorted(os.listdir(p)) for p in sys.argv[1:]])"
+        done = run(sandbox, launch(run_dir / "A" / "workspace", [PY, "-c", ls, str(proj), str(proj / "runs"), "/tmp"]))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == f"[['code.py', 'runs'], [], ['{proj.name}']]"
+    finally:
+        shutil.rmtree(proj)
+
+
 def test_root_in_the_sandbox_cannot_undo_the_read_only_system_or_the_hiding(run_dir):
     escape = f"grep CapEff /proc/self/status; mount -o remount,bind,rw /usr && echo REMOUNTED; umount {run_dir} && echo UNMOUNTED; ls {run_dir}"  # fmt: skip
     done = run(make(run_dir), launch(run_dir / "A" / "workspace", ["sh", "-c", escape]))

@@ -49,6 +49,11 @@ _OWN = {"/proc": ["--proc", "/proc"], "/dev": ["--dev", "/dev"], "/tmp": ["--tmp
         "/run": ["--tmpfs", "/run", "--ro-bind-try", "/run/systemd/resolve", "/run/systemd/resolve"]}  # fmt: skip
 
 
+# The sandbox's own empty tmpfs directories: an interpreter or checkout under one (a CI clone in /tmp) is
+# bound back read-only like one under a hidden path.
+_OWN_TMPFS = ("/tmp", "/run")
+
+
 def _inside(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
@@ -81,19 +86,21 @@ def system_binds(targets: Sequence[str], directory: Path = Path("/")) -> list[st
 
 def hide_args(hide: Sequence[Path], keep: Sequence[Path]) -> list[str]:
     """bwrap args putting an empty tmpfs over each ``hide`` path that the sandbox would otherwise see, then
-    binding back read-only each ``keep`` path that lies under one (e.g. an interpreter under $HOME), then
-    hiding again what a kept path brought back (a run directory inside a checkout under $HOME)."""
-    hidden = [p for p in sorted({os.path.realpath(p) for p in hide})
-              if os.path.exists(p) and p != "/" and not any(_inside(p, own) for own in _OWN)]  # fmt: skip
+    binding back read-only each ``keep`` path that lies under one or under the sandbox's own /tmp and /run
+    (e.g. an interpreter under $HOME, a checkout and its venv in /tmp), then hiding again what a kept path
+    brought back (a run directory inside a checkout under $HOME or /tmp)."""
+    every = [p for p in sorted({os.path.realpath(p) for p in hide}) if os.path.exists(p) and p != "/"]
+    hidden = [p for p in every if not any(_inside(p, own) for own in _OWN)]  # under /tmp, /run: gone already
+    empty = [*hidden, *_OWN_TMPFS]  # what the sandbox shows empty: a kept path under one is bound back
     kept = [p for p in sorted({os.path.realpath(p) for p in keep})
-            if os.path.exists(p) and any(_inside(p, h) and p != h for h in hidden)]  # fmt: skip
+            if os.path.exists(p) and any(_inside(p, h) and p != h for h in empty)]  # fmt: skip
 
     def cover(path: str) -> list[str]:
         return ["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
 
     args = [arg for path in hidden for arg in cover(path)]
     args += [arg for path in kept for arg in ("--ro-bind", path, path)]
-    return args + [arg for h in hidden if any(_inside(h, k) for k in kept) for arg in cover(h)]
+    return args + [arg for h in every if any(_inside(h, k) for k in kept) for arg in cover(h)]
 
 
 def mount_args(mounts: Sequence[Mount]) -> list[str]:
