@@ -25,12 +25,12 @@ from pathlib import Path
 
 from gyre_jax.rollout.process_group import kill_group
 from gyre_jax.rollout.sandbox import Launch, Limits, Mount, Sandbox
+from gyre_jax.rollout.suites import DEFAULT_WORKDIR
 from gyre_jax.rollout.tasks import Task
 
 TESTS_INSIDE = "/tests"
 LOGS_INSIDE = "/logs"
 SOLUTION_INSIDE = "/solution"
-DEFAULT_WORKDIR = "/app"
 
 
 def task_limits(task: Task) -> Limits:
