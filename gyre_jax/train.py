@@ -238,7 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if jax.process_index() > 0:
         from gyre_jax.follower import follow
 
-        code = follow(config)
+        try:
+            code = follow(config)
+        except ModelInputError as exc:  # every process reads the same checkpoint: each says so in one line
+            print(f"error: {exc}", file=sys.stderr)
+            code = 2
         runtime.shutdown()
         return code
     try:
