@@ -63,7 +63,9 @@ class Setup:
 
 
 def setup(config) -> Setup:
-    """Devices -> training mesh and cells -> model and tokenizer (see the module docstring)."""
+    """Devices -> training mesh and cells -> model and tokenizer (see the module docstring). A checkpoint's
+    config.json, weights and tokenizer are checked against each other before any tensor is read (a mismatch
+    raises ``ModelInputError``: one line naming the file)."""
     ckpt_dir = config.model.checkpoint_dir or None
     tokenizer = load_tokenizer(config.tokenizer.kind, ckpt_dir)
     rules = config.sharding_rules
@@ -73,12 +75,14 @@ def setup(config) -> Setup:
     if jax.process_count() > 1:
         runtime.check_cells_within_processes(cells)
     if ckpt_dir is not None:  # a Hugging Face checkpoint: its config.json defines the architecture
-        from gyre_jax.model.hf_checkpoint import load_hf_checkpoint
+        from gyre_jax.model.hf_checkpoint import CONFIG_FILE, load_hf_params, read_model_config
+        from gyre_jax.model.hf_tokenizer import HFTokenizer, check_fits_model
 
         m = config.model
-        model_cfg, graphdef, params = load_hf_checkpoint(
-            ckpt_dir, train_mesh, rules, dtype=m.dtype, param_dtype=m.param_dtype
-        )
+        model_cfg = read_model_config(ckpt_dir, dtype=m.dtype, param_dtype=m.param_dtype)
+        if isinstance(tokenizer, HFTokenizer):  # before any tensor is read
+            check_fits_model(tokenizer, model_cfg.vocab_size, str(Path(ckpt_dir) / CONFIG_FILE))
+        graphdef, params = load_hf_params(ckpt_dir, model_cfg, train_mesh, rules)
         log.info("loaded %s (%.1fM params)", ckpt_dir, model_cfg.num_params / 1e6)
     else:
         model_cfg = config.model_config()

@@ -28,7 +28,8 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,63 @@ def fsync_write(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+EXIT_UNTRAINED = 3  # the exit status of a run stopped by ``UntrainedSteps`` (config.rl.max_untrained_steps)
+
+
+def untrained_reason(results: list[ExecutionResult], learner_metrics: dict) -> str | None:
+    """Why a step trained nothing from a fault, or None: every execution excluded (the exclusion kinds counted), or
+    the optimizer step skipped for a non-finite loss / gradients. A step with no signal (all groups' rewards equal)
+    or only stale executions is not a fault: None."""
+    if results and all(r.excluded for r in results):
+        kinds = Counter(r.exclusion_kind or "other" for r in results)
+        counted = ", ".join(f"{k} {n}" for k, n in kinds.most_common())
+        return f"every execution excluded ({len(results)}: {counted})"
+    if learner_metrics.get("skipped"):
+        loss, gnorm = learner_metrics.get("loss", float("nan")), learner_metrics.get("grad_norm", float("nan"))
+        what = "loss" if not np.isfinite(loss) else "gradients"
+        return f"optimizer step skipped for a non-finite {what} (loss {loss}, grad norm {gnorm})"
+    return None
+
+
+@dataclass
+class UntrainedSteps:
+    """Counts consecutive steps that trained nothing from a fault (``untrained_reason``); ``observe`` returns the
+    one line to stop the run with once there are ``limit`` of them (0: never)."""
+
+    limit: int
+    steps: list[tuple[int, str]] = field(default_factory=list)
+    example: str | None = None  # the latest exclusion reason of such a step, quoted in the line
+
+    def observe(self, step: int, results: list[ExecutionResult], learner_metrics: dict) -> str | None:
+        reason = untrained_reason(results, learner_metrics)
+        if reason is None:
+            self.steps.clear()
+            return None
+        self.steps.append((step, reason))
+        self.example = next((r.exclusion_reason for r in results if r.excluded), None) or self.example
+        if not self.limit or len(self.steps) < self.limit:
+            return None
+        first, last = self.steps[0][0], self.steps[-1][0]
+        return self._line("stopping", first, last)
+
+    def at_end(self, steps_run: int) -> str | None:
+        """At the end of a run that ran ``steps_run`` steps (< ``limit``): the line to exit with when none of
+        them trained (from a fault), else None."""
+        if not self.limit or not steps_run or len(self.steps) < steps_run:
+            return None
+        return self._line("the run ended, but", self.steps[0][0], self.steps[-1][0])
+
+    def _line(self, what: str, first: int, last: int) -> str:
+        reasons = "; ".join(dict.fromkeys(r for _, r in self.steps))
+        if self.example:
+            reasons += f" (e.g. {self.example if len(self.example) <= 160 else self.example[:157] + '...'})"
+        return (
+            f"{what}: {len(self.steps)} consecutive RL steps ({first + 1}..{last + 1}) trained nothing: {reasons}. "
+            f"See results/step_*.jsonl (exclusion_reason) and the log; config.rl.max_untrained_steps="
+            f"{self.limit} (0 turns this check off). Exit code {EXIT_UNTRAINED}."
+        )
 
 
 @dataclass
@@ -141,6 +199,12 @@ class Run:
     links: list  # the followers' links (multi-process runs)
     pipeline_state: dict | None = None  # the pipeline's state at the last step boundary (checkpointed)
     is_leader: bool = True
+    untrained: UntrainedSteps | None = None  # set in __post_init__ from config.rl.max_untrained_steps
+    untrained_error: str | None = None  # why the run stopped early for steps that trained nothing (exit 3)
+
+    def __post_init__(self) -> None:
+        if self.untrained is None:
+            self.untrained = UntrainedSteps(self.config.rl.max_untrained_steps)
 
     @property
     def state(self) -> TrainState:
@@ -167,7 +231,11 @@ class Run:
                 self.save_checkpoint(step)
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
-        if self.stop.is_set() and step < c.total_steps:
+        if self.untrained_error is None and step == c.total_steps:
+            self.untrained_error = self.untrained.at_end(step - self.start_step)
+        if self.untrained_error is not None:
+            log.error("%s", self.untrained_error)
+        elif self.stop.is_set() and step < c.total_steps:
             log.warning(
                 "stopped at step %d/%d; checkpoint saved. Run the same command again to resume.", step, c.total_steps
             )
@@ -218,6 +286,11 @@ class Run:
         print(format_step_line(step + 1, c.total_steps, metrics), flush=True)
         if (step + 1) % c.checkpoint_every == 0 or step + 1 == c.total_steps:
             self.save_checkpoint(step + 1)
+        error = self.untrained.observe(step, results, learner_metrics)
+        if error is not None and self.untrained_error is None:
+            self.untrained_error = error
+            self.stop.set()  # as a stop request: the segment ends, running harnesses are killed, a checkpoint kept
+            self.executor.cancel()
 
     # -- evaluation -----------------------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, Any] | None:

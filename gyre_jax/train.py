@@ -33,6 +33,7 @@ from gyre_jax.elastic.policies import make_policy
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.elastic.training import CellTraining
 from gyre_jax.metrics import MetricsWriter
+from gyre_jax.model.config import ModelInputError
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.router import Router
 from gyre_jax.proxy.sampling import SamplingPolicy
@@ -41,7 +42,7 @@ from gyre_jax.rl.learner import Learner, TrainState
 from gyre_jax.rollout.executor import Executor
 from gyre_jax.rollout.sandbox import make_sandbox
 from gyre_jax.rollout.suites import HarborSuite
-from gyre_jax.run import ExecutionPlan, Run, fsync_write
+from gyre_jax.run import EXIT_UNTRAINED, ExecutionPlan, Run, fsync_write
 from gyre_jax.runtime.local import LocalCell
 from gyre_jax.runtime.remote import open_cells
 from gyre_jax.runtime.transfer import transfer
@@ -237,12 +238,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if jax.process_index() > 0:
         from gyre_jax.follower import follow
 
-        code = follow(config)
+        try:
+            code = follow(config)
+        except ModelInputError as exc:  # every process reads the same checkpoint: each says so in one line
+            print(f"error: {exc}", file=sys.stderr)
+            code = 2
         runtime.shutdown()
         return code
     try:
         run = build_run(config)
-    except build.PreflightError as exc:
+    except (build.PreflightError, ModelInputError) as exc:  # the machine or the model input: one line, exit 2
         print(f"error: {exc}", file=sys.stderr)
         runtime.shutdown()
         return 2
@@ -250,6 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         step = run.run()
     finally:
         run.close()
+    if run.untrained_error is not None:
+        print(f"error: {run.untrained_error}", file=sys.stderr, flush=True)
+        runtime.shutdown()
+        return EXIT_UNTRAINED
     print(f"done: {step} steps in {run.workdir}", flush=True)
     runtime.shutdown()
     return 0

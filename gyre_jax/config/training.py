@@ -46,6 +46,9 @@ class RLSection(Section):
     behaviour_is_cap: float = 0.0  # with recompute_behaviour: truncated behaviour importance weight (0 = off)
     drop_staleness: int = 4  # executions more policy versions behind when their step trains are dropped (-1: no bound)
     micro_steps_per_step: int = 0  # fixed micro-steps per optimizer step; 0 = as many as the step's data needs
+    # stop the run (exit 3) after this many consecutive steps that train nothing because every execution was
+    # excluded or the loss/gradients were not finite; 0 = never stop for it
+    max_untrained_steps: int = 3
 
     def __post_init__(self):
         self.check_types()
@@ -67,6 +70,10 @@ class RLSection(Section):
         require(
             r.drop_staleness >= -1,
             f"config.rl.drop_staleness={r.drop_staleness} must be >= 0 (or -1: no bound)",
+        )
+        require(
+            r.max_untrained_steps >= 0,
+            f"config.rl.max_untrained_steps={r.max_untrained_steps} must be >= 0 (0 turns the check off)",
         )
         require(
             r.micro_steps_per_step >= 0,

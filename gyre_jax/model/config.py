@@ -23,8 +23,13 @@ ATTENTION_IMPLS = ("xla", "cudnn")
 HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
-class ConfigMismatchError(ValueError):
-    """A Hugging Face config.json describes a model this implementation does not compute."""
+class ModelInputError(ValueError):
+    """A model input (a checkpoint's config.json, weights or tokenizer) is wrong or does not fit the rest: the
+    message is one line naming the file, what is wrong and what to do (the CLI prints it as ``error:``, exit 2)."""
+
+
+class ConfigMismatchError(ModelInputError):
+    """A Hugging Face config.json describes a model this implementation does not compute, or lacks a key it needs."""
 
 
 @dataclass(frozen=True)
@@ -205,19 +210,19 @@ class ModelConfig:
         return cls(**{k: v for k, v in dict(model_cfg).items() if k in names})
 
     @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any], **overrides) -> ModelConfig:
+    def from_hf_config(cls, hf: Mapping[str, Any], *, source: str = "config.json", **overrides) -> ModelConfig:
         """From a Hugging Face Qwen3 / Qwen3-MoE ``config.json`` dict; ``overrides`` set our own fields (dtype, remat ...).
 
-        Raises ConfigMismatchError for a model type or feature this implementation does not compute
-        (the mapping: ``hf_config.model_kwargs``).
+        Raises ConfigMismatchError (naming ``source``, the file) for a model type or feature this implementation
+        does not compute, or a key it needs that has no transformers default (the mapping: ``hf_config.model_kwargs``).
         """
         from gyre_jax.model.hf_config import model_kwargs
 
-        kw = {**model_kwargs(hf), **overrides}
+        kw = {**model_kwargs(hf, source), **overrides}
         try:
             return cls(**kw)
         except ValueError as exc:
-            raise ConfigMismatchError(f"config.json gives an invalid model: {exc}") from None
+            raise ConfigMismatchError(f"{source} gives an invalid model: {exc}") from None
 
     def to_hf_config(self, torch_dtype: str | None = None) -> dict[str, Any]:
         """A Hugging Face ``config.json`` dict (transformers 4.x and 5.x both read it; ``hf_config.hf_config``)."""

@@ -26,8 +26,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from safetensors import safe_open
 
-from gyre_jax.model import hf_params
-from gyre_jax.model.config import ModelConfig
+from gyre_jax.model import hf_config, hf_params
+from gyre_jax.model.config import ModelConfig, ModelInputError
 from gyre_jax.model.sharding import Rules, abstract_model, param_shardings
 
 CONFIG_FILE = "config.json"
@@ -56,8 +56,9 @@ _DTYPES = {
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-class CheckpointMismatchError(ValueError):
-    """The checkpoint's tensors do not match the model its config.json describes (names and shapes listed)."""
+class CheckpointMismatchError(ModelInputError):
+    """The checkpoint's tensors do not match the model its config.json describes (names, shapes and dtypes listed),
+    or a weights file cannot be read (named)."""
 
 
 def read_hf_config(path: str | os.PathLike) -> dict:
@@ -65,9 +66,29 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: a Hugging Face checkpoint directory needs config.json")
     try:
-        return json.loads(file.read_text())
+        config = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{file} is not valid JSON: {exc}") from None
+        raise ModelInputError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelInputError(f"{file} holds a JSON {type(config).__name__}, not an object of config keys")
+    return config
+
+
+def read_model_config(path: str | os.PathLike, **overrides) -> ModelConfig:
+    """The ``ModelConfig`` of the checkpoint at ``path`` (its config.json; ``overrides`` as in ``load_hf_checkpoint``).
+    Raises ConfigMismatchError naming the file and the key for a config this implementation cannot compute."""
+    return ModelConfig.from_hf_config(read_hf_config(path), source=str(Path(path) / CONFIG_FILE), **overrides)
+
+
+def _open_safetensors(file: Path):
+    """``safe_open`` of one weights file; CheckpointMismatchError naming it when it cannot be read (truncated ...)."""
+    try:
+        return safe_open(str(file), framework="numpy")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError / OSError, unnamed
+        raise CheckpointMismatchError(
+            f"{file} is not a readable safetensors file ({type(exc).__name__}: {exc}); it may be truncated "
+            f"(an interrupted download or copy: {file.stat().st_size} bytes on disk): download or copy it again"
+        ) from None
 
 
 class SafetensorsDir:
@@ -77,9 +98,12 @@ class SafetensorsDir:
         self.path = Path(path)
         index = self.path / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            try:
+                weight_map = json.loads(index.read_text()).get("weight_map")
+            except (json.JSONDecodeError, AttributeError) as exc:
+                raise CheckpointMismatchError(f"{index} is not a JSON object with a weight_map: {exc}") from None
             if not isinstance(weight_map, dict):
-                raise ValueError(f"{index} has no 'weight_map' object")
+                raise CheckpointMismatchError(f"{index} has no 'weight_map' object")
             files = sorted(set(weight_map.values()))
         elif (self.path / SINGLE_FILE).is_file():
             files, weight_map = [SINGLE_FILE], None
@@ -96,7 +120,7 @@ class SafetensorsDir:
         for name in files:
             if not (self.path / name).is_file():
                 raise FileNotFoundError(f"{self.path / name} is listed in {INDEX_FILE} but does not exist")
-            handle = safe_open(str(self.path / name), framework="numpy")
+            handle = _open_safetensors(self.path / name)
             self._handles[name] = handle
             for key in handle.keys():
                 self._where[key] = name
@@ -125,10 +149,20 @@ class SafetensorsDir:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
+    def file(self, name: str) -> Path:
+        """The file holding tensor ``name``."""
+        return self.path / self._where[name]
+
+    def dtype_code(self, name: str) -> str:
+        """The tensor's safetensors dtype code ("BF16", "F32", "I32" ...)."""
+        return self._slice(name).get_dtype()
+
     def dtype(self, name: str) -> np.dtype:
-        code = self._slice(name).get_dtype()
+        code = self.dtype_code(name)
         if code not in _DTYPES:
-            raise CheckpointMismatchError(f"{self.path}: tensor {name} has dtype {code}; supported: {sorted(_DTYPES)}")
+            raise CheckpointMismatchError(
+                f"{self.file(name)}: tensor {name} has dtype {code}; supported: {sorted(_DTYPES)}"
+            )
         return _DTYPES[code]
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
@@ -141,18 +175,21 @@ def _preview(names: Sequence[str], limit: int = 12) -> str:
     return f"[{shown}{', ...' if len(names) > limit else ''}] ({len(names)})"
 
 
-def check_tensors(cfg: ModelConfig, ckpt: SafetensorsDir, ignore_unexpected: Iterable[str] = ()) -> None:
-    """Raises CheckpointMismatchError naming every missing, unexpected and mis-shaped tensor."""
+def check_tensors(
+    cfg: ModelConfig, ckpt: SafetensorsDir, ignore_unexpected: Iterable[str] = (), note: str = ""
+) -> None:
+    """Raises CheckpointMismatchError naming every missing, unexpected, mis-shaped and non-float tensor (with its
+    file). ``note``: appended to the message (e.g. which config keys took transformers' defaults)."""
     expected = hf_params.hf_tensor_shapes(cfg)
     ignore = set(ignore_unexpected)
     present = [n for n in ckpt.names() if n not in ignore and not n.endswith(IGNORED_SUFFIXES)]
     missing = sorted(set(expected) - set(present))
     unexpected = sorted(set(present) - set(expected))
-    misshaped = sorted(
-        f"{n}: {list(ckpt.shape(n))} != expected {list(expected[n])}"
-        for n in set(present) & set(expected)
-        if ckpt.shape(n) != expected[n]
-    )
+    common = sorted(set(present) & set(expected))
+    misshaped = [f"{n}: {list(ckpt.shape(n))} != expected {list(expected[n])} in {ckpt.file(n).name}" for n in common
+                 if ckpt.shape(n) != expected[n]]  # fmt: skip
+    wrong_dtype = [f"{n}: {ckpt.dtype_code(n)} in {ckpt.file(n).name}" for n in common
+                   if ckpt.dtype_code(n) not in _DTYPES]  # fmt: skip
     problems = []
     if missing:
         problems.append(f"missing tensors {_preview(missing)}")
@@ -160,6 +197,10 @@ def check_tensors(cfg: ModelConfig, ckpt: SafetensorsDir, ignore_unexpected: Ite
         problems.append(f"unexpected tensors {_preview(unexpected)}")
     if misshaped:
         problems.append(f"wrong shapes {_preview(misshaped)}")
+    if wrong_dtype:
+        problems.append(
+            f"dtypes that are not floating point (expected one of {sorted(_DTYPES)}) {_preview(wrong_dtype)}"
+        )
     if problems:
         kind = "Qwen3MoeForCausalLM" if cfg.is_moe else "Qwen3ForCausalLM"
         raise CheckpointMismatchError(
@@ -167,6 +208,7 @@ def check_tensors(cfg: ModelConfig, ckpt: SafetensorsDir, ignore_unexpected: Ite
             f"hidden {cfg.embed_dim}, vocab {cfg.vocab_size}, tie_word_embeddings={cfg.tie_embeddings}"
             + (f", {cfg.num_experts} experts" if cfg.is_moe else "")
             + "): "
+            + (f"{note} " if note else "")
             + "; ".join(problems)
             + ". Check that config.json belongs to these weights."
         )
@@ -176,19 +218,34 @@ def _path_key(path) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
+def _defaults_note(path: str | os.PathLike) -> str:
+    """Which shape-changing keys config.json lacks (transformers' defaults were used), for a mismatch message."""
+    try:
+        keys = hf_config.defaulted_shape_keys(read_hf_config(path))
+    except (OSError, ModelInputError):
+        return ""
+    if not keys:
+        return ""
+    return (
+        f"{Path(path) / CONFIG_FILE} has no {', '.join(k.split('=')[0] for k in keys)}: transformers' defaults "
+        f"({', '.join(keys)}) were used, as transformers would; add the model's own values;"
+    )
+
+
 def load_hf_params(
     path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh, rules: Rules, *, ignore_unexpected: Iterable[str] = ()
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Reads the checkpoint at ``path`` into params of ``Transformer(cfg)`` placed with their target shardings.
 
     Each parameter's device blocks are read straight from the memory-mapped files (a block shared
-    by several devices, e.g. a replicated one, is read once) and cast to ``cfg.param_dtype``.
+    by several devices, e.g. a replicated one, is read once) and cast to ``cfg.param_dtype``. Every tensor's
+    name, shape and dtype is checked first (``check_tensors``).
     """
     graphdef, abstract_state = abstract_model(cfg)
     shardings = param_shardings(abstract_state, rules, mesh)
     specs = hf_params.param_specs(cfg)
     with SafetensorsDir(path) as ckpt:
-        check_tensors(cfg, ckpt, ignore_unexpected)
+        check_tensors(cfg, ckpt, ignore_unexpected, note=_defaults_note(path))
 
         def load(key_path, var, sharding_var):
             spec = specs.get(_path_key(key_path))
@@ -218,7 +275,7 @@ def load_hf_checkpoint(
 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
     """config.json + weights -> (ModelConfig, graphdef, sharded params). ``overrides`` set ModelConfig fields
     the checkpoint does not define (``dtype``, ``param_dtype``, ``remat_policy``, ``moe_impl``)."""
-    cfg = ModelConfig.from_hf_config(read_hf_config(path), **overrides)
+    cfg = read_model_config(path, **overrides)
     graphdef, params = load_hf_params(path, cfg, mesh, rules, ignore_unexpected=ignore_unexpected)
     return cfg, graphdef, params
 

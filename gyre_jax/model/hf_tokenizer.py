@@ -18,6 +18,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizerImpl
 
+from gyre_jax.model.config import ModelInputError
+
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -79,7 +81,7 @@ class HFTokenizer:
         eos.extend(i for i in (tokenizer.token_to_id(t) for t in TURN_END_TOKENS) if i is not None)
         self._eos_ids = tuple(dict.fromkeys(i for i in eos if 0 <= i < self.vocab_size))
         if not self._eos_ids:
-            raise ValueError(f"{source}: no end-of-sequence token: set eos_token in {CONFIG_FILE}")
+            raise ModelInputError(f"{source}: no end-of-sequence token: set eos_token in {CONFIG_FILE}")
         if pad_token is not None:
             self._pad_id = self.token_id(pad_token)
         else:
@@ -99,7 +101,7 @@ class HFTokenizer:
         try:
             tokenizer = _HFTokenizerImpl.from_file(str(file))
         except Exception as exc:  # the tokenizers library raises plain Exceptions on bad files
-            raise ValueError(f"{file} could not be read by the tokenizers library: {exc}") from None
+            raise ModelInputError(f"{file} could not be read by the tokenizers library: {exc}") from None
         config = _read_json(path / CONFIG_FILE)
         generation = _read_json(path / GENERATION_CONFIG_FILE)
         eos_from_generation = generation.get("eos_token_id")
@@ -123,6 +125,12 @@ class HFTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def id_limit(self) -> int:
+        """One past the largest id the tokenizer can produce (base vocabulary and added tokens): a model's
+        embedding needs at least this many rows."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     @property
     def num_real_tokens(self) -> int:
@@ -174,6 +182,23 @@ class HFTokenizer:
         return piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece word boundary
 
 
+class TokenizerMismatchError(ModelInputError):
+    """The tokenizer produces ids the model has no embedding row for."""
+
+
+def check_fits_model(tokenizer: HFTokenizer, vocab_size: int, model_source: str) -> None:
+    """Raises TokenizerMismatchError unless every id ``tokenizer`` can produce is < ``vocab_size`` (the model's
+    embedding rows; a larger embedding, as Qwen3 pads it, is fine). An id past it would embed as garbage (NaN on
+    some backends) and every execution using it would be excluded or trained on nonsense."""
+    n = tokenizer.id_limit
+    if n > vocab_size:
+        raise TokenizerMismatchError(
+            f"{Path(tokenizer.source) / TOKENIZER_FILE} has {n} token ids (up to {n - 1}) but the model has "
+            f"vocab_size={vocab_size} ({model_source}): ids {vocab_size}..{n - 1} have no embedding row. Use the "
+            "tokenizer that belongs to these weights"
+        )
+
+
 def _uses(decoder: dict, kind: str) -> bool:
     if decoder.get("type") == kind:
         return True
@@ -186,5 +211,5 @@ def _read_json(file: Path) -> dict:
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{file} is not valid JSON: {exc}") from None
+        raise ModelInputError(f"{file} is not valid JSON: {exc}") from None
     return data if isinstance(data, dict) else {}
