@@ -58,6 +58,7 @@ class PacedBackend:
         self.hold = threading.Event()
         self.hold.set()
         self.cancelled: set[str] = set()
+        self.endless_ids: list[str] = []  # requests whose prompt asked for ENDLESS, in submission order
         self.submitted = 0
         self.peak_live = 0
         self._live: dict[str, _Live] = {}
@@ -74,6 +75,8 @@ class PacedBackend:
         with self._lock:
             self._live[request.request_id] = live
             self.submitted += 1
+            if endless:
+                self.endless_ids.append(request.request_id)
             self.peak_live = max(self.peak_live, len(self._live))
         return live.future
 
