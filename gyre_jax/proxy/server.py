@@ -9,7 +9,9 @@ Endpoints: ``GET /v1/models``; ``POST /v1/chat/completions``, ``POST /v1/complet
 ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic; ``?beta=true`` accepted);
 ``GET /health``. All calls may stream (SSE). Errors are OpenAI error bodies on the OpenAI routes and
 Anthropic error bodies on the Anthropic routes, always a 4xx for bad input; nothing a client sends
-takes the server down. A call's record is fsynced before its response is sent. See docs/proxy.md.
+takes the server down. A call's record is fsynced before its response is sent. Model calls pass bounded
+admission (``admission.py``: 429 + Retry-After beyond it); slow or abusive connections are bounded by
+``connections.py``. See docs/proxy.md.
 """
 
 from __future__ import annotations
