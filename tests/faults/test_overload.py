@@ -9,6 +9,7 @@ arrive, and time bounds are generous multiples of the configured timeouts.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -56,7 +57,9 @@ def test_storm_of_streaming_clients(tmp_path):
     KiB each, ~10 MiB in all), 24 live generations of 47 tokens and their records; 64 MiB leaves room for the
     allocator's arenas and is far below what an unbounded proxy holds (every call's generation, stream and
     buffers: the 232 refused ones too)."""
-    with u.proxy(tmp_path, max_active_calls=8, max_queued_calls=16, limits=LIMITS) as (server, backend):
+    # a long header timeout: the clients share this process with the proxy and may be slow to send on a busy machine
+    limits = dataclasses.replace(LIMITS, header_timeout_s=30.0)
+    with u.proxy(tmp_path, max_active_calls=8, max_queued_calls=16, limits=limits) as (server, backend):
         keys = [server.open_execution(f"exec-{i}") for i in range(16)]
         warm = asyncio.run(u.normal_calls(server.port, keys[0], 2))
         assert [o.status for o in warm] == [200, 200]
