@@ -23,6 +23,7 @@ from pathlib import Path
 _UTIL = Path(__file__).resolve().parents[2] / "tests" / "faults" / "_overload_util.py"
 COMMAND = "python benchmarks/bench_faults.py --case overload"
 MIB = 1 << 20
+STORM_MAX_REQUESTS = 512
 
 
 def _util():
@@ -39,25 +40,27 @@ def _row(fault: str, injected: int, lost: int, ok: bool, printed: str, double: i
             "outcome": "ok" if ok else "fails", "printed": printed, "command": COMMAND, "needs": needs}  # fmt: skip
 
 
-def _limits(header_timeout_s: float = 2.0):
+def _limits(header_timeout_s: float = 2.0, max_requests: int = 512):
     """Short timeouts so the slow-client rows take seconds. The storm passes a long header timeout: its clients
     share this process (and its GIL) with the proxy, and on a loaded machine one may take seconds between its
     connect and its request head, which a 2 s header timeout would rightly close (seen: 361 of 3072 at 1024
     clients while other work ran)."""
     from gyre_jax.proxy.connections import ConnectionLimits
 
-    return ConnectionLimits(max_requests=512, header_timeout_s=header_timeout_s, body_timeout_s=2.0,
+    return ConnectionLimits(max_requests=max_requests, header_timeout_s=header_timeout_s, body_timeout_s=2.0,
                             write_timeout_s=2.0, keep_alive_s=1)  # fmt: skip
 
 
 def storm_row(workdir: Path, clients: int, rounds: int) -> tuple[dict, dict]:
-    """``rounds`` storms of ``clients`` streaming calls on 32 slots + 128 queue places (+ the 512-request cap).
+    """``rounds`` storms of ``clients`` streaming calls on 32 slots + 128 queue places, and a cap of
+    STORM_MAX_REQUESTS requests in progress (refusals by 429 answer fast, so the cap is rarely reached here;
+    ``cap_row`` shows it).
 
     lost: calls that got neither a whole stream nor a proper refusal, or completed without a record;
     double_counted: records beyond the completed calls."""
     u = _util()
     with u.proxy(workdir, u.PacedBackend(tick_s=0.002, tokens_per_tick=4), max_active_calls=32, max_queued_calls=128,
-                 limits=_limits(header_timeout_s=30.0)) as (server, backend):  # fmt: skip
+                 limits=_limits(header_timeout_s=30.0, max_requests=STORM_MAX_REQUESTS)) as (server, backend):  # fmt: skip
         ids = [f"exec-{i}" for i in range(64)]
         keys = [server.open_execution(i) for i in ids]
         asyncio.run(u.normal_calls(server.port, keys[0], 3))  # warm up: the first calls import and allocate
@@ -81,7 +84,7 @@ def storm_row(workdir: Path, clients: int, rounds: int) -> tuple[dict, dict]:
     extra = {"clients": clients, "rounds": rounds, "counts": counts, "latency": merged, "completed": len(latencies),
              "rss_mib": {"before": rss_before / MIB, "peak_during": max(s.rss_peak for s in storms) / MIB,
                          "after": rss_after / MIB}, "peak_generations": backend.peak_live, "admission": stats,
-             "limits": {"max_active_calls": 32, "max_queued_calls": 128, "max_requests": 512}}  # fmt: skip
+             "limits": {"max_active_calls": 32, "max_queued_calls": 128, "max_requests": STORM_MAX_REQUESTS}}  # fmt: skip
     return _row(f"overload: {clients} streaming clients x {rounds}", clients * rounds, lost, ok, printed, double), extra
 
 
@@ -143,6 +146,32 @@ async def _slow_clients(u, server, backend, key: str, count: int) -> dict:
     stuck.close()
     return {"heads": await asyncio.gather(*heads), "bodies": await asyncio.gather(*bodies), "big": big,
             "normal": normal, "freed_s": freed_s}  # fmt: skip
+
+
+def cap_row(workdir: Path, cap: int, extra: int) -> dict:
+    """``cap`` held calls fill the request cap; ``extra`` more at once each get 503 + Retry-After at once."""
+    u = _util()
+    limits = _limits(header_timeout_s=30.0, max_requests=cap)
+    with u.proxy(workdir, max_active_calls=cap // 2, max_queued_calls=cap, limits=limits) as (server, backend):
+        key = server.open_execution("exec")
+
+        async def run() -> tuple[list, list]:
+            held = asyncio.gather(
+                *(u.exchange(server.port, u.streaming_call(key, "openai", u.HOLD)) for _ in range(cap))
+            )
+            while server.admission_stats()["active"] + server.admission_stats()["waiting"] < cap:
+                await asyncio.sleep(0.02)
+            over = await asyncio.gather(*(u.exchange(server.port, u.streaming_call(key, api))
+                                          for api in ["openai", "anthropic"] * (extra // 2)))  # fmt: skip
+            backend.hold.clear()
+            return await held, over
+
+        held, over = asyncio.run(run())
+    refused = sum(u.refused_properly(o) and o.status == 503 for o in over)
+    done = sum(o.status == 200 and u.sse_complete("openai", o.body) for o in held)
+    ok = refused == len(over) and done == cap
+    return _row("overload: requests over the cap (max_requests)", len(over), len(over) - refused + cap - done, ok,
+                f"{refused}/{len(over)} got 503 + Retry-After at once; the {done}/{cap} held calls then completed")  # fmt: skip
 
 
 def queue_leave_row(workdir: Path, leavers: int) -> dict:
@@ -217,7 +246,8 @@ def run(quick: bool, seed: int, workdir: Path) -> dict:
     clients, rounds, slow = (256, 1, 20) if quick else (1024, 3, 200)
     storm, storm_extra = storm_row(workdir, clients, rounds)
     slow_rows_, slow_extra = slow_rows(workdir, slow)
-    rows = [storm, *slow_rows_, queue_leave_row(workdir, 8 if quick else 64), sdk_retry_row(workdir)]
+    rows = [storm, cap_row(workdir, 16, 64 if quick else 512), *slow_rows_,
+            queue_leave_row(workdir, 8 if quick else 64), sdk_retry_row(workdir)]  # fmt: skip
     return {"rows": rows, "extra": {"storm": storm_extra, "slow_clients": slow_extra}}
 
 
