@@ -66,7 +66,10 @@ def storm_row(workdir: Path, clients: int, rounds: int) -> tuple[dict, dict]:
         asyncio.run(u.normal_calls(server.port, keys[0], 3))  # warm up: the first calls import and allocate
         base_records = sum(server.execution_calls(i) for i in ids)
         rss_before = u.rss_bytes()
-        storms = [asyncio.run(u.storm(server.port, keys, clients)) for _ in range(rounds)]
+        storms, rss_rounds = [], []
+        for _ in range(rounds):  # RSS after each round: it levels off (nothing a call leaves behind accumulates)
+            storms.append(asyncio.run(u.storm(server.port, keys, clients)))
+            rss_rounds.append(u.rss_bytes() / MIB)
         after = asyncio.run(u.normal_calls(server.port, keys[0], 1))[0]
         time.sleep(0.5)
         rss_after = u.rss_bytes()
@@ -83,7 +86,7 @@ def storm_row(workdir: Path, clients: int, rounds: int) -> tuple[dict, dict]:
                f" s; next call {after.status}")  # fmt: skip
     extra = {"clients": clients, "rounds": rounds, "counts": counts, "latency": merged, "completed": len(latencies),
              "rss_mib": {"before": rss_before / MIB, "peak_during": max(s.rss_peak for s in storms) / MIB,
-                         "after": rss_after / MIB}, "peak_generations": backend.peak_live, "admission": stats,
+                         "after": rss_after / MIB, "after_each_round": rss_rounds}, "peak_generations": backend.peak_live, "admission": stats,
              "limits": {"max_active_calls": 32, "max_queued_calls": 128, "max_requests": STORM_MAX_REQUESTS}}  # fmt: skip
     return _row(f"overload: {clients} streaming clients x {rounds}", clients * rounds, lost, ok, printed, double), extra
 
