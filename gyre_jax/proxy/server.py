@@ -165,7 +165,8 @@ class ProxyServer:
         self.max_tokens_cap = max_tokens_cap
         self.max_threads_per_execution = max_threads_per_execution
         self._admission = Admission(max_active_calls, max_queued_calls, retry_after_s)
-        self.limits = limits or ConnectionLimits(max_requests=max(2048, 2 * (max_active_calls + max_queued_calls)))
+        # room for every admitted and queued call, plus 256 for the rest (429s, count_tokens, models, health)
+        self.limits = limits or ConnectionLimits(max_requests=max_active_calls + max_queued_calls + 256)
         self._executions = Executions(record_store, max_threads_per_execution)
         self._pipeline = TurnPipeline(backend, tokenizer, record_store, model_name, seed=seed,
                                       default_max_tokens=default_max_tokens, tools_format=tools_format,
