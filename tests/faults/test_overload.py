@@ -265,3 +265,55 @@ def test_config_admission_keys():
         ProxySection(max_active_calls=-1)
     with pytest.raises(ConfigError, match="config.proxy.max_queued_calls=-2 must be >= 0"):
         ProxySection(max_queued_calls=-2)
+
+
+def test_closed_stream_cancels_its_generation_and_frees_its_slot():
+    """An ``sse.EventStream`` whose send fails mid-stream closes its events and runs its ``on_close`` callbacks;
+    a turn's wait closed at a yield (its stream abandoned) cancels the backend request."""
+    from types import SimpleNamespace
+
+    from starlette.requests import ClientDisconnect
+
+    from gyre_jax.proxy import sse
+    from gyre_jax.proxy.waiting import Waiter
+    from gyre_jax.serving.types import GenerationRequest, SamplingParams
+
+    backend = u.PacedBackend()
+    try:
+
+        async def run() -> tuple[list[str], list[str], str]:
+            request = GenerationRequest(prompt_ids=u.BYTES.encode(u.ENDLESS), sampling=SamplingParams(max_tokens=10**6))
+            turn = SimpleNamespace(generation=request, execution=SimpleNamespace(begin=lambda rid: None,
+                                                                                 finish=lambda rid: None))  # fmt: skip
+
+            async def connected() -> bool:
+                return False
+
+            async def events():
+                async for item in Waiter(backend).wait(turn, connected, listen=True):
+                    yield sse.data({"n": len(item.token_ids) if item is not None else 0})
+
+            stream = sse.response(events())
+            closed: list[str] = []
+            stream.on_close.append(lambda: closed.append("slot"))
+            sent: list[str] = []
+
+            async def send(message) -> None:
+                sent.append(message["type"])
+                if len(sent) == 3:  # the head, one event, then the client is gone
+                    raise OSError("connection reset")
+
+            async def receive():
+                await asyncio.sleep(3600)
+
+            with pytest.raises(ClientDisconnect):  # Starlette's name for the OSError of a send
+                await stream({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+            # on a loop that goes on (as the server's does): the abandoned wait is closed, not cancelled
+            await until(lambda: request.request_id in backend.cancelled, 10, "the generation to be cancelled")
+            return closed, sent
+
+        closed, sent = asyncio.run(run())
+        assert closed == ["slot"] and sent[0] == "http.response.start"
+        assert backend.live() == 0
+    finally:
+        backend.shutdown()
