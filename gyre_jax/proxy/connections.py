@@ -118,14 +118,14 @@ class GuardedH11Protocol(H11Protocol):
     def _header_timed_out(self, cycle: object) -> None:
         self._header_timer = None
         if self.cycle is cycle and not self.transport.is_closing():
-            logger.warning("closing a connection from %s: no request head within %s s", self.client,
+            logger.info("closing a connection from %s: no request head within %s s", self.client,
                            self._limits.header_timeout_s)  # fmt: skip
             self.transport.write(_TIMEOUT_408)
             self.transport.close()
 
     def _write_timed_out(self) -> None:
         self._write_timer = None  # resume_writing cancels it: the transport is still paused
-        logger.warning("aborting a response to %s: it did not read for %s s", self.client,
+        logger.info("aborting a response to %s: it did not read for %s s", self.client,
                        self._limits.write_timeout_s)  # fmt: skip
         self.transport.abort()
 
