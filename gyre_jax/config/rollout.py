@@ -136,6 +136,10 @@ class ProxySection(Section):
     # whatever the harness asks; what it asked is kept in the records) | "client" (the harness's values; its
     # greedy calls, temperature 0, are recorded but not trained on)
     sampling: str = "policy"
+    # admission (docs/proxy.md "Admission and connection limits"): model calls in flight at once, and waiting for a
+    # slot, before further ones get 429 + Retry-After; 0 derives them from rollout.max_parallel (admission_limits)
+    max_active_calls: int = 0
+    max_queued_calls: int = 0
 
     def __post_init__(self):
         from gyre_jax.proxy.sampling import SAMPLING_MODES
@@ -151,6 +155,19 @@ class ProxySection(Section):
             self.max_request_bytes >= 1024,
             f"config.proxy.max_request_bytes={self.max_request_bytes} must be >= 1024",
         )
+        for key in ("max_active_calls", "max_queued_calls"):
+            require(
+                getattr(self, key) >= 0,
+                f"config.proxy.{key}={getattr(self, key)} must be >= 0 (0 derives it from rollout.max_parallel)",
+            )
+
+    def admission_limits(self, max_parallel: int) -> tuple[int, int]:
+        """(max_active_calls, max_queued_calls), a 0 derived from ``max_parallel`` harnesses: 8 calls in flight
+        and 32 waiting per harness (at least 64 and 256), so no normal run's harnesses (sub-agents included) are
+        refused; only a runaway client is."""
+        active = self.max_active_calls or max(64, 8 * max_parallel)
+        queued = self.max_queued_calls or max(256, 32 * max_parallel)
+        return active, queued
 
 
 @dataclass(frozen=True)

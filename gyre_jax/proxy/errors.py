@@ -39,6 +39,7 @@ class ProxyError(Exception):
         code: str | None = None,
         param: str | None = None,
         error_type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -46,6 +47,7 @@ class ProxyError(Exception):
         self.code = code
         self.param = param
         self.error_type = error_type
+        self.headers = headers  # extra response headers (``Retry-After`` of a 429 / 503)
 
     def body(self, api: Api = "openai") -> dict[str, Any]:
         if api == "anthropic":
@@ -57,7 +59,7 @@ class ProxyError(Exception):
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
     def response(self, api: Api = "openai") -> JSONResponse:
-        return JSONResponse(self.body(api), status_code=self.status)
+        return JSONResponse(self.body(api), status_code=self.status, headers=self.headers)
 
 
 def internal_error() -> ProxyError:

@@ -9,12 +9,17 @@ Endpoints: ``GET /v1/models``; ``POST /v1/chat/completions``, ``POST /v1/complet
 ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic; ``?beta=true`` accepted);
 ``GET /health``. All calls may stream (SSE). Errors are OpenAI error bodies on the OpenAI routes and
 Anthropic error bodies on the Anthropic routes, always a 4xx for bad input; nothing a client sends
-takes the server down. A call's record is fsynced before its response is sent. See docs/proxy.md.
+takes the server down. A call's record is fsynced before its response is sent. Model calls pass bounded
+admission (``admission.py``: 429 + Retry-After beyond it); slow or abusive connections are bounded by
+``connections.py``. See docs/proxy.md.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
+import functools
 import json
 import logging
 import socket
@@ -36,24 +41,35 @@ from gyre_jax.proxy.adapters.base import TurnAdapter
 from gyre_jax.proxy.adapters.openai_chat import ChatCompletions
 from gyre_jax.proxy.adapters.openai_completions import Completions
 from gyre_jax.proxy.adapters.openai_responses import Responses
+from gyre_jax.proxy.admission import Admission
+from gyre_jax.proxy.connections import ConnectionCap, ConnectionLimits, GuardedH11Protocol
 from gyre_jax.proxy.errors import ProxyError, internal_error
-from gyre_jax.proxy.identity import MAX_THREADS_PER_EXECUTION, Executions, thread_base
+from gyre_jax.proxy.identity import MAX_THREADS_PER_EXECUTION, Execution, Executions, thread_base
 from gyre_jax.proxy.pipeline import DEFAULT_MAX_TOKENS, TurnPipeline
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.sampling import CLIENT, SamplingPolicy
-from gyre_jax.proxy.turns import Turn
+from gyre_jax.proxy.turns import Turn, TurnRequest
 from gyre_jax.serving.types import GenerationBackend
 
 logger = logging.getLogger(__name__)
 
 _DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # an oversized body is read (and dropped) up to this, so the client sees the 413
+DEFAULT_MAX_ACTIVE_CALLS = 256  # model calls in flight at once (config.proxy.max_active_calls: 0 derives it)
+DEFAULT_MAX_QUEUED_CALLS = 1024  # model calls waiting for a slot before further ones get 429
 
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The request's body as a JSON object; 400 if it is not one, 413 if it is over ``limit`` bytes."""
-    body = await read_body(request, limit)
+async def read_json(request: Request, limit: int, timeout_s: float | None = None) -> dict[str, Any]:
+    """The request's body as a JSON object; 400 if it is not one, 413 if it is over ``limit`` bytes, 408 if it did
+    not all arrive within ``timeout_s`` (None: no limit)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            body = await read_body(request, limit)
+    except TimeoutError:
+        raise ProxyError(
+            408, f"the request body did not arrive within {timeout_s} s; send it all at once", code="request_timeout"
+        ) from None
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -103,8 +119,10 @@ class ProxyServer:
     of a request that names none. ``max_threads_per_execution`` bounds the per-thread state an
     execution keeps (one context each), so memory stays bounded however long it runs. ``sampling`` says whose
     temperature / top-p / top-k calls are served with: the client's (``CLIENT``, the default here) or a
-    training run's (``SamplingPolicy.policy(...)``, what ``train`` passes). The settings are
-    read once, at construction.
+    training run's (``SamplingPolicy.policy(...)``, what ``train`` passes). ``max_active_calls`` model calls run at
+    once and ``max_queued_calls`` more wait for a slot (FIFO); further ones get 429 with ``Retry-After:
+    retry_after_s`` (``admission.py``). ``limits`` are the connection-level ones (``connections.py``). The settings
+    are read once, at construction.
     """
 
     def __init__(
@@ -122,6 +140,10 @@ class ProxyServer:
         max_tokens_cap: int | None = None,
         max_threads_per_execution: int = MAX_THREADS_PER_EXECUTION,
         sampling: SamplingPolicy = CLIENT,
+        max_active_calls: int = DEFAULT_MAX_ACTIVE_CALLS,
+        max_queued_calls: int = DEFAULT_MAX_QUEUED_CALLS,
+        retry_after_s: int = 1,
+        limits: ConnectionLimits | None = None,
     ) -> None:
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes={max_request_bytes} must be >= 1")
@@ -142,12 +164,16 @@ class ProxyServer:
         self.tools_format = tools_format
         self.max_tokens_cap = max_tokens_cap
         self.max_threads_per_execution = max_threads_per_execution
+        self._admission = Admission(max_active_calls, max_queued_calls, retry_after_s)
+        # room for every admitted and queued call, plus 256 for the rest (429s, count_tokens, models, health)
+        self.limits = limits or ConnectionLimits(max_requests=max_active_calls + max_queued_calls + 256)
         self._executions = Executions(record_store, max_threads_per_execution)
         self._pipeline = TurnPipeline(backend, tokenizer, record_store, model_name, seed=seed,
                                       default_max_tokens=default_max_tokens, tools_format=tools_format,
                                       max_tokens_cap=max_tokens_cap, sampling=sampling)  # fmt: skip
         self._requested_port = port
         self._server: uvicorn.Server | None = None
+        self._cap: ConnectionCap | None = None  # the connection cap in front of the app, made by start()
         self._socket: socket.socket | None = None
         self._port: int | None = None  # the bound port, known after start()
         self._thread: threading.Thread | None = None
@@ -172,10 +198,7 @@ class ProxyServer:
             raise RuntimeError(
                 f"proxy cannot bind {self.host}:{self._requested_port}: {exc}; pick another port (0 = any free)"
             ) from exc
-        config = uvicorn.Config(
-            self.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
-        )
-        self._server = uvicorn.Server(config)
+        self._server = uvicorn.Server(self._uvicorn_config())
         self._socket = sock
         self._port = int(sock.getsockname()[1])
         self._thread = threading.Thread(target=self._serve, name=f"gyre-proxy-{self.port}", daemon=True)
@@ -188,6 +211,25 @@ class ProxyServer:
                 raise RuntimeError(f"proxy server on {self.base_url} did not start within {timeout_s} s")
             time.sleep(0.01)
         return self
+
+    def _uvicorn_config(self) -> uvicorn.Config:
+        """uvicorn over the app behind the connection cap, with the connection limits (``connections.py``)."""
+        lim = self.limits
+        self._cap = ConnectionCap(self.app, lim, self._refuse_request)
+        return uvicorn.Config(
+            self._cap, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5, ws="none",
+            http=functools.partial(GuardedH11Protocol, limits=lim), timeout_keep_alive=lim.keep_alive_s,
+            h11_max_incomplete_event_size=lim.max_header_bytes,
+        )  # fmt: skip
+
+    def _refuse_request(self, path: str, status: int, message: str) -> Response:
+        """The connection cap's 503 (with ``Retry-After``) or 431, in the style of ``path``'s API."""
+        if status == 503:
+            headers = {"Retry-After": str(self._admission.retry_after_s), "Connection": "close"}
+            err = ProxyError(503, message, error_type="server_error", code="too_many_requests", headers=headers)
+        else:
+            err = ProxyError(status, message, code="headers_too_large", headers={"Connection": "close"})
+        return self._error_at(path, err)
 
     def _serve(self) -> None:
         assert self._server is not None and self._socket is not None
@@ -245,6 +287,12 @@ class ProxyServer:
         """Number of calls recorded for the execution."""
         return self._executions.get(execution_id).next_record_index
 
+    def admission_stats(self) -> dict[str, int]:
+        """Counters of model calls: admitted, queued, refused (429), left_queue, active, waiting; and
+        refused_503 (requests over the connection limits' max_requests)."""
+        stats = dataclasses.asdict(self._admission.stats())
+        return {**stats, "refused_503": self._cap.refused if self._cap is not None else 0}
+
     def execution_threads(self, execution_id: str) -> list[str]:
         """Thread ids the execution's live state knows (least recently used first)."""
         return self._executions.get(execution_id).thread_ids()
@@ -254,7 +302,7 @@ class ProxyServer:
     def _build_app(self) -> FastAPI:
         """Health, models, and one route per API adapter: adding an API is one more ``_mount`` line."""
         app = FastAPI(title="gyre-jax proxy", docs_url=None, redoc_url=None, openapi_url=None)
-        self._add_error_handlers(app)
+        _add_error_handlers(app, self._error_at, self._endpoints)
 
         @app.get("/health")
         async def health() -> dict[str, str]:
@@ -296,8 +344,22 @@ class ProxyServer:
         async def handle(request: Request) -> Response:
             t_start = time.time()
             execution = self._executions.authenticate(request.headers)
-            body = await read_json(request, self.max_request_bytes)
+            body = await read_json(request, self.max_request_bytes, self.limits.body_timeout_s)
             turn_request = adapter.parse(body)
+            if not await self._admission.acquire(request.is_disconnected):
+                return Response(status_code=499)  # the client went away while queued; nobody reads this
+            handed = False
+            try:
+                response = await serve(request, execution, turn_request, t_start)
+                if isinstance(response, sse.EventStream):  # the stream holds the slot until it is sent or abandoned
+                    response.on_close.append(self._admission.release)
+                    handed = True
+                return response
+            finally:
+                if not handed:
+                    self._admission.release()
+
+        async def serve(request: Request, execution: Execution, turn_request: TurnRequest, t_start: float) -> Response:
             turn = self._pipeline.prepare(turn_request, execution, thread_base(request.headers), t_start)
             if (turn_request.n or 1) > 1:
                 return await self._choices(adapter, turn, request)
@@ -326,7 +388,7 @@ class ProxyServer:
 
         async def count_tokens(request: Request) -> Response:
             self._executions.authenticate(request.headers)
-            body = await read_json(request, self.max_request_bytes)
+            body = await read_json(request, self.max_request_bytes, self.limits.body_timeout_s)
             input_tokens = self._pipeline.count_tokens(messages.parse_count_tokens(body))
             return JSONResponse(messages.count_tokens_body(input_tokens))
 
@@ -343,33 +405,33 @@ class ProxyServer:
         return JSONResponse({"object": "list", "data": [card], "has_more": False,
                              "first_id": self.model_name, "last_id": self.model_name})  # fmt: skip
 
-    def _error(self, request: Request, err: ProxyError) -> JSONResponse:
-        """``err`` in the style of the API route the path falls under (``/v1/messages/nope``: Anthropic), else OpenAI."""
-        path = request.url.path
+    def _error_at(self, path: str, err: ProxyError) -> JSONResponse:
+        """``err`` in the style of the API route ``path`` falls under (``/v1/messages/nope``: Anthropic), else OpenAI."""
         adapter = next((a for route, a in self._adapters.items() if path.startswith(route)), None)
         return err.response() if adapter is None else _error_response(adapter, err)
 
-    def _add_error_handlers(self, app: FastAPI) -> None:
-        """Errors raised outside the API routes (unknown path, wrong method, ...) in the style of the path's API."""
 
-        @app.exception_handler(StarletteHTTPException)
-        async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-            message = f"{request.method} {request.url.path}: {exc.detail}"
-            if exc.status_code == 404:
-                served = self._endpoints
-                message += f"; this proxy serves {', '.join(served[:-1])} and {served[-1]}"
-            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-            return self._error(request, ProxyError(exc.status_code, message, code=code))
+def _add_error_handlers(app: FastAPI, error_at: Callable[[str, ProxyError], JSONResponse], served: list[str]) -> None:
+    """Errors raised outside the API routes (unknown path, wrong method, ...) in the style of the path's API
+    (``error_at(path, err)``); a 404 lists the ``served`` endpoints."""
 
-        @app.exception_handler(RequestValidationError)
-        async def validation_failed(request: Request, exc: RequestValidationError) -> JSONResponse:
-            return self._error(request, ProxyError(400, f"invalid request: {exc.errors()}"))
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        if exc.status_code == 404:
+            message += f"; this proxy serves {', '.join(served[:-1])} and {served[-1]}"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_at(request.url.path, ProxyError(exc.status_code, message, code=code))
 
-        @app.exception_handler(Exception)
-        async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-            logger.error("unexpected error serving %s %s", request.method, request.url.path, exc_info=exc)
-            return self._error(request, internal_error())
+    @app.exception_handler(RequestValidationError)
+    async def validation_failed(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_at(request.url.path, ProxyError(400, f"invalid request: {exc.errors()}"))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("unexpected error serving %s %s", request.method, request.url.path, exc_info=exc)
+        return error_at(request.url.path, internal_error())
 
 
 def _error_response(adapter: TurnAdapter, err: ProxyError) -> JSONResponse:
-    return JSONResponse(adapter.error_body(err), status_code=err.status)
+    return JSONResponse(adapter.error_body(err), status_code=err.status, headers=err.headers)

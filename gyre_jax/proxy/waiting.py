@@ -62,7 +62,7 @@ class Waiter:
                     if now >= next_keepalive:
                         next_keepalive = now + KEEPALIVE_S
                         yield None
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):  # cancelled, or its stream was closed (client gone)
                 self.backend.cancel(request_id)
                 raise
             yield self.checked_result(turn, waiting)

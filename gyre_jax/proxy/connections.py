@@ -1,0 +1,165 @@
+"""Connection-level limits of the proxy's HTTP server, so slow or abusive clients cannot block others or grow memory.
+
+uvicorn (h11) already bounds a request's headers (``h11_max_incomplete_event_size``: larger ones get 400) and
+closes a connection idle between requests after ``timeout_keep_alive``. What it lacks, ``GuardedH11Protocol``
+adds:
+
+- a header timeout: a connection that has not sent a whole request head ``header_timeout_s`` after it opened
+  (or after its previous response) gets 408 and is closed (a slowloris sender dribbling header bytes; uvicorn
+  re-arms nothing while bytes keep coming);
+- a write timeout: a response whose transport stayed paused (its client not reading, the socket buffers full)
+  for ``write_timeout_s`` is aborted; the ASGI side then sees a disconnect, so a streamed model call is
+  cancelled and its admission slot freed.
+
+``ConnectionCap`` answers 503 with ``Retry-After`` (in the API's own error style) to a request that arrives while
+``max_requests`` requests are in progress, as uvicorn's ``limit_concurrency`` would, but with the header the SDKs
+honour. (It counts requests, not open connections: a burst of connections opened at once would otherwise all be
+refused. Idle connections are bounded in time by the keep-alive and header timeouts.) A body read timeout is the
+server's (``server.read_json``). See docs/proxy.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The proxy's connection-level limits (see the module docstring); every time in seconds."""
+
+    max_requests: int = 2048  # requests in progress (each on its own connection) beyond which one gets 503
+    header_timeout_s: float = 10.0  # > keep_alive_s: an idle keep-alive connection still has time to send
+    body_timeout_s: float = 30.0  # to receive a whole request body once its head arrived (408 after)
+    write_timeout_s: float = 30.0  # a response blocked on a client that does not read is aborted after this
+    keep_alive_s: int = 5  # an idle connection between requests is closed after this (uvicorn's timeout_keep_alive)
+    max_header_bytes: int = 16 * 1024  # a request head larger than this gets 431 (or 400 while still incomplete)
+    send_buffer_bytes: int = 256 * 1024  # the kernel send buffer of each connection (SO_SNDBUF; Linux doubles it)
+
+    def __post_init__(self) -> None:
+        if self.max_requests < 1:
+            raise ValueError(f"max_requests={self.max_requests} must be >= 1")
+        for name in ("header_timeout_s", "body_timeout_s", "write_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
+        if self.keep_alive_s < 1:
+            raise ValueError(f"keep_alive_s={self.keep_alive_s} must be >= 1")
+        if self.header_timeout_s <= self.keep_alive_s:
+            raise ValueError(
+                f"header_timeout_s={self.header_timeout_s} must exceed keep_alive_s={self.keep_alive_s}, or a "
+                "keep-alive connection that idles almost that long has no time left to send its next request"
+            )
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes={self.max_header_bytes} must be >= 1024")
+        if self.send_buffer_bytes < 4096:
+            raise ValueError(f"send_buffer_bytes={self.send_buffer_bytes} must be >= 4096")
+
+
+_TIMEOUT_TEXT = b"the request head did not arrive in time; send it all at once"
+_TIMEOUT_408 = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+    b"content-length: %d\r\n\r\n%s" % (len(_TIMEOUT_TEXT), _TIMEOUT_TEXT)
+)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a header timeout and a write timeout (module docstring)."""
+
+    def __init__(self, *args: Any, limits: ConnectionLimits, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._limits = limits
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # bounded: a client that does not read pauses the response (and its timer) soon
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._limits.send_buffer_bytes)
+        self._arm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self._arm_header_timer()  # waiting for the next request's head (none pipelined)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._header_timer, self._write_timer):
+            if timer is not None:
+                timer.cancel()
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self._limits.write_timeout_s, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        cycle = self.cycle  # a new request head replaces it; the timer then does nothing
+        self._header_timer = self.loop.call_later(self._limits.header_timeout_s, self._header_timed_out, cycle)
+
+    def _header_timed_out(self, cycle: object) -> None:
+        self._header_timer = None
+        if self.cycle is cycle and not self.transport.is_closing():
+            logger.info("closing a connection from %s: no request head within %s s", self.client,
+                           self._limits.header_timeout_s)  # fmt: skip
+            self.transport.write(_TIMEOUT_408)
+            self.transport.close()
+
+    def _write_timed_out(self) -> None:
+        self._write_timer = None  # resume_writing cancels it: the transport is still paused
+        logger.info("aborting a response to %s: it did not read for %s s", self.client,
+                       self._limits.write_timeout_s)  # fmt: skip
+        self.transport.abort()
+
+
+class ConnectionCap:
+    """ASGI middleware: a request whose head is over ``max_header_bytes`` gets 431 (h11 checks only heads still
+    arriving); one arriving while ``max_requests`` are in progress gets 503 with ``Retry-After``. ``refuse(path,
+    status, message)`` renders them in the path's API style; other requests go to ``app``. Runs on the server's
+    event loop; ``refused`` counts the 503s."""
+
+    def __init__(self, app: ASGIApp, limits: ConnectionLimits, refuse: Callable[[str, int, str], ASGIApp]) -> None:
+        self.app = app
+        self.max_requests = limits.max_requests
+        self.max_header_bytes = limits.max_header_bytes
+        self.refuse = refuse
+        self.in_progress = 0
+        self.refused = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        head = sum(len(name) + len(value) + 4 for name, value in scope["headers"]) + len(scope["raw_path"])
+        if head > self.max_header_bytes:
+            message = f"the request head is {head} bytes, over this proxy's limit of {self.max_header_bytes}; send smaller headers"
+            await self.refuse(scope["path"], 431, message)(scope, receive, send)
+            return
+        if self.in_progress >= self.max_requests:
+            self.refused += 1
+            message = f"the proxy is serving its limit of {self.max_requests} requests at once; retry later"
+            await self.refuse(scope["path"], 503, message)(scope, receive, send)
+            return
+        self.in_progress += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_progress -= 1
