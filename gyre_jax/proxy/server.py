@@ -15,7 +15,7 @@ takes the server down. A call's record is fsynced before its response is sent. S
 from __future__ import annotations
 
 import contextlib
-import json
+import ipaddress
 import logging
 import socket
 import threading
@@ -30,8 +30,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from gyre_jax.proxy import sse, tito
-from gyre_jax.proxy.adapters.anthropic_messages import Messages
+from gyre_jax.proxy import json_input, openapi, sse, tito
+from gyre_jax.proxy.adapters.anthropic_messages import CountTokensRequest, Messages
 from gyre_jax.proxy.adapters.base import TurnAdapter
 from gyre_jax.proxy.adapters.openai_chat import ChatCompletions
 from gyre_jax.proxy.adapters.openai_completions import Completions
@@ -55,8 +55,8 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     """The request's body as a JSON object; 400 if it is not one, 413 if it is over ``limit`` bytes."""
     body = await read_body(request, limit)
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = json_input.parse(body)
+    except ValueError as exc:  # bad JSON or UTF-8, NaN, lone surrogates, deep nesting, ints past 4300 digits
         raise ProxyError(400, f"request body is not valid JSON ({exc}); send a JSON object") from None
     if not isinstance(data, dict):
         raise ProxyError(400, f"request body must be a JSON object, got {type(data).__name__}")
@@ -94,6 +94,27 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) only listens on this machine's loopback interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost: it may resolve to any interface
+        return False
+
+
+def check_bind(host: str, allow_remote_bind: bool) -> None:
+    """ValueError unless ``host`` is loopback or remote binds are allowed: the proxy serves model calls to anyone
+    who reaches its port with a key, so exposing it beyond this machine must be asked for."""
+    if not allow_remote_bind and not is_loopback(host):
+        raise ValueError(
+            f"proxy host {host!r} is not a loopback address: the proxy would accept connections from other machines. "
+            "Bind 127.0.0.1 (harnesses on this host, sandboxed ones through their bridge), or set "
+            "config.proxy.allow_remote_bind=True (ProxyServer(allow_remote_bind=True)) where harnesses run elsewhere"
+        )
+
+
 class ProxyServer:
     """The proxy over a ``GenerationBackend``; run it with ``start()``/``stop()`` or ``with``.
 
@@ -103,7 +124,8 @@ class ProxyServer:
     of a request that names none. ``max_threads_per_execution`` bounds the per-thread state an
     execution keeps (one context each), so memory stays bounded however long it runs. ``sampling`` says whose
     temperature / top-p / top-k calls are served with: the client's (``CLIENT``, the default here) or a
-    training run's (``SamplingPolicy.policy(...)``, what ``train`` passes). The settings are
+    training run's (``SamplingPolicy.policy(...)``, what ``train`` passes). ``host`` must be a loopback address
+    unless ``allow_remote_bind`` (anyone who reaches the port may try keys; see ``check_bind``). The settings are
     read once, at construction.
     """
 
@@ -122,7 +144,9 @@ class ProxyServer:
         max_tokens_cap: int | None = None,
         max_threads_per_execution: int = MAX_THREADS_PER_EXECUTION,
         sampling: SamplingPolicy = CLIENT,
+        allow_remote_bind: bool = False,
     ) -> None:
+        check_bind(host, allow_remote_bind)
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes={max_request_bytes} must be >= 1")
         if default_max_tokens < 1:
@@ -154,6 +178,7 @@ class ProxyServer:
         self._thread_error: BaseException | None = None
         self._endpoints: list[str] = []  # "METHOD /path" of the API routes, for the 404 message
         self._adapters: dict[str, TurnAdapter] = {}  # API route path -> its adapter (errors outside the routes)
+        self.operations: list[openapi.Operation] = []  # every route served, as GET /openapi.json documents it
         self.app = self._build_app()
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
@@ -252,7 +277,8 @@ class ProxyServer:
     # -- app -------------------------------------------------------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
-        """Health, models, and one route per API adapter: adding an API is one more ``_mount`` line."""
+        """Health, models, the OpenAPI document, and one route per API adapter: adding an API is one more ``_mount``
+        line. Each route registers its ``openapi.Operation``, so ``GET /openapi.json`` lists exactly what is served."""
         app = FastAPI(title="gyre-jax proxy", docs_url=None, redoc_url=None, openapi_url=None)
         self._add_error_handlers(app)
 
@@ -260,22 +286,35 @@ class ProxyServer:
         async def health() -> dict[str, str]:
             return {"status": "ok"}
 
+        @app.get("/openapi.json")
+        async def schema() -> dict:
+            return openapi.document(self.operations, self.model_name)
+
+        self.operations += [openapi.Operation("get", "/health", "liveness", auth=False),
+                            openapi.Operation("get", "/openapi.json", "this document", auth=False)]  # fmt: skip
         app.get("/v1/models")(self._models)
         self._endpoints.append("GET /v1/models")
+        self.operations.append(openapi.Operation("get", "/v1/models", "the served model (OpenAI and Anthropic form)"))
         messages = Messages(self.model_name)
         self._mount(app, "/v1/chat/completions", ChatCompletions(self.model_name))
         self._mount(app, "/v1/completions", Completions(self.model_name))
         self._mount(app, "/v1/responses", Responses(self.model_name))
         self._mount(app, "/v1/messages", messages)
-        self._post(app, "/v1/messages/count_tokens", self._count_tokens_handler(messages), messages)
+        count = openapi.Operation("post", "/v1/messages/count_tokens", "Anthropic count_tokens", CountTokensRequest,
+                                  "anthropic", query=("beta",))  # fmt: skip
+        self._post(app, count, self._count_tokens_handler(messages), messages)
         return app
 
     def _mount(self, app: FastAPI, path: str, adapter: TurnAdapter) -> None:
         """``POST path``: model calls in ``adapter``'s wire format, through the turn pipeline."""
-        self._post(app, path, self._turn_handler(adapter), adapter)
+        query = ("beta",) if adapter.error_style == "anthropic" else ()
+        summary = f"a model call in the {type(adapter).__name__} wire format ({adapter.error_style} API)"
+        op = openapi.Operation("post", path, summary, adapter.request_schema, adapter.error_style, streams=True,
+                               query=query)  # fmt: skip
+        self._post(app, op, self._turn_handler(adapter), adapter)
 
-    def _post(self, app: FastAPI, path: str, handler: Handler, adapter: TurnAdapter) -> None:
-        """``POST path`` served by ``handler``; its errors (and those of paths under it) in ``adapter``'s style."""
+    def _post(self, app: FastAPI, op: openapi.Operation, handler: Handler, adapter: TurnAdapter) -> None:
+        """``POST op.path`` served by ``handler``; its errors (and those of paths under it) in ``adapter``'s style."""
 
         async def endpoint(request: Request) -> Response:
             try:
@@ -286,9 +325,10 @@ class ProxyServer:
                 logger.exception("unexpected error serving %s", request.url.path)
                 return _error_response(adapter, internal_error())
 
-        app.post(path)(endpoint)
-        self._endpoints.append(f"POST {path}")
-        self._adapters[path] = adapter
+        app.post(op.path)(endpoint)
+        self._endpoints.append(f"POST {op.path}")
+        self._adapters[op.path] = adapter
+        self.operations.append(op)
 
     def _turn_handler(self, adapter: TurnAdapter) -> Handler:
         """One API call: key -> body -> ``adapter.parse`` -> pipeline -> ``adapter.respond`` or ``adapter.stream``."""
