@@ -31,6 +31,11 @@ ERROR_STATUSES = {  # status -> what it means on this proxy (the description of 
     429: "refused by admission control (too many calls); retry after the Retry-After header",
     503: "refused: the proxy or its backend is overloaded or shutting down; retry after the Retry-After header",
 }
+SSE_EVENT = {  # one server-sent event (its data a JSON document or "[DONE]"); keep-alives are comments or pings
+    "type": "object",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"},
+                   "retry": {"type": "integer"}},
+}  # fmt: skip
 AUTH_STATUSES = (401, 409)
 BODY_STATUSES = (400, 404, 413, 429, 503)
 
@@ -87,7 +92,7 @@ def _error_schemas() -> dict[str, Any]:
 def _responses(op: Operation) -> dict[str, Any]:
     ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
     if op.streams:
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["text/event-stream"] = {"schema": SSE_EVENT}
     responses: dict[str, Any] = {"200": {"description": "success", "content": ok}}
     statuses = (AUTH_STATUSES if op.auth else ()) + (BODY_STATUSES if op.request is not None else ())
     ref = {"$ref": "#/components/schemas/" + ("AnthropicError" if op.style == "anthropic" else "OpenAIError")}

@@ -74,7 +74,7 @@ def live_proxy(tmp: pathlib.Path, executions: tuple[str, ...] = ("e0",), **kwarg
     root.addHandler(handler)
     root.setLevel(logging.DEBUG)
     store = RecordStore(tmp / "records")
-    backend = ScriptedBackend(BYTES, script, max_context=4096)
+    backend = ScriptedBackend(BYTES, script)
     try:
         with ProxyServer(backend, BYTES, store, model_name=MODEL, max_request_bytes=256 * 1024, **kwargs) as server:
             keys = {e: server.open_execution(e) for e in executions}
@@ -146,6 +146,13 @@ def schemathesis_fuzz(live: Live, examples: int, seed: int, tally: Tally) -> Non
 
 def _fuzz_operation(live, operation, mode, examples, seed, documented, execution, tally) -> None:
     import requests
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    CONFORMANCE_CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance]
 
     session = requests.Session()
 
@@ -161,8 +168,12 @@ def _fuzz_operation(live, operation, mode, examples, seed, documented, execution
             response = case.call(base_url=live.root, session=session, headers=headers, timeout=30)
             what = f"{mode.value} {case.method} {case.path} key={bool(headers)} body={str(case.body)[:200]!r}"
             tally.see(what, response.status_code, response.text, response.headers.get("retry-after"))
-            if str(response.status_code) not in documented and response.status_code not in (405,):
+            if str(response.status_code) not in documented:
                 tally.nonconforming.append(f"undocumented {response.status_code} for {what}")
+            try:  # schemathesis' own checks: status and content type documented, body matches the response schema
+                case.validate_response(response, checks=CONFORMANCE_CHECKS)
+            except (Exception, BaseExceptionGroup) as exc:  # noqa: BLE001 - a failed check, counted (its text says which)
+                tally.nonconforming.append(f"{type(exc).__name__} for {what}: {str(exc)[:300]}")
 
     try:
         hypothesis_seed(seed)(run)()

@@ -1,0 +1,183 @@
+"""Issue 19 item 5: the proxy under fuzzed input. schemathesis against the proxy's own OpenAPI document (every
+endpoint, with the execution's key and without), hypothesis message lists / tool schemas with UTF-8 edge cases,
+and hand-made hostile bodies (lone surrogates, NULs, huge numbers, 100000 nested arrays, invalid UTF-8, huge
+strings): every answer is a 2xx or a 4xx in the route's own error style, the server keeps serving, every record
+parses. The long version is benchmarks/faults/fuzz.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.routing import APIRoute
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _fuzz_util as fu  # noqa: E402
+
+from gyre_jax.proxy.adapters.anthropic_messages import CountTokensRequest, MessagesRequest  # noqa: E402
+from gyre_jax.proxy.adapters.openai_chat import ChatCompletionRequest  # noqa: E402
+from gyre_jax.proxy.json_input import MAX_JSON_DEPTH  # noqa: E402
+
+ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+@pytest.fixture()
+def live(tmp_path):
+    with fu.live_proxy(tmp_path) as live:
+        yield live
+
+
+def assert_api_error(path: str, response: httpx.Response, status: int | tuple[int, ...]) -> str:
+    """The response is ``status`` with an error body in ``path``'s API style; returns its message."""
+    assert response.status_code in ((status,) if isinstance(status, int) else status), response.text
+    body = response.json()
+    if path in ANTHROPIC:
+        assert body["type"] == "error" and isinstance(body["error"]["message"], str), body
+        return body["error"]["message"]
+    assert isinstance(body["error"]["message"], str) and "type" in body["error"], body
+    return body["error"]["message"]
+
+
+def test_openapi_document_lists_every_mounted_route_with_the_adapters_fields(live):
+    document = httpx.get(live.root + "/openapi.json").json()
+    assert document["openapi"].startswith("3.")
+    mounted = {(m.lower(), r.path) for r in live.server.app.routes if isinstance(r, APIRoute) for m in r.methods}
+    documented = {(m, p) for p, ops in document["paths"].items() for m in ops}
+    assert mounted == documented  # nothing served undocumented, nothing documented unserved
+    schemas = document["components"]["schemas"]
+    for path, model in [("/v1/chat/completions", ChatCompletionRequest), ("/v1/messages", MessagesRequest),
+                        ("/v1/messages/count_tokens", CountTokensRequest)]:  # fmt: skip
+        ref = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        properties = schemas[ref.rsplit("/", 1)[1]]["properties"]
+        assert set(properties) == set(model.model_fields), path  # the fields the adapter reads
+        assert properties["model"] == {"type": "string", "enum": [fu.MODEL]}
+        assert schemas[ref.rsplit("/", 1)[1]].get("additionalProperties", True) is True  # unknown fields allowed
+    chat = document["paths"]["/v1/chat/completions"]["post"]
+    assert {"200", "400", "401", "404", "409", "413", "429", "503"} <= set(chat["responses"])
+    assert chat["security"] == [{"bearer": []}, {"apiKey": []}]
+    assert document["components"]["securitySchemes"]["apiKey"] == {
+        "type": "apiKey",
+        "in": "header",
+        "name": "x-api-key",
+    }
+    assert document["paths"]["/health"]["get"]["security"] == []
+
+
+def test_schemathesis_finds_no_5xx_and_every_answer_is_documented(live):
+    tally = fu.Tally()
+    fu.schemathesis_fuzz(live, examples=3, seed=0, tally=tally)
+    assert tally.cases >= 30
+    assert tally.server_errors == []
+    assert tally.nonconforming == []
+    assert tally.statuses[401] >= tally.cases - 2  # every keyless call of a keyed route (all but /health, schema)
+    assert fu.check_alive_and_records(live) >= 1
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+HOSTILE = {  # name -> (body bytes, status)
+    "100000 nested arrays": (DEEP, 400),
+    "nesting past the limit": (b'{"model": "gyre-tiny", "x": ' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}", 400),
+    "lone high surrogate": (b'{"model": "gyre-tiny", "messages": [{"role": "user", "content": "a\\ud800b"}], "prompt": "\\ud800"}', 400),
+    "lone low surrogate in a key": (b'{"model": "gyre-tiny", "\\udc00": 1, "messages": [{"role": "user", "content": "a"}]}', 400),
+    "NaN": (b'{"model": "gyre-tiny", "temperature": NaN, "messages": [{"role": "user", "content": "a"}]}', 400),
+    "Infinity in a tool schema": (b'{"model": "gyre-tiny", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"x": -Infinity}}}], "messages": [{"role": "user", "content": "a"}]}', 400),
+    "an int of 5000 digits": (b'{"model": "gyre-tiny", "seed": 1' + b"0" * 5000 + b', "messages": [{"role": "user", "content": "a"}]}', 400),
+    "invalid UTF-8": (b'{"model": "gyre-tiny", "messages": [{"role": "user", "content": "\xff\xfe\xc3("}]}', 400),
+    "not an object": (b"[1, 2]", 400),
+    "over the body limit": (b'{"model": "gyre-tiny", "x": "' + b"a" * 300_000 + b'"}', 413),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_bodies_are_a_4xx_in_each_apis_style_and_the_server_goes_on(live, name):
+    body, status = HOSTILE[name]
+    for path in fu.POST_PATHS:
+        r = httpx.post(live.root + path, content=body, headers=live.headers("e0"), timeout=60)
+        message = assert_api_error(path, r, status)
+        assert "internal error" not in message
+    assert fu.check_alive_and_records(live) >= 1
+
+
+ACCEPTED = {  # valid JSON the proxy must serve: numbers past float/int64, NULs, paired surrogates, a huge string
+    "1e400 and 10**400": '{"model": "gyre-tiny", "max_tokens": 1'
+    + "0" * 400
+    + ', "seed": 1'
+    + "0" * 400
+    + ', "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {"name": "f", '
+    '"parameters": {"x": 1e400}}}]}',
+    "NUL and a paired surrogate": json.dumps(
+        {"model": "gyre-tiny", "messages": [{"role": "user", "content": "a\x00b \U0001f600 \u2028"}]}
+    ),
+    "a string just under the limit": json.dumps(
+        {"model": "gyre-tiny", "messages": [{"role": "user", "content": "\u00e9\u4e2d" * 20_000}]}, ensure_ascii=False
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_edge_values_that_are_valid_json_are_served_and_recorded(live, name):
+    before = live.store.count("e0")
+    r = httpx.post(live.root + "/v1/chat/completions", content=ACCEPTED[name].encode(), headers=live.headers("e0"),
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "tool_calls")
+    assert live.store.count("e0") == before + 1
+    assert fu.check_alive_and_records(live) == before + 2
+
+
+EDGE_TEXT = st.one_of(
+    st.text(max_size=30),
+    st.sampled_from(["\ud800", "\udfff", "a\udc00b", "\x00", "\U0010ffff", "\u2028", "<|im_end|>", "<tool_call>", ""]),
+)
+JSON_VALUE = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | EDGE_TEXT,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(EDGE_TEXT, children, max_size=4),
+    max_leaves=12,
+)
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", 5])},
+    optional={"content": st.one_of(EDGE_TEXT, st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image",
+              "tool_use", "tool_result", "thinking"])}, optional={"text": EDGE_TEXT, "id": EDGE_TEXT, "input": JSON_VALUE,
+              "content": EDGE_TEXT, "tool_use_id": EDGE_TEXT}), max_size=3), JSON_VALUE),
+              "tool_calls": st.lists(st.fixed_dictionaries({"function": st.fixed_dictionaries(
+                  {"name": EDGE_TEXT, "arguments": st.one_of(EDGE_TEXT, JSON_VALUE)})}), max_size=2),
+              "tool_call_id": EDGE_TEXT, "name": EDGE_TEXT},
+)  # fmt: skip
+TOOL = st.one_of(
+    st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": EDGE_TEXT}, optional={"parameters": JSON_VALUE, "description": EDGE_TEXT})}),
+    st.fixed_dictionaries({"name": EDGE_TEXT}, optional={"input_schema": JSON_VALUE, "type": EDGE_TEXT}),
+    JSON_VALUE,
+)  # fmt: skip
+
+
+@settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(messages=st.lists(MESSAGE, min_size=0, max_size=4), tools=st.none() | st.lists(TOOL, max_size=2),
+       path=st.sampled_from(fu.POST_PATHS), stream=st.booleans())  # fmt: skip
+def test_generated_messages_and_tools_never_get_a_5xx(shared_live, messages, tools, path, stream):
+    body = {"model": fu.MODEL, "messages": messages, "max_tokens": 8, "stream": stream, "input": messages,
+            "prompt": messages[0].get("content", "x") if messages else "x"}  # fmt: skip
+    if tools is not None:
+        body["tools"] = tools
+    data = json.dumps(body).encode()  # ensure_ascii: lone surrogates travel as \\ud800 escapes
+    r = httpx.post(shared_live.root + path, content=data, headers=shared_live.headers("e0"), timeout=60)
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        assert_api_error(path, r, r.status_code)
+
+
+@pytest.fixture(scope="module")
+def shared_live(tmp_path_factory):
+    with fu.live_proxy(tmp_path_factory.mktemp("fuzz")) as live:
+        yield live
+    # after every generated case: still serving, records intact (checked in the next test)
+
+
+def test_after_generated_traffic_the_server_serves_and_every_record_parses(shared_live):
+    assert fu.check_alive_and_records(shared_live) >= 1
+    assert not [line for line in shared_live.logs if "unexpected error" in line or "Traceback" in line]
