@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 import httpx
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
 from gyre_jax.model.tokenizer import ByteTokenizer
+from gyre_jax.proxy.json_input import MAX_JSON_DEPTH
 from gyre_jax.proxy.records import RecordStore, TitoRecord
 from gyre_jax.proxy.server import ProxyServer
 from gyre_jax.serving.scripted import ScriptedBackend
@@ -179,3 +181,94 @@ def _fuzz_operation(live, operation, mode, examples, seed, documented, execution
         hypothesis_seed(seed)(run)()
     except Unsatisfiable:  # nothing to negate (GET /health has no input): no negative case exists
         pass
+
+
+# -- hand-made hostile bodies and hypothesis-generated ones --------------------------------------------------------
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+HOSTILE = {  # name -> (body bytes, status)
+    "100000 nested arrays": (DEEP, 400),
+    "nesting past the limit": (b'{"model": "gyre-tiny", "x": ' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}", 400),
+    "lone high surrogate": (b'{"model": "gyre-tiny", "messages": [{"role": "user", "content": "a\\ud800b"}], "prompt": "\\ud800"}', 400),
+    "lone low surrogate in a key": (b'{"model": "gyre-tiny", "\\udc00": 1, "messages": [{"role": "user", "content": "a"}]}', 400),
+    "NaN": (b'{"model": "gyre-tiny", "temperature": NaN, "messages": [{"role": "user", "content": "a"}]}', 400),
+    "Infinity in a tool schema": (b'{"model": "gyre-tiny", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"x": -Infinity}}}], "messages": [{"role": "user", "content": "a"}]}', 400),
+    "an int of 5000 digits": (b'{"model": "gyre-tiny", "seed": 1' + b"0" * 5000 + b', "messages": [{"role": "user", "content": "a"}]}', 400),
+    "invalid UTF-8": (b'{"model": "gyre-tiny", "messages": [{"role": "user", "content": "\xff\xfe\xc3("}]}', 400),
+    "not an object": (b"[1, 2]", 400),
+    "over the body limit": (b'{"model": "gyre-tiny", "x": "' + b"a" * 300_000 + b'"}', 413),
+}  # fmt: skip
+
+
+def send_hostile(live: Live, tally: Tally) -> int:
+    """Every ``HOSTILE`` body to every POST route with the key; an answer other than its 4xx is nonconforming."""
+    sent = 0
+    with httpx.Client(timeout=60) as client:
+        for name, (body, status) in HOSTILE.items():
+            for path in POST_PATHS:
+                r = client.post(live.root + path, content=body, headers=live.headers(next(iter(live.keys))))
+                sent += 1
+                tally.see(f"{name} to {path}", r.status_code, r.text)
+                if r.status_code != status:
+                    tally.nonconforming.append(f"{name} to {path}: {r.status_code} (expected {status}) {r.text[:200]}")
+    return sent
+
+
+EDGE_TEXT = st.one_of(
+    st.text(max_size=30),
+    st.sampled_from(["\ud800", "\udfff", "a\udc00b", "\x00", "\U0010ffff", "\u2028", "<|im_end|>", "<tool_call>", ""]),
+)
+JSON_VALUE = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | EDGE_TEXT,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(EDGE_TEXT, children, max_size=4),
+    max_leaves=12,
+)
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", 5])},
+    optional={"content": st.one_of(EDGE_TEXT, st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image",
+              "tool_use", "tool_result", "thinking"])}, optional={"text": EDGE_TEXT, "id": EDGE_TEXT, "input": JSON_VALUE,
+              "content": EDGE_TEXT, "tool_use_id": EDGE_TEXT}), max_size=3), JSON_VALUE),
+              "tool_calls": st.lists(st.fixed_dictionaries({"function": st.fixed_dictionaries(
+                  {"name": EDGE_TEXT, "arguments": st.one_of(EDGE_TEXT, JSON_VALUE)})}), max_size=2),
+              "tool_call_id": EDGE_TEXT, "name": EDGE_TEXT},
+)  # fmt: skip
+TOOL = st.one_of(
+    st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": EDGE_TEXT}, optional={"parameters": JSON_VALUE, "description": EDGE_TEXT})}),
+    st.fixed_dictionaries({"name": EDGE_TEXT}, optional={"input_schema": JSON_VALUE, "type": EDGE_TEXT}),
+    JSON_VALUE,
+)  # fmt: skip
+
+
+BODY = st.fixed_dictionaries(
+    {"messages": st.lists(MESSAGE, max_size=4), "path": st.sampled_from(POST_PATHS), "stream": st.booleans()},
+    optional={"tools": st.lists(TOOL, max_size=2)},
+)
+
+
+def generated_body(drawn: dict) -> tuple[str, bytes]:
+    """(path, JSON bytes) of a drawn ``BODY``: the same messages under each API's field names; ``ensure_ascii`` sends
+    lone surrogates as ``\\ud800`` escapes, as a client with a broken string would."""
+    messages = drawn["messages"]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "stream": drawn["stream"], "input": messages,
+            "prompt": messages[0].get("content", "x") if messages else "x"}  # fmt: skip
+    if "tools" in drawn:
+        body["tools"] = drawn["tools"]
+    return drawn["path"], json.dumps(body).encode()
+
+
+def hypothesis_fuzz(live: Live, examples: int, seed: int, tally: Tally) -> None:
+    """``examples`` generated bodies (``BODY``), seeded, each to its route with the key; statuses into ``tally``."""
+    client = httpx.Client(timeout=60)
+
+    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(drawn=BODY)
+    def run(drawn) -> None:
+        tally.cases += 1
+        path, data = generated_body(drawn)
+        r = client.post(live.root + path, content=data, headers=live.headers(next(iter(live.keys))))
+        tally.see(f"generated {path} {data[:200]!r}", r.status_code, r.text)
+
+    with client:
+        hypothesis_seed(seed)(run)()

@@ -14,14 +14,12 @@ import httpx
 import pytest
 from fastapi.routing import APIRoute
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _fuzz_util as fu  # noqa: E402
 
 from gyre_jax.proxy.adapters.anthropic_messages import CountTokensRequest, MessagesRequest  # noqa: E402
 from gyre_jax.proxy.adapters.openai_chat import ChatCompletionRequest  # noqa: E402
-from gyre_jax.proxy.json_input import MAX_JSON_DEPTH  # noqa: E402
 
 ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")
 
@@ -78,24 +76,9 @@ def test_schemathesis_finds_no_5xx_and_every_answer_is_documented(live):
     assert fu.check_alive_and_records(live) >= 1
 
 
-DEEP = b"[" * 100_000 + b"]" * 100_000
-HOSTILE = {  # name -> (body bytes, status)
-    "100000 nested arrays": (DEEP, 400),
-    "nesting past the limit": (b'{"model": "gyre-tiny", "x": ' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}", 400),
-    "lone high surrogate": (b'{"model": "gyre-tiny", "messages": [{"role": "user", "content": "a\\ud800b"}], "prompt": "\\ud800"}', 400),
-    "lone low surrogate in a key": (b'{"model": "gyre-tiny", "\\udc00": 1, "messages": [{"role": "user", "content": "a"}]}', 400),
-    "NaN": (b'{"model": "gyre-tiny", "temperature": NaN, "messages": [{"role": "user", "content": "a"}]}', 400),
-    "Infinity in a tool schema": (b'{"model": "gyre-tiny", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"x": -Infinity}}}], "messages": [{"role": "user", "content": "a"}]}', 400),
-    "an int of 5000 digits": (b'{"model": "gyre-tiny", "seed": 1' + b"0" * 5000 + b', "messages": [{"role": "user", "content": "a"}]}', 400),
-    "invalid UTF-8": (b'{"model": "gyre-tiny", "messages": [{"role": "user", "content": "\xff\xfe\xc3("}]}', 400),
-    "not an object": (b"[1, 2]", 400),
-    "over the body limit": (b'{"model": "gyre-tiny", "x": "' + b"a" * 300_000 + b'"}', 413),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("name", sorted(HOSTILE))
+@pytest.mark.parametrize("name", sorted(fu.HOSTILE))
 def test_hostile_bodies_are_a_4xx_in_each_apis_style_and_the_server_goes_on(live, name):
-    body, status = HOSTILE[name]
+    body, status = fu.HOSTILE[name]
     for path in fu.POST_PATHS:
         r = httpx.post(live.root + path, content=body, headers=live.headers("e0"), timeout=60)
         message = assert_api_error(path, r, status)
@@ -130,41 +113,10 @@ def test_edge_values_that_are_valid_json_are_served_and_recorded(live, name):
     assert fu.check_alive_and_records(live) == before + 2
 
 
-EDGE_TEXT = st.one_of(
-    st.text(max_size=30),
-    st.sampled_from(["\ud800", "\udfff", "a\udc00b", "\x00", "\U0010ffff", "\u2028", "<|im_end|>", "<tool_call>", ""]),
-)
-JSON_VALUE = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | EDGE_TEXT,
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(EDGE_TEXT, children, max_size=4),
-    max_leaves=12,
-)
-MESSAGE = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", 5])},
-    optional={"content": st.one_of(EDGE_TEXT, st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image",
-              "tool_use", "tool_result", "thinking"])}, optional={"text": EDGE_TEXT, "id": EDGE_TEXT, "input": JSON_VALUE,
-              "content": EDGE_TEXT, "tool_use_id": EDGE_TEXT}), max_size=3), JSON_VALUE),
-              "tool_calls": st.lists(st.fixed_dictionaries({"function": st.fixed_dictionaries(
-                  {"name": EDGE_TEXT, "arguments": st.one_of(EDGE_TEXT, JSON_VALUE)})}), max_size=2),
-              "tool_call_id": EDGE_TEXT, "name": EDGE_TEXT},
-)  # fmt: skip
-TOOL = st.one_of(
-    st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
-        {"name": EDGE_TEXT}, optional={"parameters": JSON_VALUE, "description": EDGE_TEXT})}),
-    st.fixed_dictionaries({"name": EDGE_TEXT}, optional={"input_schema": JSON_VALUE, "type": EDGE_TEXT}),
-    JSON_VALUE,
-)  # fmt: skip
-
-
 @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-@given(messages=st.lists(MESSAGE, min_size=0, max_size=4), tools=st.none() | st.lists(TOOL, max_size=2),
-       path=st.sampled_from(fu.POST_PATHS), stream=st.booleans())  # fmt: skip
-def test_generated_messages_and_tools_never_get_a_5xx(shared_live, messages, tools, path, stream):
-    body = {"model": fu.MODEL, "messages": messages, "max_tokens": 8, "stream": stream, "input": messages,
-            "prompt": messages[0].get("content", "x") if messages else "x"}  # fmt: skip
-    if tools is not None:
-        body["tools"] = tools
-    data = json.dumps(body).encode()  # ensure_ascii: lone surrogates travel as \\ud800 escapes
+@given(drawn=fu.BODY)
+def test_generated_messages_and_tools_never_get_a_5xx(shared_live, drawn):
+    path, data = fu.generated_body(drawn)
     r = httpx.post(shared_live.root + path, content=data, headers=shared_live.headers("e0"), timeout=60)
     assert r.status_code < 500, r.text
     if r.status_code >= 400:
