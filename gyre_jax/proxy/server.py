@@ -7,7 +7,8 @@ registration and error handlers. Each API route is an adapter (``adapters/``) ov
 Endpoints: ``GET /v1/models``; ``POST /v1/chat/completions``, ``POST /v1/completions`` and
 ``POST /v1/responses`` (OpenAI);
 ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic; ``?beta=true`` accepted);
-``GET /health``. All calls may stream (SSE). Errors are OpenAI error bodies on the OpenAI routes and
+``GET /health``; ``GET /openapi.json`` (this proxy's OpenAPI document, ``openapi.py``). All calls may stream
+(SSE). Errors are OpenAI error bodies on the OpenAI routes and
 Anthropic error bodies on the Anthropic routes, always a 4xx for bad input; nothing a client sends
 takes the server down. A call's record is fsynced before its response is sent. See docs/proxy.md.
 """
