@@ -82,7 +82,7 @@ def _cross_calls(fu, live, ids: list[str]) -> tuple[int, list[str]]:
     calls, leaks = 0, []
     with httpx.Client(timeout=60) as client:
         for e in ids:
-            body = {"model": fu.MODEL, "messages": [{"role": "user", "content": f"secret-{e}"}]}
+            body = {"model": fu.MODEL, "messages": [{"role": "user", "content": f"<secret-{e}>"}]}
             client.post(live.root + "/v1/chat/completions", json=body, headers=live.headers(e))
         threads = {e: live.server.execution_threads(e) for e in ids}
         for e in ids:
@@ -94,14 +94,14 @@ def _cross_calls(fu, live, ids: list[str]) -> tuple[int, list[str]]:
                             "input": "tell", "prompt": "tell"}  # fmt: skip
                     r = client.post(live.root + path, json=body, headers=live.headers(e, **names))
                     calls += 1
-                    if f"secret-{other}" in r.text or r.status_code != 200:
+                    if f"<secret-{other}>" in r.text or r.status_code != 200:
                         leaks.append(f"{e} -> {other} on {path}: {r.status_code}")
                 if live.store.path(other).stat().st_size != sizes[other]:
                     leaks.append(f"{e}'s calls wrote to {other}'s records")
         for e in ids:  # no prompt of e's holds another execution's text
             for record in live.store.read(e):
                 prompt = fu.BYTES.decode(record.prompt_ids)
-                if any(f"secret-{o}" in prompt for o in ids if o != e):
+                if any(f"<secret-{o}>" in prompt for o in ids if o != e):
                     leaks.append(f"{e} call {record.call_index} was served another execution's conversation")
     return calls, leaks
 
