@@ -400,7 +400,9 @@ class ProxyServer:
                 served = self._endpoints
                 message += f"; this proxy serves {', '.join(served[:-1])} and {served[-1]}"
             code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-            return self._error(request, ProxyError(exc.status_code, message, code=code))
+            response = self._error(request, ProxyError(exc.status_code, message, code=code))
+            response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110: the methods the path serves)
+            return response
 
         @app.exception_handler(RequestValidationError)
         async def validation_failed(request: Request, exc: RequestValidationError) -> JSONResponse:

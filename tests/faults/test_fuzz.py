@@ -133,3 +133,11 @@ def shared_live(tmp_path_factory):
 def test_after_generated_traffic_the_server_serves_and_every_record_parses(shared_live):
     assert fu.check_alive_and_records(shared_live) >= 1
     assert not [line for line in shared_live.logs if "unexpected error" in line or "Traceback" in line]
+
+
+@pytest.mark.parametrize(("method", "path", "allow"), [("TRACE", "/v1/models", "GET"), ("DELETE", "/v1/messages", "POST"),
+                                                       ("PUT", "/v1/chat/completions", "POST")])  # fmt: skip
+def test_an_undeclared_method_is_a_405_naming_the_allowed_ones(live, method, path, allow):
+    r = httpx.request(method, live.root + path, headers=live.headers("e0"))
+    assert r.status_code == 405 and r.headers["allow"] == allow  # RFC 9110; found by schemathesis' ST204
+    assert "Method Not Allowed" in assert_api_error(path, r, 405)
