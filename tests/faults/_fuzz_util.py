@@ -132,7 +132,8 @@ def check_alive_and_records(live: Live) -> int:
 def schemathesis_fuzz(live: Live, examples: int, seed: int, tally: Tally) -> None:
     """schemathesis against the proxy's own ``GET /openapi.json``: for every operation, ``examples`` positive and
     ``examples`` negative cases, each sent with the execution's key and without one. Statuses must be documented
-    for the operation (else ``tally.nonconforming``); a 5xx lands in ``tally.server_errors``."""
+    for the operation and a keyed operation must answer 401 without the key (else ``tally.nonconforming``); a 5xx
+    lands in ``tally.server_errors``."""
     import schemathesis
     from schemathesis.generation import GenerationMode
 
@@ -142,11 +143,13 @@ def schemathesis_fuzz(live: Live, examples: int, seed: int, tally: Tally) -> Non
     for result in schema.get_all_operations():
         operation = result.ok()
         documented = set(operation.definition.raw["responses"])
+        keyed = bool(operation.definition.raw.get("security"))
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            _fuzz_operation(live, operation, mode, examples, seed, documented, execution, tally)
+            _fuzz_operation(live, operation, mode, examples, seed, (documented, keyed), execution, tally)
 
 
-def _fuzz_operation(live, operation, mode, examples, seed, documented, execution, tally) -> None:
+def _fuzz_operation(live, operation, mode, examples, seed, expected, execution, tally) -> None:
+    """One operation's cases in one mode; ``expected`` is (its documented statuses, whether it needs the key)."""
     import requests
     from schemathesis.specs.openapi.checks import (
         content_type_conformance,
@@ -154,6 +157,7 @@ def _fuzz_operation(live, operation, mode, examples, seed, documented, execution
         status_code_conformance,
     )
 
+    documented, keyed = expected
     CONFORMANCE_CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance]
 
     session = requests.Session()
@@ -170,6 +174,8 @@ def _fuzz_operation(live, operation, mode, examples, seed, documented, execution
             response = case.call(base_url=live.root, session=session, headers=headers, timeout=30)
             what = f"{mode.value} {case.method} {case.path} key={bool(headers)} body={str(case.body)[:200]!r}"
             tally.see(what, response.status_code, response.text, response.headers.get("retry-after"))
+            if keyed and not headers and response.status_code != 401:
+                tally.nonconforming.append(f"{response.status_code} without a key for {what}")
             if str(response.status_code) not in documented:
                 tally.nonconforming.append(f"undocumented {response.status_code} for {what}")
             try:  # schemathesis' own checks: status and content type documented, body matches the response schema
