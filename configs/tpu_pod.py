@@ -39,6 +39,7 @@ def get_config():
     c.trajectory.tokens_per_micro_batch = 32768
 
     c.proxy.host = "0.0.0.0"  # harnesses reach worker 0 over HTTP (from the pod or from other VMs)
+    c.proxy.allow_remote_bind = True  # 0.0.0.0 is refused without it
     c.proxy.port = 8000
     c.rollout.tasks_per_step = 16
     c.rollout.max_parallel = 256

@@ -195,7 +195,8 @@ def _proxy(config, router, tokenizer, records) -> ProxyServer:
     max_active_calls, max_queued_calls = p.admission_limits(r.max_parallel)
     return ProxyServer(
         router, tokenizer, records, model_name=p.model_name, host=p.host, port=p.port,
-        max_request_bytes=p.max_request_bytes, seed=config.seed, default_max_tokens=r.max_tokens_per_call,
+        allow_remote_bind=p.allow_remote_bind, max_request_bytes=p.max_request_bytes, seed=config.seed,
+        default_max_tokens=r.max_tokens_per_call,
         max_tokens_cap=r.max_tokens_per_call, tools_format=config.tokenizer.tools_format,
         sampling=SamplingPolicy.policy(r.temperature) if p.sampling == "policy" else SamplingPolicy.client(),
         max_active_calls=max_active_calls, max_queued_calls=max_queued_calls,

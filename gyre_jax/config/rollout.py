@@ -128,7 +128,8 @@ class ProxySection(Section):
     """The OpenAI-compatible proxy the harnesses call."""
 
     _path = "proxy"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # a loopback address unless allow_remote_bind
+    allow_remote_bind: bool = False  # True lets host be 0.0.0.0 / a LAN address (harnesses on other machines)
     port: int = 0  # 0 picks a free port
     model_name: str = "gyre-tiny"
     max_request_bytes: int = 4 * 1024 * 1024
@@ -143,8 +144,14 @@ class ProxySection(Section):
 
     def __post_init__(self):
         from gyre_jax.proxy.sampling import SAMPLING_MODES
+        from gyre_jax.proxy.server import is_loopback
 
         self.check_types()
+        require(
+            self.allow_remote_bind or is_loopback(self.host),
+            f"config.proxy.host={self.host!r} is not a loopback address, so other machines could reach the proxy; "
+            "use 127.0.0.1, or set config.proxy.allow_remote_bind=True where harnesses run on other machines",
+        )
         require(0 <= self.port <= 65535, f"config.proxy.port={self.port} must be in [0, 65535] (0 picks a free port)")
         require(
             self.sampling in SAMPLING_MODES,

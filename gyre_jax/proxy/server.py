@@ -7,7 +7,8 @@ registration and error handlers. Each API route is an adapter (``adapters/``) ov
 Endpoints: ``GET /v1/models``; ``POST /v1/chat/completions``, ``POST /v1/completions`` and
 ``POST /v1/responses`` (OpenAI);
 ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic; ``?beta=true`` accepted);
-``GET /health``. All calls may stream (SSE). Errors are OpenAI error bodies on the OpenAI routes and
+``GET /health``; ``GET /openapi.json`` (this proxy's OpenAPI document, ``openapi.py``). All calls may stream
+(SSE). Errors are OpenAI error bodies on the OpenAI routes and
 Anthropic error bodies on the Anthropic routes, always a 4xx for bad input; nothing a client sends
 takes the server down. A call's record is fsynced before its response is sent. Model calls pass bounded
 admission (``admission.py``: 429 + Retry-After beyond it); slow or abusive connections are bounded by
@@ -20,7 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import json
+import ipaddress
 import logging
 import socket
 import threading
@@ -35,8 +36,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from gyre_jax.proxy import sse, tito
-from gyre_jax.proxy.adapters.anthropic_messages import Messages
+from gyre_jax.proxy import json_input, openapi, sse, tito
+from gyre_jax.proxy.adapters.anthropic_messages import CountTokensRequest, Messages
 from gyre_jax.proxy.adapters.base import TurnAdapter
 from gyre_jax.proxy.adapters.openai_chat import ChatCompletions
 from gyre_jax.proxy.adapters.openai_completions import Completions
@@ -71,8 +72,8 @@ async def read_json(request: Request, limit: int, timeout_s: float | None = None
             408, f"the request body did not arrive within {timeout_s} s; send it all at once", code="request_timeout"
         ) from None
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = json_input.parse(body)
+    except ValueError as exc:  # bad JSON or UTF-8, NaN, lone surrogates, deep nesting, ints past 4300 digits
         raise ProxyError(400, f"request body is not valid JSON ({exc}); send a JSON object") from None
     if not isinstance(data, dict):
         raise ProxyError(400, f"request body must be a JSON object, got {type(data).__name__}")
@@ -110,6 +111,27 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) only listens on this machine's loopback interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost: it may resolve to any interface
+        return False
+
+
+def check_bind(host: str, allow_remote_bind: bool) -> None:
+    """ValueError unless ``host`` is loopback or remote binds are allowed: the proxy serves model calls to anyone
+    who reaches its port with a key, so exposing it beyond this machine must be asked for."""
+    if not allow_remote_bind and not is_loopback(host):
+        raise ValueError(
+            f"proxy host {host!r} is not a loopback address: the proxy would accept connections from other machines. "
+            "Bind 127.0.0.1 (harnesses on this host, sandboxed ones through their bridge), or set "
+            "config.proxy.allow_remote_bind=True (ProxyServer(allow_remote_bind=True)) where harnesses run elsewhere"
+        )
+
+
 class ProxyServer:
     """The proxy over a ``GenerationBackend``; run it with ``start()``/``stop()`` or ``with``.
 
@@ -121,8 +143,9 @@ class ProxyServer:
     temperature / top-p / top-k calls are served with: the client's (``CLIENT``, the default here) or a
     training run's (``SamplingPolicy.policy(...)``, what ``train`` passes). ``max_active_calls`` model calls run at
     once and ``max_queued_calls`` more wait for a slot (FIFO); further ones get 429 with ``Retry-After:
-    retry_after_s`` (``admission.py``). ``limits`` are the connection-level ones (``connections.py``). The settings
-    are read once, at construction.
+    retry_after_s`` (``admission.py``). ``limits`` are the connection-level ones (``connections.py``). ``host``
+    must be a loopback address unless ``allow_remote_bind`` (anyone who reaches the port may try keys; see
+    ``check_bind``). The settings are read once, at construction.
     """
 
     def __init__(
@@ -144,15 +167,10 @@ class ProxyServer:
         max_queued_calls: int = DEFAULT_MAX_QUEUED_CALLS,
         retry_after_s: int = 1,
         limits: ConnectionLimits | None = None,
+        allow_remote_bind: bool = False,
     ) -> None:
-        if max_request_bytes < 1:
-            raise ValueError(f"max_request_bytes={max_request_bytes} must be >= 1")
-        if default_max_tokens < 1:
-            raise ValueError(f"default_max_tokens={default_max_tokens} must be >= 1")
-        if max_tokens_cap is not None and max_tokens_cap < 1:
-            raise ValueError(f"max_tokens_cap={max_tokens_cap} must be >= 1 (or None for no cap)")
-        if max_threads_per_execution < 1:
-            raise ValueError(f"max_threads_per_execution={max_threads_per_execution} must be >= 1")
+        check_bind(host, allow_remote_bind)
+        _check_settings(max_request_bytes, default_max_tokens, max_tokens_cap, max_threads_per_execution)
         self.backend = backend
         self.tokenizer = tokenizer
         self.record_store = record_store
@@ -180,6 +198,7 @@ class ProxyServer:
         self._thread_error: BaseException | None = None
         self._endpoints: list[str] = []  # "METHOD /path" of the API routes, for the 404 message
         self._adapters: dict[str, TurnAdapter] = {}  # API route path -> its adapter (errors outside the routes)
+        self.operations: list[openapi.Operation] = []  # every route served, as GET /openapi.json documents it
         self.app = self._build_app()
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
@@ -216,20 +235,13 @@ class ProxyServer:
         """uvicorn over the app behind the connection cap, with the connection limits (``connections.py``)."""
         lim = self.limits
         self._cap = ConnectionCap(self.app, lim, self._refuse_request)
-        return uvicorn.Config(
-            self._cap, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5, ws="none",
-            http=functools.partial(GuardedH11Protocol, limits=lim), timeout_keep_alive=lim.keep_alive_s,
-            h11_max_incomplete_event_size=lim.max_header_bytes,
-        )  # fmt: skip
+        return uvicorn.Config(self._cap, log_level="warning", access_log=False, lifespan="off", ws="none",
+                              timeout_graceful_shutdown=5, http=functools.partial(GuardedH11Protocol, limits=lim),
+                              timeout_keep_alive=lim.keep_alive_s, h11_max_incomplete_event_size=lim.max_header_bytes)  # fmt: skip
 
     def _refuse_request(self, path: str, status: int, message: str) -> Response:
         """The connection cap's 503 (with ``Retry-After``) or 431, in the style of ``path``'s API."""
-        if status == 503:
-            headers = {"Retry-After": str(self._admission.retry_after_s), "Connection": "close"}
-            err = ProxyError(503, message, error_type="server_error", code="too_many_requests", headers=headers)
-        else:
-            err = ProxyError(status, message, code="headers_too_large", headers={"Connection": "close"})
-        return self._error_at(path, err)
+        return self._error_at(path, _cap_refusal(status, message, self._admission.retry_after_s))
 
     def _serve(self) -> None:
         assert self._server is not None and self._socket is not None
@@ -300,7 +312,8 @@ class ProxyServer:
     # -- app -------------------------------------------------------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
-        """Health, models, and one route per API adapter: adding an API is one more ``_mount`` line."""
+        """Health, models, the OpenAPI document, and one route per API adapter: adding an API is one more ``_mount``
+        line. Each route registers its ``openapi.Operation``, so ``GET /openapi.json`` lists exactly what is served."""
         app = FastAPI(title="gyre-jax proxy", docs_url=None, redoc_url=None, openapi_url=None)
         _add_error_handlers(app, self._error_at, self._endpoints)
 
@@ -308,22 +321,35 @@ class ProxyServer:
         async def health() -> dict[str, str]:
             return {"status": "ok"}
 
+        @app.get("/openapi.json")
+        async def schema() -> dict:
+            return openapi.document(self.operations, self.model_name)
+
+        self.operations += [openapi.Operation("get", "/health", "liveness", auth=False),
+                            openapi.Operation("get", "/openapi.json", "this document", auth=False)]  # fmt: skip
         app.get("/v1/models")(self._models)
         self._endpoints.append("GET /v1/models")
+        self.operations.append(openapi.Operation("get", "/v1/models", "the served model (OpenAI and Anthropic form)"))
         messages = Messages(self.model_name)
         self._mount(app, "/v1/chat/completions", ChatCompletions(self.model_name))
         self._mount(app, "/v1/completions", Completions(self.model_name))
         self._mount(app, "/v1/responses", Responses(self.model_name))
         self._mount(app, "/v1/messages", messages)
-        self._post(app, "/v1/messages/count_tokens", self._count_tokens_handler(messages), messages)
+        count = openapi.Operation("post", "/v1/messages/count_tokens", "Anthropic count_tokens", CountTokensRequest,
+                                  "anthropic", query=("beta",))  # fmt: skip
+        self._post(app, count, self._count_tokens_handler(messages), messages)
         return app
 
     def _mount(self, app: FastAPI, path: str, adapter: TurnAdapter) -> None:
         """``POST path``: model calls in ``adapter``'s wire format, through the turn pipeline."""
-        self._post(app, path, self._turn_handler(adapter), adapter)
+        query = ("beta",) if adapter.error_style == "anthropic" else ()
+        summary = f"a model call in the {type(adapter).__name__} wire format ({adapter.error_style} API)"
+        op = openapi.Operation("post", path, summary, adapter.request_schema, adapter.error_style, streams=True,
+                               query=query)  # fmt: skip
+        self._post(app, op, self._turn_handler(adapter), adapter)
 
-    def _post(self, app: FastAPI, path: str, handler: Handler, adapter: TurnAdapter) -> None:
-        """``POST path`` served by ``handler``; its errors (and those of paths under it) in ``adapter``'s style."""
+    def _post(self, app: FastAPI, op: openapi.Operation, handler: Handler, adapter: TurnAdapter) -> None:
+        """``POST op.path`` served by ``handler``; its errors (and those of paths under it) in ``adapter``'s style."""
 
         async def endpoint(request: Request) -> Response:
             try:
@@ -334,9 +360,10 @@ class ProxyServer:
                 logger.exception("unexpected error serving %s", request.url.path)
                 return _error_response(adapter, internal_error())
 
-        app.post(path)(endpoint)
-        self._endpoints.append(f"POST {path}")
-        self._adapters[path] = adapter
+        app.post(op.path)(endpoint)
+        self._endpoints.append(f"POST {op.path}")
+        self._adapters[op.path] = adapter
+        self.operations.append(op)
 
     def _turn_handler(self, adapter: TurnAdapter) -> Handler:
         """One API call: key -> body -> ``adapter.parse`` -> pipeline -> ``adapter.respond`` or ``adapter.stream``."""
@@ -399,16 +426,41 @@ class ProxyServer:
             self._executions.authenticate(request.headers)
         except ProxyError as err:
             return err.response()
-        # One card readable by both SDKs (OpenAI: id/object/owned_by; Anthropic: type/display_name/created_at).
-        card = {"id": self.model_name, "object": "model", "type": "model", "display_name": self.model_name,
-                "created": 0, "created_at": "1970-01-01T00:00:00Z", "owned_by": "gyre-jax"}  # fmt: skip
-        return JSONResponse({"object": "list", "data": [card], "has_more": False,
-                             "first_id": self.model_name, "last_id": self.model_name})  # fmt: skip
+        return JSONResponse(_models_body(self.model_name))
 
     def _error_at(self, path: str, err: ProxyError) -> JSONResponse:
         """``err`` in the style of the API route ``path`` falls under (``/v1/messages/nope``: Anthropic), else OpenAI."""
         adapter = next((a for route, a in self._adapters.items() if path.startswith(route)), None)
         return err.response() if adapter is None else _error_response(adapter, err)
+
+
+def _cap_refusal(status: int, message: str, retry_after_s: int) -> ProxyError:
+    """The connection cap's refusal: 503 with ``Retry-After`` (too many requests) or 431 (a head too large)."""
+    if status == 503:
+        headers = {"Retry-After": str(retry_after_s), "Connection": "close"}
+        return ProxyError(503, message, error_type="server_error", code="too_many_requests", headers=headers)
+    return ProxyError(status, message, code="headers_too_large", headers={"Connection": "close"})
+
+
+def _check_settings(max_request_bytes: int, default_max_tokens: int, max_tokens_cap: int | None,
+                    max_threads_per_execution: int) -> None:  # fmt: skip
+    """``ProxyServer``'s size settings, each checked (ValueError naming it)."""
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes={max_request_bytes} must be >= 1")
+    if default_max_tokens < 1:
+        raise ValueError(f"default_max_tokens={default_max_tokens} must be >= 1")
+    if max_tokens_cap is not None and max_tokens_cap < 1:
+        raise ValueError(f"max_tokens_cap={max_tokens_cap} must be >= 1 (or None for no cap)")
+    if max_threads_per_execution < 1:
+        raise ValueError(f"max_threads_per_execution={max_threads_per_execution} must be >= 1")
+
+
+def _models_body(model_name: str) -> dict[str, Any]:
+    """``GET /v1/models``: one card readable by both SDKs (OpenAI: id/object/owned_by; Anthropic: type/display_name/
+    created_at)."""
+    card = {"id": model_name, "object": "model", "type": "model", "display_name": model_name,
+            "created": 0, "created_at": "1970-01-01T00:00:00Z", "owned_by": "gyre-jax"}  # fmt: skip
+    return {"object": "list", "data": [card], "has_more": False, "first_id": model_name, "last_id": model_name}
 
 
 def _add_error_handlers(app: FastAPI, error_at: Callable[[str, ProxyError], JSONResponse], served: list[str]) -> None:
@@ -421,7 +473,9 @@ def _add_error_handlers(app: FastAPI, error_at: Callable[[str, ProxyError], JSON
         if exc.status_code == 404:
             message += f"; this proxy serves {', '.join(served[:-1])} and {served[-1]}"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_at(request.url.path, ProxyError(exc.status_code, message, code=code))
+        response = error_at(request.url.path, ProxyError(exc.status_code, message, code=code))
+        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110: the methods the path serves)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def validation_failed(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -67,6 +67,7 @@ from gyre_jax.rollout.tasks import Task, evaluate
 from gyre_jax.rollout.verifier import SOLUTION_INSIDE, HarborVerifier, image_context, task_limits, workdir_of
 
 logger = logging.getLogger(__name__)
+PRIVATE_DIR_MODE = 0o700  # an execution directory: its owner only (the harness runs as the same user)
 HARNESS_DIR = "harness"  # <execution dir>/harness: the harness's own directory ({exec_dir})
 EXEC_DIR_INSIDE = "/gyre"  # where a sandboxed harness sees it
 
@@ -381,6 +382,8 @@ class Executor:
         ``task.json`` without the expected answers, ``instruction.md``, ``home/``)."""
         if exec_dir.exists():  # a re-run of the same execution starts from a fresh workspace
             shutil.rmtree(exec_dir)
+        exec_dir.mkdir(parents=True, mode=PRIVATE_DIR_MODE)
+        exec_dir.chmod(PRIVATE_DIR_MODE)  # whatever the umask: other users never read a workspace (sandbox none too)
         if spec.task.source:
             ignore = shutil.ignore_patterns(*DOCKER_FILES)
             shutil.copytree(Path(spec.task.source) / "environment", workspace, ignore=ignore, symlinks=True)

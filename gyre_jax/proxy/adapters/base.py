@@ -82,6 +82,7 @@ class TurnAdapter(abc.ABC):
     """
 
     error_style: ClassVar[Api] = "openai"
+    request_schema: ClassVar[type[pydantic.BaseModel]]  # the body ``parse`` validates (documented by openapi.py)
     keepalive: ClassVar[str] = sse.KEEPALIVE_COMMENT  # sent for each KeepAlive while a streamed turn waits
 
     def __init__(self, model_name: str) -> None:

@@ -82,6 +82,8 @@ class Completions(TurnAdapter):
     """``POST /v1/completions``: a raw-prompt turn; replies ``text_completion``, or a stream of chunks
     (``CompletionStreamWriter``, keep-alive comments while nothing comes)."""
 
+    request_schema = CompletionRequest
+
     def parse(self, body: dict[str, Any]) -> TurnRequest:
         req = self.validated(CompletionRequest, body, "completion request", "the OpenAI completions API")
         check_completion_supported(req)

@@ -383,6 +383,8 @@ class Responses(TurnAdapter):
     """``POST /v1/responses``: a chat turn; replies one ``response`` object, or its SSE events
     (``ResponseStreamWriter``, keep-alive comments while nothing comes)."""
 
+    request_schema = ResponsesRequest
+
     def parse(self, body: dict[str, Any]) -> TurnRequest:
         req = self.validated(ResponsesRequest, body, "responses request", DOCS)
         check_responses_supported(req)
