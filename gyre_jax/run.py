@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from gyre_jax.checkpoint import Checkpointer
+from gyre_jax.disk import DiskFull, is_disk_full
 from gyre_jax.elastic.controller import Controller
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.metrics import MetricsWriter, format_step_line
@@ -52,14 +53,21 @@ log = logging.getLogger("gyre_jax")
 
 
 def fsync_write(path: Path, text: str) -> None:
-    """Writes ``text`` to ``path`` atomically and durably (a temporary file, fsynced, then renamed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Writes ``text`` to ``path`` atomically and durably (a temporary file, fsynced, then renamed): a reader sees
+    the old file or the whole new one. A full disk raises ``DiskFull`` (the temporary file is removed)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(exc):
+            raise DiskFull(path) from exc
+        raise
 
 
 @dataclass
@@ -154,7 +162,7 @@ class Run:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 handlers[sig] = signal.signal(sig, self.request_stop)
-        step, self._saved_step, self._bar = self.start_step, self.start_step, None
+        step, self._saved_step, self._bar, ended = self.start_step, self.start_step, None, False
         try:
             while step < c.total_steps and not self.stop.is_set():
                 if self._eval_due(step) and self.evaluate(step) is None and self.stop.is_set():
@@ -162,9 +170,16 @@ class Run:
                 step = self._segment(step, self._next_eval_step(step))
             if step == c.total_steps and not self.stop.is_set() and self._eval_due(step):
                 self.evaluate(step)
+            ended = True
         finally:
-            if self._saved_step != step:
+            # After an error (a full disk, a failed micro-step) the state may be past ``step``, mid-segment:
+            # only the last checkpoint, saved at a step boundary, is consistent; the next run resumes there.
+            if ended and self._saved_step != step:
                 self.save_checkpoint(step)
+            elif not ended:
+                log.error(
+                    "the run failed; no checkpoint saved now: the next run resumes from step %d", self._saved_step
+                )
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
         if self.stop.is_set() and step < c.total_steps:

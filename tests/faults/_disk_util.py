@@ -4,6 +4,7 @@ the proxy, tasks, an executor on real subprocess harnesses, process checks, and 
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import os
 import subprocess
@@ -18,14 +19,6 @@ from gyre_jax.rollout.executor import Executor
 from gyre_jax.rollout.tasks import ANSWER_FILE, INPUT_FILE, Task
 
 BASE_URL = "http://127.0.0.1:1/v1"
-
-
-def load(name: str):
-    """Another module of tests/faults by file name (tests run with --import-mode=importlib)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class FakeRegistry:
@@ -138,3 +131,75 @@ def fill(path: Path) -> Path:
     finally:
         os.close(fd)
     return hog
+
+
+def _fd_under(fd: int, root: Path) -> bool:
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return False
+    return target.startswith(str(root) + os.sep)
+
+
+class TmpfsDisk:
+    """A real small tmpfs at ``root``: ``fill()`` takes all its free space, ``free()`` gives it back."""
+
+    kind = "tmpfs"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._hog: Path | None = None
+
+    def fill(self) -> None:
+        self._hog = fill(self.root)
+
+    def free(self) -> None:
+        if self._hog is not None:
+            self._hog.unlink()
+            self._hog = None
+
+
+class InjectedDisk:
+    """Where mounting is refused: while "full", ``os.write`` and ``os.fsync`` of a file under ``root`` fail with
+    ENOSPC (after ``os.write`` wrote half of what it was given, as a real full disk does)."""
+
+    kind = "inject"
+
+    def __init__(self, root: Path, monkeypatch) -> None:
+        self.root = root
+        self.full = False
+        real_write, real_fsync = os.write, os.fsync
+
+        def write(fd, data):
+            if self.full and _fd_under(fd, root):
+                if len(data) > 1 and not getattr(self, "_half", False):
+                    self._half = True
+                    return real_write(fd, memoryview(data)[: len(data) // 2])
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real_write(fd, data)
+
+        def fsync(fd):
+            if self.full and _fd_under(fd, root):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real_fsync(fd)
+
+        monkeypatch.setattr(os, "write", write)
+        monkeypatch.setattr(os, "fsync", fsync)
+
+    def fill(self) -> None:
+        self.full, self._half = True, False
+
+    def free(self) -> None:
+        self.full = False
+
+
+def load_path(path: Path):
+    """A Python file as a module (e.g. another directory's conftest, for its helpers)."""
+    name = f"_loaded_{path.parent.name}_{path.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
