@@ -87,8 +87,9 @@ def marked_processes(mark: str) -> list[int]:
 
 def sweep(mark: str, grace_s: float, exclude: int | None = None, rounds: int = 20) -> list[int]:
     """Kills every live process of the launch ``mark`` (SIGTERM, then SIGKILL after ``grace_s`` to what is
-    left; again while new ones appear, up to ``rounds`` times) and reaps those that are our children.
-    ``exclude``: a pid not to reap (the harness leader, which its ``Popen`` waits for). Returns the pids killed."""
+    left; again while new ones appear, up to ``rounds`` times) and reaps those that are our children, and our
+    zombie children of the launch's process group or session (``exclude``: the launch's leader, whose pid is
+    that group's and session's id; its ``Popen`` reaps it). Returns the pids killed."""
     killed: set[int] = set()
     sig = signal.SIGTERM
     for _ in range(rounds):
@@ -109,7 +110,24 @@ def sweep(mark: str, grace_s: float, exclude: int | None = None, rounds: int = 2
         sig = signal.SIGKILL
         _reap(killed, exclude)
     _reap(killed, exclude)
+    if exclude is not None:
+        _reap(set(_zombie_children(exclude)), exclude)
     return sorted(killed)
+
+
+def _zombie_children(leader: int) -> list[int]:
+    """Our zombie children in the process group or session ``leader`` (orphans of a launch, reparented to this
+    subreaper after they died: their environment can no longer be read)."""
+    me, found = os.getpid(), []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        stat = _proc_stat(entry) if entry.isdigit() else None
+        if stat is not None and stat[0] == b"Z" and stat[1] == me and leader in (stat[2], stat[3]):
+            found.append(int(entry))
+    return found
 
 
 def _reap(pids: set[int], exclude: int | None) -> None:

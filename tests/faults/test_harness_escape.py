@@ -118,3 +118,24 @@ def test_a_bad_workspace_cap_is_refused(tmp_path):
     with pytest.raises(ValueError, match="max_workspace_bytes=0 must be a positive number of bytes"):
         du.make_executor(tmp_path, HARNESS, "x", max_workspace_bytes=0)
     assert os.getpid() > 0
+
+
+def test_orphans_that_die_after_their_harness_are_reaped_not_left_as_zombies(tmp_path):
+    assert become_subreaper()
+    harness = (
+        "import os, time\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    time.sleep(0.2); os._exit(0)\n"
+        "open('orphan.pid', 'w').write(str(pid))\n"
+    )
+    tag, [result] = run_modes_with(tmp_path, harness, kill_grace_s=1.0)
+    orphan = int((Path(result.workspace) / "orphan.pid").read_text())
+    assert result.status == "finished"
+    assert du.wait_for(lambda: not du.exists(orphan), 3.0), "the orphan is left as a zombie of the trainer"
+
+
+def run_modes_with(tmp_path: Path, harness: str, **kw):
+    tag = du.new_tag()
+    executor = du.make_executor(tmp_path / "runs", harness, tag, **kw)
+    return tag, executor.run([ExecutionSpec("e0", du.make_task("ok"), "t0", seed=0)])
