@@ -64,8 +64,8 @@ def _harness_rows(du, esc, workdir: Path, n: int) -> list[dict]:
 
     cases = [  # fault, mode, executor options, check(result) -> bool
         ("harness setsid double-fork daemon", "escape", {}, lambda r: r.status == "finished"),
-        ("harness daemon ignoring SIGTERM", "escape_then_hang", {"timeout_s": 1.0}, lambda r: r.status == "timeout"),
-        ("harness closes stdout, keeps running", "close_stdout", {"timeout_s": 1.0}, lambda r: r.status == "timeout"),
+        ("harness daemon ignoring SIGTERM", "escape_then_hang", {"timeout_s": 4.0}, lambda r: r.status == "timeout"),
+        ("harness closes stdout, keeps running", "close_stdout", {"timeout_s": 3.0}, lambda r: r.status == "timeout"),
         ("harness fills its workspace", "fill", {"timeout_s": 30.0, "max_workspace_bytes": 2 << 20},
          lambda r: r.killed_reason == "workspace_full" and r.reward is not None),
     ]  # fmt: skip
@@ -256,7 +256,7 @@ def _train_row(du, workdir: Path, node: str) -> dict:
 def _evaluator_rows(du, ev, workdir: Path, n: int) -> list[dict]:
     from gyre_jax.rollout.executor import ExecutionSpec
 
-    executor = du.make_executor(workdir / "eval", ev.HARNESS, du.new_tag(), max_parallel=4, evaluator_timeout_s=1.5,
+    executor = du.make_executor(workdir / "eval", ev.HARNESS, du.new_tag(), max_parallel=4, evaluator_timeout_s=4.0,
                                 evaluator=[sys.executable, "-c", ev.EVALUATOR, "{task.task_id}"])  # fmt: skip
     specs = [ExecutionSpec(f"{m}-{i}", du.make_task("ok", task_id=m), m, seed=i) for m in ev.MODES for i in range(n)]
     results = executor.run(specs)
@@ -266,7 +266,8 @@ def _evaluator_rows(du, ev, workdir: Path, n: int) -> list[dict]:
         got = [r for r in results if r.task_id == mode]
         ok = len(got) == n and all(r.reward == reward and r.exclusion_kind == kind for r in got)
         ok = ok and all(words is None or words in (r.exclusion_reason or "") for r in got)
-        printed = got[0].exclusion_reason or f"scored {got[0].reward}" if got else "no result"
+        bad = [r for r in got if r.reward != reward or r.exclusion_kind != kind] or got
+        printed = (bad[0].exclusion_reason or f"scored {bad[0].reward}") if bad else "no result"
         rows.append(_row(f"evaluator {mode}", n, ok, printed, lost if mode == "good" else 0,
                          double if mode == "good" else 0, "tests/faults/test_evaluator_faults.py",
                          needs="issue 19 item 7"))  # fmt: skip

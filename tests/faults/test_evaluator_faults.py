@@ -78,7 +78,7 @@ EXPECT = {  # mode -> (reward or None, exclusion kind, words of the reason)
 def test_every_evaluator_fault_is_excluded_with_its_reason_and_counted_never_scored_zero(tmp_path):
     tag = du.new_tag()
     executor = du.make_executor(
-        tmp_path / "runs", HARNESS, tag, max_parallel=4, evaluator_timeout_s=1.5,
+        tmp_path / "runs", HARNESS, tag, max_parallel=4, evaluator_timeout_s=4.0,
         evaluator=[sys.executable, "-c", EVALUATOR, "{task.task_id}"],
     )  # fmt: skip
     specs = [ExecutionSpec(f"e-{m}", du.make_task("ok", task_id=m), m, seed=0) for m in MODES]

@@ -61,7 +61,7 @@ elif mode == "fill":
     with open("junk.bin", "wb") as f:
         while True:
             f.write(os.urandom(1 << 16)); f.flush()
-            time.sleep(0.002)
+            time.sleep(0.01)
 """
 
 
@@ -84,16 +84,16 @@ def test_setsid_double_fork_daemons_are_killed_and_reaped_after_a_normal_exit(tm
 
 
 def test_escaped_child_of_a_hanging_harness_dies_at_its_timeout(tmp_path):
-    tag, [result, after] = run_modes(tmp_path, ["escape_then_hang", "ok"], timeout_s=1.5, max_parallel=1)
+    tag, [result, after] = run_modes(tmp_path, ["escape_then_hang", "ok"], timeout_s=4.0, max_parallel=1)
     assert (result.status, result.killed_reason, result.reward) == ("timeout", "timeout", pytest.approx(2 / 5))
-    assert result.duration_s < 5.0
+    assert result.duration_s < 10.0
     assert du.tagged_alive(tag) == []
     assert not du.alive(int((Path(result.workspace) / "daemon.pid").read_text()))
     assert (after.status, after.reward) == ("finished", 1.0)  # the run goes on
 
 
 def test_harness_that_closes_its_stdout_and_keeps_running_is_killed_at_its_timeout(tmp_path):
-    tag, [result] = run_modes(tmp_path, ["close_stdout"], timeout_s=1.0)
+    tag, [result] = run_modes(tmp_path, ["close_stdout"], timeout_s=3.0)
     assert (result.status, result.returncode, result.reward) == ("timeout", -15, pytest.approx(3 / 5))
     assert du.tagged_alive(tag) == []
     assert (tmp_path / "runs" / result.execution_id / "harness.stdout").read_text() == "before close\n"
