@@ -33,6 +33,7 @@ def _load(path: Path, name: str):
 
 
 def _row(fault, injected, ok, printed, lost=0, double=0, node="", needs=""):
+    printed = "".join(c if c.isprintable() or c == "\n" else "?" for c in printed)
     return {"fault": fault, "injected": injected, "lost": lost, "double_counted": double,
             "outcome": "ok" if ok else "fails", "printed": printed.strip().splitlines()[-1][:300] if printed else "",
             "command": f"{CMD}  (test: {node})" if node else CMD, "needs": "" if ok else needs}  # fmt: skip

@@ -6,7 +6,8 @@ process group, the wall-clock timeout (the task's ``agent_timeout_s`` or ``timeo
 killed), evaluation under its own timeout (a task with a Harbor ``source`` is scored by its ``tests/test.sh``
 in a fresh sandbox, ``verifier.py``; others by ``evaluator``), and the ``ExecutionResult`` record. It does
 not know the model or the proxy's internals: a harness only gets ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` and
-``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY`` (the same per-execution key).
+``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY`` (the same per-execution key), and ``GYRE_EXECUTION_MARK``, the token by
+which what it leaves running is found and killed when it ends (``process_group``).
 
 Layout on disk, per execution, under ``root/<execution_id>/`` (docs/tasks.md)::
 
