@@ -38,6 +38,25 @@ def is_disk_full(exc: BaseException | None) -> bool:
     return False
 
 
+def write_whole(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` atomically and durably (a temporary file, fsynced, then renamed): a reader sees
+    the old file or the whole new one. A full disk raises ``DiskFull`` (the temporary file is removed)."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(exc):
+            raise DiskFull(path) from exc
+        raise
+
+
 def append_whole(path: Path, data: bytes, fsync: bool = True) -> None:
     """Appends ``data`` to ``path`` (created if missing), flushed and fsynced; all of it or nothing: on any
     write error the file is cut back to its size before, and a full disk raises ``DiskFull``."""

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from gyre_jax.checkpoint import Checkpointer
-from gyre_jax.disk import DiskFull, is_disk_full
+from gyre_jax.disk import write_whole
 from gyre_jax.elastic.controller import Controller
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.metrics import MetricsWriter, format_step_line
@@ -53,21 +53,9 @@ log = logging.getLogger("gyre_jax")
 
 
 def fsync_write(path: Path, text: str) -> None:
-    """Writes ``text`` to ``path`` atomically and durably (a temporary file, fsynced, then renamed): a reader sees
-    the old file or the whole new one. A full disk raises ``DiskFull`` (the temporary file is removed)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        if is_disk_full(exc):
-            raise DiskFull(path) from exc
-        raise
+    """Writes ``text`` to ``path`` atomically and durably (``disk.write_whole``: the old file or the whole new one;
+    ``DiskFull`` on a full disk)."""
+    write_whole(path, text)
 
 
 @dataclass
@@ -202,7 +190,10 @@ class Run:
                 self._bar.close()
                 self._bar = None
             logs = [h.stats().step_log for h in self.handles]
-            write_measurements(self.workdir / MEASUREMENTS_FILE, self.controller.costs, logs)
+            try:
+                write_measurements(self.workdir / MEASUREMENTS_FILE, self.controller.costs, logs)
+            except OSError as exc:  # never hides the segment's own error (e.g. the full disk that stopped it)
+                log.warning("measured costs not written: %s", exc)
 
     def _next_eval_step(self, step: int) -> int:
         """The end of the segment starting at ``step``: the next step with an evaluation, or the last."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -220,6 +221,13 @@ def _stopped_by_full_disk(exc: OSError, workdir) -> int:
     if not is_disk_full(exc):
         raise exc
     full = exc if isinstance(exc, DiskFull) else DiskFull(exc.filename or workdir)
+    if full is not exc:  # a writer that does not name its file: say which error it was, in one line
+        tb, where = exc.__traceback__, ""
+        while tb is not None:  # the innermost frame of this package: the writer
+            if f"{os.sep}gyre_jax{os.sep}" in tb.tb_frame.f_code.co_filename:
+                where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+            tb = tb.tb_next
+        log.error("full disk: %s: %s%s", type(exc).__name__, exc, where)
     print(f"error: {full}", file=sys.stderr, flush=True)
     runtime.shutdown()
     return 1

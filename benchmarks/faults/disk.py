@@ -169,6 +169,7 @@ def _full_disk_rows(du, workdir: Path, n: int, long: bool) -> tuple[list[dict], 
             rows.append(_checkpoint_row(du, root, n, node))
             if long:
                 rows.append(_train_row(du, workdir, node))
+                rows.append(_train_resume_row(du, workdir, node))
     return rows, kind
 
 
@@ -252,6 +253,52 @@ def _train_row(du, workdir: Path, node: str) -> dict:
     last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
     ok = done.returncode == 1 and last.startswith("error: disk full writing") and "Traceback" not in done.stderr
     return _row("ENOSPC at train start (run level)", 1, ok, last, node=node, needs="issue 19 item 3")
+
+
+TRAIN_ARGS = ["--config", "configs/tiny_cpu.py", "--config.total_steps=3", "--config.checkpoint_every=1",
+              "--config.warm_start.steps=20", "--config.rollout.tasks_per_step=1", "--config.rl.group_size=2",
+              "--config.rollout.num_tasks=2", "--config.eval.samples_per_task=0", "--config.metrics.progress_bar=false",
+              "--config.metrics.tensorboard=false"]  # fmt: skip
+
+
+def _train_resume_row(du, workdir: Path, node: str) -> dict:
+    """A real run on a tmpfs that fills up after its first RL step: it must stop with the one line (exit 1);
+    once space is freed the same command must finish, every step trained once."""
+    from gyre_jax.trajectory.queue import ExecutionQueue
+
+    fs = workdir / "resumefs"
+    fault = "ENOSPC mid-run, then resume (run level)"
+    with du.small_fs(fs, "1g") as mounted:
+        if not mounted:
+            return _row(fault, 0, True, "skipped: no tmpfs", node=node)
+        env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(REPO)}
+        cmd = [sys.executable, "-m", "gyre_jax.train", *TRAIN_ARGS, f"--config.workdir={fs / 'run'}"]
+        log = workdir / "resume-first.stderr"  # a file: the run logs much more than a pipe holds
+        with open(log, "w") as err_file:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err_file, text=True)
+            for line in proc.stdout:
+                if line.startswith("step 1/"):
+                    break
+            disk = du.TmpfsDisk(fs)
+            disk.fill()
+            proc.communicate(timeout=600)
+        first_rc, first_last = proc.returncode, (log.read_text().strip().splitlines() or [""])[-1]
+        disk.free()
+        again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        run = fs / "run"
+        steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
+                 if x.strip() and json.loads(x).get("phase") == "train"]  # fmt: skip
+        queue, offset, trained = ExecutionQueue(run / "trajectory"), 0, []
+        while (item := queue.read_at(offset)) is not None:
+            trained += [(item[0].step, item[0].execution_id)] if item[0].weight > 0 else []
+            offset = item[1]
+        results = sorted(p.name for p in (run / "results").glob("step_*.jsonl"))
+    double = len(trained) - len(set(trained)) + len(steps) - len(set(steps))
+    lost = 3 * 2 - len({t for t in trained})
+    ok = (first_rc == 1 and first_last.startswith("error: disk full writing") and again.returncode == 0
+          and sorted(set(steps)) == [0, 1, 2] and len(results) == 3 and double == 0)  # fmt: skip
+    printed = f"{first_last} | rerun: exit {again.returncode}, {(again.stdout.strip().splitlines() or [''])[-1]}"
+    return _row(fault, 1, ok, printed, max(lost, 0), double, node=node, needs="issue 19 item 3")
 
 
 def _evaluator_rows(du, ev, workdir: Path, n: int) -> list[dict]:

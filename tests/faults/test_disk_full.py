@@ -190,3 +190,17 @@ def test_train_on_a_full_disk_stops_with_one_line(tmp_path):
     assert last.startswith("error: disk full writing " + str(workdir)), done.stderr[-2000:]
     assert last.endswith(": free space and run the same command again to resume")
     assert "Traceback" not in done.stderr
+
+
+def test_measured_costs_are_replaced_whole_or_not_at_all(disk):
+    from gyre_jax.elastic.controller import CostLog
+    from gyre_jax.sim.calibrate import write_measurements
+
+    path = disk.root / "cost_measurements.json"
+    write_measurements(path, CostLog(cell_accelerators=4, optimizer_steps=[0.5]), [])
+    before = path.read_text()
+    disk.fill()
+    log = [(4, 100 + i, 0, 0.01) for i in range(3000)]  # ~60 KB of decode steps
+    with pytest.raises(DiskFull):
+        write_measurements(path, CostLog(cell_accelerators=4, optimizer_steps=[0.5] * 2000), [log])
+    assert path.read_text() == before and json.loads(before)["optimizer_steps"] == [0.5]
