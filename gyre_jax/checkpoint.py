@@ -11,6 +11,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from gyre_jax.disk import DiskFull, is_disk_full
+
 
 class Checkpointer:
     """``primary_only``: in a multi-process run, only process 0 saves and restores (its state lives on its own
@@ -45,10 +47,17 @@ class Checkpointer:
         """Writes checkpoint ``step`` and waits until it is complete on disk."""
         if self._host_copy:
             state = jax.device_get(state)
-        self._manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
-        )
-        self._manager.wait_until_finished()
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
+            self._manager.wait_until_finished()
+        except Exception as exc:
+            if is_disk_full(exc):  # orbax never finalized it: ``latest_step`` does not see it
+                raise DiskFull(self.directory / str(step)) from exc
+            raise
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Restores checkpoint ``step`` onto the shardings given by ``abstract_state`` (ShapeDtypeStructs)."""

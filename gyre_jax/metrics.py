@@ -1,12 +1,21 @@
-"""Run metrics: one JSON object per step in ``metrics.jsonl``, TensorBoard event files, a console line."""
+"""Run metrics: one JSON object per step in ``metrics.jsonl``, TensorBoard event files, a console line.
+
+Metrics are skipped, not fatal, when the disk is full: a line that cannot be written whole is left out (a
+warning names the step) and the run goes on; ``read_metrics`` skips a torn last line.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
 from typing import Any
+
+from gyre_jax.disk import DiskFull, append_whole
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsWriter:
@@ -22,23 +31,39 @@ class MetricsWriter:
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time(), **metrics}
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, default=float) + "\n")
-            f.flush()
+        try:
+            append_whole(self.path, (json.dumps(record, default=float) + "\n").encode("utf-8"), fsync=False)
+        except DiskFull as exc:
+            logger.warning("metrics of step %d not written: %s", step, exc)
+            return
         if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+            try:
+                for key, value in metrics.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                        self._tb.add_scalar(key, value, step)
+                self._tb.flush()
+            except OSError as exc:
+                logger.warning("tensorboard events of step %d not written: %s", step, exc)
 
     def close(self) -> None:
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except OSError as exc:
+                logger.warning("tensorboard events not flushed at close: %s", exc)
 
 
 def read_metrics(path: str | Path) -> list[dict]:
+    """The metrics records of ``metrics.jsonl``; a torn last line (no newline: a cut-off write) is skipped."""
+    out = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            if not line.endswith("\n"):
+                logger.warning("%s: skipped a torn last line (%d characters without a newline)", path, len(line))
+                break
+            if line.strip():
+                out.append(json.loads(line))
+    return out
 
 
 def format_step_line(step: int, total: int, m: dict[str, Any]) -> str:

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from gyre_jax.checkpoint import Checkpointer
+from gyre_jax.disk import write_whole
 from gyre_jax.elastic.controller import Controller
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.metrics import MetricsWriter, format_step_line
@@ -53,14 +54,9 @@ log = logging.getLogger("gyre_jax")
 
 
 def fsync_write(path: Path, text: str) -> None:
-    """Writes ``text`` to ``path`` atomically and durably (a temporary file, fsynced, then renamed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Writes ``text`` to ``path`` atomically and durably (``disk.write_whole``: the old file or the whole new one;
+    ``DiskFull`` on a full disk)."""
+    write_whole(path, text)
 
 
 EXIT_UNTRAINED = 3  # the exit status of a run stopped by ``UntrainedSteps`` (config.rl.max_untrained_steps)
@@ -218,7 +214,7 @@ class Run:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 handlers[sig] = signal.signal(sig, self.request_stop)
-        step, self._saved_step, self._bar = self.start_step, self.start_step, None
+        step, self._saved_step, self._bar, ended = self.start_step, self.start_step, None, False
         try:
             while step < c.total_steps and not self.stop.is_set():
                 if self._eval_due(step) and self.evaluate(step) is None and self.stop.is_set():
@@ -226,9 +222,16 @@ class Run:
                 step = self._segment(step, self._next_eval_step(step))
             if step == c.total_steps and not self.stop.is_set() and self._eval_due(step):
                 self.evaluate(step)
+            ended = True
         finally:
-            if self._saved_step != step:
+            # After an error (a full disk, a failed micro-step) the state may be past ``step``, mid-segment:
+            # only the last checkpoint, saved at a step boundary, is consistent; the next run resumes there.
+            if ended and self._saved_step != step:
                 self.save_checkpoint(step)
+            elif not ended:
+                log.error(
+                    "the run failed; no checkpoint saved now: the next run resumes from step %d", self._saved_step
+                )
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
         if self.untrained_error is None and step == c.total_steps:
@@ -255,7 +258,10 @@ class Run:
                 self._bar.close()
                 self._bar = None
             logs = [h.stats().step_log for h in self.handles]
-            write_measurements(self.workdir / MEASUREMENTS_FILE, self.controller.costs, logs)
+            try:
+                write_measurements(self.workdir / MEASUREMENTS_FILE, self.controller.costs, logs)
+            except OSError as exc:  # never hides the segment's own error (e.g. the full disk that stopped it)
+                log.warning("measured costs not written: %s", exc)
 
     def _next_eval_step(self, step: int) -> int:
         """The end of the segment starting at ``step``: the next step with an evaluation, or the last."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 from gyre_jax import build, runtime
 from gyre_jax import config as config_lib
 from gyre_jax.checkpoint import Checkpointer
+from gyre_jax.disk import DiskFull, is_disk_full
 from gyre_jax.elastic.controller import Controller
 from gyre_jax.elastic.ledger import RolloutLedger
 from gyre_jax.elastic.policies import make_policy
@@ -58,6 +60,7 @@ def build_run(config) -> Run:
     [log.warning("%s", w) for w in build.preflight(config)]  # sandbox works, harness installed: before any work
     workdir = config_lib.resolve_workdir(config)
     workdir.mkdir(parents=True, exist_ok=True)
+    fsync_write(workdir / "config.json", json.dumps(config.to_dict(), indent=2, default=str))  # a full disk: now
     stop = threading.Event()
     s = build.setup(config)  # devices, training mesh, cells, model, tokenizer
     suite = build.make_suite(config)
@@ -66,7 +69,6 @@ def build_run(config) -> Run:
     )
     checkpointer = Checkpointer(workdir / "checkpoints", config.keep_checkpoints, primary_only=s.multi_process)
     metrics = MetricsWriter(workdir, tensorboard=config.metrics.tensorboard)
-    fsync_write(workdir / "config.json", json.dumps(config.to_dict(), indent=2, default=str))
     state, start_step, pipeline_state = _initial_state(s, learner, checkpointer, suite, metrics, stop)
     ref_params = _reference_policy(s, learner, state, workdir)
 
@@ -214,8 +216,25 @@ def _executor(config, proxy: ProxyServer, workdir, suite) -> Executor:
         proxy, proxy.base_url, workdir / "executions", model_name=config.proxy.model_name, timeout_s=r.timeout_s,
         max_parallel=r.max_parallel, temperature=r.temperature, max_tokens=r.max_tokens_per_call,
         evaluator_timeout_s=r.evaluator_timeout_s, harness_cmd=harness.cmd, extra_env=harness.env,
-        harness_files=harness.files, sandbox=sandbox,
+        harness_files=harness.files, sandbox=sandbox, max_workspace_bytes=(r.max_workspace_mb << 20) or None,
     )  # fmt: skip
+
+
+def _stopped_by_full_disk(exc: OSError, workdir) -> int:
+    """A full disk ends the run with one line (exit 1); any other OSError is re-raised."""
+    if not is_disk_full(exc):
+        raise exc
+    full = exc if isinstance(exc, DiskFull) else DiskFull(exc.filename or workdir)
+    if full is not exc:  # a writer that does not name its file: say which error it was, in one line
+        tb, where = exc.__traceback__, ""
+        while tb is not None:  # the innermost frame of this package: the writer
+            if f"{os.sep}gyre_jax{os.sep}" in tb.tb_frame.f_code.co_filename:
+                where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+            tb = tb.tb_next
+        log.error("full disk: %s: %s%s", type(exc).__name__, exc, where)
+    print(f"error: {full}", file=sys.stderr, flush=True)
+    runtime.shutdown()
+    return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -254,10 +273,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         runtime.shutdown()
         return 2
+    except OSError as exc:
+        return _stopped_by_full_disk(exc, config_lib.resolve_workdir(config))
+    failure = None
     try:
         step = run.run()
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        failure = exc
     finally:
         run.close()
+    if failure is not None:  # after the shutdown's own messages: the error is the last line
+        return _stopped_by_full_disk(failure, run.workdir)
     if run.untrained_error is not None:
         print(f"error: {run.untrained_error}", file=sys.stderr, flush=True)
         runtime.shutdown()

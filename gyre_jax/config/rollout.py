@@ -207,6 +207,8 @@ class RolloutSection(Section):
     tool_latency_median_s: float = 0.05
     tool_latency_sigma: float = 1.0  # lognormal sigma: long-tailed tool times
     evaluator_timeout_s: float = 30.0
+    # a harness whose workspace grows past this many MiB is killed (killed_reason "workspace_full"); 0: no cap
+    max_workspace_mb: int = 0
 
     def __post_init__(self):
         from gyre_jax.rollout.tasks import ALPHABETS
@@ -230,6 +232,9 @@ class RolloutSection(Section):
             require(getattr(r, key) >= 1, f"config.rollout.{key}={getattr(r, key)} must be >= 1")
         for key in ("timeout_s", "evaluator_timeout_s"):
             require(getattr(r, key) > 0, f"config.rollout.{key}={getattr(r, key)} must be > 0")
+        require(
+            r.max_workspace_mb >= 0, f"config.rollout.max_workspace_mb={r.max_workspace_mb} must be >= 0 (0: no cap)"
+        )
         require(r.temperature > 0, f"config.rollout.temperature={r.temperature} must be > 0 (RL needs sampling)")
         for key in ("tool_latency_median_s", "tool_latency_sigma"):
             require(getattr(r, key) >= 0, f"config.rollout.{key}={getattr(r, key)} must be >= 0")

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from gyre_jax.disk import DiskFull
 from gyre_jax.proxy import agents, tito
 from gyre_jax.proxy.errors import ProxyError, execution_ended
 from gyre_jax.proxy.records import RecordStore, TitoRecord
@@ -187,7 +188,16 @@ class Execution:
         with self.lock:
             if self.ended:
                 raise execution_ended(self.execution_id, "ended while this call ran; it was not recorded")
-            store.append(make_record(self.next_record_index))
+            try:
+                store.append(make_record(self.next_record_index))
+            except DiskFull as exc:
+                raise ProxyError(
+                    507,
+                    f"disk full writing {exc.path}: this call was not recorded; free space on the proxy's disk and "
+                    "retry it (the proxy keeps serving)",
+                    code="disk_full",
+                    error_type="server_error",
+                ) from exc
             self.next_record_index += 1
             if state is None or placement is None or placement.conversation < 0:
                 return

@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from gyre_jax.disk import append_whole
+
+logger = logging.getLogger(__name__)
 AGENT_KINDS = ("", "auxiliary")  # TitoRecord.agent_kind: the trajectory processor decides | a harness utility call
 
 
@@ -88,11 +92,10 @@ class RecordStore:
         return self.root / f"{execution_id}.jsonl"
 
     def append(self, record: TitoRecord) -> None:
-        line = record.to_json() + "\n"
-        with self._lock, open(self.path(record.execution_id), "a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        """Appends the record as one line, fsynced; whole or not at all (``DiskFull`` when the disk is full:
+        the file is cut back to its last whole line)."""
+        with self._lock:
+            append_whole(self.path(record.execution_id), (record.to_json() + "\n").encode("utf-8"))
 
     def count(self, execution_id: str) -> int:
         """Number of complete records of an execution, without parsing them (a torn last line is not counted)."""
@@ -110,6 +113,7 @@ class RecordStore:
         with open(path, encoding="utf-8") as f:
             for line in f:
                 if not line.endswith("\n"):
+                    _torn(path, line)
                     return
                 yield TitoRecord.from_json(line)
 
@@ -122,7 +126,16 @@ class RecordStore:
         with open(path, encoding="utf-8") as f:
             for line in f:
                 if not line.endswith("\n"):
-                    break  # torn write: the call never got its response, so it is not part of the execution
+                    _torn(path, line)  # the call never got its response, so it is not part of the execution
+                    break
                 records.append(TitoRecord.from_json(line))
         records.sort(key=lambda r: r.call_index)
         return records
+
+
+def _torn(path: Path, line: str) -> None:
+    logger.warning(
+        "%s: skipped a torn last line (%d characters without a newline: a write cut off by a kill or a full disk)",
+        path,
+        len(line),
+    )

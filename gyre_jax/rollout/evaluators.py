@@ -3,10 +3,12 @@
 An evaluator is any callable ``(task, workspace) -> float``. ``CommandEvaluator`` runs a command in
 (or over) the workspace, for suites whose scoring is a script or a test run: the command prints a
 score in [0, 1] as the last non-empty line of its stdout (``pass``/``fail`` and ``true``/``false``
-count as 1/0); a non-zero exit, a missing or out-of-range score or a timeout raises, and the
-executor then *excludes* the execution (it is not scored 0). The command runs in its own process
-group, which is killed on timeout, with the workspace as its cwd and placeholders ``{workspace}``
-and ``{task.FIELD}`` (strings verbatim, other fields as JSON) filled in.
+count as 1/0); a non-zero exit, a missing or out-of-range score (``BadScore``: kind "evaluator_bad_value")
+or a timeout raises, and the executor then *excludes* the execution (it is not scored 0). The command
+runs in its own process group, which is killed on timeout, then whatever it left running (its group, and
+processes that left it: ``process_group.sweep``), with the workspace as its cwd and placeholders
+``{workspace}`` and ``{task.FIELD}`` (strings verbatim, other fields as JSON) filled in. Only the last
+``OUTPUT_TAIL_BYTES`` of its output are read: endless or binary output cannot hurt the trainer.
 
 ``run_evaluator`` runs any evaluator the way the executor does: in a daemon thread under a timeout, with a
 failure, a timeout or an out-of-range value turned into the reason the execution is excluded.
@@ -16,17 +18,20 @@ from __future__ import annotations
 
 import math
 import os
-import signal
+import secrets
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from gyre_jax.rollout.process_group import MARK_ENV, kill_group, sweep
 from gyre_jax.rollout.tasks import Task
 from gyre_jax.rollout.templates import fill, task_values
 
+OUTPUT_TAIL_BYTES = 64 * 1024  # what is read of an evaluator command's stdout and stderr (the end)
 _WORDS = {"pass": 1.0, "passed": 1.0, "true": 1.0, "fail": 0.0, "failed": 0.0, "false": 0.0}
 
 
@@ -54,48 +59,55 @@ class CommandEvaluator:
         if not workspace.is_dir():
             raise FileNotFoundError(f"workspace {workspace} of task {task.task_id} does not exist; cannot evaluate")
         cmd = self.command(task, workspace)
-        env = {**os.environ, **self.env} if self.env is not None else None
-        proc = subprocess.Popen(cmd, cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
-        try:
-            out, err = proc.communicate(timeout=self.timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc, self.kill_grace_s)
-            raise TimeoutError(f"evaluator command {cmd[0]!r} exceeded {self.timeout_s} s and was killed") from None
-        stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        mark = secrets.token_hex(12)  # finds what the command leaves behind outside its group (process_group)
+        env = {**(os.environ if self.env is None else {**os.environ, **self.env}), MARK_ENV: mark}
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:  # bounded reads: see _tail
+            proc = subprocess.Popen(cmd, cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    start_new_session=True)  # fmt: skip
+            try:
+                proc.wait(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"evaluator command {cmd[0]!r} exceeded {self.timeout_s} s and was killed") from None
+            finally:  # the command on timeout, else what it left running; then what left its group
+                kill_group(proc.pid, self.kill_grace_s, proc)
+                proc.wait()
+                sweep(mark, self.kill_grace_s, exclude=proc.pid)
+            stdout, stderr = _tail(out), _tail(err)
         if proc.returncode != 0:
             tail = (stderr.strip() or stdout.strip())[-400:]
             raise RuntimeError(f"evaluator command {cmd[0]!r} exited with status {proc.returncode}: {tail}")
-        lines = [line.strip() for line in stdout.splitlines() if line.strip()]
-        if not lines:
-            raise ValueError(f"evaluator command {cmd[0]!r} printed no score; print a number in [0, 1] last")
-        last = lines[-1]
-        score = _WORDS.get(last.lower())
-        if score is None:
-            try:
-                score = float(last)
-            except ValueError:
-                raise ValueError(
-                    f"evaluator command {cmd[0]!r} printed {last[:80]!r} last; expected a number in [0, 1]"
-                ) from None
-        if not (math.isfinite(score) and 0.0 <= score <= 1.0):
-            raise ValueError(f"evaluator command {cmd[0]!r} printed the score {score}; expected a number in [0, 1]")
-        return score
+        return parse_score(stdout, cmd[0])
 
 
-def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+class BadScore(ValueError):
+    """The evaluator's score is not a number in [0, 1] (NaN, out of range, not a number, none at all)."""
+
+
+def parse_score(stdout: str, name: str) -> float:
+    """The score an evaluator command printed last (a number or pass/fail word), or ``BadScore``."""
+    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        raise BadScore(f"evaluator command {name!r} printed no score; print a number in [0, 1] last")
+    last = lines[-1]
+    score = _WORDS.get(last.lower())
+    if score is None:
+        try:
+            score = float(last)
+        except ValueError:
+            raise BadScore(
+                f"evaluator command {name!r} printed {last[:80]!r} last; expected a number in [0, 1]"
+            ) from None
+    if not (math.isfinite(score) and 0.0 <= score <= 1.0):
+        raise BadScore(f"evaluator command {name!r} printed the score {score}; expected a number in [0, 1]")
+    return score
+
+
+def _tail(f, limit: int = OUTPUT_TAIL_BYTES) -> str:
+    """The last ``limit`` bytes an evaluator wrote to the file ``f``, as text (undecodable bytes replaced): an
+    evaluator that prints without end cannot fill the trainer's memory."""
+    f.seek(0, os.SEEK_END)
+    f.seek(max(0, f.tell() - limit))
+    return f.read().decode("utf-8", "replace")
 
 
 def run_evaluator(
@@ -129,7 +141,7 @@ def run_evaluator(
         return None, f"evaluator exceeded evaluator_timeout_s={timeout_s}", "evaluator_timeout"
     if "error" in box:
         exc = box["error"]
-        kind = "evaluator_timeout" if isinstance(exc, TimeoutError) else "evaluator_error"
+        kind = {TimeoutError: "evaluator_timeout", BadScore: "evaluator_bad_value"}.get(type(exc), "evaluator_error")
         return None, f"evaluator raised {type(exc).__name__}: {exc}", kind
     reward = box.get("reward")
     if (

@@ -6,7 +6,8 @@ process group, the wall-clock timeout (the task's ``agent_timeout_s`` or ``timeo
 killed), evaluation under its own timeout (a task with a Harbor ``source`` is scored by its ``tests/test.sh``
 in a fresh sandbox, ``verifier.py``; others by ``evaluator``), and the ``ExecutionResult`` record. It does
 not know the model or the proxy's internals: a harness only gets ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` and
-``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY`` (the same per-execution key).
+``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY`` (the same per-execution key), and ``GYRE_EXECUTION_MARK``, the token by
+which what it leaves running is found and killed when it ends (``process_group``).
 
 Layout on disk, per execution, under ``root/<execution_id>/`` (docs/tasks.md)::
 
@@ -27,7 +28,8 @@ Serialized form of an ``ExecutionResult`` (``to_dict``)::
      "exclusion_reason": str | null, "returncode": int | null, "duration_s": float, "workspace": str,
      "exclusion_kind": null | "evaluator_error" | "evaluator_timeout" | "evaluator_bad_value" | "setup_failed"
                        | "executor_error" | "cancelled",
-     "sandbox": null | {"backend", "network", "cpus", "memory_mb", "allow_internet", "limits", "not_applied", ...}}
+     "sandbox": null | {"backend", "network", "cpus", "memory_mb", "allow_internet", "limits", "not_applied", ...},
+     "killed_reason": null | "timeout" | "workspace_full"}
 
 Harness command lines, ``extra_env`` values and ``harness_files`` contents are templates (``PLACEHOLDERS``,
 filled with the paths the harness sees): ``{task}`` (its task.json), ``{instruction_file}``,
@@ -60,7 +62,7 @@ from typing import Any, Protocol
 from gyre_jax.rollout import templates
 from gyre_jax.rollout.evaluators import CommandEvaluator, run_evaluator
 from gyre_jax.rollout.harnesses import DEFAULT_HARNESS_CMD, write_files
-from gyre_jax.rollout.process_group import ProcessGroups
+from gyre_jax.rollout.process_group import Ended, ProcessGroups
 from gyre_jax.rollout.sandbox import Launch, Mount, Sandbox, make_sandbox
 from gyre_jax.rollout.suites import DOCKER_FILES
 from gyre_jax.rollout.tasks import Task, evaluate
@@ -123,6 +125,8 @@ class ExecutionResult:
     workspace: str
     exclusion_kind: str | None = None  # why it is excluded, as one of EXCLUSION_KINDS (None when scored)
     sandbox: dict[str, Any] | None = None  # how the harness was isolated and limited (Prepared.applied)
+    # why the executor killed the harness before it exited: None | "timeout" | "workspace_full" (process_group)
+    killed_reason: str | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -207,6 +211,7 @@ class Executor:
         sandbox: Sandbox | None = None,
         mount_solution: bool = False,
         network: str = "proxy",
+        max_workspace_bytes: int | None = None,
     ) -> None:
         _check_arguments(timeout_s, evaluator_timeout_s, kill_grace_s, max_parallel, harness_cmd, network)
         self.registry = registry
@@ -237,6 +242,9 @@ class Executor:
         self.harness_files = dict(harness_files or {})
         self.mount_solution = mount_solution
         self.network = network
+        if max_workspace_bytes is not None and (isinstance(max_workspace_bytes, bool) or max_workspace_bytes < 1):
+            raise ValueError(f"max_workspace_bytes={max_workspace_bytes!r} must be a positive number of bytes or None")
+        self.max_workspace_bytes = max_workspace_bytes
         for rel in self.harness_files:
             _check_relative(rel)
         templates.check_task_fields([*self.harness_cmd, *self.extra_env.values(), *self.harness_files.values()])
@@ -327,10 +335,11 @@ class Executor:
         workspace = exec_dir / "workspace"
 
         applied: dict[str, Any] = {}  # what the sandbox applied, once the harness started
+        killed: list[str | None] = [None]
 
         def result(status, reward, reason, returncode, duration, kind=None) -> ExecutionResult:  # written to disk
             r = _result(spec, workspace, status, reward, reason, returncode, duration, kind)
-            r.sandbox = applied or None
+            r.sandbox, r.killed_reason = applied or None, killed[0]
             _write_result(exec_dir, r)
             return r
 
@@ -351,7 +360,9 @@ class Executor:
                 "crashed", None, f"open_execution failed: {type(exc).__name__}: {exc}", None, 0.0, "setup_failed"
             )
         try:
-            status, returncode, duration, cancelled = self._spawn_and_wait(spec, exec_dir, workspace, api_key, applied)
+            status, returncode, duration, cancelled, killed[0] = self._spawn_and_wait(
+                spec, exec_dir, workspace, api_key, applied
+            )
         except Exception as exc:  # noqa: BLE001 - an executor fault (not the harness's): exclude
             logger.exception("running the harness of execution %s failed", spec.execution_id)
             return result("crashed", None, f"executor error: {type(exc).__name__}: {exc}", None, 0.0, "executor_error")
@@ -406,9 +417,9 @@ class Executor:
 
     def _spawn_and_wait(
         self, spec: ExecutionSpec, exec_dir: Path, workspace: Path, api_key: str, applied: dict[str, Any]
-    ) -> tuple[str, int | None, float, bool]:
-        """Runs the harness to its end in the sandbox; returns (status, returncode, duration_s, cancelled) and
-        fills ``applied`` with what the sandbox applied."""
+    ) -> Ended:
+        """Runs the harness to its end in the sandbox (``process_group.Ended``); fills ``applied`` with what the
+        sandbox applied."""
         timeout_s = spec.task.agent_timeout or self.timeout_s
         harness_dir = exec_dir / HARNESS_DIR
         mounts = [Mount(harness_dir, EXEC_DIR_INSIDE, writable=True),
@@ -435,7 +446,8 @@ class Executor:
         prepared = self.sandbox.prepare(launch)
         applied.update(prepared.applied)
         try:
-            return self._procs.run(spec.execution_id, prepared.argv, prepared.cwd, prepared.env, exec_dir, timeout_s)
+            return self._procs.run(spec.execution_id, prepared.argv, prepared.cwd, prepared.env, exec_dir, timeout_s,
+                                   workspace=workspace, max_workspace_bytes=self.max_workspace_bytes)  # fmt: skip
         finally:
             prepared.cleanup()
 

@@ -1,19 +1,169 @@
 """Harness processes: each runs in its own process group, is waited for under a wall-clock limit, and its
 whole group is killed when it ends (the harness itself on timeout or cancel, whatever children it left
 after a normal exit). ``cancel`` kills every running group and is sticky: nothing starts afterwards.
+
+Escapes (``rollout.sandbox=none``; bwrap's PID namespace already ends with the sandbox): a harness process
+that leaves its group (``setsid``, a double fork) is still found and killed. Every harness gets
+``MARK_ENV=<a random token of this launch>`` in its environment, which its descendants inherit; when the
+harness ends, every process whose environment holds the token is killed (SIGTERM, SIGKILL after the grace)
+and reaped. The trainer is made a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``) so that orphaned
+descendants are reparented to it rather than to init, and it can reap them. A process that wipes its own
+environment (``env -i``) before escaping is not found: only a sandbox with its own PID namespace stops that.
+
+A workspace over ``max_workspace_bytes`` (disk blocks used, summed over its files; checked every
+``SIZE_CHECK_S``) gets its harness killed at once (status "crashed", ``killed_reason`` "workspace_full"), so a
+runaway writer cannot fill the run's disk; between two checks it can still write ``SIZE_CHECK_S`` worth.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import logging
 import os
+import secrets
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
+logger = logging.getLogger(__name__)
 POLL_S = 0.05
+SIZE_CHECK_S = 0.5  # how often a workspace's size is measured when it has a cap
+MARK_ENV = "GYRE_EXECUTION_MARK"  # in every harness's environment: a random token of its launch
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Makes this process the reaper of its orphaned descendants (Linux only); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _proc_stat(pid: str) -> tuple[bytes, int, int, int] | None:
+    """(state, ppid, pgrp, session) of ``/proc/<pid>``, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp session ...
+    return fields[0], int(fields[1]), int(fields[2]), int(fields[3])
+
+
+def marked_processes(mark: str) -> list[int]:
+    """The live (not zombie) processes of one harness launch: those whose environment holds ``MARK_ENV=mark``.
+    Only processes of this user (or all, as root) can be read."""
+    needle = f"{MARK_ENV}={mark}".encode()
+    found, me = [], os.getpid()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        stat = _proc_stat(entry)
+        if stat is None or stat[0] == b"Z":
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue  # another user's process, or gone
+        if needle in environ.split(b"\0"):
+            found.append(int(entry))
+    return found
+
+
+def sweep(mark: str, grace_s: float, exclude: int | None = None, rounds: int = 20) -> list[int]:
+    """Kills every live process of the launch ``mark`` (SIGTERM, then SIGKILL after ``grace_s`` to what is
+    left; again while new ones appear, up to ``rounds`` times) and reaps those that are our children, and our
+    zombie children of the launch's process group or session (``exclude``: the launch's leader, whose pid is
+    that group's and session's id; its ``Popen`` reaps it). Returns the pids killed."""
+    killed: set[int] = set()
+    sig = signal.SIGTERM
+    for _ in range(rounds):
+        live = marked_processes(mark)
+        if not live:
+            break
+        for pid in live:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        killed.update(live)
+        if sig == signal.SIGTERM:
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and marked_processes(mark):
+                _reap(killed, exclude)
+                time.sleep(0.02)
+        sig = signal.SIGKILL
+        _reap(killed, exclude)
+    _reap(killed, exclude)
+    if exclude is not None:
+        _reap(set(_zombie_children(exclude)), exclude)
+    return sorted(killed)
+
+
+def _zombie_children(leader: int) -> list[int]:
+    """Our zombie children in the process group or session ``leader`` (orphans of a launch, reparented to this
+    subreaper after they died: their environment can no longer be read)."""
+    me, found = os.getpid(), []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        stat = _proc_stat(entry) if entry.isdigit() else None
+        if stat is not None and stat[0] == b"Z" and stat[1] == me and leader in (stat[2], stat[3]):
+            found.append(int(entry))
+    return found
+
+
+def _reap(pids: set[int], exclude: int | None) -> None:
+    """``waitpid`` (no hang) on each of ``pids`` that is our child (reparented to this subreaper)."""
+    for pid in pids:
+        if pid == exclude:
+            continue
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.ECHILD:
+                raise
+
+
+def disk_usage(root: Path, stop_at: int | None = None) -> int:
+    """Bytes of disk blocks used by the files under ``root`` (links not followed); stops counting past
+    ``stop_at``."""
+    total, stack = 0, [root]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for entry in it:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    total += st.st_blocks * 512
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(Path(entry.path))
+        except OSError:
+            continue
+        if stop_at is not None and total > stop_at:
+            break
+    return total
 
 
 def kill_group(pgid: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -51,17 +201,22 @@ def group_alive(pgid: int) -> bool:
     except OSError:
         return True  # no /proc: trust killpg
     for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+        stat = _proc_stat(entry) if entry.isdigit() else None
+        if stat is not None and stat[2] == pgid and stat[0] != b"Z":
             return True
     return False
+
+
+class Ended(NamedTuple):
+    """How a harness run ended: status "finished" | "timeout" | "crashed", its exit status (None if it never
+    started), seconds from spawn to exit or kill, whether a cancel ended it, and why the executor killed it
+    before it exited on its own (None | "timeout" | "workspace_full")."""
+
+    status: str
+    returncode: int | None
+    duration_s: float
+    cancelled: bool
+    killed_reason: str | None = None
 
 
 class ProcessGroups:
@@ -69,6 +224,7 @@ class ProcessGroups:
 
     def __init__(self, kill_grace_s: float):
         self.kill_grace_s = kill_grace_s
+        self.subreaper = become_subreaper()  # escaped descendants are reparented to us, and reaped by sweep
         self._lock = threading.Lock()  # cancel and start are atomic with respect to each other
         self._cancelled = threading.Event()
         self._running: dict[str, subprocess.Popen] = {}
@@ -96,51 +252,76 @@ class ProcessGroups:
         env: Mapping[str, str],
         log_dir: Path,
         timeout_s: float,
-    ) -> tuple[str, int | None, float, bool]:
-        """Runs ``cmd`` in its own process group to its end (stdout/stderr to ``log_dir/harness.*``); returns
-        (status "finished" | "timeout" | "crashed", returncode, duration_s, cancelled)."""
-        start = time.monotonic()
+        workspace: Path | None = None,
+        max_workspace_bytes: int | None = None,
+    ) -> Ended:
+        """Runs ``cmd`` in its own process group to its end (stdout/stderr to ``log_dir/harness.*``), then kills
+        what is left of it, escaped descendants included (module docstring); ``workspace`` is measured against
+        ``max_workspace_bytes`` while it runs."""
+        start, mark = time.monotonic(), secrets.token_hex(12)
         with open(log_dir / "harness.stdout", "wb") as out, open(log_dir / "harness.stderr", "wb") as err:
             with self._lock:
                 if self._cancelled.is_set():
-                    return "crashed", None, 0.0, True
+                    return Ended("crashed", None, 0.0, True)
                 try:
-                    proc = subprocess.Popen(
-                        cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
-                    )
+                    proc = subprocess.Popen(cmd, cwd=cwd, env={**env, MARK_ENV: mark}, stdin=subprocess.DEVNULL,
+                                            stdout=out, stderr=err, start_new_session=True)  # fmt: skip
                 except OSError as exc:
                     err.write(f"executor: failed to start harness {list(cmd)!r}: {exc}\n".encode())
-                    return "crashed", None, time.monotonic() - start, False
+                    return Ended("crashed", None, time.monotonic() - start, False)
                 self._running[name] = proc
             try:
-                timed_out = self._wait(proc, start + timeout_s)
+                limit = (workspace, max_workspace_bytes) if workspace is not None and max_workspace_bytes else None
+                killed = self._wait(proc, start + timeout_s, limit)
                 # Kill the whole group: on timeout/cancel the harness itself, after a normal exit
-                # whatever children it left behind.
+                # whatever children it left behind; then whatever left the group.
                 kill_group(proc.pid, self.kill_grace_s, proc)
                 returncode = proc.wait()
                 duration = time.monotonic() - start
+                escaped = sweep(mark, self.kill_grace_s, exclude=proc.pid)
             finally:
                 with self._lock:
                     self._running.pop(name, None)
-        if self._cancelled.is_set() and not timed_out:
-            # Cancelled while the harness ran (or in the same instant it ended): never scored.
-            return "crashed", returncode, duration, True
-        if timed_out:
-            with open(log_dir / "harness.stderr", "ab") as err:
-                err.write(f"executor: harness killed after timeout_s={timeout_s}\n".encode())
-            return "timeout", returncode, duration, False
-        return ("finished" if returncode == 0 else "crashed"), returncode, duration, False
+        return self._ended(killed, returncode, duration, escaped, log_dir, timeout_s, max_workspace_bytes)
 
-    def _wait(self, proc: subprocess.Popen, deadline: float) -> bool:
-        """Waits for ``proc`` to exit, for the deadline or for a cancel; True if the deadline passed."""
+    def _ended(self, killed, returncode, duration, escaped, log_dir, timeout_s, max_bytes) -> Ended:
+        notes = []
+        if escaped:
+            logger.warning("killed %d process(es) that left their harness's process group: %s", len(escaped), escaped)
+            notes.append(f"executor: killed {len(escaped)} process(es) that left the harness's process group")
+        if killed == "timeout":
+            notes.append(f"executor: harness killed after timeout_s={timeout_s}")
+        elif killed == "workspace_full":
+            notes.append(f"executor: harness killed: its workspace grew over {max_bytes} bytes")
+        if notes:
+            with open(log_dir / "harness.stderr", "ab") as err:
+                err.write("".join(n + "\n" for n in notes).encode())
+        if self._cancelled.is_set() and killed is None:
+            # Cancelled while the harness ran (or in the same instant it ended): never scored.
+            return Ended("crashed", returncode, duration, True)
+        if killed == "timeout":
+            return Ended("timeout", returncode, duration, False, killed)
+        if killed is not None:
+            return Ended("crashed", returncode, duration, False, killed)
+        return Ended("finished" if returncode == 0 else "crashed", returncode, duration, False)
+
+    def _wait(self, proc: subprocess.Popen, deadline: float, limit: tuple[Path, int] | None) -> str | None:
+        """Waits for ``proc`` to exit, for the deadline, a cancel or its workspace to pass its size ``limit``;
+        returns why it must be killed: "timeout", "workspace_full" or None (it exited, or a cancel)."""
+        next_check = time.monotonic()
         while proc.poll() is None:
             if self._cancelled.is_set():
-                return False
-            remaining = deadline - time.monotonic()
+                return None
+            now = time.monotonic()
+            if limit is not None and now >= next_check:
+                next_check = now + SIZE_CHECK_S
+                if disk_usage(limit[0], stop_at=limit[1]) > limit[1]:
+                    return "workspace_full"
+            remaining = deadline - now
             if remaining <= 0:
-                return True
+                return "timeout"
             try:
                 proc.wait(timeout=min(POLL_S, remaining))
             except subprocess.TimeoutExpired:
                 pass
-        return False
+        return None

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from gyre_jax.disk import write_whole
 from gyre_jax.sim.cost_model import (
     CostModel,
     CostModelError,
@@ -263,7 +264,7 @@ def write_measurements(path: str | os.PathLike, costs: Any, step_logs: Sequence[
     out["prefills"] = [
         [n, ctx + n, max(1e-6, s - (float(coef @ [1.0, b, ctx]) if b else 0.0))] for b, ctx, n, s in prefill
     ]
-    Path(path).write_text(json.dumps(out) + "\n", encoding="utf-8")
+    write_whole(Path(path), json.dumps(out) + "\n")  # whole or not at all (a full disk: ``DiskFull``)
 
 
 def read_measurements(run_dir: str | os.PathLike) -> dict:

@@ -20,6 +20,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gyre_jax.disk import DiskFull, is_disk_full
+
 
 @dataclass(frozen=True)
 class QueuedExecution:
@@ -103,12 +105,19 @@ class ExecutionQueue:
             for i, (eid, adv) in enumerate(executions)
         ]
         data = "".join(e.to_json() + "\n" for e in entries).encode("utf-8")
-        with open(self.path, "r+b") as f:
+        with open(self.path, "r+b", buffering=0) as f:
             f.truncate(end_offset)  # a torn entry left by a crash mid-append is not part of the queue
-            f.seek(end_offset)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            try:
+                f.seek(end_offset)
+                view = memoryview(data)
+                while view:
+                    view = view[f.write(view) :]
+                os.fsync(f.fileno())
+            except OSError as exc:
+                f.truncate(end_offset)  # none of the step's part is in the queue; ``end`` is unchanged
+                if is_disk_full(exc):
+                    raise DiskFull(self.path) from exc
+                raise
         self._end = (end_offset + len(data), first + len(entries))
         return entries
 

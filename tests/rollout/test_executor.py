@@ -377,8 +377,8 @@ def test_command_evaluator_scores_or_excludes_and_failures_are_counted(tmp_path)
     assert (results["crash"].excluded, results["crash"].exclusion_kind) == (True, "evaluator_error")
     assert "boom" in results["crash"].exclusion_reason
     assert results["hang"].exclusion_kind == "evaluator_timeout"
-    assert results["7"].exclusion_kind == "evaluator_error" and "[0, 1]" in results["7"].exclusion_reason
-    assert results["nan-text"].exclusion_kind == "evaluator_error"
+    assert results["7"].exclusion_kind == "evaluator_bad_value" and "[0, 1]" in results["7"].exclusion_reason
+    assert results["nan-text"].exclusion_kind == "evaluator_bad_value"
     counts = summarize(list(results.values()))
     assert counts["evaluator_failures"] == 4 and counts["evaluator_timeouts"] == 1 and counts["excluded"] == 4
     assert counts["reward_mean"] == pytest.approx((0.25 + 1.0) / 2) and counts["finished"] == 6
