@@ -27,6 +27,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from gyre_jax.faultpoints import kill_point
+
 AGENT_KINDS = ("", "auxiliary")  # TitoRecord.agent_kind: the trajectory processor decides | a harness utility call
 
 
@@ -90,9 +92,14 @@ class RecordStore:
     def append(self, record: TitoRecord) -> None:
         line = record.to_json() + "\n"
         with self._lock, open(self.path(record.execution_id), "a", encoding="utf-8") as f:
-            f.write(line)
+            half = len(line) // 2
+            f.write(line[:half])
+            f.flush()
+            kill_point("record_torn")
+            f.write(line[half:])
             f.flush()
             os.fsync(f.fileno())
+        kill_point("record_write")
 
     def count(self, execution_id: str) -> int:
         """Number of complete records of an execution, without parsing them (a torn last line is not counted)."""

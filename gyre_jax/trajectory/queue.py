@@ -20,6 +20,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gyre_jax.faultpoints import kill_point
+
 
 @dataclass(frozen=True)
 class QueuedExecution:
@@ -106,7 +108,10 @@ class ExecutionQueue:
         with open(self.path, "r+b") as f:
             f.truncate(end_offset)  # a torn entry left by a crash mid-append is not part of the queue
             f.seek(end_offset)
-            f.write(data)
+            f.write(data[: len(data) // 2])
+            f.flush()
+            kill_point("queue_torn")
+            f.write(data[len(data) // 2 :])
             f.flush()
             os.fsync(f.fileno())
         self._end = (end_offset + len(data), first + len(entries))
