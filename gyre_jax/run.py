@@ -16,7 +16,7 @@ Run directory layout (see docs/records.md):
     decisions.jsonl          every scheduling decision with its event and cluster state
     cost_measurements.json   measured serving/training/switch costs (the simulator's calibration input)
     metrics.jsonl, tensorboard/, config.json
-    aborted/<time>/          records/executions of an interrupted step, set aside on resume
+    aborted/<time>-<pid>/    records/executions of an interrupted step, set aside on resume (they run again)
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from gyre_jax.proxy.router import Router
 from gyre_jax.proxy.server import ProxyServer
 from gyre_jax.rl.learner import Learner, TrainState
 from gyre_jax.rollout.executor import ExecutionResult, ExecutionSpec, Executor, summarize
+from gyre_jax.rollout.process_group import kill_leftover_group
 from gyre_jax.rollout.suites import TaskSuite
 from gyre_jax.runtime.handle import CellHandle
 from gyre_jax.sim.calibrate import MEASUREMENTS_FILE, write_measurements
@@ -125,6 +126,8 @@ class ExecutionPlan:
             return
         dest = self.workdir / "aborted" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         for eid in stale:
+            if kill_leftover_group(sources[eid][1]):
+                log.warning("%s: killed the harness left running by an interrupted attempt", eid)
             for src in sources[eid]:
                 if src.exists():
                     target = dest / src.parent.name / src.name

@@ -14,6 +14,35 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 POLL_S = 0.05
+GROUP_FILE = "harness.pgid"  # in the log directory: "<pgid> <start time>" of the running harness's group
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22); None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2 :].split()[19].decode()
+
+
+def kill_leftover_group(log_dir: Path) -> bool:
+    """SIGKILLs the harness process group recorded in ``log_dir`` (``GROUP_FILE``) if it still runs: a harness
+    whose executor was SIGKILLed keeps running otherwise, and could write into the rerun of its execution.
+    A recorded leader pid now held by another process (another start time) is left alone. True if killed."""
+    try:
+        pgid, started = (log_dir / GROUP_FILE).read_text().split()
+    except (OSError, ValueError):
+        return False
+    now = _start_time(int(pgid))
+    if (now is not None and now != started) or not group_alive(int(pgid)):
+        return False  # a pid not in use cannot be a new group's id: the group, if any, is the harness's
+    try:
+        os.killpg(int(pgid), signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def kill_group(pgid: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -112,6 +141,7 @@ class ProcessGroups:
                     err.write(f"executor: failed to start harness {list(cmd)!r}: {exc}\n".encode())
                     return "crashed", None, time.monotonic() - start, False
                 self._running[name] = proc
+                (log_dir / GROUP_FILE).write_text(f"{proc.pid} {_start_time(proc.pid)}\n")
             try:
                 timed_out = self._wait(proc, start + timeout_s)
                 # Kill the whole group: on timeout/cancel the harness itself, after a normal exit
