@@ -54,20 +54,26 @@ def _kill_now() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def kill_point(name: str) -> None:
-    """SIGKILLs this process if ``GYRE_KILL_AT`` names this point and this is its n-th visit (see module doc)."""
+def armed(name: str) -> bool:
+    """Whether ``GYRE_KILL_AT`` names point ``name`` (a torn-write point splits its write only then)."""
     global _target, _loaded
     if not _loaded:
         _target, _loaded = parse(os.environ.get(ENV, "")), True
-    if _target is None or _target[0] != name:
+    return _target is not None and _target[0] == name
+
+
+def kill_point(name: str) -> None:
+    """SIGKILLs this process if ``GYRE_KILL_AT`` names this point and this is its n-th visit (see module doc)."""
+    if not armed(name):
         return
+    _, n, delay = _target
     with _lock:
         _counts[name] = _counts.get(name, 0) + 1
-        hit = _counts[name] == _target[1]
+        hit = _counts[name] == n
     if not hit:
         return
-    if _target[2] <= 0:
+    if delay <= 0:
         _kill_now()
-    timer = threading.Timer(_target[2], _kill_now)
+    timer = threading.Timer(delay, _kill_now)
     timer.daemon = True
     timer.start()

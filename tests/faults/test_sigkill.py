@@ -8,6 +8,9 @@ import json
 import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +25,7 @@ from gyre_jax.checkpoint import Checkpointer
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.rollout.process_group import GROUP_FILE, ProcessGroups, group_alive, kill_leftover_group
 from gyre_jax.run import ExecutionPlan
+from gyre_jax.trajectory.queue import ExecutionQueue
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("faults_kill", REPO / "benchmarks" / "faults" / "kill.py")
@@ -192,3 +196,48 @@ def test_a_harness_left_running_by_a_killed_run_is_killed_before_its_execution_r
     assert not exec_dir.exists() and len(list((tmp_path / "aborted").glob("*/executions/s000000-t0-g00"))) == 1
     runner.join(timeout=10)
     assert not kill_leftover_group(next((tmp_path / "aborted").glob("*/executions/s000000-t0-g00")))  # gone: no-op
+
+
+def test_a_queue_append_killed_halfway_leaves_a_tail_the_reader_skips_and_the_next_append_cuts(tmp_path):
+    code = (
+        "import sys; from gyre_jax.trajectory.queue import ExecutionQueue as Q; q = Q(sys.argv[1]);"
+        "q.append_step(0, [('a-g00', 0.5), ('a-g01', -0.5)]); q.append_step(1, [('b-g00', 1.0), ('b-g01', -1.0), ('b-g02', 0.0)])"
+    )
+    env = {**kill.trainer_env(), "GYRE_KILL_AT": "queue_torn:2"}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, cwd=REPO, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    data = (tmp_path / "queue.jsonl").read_bytes()
+    assert not data.endswith(b"\n") and data.count(b"\n") == 3  # step 0 whole, step 1 torn mid-entry
+    q = ExecutionQueue(tmp_path)
+    assert q.end()[1] == 3
+    first, offset = q.read_at(0)
+    second, offset = q.read_at(offset)
+    third, offset = q.read_at(offset)
+    assert [e.execution_id for e in (first, second, third)] == ["a-g00", "a-g01", "b-g00"]
+    assert q.read_at(offset) is None  # the torn entry is never returned
+    assert audit_queue_torn(tmp_path)
+    q.append_step(2, [("c-g00", 1.0)])
+    lines = (tmp_path / "queue.jsonl").read_text().splitlines()
+    assert [json.loads(line)["index"] for line in lines] == [0, 1, 2, 3]
+
+
+def audit_queue_torn(queue_dir: Path) -> bool:
+    from gyre_jax.audit import AuditReport, check_queue
+
+    workdir = queue_dir.parent / "w"
+    (workdir / "trajectory").mkdir(parents=True)
+    shutil.copy(queue_dir / "queue.jsonl", workdir / "trajectory" / "queue.jsonl")
+    report = AuditReport(workdir=str(workdir))
+    check_queue(workdir, report)
+    return report.ok and report.torn_queue_tail
+
+
+def test_an_armed_torn_write_point_that_is_not_hit_writes_whole_entries(tmp_path, monkeypatch):
+    monkeypatch.setattr(faultpoints, "_loaded", True)
+    monkeypatch.setattr(faultpoints, "_target", ("queue_torn", 99, 0.0))
+    monkeypatch.setattr(faultpoints, "_counts", {})
+    q = ExecutionQueue(tmp_path)
+    q.append_step(0, [("a-g00", 0.5), ("a-g01", -0.5)])
+    q.append_step(1, [("b-g00", 1.0)])
+    assert q.end() == ((tmp_path / "queue.jsonl").stat().st_size, 3) == ExecutionQueue(tmp_path).end()
+    assert [json.loads(line)["index"] for line in (tmp_path / "queue.jsonl").read_text().splitlines()] == [0, 1, 2]
