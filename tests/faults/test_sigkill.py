@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import random
+import resource
 import shutil
 import signal
 import subprocess
@@ -65,7 +66,11 @@ def reference(tmp_path_factory, env) -> Path:
 
 def _campaign(tmp_path: Path, env, args: list[str], kills: list) -> tuple:
     c = kill.Campaign("test", tmp_path / "run", [*args, f"--config.workdir={tmp_path / 'run'}"], kills)
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     kill.run_campaign(c, env, 600)
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+    print(f"{c.attempts} attempts, kills landed {c.landed}, missed {c.missed}, {c.seconds:.0f}s wall, {cpu:.0f}s CPU")
     report = audit(c.workdir)
     assert report.ok, report.violations
     assert report.lost == 0 and report.double_counted == 0
