@@ -228,7 +228,7 @@ def free_port() -> int:
 def two_process(root: Path, env: dict[str, str], rng: random.Random, kills: int, timeout_s: float) -> dict:
     """SIGKILL of one process of a 2-process run (at a seeded moment), then both rerun until done; audited."""
     wd = root / "two-process"
-    landed, attempts, t0 = 0, 0, time.monotonic()
+    landed, attempts, t0, history = 0, 0, time.monotonic(), []
     while True:
         port = free_port()
         base = [*SMALL, "--config.total_steps=2", f"--config.workdir={wd}", "--config.distributed.enabled=true",
@@ -247,6 +247,7 @@ def two_process(root: Path, env: dict[str, str], rng: random.Random, kills: int,
                     procs[victim].send_signal(signal.SIGKILL)
                     landed += 1
             codes = [p.wait(timeout=timeout_s) for p in procs]
+            history.append(codes)  # a killed process reads -9; the survivor exits 75 (docs/multihost.md)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -255,7 +256,8 @@ def two_process(root: Path, env: dict[str, str], rng: random.Random, kills: int,
             break
         if attempts > kills + 4:
             raise RuntimeError(f"2-process run did not complete after {attempts} attempts (last codes {codes})")
-    return {"workdir": str(wd), "kills": landed, "attempts": attempts, "seconds": time.monotonic() - t0,
+    return {"workdir": str(wd), "kills": landed, "attempts": attempts, "exit_codes": history,
+            "seconds": round(time.monotonic() - t0, 1),
             "audit": audit_json(wd, env)}  # fmt: skip
 
 
