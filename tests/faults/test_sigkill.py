@@ -33,7 +33,7 @@ _spec = importlib.util.spec_from_file_location("faults_kill", REPO / "benchmarks
 kill = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(kill)
 
-ARGS = [*kill.SMALL, "--config.total_steps=2"]
+ARGS = kill.COLOCATED
 SEED = 19
 
 
@@ -114,8 +114,7 @@ def test_sigkill_at_random_moments_then_resume(tmp_path, env, reference):
 
 @pytest.mark.slow
 def test_sigkill_during_role_switches_of_the_elastic_policy_then_resume(tmp_path, env):
-    args = [*kill.SMALL, *kill.ELASTIC, "--config.total_steps=2", "--config.warm_start.steps=0"]
-    c, _ = _campaign(tmp_path, env, args, [kill.Kill(point=p) for p in kill.ELASTIC_POINTS])
+    c, _ = _campaign(tmp_path, env, kill.ELASTIC_RUN, [kill.Kill(point=p) for p in kill.ELASTIC_POINTS])
     assert c.landed.get("role_switch", 0) >= 2 and sum(c.landed.values()) >= 6, c.landed
 
 
