@@ -75,7 +75,6 @@ def _campaign(tmp_path: Path, env, args: list[str], kills: list) -> tuple:
     assert report.ok, report.violations
     assert report.lost == 0 and report.double_counted == 0
     assert report.steps_completed == 2 and report.executions_trained == 4 and report.records_checked == 4
-    assert report.resumes >= 1
     return c, report
 
 
@@ -96,7 +95,7 @@ def test_sigkill_at_every_named_point_of_a_colocated_run_then_resume(tmp_path, e
     assert sum(c.landed.values()) >= 17, c.landed  # a late point may be passed by a step that completes
     assert {"warm_start", "checkpoint", "rollout", "record_torn", "record_write", "queue_torn", "pipeline",
             "micro_step", "optimizer_step", "results_written"} <= set(c.landed), c.landed  # fmt: skip
-    assert report.set_aside >= 1  # executions in flight at a kill were set aside and run again
+    assert report.resumes >= 10 and report.set_aside >= 1  # executions in flight at a kill: set aside, run again
     metrics = [json.loads(line) for line in (c.workdir / "metrics.jsonl").read_text().splitlines()]
     assert sum(m["phase"] == "resume" for m in metrics) == report.resumes
     assert sum(m["set_aside"] for m in metrics if m["phase"] == "set_aside") >= 1
