@@ -21,6 +21,7 @@ import jax
 from flax import nnx
 
 from gyre_jax import runtime
+from gyre_jax.faultpoints import kill_point
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import Rules, abstract_model, init_params
 from gyre_jax.model.tokenizer import load_tokenizer
@@ -210,6 +211,7 @@ def warm_start(s: Setup, suite: TaskSuite, stop: threading.Event, on_done=None) 
     state = learner.init_state(s.params)
     t0 = time.time()
     for i in range(w.steps):
+        kill_point("warm_start")
         demos = suite.demonstrations(w.batch_size, seed=c.seed * 100_003 + i)
         convs = [render_demonstration(s.tokenizer, m, suite.tools, c.tokenizer.tools_format) for m in demos]
         seqs = [(conv.ids, conv.trainable) for conv in convs]

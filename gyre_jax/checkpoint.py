@@ -12,6 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from gyre_jax.disk import DiskFull, is_disk_full
+from gyre_jax.faultpoints import kill_point
 
 
 class Checkpointer:
@@ -45,6 +46,7 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Writes checkpoint ``step`` and waits until it is complete on disk."""
+        kill_point("checkpoint")
         if self._host_copy:
             state = jax.device_get(state)
         try:
@@ -71,6 +73,19 @@ class Checkpointer:
         if self._host_copy:
             state = jax.device_put(state, jax.tree.map(lambda a: a.sharding, abstract_state))
         return state, dict(restored["meta"])
+
+    def restore_as_saved(self, step: int) -> tuple[Any, dict]:
+        """Restores checkpoint ``step`` as host numpy arrays of the saved shapes and dtypes, without the model
+        (``gyre_jax.audit`` checks a run directory with it): every array is read back, not only its metadata."""
+        path = self.directory / str(step)
+        with ocp.StandardCheckpointer() as arrays:
+            saved = arrays.metadata(path / "state").item_metadata.tree
+            one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), saved)
+            state = jax.tree.map(np.asarray, arrays.restore(path / "state", target))
+        with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as json_item:
+            meta = json_item.restore(path / "meta")
+        return state, dict(meta)
 
     def close(self) -> None:
         self._manager.close()

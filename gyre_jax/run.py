@@ -16,7 +16,7 @@ Run directory layout (see docs/records.md):
     decisions.jsonl          every scheduling decision with its event and cluster state
     cost_measurements.json   measured serving/training/switch costs (the simulator's calibration input)
     metrics.jsonl, tensorboard/, config.json
-    aborted/<time>/          records/executions of an interrupted step, set aside on resume
+    aborted/<time>-<pid>/    records/executions of an interrupted step, set aside on resume (they run again)
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,12 +40,14 @@ from gyre_jax.checkpoint import Checkpointer
 from gyre_jax.disk import write_whole
 from gyre_jax.elastic.controller import Controller
 from gyre_jax.elastic.timeline import TimelineWriter
+from gyre_jax.faultpoints import kill_point
 from gyre_jax.metrics import MetricsWriter, format_step_line
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.router import Router
 from gyre_jax.proxy.server import ProxyServer
 from gyre_jax.rl.learner import Learner, TrainState
 from gyre_jax.rollout.executor import ExecutionResult, ExecutionSpec, Executor, summarize
+from gyre_jax.rollout.process_group import kill_leftover_group
 from gyre_jax.rollout.suites import TaskSuite
 from gyre_jax.runtime.handle import CellHandle
 from gyre_jax.sim.calibrate import MEASUREMENTS_FILE, write_measurements
@@ -116,57 +119,79 @@ class UntrainedSteps:
         )
 
 
+def plan_specs(seed: int, prefix: str, tasks, samples: int, salt: int) -> list[ExecutionSpec]:
+    """The executions of ``tasks`` (``samples`` each), in task order: ids ``<prefix><task_id>-g<j:02d>``, groups
+    ``<prefix><task_id>``, seeds from ``seed``, ``salt`` (the step) and the position. Pure: the run and the
+    audit (``gyre_jax.audit``) both use it."""
+    return [
+        ExecutionSpec(
+            execution_id=f"{prefix}{task.task_id}-g{j:02d}",
+            task=task,
+            group_id=f"{prefix}{task.task_id}",
+            seed=(seed * 1_000_003 + salt * 1009 + i * 31 + j) % (2**31),
+        )
+        for i, task in enumerate(tasks)
+        for j in range(samples)
+    ]
+
+
+def step_specs(config: Any, suite: TaskSuite, step: int) -> list[ExecutionSpec]:
+    """RL step ``step``'s executions in task order: G (``rl.group_size``) per task."""
+    tasks = suite.tasks_for_step(step, config.rollout.tasks_per_step)
+    return plan_specs(config.seed, "", tasks, config.rl.group_size, step)
+
+
 @dataclass
 class ExecutionPlan:
     """Which executions each RL step and each evaluation runs (ids, groups, seeds); leftovers of an interrupted
-    attempt at them are set aside first (never trained on)."""
+    attempt at them are set aside first (never trained on; the same ids then run again with the same seeds).
+
+    ``on_set_aside(what, execution_ids, directory)``: told of each set-aside (the run records it in
+    ``metrics.jsonl``)."""
 
     config: Any
     suite: TaskSuite
     records: RecordStore
     executions_dir: Path  # the executor's root: one directory per execution
     workdir: Path
+    on_set_aside: Callable[[str, list[str], Path], None] | None = None
 
     def step(self, step: int) -> list[ExecutionSpec]:
         """Step ``step``'s executions in task order: G per task."""
-        c = self.config
-        return self._specs("", self.suite.tasks_for_step(step, c.rollout.tasks_per_step), c.rl.group_size, step)
+        specs = step_specs(self.config, self.suite, step)
+        self._set_aside_stale(specs, f"step {step}")
+        return specs
 
     def evaluation(self, step: int) -> list[ExecutionSpec]:
         """The evaluation after ``step`` RL steps: the training pool, or fresh held-out tasks."""
         e = self.config.eval
         tasks = self.suite.pool() if e.split == "train" else self.suite.heldout_tasks(e.num_tasks)
-        return self._specs(f"eval{step:06d}-", tasks, e.samples_per_task, 10**6 + step)
-
-    def _specs(self, prefix: str, tasks, samples: int, salt: int) -> list[ExecutionSpec]:
-        seed = self.config.seed
-        specs = [
-            ExecutionSpec(
-                execution_id=f"{prefix}{task.task_id}-g{j:02d}",
-                task=task,
-                group_id=f"{prefix}{task.task_id}",
-                seed=(seed * 1_000_003 + salt * 1009 + i * 31 + j) % (2**31),
-            )
-            for i, task in enumerate(tasks)
-            for j in range(samples)
-        ]
-        self._set_aside_stale(specs)
+        specs = plan_specs(self.config.seed, f"eval{step:06d}-", tasks, e.samples_per_task, 10**6 + step)
+        self._set_aside_stale(specs, f"eval {step}")
         return specs
 
-    def _set_aside_stale(self, specs: list[ExecutionSpec]) -> None:
-        """Records/workspaces left by an interrupted attempt are moved to aborted/ (never trained on)."""
-        sources = [(self.records.path(s.execution_id), self.executions_dir / s.execution_id) for s in specs]
-        stale = [paths for paths in sources if any(p.exists() for p in paths)]
+    def _set_aside_stale(self, specs: list[ExecutionSpec], what: str) -> None:
+        """Records/workspaces left by an interrupted attempt are moved to aborted/<time>-<pid>/ (never trained on)."""
+        sources = {
+            s.execution_id: (self.records.path(s.execution_id), self.executions_dir / s.execution_id) for s in specs
+        }
+        stale = [eid for eid, paths in sources.items() if any(p.exists() for p in paths)]
         if not stale:
             return
-        dest = self.workdir / "aborted" / time.strftime("%Y%m%d-%H%M%S")
-        for paths in stale:
-            for src in paths:
+        dest = self.workdir / "aborted" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        for eid in stale:
+            if kill_leftover_group(sources[eid][1]):
+                log.warning("%s: killed the harness left running by an interrupted attempt", eid)
+            for src in sources[eid]:
                 if src.exists():
                     target = dest / src.parent.name / src.name
                     target.parent.mkdir(parents=True, exist_ok=True)
                     shutil.move(str(src), str(target))
-        log.warning("set aside %d executions of an interrupted attempt in %s", len(stale), dest)
+        log.warning(
+            "%s: set aside %d executions of an interrupted attempt in %s (they run again)", what, len(stale), dest
+        )
+        if self.on_set_aside is not None:
+            self.on_set_aside(what, stale, dest)
 
 
 @dataclass
@@ -275,6 +300,7 @@ class Run:
         c = self.config
         self.pipeline_state = pipeline_state
         fsync_write(self.workdir / "results" / f"step_{step:06d}.jsonl", _jsonl(results))
+        kill_point("results_written")
         counts = summarize(results)
         valid = [r.reward for r in results if not r.excluded]
         metrics = {

@@ -75,7 +75,7 @@ def build_run(config) -> Run:
     trajectory_cfg = _trajectory_config(config, s)
     records = RecordStore(workdir / "records")
     pipeline = TrajectoryPipeline(workdir / "records", workdir / "trajectory", trajectory_cfg, state=pipeline_state)
-    plan = ExecutionPlan(config, suite, records, workdir / "executions", workdir)
+    plan = ExecutionPlan(config, suite, records, workdir / "executions", workdir, _set_aside_recorder(metrics))
 
     handles, links = _cells(s, learner, state)
     router = Router({h.name: h for h in handles})
@@ -128,6 +128,8 @@ def _initial_state(
         log.info(
             "resumed from %s at step %d (policy version %d)", checkpointer.directory, meta["next_step"], int(state.step)
         )
+        resume = {"phase": "resume", "checkpoint": latest, "next_step": int(meta["next_step"])}
+        metrics.write(int(meta["next_step"]), {**resume, "policy_version": int(state.step)})
         s.params = None
         return state, int(meta["next_step"]), meta.get("pipeline")
     params = s.params
@@ -139,6 +141,16 @@ def _initial_state(
         params = build.warm_start(s, suite, stop, on_done=done)
     s.params = None
     return learner.init_state(build.core_params(s, params)), 0, None
+
+
+def _set_aside_recorder(metrics: MetricsWriter):
+    """``ExecutionPlan.on_set_aside``: one ``set_aside`` entry in metrics.jsonl per set-aside (docs/records.md)."""
+
+    def record(what: str, execution_ids: list[str], directory) -> None:
+        entry = {"phase": "set_aside", "what": what, "set_aside": len(execution_ids), "execution_ids": execution_ids}
+        metrics.write(-1, {**entry, "directory": str(directory)})
+
+    return record
 
 
 def _reference_policy(s: build.Setup, learner: Learner, state: TrainState, workdir) -> object | None:

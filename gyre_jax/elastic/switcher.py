@@ -21,6 +21,7 @@ import jax
 
 from gyre_jax.elastic.policies import Role
 from gyre_jax.elastic.training import CellTraining, TrainingCell
+from gyre_jax.faultpoints import kill_point
 
 log = logging.getLogger("gyre_jax.switcher")
 
@@ -60,6 +61,7 @@ class Switcher:
 
     def _switch(self, cell: TrainingCell, to: Role, dest: TrainingCell | None) -> None:
         t0 = time.perf_counter()
+        kill_point("role_switch")
         try:
             if to is Role.TRAINING:
                 self._to_training(cell, dest)

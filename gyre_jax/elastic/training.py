@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gyre_jax.faultpoints import kill_point
 from gyre_jax.rl.accumulator import GradAccumulator
 from gyre_jax.rl.learner import Learner, TrainState
 from gyre_jax.rl.micro_step import micro_batch_flops, run_micro_steps
@@ -109,10 +110,12 @@ class CellTraining:
                 self.step,
             )
             return {"optimizer_skipped": 1}
+        kill_point("optimizer_step")
         with self.lock:
             self.state, metrics = self.learner.finish_step(
                 self.state, self.queue, self.acc, self.kind, t0=time.perf_counter()
             )
+        kill_point("optimizer_step")
         return metrics
 
     def publish(self, handles: Sequence[CellHandle]) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gyre_jax.disk import append_whole
+from gyre_jax.faultpoints import armed, kill_point
 
 logger = logging.getLogger(__name__)
 AGENT_KINDS = ("", "auxiliary")  # TitoRecord.agent_kind: the trajectory processor decides | a harness utility call
@@ -94,8 +95,16 @@ class RecordStore:
     def append(self, record: TitoRecord) -> None:
         """Appends the record as one line, fsynced; whole or not at all (``DiskFull`` when the disk is full:
         the file is cut back to its last whole line)."""
+        data = (record.to_json() + "\n").encode("utf-8")
+        path = self.path(record.execution_id)
         with self._lock:
-            append_whole(self.path(record.execution_id), (record.to_json() + "\n").encode("utf-8"))
+            if armed("record_torn"):  # the fault suite: a kill with half the line written
+                with open(path, "ab") as f:
+                    f.write(data[: len(data) // 2])
+                kill_point("record_torn")
+                data = data[len(data) // 2 :]
+            append_whole(path, data)
+        kill_point("record_write")
 
     def count(self, execution_id: str) -> int:
         """Number of complete records of an execution, without parsing them (a torn last line is not counted)."""

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gyre_jax.faultpoints import kill_point
 from gyre_jax.model.sharding import Rules, abstract_model, logical_sharding, param_shardings
 from gyre_jax.rl import losses
 from gyre_jax.rl.accumulator import GradAccumulator
@@ -157,6 +158,7 @@ class GradWorker:
         the step loss. ``params`` (and ``ref_params``) must already be on this mesh (see ``snapshot``)."""
         if kind not in KINDS:
             raise ValueError(f"micro-step kind {kind!r} must be one of {KINDS}")
+        kill_point("micro_step")
         batch = self.put_batch(mb)
         if kind == "sft":
             return self._sft_grads(params, batch)

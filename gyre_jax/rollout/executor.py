@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
+from gyre_jax.faultpoints import kill_point
 from gyre_jax.rollout import templates
 from gyre_jax.rollout.evaluators import CommandEvaluator, run_evaluator
 from gyre_jax.rollout.harnesses import DEFAULT_HARNESS_CMD, write_files
@@ -352,6 +353,7 @@ class Executor:
             return result(
                 "crashed", None, f"workspace setup failed: {type(exc).__name__}: {exc}", None, 0.0, "setup_failed"
             )
+        kill_point("rollout")
         try:
             api_key = self.registry.open_execution(spec.execution_id)
         except Exception as exc:  # noqa: BLE001

@@ -36,6 +36,7 @@ POLL_S = 0.05
 SIZE_CHECK_S = 0.5  # how often a workspace's size is measured when it has a cap
 MARK_ENV = "GYRE_EXECUTION_MARK"  # in every harness's environment: a random token of its launch
 PR_SET_CHILD_SUBREAPER = 36
+GROUP_FILE = "harness.pgid"  # in the log directory: "<pgid> <start time>" of the running harness's group
 
 
 def become_subreaper() -> bool:
@@ -49,12 +50,19 @@ def become_subreaper() -> bool:
         return False
 
 
-def _proc_stat(pid: str) -> tuple[bytes, int, int, int] | None:
-    """(state, ppid, pgrp, session) of ``/proc/<pid>``, or None if it is gone."""
+def _read_stat(pid: int | str) -> bytes | None:
+    """``/proc/<pid>/stat``, or None if the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+            return f.read()
     except OSError:
+        return None
+
+
+def _proc_stat(pid: str) -> tuple[bytes, int, int, int] | None:
+    """(state, ppid, pgrp, session) of ``/proc/<pid>``, or None if it is gone."""
+    stat = _read_stat(pid)
+    if stat is None:
         return None
     fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp session ...
     return fields[0], int(fields[1]), int(fields[2]), int(fields[3])
@@ -166,6 +174,32 @@ def disk_usage(root: Path, stop_at: int | None = None) -> int:
     return total
 
 
+def _start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22); None if it is gone."""
+    stat = _read_stat(pid)
+    if stat is None:
+        return None
+    return stat[stat.rfind(b")") + 2 :].split()[19].decode()
+
+
+def kill_leftover_group(log_dir: Path) -> bool:
+    """SIGKILLs the harness process group recorded in ``log_dir`` (``GROUP_FILE``) if it still runs: a harness
+    whose executor was SIGKILLed keeps running otherwise, and could write into the rerun of its execution.
+    A recorded leader pid now held by another process (another start time) is left alone. True if killed."""
+    try:
+        pgid, started = (log_dir / GROUP_FILE).read_text().split()
+    except (OSError, ValueError):
+        return False
+    now = _start_time(int(pgid))
+    if (now is not None and now != started) or not group_alive(int(pgid)):
+        return False  # a pid not in use cannot be a new group's id: the group, if any, is the harness's
+    try:
+        os.killpg(int(pgid), signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def kill_group(pgid: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:
     """SIGTERM the process group, wait up to ``grace_s`` for it to empty, then SIGKILL what is left.
 
@@ -270,6 +304,7 @@ class ProcessGroups:
                     err.write(f"executor: failed to start harness {list(cmd)!r}: {exc}\n".encode())
                     return Ended("crashed", None, time.monotonic() - start, False)
                 self._running[name] = proc
+                (log_dir / GROUP_FILE).write_text(f"{proc.pid} {_start_time(proc.pid)}\n")
             try:
                 limit = (workspace, max_workspace_bytes) if workspace is not None and max_workspace_bytes else None
                 killed = self._wait(proc, start + timeout_s, limit)

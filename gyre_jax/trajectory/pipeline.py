@@ -29,6 +29,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from gyre_jax.faultpoints import kill_point
 from gyre_jax.trajectory.batch import MicroBatch
 from gyre_jax.trajectory.branches import Branch, BranchBuilder
 from gyre_jax.trajectory.packing import MicroBatchPacker, PackedMicroBatch, SequenceInfo
@@ -441,6 +442,7 @@ class TrajectoryPipeline:
         ``1 / normalizer`` (default: how many are given). Durable (fsynced) when this returns. ``last=False``
         leaves the step open for more parts; ``untrained`` executions weigh 0 (``ExecutionQueue.append_step``)."""
         self.queue.append_step(step, executions, normalizer, last=last, untrained=untrained)
+        kill_point("pipeline")
 
     def __iter__(self):
         return self._iter

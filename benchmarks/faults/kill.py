@@ -1,0 +1,349 @@
+"""SIGKILL anywhere, then resume (issue 19 item 1): kills ``python -m gyre_jax.train`` (small sizes) at seeded
+moments, runs the same command again until the run completes, then audits the run directory
+(``python -m gyre_jax.audit``) and compares the final params with an unkilled run of the same command.
+
+Kills: named kill points (``GYRE_KILL_AT=<point>:<n>[:<delay_s>]``, ``gyre_jax/faultpoints.py``: warm start,
+rollouts, record writes (torn and whole), the queue (torn append), the pipeline, a micro-step, the optimizer
+step, a role switch under ``schedule.policy=elastic``, a checkpoint write (at its start and inside it), after
+a step's results are written), and SIGKILLs sent by this driver after a seeded random delay. A campaign is one
+run directory: each attempt gets the next kill of the campaign's list, then attempts run unkilled until the
+run completes. The final train state (params, optimizer state, step) must equal the unkilled run's in every
+colocated campaign, wherever the kills land (a step cut short runs again from its checkpoint with the same
+execution ids and seeds); elastic campaigns report their difference from an unkilled elastic run
+(``params_max_abs_diff``) without requiring 0. At this size every reward is 0 (RL gradients are 0): weight decay
+makes the state depend on the warm start and on how many optimizer steps ran, not on which tokens were trained.
+
+Also: SIGKILL of one process of a 2-process run (``two_process``: the survivor exits, then both are rerun).
+
+``run(quick, seed, workdir)`` -> ``{"rows": [...], "extra": {...}}`` (benchmarks/faults layout); standalone:
+``python benchmarks/faults/kill.py [--long] [--seed N] [--workdir DIR]``.
+"""
+
+import argparse  # no "from __future__ import annotations": the module is loaded by path (dataclasses)
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+
+# The smallest run of the default config that still has every phase: a 1-layer model on 2 virtual devices,
+# 1 task x 2 samples a step, checkpoint every step, no evaluation.
+SMALL = [
+    "--config",
+    "configs/tiny_cpu.py",
+    "--config.checkpoint_every=1",
+    "--config.warm_start.steps=2",
+    "--config.rollout.tasks_per_step=1",
+    "--config.rl.group_size=2",
+    "--config.rollout.num_tasks=2",
+    "--config.rollout.max_turns=2",
+    "--config.eval.samples_per_task=0",
+    "--config.metrics.progress_bar=false",
+    "--config.metrics.tensorboard=false",
+    "--config.model.num_layers=1",
+    "--config.model.embed_dim=32",
+    "--config.model.mlp_dim=64",
+    "--config.model.head_dim=8",
+    "--config.devices.num_cpu_devices=2",  # 2 cells of 1 device: the least compiling and moving
+    "--config.mesh.data=2",
+    "--config.mesh.fsdp=1",
+    "--config.cells.data=1",
+    "--config.rollout.timeout_s=300",  # a harness timeout on a loaded machine would change what is trained
+    # At this size every reward is 0, so RL gradients are 0: weight decay makes the params depend on how many
+    # optimizer steps ran (a repeated or dropped step shows in the final params).
+    "--config.optimizer.weight_decay=0.1",
+]
+ELASTIC = ["--config.schedule.policy=elastic", "--config.rollout.tool_latency_median_s=0.05"]
+COLOCATED = [*SMALL, "--config.total_steps=2"]
+ELASTIC_RUN = [*SMALL, *ELASTIC, "--config.total_steps=2", "--config.warm_start.steps=0"]
+
+# Named kill points that any colocated attempt reaches early (cheap), then the later ones.
+EARLY_POINTS = ["warm_start:1", "warm_start:2", "checkpoint:1", "checkpoint:1:0.05", "rollout:1", "rollout:2",
+                "record_torn:1", "record_write:1", "record_torn:2", "record_write:3"]  # fmt: skip
+LATE_POINTS = ["queue_torn:1", "pipeline:1", "micro_step:1", "optimizer_step:1", "optimizer_step:2",
+               "results_written:1", "checkpoint:1:0.02", "record_torn:4", "rollout:3"]  # fmt: skip
+# mostly first visits: a resumed attempt has fewer steps left, so a later visit may never come
+ELASTIC_POINTS = ["role_switch:1", "micro_step:1", "role_switch:2", "queue_torn:1", "role_switch:1",
+                  "optimizer_step:1", "checkpoint:1:0.01", "role_switch:1"]  # fmt: skip
+
+
+@dataclass
+class Kill:
+    """One kill: ``point`` ("name:n[:delay]", the process kills itself there) or ``after_s`` (sent by us)."""
+
+    point: str = ""
+    after_s: float = 0.0
+
+    def label(self) -> str:
+        return self.point.split(":")[0] if self.point else "random_delay"
+
+
+@dataclass
+class Campaign:
+    name: str
+    workdir: Path
+    args: list[str]
+    kills: list[Kill]
+    attempts: int = 0
+    landed: dict[str, int] = field(default_factory=dict)  # kill label -> kills that landed
+    missed: int = 0  # kills whose point was never reached (the attempt ran on)
+    seconds: float = 0.0
+    last_output: str = ""
+
+
+def trainer_env(cache_dir: str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the entry point makes its own virtual devices
+    env.pop("GYRE_KILL_AT", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    if cache_dir and "JAX_COMPILATION_CACHE_DIR" not in env:
+        env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        env.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+    return env
+
+
+def attempt(args: list[str], env: dict[str, str], kill: Kill | None, timeout_s: float) -> tuple[int, str]:
+    """One ``python -m gyre_jax.train`` attempt, killed as ``kill`` says. Returns (returncode, output tail)."""
+    env = dict(env)
+    if kill is not None and kill.point:
+        env["GYRE_KILL_AT"] = kill.point
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen([PY, "-m", "gyre_jax.train", *args], cwd=REPO, env=env, stdout=out, stderr=out,
+                                text=True, start_new_session=True)  # fmt: skip
+        try:
+            proc.wait(timeout=kill.after_s if kill is not None and kill.after_s > 0 else timeout_s)
+        except subprocess.TimeoutExpired:
+            if kill is None or kill.after_s <= 0:
+                _kill_group(proc)
+                raise RuntimeError(f"attempt ran past {timeout_s}s: {' '.join(args)}") from None
+            proc.send_signal(signal.SIGKILL)  # the trainer only: its harnesses are left as a real kill leaves them
+            proc.wait()
+        out.seek(0)
+        return proc.returncode, out.read()[-4000:]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_campaign(c: Campaign, env: dict[str, str], timeout_s: float) -> None:
+    """Applies ``c.kills`` to successive attempts until one completes the run (``done:``): kills left over then
+    are not injected (``missed`` counts a kill whose point that attempt never reached)."""
+    t0 = time.monotonic()
+    queue = list(c.kills)
+    while True:
+        kill = queue.pop(0) if queue else None
+        rc, out = attempt(c.args, env, kill, timeout_s)
+        c.attempts += 1
+        c.last_output = out
+        if rc == -signal.SIGKILL and kill is not None:
+            c.landed[kill.label()] = c.landed.get(kill.label(), 0) + 1
+            continue
+        if rc != 0 or "done:" not in out:
+            raise RuntimeError(f"{c.name}: attempt {c.attempts} exited {rc} (kill {kill}):\n{out}")
+        c.missed += kill is not None
+        break
+    c.seconds = time.monotonic() - t0
+
+
+def audit_json(workdir: Path, env: dict[str, str]) -> dict:
+    proc = subprocess.run([PY, "-m", "gyre_jax.audit", str(workdir), "--json"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    if proc.returncode not in (0, 1):
+        raise RuntimeError(f"audit of {workdir} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)
+
+
+def final_params(workdir: Path, env: dict[str, str]) -> dict[str, list]:
+    """The last checkpoint's train state (params, optimizer state, step), flattened (name -> nested lists), read in a subprocess (no JAX here)."""
+    code = (
+        "import json,sys,numpy as np;from gyre_jax.checkpoint import Checkpointer;"
+        "c=Checkpointer(sys.argv[1]);s,_=c.restore_as_saved(c.latest_step());import jax;"
+        "print(json.dumps({jax.tree_util.keystr(k):np.asarray(v).tolist() for k,v in "
+        "jax.tree_util.tree_leaves_with_path(s)}))"
+    )
+    proc = subprocess.run([PY, "-c", code, str(workdir / "checkpoints")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300, check=True)  # fmt: skip
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _flat_params(tree, prefix: str = "") -> list[tuple[str, object]]:
+    """(dotted path, leaf) pairs of a nested dict/list tree (a restored checkpoint's params)."""
+    if isinstance(tree, dict):
+        return [kv for k, sub in sorted(tree.items()) for kv in _flat_params(sub, f"{prefix}{k}.")]
+    if isinstance(tree, (list, tuple)):
+        return [kv for i, sub in enumerate(tree) for kv in _flat_params(sub, f"{prefix}{i}.")]
+    return [(prefix.rstrip("."), tree)]
+
+
+def params_diff(a: dict[str, list], b: dict[str, list]) -> float:
+    """Max absolute difference over every param (inf if the trees differ)."""
+    import numpy as np
+
+    if a.keys() != b.keys():
+        return float("inf")
+    return max(float(np.max(np.abs(np.asarray(a[k]) - np.asarray(b[k])))) if a[k] else 0.0 for k in a)
+
+
+def campaigns(quick: bool, seed: int, root: Path, ref_s: float) -> list[Campaign]:
+    """The seeded kill lists: quick (CI) >= 30 kills, mostly at points reached early; long >= 200."""
+    rng = random.Random(seed)
+    colocated, elastic = COLOCATED, ELASTIC_RUN
+    out: list[Campaign] = []
+
+    def add(name: str, args: list[str], kills: list[Kill]) -> None:
+        wd = root / f"{name}-{len(out)}"
+        out.append(Campaign(name, wd, [*args, f"--config.workdir={wd}"], kills))
+
+    rounds = 1 if quick else 8
+    for r in range(rounds):
+        points = EARLY_POINTS + LATE_POINTS
+        if r > 0:  # later rounds: the same points at seeded other visits
+            points = [f"{p.split(':')[0]}:{rng.randint(1, 3)}" for p in points]
+        add("colocated-points", colocated, [Kill(point=p) for p in points])
+        delays = [Kill(after_s=rng.uniform(1.0, max(2.0, 0.9 * ref_s))) for _ in range(5 if quick else 12)]
+        add("colocated-random", colocated, delays)
+        add("elastic-points", elastic, [Kill(point=p) for p in ELASTIC_POINTS])
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_process(root: Path, env: dict[str, str], rng: random.Random, kills: int, timeout_s: float) -> dict:
+    """SIGKILL of one process of a 2-process run (at a seeded moment), then both rerun until done; audited."""
+    wd = root / "two-process"
+    landed, attempts, t0, history = 0, 0, time.monotonic(), []
+    while True:
+        port = free_port()
+        base = [*SMALL, "--config.total_steps=2", f"--config.workdir={wd}", "--config.distributed.enabled=true",
+                f"--config.distributed.coordinator_address=127.0.0.1:{port}", "--config.distributed.num_processes=2",
+                "--config.distributed.heartbeat_timeout_s=5"]  # fmt: skip
+        procs = [subprocess.Popen([PY, "-m", "gyre_jax.train", *base, f"--config.distributed.process_id={p}"],
+                                  cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True) for p in (0, 1)]  # fmt: skip
+        attempts += 1
+        victim = rng.randrange(2) if landed < kills else None
+        try:
+            if victim is not None:
+                try:
+                    procs[victim].wait(timeout=rng.uniform(8.0, 40.0))
+                except subprocess.TimeoutExpired:
+                    procs[victim].send_signal(signal.SIGKILL)
+                    landed += 1
+            codes = [p.wait(timeout=timeout_s) for p in procs]
+            history.append(codes)  # a killed process reads -9; the survivor exits 75 (docs/multihost.md)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    _kill_group(p)
+        if codes == [0, 0] and victim is None:
+            break
+        if attempts > kills + 4:
+            raise RuntimeError(f"2-process run did not complete after {attempts} attempts (last codes {codes})")
+    return {"workdir": str(wd), "kills": landed, "attempts": attempts, "exit_codes": history,
+            "seconds": round(time.monotonic() - t0, 1),
+            "audit": audit_json(wd, env)}  # fmt: skip
+
+
+def reference_run(args: list[str], workdir: Path, env: dict[str, str], timeout_s: float) -> tuple[float, dict]:
+    """The unkilled run of ``args`` in ``workdir``: (seconds, final train state)."""
+    t0 = time.monotonic()
+    shutil.rmtree(workdir, ignore_errors=True)
+    rc, out = attempt([*args, f"--config.workdir={workdir}"], env, None, timeout_s)
+    if rc != 0:
+        raise RuntimeError(f"the unkilled reference run exited {rc}:\n{out}")
+    return time.monotonic() - t0, final_params(workdir, env)
+
+
+def run(quick: bool, seed: int, workdir: Path) -> dict:
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = trainer_env(str(workdir / "xla-cache"))
+    timeout_s = 600.0
+    t0 = time.monotonic()
+    _, ref = reference_run(COLOCATED, workdir / "reference", env, timeout_s)  # compiles into the cache
+    ref_s, again = reference_run(COLOCATED, workdir / "reference-again", env, timeout_s)  # a warm attempt's time
+    _, ref_elastic = reference_run(ELASTIC_RUN, workdir / "reference-elastic", env, timeout_s)
+    result_campaigns = []
+    for c in campaigns(quick, seed, workdir, ref_s):
+        shutil.rmtree(c.workdir, ignore_errors=True)
+        run_campaign(c, env, timeout_s)
+        report = audit_json(c.workdir, env)
+        elastic = c.name.startswith("elastic")
+        diff = params_diff(ref_elastic if elastic else ref, final_params(c.workdir, env))
+        result_campaigns.append({"name": c.name, "workdir": str(c.workdir), "attempts": c.attempts,
+                                 "landed": c.landed, "missed": c.missed, "seconds": round(c.seconds, 1),
+                                 "audit": report, "params_max_abs_diff": diff,
+                                 "params_must_match": not elastic})  # fmt: skip
+    extra: dict = {"reference_s": round(ref_s, 1), "campaigns": result_campaigns,
+                   "unkilled_runs_max_abs_diff": params_diff(ref, again)}  # fmt: skip
+    if not quick:
+        extra["two_process"] = two_process(workdir, env, random.Random(seed), kills=4, timeout_s=timeout_s)
+    extra["total_s"] = round(time.monotonic() - t0, 1)
+    return {"rows": rows(result_campaigns, extra.get("two_process"), quick), "extra": extra}
+
+
+def rows(results: list[dict], two: dict | None, quick: bool) -> list[dict]:
+    """One row per kill kind (named point or random delay), summed over campaigns, + the 2-process row."""
+    cmd = "python benchmarks/bench_faults.py --case kill" + ("" if quick else " --long")
+    by: dict[str, dict] = {}
+    for r in results:
+        for label, n in r["landed"].items():
+            row = by.setdefault(label, {"injected": 0, "bad": [], "lost": 0, "double_counted": 0, "diffs": []})
+            row["injected"] += n
+            row["lost"] += r["audit"]["lost"]
+            row["double_counted"] += r["audit"]["double_counted"]
+            row["bad"] += r["audit"]["violations"]
+            row["diffs"].append(r["params_max_abs_diff"])
+            if r["params_must_match"] and r["params_max_abs_diff"] != 0.0:
+                row["bad"].append(f"{r['name']}: final train state differs from the unkilled run's")
+    out = []
+    for label, row in sorted(by.items()):
+        diff = max(row["diffs"]) if row["diffs"] else None
+        printed = "audit ok" if not row["bad"] else f"audit: {row['bad'][0]}"
+        if diff is not None:
+            printed += f"; final train state max |diff| vs the unkilled run of the same command {diff:.3g}"
+        out.append({"fault": f"sigkill@{label}", "injected": row["injected"], "lost": row["lost"],
+                    "double_counted": row["double_counted"], "outcome": "ok" if not row["bad"] else "fails",
+                    "printed": printed, "command": cmd, "needs": ""})  # fmt: skip
+    if two is not None:
+        a = two["audit"]
+        out.append({"fault": "sigkill one of 2 processes", "injected": two["kills"], "lost": a["lost"],
+                    "double_counted": a["double_counted"], "outcome": "ok" if a["ok"] else "fails",
+                    "printed": "audit ok" if a["ok"] else a["violations"][0], "command": cmd, "needs": ""})  # fmt: skip
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--long", action="store_true", help="the long version (>= 200 kills)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "gyre-faults-kill")
+    a = parser.parse_args()
+    result = run(not a.long, a.seed, a.workdir)
+    print(json.dumps(result, indent=2))
+    return 0 if all(r["outcome"] == "ok" for r in result["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
