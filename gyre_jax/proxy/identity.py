@@ -21,14 +21,20 @@ from gyre_jax.proxy.records import RecordStore, TitoRecord
 
 THREAD_HEADERS = ("x-gyre-thread-id", "x-claude-code-session-id")  # first present one names the thread
 DEFAULT_THREAD = "main"
+MAX_THREAD_ID_CHARS = 256  # a thread id is stored in every record of its calls: longer ones are refused (400)
 MAX_THREADS_PER_EXECUTION = 256  # conversations (and agents) kept per execution (least recently used forgotten first)
 AUXILIARY = "auxiliary"  # TitoRecord.agent_kind of a harness-side utility call
 
 
 def thread_base(headers: Mapping[str, str]) -> str:
-    """The thread a call's headers name (``headers``: case-insensitive, as Starlette's), else ``"main"``."""
+    """The thread a call's headers name (``headers``: case-insensitive, as Starlette's), else ``"main"``; 400 for one
+    over ``MAX_THREAD_ID_CHARS``."""
     for header in THREAD_HEADERS:
         value = headers.get(header, "").strip()
+        if len(value) > MAX_THREAD_ID_CHARS:
+            raise ProxyError(
+                400, f"header {header} is {len(value)} characters; a thread id is at most {MAX_THREAD_ID_CHARS}"
+            )
         if value:
             return value
     return DEFAULT_THREAD

@@ -191,3 +191,20 @@ def test_loopback_binds_serve(tmp_path, host):
     with fu.live_proxy(tmp_path, ("e0",), host=host) as live:
         assert httpx.get(live.server.anthropic_base_url + "/health").status_code == 200
     assert ProxySection(host=host).host == host
+
+
+@pytest.mark.parametrize("header", identity.THREAD_HEADERS)
+def test_an_oversized_thread_id_is_refused_and_nothing_is_recorded(tmp_path, header):
+    """A thread id is stored in every record of its calls: one over the bound is a 400 naming the header, the
+    call is not recorded, and the next call is served."""
+    body = {"model": fu.MODEL, "messages": MSG}
+    with fu.live_proxy(tmp_path, ("e0",)) as live:
+        long_id = "t" * (identity.MAX_THREAD_ID_CHARS + 1)
+        r = httpx.post(live.root + "/v1/chat/completions", json=body, headers=live.headers("e0", **{header: long_id}))
+        assert r.status_code == 400 and header in r.json()["error"]["message"], r.text
+        assert live.store.read("e0") == []
+        ok_id = "t" * identity.MAX_THREAD_ID_CHARS
+        r = httpx.post(live.root + "/v1/chat/completions", json=body, headers=live.headers("e0", **{header: ok_id}))
+        assert r.status_code == 200, r.text
+        [record] = live.store.read("e0")
+        assert record.thread_id.startswith(ok_id) and record.call_index == 0
