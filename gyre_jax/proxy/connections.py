@@ -1,6 +1,6 @@
 """Connection-level limits of the proxy's HTTP server, so slow or abusive clients cannot block others or grow memory.
 
-uvicorn (h11) already bounds a request's headers (``h11_max_incomplete_event_size``: larger ones get 400) and
+uvicorn (h11) already bounds a request's headers (``h11_max_incomplete_event_size``; larger ones get 431 here) and
 closes a connection idle between requests after ``timeout_keep_alive``. What it lacks, ``GuardedH11Protocol``
 adds:
 
@@ -21,6 +21,7 @@ server's (``server.read_json``). See docs/proxy.md.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from gyre_jax.proxy.errors import ProxyError
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ class ConnectionLimits:
     body_timeout_s: float = 30.0  # to receive a whole request body once its head arrived (408 after)
     write_timeout_s: float = 30.0  # a response blocked on a client that does not read is aborted after this
     keep_alive_s: int = 5  # an idle connection between requests is closed after this (uvicorn's timeout_keep_alive)
-    max_header_bytes: int = 16 * 1024  # a request head larger than this gets 431 (or 400 while still incomplete)
+    max_header_bytes: int = 16 * 1024  # a request head larger than this gets 431 (whole or still arriving)
     send_buffer_bytes: int = 256 * 1024  # the kernel send buffer of each connection (SO_SNDBUF; Linux doubles it)
 
     def __post_init__(self) -> None:
@@ -65,10 +68,21 @@ class ConnectionLimits:
 
 
 _TIMEOUT_TEXT = b"the request head did not arrive in time; send it all at once"
-_TIMEOUT_408 = (
-    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
-    b"content-length: %d\r\n\r\n%s" % (len(_TIMEOUT_TEXT), _TIMEOUT_TEXT)
-)
+
+
+def _raw_response(status_line: bytes, body: bytes, content_type: bytes = b"text/plain; charset=utf-8") -> bytes:
+    """A whole HTTP/1.1 response (the connection closed after it), written below the ASGI app."""
+    return (b"HTTP/1.1 %s\r\ncontent-type: %s\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+            % (status_line, content_type, len(body), body))  # fmt: skip
+
+
+_TIMEOUT_408 = _raw_response(b"408 Request Timeout", _TIMEOUT_TEXT)
+_TOO_LARGE_431 = _raw_response(  # the path is not known yet: the OpenAI error style, as outside the API routes
+    b"431 Request Header Fields Too Large",
+    json.dumps(ProxyError(431, "the request head is over this proxy's limit; send smaller headers",
+                          code="headers_too_large").body()).encode(),
+    b"application/json",
+)  # fmt: skip
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -108,6 +122,15 @@ class GuardedH11Protocol(H11Protocol):
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
+
+    def send_400_response(self, msg: str) -> None:
+        """A head still arriving when it passed ``max_header_bytes`` (h11's "receive buffer too long") gets 431,
+        as a whole head over it gets from ``ConnectionCap``; any other malformed request uvicorn's 400."""
+        if len(self.conn.trailing_data[0]) > self._limits.max_header_bytes:
+            self.transport.write(_TOO_LARGE_431)
+            self.transport.close()
+            return
+        super().send_400_response(msg)
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is not None:

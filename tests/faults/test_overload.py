@@ -317,3 +317,33 @@ def test_closed_stream_cancels_its_generation_and_frees_its_slot():
         assert backend.live() == 0
     finally:
         backend.shutdown()
+
+
+def test_a_head_passing_the_limit_while_still_arriving_gets_431_like_a_whole_one(tmp_path):
+    """h11 refuses a head still incomplete past ``max_header_bytes`` ("receive buffer too long"): that is the same
+    431, with the same JSON error body, as a whole oversized head gets from the connection cap (not uvicorn's 400),
+    whichever way the bytes arrive; the proxy then serves normally."""
+    with u.proxy(tmp_path, u.PacedBackend(), limits=LIMITS) as (server, _):
+        key = server.open_execution("exec")
+
+        async def dribble() -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"b" * (64 * 1024)
+            answer = asyncio.ensure_future(reader.read(1 << 16))  # read as it comes: the server closes after it
+            try:
+                for i in range(0, len(head), 4096):  # never the end of the head: h11 sees it incomplete
+                    if answer.done():
+                        break
+                    writer.write(head[i : i + 4096])
+                    await writer.drain()
+                    await asyncio.sleep(0.01)
+                return await asyncio.wait_for(answer, 20)
+            finally:
+                writer.close()
+
+        answer = asyncio.run(dribble())
+        assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+        body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+        assert "over this proxy's limit" in body["error"]["message"]
+        after = asyncio.run(u.normal_calls(server.port, key, 1))[0]
+        assert after.status == 200 and u.sse_complete("openai", after.body)
