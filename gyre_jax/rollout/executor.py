@@ -64,7 +64,7 @@ from gyre_jax.rollout import templates
 from gyre_jax.rollout.evaluators import CommandEvaluator, run_evaluator
 from gyre_jax.rollout.harnesses import DEFAULT_HARNESS_CMD, write_files
 from gyre_jax.rollout.process_group import Ended, ProcessGroups
-from gyre_jax.rollout.sandbox import Launch, Mount, Sandbox, make_sandbox
+from gyre_jax.rollout.sandbox import Launch, Mount, NoneSandbox, Sandbox, make_sandbox
 from gyre_jax.rollout.suites import DOCKER_FILES
 from gyre_jax.rollout.tasks import Task, evaluate
 from gyre_jax.rollout.verifier import SOLUTION_INSIDE, HarborVerifier, image_context, task_limits, workdir_of
@@ -250,7 +250,7 @@ class Executor:
             _check_relative(rel)
         templates.check_task_fields([*self.harness_cmd, *self.extra_env.values(), *self.harness_files.values()])
         self._callback_lock = threading.Lock()
-        self._procs = ProcessGroups(self.kill_grace_s)
+        self._procs = ProcessGroups(self.kill_grace_s, subreaper=isinstance(self.sandbox, NoneSandbox))
 
     # -- public ---------------------------------------------------------------------------------
 

@@ -256,9 +256,11 @@ class Ended(NamedTuple):
 class ProcessGroups:
     """The harness process groups running now (by execution id), and the sticky cancel flag."""
 
-    def __init__(self, kill_grace_s: float):
+    def __init__(self, kill_grace_s: float, subreaper: bool = True):
+        """``subreaper``: make this process the reaper of escaped descendants (reaped by ``sweep``); not for
+        sandboxes with their own PID namespace, whose helper processes would otherwise linger here as zombies."""
         self.kill_grace_s = kill_grace_s
-        self.subreaper = become_subreaper()  # escaped descendants are reparented to us, and reaped by sweep
+        self.subreaper = subreaper and become_subreaper()
         self._lock = threading.Lock()  # cancel and start are atomic with respect to each other
         self._cancelled = threading.Event()
         self._running: dict[str, subprocess.Popen] = {}
