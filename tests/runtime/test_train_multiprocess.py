@@ -41,6 +41,9 @@ RUN = [
     "--config.total_steps=2",
 ]
 
+SMALL_MODEL = ["--config.model.num_layers=1", "--config.model.embed_dim=32", "--config.model.mlp_dim=64",
+               "--config.model.head_dim=8"]  # fmt: skip
+
 
 def _env(shared_cache: bool = False) -> dict:
     """The environment of a training process. ``shared_cache``: keep the session's compilation cache
@@ -198,6 +201,7 @@ def test_killing_a_process_mid_run_stops_the_other_fast(tmp_path, victim):
             "--config.warm_start.steps=2",
             "--config.total_steps=50",
             "--config.distributed.heartbeat_timeout_s=5",
+            *SMALL_MODEL,  # compiled from scratch by both processes (no shared cache): the least to compile
         )
         for pid in (0, 1)
     ]

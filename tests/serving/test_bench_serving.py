@@ -49,3 +49,20 @@ def test_serving_benchmark_smoke_run_writes_its_report(tmp_path) -> None:
     assert with_cache["prefill_over_final_context"] <= 1.2
     assert report["chunked_prefill"]["chunked"]["max_decode_pause_ms"] > 0
     assert "20-turn" not in proc.stdout and f"{sz['turns']}-turn session, with cache" in proc.stdout  # the table
+
+
+def test_sampler_benchmark_smoke_run_compares_with_the_sorting_baseline(tmp_path) -> None:
+    """``benchmarks/bench_sampler.py --smoke`` (in-process: one small shape): a row per setting, the baseline and
+    the sampler timed in the same run, and both draw the same tokens from the same keys."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_sampler", REPO / "benchmarks" / "bench_sampler.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "sampler.json"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["setting"] for r in rows} == set(bench.SETTINGS)
+    for r in rows:
+        assert r["same_tokens"], r
+        assert r["always_sorting_ms"] > 0 and r["sample_ms"] > 0 and r["speedup"] > 0

@@ -159,3 +159,20 @@ def test_key_for_seed_distinguishes_seeds_beyond_32_bits() -> None:
     (seed 2**32 samples exactly like seed 0)."""
     keys = {s: tuple(np.asarray(key_for_seed(s)).tolist()) for s in (0, 7, 2**32, 2**32 + 7, 2**40, 2**62)}
     assert len(set(keys.values())) == len(keys), keys
+
+
+def test_untruncated_rows_draw_from_the_whole_distribution_whether_or_not_other_rows_truncate() -> None:
+    """``top_k <= 0`` and ``top_p >= 1``: the token is ``categorical(key, logits / T)`` over every token, the same
+    in a batch where no row truncates (no vocabulary sort runs) and in one where other rows do."""
+    n = 64
+    logits = _rows(n, seed=3, scale=4.0)
+    keys = _keys(n, seed=5)
+    want = np.asarray(jax.vmap(lambda k, r: jax.random.categorical(jax.random.wrap_key_data(k), r))(keys, logits / 0.8))
+    alone, _ = _call(logits, keys, 0.8, 0, 1.0)
+    np.testing.assert_array_equal(alone, want)
+    top_k = jnp.asarray([0, 2] * (n // 2), jnp.int32)  # every other row truncates to its top 2
+    mixed, _ = _sample(jnp.asarray(logits), keys, jnp.full((n,), 0.8), top_k, jnp.ones((n,), jnp.float32))
+    mixed = np.asarray(mixed)
+    np.testing.assert_array_equal(mixed[::2], want[::2])
+    top2 = np.argsort(-logits, axis=-1)[:, :2]
+    assert all(t in top2[i] for i, t in enumerate(mixed) if i % 2)
