@@ -314,11 +314,15 @@ def test_each_component_config_is_derived_by_one_method(base):
             "rl.loss": "grpo",
             "rl.clip_low": 0.2,
             "rl.kl_coef": 0.01,
+            "rl.is_token_mask": 2.0,
+            "rl.is_sequence_mask": 1.5,
             "rl.drop_staleness": 2,
             "cells.sessions_per_cell": 3,
         },
     )
-    assert c.loss_config() == LossConfig(name="grpo", clip_low=0.2, clip_high=4e-4, kl_coef=0.01)
+    assert c.loss_config() == LossConfig(
+        name="grpo", clip_low=0.2, clip_high=4e-4, kl_coef=0.01, is_token_mask=2.0, is_sequence_mask=1.5
+    )
     ctl = c.controller_config()
     assert type(ctl) is ControllerConfig and (ctl.tasks_per_step, ctl.group_size) == (2, 8)
     assert (ctl.sessions_per_cell, ctl.max_branches, ctl.micro_step_slots) == (3, 5, 2 * 8 * 5)
@@ -507,6 +511,9 @@ SECTION_CHECKS = [
     ("rl", "max_branches", 0, "config.rl.max_branches=0 must be >= 1"),
     ("rl", "kl_coef", -1.0, "config.rl.kl_coef=-1.0 must be >= 0"),
     ("rl", "behaviour_is_cap", 2.0, "needs config.rl.recompute_behaviour=True"),
+    ("rl", "is_token_mask", 1.0, "config.rl.is_token_mask=1.0 must be 0 (off) or a cap > 1"),
+    ("rl", "is_token_mask", -2.0, "config.rl.is_token_mask=-2.0 must be 0 (off) or a cap > 1"),
+    ("rl", "is_sequence_mask", 0.5, "config.rl.is_sequence_mask=0.5 must be 0 (off) or a cap > 1"),
     ("rl", "drop_staleness", -2, "config.rl.drop_staleness=-2 must be >= 0 (or -1: no bound)"),
     ("rl", "micro_steps_per_step", -1, "config.rl.micro_steps_per_step=-1 must be >= 0"),
     ("trajectory", "packing", "dense", "config.trajectory.packing='dense' must be 'tree' or 'plain'"),
@@ -710,6 +717,8 @@ def valid_overrides(draw) -> dict:
     o["rl.group_size"], o["rl.clip_low"] = draw(st.integers(2, 64)), draw(st.floats(0.0, 0.99))
     o["rl.recompute_behaviour"] = draw(st.booleans())
     o["rl.behaviour_is_cap"] = draw(st.floats(0.0, 5.0)) if o["rl.recompute_behaviour"] else 0.0
+    o["rl.is_token_mask"] = draw(st.sampled_from([0.0, 1.5, 2.0, 10.0]))
+    o["rl.is_sequence_mask"] = draw(st.sampled_from([0.0, 1.01, 3.0]))
     o["rl.drop_staleness"] = drop = draw(st.integers(-1, 8))
     o["schedule.policy"] = draw(st.sampled_from(config_lib.POLICIES if num_cells >= 2 else ("colocated",)))
     o["schedule.dispatch_staleness"] = draw(st.integers(0, drop if drop >= 0 else 8))

@@ -137,6 +137,8 @@ class RunConfig(Section):
             kl_coef=r.kl_coef,
             recompute_behaviour=r.recompute_behaviour,
             behaviour_is_cap=r.behaviour_is_cap,
+            is_token_mask=r.is_token_mask,
+            is_sequence_mask=r.is_sequence_mask,
         )
 
     def trajectory_config(self, message_end_id: int | None = None) -> TrajectoryConfig:

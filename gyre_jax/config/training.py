@@ -44,6 +44,9 @@ class RLSection(Section):
     kl_coef: float = 0.0  # k3 KL to the reference (warm-start) policy; 0 = off, no reference forward pass
     recompute_behaviour: bool = False  # False: pi_old = behaviour log-probs recorded by the proxy
     behaviour_is_cap: float = 0.0  # with recompute_behaviour: truncated behaviour importance weight (0 = off)
+    # train/serve mismatch masks on r_t = pi_train / mu (docs/learner.md), 0 = off, else a cap c > 1:
+    is_token_mask: float = 0.0  # IcePop: drop trainable tokens with r_t outside [1/c, c]
+    is_sequence_mask: float = 0.0  # MIS: drop sequences whose geometric-mean r_t is outside [1/c, c]
     drop_staleness: int = 4  # executions more policy versions behind when their step trains are dropped (-1: no bound)
     micro_steps_per_step: int = 0  # fixed micro-steps per optimizer step; 0 = as many as the step's data needs
     # stop the run (exit 3) after this many consecutive steps that train nothing because every execution was
@@ -67,6 +70,12 @@ class RLSection(Section):
             r.behaviour_is_cap == 0 or r.recompute_behaviour,
             "config.rl.behaviour_is_cap > 0 needs config.rl.recompute_behaviour=True",
         )
+        for key in ("is_token_mask", "is_sequence_mask"):
+            cap = getattr(r, key)
+            require(
+                cap == 0 or cap > 1,
+                f"config.rl.{key}={cap} must be 0 (off) or a cap > 1 (ratios outside [1/cap, cap] are masked)",
+            )
         require(
             r.drop_staleness >= -1,
             f"config.rl.drop_staleness={r.drop_staleness} must be >= 0 (or -1: no bound)",

@@ -82,7 +82,7 @@ class Learner:
 
     Positional arguments as before; the objective is chosen by keyword (see ``losses.LossConfig``):
     ``loss`` (gspo | gspo_token | grpo), ``clip_low`` / ``clip_high`` (None = the loss's default),
-    ``kl_coef``, ``recompute_behaviour``, ``behaviour_is_cap``; or whole, as ``loss_cfg`` (a run config's
+    ``kl_coef``, ``recompute_behaviour``, ``behaviour_is_cap``, ``is_token_mask``, ``is_sequence_mask``; or whole, as ``loss_cfg`` (a run config's
     ``loss_config()``). ``ordered_accumulation`` (default True) makes the summed gradients bit-identical
     for every claim order.
     """
@@ -101,6 +101,8 @@ class Learner:
         kl_coef: float = 0.0,
         recompute_behaviour: bool = False,
         behaviour_is_cap: float = 0.0,
+        is_token_mask: float = 0.0,
+        is_sequence_mask: float = 0.0,
         ordered_accumulation: bool = True,
         name: str = "core",
         loss_cfg: losses.LossConfig | None = None,
@@ -110,7 +112,8 @@ class Learner:
         self.mesh = mesh
         self.rules = rules
         keywords = (clip_low, clip_high, loss, kl_coef, recompute_behaviour, behaviour_is_cap)
-        if loss_cfg is not None and keywords != (None, None, "gspo", 0.0, False, 0.0):
+        keywords += (is_token_mask, is_sequence_mask)
+        if loss_cfg is not None and keywords != (None, None, "gspo", 0.0, False, 0.0, 0.0, 0.0):
             raise ValueError("Learner: give the objective as loss_cfg or as keywords (loss, clip_low ...), not both")
         self.loss_cfg = loss_cfg or losses.LossConfig(
             name=loss,
@@ -119,6 +122,8 @@ class Learner:
             kl_coef=kl_coef,
             recompute_behaviour=recompute_behaviour,
             behaviour_is_cap=behaviour_is_cap,
+            is_token_mask=is_token_mask,
+            is_sequence_mask=is_sequence_mask,
         )
         self.clip_low, self.clip_high = self.loss_cfg.clip_low, self.loss_cfg.clip_high
         self.ordered_accumulation = ordered_accumulation
@@ -342,8 +347,14 @@ class Learner:
         metrics["loss"] = metrics.get("loss", 0.0) * grad_scale
         if kind == "rl":
             metrics["policy_loss"] = metrics.get("policy_loss", 0.0) * grad_scale
-            n = max(metrics.pop("target_tokens", 0.0), 1.0)
+            targets = metrics.pop("target_tokens", 0.0)
+            masked = metrics.pop("masked_tokens", None)
+            # the gap is summed over the trainable tokens the token mask keeps
+            n = max(targets - (masked or 0.0), 1.0)
             metrics["logprob_gap"] = metrics.pop("logprob_gap_sum", 0.0) / n
+            if masked is not None:  # the off-policy corrections are on (losses.rl_objective)
+                metrics["is_masked_token_fraction"] = masked / max(targets, 1.0)
+                metrics["is_masked_sequences"] = metrics.pop("masked_sequences", 0.0)
             w = max(metrics.pop("weight_sum", 0.0), 1e-12)
             metrics["clip_fraction"] = metrics.get("clip_fraction", 0.0) / w
             metrics["ratio_mean"] = metrics.get("ratio_mean", 0.0) / w

@@ -20,6 +20,7 @@ Each loss returns ``(loss, metrics)`` with the same metric keys, all weighted su
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -268,6 +269,15 @@ class LossConfig:
     recompute_behaviour, weight each sequence by the truncated importance ratio
     min(exp(mean_t(log pi_old - log mu)), cap) between the recomputed pi_old and the behaviour policy mu
     (0 = off; the decoupled-PPO correction for stale data).
+
+    Train/serve mismatch masks, on r_t = pi_train(t) / mu(t) with pi_train = ``stop_gradient`` of the
+    micro-step's log-probs (the trainer's policy at step start, in both recompute_behaviour modes) and mu
+    the behaviour log-probs (0 = off, else a cap c > 1; a ratio exactly at 1/c or c is kept, NaN is out):
+    is_token_mask (IcePop): a trainable token with r_t outside [1/c, c] leaves the whole objective (policy
+    loss and KL: as if its loss_mask were 0); is_sequence_mask (MIS): a sequence whose geometric-mean ratio
+    exp(mean_t log r_t over all its trainable tokens) lies outside [1/c, c] leaves it. Order: token mask,
+    sequence mask (decided on all trainable tokens, token-masked ones included), then behaviour_is_cap
+    over the tokens the token mask keeps, on the sequences that stay.
     """
 
     name: str = "gspo"
@@ -276,6 +286,8 @@ class LossConfig:
     kl_coef: float = 0.0
     recompute_behaviour: bool = False
     behaviour_is_cap: float = 0.0
+    is_token_mask: float = 0.0
+    is_sequence_mask: float = 0.0
 
     def __post_init__(self):
         if self.name not in POLICY_LOSSES:
@@ -296,6 +308,83 @@ class LossConfig:
                 "behaviour_is_cap needs recompute_behaviour=True (with recorded pi_old the ratio already "
                 "corrects for the behaviour policy)"
             )
+        for key in ("is_token_mask", "is_sequence_mask"):
+            cap = getattr(self, key)
+            if not (cap == 0.0 or cap > 1.0):  # NaN fails both
+                raise ValueError(
+                    f"{key}={cap} must be 0 (off) or a cap > 1 (ratios outside [1/cap, cap] are masked); "
+                    "e.g. 2.0 keeps tokens whose train/behaviour probability ratio is within a factor of 2"
+                )
+
+
+def _in_band(log_ratio: jax.Array, cap: float) -> jax.Array:
+    """Elementwise: exp(log_ratio) in [1/cap, cap] (bool, same shape); NaN is out. The bound is compared in
+    log space, so a ratio exactly at 1/cap or cap is kept."""
+    bound = math.log(cap)
+    return (log_ratio >= -bound) & (log_ratio <= bound)
+
+
+def token_keep_mask(
+    logprobs: jax.Array, behaviour_logprobs: jax.Array, loss_mask: jax.Array, cfg: LossConfig
+) -> jax.Array:
+    """[B, T] bool: the trainable tokens the token mask (``cfg.is_token_mask``) keeps (all of them when off)."""
+    trainable = loss_mask > 0
+    if cfg.is_token_mask == 0.0:
+        return trainable
+    log_r = jax.lax.stop_gradient(logprobs) - behaviour_logprobs
+    return trainable & _in_band(jnp.where(trainable, log_r, 0.0), cfg.is_token_mask)
+
+
+def offpolicy_sequence_sums(
+    logprobs: jax.Array,
+    behaviour_logprobs: jax.Array,
+    loss_mask: jax.Array,
+    seq_index: jax.Array,
+    num_seqs: int,
+    cfg: LossConfig,
+) -> dict[str, jax.Array]:
+    """Per-sequence sums of log r_t = log pi_train - log mu that the off-policy corrections decide on.
+
+    [B, T] inputs -> dict of [S]: ``log_ratio_sum`` / ``count`` over the trainable tokens (the sequence
+    mask's geometric mean), ``kept_log_ratio_sum`` / ``kept_count`` over the tokens the token mask keeps
+    (GSPO's sequence ratio with recorded pi_old, behaviour_is_cap's weight, the n_i of every mean). They
+    add over parts: for a sequence split over micro-batches sum them over its parts (a forward-only pass
+    under the step's fixed weights) and pass the totals to ``rl_objective`` as ``seq_sums``.
+    """
+    log_r = jax.lax.stop_gradient(logprobs) - behaviour_logprobs
+    kept = token_keep_mask(logprobs, behaviour_logprobs, loss_mask, cfg).astype(jnp.float32)
+    total, count = _sequence_sums(log_r, loss_mask, seq_index, num_seqs)
+    kept_total, kept_count = _sequence_sums(log_r, kept, seq_index, num_seqs)
+    return {"log_ratio_sum": total, "count": count, "kept_log_ratio_sum": kept_total, "kept_count": kept_count}
+
+
+def _offpolicy_corrections(logprobs, behaviour_logprobs, loss_mask, seq_index, seq_weights, cfg, seq_sums):
+    """Token mask, sequence mask, behaviour_is_cap (in that order) -> (policy mask [B, T], seq weights [S],
+    whole-sequence keywords for the losses, metrics)."""
+    num_seqs = seq_weights.shape[0]
+    local = offpolicy_sequence_sums(logprobs, behaviour_logprobs, loss_mask, seq_index, num_seqs, cfg)
+    whole = local if seq_sums is None else seq_sums
+    keep_token = token_keep_mask(logprobs, behaviour_logprobs, loss_mask, cfg)
+    keep_seq = jnp.ones((num_seqs,), bool)
+    if cfg.is_sequence_mask > 0.0:
+        mean_log_r = jnp.where(whole["count"] > 0, whole["log_ratio_sum"] / jnp.maximum(whole["count"], 1.0), 0.0)
+        keep_seq = _in_band(mean_log_r, cfg.is_sequence_mask)
+    dropped = (~keep_seq) & (local["count"] > 0)
+    metrics = {
+        "masked_tokens": jnp.sum(jnp.where(keep_token, 0.0, loss_mask)),
+        "masked_sequences": jnp.sum(jnp.where(dropped, local["count"] / jnp.maximum(whole["count"], 1.0), 0.0)),
+    }
+    policy_mask = jnp.where(keep_token & keep_seq[seq_index], loss_mask, 0.0)
+    live = keep_seq & (whole["kept_count"] > 0)
+    kept_log_r = jnp.where(live, whole["kept_log_ratio_sum"] / jnp.maximum(whole["kept_count"], 1.0), 0.0)
+    seq_weights = jnp.where(keep_seq, seq_weights, 0.0)
+    if cfg.behaviour_is_cap > 0.0:
+        seq_weights = seq_weights * jnp.minimum(jnp.exp(kept_log_r), cfg.behaviour_is_cap)
+    whole_kw = {}
+    if seq_sums is not None:
+        ratio = jnp.zeros_like(kept_log_r) if cfg.recompute_behaviour else kept_log_r
+        whole_kw = {"seq_log_ratio": ratio, "seq_count": jnp.where(keep_seq, whole["kept_count"], 0.0)}
+    return policy_mask, seq_weights, whole_kw, metrics
 
 
 def rl_objective(
@@ -307,34 +396,45 @@ def rl_objective(
     seq_weights: jax.Array,
     cfg: LossConfig,
     ref_logprobs: jax.Array | None = None,
+    *,
+    seq_sums: dict[str, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The whole RL micro-step objective: policy loss (+ kl_coef * KL) with pi_old chosen by ``cfg``.
 
     logprobs: [B, T] under the current params (differentiated); behaviour_logprobs: [B, T] recorded by the
-    proxy; ref_logprobs: [B, T] under the reference params (needed iff cfg.kl_coef > 0). Metrics (weighted
-    sums that add across micro-batches): the policy loss's, plus ``loss``, ``policy_loss``, ``kl`` (when on),
-    ``logprob_gap_sum`` (sum |log pi - log mu| over trained tokens), ``target_tokens``.
+    proxy; ref_logprobs: [B, T] under the reference params (needed iff cfg.kl_coef > 0); seq_sums: the
+    whole-sequence ``offpolicy_sequence_sums`` ([S] each) when sequences are split over micro-batches, so
+    every mask and weight is decided on the whole sequence and the parts add up to it. Metrics (weighted
+    sums that add across micro-batches): the policy loss's, plus ``loss``, ``policy_loss``, ``kl`` (when
+    on), ``logprob_gap_sum`` (sum |log pi - log mu| over the trainable tokens the token mask keeps),
+    ``target_tokens`` (trainable tokens), and with the off-policy corrections on (``cfg.is_token_mask``,
+    ``cfg.is_sequence_mask``, ``cfg.behaviour_is_cap`` or seq_sums given) ``masked_tokens`` (trainable
+    tokens the token mask drops) and ``masked_sequences`` (sequences the sequence mask drops; a split
+    sequence's parts carry their token shares, which add to 1).
     """
     current = jax.lax.stop_gradient(logprobs)
-    if cfg.recompute_behaviour:
-        old = current
-        if cfg.behaviour_is_cap > 0.0:
-            log_w, _ = sequence_mean(current - behaviour_logprobs, loss_mask, seq_index, seq_weights.shape[0])
-            seq_weights = seq_weights * jnp.minimum(jnp.exp(log_w), cfg.behaviour_is_cap)
-    else:
-        old = behaviour_logprobs
-    policy_loss, metrics = POLICY_LOSSES[cfg.name](
-        logprobs, old, loss_mask, seq_index, advantages, seq_weights, cfg.clip_low, cfg.clip_high
+    old = current if cfg.recompute_behaviour else behaviour_logprobs
+    corrections = cfg.is_token_mask > 0.0 or cfg.is_sequence_mask > 0.0 or cfg.behaviour_is_cap > 0.0
+    policy_mask, whole_kw, metrics = loss_mask, {}, {}
+    if corrections or seq_sums is not None:
+        policy_mask, seq_weights, whole_kw, metrics = _offpolicy_corrections(
+            current, behaviour_logprobs, loss_mask, seq_index, seq_weights, cfg, seq_sums
+        )
+    loss_kw = dict(whole_kw) if cfg.name != "grpo" else {k: v for k, v in whole_kw.items() if k == "seq_count"}
+    policy_loss, policy_metrics = POLICY_LOSSES[cfg.name](
+        logprobs, old, policy_mask, seq_index, advantages, seq_weights, cfg.clip_low, cfg.clip_high, **loss_kw
     )
     loss = policy_loss
-    metrics = dict(metrics, policy_loss=policy_loss)
+    metrics = dict(policy_metrics, policy_loss=policy_loss, **metrics)
     if cfg.kl_coef > 0.0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs (log-probs under the reference policy)")
-        kl = kl_k3(logprobs, ref_logprobs, loss_mask, seq_index, seq_weights)
+        count_kw = {k: v for k, v in whole_kw.items() if k == "seq_count"}
+        kl = kl_k3(logprobs, ref_logprobs, policy_mask, seq_index, seq_weights, **count_kw)
         loss = loss + cfg.kl_coef * kl
         metrics["kl"] = jax.lax.stop_gradient(kl)
-    metrics["logprob_gap_sum"] = jnp.sum(_masked(jnp.abs(current - behaviour_logprobs), loss_mask))
+    gap_mask = token_keep_mask(current, behaviour_logprobs, loss_mask, cfg)
+    metrics["logprob_gap_sum"] = jnp.sum(jnp.where(gap_mask, jnp.abs(current - behaviour_logprobs), 0.0))
     metrics["target_tokens"] = jnp.sum(loss_mask)
     metrics["loss"] = loss
     return loss, metrics

@@ -228,3 +228,31 @@ def test_init_state_shards_optimizer_moments_like_params(setup):
     for moments in (adam.mu, adam.nu):
         for a, sh in zip(jax.tree.leaves(moments), jax.tree.leaves(learner.param_shardings)):
             assert a.sharding.is_equivalent_to(sh, a.ndim), (a.sharding, sh)
+
+
+def test_off_policy_mask_counts_reach_the_step_metrics(setup):
+    """is_token_mask / is_sequence_mask on a learner: the step's metrics carry the masked-token fraction and
+    the masked-sequence count computed from the micro-batch's own ratios, whatever the micro-batch split."""
+    base, params, logprob_fn = setup
+    token_cap, seq_cap = 1.2, 1.3
+    learner = Learner(
+        CFG, base.graphdef, base.mesh, base.rules, OptimizerConfig(learning_rate=3e-3), loss="grpo",
+        is_token_mask=token_cap, is_sequence_mask=seq_cap,
+    )  # fmt: skip
+    branches = make_branches(seed=1)
+    set_behaviour_logprobs(branches, logprob_fn, params, noise=0.15, seed=2, shifts=(0.5, 0.05, -0.05, -0.5))
+    adv, w = [1.0, -0.5, 0.8, -1.2], [0.25] * 4
+    (whole,) = batches(branches, adv, w, [[0, 1, 2, 3]])
+    trainable = whole.loss_mask > 0
+    log_r = np.where(trainable, np.asarray(logprob_fn(params, whole)) - whole.old_logprobs, 0.0)
+    want_tokens = np.sum(trainable & (np.abs(log_r) > np.log(token_cap))) / np.sum(trainable)
+    seq_mean = log_r.sum(1) / np.maximum(trainable.sum(1), 1)  # one sequence per row here
+    want_seqs = float(np.sum(np.abs(seq_mean) > np.log(seq_cap)))
+    assert 0 < want_tokens < 1 and want_seqs == 2.0  # rows 0 and 3 (shifts +-0.5)
+    for groups in ([[0, 1, 2, 3]], [[0, 1], [2, 3]]):
+        _, metrics = learner.step(fresh_state(learner, params), batches(branches, adv, w, groups))
+        assert metrics["skipped"] == 0
+        assert metrics["is_masked_token_fraction"] == pytest.approx(want_tokens, rel=1e-6)
+        assert metrics["is_masked_sequences"] == pytest.approx(want_seqs)
+    _, plain = base.step(fresh_state(base, params), [whole])
+    assert "is_masked_token_fraction" not in plain and "is_masked_sequences" not in plain
