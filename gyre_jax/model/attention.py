@@ -3,6 +3,7 @@
 Masks are the packed-mask interface the rest of the system speaks: ``mask[b, q, k]`` is True where
 query ``q`` may attend to key ``k``. Helpers build the two layouts in use: segment-causal (packed
 training rows) and cache-causal (serving, where a key's cache index equals its position).
+A mask-free blockwise kernel over the same layouts (not wired in yet) is ``gyre_jax.model.blockwise``.
 """
 
 from __future__ import annotations
