@@ -9,6 +9,11 @@ the loss weights only real query rows (as the training loss does); padding rows 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +32,7 @@ from gyre_jax.trajectory.branches import Branch
 from gyre_jax.trajectory.select import select
 from gyre_jax.trajectory.tree import tree_chunks
 
+REPO = Path(__file__).resolve().parents[2]
 H, K, D = 4, 2, 16
 
 
@@ -207,3 +213,18 @@ def test_training_memory_is_linear_in_length_and_far_below_dense():
     dense = _grad_temp_bytes(2048, dense=True)
     assert large / small <= 2.5, (small, large)
     assert large * 10 < dense, (large, dense)
+
+
+def test_benchmark_runs_and_writes_its_table(tmp_path):
+    out = tmp_path / "lc.json"
+    cmd = [sys.executable, "benchmarks/bench_long_context.py", "--lengths", "256", "512", "--time-max", "256"]
+    proc = subprocess.run(
+        [*cmd, "--reps", "1", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["T"] for r in rows] == [256, 512] and "dense MiB" in proc.stdout
+    assert {"dense_ms", "blockwise_ms", "blockwise_noskip_ms"} <= set(rows[0]) and "dense_ms" not in rows[1]
+    for r in rows:
+        if r["dense_temp_bytes"] is not None:  # None where the backend has no memory analysis
+            assert r["blockwise_temp_bytes"] < r["dense_temp_bytes"]
