@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .` (e.g. on a lent GPU machine)
     sys.path.insert(0, str(REPO))
 
-from gyre_jax.model.attention import segment_causal_mask  # noqa: E402
+from gyre_jax.model.attention import segment_mask  # noqa: E402
 from gyre_jax.model.config import PRESETS, ModelConfig  # noqa: E402
 from gyre_jax.model.sharding import RULES_DATA, init_params, make_mesh  # noqa: E402
 
@@ -127,7 +127,8 @@ def _loss(graphdef, params, tokens, segment_ids, aux_coef):
     """Next-token cross-entropy over a packed causal batch (+ MoE load balancing). tokens, segment_ids: [B, T]."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits, _, aux = nnx.merge(graphdef, params)(tokens, positions, segment_causal_mask(segment_ids), return_aux=True)
+    model = nnx.merge(graphdef, params)
+    logits, _, aux = model(tokens, positions, segment_mask(model.cfg, segment_ids), return_aux=True)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)  # [B, T-1, V] float32
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     return jnp.mean(nll) + aux_coef * aux.load_balancing_loss

@@ -80,7 +80,12 @@ def setup(config) -> Setup:
         from gyre_jax.model.hf_tokenizer import HFTokenizer, check_fits_model
 
         m = config.model
-        model_cfg = read_model_config(ckpt_dir, dtype=m.dtype, param_dtype=m.param_dtype)
+        attention = dict(
+            attention_impl=m.attention_impl,
+            attention_block_q=m.attention_block_q,
+            attention_block_k=m.attention_block_k,
+        )
+        model_cfg = read_model_config(ckpt_dir, dtype=m.dtype, param_dtype=m.param_dtype, **attention)
         if isinstance(tokenizer, HFTokenizer):  # before any tensor is read
             check_fits_model(tokenizer, model_cfg.vocab_size, str(Path(ckpt_dir) / CONFIG_FILE))
         graphdef, params = load_hf_params(ckpt_dir, model_cfg, train_mesh, rules)

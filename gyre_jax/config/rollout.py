@@ -33,7 +33,8 @@ class ModelSection(ModelConfig, Section):
     mlp_dim: int = 384
     rope_theta: float = 10000.0
     # A Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json); "" = random init.
-    # When set, its config.json defines the architecture (the fields above give only dtype / param_dtype).
+    # When set, its config.json defines the architecture (the fields above give only dtype / param_dtype and the
+    # attention kernel: attention_impl, attention_block_q / _k).
     checkpoint_dir: str = ""
 
     def __post_init__(self):

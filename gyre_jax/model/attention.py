@@ -1,9 +1,11 @@
-"""Grouped-query attention with q/k RMSNorm and RoPE, over an explicit boolean mask and an optional KV cache.
+"""Grouped-query attention with q/k RMSNorm and RoPE, over a mask and an optional KV cache.
 
-Masks are the packed-mask interface the rest of the system speaks: ``mask[b, q, k]`` is True where
-query ``q`` may attend to key ``k``. Helpers build the two layouts in use: segment-causal (packed
-training rows) and cache-causal (serving, where a key's cache index equals its position).
-A mask-free blockwise kernel over the same layouts (not wired in yet) is ``gyre_jax.model.blockwise``.
+A mask is either dense, ``mask[b, q, k]`` True where query ``q`` may attend to key ``k`` ([B, T, S] bool,
+for ``attention_impl`` "xla" and "cudnn": ``jax.nn.dot_product_attention``), or a ``blockwise.MaskSpec``
+(per-token descriptors, never [T, S]: ``attention_impl="blockwise"``, ``blockwise.blockwise_attention``).
+Two layouts are in use: the packed training row (a prefix tree per segment; plain rows are causal) and
+the cache (serving, where a key's cache index equals its position). ``tree_mask`` and ``cache_mask``
+build either kind for a config: every forward of the system takes its mask from them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gyre_jax.model.blockwise import MaskSpec, blockwise_attention, cache_mask_spec, dense_mask, tree_mask_spec
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import Einsum, RMSNorm
 from gyre_jax.model.positional_embeddings import apply_rope, rope_frequencies
@@ -34,6 +37,12 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> list[La
     return [LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
 
 
+def tree_causal_mask(segment_ids: jax.Array, subtree_end: jax.Array) -> jax.Array:
+    """segment_ids, subtree_end: [B, T] int -> [B, T, T] bool: query i sees key j iff same non-zero segment
+    and ``j <= i < subtree_end[j]`` (``blockwise.tree_mask_spec``, the one statement of the rule, made dense)."""
+    return dense_mask(tree_mask_spec(segment_ids, subtree_end))
+
+
 def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
     """segment_ids: [B, T] int32 (0 = padding) -> mask [B, T, T]: same non-zero segment and key index <= query index."""
     t = segment_ids.shape[1]
@@ -46,6 +55,39 @@ def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
 def cache_causal_mask(positions: jax.Array, cache_len: int) -> jax.Array:
     """positions: [B, T] int32 -> mask [B, T, S]: key cache index <= query position."""
     return jnp.arange(cache_len)[None, None, :] <= positions[:, :, None]
+
+
+def tree_mask(cfg: ModelConfig, segment_ids: jax.Array, subtree_end: jax.Array) -> jax.Array | MaskSpec:
+    """The packed-row mask for ``cfg.attention_impl``: segment_ids, subtree_end: [B, T] int -> a MaskSpec
+    ("blockwise") or ``tree_causal_mask``'s [B, T, T] bool. A plain causal row has ``subtree_end = T``."""
+    if cfg.attention_impl == "blockwise":
+        return tree_mask_spec(segment_ids, subtree_end)
+    return tree_causal_mask(segment_ids, subtree_end)
+
+
+def segment_mask(cfg: ModelConfig, segment_ids: jax.Array) -> jax.Array | MaskSpec:
+    """``tree_mask`` of plain causal segments (no prefix trees): segment_ids [B, T] int, 0 = padding."""
+    t = segment_ids.shape[1]
+    return tree_mask(cfg, segment_ids, jnp.full(segment_ids.shape, t, jnp.int32))
+
+
+def cache_mask(cfg: ModelConfig, positions: jax.Array, cache_len: int) -> jax.Array | MaskSpec:
+    """The serving mask for ``cfg.attention_impl``: positions [B, T] int -> a MaskSpec over ``cache_len``
+    slots ("blockwise") or ``cache_causal_mask``'s [B, T, cache_len] bool (slot s visible iff s <= position)."""
+    if cfg.attention_impl == "blockwise":
+        return cache_mask_spec(positions, cache_len)
+    return cache_causal_mask(positions, cache_len)
+
+
+def _check_mask_kind(impl: str, mask) -> None:
+    """Raises when the mask's kind is not the one ``impl`` computes with."""
+    spec = isinstance(mask, MaskSpec)
+    if spec != (impl == "blockwise"):
+        got = "a MaskSpec" if spec else "a dense [B, T, S] mask"
+        raise ValueError(
+            f"attention_impl={impl!r} cannot take {got}: build the mask with attention.tree_mask / cache_mask / "
+            "segment_mask for the same ModelConfig (they return a MaskSpec for 'blockwise', a dense mask otherwise)"
+        )
 
 
 def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
@@ -76,9 +118,10 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(d, "head_dim", eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, mask: jax.Array, cache: LayerCache | None = None
+        self, x: jax.Array, positions: jax.Array, mask: jax.Array | MaskSpec, cache: LayerCache | None = None
     ) -> tuple[jax.Array, LayerCache | None]:
-        """x: [B, T, E], positions: [B, T], mask: [B, T, S] bool (S = T without cache, cache length with one).
+        """x: [B, T, E], positions: [B, T], mask: [B, T, S] bool or a MaskSpec over S keys, per
+        ``cfg.attention_impl`` (S = T without cache, cache length with one).
 
         With a cache, this call's keys/values are first written at ``positions``, then queries attend
         over the whole cache. Returns ([B, T, E], updated cache or None).
@@ -92,6 +135,12 @@ class Attention(nnx.Module):
         if cache is not None:
             cache = LayerCache(k=write_cache(cache.k, k, positions), v=write_cache(cache.v, v, positions))
             k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
-        impl = None if self.cfg.attention_impl == "xla" else self.cfg.attention_impl
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, :, :], implementation=impl)  # [B, T, H, D]
+        impl = self.cfg.attention_impl
+        _check_mask_kind(impl, mask)
+        if impl == "blockwise":
+            bq, bk = self.cfg.attention_block_q, self.cfg.attention_block_k
+            out = blockwise_attention(q, k, v, mask, block_q=bq, block_k=bk)  # [B, T, H, D]
+        else:
+            xla = None if impl == "xla" else impl
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, :, :], implementation=xla)
         return self.o_proj("bthd,hde->bte", out), cache

@@ -11,8 +11,8 @@ queries, ``[B, S]`` for keys) and the kernel computes each ``[bq, bk]`` block's 
 live length). ``blockwise_attention`` runs an online softmax over key blocks (f32 running max, sum and
 accumulator) inside a scan over query blocks; its ``custom_vjp`` saves only q, k, v, the output and the
 per-row logsumexp and recomputes each block's probabilities in the backward, so memory is linear in T.
-Blocks whose mask is all False are skipped with ``lax.cond``. Not wired into ``Attention`` yet: see
-docs/long_context.md.
+Blocks whose mask is all False are skipped with ``lax.cond``. ``Attention`` calls it when
+``ModelConfig.attention_impl == "blockwise"`` (``attention.tree_mask`` / ``cache_mask`` build the spec).
 """
 
 from __future__ import annotations
@@ -42,6 +42,20 @@ class MaskSpec:
     k_segment: jax.Array
     k_first: jax.Array
     k_end: jax.Array
+
+    def sees_any(self, block_k: int = 128) -> jax.Array:
+        """[B, T] bool: which queries see at least one key (``jnp.any(dense_mask(self), -1)``), computed
+        over key blocks of ``block_k`` (``[B, T, block_k]`` at a time, never ``[T, S]``)."""
+        s = self.k_segment.shape[1]
+        bk = max(1, min(block_k, s))
+        sp = -(-s // bk) * bk
+        ks = [_blocks(_pad(a, sp), bk) for a in (self.k_segment, self.k_first, self.k_end)]  # [N, B, bk] each
+
+        def step(j, seen):
+            mask = block_mask(self.q_segment, self.q_index, ks[0][j], ks[1][j], ks[2][j])
+            return seen | jnp.any(mask, axis=-1)
+
+        return lax.fori_loop(0, sp // bk, step, jnp.zeros(self.q_segment.shape, bool))
 
 
 def tree_mask_spec(segment_ids: jax.Array, subtree_end: jax.Array) -> MaskSpec:

@@ -19,7 +19,7 @@ from typing import Any
 ROPE_TYPES = ("default", "linear", "yarn")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 MOE_IMPLS = ("ragged", "dense")
-ATTENTION_IMPLS = ("xla", "cudnn")
+ATTENTION_IMPLS = ("xla", "cudnn", "blockwise")
 HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
@@ -70,9 +70,12 @@ class ModelConfig:
     moe_impl: str = "ragged"  # "ragged": sorted tokens + ragged_dot (k experts per token); "dense": all experts, masked
     # Memory: rematerialize each block in the backward pass ("none" keeps all activations).
     remat_policy: str = "none"
-    attention_impl: str = (
-        "xla"  # jax.nn.dot_product_attention implementation: "xla" (any platform) or "cudnn" (NVIDIA GPU)
-    )
+    # Attention kernel: "xla" (jax.nn.dot_product_attention over a dense [B, T, S] mask, any platform),
+    # "cudnn" (the same over cuDNN, NVIDIA GPU) or "blockwise" (model/blockwise.py: mask-free, memory linear
+    # in T, any platform; query/key block sizes below). See docs/long_context.md.
+    attention_impl: str = "xla"
+    attention_block_q: int = 128
+    attention_block_k: int = 128
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -103,6 +106,9 @@ class ModelConfig:
             out.append(f"remat_policy={self.remat_policy!r} must be one of {REMAT_POLICIES}")
         if self.attention_impl not in ATTENTION_IMPLS:
             out.append(f"attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS}")
+        for name in ("attention_block_q", "attention_block_k"):
+            if getattr(self, name) < 1:
+                out.append(f"{name}={getattr(self, name)} must be >= 1 (blockwise attention block size in tokens)")
         if self.moe_impl not in MOE_IMPLS:
             out.append(f"moe_impl={self.moe_impl!r} must be one of {MOE_IMPLS}")
         if self.num_experts < 0:

@@ -1,7 +1,8 @@
 """The Qwen3 decoder: SwiGLU MLP or sparse MoE per layer, pre-norm blocks, and the causal LM with an optional KV cache.
 
 ``Transformer.__call__(tokens, positions, mask, cache)`` is the single forward: training passes a
-packed mask and no cache; serving passes a cache and a cache-causal mask. The cache is a plain
+packed mask and no cache; serving passes a cache and a cache-causal mask (dense, or a ``MaskSpec`` for
+``attention_impl="blockwise"``: ``attention.tree_mask`` / ``cache_mask``). The cache is a plain
 pytree returned from the call, never hidden module state. ``return_aux=True`` adds a ``ModelAux``
 (MoE router logits and the load-balancing loss) as a third output. ``cfg.remat_policy`` wraps each
 block in ``nnx.remat`` so the backward pass recomputes its activations.
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gyre_jax.model.attention import Attention, LayerCache
+from gyre_jax.model.blockwise import MaskSpec
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import Einsum, Embedder, RMSNorm
 from gyre_jax.model.moe import MoEBlock, load_balancing_loss
@@ -33,8 +35,8 @@ class ModelAux:
     """Auxiliary outputs of a forward pass.
 
     router_logits: [L_moe, B*T, X] (one row per token of each MoE layer) or None for a dense model.
-    load_balancing_loss: [] float32, ``moe.load_balancing_loss`` over real tokens (rows of ``mask``
-    with at least one True); 0 for a dense model. Not multiplied by ``cfg.router_aux_loss_coef``.
+    load_balancing_loss: [] float32, ``moe.load_balancing_loss`` over real tokens (queries that see at least
+    one key: rows of a dense mask with a True, ``MaskSpec.sees_any``); 0 for a dense model. Not multiplied by ``cfg.router_aux_loss_coef``.
     """
 
     router_logits: jax.Array | None
@@ -105,12 +107,13 @@ class Transformer(nnx.Module):
         self,
         tokens: jax.Array,
         positions: jax.Array,
-        mask: jax.Array,
+        mask: jax.Array | MaskSpec,
         cache: list[LayerCache] | None = None,
         *,
         return_aux: bool = False,
     ):
-        """tokens, positions: [B, T] int32; mask: [B, T, S] bool -> (logits [B, T, V] float32, cache)
+        """tokens, positions: [B, T] int32; mask: [B, T, S] bool or a MaskSpec (per ``cfg.attention_impl``:
+        ``attention.tree_mask`` / ``cache_mask`` build it) -> (logits [B, T, V] float32, cache)
         or, with ``return_aux``, (logits, cache, ModelAux)."""
         x = self.embedder.encode(tokens, self.cfg.compute_dtype)
         call = _call_block
@@ -133,7 +136,8 @@ class Transformer(nnx.Module):
             return logits, new_cache
         if router_logits:
             stacked = jnp.stack(router_logits)  # [L_moe, B*T, X]
-            real = jnp.any(mask, axis=-1).reshape(-1)  # [B*T]: padding rows attend to nothing
+            sees = mask.sees_any(self.cfg.attention_block_k) if isinstance(mask, MaskSpec) else jnp.any(mask, -1)
+            real = sees.reshape(-1)  # [B*T]: padding rows attend to nothing
             lb = load_balancing_loss(stacked, self.cfg.num_experts_per_tok, real)
         else:
             stacked, lb = None, jnp.zeros((), jnp.float32)

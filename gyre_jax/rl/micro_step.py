@@ -26,11 +26,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gyre_jax.faultpoints import kill_point
+from gyre_jax.model.attention import tree_mask
 from gyre_jax.model.sharding import Rules, abstract_model, logical_sharding, param_shardings
 from gyre_jax.rl import losses
 from gyre_jax.rl.accumulator import GradAccumulator
 from gyre_jax.rl.microstep_queue import Claim, MicroStepQueue, QueueAborted
-from gyre_jax.trajectory.batch import MicroBatch, attention_mask
+from gyre_jax.trajectory.batch import MicroBatch
 
 KINDS = ("rl", "sft")
 
@@ -38,7 +39,7 @@ KINDS = ("rl", "sft")
 def _logprobs_and_aux(graphdef: nnx.GraphDef, params: nnx.State, mb: MicroBatch, with_aux: bool):
     """([B, T] log-probs of the targets, [] MoE load-balancing loss or None)."""
     model = nnx.merge(graphdef, params)
-    mask = attention_mask(mb.segment_ids, mb.subtree_end)  # [B, T, T] bool
+    mask = tree_mask(model.cfg, mb.segment_ids, mb.subtree_end)  # [B, T, T] bool, or a MaskSpec (blockwise)
     if with_aux:
         logits, _, aux = model(mb.tokens, mb.positions, mask, return_aux=True)  # logits: [B, T, V]
         lb = aux.load_balancing_loss

@@ -4,7 +4,8 @@ slot, release a slot, and one generate step over every slot. Pure functions over
 
 Parameters arrive as flat leaves plus a (static) treedef, merged with the model's ``graphdef`` inside the
 program: flattening an ``nnx.State`` on every call would cost more host time than a tiny model's decode
-step. The model is called only as ``model(tokens, positions, mask, cache) -> (logits, cache)``; a position
+step. The model is called only as ``model(tokens, positions, mask, cache) -> (logits, cache)``, the mask from
+``attention.cache_mask`` (dense or a ``MaskSpec``, per ``attention_impl``); a position
 outside the cache writes nothing, which is how padding and slots that are not stepped stay untouched.
 """
 
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gyre_jax.model.attention import LayerCache, cache_causal_mask, init_cache
+from gyre_jax.model.attention import LayerCache, cache_mask, init_cache
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.serving import sampling
 from gyre_jax.serving.kv_cache import DecodeState, Prefix, widen
@@ -32,7 +33,7 @@ def _forward_and_sample(params, cache, positions, tokens, true_length, temperatu
     position, so their writes drop). Returns the cache, the token sampled from position true_length - 1 with
     its log-prob, and the advanced key."""
     model = _model(*params)
-    mask = cache_causal_mask(positions, cache[0].k.shape[1])
+    mask = cache_mask(model.cfg, positions, cache[0].k.shape[1])  # dense [1, Tb, S] or a MaskSpec
     logits, cache = model(tokens, positions, mask, cache)  # logits: [1, Tb, V]
     last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, axis=0, keepdims=True)  # [1, V]
     key, use = sampling.split_keys(key[None])
@@ -111,7 +112,7 @@ def generate(graphdef: nnx.GraphDef, leaves, treedef, state: DecodeState, window
     lengths = state.lengths[:k]
     ok = state.active[:k] & (lengths < window)  # stepped slots whose next position is inside the window
     positions = jnp.where(ok, lengths, window)[:, None]  # [k, 1]; the others write nothing
-    mask = cache_causal_mask(positions, window)
+    mask = cache_mask(model.cfg, positions, window)
     if k == slots and window == s:  # the whole cache, updated in place
         logits, cache = model(state.tokens[:, None], positions, mask, state.cache)
     else:  # attend over a block of the cache, then write the one new KV row per slot back into the cache

@@ -20,9 +20,9 @@ import math
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from gyre_jax.model.attention import tree_causal_mask
 from gyre_jax.trajectory.branches import Branch
 
 
@@ -60,13 +60,11 @@ class MicroBatch:
 
 
 def attention_mask(segment_ids: jax.Array, subtree_end: jax.Array) -> jax.Array:
-    """[B, T] x2 -> [B, T, T] bool: query i sees key j iff same non-zero segment, j <= i < subtree_end[j]."""
-    t = segment_ids.shape[1]
-    idx = jnp.arange(t, dtype=jnp.int32)
-    causal = idx[None, :, None] >= idx[None, None, :]  # [1, q, k]
-    below = idx[None, :, None] < subtree_end[:, None, :]  # i < subtree_end[j]
-    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids != 0)[:, :, None]
-    return causal & below & same
+    """[B, T] x2 -> [B, T, T] bool: query i sees key j iff same non-zero segment, j <= i < subtree_end[j].
+
+    The dense form of the packed-row rule (``model.attention.tree_causal_mask``; the model's forwards build
+    it, or its mask-free ``MaskSpec``, with ``model.attention.tree_mask`` per ``attention_impl``)."""
+    return tree_causal_mask(segment_ids, subtree_end)
 
 
 def empty_micro_batch(b: int, t: int, s: int) -> MicroBatch:
