@@ -1,5 +1,5 @@
 """Configs that ``validate`` accepts run: sampled across every policy, loss, KL on/off, behaviour recomputation,
-packing mode, staleness bounds and cell layouts on 8 devices, each trains one RL step end to end (real
+off-policy masks, packing mode, staleness bounds and cell layouts on 8 devices, each trains one RL step end to end (real
 proxy, harness subprocesses, the controller, the Grain pipeline, a checkpoint) without crashing.
 
 Sizes are tiny (a 1-layer model, 1 task x 2 executions, short calls); what varies is the wiring.
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from gyre_jax import config as config_lib
 
-RUNS = 12  # configs trained end to end
+RUNS = 8  # configs trained end to end (each compiles its own programs: the suite's CI time)
 BASE = {
     "total_steps": 1,
     "warm_start.steps": 0,
@@ -69,6 +69,8 @@ def overrides(draw) -> dict:
         "rl.kl_coef": draw(st.sampled_from([0.0, 0.1])),
         "rl.recompute_behaviour": recompute,
         "rl.behaviour_is_cap": draw(st.sampled_from([0.0, 2.0])) if recompute else 0.0,
+        "rl.is_token_mask": draw(st.sampled_from([0.0, 2.0])),
+        "rl.is_sequence_mask": draw(st.sampled_from([0.0, 2.0])),
         "trajectory.packing": draw(st.sampled_from(["tree", "plain"])),
         "trajectory.stream_order": draw(st.sampled_from(["task", "arrival"])),
         "schedule.dispatch_staleness": dispatch,
