@@ -34,7 +34,7 @@ def branch_lists(draw):
     return branches, advantages, weights
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(branch_lists(), st.integers(1, 4), st.sampled_from([8, 16, 128]))
 def test_micro_batches_shift_targets_and_mask_exactly_the_trainable_targets(case, mbs_size, multiple):
     branches, advantages, weights = case
