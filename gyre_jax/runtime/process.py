@@ -94,6 +94,17 @@ def _configure_platform(platform: str, cpu_devices: int) -> None:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
 
 
+# What a collective raises when the process at the other end of its connection is gone (gloo on CPU).
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def peer_connection_lost(exc: BaseException) -> bool:
+    """True when ``exc`` says a collective's connection to a peer closed (the peer died), e.g. gloo's
+    ``Gloo all-reduce failed: ... Connection closed by peer [127.0.0.1]:60116``."""
+    text = str(exc).lower()
+    return any(marker in text for marker in _PEER_GONE)
+
+
 class DistributedRuntime:
     """The process's multi-process state: its ``ProcessInfo``, the coordination client, the watchdog."""
 
@@ -210,6 +221,11 @@ class DistributedRuntime:
         (self._previous_excepthook or sys.__excepthook__)(exc_type, exc, tb)
         if self._closed or issubclass(exc_type, SystemExit):
             return
+        if self.watchdog is not None and peer_connection_lost(exc):
+            # A collective failed because a peer's connection closed: the peer was killed or crashed, which the
+            # watchdog confirms within the heartbeat timeout and reports as a lost peer (its line, exit 75:
+            # restart all). Only if it does not is this process's own failure reported (exit 1).
+            time.sleep(self.watchdog.timeout_s + 2 * self.watchdog.interval_s + 1.0)
         lines = str(exc).strip().splitlines()
         self.abort(f"uncaught {exc_type.__name__}: {lines[0] if lines else ''}"[:500])
 

@@ -232,3 +232,18 @@ def test_cell_put_in_one_process_is_device_put(tiny_params):
         runtime.transfer(abstract, shardings_on(cells[1].mesh))
     with pytest.raises(runtime.DistributedError, match="must be \\(or carry\\) a NamedSharding"):
         runtime.transfer(jnp.ones(3), jax.devices()[0])
+
+
+def test_a_collective_whose_peer_closed_its_connection_is_a_lost_peer_not_this_process_failing():
+    """gloo's error when the process at the other end died (seen when a follower was SIGKILLed during the warm
+    start's all-reduce): the leader then waits for its watchdog's lost-peer exit (75) instead of exiting 1."""
+    from gyre_jax.runtime.process import peer_connection_lost
+
+    gloo = jax.errors.JaxRuntimeError(
+        "UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by "
+        "peer [127.0.0.1]:60116"
+    )
+    assert peer_connection_lost(gloo)
+    assert peer_connection_lost(OSError("[Errno 104] Connection reset by peer"))
+    assert not peer_connection_lost(ValueError("operands could not be broadcast together with shapes (2,) (3,)"))
+    assert not peer_connection_lost(RuntimeError("Gloo all-reduce failed: invalid argument"))
