@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.timing import median_ms  # noqa: E402
 from gyre_jax.model.blockwise import blockwise_attention, tree_mask_spec  # noqa: E402
 from gyre_jax.trajectory.batch import attention_mask  # noqa: E402
 
@@ -67,16 +67,6 @@ def temp_bytes(fn, t: int) -> int | None:
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
-def time_ms(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def measure(t: int, block: int, time_max: int, reps: int) -> dict:
     fns = {kind: grad_fn(kind, block) for kind in ("dense", "blockwise", "blockwise_noskip")}
     row = {
@@ -87,7 +77,7 @@ def measure(t: int, block: int, time_max: int, reps: int) -> dict:
     if t <= time_max:
         args = inputs(t)
         for kind, fn in fns.items():
-            row[f"{kind}_ms"] = round(time_ms(fn, args, reps), 2)
+            row[f"{kind}_ms"] = round(median_ms(fn, args, reps), 2)
     return row
 
 

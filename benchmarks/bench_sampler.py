@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.timing import median_ms  # noqa: E402
 from gyre_jax.serving.sampling import sample  # noqa: E402
 
 
@@ -50,16 +50,6 @@ def always_sorting(logits, keys, temperature, top_k, top_p):
 SETTINGS = {"untruncated": (1.0, 0, 1.0), "top_p_0.95": (1.0, 0, 0.95), "greedy": (0.0, 0, 1.0)}
 
 
-def time_ms(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="one small shape, few repetitions")
@@ -77,7 +67,7 @@ def main(argv=None) -> int:
         for name, (temp, k, p) in SETTINGS.items():
             args = (logits, keys, jnp.full((batch,), temp), jnp.full((batch,), k, jnp.int32), jnp.full((batch,), p))
             same = bool(jnp.all(new(*args)[0] == old(*args)[0]))
-            t_old, t_new = time_ms(old, args, reps), time_ms(new, args, reps)
+            t_old, t_new = median_ms(old, args, reps), median_ms(new, args, reps)
             rows.append({"batch": batch, "vocab": vocab, "setting": name, "always_sorting_ms": round(t_old, 4),
                          "sample_ms": round(t_new, 4), "speedup": round(t_old / t_new, 2), "same_tokens": same})  # fmt: skip
             print(f"{batch:>5} {vocab:>7} {name:<12} {t_old:>10.3f} {t_new:>10.3f} {t_old / t_new:>7.2f}x"
