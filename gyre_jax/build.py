@@ -76,16 +76,12 @@ def setup(config) -> Setup:
     if jax.process_count() > 1:
         runtime.check_cells_within_processes(cells)
     if ckpt_dir is not None:  # a Hugging Face checkpoint: its config.json defines the architecture
+        from gyre_jax.model.config import COMPUTE_FIELDS
         from gyre_jax.model.hf_checkpoint import CONFIG_FILE, load_hf_params, read_model_config
         from gyre_jax.model.hf_tokenizer import HFTokenizer, check_fits_model
 
-        m = config.model
-        attention = dict(
-            attention_impl=m.attention_impl,
-            attention_block_q=m.attention_block_q,
-            attention_block_k=m.attention_block_k,
-        )
-        model_cfg = read_model_config(ckpt_dir, dtype=m.dtype, param_dtype=m.param_dtype, **attention)
+        compute = {name: getattr(config.model, name) for name in COMPUTE_FIELDS}  # remat, dtypes, kernels
+        model_cfg = read_model_config(ckpt_dir, **compute)
         if isinstance(tokenizer, HFTokenizer):  # before any tensor is read
             check_fits_model(tokenizer, model_cfg.vocab_size, str(Path(ckpt_dir) / CONFIG_FILE))
         graphdef, params = load_hf_params(ckpt_dir, model_cfg, train_mesh, rules)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from gyre_jax import config as config_lib
 
-RUNS = 8  # configs trained end to end (each compiles its own programs: the suite's CI time)
+RUNS = 5  # configs trained end to end (each compiles its own programs: the suite's CI time)
 BASE = {
     "total_steps": 1,
     "warm_start.steps": 0,

@@ -25,6 +25,8 @@ SMALL = [
     "--config.eval.samples_per_task=1",
     "--config.metrics.progress_bar=false",
 ]
+SMALL_MODEL = ["--config.model.num_layers=1", "--config.model.embed_dim=32", "--config.model.mlp_dim=64",
+               "--config.model.head_dim=8"]  # fmt: skip
 
 
 def _env() -> dict[str, str]:
@@ -184,6 +186,7 @@ def test_async_and_elastic_policies_run_end_to_end_with_a_timeline(tmp_path, pol
         "--config.warm_start.steps=0",
         f"--config.schedule.policy={policy}",
         "--config.rollout.tool_latency_median_s=0.1",
+        *SMALL_MODEL,  # the policies' wiring, not learning: the least to compile
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert _metric_steps(workdir) == [0, 1]

@@ -21,6 +21,18 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 MOE_IMPLS = ("ragged", "dense")
 ATTENTION_IMPLS = ("xla", "cudnn", "blockwise")
 HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# How the model is computed, not what it is: a Hugging Face config.json defines none of these, so a run from a
+# checkpoint takes them from its own config (``model.<field>``), and saving a checkpoint does not write them.
+COMPUTE_FIELDS = (
+    "dtype",
+    "param_dtype",
+    "remat_policy",
+    "moe_impl",
+    "attention_impl",
+    "attention_block_q",
+    "attention_block_k",
+    "logits_chunk",
+)
 
 
 class ModelInputError(ValueError):
@@ -76,6 +88,10 @@ class ModelConfig:
     attention_impl: str = "xla"
     attention_block_q: int = 128
     attention_block_k: int = 128
+    # Training log-probs: tokens per chunk of the vocabulary projection (model/logprobs.py). 0 materializes the
+    # whole [B, T, V] float32 logits (and their gradient); > 0 computes them chunk by chunk, recomputed in the
+    # backward, so only [B, chunk, V] is live: at vocab 151936 the full logits cost 0.6 MB per token.
+    logits_chunk: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -109,6 +125,8 @@ class ModelConfig:
         for name in ("attention_block_q", "attention_block_k"):
             if getattr(self, name) < 1:
                 out.append(f"{name}={getattr(self, name)} must be >= 1 (blockwise attention block size in tokens)")
+        if self.logits_chunk < 0:
+            out.append(f"logits_chunk={self.logits_chunk} must be >= 0 (0 = whole logits, else tokens per chunk)")
         if self.moe_impl not in MOE_IMPLS:
             out.append(f"moe_impl={self.moe_impl!r} must be one of {MOE_IMPLS}")
         if self.num_experts < 0:

@@ -111,10 +111,12 @@ class Transformer(nnx.Module):
         cache: list[LayerCache] | None = None,
         *,
         return_aux: bool = False,
+        head: bool = True,
     ):
         """tokens, positions: [B, T] int32; mask: [B, T, S] bool or a MaskSpec (per ``cfg.attention_impl``:
         ``attention.tree_mask`` / ``cache_mask`` build it) -> (logits [B, T, V] float32, cache)
-        or, with ``return_aux``, (logits, cache, ModelAux)."""
+        or, with ``return_aux``, (logits, cache, ModelAux). ``head=False``: the final-normed hidden states
+        [B, T, E] in place of the logits (``self.head`` maps them; ``model.logprobs`` does it in chunks)."""
         x = self.embedder.encode(tokens, self.cfg.compute_dtype)
         call = _call_block
         if self.cfg.remat_policy != "none":
@@ -128,10 +130,7 @@ class Transformer(nnx.Module):
             if logits_i is not None:
                 router_logits.append(logits_i)
         x = self.final_norm(x)
-        if self.cfg.tie_embeddings:
-            logits = self.embedder.decode(x)
-        else:
-            logits = self.lm_head("bte,ev->btv", x, preferred_element_type=jnp.float32).astype(jnp.float32)
+        logits = self.head(x) if head else x
         if not return_aux:
             return logits, new_cache
         if router_logits:
@@ -142,3 +141,9 @@ class Transformer(nnx.Module):
         else:
             stacked, lb = None, jnp.zeros((), jnp.float32)
         return logits, new_cache, ModelAux(router_logits=stacked, load_balancing_loss=lb)
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Final-normed hidden states [B, T, E] -> logits [B, T, V] float32 (tied embedding or ``lm_head``)."""
+        if self.cfg.tie_embeddings:
+            return self.embedder.decode(x)
+        return self.lm_head("bte,ev->btv", x, preferred_element_type=jnp.float32).astype(jnp.float32)

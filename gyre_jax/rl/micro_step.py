@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gyre_jax.faultpoints import kill_point
 from gyre_jax.model.attention import tree_mask
+from gyre_jax.model.logprobs import target_logprobs
 from gyre_jax.model.sharding import Rules, abstract_model, logical_sharding, param_shardings
 from gyre_jax.rl import losses
 from gyre_jax.rl.accumulator import GradAccumulator
@@ -41,13 +42,11 @@ def _logprobs_and_aux(graphdef: nnx.GraphDef, params: nnx.State, mb: MicroBatch,
     model = nnx.merge(graphdef, params)
     mask = tree_mask(model.cfg, mb.segment_ids, mb.subtree_end)  # [B, T, T] bool, or a MaskSpec (blockwise)
     if with_aux:
-        logits, _, aux = model(mb.tokens, mb.positions, mask, return_aux=True)  # logits: [B, T, V]
+        hidden, _, aux = model(mb.tokens, mb.positions, mask, return_aux=True, head=False)  # hidden: [B, T, E]
         lb = aux.load_balancing_loss
     else:
-        (logits, _), lb = model(mb.tokens, mb.positions, mask), None
-    logits = logits / mb.temperature[..., None]
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return jnp.take_along_axis(logp, mb.targets[..., None], axis=-1)[..., 0], lb
+        (hidden, _), lb = model(mb.tokens, mb.positions, mask, head=False), None
+    return target_logprobs(model.head, hidden, mb.targets, mb.temperature, model.cfg.logits_chunk), lb
 
 
 def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, mb: MicroBatch) -> jax.Array:

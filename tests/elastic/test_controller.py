@@ -30,6 +30,9 @@ from gyre_jax.trajectory.pipeline import TrajectoryPipeline
 
 STEPS = 3
 N = 16  # 2 tasks x G=8
+# what these tests check is the controller's wiring, not what the model learns: the smallest model compiles and runs fastest
+SMALL_MODEL = ["--config.model.num_layers=1", "--config.model.embed_dim=32", "--config.model.mlp_dim=64",
+               "--config.model.head_dim=8"]  # fmt: skip
 
 
 def _config(workdir: Path, policy: str = "elastic"):
@@ -49,6 +52,7 @@ def _config(workdir: Path, policy: str = "elastic"):
             "--config.rollout.tool_latency_sigma=1.0",
             "--config.rollout.max_tokens_per_call=48",
             "--config.trajectory.tokens_per_micro_batch=1024",
+            *SMALL_MODEL,
         ]
     )
 
@@ -196,6 +200,7 @@ def test_segments_between_evaluations_start_from_a_clean_state(tmp_path):
             "--config.eval.every_steps=1",
             "--config.cells.sessions_per_cell=2",
             "--config.rollout.max_tokens_per_call=32",
+            *SMALL_MODEL,
         ]
     )
     trainer = build_run(config)
