@@ -16,7 +16,9 @@ earlier executions predict its later ones; every row uses it, so all rows see th
   (admission in order of per-task duration history, ``policies.DurationHistory``);
 - the same at eta = 2 (a stated, larger bound).
 
-Columns: busy fraction (the ideal is 1), step time, speedup over the best async split at the same eta and
+Columns: busy fraction (the ideal is 1) in steady state (between the ends of step 2 and step ``steps - 4``:
+partial rollouts may dispatch past the last step, a fixed batch per step may not, so the whole run's
+fraction favours them by up to a batch of slot time) and over the whole run, step time, speedup over the best async split at the same eta and
 at eta = 1, per-token staleness (max: oldest token; mean: token-weighted), executions dropped, and where the
 idle accelerator-time went. Writes ``<out>/elastic_vs_ideal.json`` and ``summary.md``.
 """
@@ -94,6 +96,8 @@ def summarize(res: dict[str, dict], presets, etas) -> dict:
 def _row(r: dict, best_same: dict | None, best_first: dict | None, label: str = "") -> dict:
     row = {
         "busy": r["busy_fraction"],
+        "busy_steady": r["steady"]["busy_fraction"],
+        "steady_steps": r["steady"]["steps"],
         "step_min": r["step_time_s"] / 60,
         "ideal_step_min": r["step_time_s"] * r["busy_fraction"] / 60,
         "token_staleness_max": r["token_staleness"]["max"],
@@ -109,12 +113,16 @@ def _row(r: dict, best_same: dict | None, best_first: dict | None, label: str = 
     return row
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
 def markdown(summary: dict, steps: int, task_pool: int) -> str:
     lines = [
         f"### Elastic against the ideal ({steps} steps, task pool {task_pool}; busy: share of accelerator-time "
         "doing useful work, the ideal is 100%)",
         "",
-        "| preset | row | busy | step (min) | vs async best, same eta / eta=1 | token staleness max / mean | "
+        "| preset | row | busy, steady / whole run | step (min) | vs async best, same eta / eta=1 | token staleness max / mean | "
         "dropped | idle: empty slots / training idle / dropped slots |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -127,7 +135,7 @@ def markdown(summary: dict, steps: int, task_pool: int) -> str:
             )
             i = r["idle"]
             lines.append(
-                f"| {p} | {name} | {r['busy']:.0%} | {r['step_min']:.1f} | {sp} | "
+                f"| {p} | {name} | {_pct(r['busy_steady'])} / {r['busy']:.0%} | {r['step_min']:.1f} | {sp} | "
                 f"{r['token_staleness_max']} / {r['token_staleness_mean']:.2f} | {r['dropped_fraction']:.1%} | "
                 f"{i['serving_empty']:.0%} / {i['training_idle']:.0%} / {i['dropped_slots']:.0%} |"
             )

@@ -35,6 +35,9 @@ class VersionBooks:
         self.cfg, self.ledger, self.serving, self.training = config, ledger, serving, training
         self.history = DurationHistory()
         self.per_step: list[tuple[int, float]] = []  # per trained step: (max, mean) per-token staleness
+        self.wasted = 0.0  # cell-seconds of slots held by the dropped executions of the steps trained so far
+        # at each step's end: (time, busy cell-seconds so far) for the steady-state busy fraction
+        self.busy_at_step_end: list[tuple[float, float]] = []
         if config.admission == "longest_first":
             ledger.order = self.admission_order
 
@@ -78,6 +81,7 @@ class VersionBooks:
         sv, oldest, n_tok, v_tok = self.serving, 0, 0.0, 0.0
         for i in self.ledger.members(v):
             if self.ledger.dropped[i]:
+                self.wasted += sv.slot_s[i] / self.cfg.slots_per_cell
                 continue
             oldest = max(oldest, v - sv.ver0[i])
             n_tok += sv.tok_n[i]
@@ -91,7 +95,25 @@ class VersionBooks:
 
     def wasted_s(self) -> float:
         """Cell-seconds of serving slots the dropped executions of the trained steps held."""
-        return sum(self.serving.slot_s[i] for i in self.dropped()) / self.cfg.slots_per_cell
+        return self.wasted
+
+    def step_ended(self, now: float, training_busy_s: float) -> None:
+        """Notes the busy cell-seconds (serving slots up to ``now``, ``training_busy_s``, less waste) at a step end."""
+        sv = self.serving
+        for c in range(self.cfg.num_cells):
+            sv.touch(c)
+        self.busy_at_step_end.append((now, sv.busy_s() + training_busy_s - self.wasted))
+
+    def steady_busy(self) -> dict[str, Any]:
+        """The busy fraction between the ends of step 1 and step ``steps - 4`` (whole run if under 8 steps): no
+        warm-up, and no end where runs differ in how much they may still dispatch (partial rollouts dispatch
+        past the last step, a fixed batch per step does not)."""
+        marks, k = self.busy_at_step_end, self.cfg.num_cells
+        a, b = (1, self.cfg.steps - 4) if self.cfg.steps >= 8 and len(marks) >= self.cfg.steps - 3 else (None, None)
+        if a is None:
+            return {"busy_fraction": None, "steps": None}
+        (t0, b0), (t1, b1) = marks[a], marks[b]
+        return {"busy_fraction": (b1 - b0) / (k * (t1 - t0)), "steps": [a + 1, b]}
 
     def result(self, cell_time: float) -> dict[str, Any]:
         """The ``SimResult`` fields ``token_staleness`` and ``partial``."""
@@ -99,6 +121,7 @@ class VersionBooks:
         dropped = len(self.dropped())
         tok = self.per_step or [(0, 0.0)]
         return {
+            "steady": self.steady_busy(),
             "token_staleness": {
                 "max": int(max(m for m, _ in tok)),
                 "mean": float(np.mean([x for _, x in tok])),

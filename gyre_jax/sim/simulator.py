@@ -225,6 +225,8 @@ class SimResult:
     # where accelerator-time that is not busy went, as shares of all accelerator-time: serving slots empty (or
     # paused for a weight sync), training cells with nothing to compute, switches, dropped executions' slots
     idle: dict[str, float] = field(default_factory=dict)
+    # the busy fraction in steady state: between the ends of steps[0] - 1 and steps[1] (``VersionBooks.steady_busy``)
+    steady: dict[str, Any] = field(default_factory=dict)
     partial_rollouts: bool = False
     drop_staleness: int = -1
 
@@ -500,6 +502,7 @@ class Simulator:
         self.training.optimizer_done(v)
         now, version = self.clock.now, v + 1
         self.versions.step_trained(v)
+        self.versions.step_ended(now, self.training.busy_s())
         self.ledger.trained(v, now)
         self.serving.version = version
         self.cells.wver[0] = version

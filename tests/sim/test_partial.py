@@ -134,3 +134,15 @@ def test_bad_mechanism_settings_fail_before_the_run_with_what_to_do():
         load_sim_config("tiny", {"schedule.admission": "longest_first"})
     with pytest.raises(ConfigError, match="admission='shortest' must be one of task, longest_first"):
         load_sim_config("tiny", {"schedule.admission": "shortest"})
+
+
+def test_steady_busy_fraction_leaves_out_the_first_step_and_the_end():
+    sim, result = _run(steps=8)
+    marks = sim.versions.busy_at_step_end
+    assert len(marks) == 8 and result.steady["steps"] == [2, 4]
+    (t0, b0), (t1, b1) = marks[1], marks[4]
+    assert result.steady["busy_fraction"] == pytest.approx((b1 - b0) / (sim.cfg.num_cells * (t1 - t0)))
+    assert 0 < result.steady["busy_fraction"] <= 1
+    # busy cell-seconds at the last step's end are the whole run's
+    assert marks[-1][1] / (sim.cfg.num_cells * marks[-1][0]) == pytest.approx(result.busy_fraction)
+    assert _run(steps=4)[1].steady == {"busy_fraction": None, "steps": None}
