@@ -21,6 +21,7 @@ STREAM_ORDERS = ("task", "arrival")  # gyre_jax.elastic.ledger.STREAM_ORDERS
 AUXILIARY_POLICIES = ("lowest", "exclude")  # gyre_jax.trajectory.select.AUXILIARY_POLICIES
 POLICIES = ("colocated", "async", "elastic")  # gyre_jax.elastic.policies.make_policy
 LEAVE_RULES = ("waterlevel", "backlog")  # gyre_jax.elastic.policies.ElasticPolicy.LEAVE_RULES
+ADMISSION_ORDERS = ("task", "longest_first")  # gyre_jax.elastic.policies.ADMISSION_ORDERS
 EVAL_SPLITS = ("train", "heldout")
 
 DROP_BOUND = "the drop bound: executions more policy versions behind are dropped"
@@ -209,6 +210,12 @@ class ScheduleSection(Section):
     training_cells: int = 0  # async: cells that train (0 = half)
     leave_on: str = "waterlevel"  # elastic: waterlevel (the published rule) | backlog (only with micro-steps waiting)
     idle_before_return_s: float = 0.0  # elastic: a training cell idle this long may return for ahead executions
+    # partial rollouts (a step trains the first groups to complete; the others carry on across the weight update):
+    # the simulator has them (docs/simulator.md); real runs: not supported yet, must stay False
+    partial_rollouts: bool = False
+    # the order a step's executions are dispatched in: task | longest_first (tasks predicted longest by their
+    # duration history first, policies.DurationHistory); real runs: only "task" yet
+    admission: str = "task"
 
     def __post_init__(self):
         self.check_types()
@@ -222,6 +229,20 @@ class ScheduleSection(Section):
         require(
             s.idle_before_return_s >= 0,
             f"config.schedule.idle_before_return_s={s.idle_before_return_s} must be >= 0",
+        )
+        require(
+            s.admission in ADMISSION_ORDERS,
+            f"config.schedule.admission={s.admission!r} must be one of {ADMISSION_ORDERS}",
+        )
+        require(
+            not s.partial_rollouts,
+            "config.schedule.partial_rollouts=True: not supported yet in real runs (the controller's ledger trains "
+            "each step's own batch); the simulator has them: python -m gyre_jax.sim --config.schedule.partial_rollouts=True",
+        )
+        require(
+            s.admission == "task",
+            f"config.schedule.admission={s.admission!r}: not supported yet in real runs (the controller dispatches in "
+            "task order); the simulator has it: python -m gyre_jax.sim --config.schedule.admission=longest_first",
         )
 
     def policy_options(self) -> dict:

@@ -61,6 +61,15 @@ def main(argv=None) -> int:
         f"busy {result.busy_fraction:.1%} (serving {result.serving_busy_fraction:.1%}, "
         f"training {result.training_busy_fraction:.1%}), staleness max {result.staleness['max']}"
     )
+    tok, part = result.token_staleness, result.partial
+    print(
+        f"  per-token staleness max {tok['max']} / mean {tok['mean']:.2f}"
+        + (
+            f"; partial rollouts: {part['carried_groups']} groups carried, {part['dropped']} executions dropped"
+            if config.partial_rollouts
+            else ""
+        )
+    )
     print(f"  simulated in {cpu:.2f} s CPU ({result.sim['events']} events)")
     if own.out:
         with open(own.out, "w", encoding="utf-8") as f:

@@ -113,6 +113,10 @@ def sim_config(c: config_dict.ConfigDict) -> SimConfig:
             seed=c.seed,
             max_branches=c.max_branches or None,
             streaming=s.streaming,
+            stream_unit=s.stream_unit,
+            partial_rollouts=s.partial_rollouts,
+            drop_staleness=s.drop_staleness,
+            admission=s.admission,
             segments=c.segments,
             name=c.name,
         )

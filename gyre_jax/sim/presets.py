@@ -89,9 +89,15 @@ def base(name: str, description: str) -> config_dict.ConfigDict:
             policy="elastic",  # colocated | async | elastic
             dispatch_staleness=1,  # eta, for async and elastic (colocated is on-policy); as the run config's
             training_cells=0,  # async only: cells in the training pool (0 = half of them)
-            streaming=True,
+            streaming=True,  # micro-steps claimable as executions are evaluated
+            stream_unit="execution",  # execution | group (a task's G executions at once) | group_in_order
+            # partial rollouts: a step trains the first tasks_per_step groups to complete; groups still running
+            # carry on across the weight update into a later step (needs stream_unit="group")
+            partial_rollouts=False,
+            drop_staleness=-1,  # partial rollouts: drop executions whose oldest token is more versions behind
+            admission="task",  # task | longest_first (tasks predicted longest by their history first; task_pool > 0)
         )
-    )  # micro-steps claimable as each execution is evaluated
+    )
     c.model = config_dict.ConfigDict(dict(QWEN_122B))
     c.hardware = config_dict.ConfigDict(dict(H800))
     c.cost = config_dict.ConfigDict(
@@ -137,6 +143,7 @@ def deepswe() -> config_dict.ConfigDict:
     w.summary_tokens = 8000
     w.subagent_fraction = 0.0  # a single agent thread
     w.subagent_tokens = 1.0
+    w.task_pool = 0  # tasks in the dataset (0: each step's tasks are new; >0: tasks recur, history predicts)
     return c
 
 
@@ -156,6 +163,7 @@ def terminal() -> config_dict.ConfigDict:
     w.summary_tokens = 8000
     w.subagent_fraction = 0.0
     w.subagent_tokens = 1.0
+    w.task_pool = 0  # tasks in the dataset (0: each step's tasks are new; >0: tasks recur, history predicts)
     return c
 
 
@@ -177,6 +185,7 @@ def nl2repo() -> config_dict.ConfigDict:
     w.summary_tokens = 12000
     w.subagent_fraction = 0.3  # Task-tool sub-agents explore and implement modules (assumed)
     w.subagent_tokens = 40000
+    w.task_pool = 0  # tasks in the dataset (0: each step's tasks are new; >0: tasks recur, history predicts)
     return c
 
 

@@ -31,7 +31,7 @@ class ServingModel:
 
     def __init__(self, config: SimConfig, clock: EventQueue, roles: list[Role], plans: dict[int, SegmentPlan]):
         cost = config.cost
-        k, e = config.num_cells, config.steps * config.batch_size
+        k, e = config.num_cells, config.pool_steps * config.batch_size
         self.clock, self.role, self.plans = clock, roles, plans
         self.k, self.n = k, config.batch_size
         self.slots = config.slots_per_cell
@@ -68,6 +68,10 @@ class ServingModel:
         self.pduty = [0.0] * e  # share of the current segment spent prefilling
         self.ctx = [0.0] * e
         self.deadline = [0.0] * e
+        # per-token versions: a segment's tokens carry the version serving at its start (set by the driver);
+        # per session the oldest token's version, decoded tokens, their sum weighted by version, last segment counted
+        self.version, self.ver0, self.tok_n, self.tok_v, self.counted = 0, [0] * e, [0.0] * e, [0.0] * e, [-1] * e
+        self.slot_s = [0.0] * e  # an ended session's seconds from its slot to its end
         # waiting for a slot
         self.queue: collections.deque[int] = collections.deque()  # dispatched, never started
         self.held: list[int] = []  # heap of moved sessions: the oldest step's sessions get a slot first
@@ -127,6 +131,7 @@ class ServingModel:
                 continue
             i = self.queue.popleft()
             self.start_t[i] = now
+            self.ver0[i] = self.version
             self.deadline[i] = now + self.timeout_s
             self.waits.append(now - self.dispatch_t[i])
             self.seg[i] = 0
@@ -182,7 +187,8 @@ class ServingModel:
     def end(self, i: int) -> int:
         """Session ``i`` ended (its segment end already unloaded its cell); returns the cell it left."""
         c = self._leave(i)
-        self.durations.append(self.clock.now - self.start_t[i])
+        self.slot_s[i] = self.clock.now - self.start_t[i]
+        self.durations.append(self.slot_s[i])
         return c
 
     def begin_segment(self, i: int, frac: float, delay: float) -> None:
@@ -192,6 +198,10 @@ class ServingModel:
         k = p.offset[j] + self.seg[i]
         c = self.cell_of[i]
         ctx = p.ctx[k]
+        if self.counted[i] != k:
+            self.counted[i] = k
+            self.tok_n[i] += p.gen[k]
+            self.tok_v[i] += p.gen[k] * self.version
         load_b, load_x = self.load_b, self.load_x
         step_s = self.dec_base + self.dec_seq * (load_b[c] + 1.0) + self.dec_ctx * (load_x[c] + ctx)
         if self.interference:

@@ -36,12 +36,20 @@ from typing import Any
 
 import numpy as np
 
-from gyre_jax.elastic.policies import Event, Role, SchedulingPolicy, Waterlevel, make_policy
+from gyre_jax.elastic.policies import (
+    ADMISSION_ORDERS,
+    Event,
+    Role,
+    SchedulingPolicy,
+    Waterlevel,
+    make_policy,
+)
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.sim.cells import CellRoles
 from gyre_jax.sim.cost_model import CostModel
 from gyre_jax.sim.events import BATCH, BOUNDARY, EVAL, MICRO, OPT, PULL, SEG, SWITCH, EventQueue
 from gyre_jax.sim.ledger import SimLedger
+from gyre_jax.sim.partial import VersionBooks
 from gyre_jax.sim.serving_model import ServingModel
 from gyre_jax.sim.training_model import TrainingModel
 from gyre_jax.sim.workload import SegmentPlan, StepPlans, WorkloadSpec
@@ -88,6 +96,18 @@ class SimConfig:
     # open_micro_batches at once and finishes the oldest only when a chunk fits none): the newest this
     # many micro-steps' worth of a step's data is claimable only once the step's data is complete
     pack_lookahead: int = 0
+    # partial rollouts (APRIL / AReaL style): a step trains the first tasks_per_step groups to complete; the
+    # groups still running at its end carry on across the weight update into a later step (their tokens keep
+    # the version that produced them). Needs streaming by whole groups (stream_unit="group").
+    partial_rollouts: bool = False
+    # the per-token bound: an execution whose oldest token is more than this many versions behind the step it
+    # trains in is dropped (no training work; its slot time is wasted), as the real ledger's rl.drop_staleness
+    # does; -1: no bound
+    drop_staleness: int = -1
+    # the order a step's executions are dispatched in: "task" (task order) or "longest_first" (tasks predicted
+    # longest by their duration history first, ``policies.DurationHistory``; needs tasks that recur:
+    # workload.task_pool > 0)
+    admission: str = "task"
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -116,6 +136,27 @@ class SimConfig:
             raise SimConfigError(f"stream_unit={self.stream_unit!r} must be one of {', '.join(STREAM_UNITS)}")
         if self.placement not in PLACEMENTS:
             raise SimConfigError(f"placement={self.placement!r} must be one of {', '.join(PLACEMENTS)}")
+        if self.admission not in ADMISSION_ORDERS:
+            raise SimConfigError(f"admission={self.admission!r} must be one of {', '.join(ADMISSION_ORDERS)}")
+        if self.admission == "longest_first" and not self.workload.task_pool:
+            raise SimConfigError(
+                "admission='longest_first' predicts from each task's earlier executions: set workload.task_pool > 0 "
+                "(tasks that recur)"
+            )
+        if self.drop_staleness < -1:
+            raise SimConfigError(f"drop_staleness={self.drop_staleness} must be >= 0 (or -1: no bound)")
+        if self.partial_rollouts and not (self.streaming and self.stream_unit == "group"):
+            raise SimConfigError(
+                f"partial_rollouts needs streaming=True and stream_unit='group' (a group is assigned to a step when it "
+                f"completes; got streaming={self.streaming}, stream_unit={self.stream_unit!r})"
+            )
+        if self.drop_staleness >= 0 and not self.partial_rollouts:
+            raise SimConfigError(
+                f"drop_staleness={self.drop_staleness} applies to partial rollouts (partial_rollouts=True); without "
+                f"them every execution trains within the dispatch bound eta"
+            )
+        if self.partial_rollouts and self.policy == "colocated":
+            raise SimConfigError("partial_rollouts: the colocated policy trains each batch whole; use async or elastic")
         if self.max_branches is not None and self.max_branches < 1:
             raise SimConfigError(f"max_branches={self.max_branches} must be >= 1 (or None for uncapped)")
         make_policy(self.policy, self.num_cells, **dict(self.policy_options))  # validates name and options
@@ -127,6 +168,14 @@ class SimConfig:
     @property
     def batch_size(self) -> int:
         return self.tasks_per_step * self.group_size
+
+    @property
+    def pool_steps(self) -> int:
+        """Batches of executions the run may dispatch: ``steps``, plus (partial rollouts) eta more, since groups
+        that carry on into later steps leave room for later batches in the steps a run trains."""
+        if not self.partial_rollouts:
+            return self.steps
+        return self.steps + int(dict(self.policy_options).get("max_staleness", 1)) + 1
 
     @property
     def slots_per_cell(self) -> int:
@@ -167,6 +216,19 @@ class SimResult:
     switches: dict[str, int]
     training: dict[str, float] = field(default_factory=dict)  # FLOPs, micro-steps, seconds of the trained steps
     sim: dict[str, float] = field(default_factory=dict)  # wall seconds, events
+    # per-token staleness of the trained executions (versions between the step and the version that produced
+    # a token): "max" (oldest token), "mean" (token-weighted), "per_step" [[max, mean], ...]
+    token_staleness: dict[str, Any] = field(default_factory=dict)
+    # partial rollouts: groups carried into a later step, executions dropped beyond the bound, and the slot time
+    # the dropped ones held (as a share of all accelerator-time; not counted as busy)
+    partial: dict[str, float] = field(default_factory=dict)
+    # where accelerator-time that is not busy went, as shares of all accelerator-time: serving slots empty (or
+    # paused for a weight sync), training cells with nothing to compute, switches, dropped executions' slots
+    idle: dict[str, float] = field(default_factory=dict)
+    # the busy fraction in steady state: between the ends of steps[0] - 1 and steps[1] (``VersionBooks.steady_busy``)
+    steady: dict[str, Any] = field(default_factory=dict)
+    partial_rollouts: bool = False
+    drop_staleness: int = -1
 
     @property
     def step_time_s(self) -> float:
@@ -198,6 +260,8 @@ def _config_fields(cfg: SimConfig) -> dict[str, Any]:
         cell_accelerators=cfg.cell_accelerators,
         batch_size=cfg.batch_size,
         max_branches=cfg.max_branches,
+        partial_rollouts=cfg.partial_rollouts,
+        drop_staleness=cfg.drop_staleness,
     )
 
 
@@ -286,8 +350,19 @@ class Simulator:
         self.step_plans = StepPlans(cfg, self.given_plans)
         self.cells = CellRoles(self.policy.initial_roles(), cfg.policy)
         self.serving = ServingModel(cfg, self.clock, self.cells.role, self.step_plans.plans)
-        self.training = TrainingModel(cfg, self.clock, self.cells, self.step_plans.plans, self.timeline)
-        self.ledger = SimLedger(cfg.steps, self.n, self.cells, cfg.slots_per_cell)
+        self.ledger = SimLedger(
+            cfg.steps,
+            self.n,
+            self.cells,
+            cfg.slots_per_cell,
+            group_size=cfg.group_size,
+            pool_steps=cfg.pool_steps,
+            drop_bound=None if cfg.drop_staleness < 0 else cfg.drop_staleness,
+        )
+        self.training = TrainingModel(
+            cfg, self.clock, self.cells, self.step_plans.plans, self.timeline, step_of=self.ledger.step_of
+        )
+        self.versions = VersionBooks(cfg, self.ledger, self.serving, self.training)
         # the books tests and tools read
         self.wl, self.fin_count, self.staleness = self.ledger.wl, self.ledger.fin_count, self.ledger.staleness
         self.total_work, self.exec_work = self.training.total_work, self.training.exec_work
@@ -395,7 +470,7 @@ class Simulator:
         c = self.serving.end(i)
         now = self.clock.now
         step, j = divmod(i, self.n)
-        self.ledger.finished(i)
+        group_done = self.ledger.finished(i)
         self.training.exec_work[i] = work
         if self.trace_executions:
             self.timeline.execution_ended(now, self._eid(i), status, cell=c)
@@ -404,6 +479,7 @@ class Simulator:
         if self.cfg.streaming:
             delay += float(p.tokens[j]) * self.cfg.cost.pipeline.processing_s_per_token
         self.clock.push(now + delay, EVAL, i)
+        self.versions.ended(i, group_done)
         self._counter()
         self._start_waiting()
         self._replan("finished", i)
@@ -425,7 +501,10 @@ class Simulator:
     def _on_optimizer_done(self, v: int, _: int) -> None:
         self.training.optimizer_done(v)
         now, version = self.clock.now, v + 1
+        self.versions.step_trained(v)
+        self.versions.step_ended(now, self.training.busy_s())
         self.ledger.trained(v, now)
+        self.serving.version = version
         self.cells.wver[0] = version
         if self.progress is not None:
             self.progress(version, now)
@@ -497,29 +576,44 @@ class Simulator:
             self._samples.sample(self.clock.now, self.wl)
 
     def _result(self, wall: float) -> SimResult:
-        k, end = self.k, self.clock.now
-        for c in range(k):
+        end = self.clock.now
+        for c in range(self.k):
             self.cells.account(c, end)
             self.serving.touch(c)
         if self._samples is not None:
             self._samples.close(end, self.wl)
-        cell_time = k * end
-        serving_busy, training_busy = self.serving.busy_s(), self.training.busy_s()
-        stale = np.asarray(self.staleness) if self.staleness else np.zeros(1)
-        return SimResult(
-            **_config_fields(self.cfg),
-            makespan_s=float(end),
-            step_end_s=[float(t) for t in self.ledger.step_end],
-            busy_fraction=(serving_busy + training_busy) / cell_time,
-            serving_busy_fraction=serving_busy / cell_time,
-            training_busy_fraction=training_busy / cell_time,
-            role_fractions=self.cells.fractions(cell_time),
-            executions=self.serving.execution_stats(),
-            staleness={"mean": float(stale.mean()), "max": int(stale.max())},
-            switches=dict(self.cells.switch_count),
-            training=self.training.stats(),
-            sim={"wall_s": wall, "events": self.events},
-        )
+        return _result(self, end, wall)
+
+
+def _result(sim: Simulator, end: float, wall: float) -> SimResult:
+    """What run ``sim`` measured, its books closed at ``end``; ``wall``: seconds it took to simulate."""
+    cell_time = sim.k * end
+    serving_busy, training_busy = sim.serving.busy_s(), sim.training.busy_s()
+    stale = np.asarray(sim.staleness) if sim.staleness else np.zeros(1)
+    roles = sim.cells.fractions(cell_time)
+    wasted_s = sim.versions.wasted_s()
+    wasted = wasted_s / cell_time
+    return SimResult(
+        **_config_fields(sim.cfg),
+        makespan_s=float(end),
+        step_end_s=[float(t) for t in sim.ledger.step_end],
+        busy_fraction=(serving_busy - wasted_s + training_busy) / cell_time,
+        serving_busy_fraction=serving_busy / cell_time,
+        training_busy_fraction=training_busy / cell_time,
+        role_fractions=roles,
+        executions=sim.serving.execution_stats(),
+        staleness={"mean": float(stale.mean()), "max": int(stale.max())},
+        switches=dict(sim.cells.switch_count),
+        training=sim.training.stats(),
+        sim={"wall_s": wall, "events": sim.events},
+        **sim.versions.result(cell_time),
+        idle={
+            "serving_empty": roles["serving"] - serving_busy / cell_time,
+            "training_idle": roles["training"] - training_busy / cell_time,
+            "switching": roles["switching"],
+            "dropped_slots": wasted,
+        },
+    )
 
 
 def simulate(config: SimConfig, **kwargs: Any) -> SimResult:

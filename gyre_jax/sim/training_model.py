@@ -10,6 +10,7 @@ weight pulls, and the time all of it took. Cell roles and busy flags are the sha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,19 +38,22 @@ class TrainingModel:
         cells: CellRoles,
         plans: dict[int, SegmentPlan],
         timeline: TimelineWriter | None,
+        step_of: Callable[[int], int] | None = None,
     ):
-        s, k = config.steps, config.num_cells
+        s, k = config.pool_steps, config.num_cells
         self.clock, self.cells, self.plans, self.timeline = clock, cells, plans, timeline
-        self.n, self.steps, self.group_size = config.batch_size, s, config.group_size
+        self.n, self.steps, self.group_size = config.batch_size, config.steps, config.group_size
+        self.step_of = step_of or (lambda i: i // self.n)  # the step an execution trains in (partial rollouts move it)
         self.streaming, self.stream_unit, self.lookahead = config.streaming, config.stream_unit, config.pack_lookahead
         self.tr, self.pipe = config.cost.training, config.cost.pipeline
         self.rate = self.tr.cell_flops(config.cell_accelerators)
         self.micro_flops = self.tr.micro_step_flops
         self.exec_work = [0.0] * (s * self.n)  # training work (FLOPs) of each ended execution
+        self.was_evaluated = [False] * (s * self.n)
         # per step
         self.eval_count = [0] * s
         self.queued_count = [0] * s  # executions whose micro-steps are in the queue
-        self.group_evals: dict[tuple[int, int], int] = {}  # (step, task) -> executions evaluated (stream_unit)
+        self.group_evals: dict[int, int] = {}  # group (i // group_size) -> executions evaluated (stream_unit)
         self.group_next = [0] * s  # the next task whose group enters the queue (stream_unit="group_in_order")
         self.ready_work = [0.0] * s
         self.total_work = [0.0] * s
@@ -92,7 +96,8 @@ class TrainingModel:
     def evaluated(self, i: int) -> bool:
         """Execution ``i`` is evaluated; True if data entered the micro-step queue (without streaming the
         step's whole batch is processed, a ``BATCH`` event, once its last execution is evaluated)."""
-        step = i // self.n
+        step = self.step_of(i)
+        self.was_evaluated[i] = True
         self.eval_count[step] += 1
         self.total_work[step] += self.exec_work[i]
         if self.streaming:
@@ -111,26 +116,43 @@ class TrainingModel:
             self.ready_work[step] += self.exec_work[i]
             return True
         g = self.group_size
-        task = (i % self.n) // g
-        done = self.group_evals.get((step, task), 0) + 1
-        self.group_evals[(step, task)] = done
+        group = i // g
+        done = self.group_evals.get(group, 0) + 1
+        self.group_evals[group] = done
         if unit == "group":
             if done < g:
                 return False
-            self._queue_group(step, task)
+            self._queue_group(step, group)
             return True
-        released = False
-        while self.group_evals.get((step, self.group_next[step]), 0) == g:
-            self._queue_group(step, self.group_next[step])
+        released, per_step = False, self.n // g
+        while (
+            self.group_next[step] < per_step and self.group_evals.get(step * per_step + self.group_next[step], 0) == g
+        ):
+            self._queue_group(step, step * per_step + self.group_next[step])
             self.group_next[step] += 1
             released = True
         return released
 
-    def _queue_group(self, step: int, task: int) -> None:
+    def _queue_group(self, step: int, group: int) -> None:
         g = self.group_size
-        first = step * self.n + task * g
+        first = group * g
         self.queued_count[step] += g
         self.ready_work[step] += sum(self.exec_work[first : first + g])
+
+    def move(self, i: int, old: int, new: int) -> None:
+        """Execution ``i`` now trains in step ``new``, not ``old`` (partial rollouts): its evaluated work moves;
+        its data has not entered a queue (whole groups enter once evaluated, after their group is assigned)."""
+        if self.was_evaluated[i]:
+            self.eval_count[old] -= 1
+            self.eval_count[new] += 1
+            self.total_work[old] -= self.exec_work[i]
+            self.total_work[new] += self.exec_work[i]
+
+    def drop(self, i: int) -> None:
+        """Execution ``i`` is dropped (beyond the staleness bound): it enters its step's queue with no work."""
+        if self.was_evaluated[i]:
+            self.total_work[self.step_of(i)] -= self.exec_work[i]
+        self.exec_work[i] = 0.0
 
     def batch_ready(self, step: int) -> None:
         """Without streaming: the step's whole batch is processed and in the queue."""

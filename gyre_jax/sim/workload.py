@@ -73,8 +73,13 @@ class WorkloadSpec:
     summary_tokens: int = 0
     subagent_fraction: float = 0.0  # trajectory shape for training cost (trajectory_cost.py)
     subagent_tokens: float = 1.0
+    # tasks in the dataset: step k's task t is task (k x tasks + t) mod task_pool, with one difficulty factor per
+    # task for the whole run, so a task's earlier executions predict its later ones; 0: every step's tasks are new
+    task_pool: int = 0
 
     def __post_init__(self) -> None:
+        if self.task_pool < 0:
+            raise ValueError(f"workload {self.name}: task_pool={self.task_pool} must be >= 0 (0: new tasks each step)")
         if self.timeout_s <= 0:
             raise ValueError(f"workload {self.name}: timeout_s={self.timeout_s} must be > 0")
         if self.task_sigma < 0:
@@ -119,10 +124,23 @@ class SegmentPlan:
         return len(self.count)
 
 
-def sample_turns(spec: WorkloadSpec, rng: np.random.Generator, tasks: int, group_size: int) -> list[np.ndarray]:
-    """Per-call arrays for tasks x group_size executions: (turns [E], obs [C], gen [C], tool [C], setup [E])."""
+def task_ids(spec: WorkloadSpec, step: int, tasks: int) -> np.ndarray:
+    """Dataset ids of step ``step``'s ``tasks`` tasks [tasks]: ``(step x tasks + t) mod task_pool`` (with no pool,
+    every task of the run is new: its id is ``step x tasks + t``)."""
+    ids = step * tasks + np.arange(tasks)
+    return ids % spec.task_pool if spec.task_pool else ids
+
+
+def sample_turns(
+    spec: WorkloadSpec, rng: np.random.Generator, tasks: int, group_size: int, task_z: np.ndarray | None = None
+) -> list[np.ndarray]:
+    """Per-call arrays for tasks x group_size executions: (turns [E], obs [C], gen [C], tool [C], setup [E]).
+    ``task_z`` [tasks]: the tasks' standard-normal difficulty draws (a task pool's); None: drawn from ``rng``."""
     n = tasks * group_size
-    factor = np.repeat(np.exp(spec.task_sigma * rng.standard_normal(tasks)), group_size) if spec.task_sigma else 1.0
+    z = rng.standard_normal(tasks) if spec.task_sigma else None  # drawn either way: the other draws stay the same
+    if task_z is not None:
+        z = task_z
+    factor = np.repeat(np.exp(spec.task_sigma * z), group_size) if spec.task_sigma else 1.0
     turns = np.maximum(1, np.rint(np.clip(spec.turns.sample(rng, n) * factor, spec.turns.lo, spec.turns.hi))).astype(
         np.int64
     )
@@ -233,7 +251,10 @@ def sample_step(
 ) -> SegmentPlan:
     """The executions of RL step ``step`` (tasks x group_size), from ``default_rng([seed, step])``."""
     rng = np.random.default_rng([seed, step])
-    turns, obs, gen, tool, setup = sample_turns(spec, rng, tasks, group_size)
+    task_z = None
+    if spec.task_pool:
+        task_z = np.random.default_rng([seed, 2**31 - 1]).standard_normal(spec.task_pool)[task_ids(spec, step, tasks)]
+    turns, obs, gen, tool, setup = sample_turns(spec, rng, tasks, group_size, task_z)
     eval_s = spec.eval_s.sample(rng, len(turns))
     return build_plan(turns, obs, gen, tool, setup, eval_s, spec, serving, segments)
 

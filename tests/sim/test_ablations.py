@@ -78,3 +78,18 @@ def test_speed_benchmark_writes_its_table(tmp_path):
     assert report["deterministic"] is True and len(report["rows"]) == 5
     assert report["rows"][-1]["segments"] == 40 and report["rows"][-1]["events"] > report["rows"][-2]["events"]
     assert "per-call baseline" in text
+
+
+def test_ablate_elastic_ideal_quick(tmp_path):
+    out = _run(["experiments/ablate_elastic_ideal.py", "--quick", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "elastic_vs_ideal.json").read_text())
+    rows, runs = report["summary"]["tiny"], report["runs"]
+    best = min((r for k, r in runs.items() if k.startswith("tiny/eta1/async-")), key=lambda r: r["step_time_s"])
+    partial = runs["tiny/eta1/+ partial rollouts"]
+    assert partial["partial_rollouts"] and partial["drop_staleness"] == 2
+    assert runs["tiny/eta1/+ longest first"]["policy_options"] == partial["policy_options"] == {"max_staleness": 1}
+    row = rows["+ partial rollouts (eta=1)"]
+    assert row["speedup_vs_async_best_same_eta"] == best["step_time_s"] / partial["step_time_s"]
+    assert row["busy"] == partial["busy_fraction"] and row["token_staleness_max"] <= 2
+    assert "+ group streaming (eta=2)" not in rows and "+ longest first (eta=2)" in rows
+    assert "| tiny | + longest first (eta=1) |" in out and "| tiny |" in (tmp_path / "summary.md").read_text()
