@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gyre_jax.serving.types import GenerationBackend, GenerationRequest, GenerationResult, TokenChunk
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,8 @@ class _Routed:
             token_ids=ids + list(result.token_ids),
             logprobs=logprobs + list(result.logprobs),
             policy_versions=versions + list(result.policy_versions),
+            expert_ids=_after_told(result.expert_ids, self.base),
+            prompt_expert_ids=None if result.prompt_expert_ids is None else result.prompt_expert_ids[: -self.base],
             prompt_len=len(self.request.prompt_ids),
             cached_tokens=min(result.cached_tokens, len(self.request.prompt_ids)),
         )
@@ -85,6 +89,15 @@ class _Routed:
         """A result of just the told tokens (nothing left to generate, or cancelled by the caller)."""
         ids, logprobs, versions = (list(part) for part in self.told)
         return GenerationResult(self.request.request_id, ids, logprobs, versions, reason, len(self.request.prompt_ids))
+
+
+def _after_told(expert_ids, told: int):
+    """A continuation's expert ids [N, L, K] behind ``told`` unknown rows (-1): the told tokens' routing was
+    in the attempt that was given up. None stays None."""
+    if expert_ids is None:
+        return None
+    pad = np.full((told, *expert_ids.shape[1:]), -1, expert_ids.dtype)
+    return np.concatenate([pad, expert_ids])
 
 
 class Router:

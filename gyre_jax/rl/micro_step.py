@@ -37,14 +37,16 @@ KINDS = ("rl", "sft")
 
 
 def _logprobs_and_aux(graphdef: nnx.GraphDef, params: nnx.State, mb: MicroBatch, with_aux: bool):
-    """([B, T] log-probs of the targets, [] MoE load-balancing loss or None)."""
+    """([B, T] log-probs of the targets, [] MoE load-balancing loss or None). A micro-batch with ``expert_ids``
+    replays them in the MoE layers (routing replay, ``rl.routing_replay``)."""
     model = nnx.merge(graphdef, params)
     mask = tree_mask(model.cfg, mb.segment_ids, mb.subtree_end)  # [B, T, T] bool, or a MaskSpec (blockwise)
+    replay = getattr(mb, "expert_ids", None)  # [B, T, L_moe, K] or None
     if with_aux:
-        logits, _, aux = model(mb.tokens, mb.positions, mask, return_aux=True)  # logits: [B, T, V]
+        logits, _, aux = model(mb.tokens, mb.positions, mask, return_aux=True, expert_ids=replay)  # [B, T, V]
         lb = aux.load_balancing_loss
     else:
-        (logits, _), lb = model(mb.tokens, mb.positions, mask), None
+        (logits, _), lb = model(mb.tokens, mb.positions, mask, expert_ids=replay), None
     logits = logits / mb.temperature[..., None]
     logp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(logp, mb.targets[..., None], axis=-1)[..., 0], lb
