@@ -116,6 +116,25 @@ def _slot_buckets(given: Sequence[int] | None, slots: int, on_one_device: bool) 
     return _buckets(given, slots)
 
 
+def _model_programs(cfg: ModelConfig, graphdef, max_seq_len: int, record_experts: bool, state_shardings, replicated):
+    """The jitted programs that run the model: (prefill, prefill on top of a prefix, generate). With
+    ``record_experts`` (MoE models only) each also returns the experts its MoE layers selected."""
+    if record_experts and not cfg.is_moe:
+        raise ValueError("record_experts needs a MoE model (num_experts > 0): a dense model has no experts to record")
+    prefill = jax.jit(functools.partial(steps.prefill, graphdef, cfg, with_experts=record_experts), static_argnums=(1,))
+    prefill_extend = jax.jit(
+        functools.partial(steps.prefill_extend, graphdef, max_seq_len, with_experts=record_experts),
+        static_argnums=(1,),
+    )
+    generate = jax.jit(
+        functools.partial(steps.generate, graphdef, with_experts=record_experts),
+        donate_argnums=(2,),
+        static_argnums=(1, 3, 4),
+        out_shardings=(state_shardings, replicated, replicated) + ((replicated,) if record_experts else ()),
+    )
+    return prefill, prefill_extend, generate
+
+
 class Engine:
     """Prefill / insert / generate over a slot-based KV cache on one mesh (a cell)."""
 
@@ -144,11 +163,6 @@ class Engine:
         ``record_experts`` (MoE models only): every generate step also returns the experts each MoE layer
         selected (``ResultTokens.experts``), for routing replay in training (``rl.routing_replay``)."""
         page_size = _check_sizes(max_concurrent_decodes, max_seq_len, max_prefill_length, page_size)
-        if record_experts and not cfg.is_moe:
-            raise ValueError(
-                "record_experts needs a MoE model (num_experts > 0): a dense model has no experts to record"
-            )
-        self.record_experts = record_experts
         self.cfg = cfg
         self.graphdef = graphdef
         self._mesh = mesh
@@ -174,22 +188,12 @@ class Engine:
             functools.partial(empty_prefix, cfg, max_seq_len), out_shardings=self._replicated
         )
         self._flat_cache = None
-        self._prefill_jit = jax.jit(
-            functools.partial(steps.prefill, graphdef, cfg, with_experts=record_experts), static_argnums=(1,)
-        )
-        self._prefill_extend_jit = jax.jit(
-            functools.partial(steps.prefill_extend, graphdef, max_seq_len, with_experts=record_experts),
-            static_argnums=(1,),
+        self.record_experts = record_experts
+        self._prefill_jit, self._prefill_extend_jit, self._generate_jit = _model_programs(
+            cfg, graphdef, max_seq_len, record_experts, self.decode_state_shardings, self._replicated
         )
         self._insert_jit = jax.jit(steps.insert, donate_argnums=(1,), out_shardings=self.decode_state_shardings)
         self._release_jit = jax.jit(steps.release, donate_argnums=(0,), out_shardings=self.decode_state_shardings)
-        self._generate_jit = jax.jit(
-            functools.partial(steps.generate, graphdef, with_experts=record_experts),
-            donate_argnums=(2,),
-            static_argnums=(1, 3, 4),
-            out_shardings=(self.decode_state_shardings, self._replicated, self._replicated)
-            + ((self._replicated,) if record_experts else ()),
-        )
         self._pages = PageOps(cfg, mesh, rules, page_size, max_seq_len)
 
     # -- JetStream's engine properties ------------------------------------------------------------

@@ -75,7 +75,8 @@ class Branch:
     num_calls: int = 0
     agent: int = 0
     # routing replay: (first token index, [n, L_moe, K] int16 expert ids) per record part that recorded them
-    # (a later part's known rows, not its -1 rows, win over an earlier part's)
+    # (the first known row of a token wins: a later call's prompt only fills the rows still -1, such as the
+    # last token of the call before, which that call never fed back)
     expert_chunks: list[tuple[int, np.ndarray]] = field(default_factory=list)
 
     def _append(
@@ -116,8 +117,8 @@ class Branch:
         out = np.full((len(self.tokens), *self.expert_chunks[0][1].shape[1:]), -1, np.int16)
         for start, ids in self.expert_chunks:
             part = out[start : start + len(ids)]
-            known = ids[:, :1, :1] >= 0  # [n, 1, 1]
-            part[...] = np.where(known, ids[: len(part)], part)
+            fill = (part[:, :1, :1] < 0) & (ids[: len(part), :1, :1] >= 0)  # [n, 1, 1]: not known yet, known here
+            part[...] = np.where(fill, ids[: len(part)], part)
         return out
 
 
