@@ -66,7 +66,7 @@ def build(cfg: ModelConfig, near_tie: float = 0.0, seed: int = 0):
         model = nnx.merge(graphdef, params)
         for layer in model.layers:
             w = np.asarray(layer.moe.router[...])
-            layer.moe.router.value = jnp.asarray(w[:, :1] + near_tie * rng.normal(size=w.shape), w.dtype)
+            layer.moe.router[...] = jnp.asarray(w[:, :1] + near_tie * rng.normal(size=w.shape), w.dtype)
         graphdef, params = nnx.split(model)
     return mesh, graphdef, params
 
