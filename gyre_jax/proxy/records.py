@@ -64,7 +64,7 @@ def decode_experts(obj: dict) -> np.ndarray:
         raw = np.frombuffer(b64decode(data, validate=True), "<i1" if dtype == "int8" else "<i2")
         return raw.reshape(shape).astype(np.int16)
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"completion_experts is not an encode_experts dict ({exc})") from exc
+        raise ValueError(f"expert ids are not an encode_experts dict ({exc})") from exc
 
 
 @dataclass

@@ -79,8 +79,7 @@ class _Routed:
             token_ids=ids + list(result.token_ids),
             logprobs=logprobs + list(result.logprobs),
             policy_versions=versions + list(result.policy_versions),
-            expert_ids=_after_told(result.expert_ids, self.base),
-            prompt_expert_ids=None if result.prompt_expert_ids is None else result.prompt_expert_ids[: -self.base],
+            **_split_told_experts(result, self.base),
             prompt_len=len(self.request.prompt_ids),
             cached_tokens=min(result.cached_tokens, len(self.request.prompt_ids)),
         )
@@ -91,13 +90,16 @@ class _Routed:
         return GenerationResult(self.request.request_id, ids, logprobs, versions, reason, len(self.request.prompt_ids))
 
 
-def _after_told(expert_ids, told: int):
-    """A continuation's expert ids [N, L, K] behind ``told`` unknown rows (-1): the told tokens' routing was
-    in the attempt that was given up. None stays None."""
-    if expert_ids is None:
-        return None
-    pad = np.full((told, *expert_ids.shape[1:]), -1, expert_ids.dtype)
-    return np.concatenate([pad, expert_ids])
+def _split_told_experts(result: GenerationResult, told: int) -> dict:
+    """A continuation's expert ids (routing replay) as the caller's request has them: its prompt ended with the
+    ``told`` tokens, so their rows (from its prefill; -1 if its KV was reused) move from the prompt's to the
+    completion's. Nothing recorded: both None."""
+    prompt, completion = result.prompt_expert_ids, result.expert_ids
+    if prompt is None:
+        return {"expert_ids": None, "prompt_expert_ids": None}
+    if completion is None:  # no generate step ran for it: its tokens' rows are not known
+        completion = np.full((len(result.token_ids), *prompt.shape[1:]), -1, prompt.dtype)
+    return {"expert_ids": np.concatenate([prompt[-told:], completion]), "prompt_expert_ids": prompt[:-told]}
 
 
 class Router:
