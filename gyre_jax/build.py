@@ -21,6 +21,7 @@ import jax
 from flax import nnx
 
 from gyre_jax import runtime
+from gyre_jax.config.run import check_routing_replay
 from gyre_jax.faultpoints import kill_point
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import Rules, abstract_model, init_params
@@ -82,6 +83,7 @@ def setup(config) -> Setup:
 
         compute = {name: getattr(config.model, name) for name in COMPUTE_FIELDS}  # remat, dtypes, kernels
         model_cfg = read_model_config(ckpt_dir, **compute)
+        check_routing_replay(config.rl.routing_replay, model_cfg.num_experts)  # before any tensor is read
         if isinstance(tokenizer, HFTokenizer):  # before any tensor is read
             check_fits_model(tokenizer, model_cfg.vocab_size, str(Path(ckpt_dir) / CONFIG_FILE))
         graphdef, params = load_hf_params(ckpt_dir, model_cfg, train_mesh, rules)
@@ -132,6 +134,7 @@ class CellFactory:
             max_prefill_length=sv.max_prefill_length,
             prefill_buckets=tuple(sv.prefill_buckets),
             page_size=sv.page_size,
+            record_experts=self.s.config.rl.routing_replay == "replay",
         )
 
     def loop(self, cell: Cell, params: Any, version: int) -> ServingLoop:

@@ -188,7 +188,10 @@ def _trajectory_config(config, s: build.Setup) -> TrajectoryConfig:
     """The pipeline's config with the model's own vocabulary (a Hugging Face checkpoint's, which ``config.model``
     does not hold). Branch labels follow the proxy's threads (one per agent), so no message end is passed."""
     cfg = config.trajectory_config()
-    return dataclasses.replace(cfg, vocab_size=s.model_cfg.vocab_size)
+    m = s.model_cfg
+    replay = (m.num_moe_layers, m.num_experts_per_tok) if config.rl.routing_replay == "replay" else None
+    replay_prompt = config.rl.routing_replay_prompt == "replay"
+    return dataclasses.replace(cfg, vocab_size=m.vocab_size, replay_experts=replay, replay_prompt=replay_prompt)
 
 
 def _ledger(config, executor, records, pipeline, make_specs, timeline) -> RolloutLedger:

@@ -209,6 +209,17 @@ def validate(config: RunConfig) -> None:
     for check in (_devices_fit, _model_fits_cells, _tokenizer_fits_model, _lengths_fit, _schedule_fits, _processes_fit):
         check(config)
     _suite_fits(config)
+    if not config.model.checkpoint_dir:  # a checkpoint's architecture is checked when build.setup reads it
+        check_routing_replay(config.rl.routing_replay, config.model.num_experts)
+
+
+def check_routing_replay(routing_replay: str, num_experts: int) -> None:
+    """``rl.routing_replay = "replay"`` needs a MoE model (``num_experts > 0``): a dense model has no routing."""
+    require(
+        routing_replay == "off" or num_experts > 0,
+        f"config.rl.routing_replay={routing_replay!r} needs a MoE model, but the model is dense (num_experts=0): "
+        "set config.rl.routing_replay='off' or use a MoE model (config.model.num_experts > 0)",
+    )
 
 
 def _suite_fits(c: RunConfig) -> None:

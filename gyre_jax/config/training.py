@@ -23,6 +23,8 @@ POLICIES = ("colocated", "async", "elastic")  # gyre_jax.elastic.policies.make_p
 LEAVE_RULES = ("waterlevel", "backlog")  # gyre_jax.elastic.policies.ElasticPolicy.LEAVE_RULES
 ADMISSION_ORDERS = ("task", "longest_first")  # gyre_jax.elastic.policies.ADMISSION_ORDERS
 EVAL_SPLITS = ("train", "heldout")
+ROUTING_REPLAY = ("off", "replay")  # rl.routing_replay
+ROUTING_REPLAY_PROMPT = ("recompute", "replay")  # rl.routing_replay_prompt
 
 DROP_BOUND = "the drop bound: executions more policy versions behind are dropped"
 DISPATCH_BOUND = "the dispatch bound eta: executions may start at most this many policy versions ahead"
@@ -50,6 +52,13 @@ class RLSection(Section):
     is_sequence_mask: float = 0.0  # MIS: drop sequences whose geometric-mean r_t is outside [1/c, c]
     drop_staleness: int = 4  # executions more policy versions behind when their step trains are dropped (-1: no bound)
     micro_steps_per_step: int = 0  # fixed micro-steps per optimizer step; 0 = as many as the step's data needs
+    # MoE routing replay (R3, docs/learner.md): "replay" = serving records each generated token's experts per MoE
+    # layer and the learner's forward uses them instead of its own top-k (gates recomputed from its router
+    # logits); "off" = the learner routes every token itself. "replay" needs a MoE model.
+    routing_replay: str = "off"
+    # prompt tokens under routing_replay="replay": "recompute" (the learner routes them) | "replay" (the experts
+    # serving's prefill selected; tokens whose KV serving reused from its session cache are still recomputed)
+    routing_replay_prompt: str = "recompute"
     # stop the run (exit 3) after this many consecutive steps that train nothing because every execution was
     # excluded or the loss/gradients were not finite; 0 = never stop for it
     max_untrained_steps: int = 3
@@ -77,6 +86,14 @@ class RLSection(Section):
                 cap == 0 or cap > 1,
                 f"config.rl.{key}={cap} must be 0 (off) or a cap > 1 (ratios outside [1/cap, cap] are masked)",
             )
+        require(
+            r.routing_replay in ROUTING_REPLAY,
+            f"config.rl.routing_replay={r.routing_replay!r} must be one of {ROUTING_REPLAY}",
+        )
+        require(
+            r.routing_replay_prompt in ROUTING_REPLAY_PROMPT,
+            f"config.rl.routing_replay_prompt={r.routing_replay_prompt!r} must be one of {ROUTING_REPLAY_PROMPT}",
+        )
         require(
             r.drop_staleness >= -1,
             f"config.rl.drop_staleness={r.drop_staleness} must be >= 0 (or -1: no bound)",

@@ -4,7 +4,8 @@
 packed mask and no cache; serving passes a cache and a cache-causal mask (dense, or a ``MaskSpec`` for
 ``attention_impl="blockwise"``: ``attention.tree_mask`` / ``cache_mask``). The cache is a plain
 pytree returned from the call, never hidden module state. ``return_aux=True`` adds a ``ModelAux``
-(MoE router logits and the load-balancing loss) as a third output. ``cfg.remat_policy`` wraps each
+(MoE router logits, the expert ids each MoE layer used and the load-balancing loss) as a third output;
+``expert_ids=`` replays given expert ids in the MoE layers (routing replay, ``moe.choose_route``). ``cfg.remat_policy`` wraps each
 block in ``nnx.remat`` so the backward pass recomputes its activations.
 """
 
@@ -37,10 +38,14 @@ class ModelAux:
     router_logits: [L_moe, B*T, X] (one row per token of each MoE layer) or None for a dense model.
     load_balancing_loss: [] float32, ``moe.load_balancing_loss`` over real tokens (queries that see at least
     one key: rows of a dense mask with a True, ``MaskSpec.sees_any``); 0 for a dense model. Not multiplied by ``cfg.router_aux_loss_coef``.
+
+    expert_ids: [L_moe, B*T, k] int32, the experts each MoE layer used for each token (its own top-k, or the
+    replayed ids), or None for a dense model.
     """
 
     router_logits: jax.Array | None
     load_balancing_loss: jax.Array
+    expert_ids: jax.Array | None = None
 
 
 class MLP(nnx.Module):
@@ -71,19 +76,20 @@ class Block(nnx.Module):
         else:
             self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, mask, cache: LayerCache | None):
-        """x: [B, T, E] -> (x [B, T, E], cache, router logits [B*T, X] or None)."""
+    def __call__(self, x, positions, mask, cache: LayerCache | None, replay_ids: jax.Array | None = None):
+        """x: [B, T, E]; replay_ids: [B*T, k] int or None (MoE only) -> (x [B, T, E], cache,
+        router logits [B*T, X] or None, expert ids [B*T, k] int32 or None)."""
         h, cache = self.attn(self.input_norm(x), positions, mask, cache)
         x = x + h
         if hasattr(self, "moe"):
-            h, router_logits = self.moe(self.post_attn_norm(x))
+            h, router_logits, ids = self.moe(self.post_attn_norm(x), replay_ids)
         else:
-            h, router_logits = self.mlp(self.post_attn_norm(x)), None
-        return x + h, cache, router_logits
+            h, router_logits, ids = self.mlp(self.post_attn_norm(x)), None, None
+        return x + h, cache, router_logits, ids
 
 
-def _call_block(block: Block, x, positions, mask, cache):
-    return block(x, positions, mask, cache)
+def _call_block(block: Block, x, positions, mask, cache, replay_ids):
+    return block(x, positions, mask, cache, replay_ids)
 
 
 class Transformer(nnx.Module):
@@ -111,24 +117,38 @@ class Transformer(nnx.Module):
         cache: list[LayerCache] | None = None,
         *,
         return_aux: bool = False,
+        expert_ids: jax.Array | None = None,
         head: bool = True,
     ):
         """tokens, positions: [B, T] int32; mask: [B, T, S] bool or a MaskSpec (per ``cfg.attention_impl``:
         ``attention.tree_mask`` / ``cache_mask`` build it) -> (logits [B, T, V] float32, cache)
-        or, with ``return_aux``, (logits, cache, ModelAux). ``head=False``: the final-normed hidden states
-        [B, T, E] in place of the logits (``self.head`` maps them; ``model.logprobs`` does it in chunks)."""
+        or, with ``return_aux``, (logits, cache, ModelAux). ``expert_ids``: [B, T, L_moe, k] int (MoE
+        models only; a token whose row is -1 routes itself): replayed instead of each MoE layer's top-k.
+        ``head=False``: the final-normed hidden states [B, T, E] in place of the logits (``self.head`` maps
+        them; ``model.logprobs`` does it in chunks)."""
+        b, t = tokens.shape
+        if expert_ids is not None and expert_ids.shape[:3] != (b, t, self.cfg.num_moe_layers):
+            raise ValueError(
+                f"expert_ids {expert_ids.shape} must be [B={b}, T={t}, MoE layers={self.cfg.num_moe_layers}, k]"
+            )
         x = self.embedder.encode(tokens, self.cfg.compute_dtype)
         call = _call_block
         if self.cfg.remat_policy != "none":
             call = nnx.remat(_call_block, policy=REMAT_POLICIES[self.cfg.remat_policy], prevent_cse=True)
         new_cache = [] if cache is not None else None
-        router_logits = []
+        router_logits, used_ids = [], []
         for i, layer in enumerate(self.layers):
-            x, layer_cache, logits_i = call(layer, x, positions, mask, None if cache is None else cache[i])
+            replay = None
+            if expert_ids is not None and hasattr(layer, "moe"):
+                replay = expert_ids[:, :, len(used_ids)].reshape(b * t, -1)
+            x, layer_cache, logits_i, ids_i = call(
+                layer, x, positions, mask, None if cache is None else cache[i], replay
+            )
             if new_cache is not None:
                 new_cache.append(layer_cache)
             if logits_i is not None:
                 router_logits.append(logits_i)
+                used_ids.append(ids_i)
         x = self.final_norm(x)
         logits = self.head(x) if head else x
         if not return_aux:
@@ -138,9 +158,10 @@ class Transformer(nnx.Module):
             sees = mask.sees_any(self.cfg.attention_block_k) if isinstance(mask, MaskSpec) else jnp.any(mask, -1)
             real = sees.reshape(-1)  # [B*T]: padding rows attend to nothing
             lb = load_balancing_loss(stacked, self.cfg.num_experts_per_tok, real)
+            ids = jnp.stack(used_ids)  # [L_moe, B*T, k]
         else:
-            stacked, lb = None, jnp.zeros((), jnp.float32)
-        return logits, new_cache, ModelAux(router_logits=stacked, load_balancing_loss=lb)
+            stacked, lb, ids = None, jnp.zeros((), jnp.float32), None
+        return logits, new_cache, ModelAux(router_logits=stacked, load_balancing_loss=lb, expert_ids=ids)
 
     def head(self, x: jax.Array) -> jax.Array:
         """Final-normed hidden states [B, T, E] -> logits [B, T, V] float32 (tied embedding or ``lm_head``)."""

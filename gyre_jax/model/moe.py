@@ -10,6 +10,11 @@ top-k -> optionally renormalized to sum to 1 (``norm_topk_prob``) -> each chosen
   selects; X/k times the FLOPs, but plain einsums that GSPMD splits over an ``expert`` mesh axis.
 
 Expert weights are ``[X, E, M]`` / ``[X, M, E]`` with logical axes ``exp``, ``embed``, ``mlp``.
+
+Routing replay (R3, docs/learner.md ``rl.routing_replay``): ``MoEBlock(x, replay_ids)`` uses given expert
+ids (the ones the serving engine selected) instead of its own top-k for every token whose row of ids is
+not -1; the gates are recomputed from this forward's router logits at those ids (``replay_route``), so the
+router still gets gradients.
 """
 
 from __future__ import annotations
@@ -28,6 +33,31 @@ def route(router_logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.A
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, ids.astype(jnp.int32)
+
+
+def replay_route(router_logits: jax.Array, ids: jax.Array, norm_topk_prob: bool) -> jax.Array:
+    """router_logits: [N, X]; ids: [N, k] int (each in [0, X)) -> weights [N, k] float32: the router's
+    softmax probabilities at the given experts (renormalized to sum to 1 with ``norm_topk_prob``), the gates
+    ``route`` would give if its top-k had chosen ``ids``."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights = jnp.take_along_axis(probs, ids.astype(jnp.int32), axis=-1)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights
+
+
+def choose_route(
+    router_logits: jax.Array, k: int, norm_topk_prob: bool, replay_ids: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """``route``, except that tokens with replayed ids use them: replay_ids [N, k] int (a row of -1 = this
+    token has none: its own top-k) or None. Returns (weights [N, k] float32, ids [N, k] int32)."""
+    weights, ids = route(router_logits, k, norm_topk_prob)
+    if replay_ids is None:
+        return weights, ids
+    given = replay_ids.astype(jnp.int32)
+    use = given[:, :1] >= 0  # [N, 1]
+    ids = jnp.where(use, given, ids)
+    return jnp.where(use, replay_route(router_logits, ids, norm_topk_prob), weights), ids
 
 
 def load_balancing_loss(router_logits: jax.Array, k: int, token_mask: jax.Array | None = None) -> jax.Array:
@@ -77,7 +107,7 @@ def _dense_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_u
 
 
 class MoEBlock(nnx.Module):
-    """Router ``[E, X]`` + X stacked SwiGLU experts; ``__call__`` returns (output, router logits)."""
+    """Router ``[E, X]`` + X stacked SwiGLU experts; ``__call__`` returns (output, router logits, expert ids)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         e, x, m, pd = cfg.embed_dim, cfg.num_experts, cfg.moe_mlp_dim, cfg.weight_dtype
@@ -96,13 +126,15 @@ class MoEBlock(nnx.Module):
             nnx.with_partitioning(normal(stddev=m**-0.5), ("exp", "mlp", "embed"))(rngs.params(), (x, m, e), pd)
         )
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x: [B, T, E] -> (out [B, T, E], router logits [B*T, X] in x's dtype)."""
+    def __call__(self, x: jax.Array, replay_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x: [B, T, E]; replay_ids: [B*T, k] int (a row of -1: route that token itself) or None ->
+        (out [B, T, E], router logits [B*T, X] in x's dtype, expert ids used [B*T, k] int32)."""
         b, t, e = x.shape
         flat = x.reshape(b * t, e)
         dtype = x.dtype
         router_logits = flat @ self.router[...].astype(dtype)  # [N, X]
-        weights, ids = route(router_logits, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        cfg = self.cfg
+        weights, ids = choose_route(router_logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, replay_ids)
         weights = weights.astype(dtype)  # HF casts the top-k weights back to the hidden dtype
         experts = _ragged_experts if self.cfg.moe_impl == "ragged" else _dense_experts
         out = experts(
@@ -113,4 +145,4 @@ class MoEBlock(nnx.Module):
             self.up_proj[...].astype(dtype),
             self.down_proj[...].astype(dtype),
         )
-        return out.reshape(b, t, e), router_logits
+        return out.reshape(b, t, e), router_logits, ids

@@ -9,13 +9,19 @@ and fsynced before the HTTP response is sent), see docs/records.md:
      "temperature": float, "reused_prefix_len": int, "t_start": float, "t_end": float,
      "model": str, "api": "chat" | "completions" | "messages" | "responses", "cell": str, "agent_kind": "" | "auxiliary",
      "client_sampling": {"temperature": float, "top_p": float, "top_k": int, "seed": int, "stop": [str],
-                         "n": int, "tool_choice": str | object} | null}
+                         "n": int, "tool_choice": str | object} | null,
+     "completion_experts": {"shape": [N, L, K], "dtype": "int8" | "int16", "data": base64} | null,
+     "prompt_experts": {"shape": [P, L, K], ...} | null}
 
 ``reused_prefix_len`` is how many leading prompt ids were taken verbatim from an earlier call of the
 same execution (its prompt + completion): those tokens are exactly what the policy saw and produced,
 never re-tokenized. ``temperature`` is what the call was sampled with: 0.0 means greedy (served under
 ``proxy.sampling = "client"``): kept for evaluation, never trained on. ``client_sampling`` holds only the
-sampling fields the client sent (None: it sent none), whatever the proxy served.
+sampling fields the client sent (None: it sent none), whatever the proxy served. ``completion_experts``
+(routing replay, only when serving records them: ``rl.routing_replay = "replay"`` on a MoE model) is the
+experts each MoE layer selected for each completion token, ``encode_experts`` of an [N, L_moe, K] array
+(-1 rows: not known, e.g. the last token, which is never fed back within its call); ``prompt_experts`` the
+same for the prompt ids ([P, L_moe, K]; -1 rows for prompt tokens whose KV was reused, not prefilled).
 """
 
 from __future__ import annotations
@@ -25,14 +31,40 @@ import json
 import logging
 import os
 import threading
+from base64 import b64decode, b64encode
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from gyre_jax.disk import append_whole
 from gyre_jax.faultpoints import armed, kill_point
 
 logger = logging.getLogger(__name__)
 AGENT_KINDS = ("", "auxiliary")  # TitoRecord.agent_kind: the trajectory processor decides | a harness utility call
+
+
+def encode_experts(ids: np.ndarray) -> dict:
+    """[N, L, K] int expert ids (-1 = not known) -> {"shape": [N, L, K], "dtype": "int8" | "int16", "data": base64
+    of the little-endian array, row-major}: int8 when every id fits it (up to 127 experts), else int16."""
+    ids = np.asarray(ids)
+    if ids.ndim != 3:
+        raise ValueError(f"expert ids must be [tokens, MoE layers, k], got shape {ids.shape}")
+    dtype = "<i1" if ids.size == 0 or int(ids.max()) < 128 else "<i2"
+    data = b64encode(np.ascontiguousarray(ids.astype(dtype)).tobytes()).decode("ascii")
+    return {"shape": list(ids.shape), "dtype": "int8" if dtype == "<i1" else "int16", "data": data}
+
+
+def decode_experts(obj: dict) -> np.ndarray:
+    """The [N, L, K] int16 array of ``encode_experts``'s dict; ValueError naming what is wrong with a bad one."""
+    try:
+        shape, dtype, data = tuple(int(d) for d in obj["shape"]), obj["dtype"], obj["data"]
+        if dtype not in ("int8", "int16") or len(shape) != 3 or min(shape) < 0:
+            raise ValueError(f"dtype {dtype!r} must be int8 or int16 and shape {list(shape)} [tokens, layers, k]")
+        raw = np.frombuffer(b64decode(data, validate=True), "<i1" if dtype == "int8" else "<i2")
+        return raw.reshape(shape).astype(np.int16)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"expert ids are not an encode_experts dict ({exc})") from exc
 
 
 @dataclass
@@ -58,6 +90,9 @@ class TitoRecord:
     # "" (the trajectory processor decides the agent's label) | "auxiliary" (a harness-side utility call)
     agent_kind: str = ""
     client_sampling: dict | None = None  # the sampling fields the client sent (see the module docstring)
+    # routing replay: encode_experts of the [N, L_moe, K] experts of each completion token, or None
+    completion_experts: dict | None = None
+    prompt_experts: dict | None = None  # ... and of each prompt token ([P, L_moe, K]), or None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -66,6 +101,19 @@ class TitoRecord:
                 f"record {self.execution_id}#{self.call_index}: completion_ids ({n}), completion_logprobs "
                 f"({len(self.completion_logprobs)}) and policy_versions ({len(self.policy_versions)}) must have equal length"
             )
+        for name, ids in (("completion", self.completion_ids), ("prompt", self.prompt_ids)):
+            experts = self.experts(name)
+            if experts is not None and experts.shape[0] != len(ids):
+                raise ValueError(
+                    f"record {self.execution_id}#{self.call_index}: {name}_experts has "
+                    f"{experts.shape[0]} rows for {len(ids)} {name} ids"
+                )
+
+    def experts(self, part: str = "completion") -> np.ndarray | None:
+        """The expert ids of the ``part`` ("completion" | "prompt") tokens, [N, L_moe, K] int16 (-1 = not
+        known), or None when not recorded."""
+        encoded = self.completion_experts if part == "completion" else self.prompt_experts
+        return None if encoded is None else decode_experts(encoded)
 
     def trainable_versions(self) -> list[int]:
         """Policy versions of the call's policy-generated tokens (every completion token; staleness)."""

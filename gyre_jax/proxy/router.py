@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gyre_jax.serving.types import GenerationBackend, GenerationRequest, GenerationResult, TokenChunk
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ class _Routed:
             token_ids=ids + list(result.token_ids),
             logprobs=logprobs + list(result.logprobs),
             policy_versions=versions + list(result.policy_versions),
+            **_split_told_experts(result, self.base),
             prompt_len=len(self.request.prompt_ids),
             cached_tokens=min(result.cached_tokens, len(self.request.prompt_ids)),
         )
@@ -85,6 +88,18 @@ class _Routed:
         """A result of just the told tokens (nothing left to generate, or cancelled by the caller)."""
         ids, logprobs, versions = (list(part) for part in self.told)
         return GenerationResult(self.request.request_id, ids, logprobs, versions, reason, len(self.request.prompt_ids))
+
+
+def _split_told_experts(result: GenerationResult, told: int) -> dict:
+    """A continuation's expert ids (routing replay) as the caller's request has them: its prompt ended with the
+    ``told`` tokens, so their rows (from its prefill; -1 if its KV was reused) move from the prompt's to the
+    completion's. Nothing recorded: both None."""
+    prompt, completion = result.prompt_expert_ids, result.expert_ids
+    if prompt is None:
+        return {"expert_ids": None, "prompt_expert_ids": None}
+    if completion is None:  # no generate step ran for it: its tokens' rows are not known
+        completion = np.full((len(result.token_ids), *prompt.shape[1:]), -1, prompt.dtype)
+    return {"expert_ids": np.concatenate([prompt[-told:], completion]), "prompt_expert_ids": prompt[:-told]}
 
 
 class Router:

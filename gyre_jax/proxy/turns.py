@@ -18,7 +18,7 @@ from gyre_jax.proxy import sampling, tito
 from gyre_jax.proxy.chat_template import ParsedCompletion, parse_completion
 from gyre_jax.proxy.errors import ProxyError
 from gyre_jax.proxy.identity import Execution, Placement
-from gyre_jax.proxy.records import TitoRecord
+from gyre_jax.proxy.records import TitoRecord, encode_experts
 from gyre_jax.serving.types import GenerationRequest, GenerationResult
 
 
@@ -288,7 +288,15 @@ def tito_record(turn: Turn, completion: Completion, call_index: int, model: str)
         cell=result.cell,
         agent_kind=turn.placement.agent_kind if turn.placement is not None else "",
         client_sampling=turn.request.client_sampling(),
+        completion_experts=None if result.expert_ids is None else encode_experts(result.expert_ids[:kept]),
+        prompt_experts=_prompt_experts(result, len(turn.build.prompt_ids)),
     )
+
+
+def _prompt_experts(result, prompt_len: int) -> dict | None:
+    """The record's ``prompt_experts``: the result's, when it has one row per prompt id (else None)."""
+    ids = result.prompt_expert_ids
+    return None if ids is None or len(ids) != prompt_len else encode_experts(ids)
 
 
 def thread_state(

@@ -38,14 +38,16 @@ KINDS = ("rl", "sft")
 
 
 def _logprobs_and_aux(graphdef: nnx.GraphDef, params: nnx.State, mb: MicroBatch, with_aux: bool):
-    """([B, T] log-probs of the targets, [] MoE load-balancing loss or None)."""
+    """([B, T] log-probs of the targets, [] MoE load-balancing loss or None). A micro-batch with ``expert_ids``
+    replays them in the MoE layers (routing replay, ``rl.routing_replay``)."""
     model = nnx.merge(graphdef, params)
     mask = tree_mask(model.cfg, mb.segment_ids, mb.subtree_end)  # [B, T, T] bool, or a MaskSpec (blockwise)
+    replay = getattr(mb, "expert_ids", None)  # [B, T, L_moe, K] or None
     if with_aux:
-        hidden, _, aux = model(mb.tokens, mb.positions, mask, return_aux=True, head=False)  # hidden: [B, T, E]
+        hidden, _, aux = model(mb.tokens, mb.positions, mask, return_aux=True, expert_ids=replay, head=False)
         lb = aux.load_balancing_loss
     else:
-        (hidden, _), lb = model(mb.tokens, mb.positions, mask, head=False), None
+        (hidden, _), lb = model(mb.tokens, mb.positions, mask, expert_ids=replay, head=False), None
     return target_logprobs(model.head, hidden, mb.targets, mb.temperature, model.cfg.logits_chunk), lb
 
 

@@ -151,6 +151,8 @@ class DecodeBatch:
             return False
         if job.kv_version is None:
             job.kv_version = self.version
+        if job.prefix.experts is not None:  # routing replay: the experts of these prompt tokens
+            job.note_prompt_experts(job.done, np.asarray(jax.device_get(job.prefix.experts))[:n])
         job.done += n
         self.stats.prefill_tokens += n
         self.stats.prefill_calls += 1
@@ -212,6 +214,8 @@ class DecodeBatch:
                     self.finish(slot, "length")
                     continue
                 self.stats.tokens_generated += 1
+                if result.experts is not None:
+                    job.note_experts(result.experts[slot])
                 self.accept(slot, tokens[slot], logprobs[slot], step.version)
 
     # -- a job's tokens and end (caller holds the lock) ---------------------------------------------

@@ -15,6 +15,7 @@ insert and generate (``steps``), and the page operations of the session prefix c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -45,17 +46,28 @@ from gyre_jax.serving.types import ContextTooLongError, SamplingParams
 class ResultTokens:
     """One generate step, [slots] each: ``tokens`` (int32, the sampled token), ``valid`` (bool: the slot was
     stepped and its cache had room), ``lengths`` (int32: the slot's cache length after the step), ``logprobs``
-    (f32: the token's log-prob). Host numpy arrays; ``generate(..., wait=False)`` returns one still on the
-    device (being copied) until ``to_host()``."""
+    (f32: the token's log-prob), and on an engine built with ``record_experts`` ``experts`` ([slots, L_moe, K]
+    int16: the experts each MoE layer selected for the slot's input token, i.e. the token the step before
+    sampled; -1 where not stepped; else None). Host numpy arrays; ``generate(..., wait=False)`` returns one
+    still on the device (being copied) until ``to_host()``."""
 
-    def __init__(self, *, _ints, _logprobs):
+    def __init__(self, *, _ints, _logprobs, _experts=None):
         self._ints = _ints  # [3, slots] int32: tokens, valid, lengths
         self._logprobs = _logprobs  # [slots] f32
+        self._experts = _experts  # [slots, L_moe, K] int16 or None
 
     def to_host(self) -> ResultTokens:
         """The host copy (waits for the step to finish)."""
-        ints, logprobs = jax.device_get((self._ints, self._logprobs))
-        return ResultTokens(_ints=np.asarray(ints), _logprobs=np.asarray(logprobs))
+        ints, logprobs, experts = jax.device_get((self._ints, self._logprobs, self._experts))
+        return ResultTokens(
+            _ints=np.asarray(ints),
+            _logprobs=np.asarray(logprobs),
+            _experts=None if experts is None else np.asarray(experts),
+        )
+
+    @property
+    def experts(self) -> np.ndarray | None:
+        return None if self._experts is None else np.asarray(self._experts)
 
     @property
     def tokens(self) -> np.ndarray:
@@ -104,6 +116,25 @@ def _slot_buckets(given: Sequence[int] | None, slots: int, on_one_device: bool) 
     return _buckets(given, slots)
 
 
+def _model_programs(cfg: ModelConfig, graphdef, max_seq_len: int, record_experts: bool, state_shardings, replicated):
+    """The jitted programs that run the model: (prefill, prefill on top of a prefix, generate). With
+    ``record_experts`` (MoE models only) each also returns the experts its MoE layers selected."""
+    if record_experts and not cfg.is_moe:
+        raise ValueError("record_experts needs a MoE model (num_experts > 0): a dense model has no experts to record")
+    prefill = jax.jit(functools.partial(steps.prefill, graphdef, cfg, with_experts=record_experts), static_argnums=(1,))
+    prefill_extend = jax.jit(
+        functools.partial(steps.prefill_extend, graphdef, max_seq_len, with_experts=record_experts),
+        static_argnums=(1,),
+    )
+    generate = jax.jit(
+        functools.partial(steps.generate, graphdef, with_experts=record_experts),
+        donate_argnums=(2,),
+        static_argnums=(1, 3, 4),
+        out_shardings=(state_shardings, replicated, replicated) + ((replicated,) if record_experts else ()),
+    )
+    return prefill, prefill_extend, generate
+
+
 class Engine:
     """Prefill / insert / generate over a slot-based KV cache on one mesh (a cell)."""
 
@@ -121,13 +152,16 @@ class Engine:
         page_size: int | None = None,
         decode_windows: Sequence[int] | None = None,
         decode_slot_buckets: Sequence[int] | None = None,
+        record_experts: bool = False,
     ):
         """``max_prefill_length``: the most tokens one ``prefill`` call takes (longer prompts are prefilled in
         chunks by the caller, each on top of the previous). ``page_size`` (tokens per KV page; default
         ``gcd(16, max_seq_len)``) must divide ``max_seq_len``. ``decode_windows``: cache lengths a generate
         step may attend over (default: the prefill buckets; ``max_seq_len`` is always one). ``decode_slot_buckets``:
         numbers of leading slots a generate step may run over (default: powers of 2 when the slots live on one
-        device, else only all of them; ``max_concurrent_decodes`` is always one). One compile per pair in use."""
+        device, else only all of them; ``max_concurrent_decodes`` is always one). One compile per pair in use.
+        ``record_experts`` (MoE models only): every generate step also returns the experts each MoE layer
+        selected (``ResultTokens.experts``), for routing replay in training (``rl.routing_replay``)."""
         page_size = _check_sizes(max_concurrent_decodes, max_seq_len, max_prefill_length, page_size)
         self.cfg = cfg
         self.graphdef = graphdef
@@ -154,18 +188,12 @@ class Engine:
             functools.partial(empty_prefix, cfg, max_seq_len), out_shardings=self._replicated
         )
         self._flat_cache = None
-        self._prefill_jit = jax.jit(functools.partial(steps.prefill, graphdef, cfg), static_argnums=(1,))
-        self._prefill_extend_jit = jax.jit(
-            functools.partial(steps.prefill_extend, graphdef, max_seq_len), static_argnums=(1,)
+        self.record_experts = record_experts
+        self._prefill_jit, self._prefill_extend_jit, self._generate_jit = _model_programs(
+            cfg, graphdef, max_seq_len, record_experts, self.decode_state_shardings, self._replicated
         )
         self._insert_jit = jax.jit(steps.insert, donate_argnums=(1,), out_shardings=self.decode_state_shardings)
         self._release_jit = jax.jit(steps.release, donate_argnums=(0,), out_shardings=self.decode_state_shardings)
-        self._generate_jit = jax.jit(
-            functools.partial(steps.generate, graphdef),
-            donate_argnums=(2,),
-            static_argnums=(1, 3, 4),
-            out_shardings=(self.decode_state_shardings, self._replicated, self._replicated),
-        )
         self._pages = PageOps(cfg, mesh, rules, page_size, max_seq_len)
 
     # -- JetStream's engine properties ------------------------------------------------------------
@@ -223,6 +251,8 @@ class Engine:
         placed after it (positions ``existing_prefix.length ...``) and the result's cache is [1, max_seq_len]:
         this is chunked prefill and the continuation of a cached session. The sampled token depends only on
         the full sequence and ``key``, so passing the request's key to every chunk makes chunking invisible.
+        With ``record_experts`` the result's ``experts`` [bucket, L_moe, K] int16 are the experts each MoE layer
+        selected for these ``tokens`` (rows past ``len(tokens)``: padding).
         """
         n = len(tokens)
         if n == 0:
@@ -243,13 +273,15 @@ class Engine:
         args = (jnp.asarray(padded), jnp.int32(n), *_sampling_args(sampling_params), key)
         if existing_prefix is None:
             return self._prefill_jit(*self._flat_params(params), *args)
-        return self._prefill_extend_jit(*self._flat_params(params), existing_prefix, *args)
+        existing = dataclasses.replace(existing_prefix, experts=None)  # the earlier chunk's: not an input
+        return self._prefill_extend_jit(*self._flat_params(params), existing, *args)
 
     # -- insert / release -------------------------------------------------------------------------
     def insert(
         self, prefix: Prefix, decode_state: DecodeState, slot: int, sampling_params: SamplingParams
     ) -> DecodeState:
         """Places a prefilled prompt into decode slot ``slot`` and activates it (donates ``decode_state``)."""
+        prefix = dataclasses.replace(prefix, experts=None)  # not part of the slot's state
         return self._insert_jit(prefix, decode_state, jnp.int32(slot), *_sampling_args(sampling_params))
 
     def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
@@ -297,14 +329,14 @@ class Engine:
             [0, slot_limit) is stepped.
         A slot left out by a wrong hint samples nothing: ``valid`` is False for it and its state is unchanged.
         """
-        state, ints, logprobs = self._generate_jit(
+        state, ints, logprobs, *experts = self._generate_jit(
             *self._flat_params(params), decode_state, self.decode_window(max_length), self.decode_slots(slot_limit)
         )
-        result = ResultTokens(_ints=ints, _logprobs=logprobs)
+        result = ResultTokens(_ints=ints, _logprobs=logprobs, _experts=experts[0] if experts else None)
         if wait:
             return state, result.to_host()
-        ints.copy_to_host_async()
-        logprobs.copy_to_host_async()
+        for array in (ints, logprobs, *experts):
+            array.copy_to_host_async()
         return state, result
 
     def warmup(self, params: nnx.State) -> int:
@@ -331,7 +363,7 @@ class Engine:
                 count += 1
         for w in self.decode_windows:
             for k in self.decode_slot_buckets:
-                state, _, _ = self._generate_jit(*self._flat_params(params), state, w, k)
+                state, *_ = self._generate_jit(*self._flat_params(params), state, w, k)
                 count += 1
         jax.block_until_ready(state)
         return count

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass, field
 
 import jax
+import numpy as np
 
 from gyre_jax.serving.engine import KVPages, Prefix, ResultTokens
 from gyre_jax.serving.prefix_cache import PrefixCacheStats
@@ -39,6 +40,11 @@ class Job:
     cached_tokens: int = 0
     decoding: bool = False
     stop: StopStrings | None = None
+    # routing replay (engine built with record_experts): experts[i] = [L_moe, K] int16 ids the MoE layers
+    # selected for tokens[i] (None: not known, e.g. tokens generated before a migration)
+    experts: list[np.ndarray | None] = field(default_factory=list)
+    # ... and [len(prompt), L_moe, K] int16 for the prompt tokens this loop prefilled (-1: cached, not prefilled)
+    prompt_experts: np.ndarray | None = None
 
     @property
     def resuming(self) -> bool:
@@ -60,6 +66,33 @@ class Job:
         if self.budget <= 0:
             return "length", None
         return None
+
+    def note_experts(self, ids: np.ndarray) -> None:
+        """Records the experts [L_moe, K] a generate step selected for this job's input token: its last token."""
+        index = len(self.tokens) - 1
+        self.experts.extend([None] * (index + 1 - len(self.experts)))
+        self.experts[index] = ids
+
+    def note_prompt_experts(self, start: int, ids: np.ndarray) -> None:
+        """Records the experts [n, L_moe, K] prefill selected for target ids [start, start + n) (prompt ones only)."""
+        prompt_len = len(self.request.prompt_ids)
+        if self.prompt_experts is None:
+            self.prompt_experts = np.full((prompt_len, *ids.shape[1:]), -1, np.int16)
+        end = min(start + len(ids), prompt_len)
+        if end > start:
+            self.prompt_experts[start:end] = ids[: end - start]
+
+    def expert_array(self) -> np.ndarray | None:
+        """[len(tokens), L_moe, K] int16, -1 rows where not known (the last token, never fed back, is one);
+        None if no step recorded any."""
+        known = [e for e in self.experts if e is not None]
+        if not known:
+            return None
+        out = np.full((len(self.tokens), *known[0].shape), -1, np.int16)
+        for i, e in enumerate(self.experts[: len(self.tokens)]):
+            if e is not None:
+                out[i] = e
+        return out
 
     def _tell(self, token: int, logprob: float, version: int) -> None:
         """Hands the new token to the request's listener, if any; a listener that raises is dropped, not fatal."""
@@ -87,6 +120,8 @@ class Job:
                     cell=cell,
                     cached_tokens=self.cached_tokens,
                     stop_reason=stop_reason,
+                    expert_ids=self.expert_array(),
+                    prompt_expert_ids=self.prompt_experts,
                 )
             )
 

@@ -35,6 +35,9 @@ class Prefix:
     token: jax.Array  # [] int32: first generated token (not yet in the cache)
     logprob: jax.Array  # [] f32
     key: jax.Array  # [2] uint32: the request's sampling key, advanced past the first token
+    # routing replay (an engine with record_experts): [Tb, L_moe, K] int16, the experts each MoE layer selected
+    # for the tokens of the chunk this prefill ran (padded to its bucket); None otherwise
+    experts: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -28,31 +28,43 @@ def _model(graphdef: nnx.GraphDef, leaves, treedef):
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
-def _forward_and_sample(params, cache, positions, tokens, true_length, temperature, top_k, top_p, key):
+def _forward_and_sample(params, cache, positions, tokens, true_length, temperature, top_k, top_p, key, with_experts):
     """params: (graphdef, leaves, treedef); tokens, positions: [1, Tb] (padding rows at an out-of-cache
     position, so their writes drop). Returns the cache, the token sampled from position true_length - 1 with
-    its log-prob, and the advanced key."""
+    its log-prob, the advanced key, and (``with_experts``, static) the chunk's expert ids [Tb, L_moe, K] int16
+    or None."""
     model = _model(*params)
     mask = cache_mask(model.cfg, positions, cache[0].k.shape[1])  # dense [1, Tb, S] or a MaskSpec
-    logits, cache = model(tokens, positions, mask, cache)  # logits: [1, Tb, V]
+    logits, cache, experts = _step_model(model, tokens, positions, mask, cache, with_experts)  # logits: [1, Tb, V]
     last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, axis=0, keepdims=True)  # [1, V]
     key, use = sampling.split_keys(key[None])
     token, logprob = sampling.sample(last, use, temperature[None], top_k[None], top_p[None])
-    return cache, token[0], logprob[0], key[0]
+    return cache, token[0], logprob[0], key[0], experts
 
 
 def prefill(
-    graphdef: nnx.GraphDef, cfg: ModelConfig, leaves, treedef, tokens, true_length, temperature, top_k, top_p, key
+    graphdef: nnx.GraphDef,
+    cfg: ModelConfig,
+    leaves,
+    treedef,
+    tokens,
+    true_length,
+    temperature,
+    top_k,
+    top_p,
+    key,
+    with_experts: bool = False,
 ) -> Prefix:
-    """tokens: [1, Tb] padded; true_length: [] int32. Returns a Prefix whose cache is [1, Tb, K, D]."""
+    """tokens: [1, Tb] padded; true_length: [] int32. Returns a Prefix whose cache is [1, Tb, K, D] (with
+    ``with_experts``, static: and the tokens' expert ids, ``Prefix.experts``)."""
     tb = tokens.shape[1]
     idx = jnp.arange(tb, dtype=jnp.int32)
     positions = jnp.where(idx < true_length, idx, tb)[None, :]  # padding writes are dropped
     params = (graphdef, leaves, treedef)
-    cache, token, logprob, key = _forward_and_sample(
-        params, init_cache(cfg, 1, tb), positions, tokens, true_length, temperature, top_k, top_p, key
+    cache, token, logprob, key, experts = _forward_and_sample(
+        params, init_cache(cfg, 1, tb), positions, tokens, true_length, temperature, top_k, top_p, key, with_experts
     )
-    return Prefix(cache=cache, length=true_length, token=token, logprob=logprob, key=key)
+    return Prefix(cache=cache, length=true_length, token=token, logprob=logprob, key=key, experts=experts)
 
 
 def prefill_extend(
@@ -67,16 +79,19 @@ def prefill_extend(
     top_k,
     top_p,
     key,
+    with_experts: bool = False,
 ) -> Prefix:
-    """Prefills tokens [1, Tb] (true_length real) at positions existing.length ...; cache grows to [1, S]."""
+    """Prefills tokens [1, Tb] (true_length real) at positions existing.length ...; cache grows to [1, S]
+    (``with_experts``: as ``prefill``)."""
     cache = [LayerCache(k=widen(c.k, max_seq_len), v=widen(c.v, max_seq_len)) for c in existing.cache]
     idx = jnp.arange(tokens.shape[1], dtype=jnp.int32)
     positions = jnp.where(idx < true_length, existing.length + idx, max_seq_len)[None, :]
     params = (graphdef, leaves, treedef)
-    cache, token, logprob, key = _forward_and_sample(
-        params, cache, positions, tokens, true_length, temperature, top_k, top_p, key
+    cache, token, logprob, key, experts = _forward_and_sample(
+        params, cache, positions, tokens, true_length, temperature, top_k, top_p, key, with_experts
     )
-    return Prefix(cache=cache, length=existing.length + true_length, token=token, logprob=logprob, key=key)
+    length = existing.length + true_length
+    return Prefix(cache=cache, length=length, token=token, logprob=logprob, key=key, experts=experts)
 
 
 def insert(prefix: Prefix, state: DecodeState, slot, temperature, top_k, top_p) -> DecodeState:
@@ -102,10 +117,32 @@ def release(state: DecodeState, slot) -> DecodeState:
     return dataclasses.replace(state, active=state.active.at[slot].set(False))
 
 
-def generate(graphdef: nnx.GraphDef, leaves, treedef, state: DecodeState, window: int, num_slots: int):
+def _step_model(model, tokens, positions, mask, cache, with_experts: bool):
+    """The forward of tokens [B, T]: (logits [B, T, V], cache, expert ids [B*T, L_moe, K] int16 or None). With
+    ``with_experts`` (static) the ids are those each MoE layer selected for each input token (routing
+    replay: ``rl.routing_replay``, docs/learner.md)."""
+    if not with_experts:
+        logits, cache = model(tokens, positions, mask, cache)
+        return logits, cache, None
+    logits, cache, aux = model(tokens, positions, mask, cache, return_aux=True)
+    return logits, cache, jnp.transpose(aux.expert_ids, (1, 0, 2)).astype(jnp.int16)
+
+
+def generate(
+    graphdef: nnx.GraphDef,
+    leaves,
+    treedef,
+    state: DecodeState,
+    window: int,
+    num_slots: int,
+    with_experts: bool = False,
+):
     """One step for slots [0, num_slots) over cache positions [0, window) (both static): attention reads
     [num_slots, window] keys; the other slots are left as they are. Returns the new state, ints [3, slots]
-    (tokens, valid, lengths) and log-probs [slots] (two arrays: two host copies)."""
+    (tokens, valid, lengths) and log-probs [slots] (two arrays: two host copies); with ``with_experts``
+    (static, MoE models) a fourth output, expert ids [slots, L_moe, K] int16: the experts each MoE layer
+    selected for each stepped slot's input token (its pending token: the one sampled by the step before),
+    -1 for slots not stepped."""
     model = _model(graphdef, leaves, treedef)
     slots, s = state.tokens.shape[0], state.cache[0].k.shape[1]
     k = num_slots
@@ -114,10 +151,10 @@ def generate(graphdef: nnx.GraphDef, leaves, treedef, state: DecodeState, window
     positions = jnp.where(ok, lengths, window)[:, None]  # [k, 1]; the others write nothing
     mask = cache_mask(model.cfg, positions, window)
     if k == slots and window == s:  # the whole cache, updated in place
-        logits, cache = model(state.tokens[:, None], positions, mask, state.cache)
+        logits, cache, experts = _step_model(model, state.tokens[:, None], positions, mask, state.cache, with_experts)
     else:  # attend over a block of the cache, then write the one new KV row per slot back into the cache
         sub = [LayerCache(k=c.k[:k, :window], v=c.v[:k, :window]) for c in state.cache]
-        logits, sub = model(state.tokens[:k, None], positions, mask, sub)
+        logits, sub, experts = _step_model(model, state.tokens[:k, None], positions, mask, sub, with_experts)
         rows = jnp.arange(k)
         read = jnp.minimum(positions[:, 0], window - 1)
         write = jnp.where(ok, lengths, s)  # out of range: dropped
@@ -144,4 +181,7 @@ def generate(graphdef: nnx.GraphDef, leaves, treedef, state: DecodeState, window
     )
     pad = slots - k
     ints = jnp.stack([new_state.tokens, jnp.pad(ok, (0, pad)).astype(jnp.int32), new_state.lengths])
-    return new_state, ints, jnp.pad(logprobs, (0, pad))
+    if experts is None:
+        return new_state, ints, jnp.pad(logprobs, (0, pad))
+    experts = jnp.pad(jnp.where(ok[:, None, None], experts, -1), ((0, pad), (0, 0), (0, 0)), constant_values=-1)
+    return new_state, ints, jnp.pad(logprobs, (0, pad)), experts

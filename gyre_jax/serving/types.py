@@ -108,7 +108,12 @@ class GenerationResult:
     id was sampled, or a stop string completed; the token that did it is included in ``token_ids``),
     ``"length"`` (max_tokens or context limit), or ``"cancelled"``. ``stop_reason`` is the stop id or stop
     string that ended it (None otherwise). ``cached_tokens`` is how many leading prompt tokens were not
-    prefilled because their KV was reused (session prefix cache, or a migrated session).
+    prefilled because their KV was reused (session prefix cache, or a migrated session). ``expert_ids``
+    (only from an engine built with ``record_experts``, else None): [N, L_moe, K] int16, the experts each MoE
+    layer selected for each completion token when it was fed back to the model, -1 rows where not known (the
+    last token, tokens generated before a migration or a retry); routing replay, docs/learner.md.
+    ``prompt_expert_ids``: the same for the prompt tokens, [prompt_len, L_moe, K] (-1 rows: not prefilled here,
+    e.g. KV reused from the session prefix cache), or None.
     """
 
     request_id: str
@@ -120,6 +125,8 @@ class GenerationResult:
     cell: str = ""
     cached_tokens: int = 0
     stop_reason: int | str | None = None
+    expert_ids: Any = None  # np.ndarray [N, L_moe, K] int16 or None
+    prompt_expert_ids: Any = None  # np.ndarray [prompt_len, L_moe, K] int16 or None
 
 
 class ContextTooLongError(ValueError):

@@ -34,7 +34,10 @@ class MicroBatch:
 
     ``positions`` are RoPE positions (a token's index in its own sequence: its depth in a tree);
     ``versions`` is the policy version that sampled each trainable target (-1 elsewhere), for
-    staleness metrics; it is not used by the loss.
+    staleness metrics; it is not used by the loss. ``expert_ids``: [B, T, L_moe, K] int16 or None (routing
+    replay, ``rl.routing_replay = "replay"``): the experts serving selected for each input token, which the
+    learner's forward uses instead of its own top-k; a row of -1 routes that token itself. None (dense
+    models, replay off): the model routes every token, at no cost.
     """
 
     tokens: np.ndarray
@@ -49,6 +52,7 @@ class MicroBatch:
     advantages: np.ndarray
     seq_weights: np.ndarray
     versions: np.ndarray | None = None
+    expert_ids: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,8 +71,9 @@ def attention_mask(segment_ids: jax.Array, subtree_end: jax.Array) -> jax.Array:
     return tree_causal_mask(segment_ids, subtree_end)
 
 
-def empty_micro_batch(b: int, t: int, s: int) -> MicroBatch:
-    """An all-padding micro-batch: [b, t] token arrays, [s] sequence arrays."""
+def empty_micro_batch(b: int, t: int, s: int, experts: tuple[int, int] | None = None) -> MicroBatch:
+    """An all-padding micro-batch: [b, t] token arrays, [s] sequence arrays; with ``experts`` = (L_moe, K),
+    ``expert_ids`` [b, t, L_moe, K] all -1 (routing replay)."""
     return MicroBatch(
         tokens=np.zeros((b, t), np.int32),
         positions=np.zeros((b, t), np.int32),
@@ -82,6 +87,7 @@ def empty_micro_batch(b: int, t: int, s: int) -> MicroBatch:
         advantages=np.zeros((s,), np.float32),
         seq_weights=np.zeros((s,), np.float32),
         versions=np.full((b, t), -1, np.int32),
+        expert_ids=None if experts is None else np.full((b, t, *experts), -1, np.int16),
     )
 
 

@@ -42,13 +42,16 @@ PRIORITY = ("main", "main-summary", "subagent", "subagent-summary", AUXILIARY_LA
 
 @dataclass(frozen=True)
 class BranchArrays:
-    """A branch as arrays, all [L]: tokens int32, trainable bool, logprobs/temperature float32, versions int32."""
+    """A branch as arrays, all [L]: tokens int32, trainable bool, logprobs/temperature float32, versions int32;
+    ``experts``: [L, L_moe, K] int16 (routing replay: the experts serving selected for each token as the model's
+    input, -1 = not recorded) or None when no record of the branch carried any."""
 
     tokens: np.ndarray
     trainable: np.ndarray
     logprobs: np.ndarray
     temperature: np.ndarray
     versions: np.ndarray
+    experts: np.ndarray | None = None
 
 
 @dataclass
@@ -71,9 +74,17 @@ class Branch:
     versions: list[int] = field(default_factory=list)
     num_calls: int = 0
     agent: int = 0
+    # routing replay: (first token index, [n, L_moe, K] int16 expert ids) per record part that recorded them
+    # (the first known row of a token wins: a later call's prompt only fills the rows still -1, such as the
+    # last token of the call before, which that call never fed back)
+    expert_chunks: list[tuple[int, np.ndarray]] = field(default_factory=list)
 
-    def _append(self, ids, trainable: bool, logprobs=None, temperature: float = 1.0, versions=None) -> None:
+    def _append(
+        self, ids, trainable: bool, logprobs=None, temperature: float = 1.0, versions=None, experts=None
+    ) -> None:
         n = len(ids)
+        if experts is not None and n:
+            self.expert_chunks.append((len(self.tokens), np.asarray(experts, np.int16)))
         self.tokens.extend(ids)
         self.trainable.extend([trainable] * n)
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * n)
@@ -95,7 +106,20 @@ class Branch:
             logprobs=np.asarray(self.logprobs, np.float32),
             temperature=np.asarray(self.temperature, np.float32),
             versions=np.asarray(self.versions, np.int32),
+            experts=self.expert_array(),
         )
+
+    def expert_array(self) -> np.ndarray | None:
+        """[L, L_moe, K] int16: each token's recorded experts, -1 where none (prompt tokens; routing replay),
+        or None when no completion of the branch recorded any."""
+        if not self.expert_chunks:
+            return None
+        out = np.full((len(self.tokens), *self.expert_chunks[0][1].shape[1:]), -1, np.int16)
+        for start, ids in self.expert_chunks:
+            part = out[start : start + len(ids)]
+            fill = (part[:, :1, :1] < 0) & (ids[: len(part), :1, :1] >= 0)  # [n, 1, 1]: not known yet, known here
+            part[...] = np.where(fill, ids[: len(part)], part)
+        return out
 
 
 def common_prefix_len(a, b) -> int:
@@ -126,8 +150,9 @@ class BranchBuilder:
     first appearance.
     """
 
-    def __init__(self, main_thread: str = "main", message_end_id: int | None = None):
+    def __init__(self, main_thread: str = "main", message_end_id: int | None = None, prompt_experts: bool = False):
         self.main_thread = main_thread
+        self.prompt_experts = prompt_experts  # routing replay of prompt tokens: keep records' prompt_experts
         self.message_end_id = message_end_id
         self.branches: list[Branch] = []
         self._agents: list[str] = []  # thread of each agent, by agent number
@@ -173,6 +198,9 @@ class BranchBuilder:
             )
             self.branches.append(parent)
         parent._append(rec.prompt_ids[len(parent.tokens) :], trainable=False)
+        prompt_experts = rec.experts("prompt") if self.prompt_experts else None
+        if prompt_experts is not None:  # the whole prompt: its known rows may fill the branch's earlier -1 rows
+            parent.expert_chunks.append((0, prompt_experts))
         greedy = rec.temperature == 0
         self.greedy_calls += greedy
         parent._append(
@@ -181,6 +209,7 @@ class BranchBuilder:
             logprobs=list(rec.completion_logprobs),
             temperature=rec.temperature,
             versions=list(rec.policy_versions),
+            experts=rec.experts(),
         )
         parent.num_calls += 1
         return parent
@@ -200,10 +229,14 @@ class BranchBuilder:
 
 
 def build_branches(
-    records: Iterable[TitoRecord], main_thread: str = "main", message_end_id: int | None = None
+    records: Iterable[TitoRecord],
+    main_thread: str = "main",
+    message_end_id: int | None = None,
+    prompt_experts: bool = False,
 ) -> list[Branch]:
-    """All branches of an execution, in order of first appearance (records are ordered by call_index here)."""
-    builder = BranchBuilder(main_thread=main_thread, message_end_id=message_end_id)
+    """All branches of an execution, in order of first appearance (records are ordered by call_index here).
+    ``prompt_experts``: keep the records' prompt expert ids (``rl.routing_replay_prompt = "replay"``)."""
+    builder = BranchBuilder(main_thread=main_thread, message_end_id=message_end_id, prompt_experts=prompt_experts)
     for rec in sorted(records, key=lambda r: r.call_index):
         builder.add(rec)
     return builder.finish()

@@ -46,8 +46,8 @@ class PackedMicroBatch:
 class _OpenMicroBatch:
     """A micro-batch being filled: its arrays, how full each row is, and its sequences so far."""
 
-    def __init__(self, rows: int, row_length: int, max_sequences: int):
-        self.mb = empty_micro_batch(rows, row_length, max_sequences)
+    def __init__(self, rows: int, row_length: int, max_sequences: int, experts: tuple[int, int] | None = None):
+        self.mb = empty_micro_batch(rows, row_length, max_sequences, experts)
         self.row_length, self.max_sequences = row_length, max_sequences
         self.fill = [0] * rows
         self.segments = [0] * rows
@@ -72,6 +72,8 @@ class _OpenMicroBatch:
         mb.old_logprobs[row, lo:hi] = chunk.old_logprobs
         mb.temperature[row, lo:hi] = chunk.temperature
         mb.versions[row, lo:hi] = chunk.versions
+        if mb.expert_ids is not None and chunk.experts is not None:
+            mb.expert_ids[row, lo:hi] = chunk.experts
         mb.seq_index[row, lo:hi] = np.where(chunk.loss_mask > 0, chunk.seq + first_seq, 0)
         for k in chunk.sequences:
             s = len(self.sequences)
@@ -86,10 +88,18 @@ class MicroBatchPacker:
 
     Up to ``open_micro_batches`` are filled at once (first fit over all their rows); when a chunk fits
     none of them, the oldest is finished. More open micro-batches pack tighter; finished ones come out
-    in the order they were opened.
+    in the order they were opened. ``experts`` = (L_moe, K): micro-batches carry ``expert_ids`` (routing
+    replay; chunks' recorded experts, -1 elsewhere); None: they carry none.
     """
 
-    def __init__(self, rows: int, row_length: int, max_sequences: int, open_micro_batches: int = 4):
+    def __init__(
+        self,
+        rows: int,
+        row_length: int,
+        max_sequences: int,
+        open_micro_batches: int = 4,
+        experts: tuple[int, int] | None = None,
+    ):
         if min(rows, row_length, max_sequences, open_micro_batches) < 1:
             raise ValueError(
                 f"rows={rows}, row_length={row_length}, max_sequences={max_sequences}, "
@@ -97,6 +107,7 @@ class MicroBatchPacker:
             )
         self.rows, self.row_length, self.max_sequences = rows, row_length, max_sequences
         self.open_micro_batches = open_micro_batches
+        self.experts = experts
         self._open: list[_OpenMicroBatch] = []
 
     @property
@@ -120,7 +131,7 @@ class MicroBatchPacker:
         out = []
         if len(self._open) == self.open_micro_batches:
             out.append(self._finish(self._open.pop(0)))
-        ob = _OpenMicroBatch(self.rows, self.row_length, self.max_sequences)
+        ob = _OpenMicroBatch(self.rows, self.row_length, self.max_sequences, self.experts)
         ob.place(chunk, 0, advantage, seq_weights, labels)
         self._open.append(ob)
         return out

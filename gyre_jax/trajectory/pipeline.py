@@ -68,7 +68,10 @@ class TrajectoryConfig:
     ``message_end_id`` (the chat template's ``<|im_end|>``) lets structure tell sub-agents from summaries
     within one thread, for records whose threads mix agents (``branches.py``; None: one agent per thread, as the
     proxy names them); ``auxiliary``: "lowest" (utility-call branches last in J_max selection) or "exclude";
-    ``vocab_size`` bounds token ids; ``seed`` seeds branch sampling.
+    ``vocab_size`` bounds token ids; ``seed`` seeds branch sampling. ``replay_experts`` = (MoE layers, k):
+    micro-batches carry the records' expert ids for routing replay (``rl.routing_replay = "replay"``);
+    None (default): they carry none. ``replay_prompt``: prompt tokens' recorded experts too
+    (``rl.routing_replay_prompt = "replay"``); else they are -1 (routed by the learner).
     """
 
     max_branches: int | None = 5
@@ -82,6 +85,8 @@ class TrajectoryConfig:
     vocab_size: int | None = None
     main_thread: str = "main"
     auxiliary: str = "lowest"
+    replay_experts: tuple[int, int] | None = None
+    replay_prompt: bool = False
 
     def __post_init__(self) -> None:
         if self.auxiliary not in AUXILIARY_POLICIES:
@@ -197,7 +202,8 @@ class LoadExecution(grain.transforms.Map):
             )
         path = self.record_dir / f"{entry.execution_id}.jsonl"
         try:
-            builder = BranchBuilder(main_thread=self.config.main_thread, message_end_id=self.config.message_end_id)
+            c = self.config
+            builder = BranchBuilder(c.main_thread, c.message_end_id, prompt_experts=c.replay_prompt)
             for rec in iter_records(path, entry.execution_id, self.config.vocab_size):
                 builder.add(rec)
             branches = builder.finish()
@@ -273,7 +279,9 @@ class _PackIterator(grain.DatasetIterator):
 
     def _restart(self, window: dict[str, Any], skip: int) -> None:
         c = self._config
-        self._packer = MicroBatchPacker(c.rows, c.row_length, c.max_sequences, c.open_micro_batches)
+        self._packer = MicroBatchPacker(
+            c.rows, c.row_length, c.max_sequences, c.open_micro_batches, experts=c.replay_experts
+        )
         self._out: collections.deque[PackedBatch] = collections.deque()
         self._window = window
         self._window_used = False  # whether anything was consumed since the window began

@@ -31,7 +31,8 @@ class Chunk:
 
     tokens/targets/positions/subtree_end (chunk-relative)/versions/seq: int32; loss_mask/old_logprobs/
     temperature: float32. ``seq[i]`` indexes ``sequences`` (the selected-branch indices trained
-    here); it is meaningful where ``loss_mask`` is 1.
+    here); it is meaningful where ``loss_mask`` is 1. ``experts``: [N, L_moe, K] int16, the recorded
+    experts of each node's input token (-1 = none; routing replay), or None when no member recorded any.
     """
 
     execution_id: str
@@ -45,6 +46,7 @@ class Chunk:
     versions: np.ndarray
     seq: np.ndarray
     sequences: tuple[int, ...]
+    experts: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -117,12 +119,16 @@ def layout(sel: Selection, members: list[int]) -> Chunk:
     temperature = np.ones((n,), np.float32)
     versions = np.full((n,), -1, np.int32)
     local = {k: i for i, k in enumerate(members)}
+    shapes = [sel.arrays[k].experts.shape[1:] for k in members if sel.arrays[k].experts is not None]
+    experts = np.full((n, *shapes[0]), -1, np.int16) if shapes else None
     for idx, k in enumerate(members):
         a, s, lo, hi = sel.arrays[k], starts[idx], offsets[idx], offsets[idx + 1]
         if hi == lo:
             continue
         length = len(a.tokens)
         tokens[lo:hi] = a.tokens[s : length - 1]
+        if a.experts is not None:
+            experts[lo:hi] = a.experts[s : length - 1]  # a node's routing is its input token's
         targets[lo:hi] = a.tokens[s + 1 : length]
         positions[lo:hi] = np.arange(s, length - 1, dtype=np.int32)
         subtree_end[lo:hi] = _subtree_ends(sel, members, idx, s, offsets)
@@ -145,6 +151,7 @@ def layout(sel: Selection, members: list[int]) -> Chunk:
         versions=versions,
         seq=seq,
         sequences=tuple(members),
+        experts=experts,
     )
 
 
