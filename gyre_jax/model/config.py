@@ -76,6 +76,9 @@ class ModelConfig:
     attention_impl: str = "xla"
     attention_block_q: int = 128
     attention_block_k: int = 128
+    # Context parallelism (model/ring.py): each training row's tokens split over this many devices of the
+    # mesh's ``context`` axis, ring attention between them (needs attention_impl="blockwise"); 1 = off.
+    context_parallel: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -109,6 +112,13 @@ class ModelConfig:
         for name in ("attention_block_q", "attention_block_k"):
             if getattr(self, name) < 1:
                 out.append(f"{name}={getattr(self, name)} must be >= 1 (blockwise attention block size in tokens)")
+        if self.context_parallel < 1:
+            out.append(f"context_parallel={self.context_parallel} must be >= 1 (context shards per row; 1 = off)")
+        elif self.context_parallel > 1 and self.attention_impl != "blockwise":
+            out.append(
+                f"context_parallel={self.context_parallel} needs attention_impl='blockwise' (ring attention passes "
+                f"the mask descriptors with K/V); got {self.attention_impl!r}"
+            )
         if self.moe_impl not in MOE_IMPLS:
             out.append(f"moe_impl={self.moe_impl!r} must be one of {MOE_IMPLS}")
         if self.num_experts < 0:
