@@ -106,8 +106,8 @@ def attention_case():
     def loss(out):
         return jnp.sum(out * dout)
 
-    ref = jax.value_and_grad(
-        lambda q, k, v: loss(blockwise_attention(q, k, v, spec, block_q=16, block_k=16)), (0, 1, 2)
+    ref = jax.jit(
+        jax.value_and_grad(lambda q, k, v: loss(blockwise_attention(q, k, v, spec, block_q=16, block_k=16)), (0, 1, 2))
     )
     return (q, k, v), spec, loss, ref(q, k, v)
 
@@ -144,14 +144,17 @@ def test_zigzag_layout_balances_causal_work():
         zigzag_permutation(20, 4)
 
 
-def test_ring_attention_without_a_context_mesh_says_what_to_do(attention_case):
-    (q, k, v), spec, _, _ = attention_case
+def test_ring_attention_without_a_context_mesh_says_what_to_do():
+    q, k = jnp.zeros((1, 8, H, D)), jnp.zeros((1, 8, K, D))
+    spec = tree_mask_spec(np.ones((1, 8), np.int32), np.full((1, 8), 8, np.int32))
     with pytest.raises(ValueError, match="needs a mesh with a 'context' axis"):
-        ring_attention(q, k, v, spec)
+        ring_attention(q, k, k, spec)
+    with pytest.raises(ValueError, match="one length divisible by 3"):
+        ring_attention(q, k, k, spec, mesh=Mesh(np.asarray(jax.devices()[:3]), ("context",)))
 
 
 BASE = ModelConfig(
-    vocab_size=256, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
+    vocab_size=256, num_layers=1, embed_dim=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
     rope_theta=10000.0, attention_impl="blockwise", attention_block_q=8, attention_block_k=8,
 )  # fmt: skip
 
@@ -204,3 +207,20 @@ def test_context_parallel_config_is_checked():
     mesh = make_mesh(jax.devices()[:2], {"data": 2})
     with pytest.raises(ValueError, match="'context' axis of 2 devices"):
         GradWorker(cfg, graphdef, mesh, load_config([]).sharding_rules)
+
+
+def test_run_config_carves_the_context_axis_out_of_data():
+    from gyre_jax.config import ConfigError
+
+    cp = ["--config.model.attention_impl=blockwise", "--config.model.context_parallel=2"]
+    c = load_config(cp)
+    assert c.mesh.shape(c.model.context_parallel) == {"data": c.mesh.data // 2, "fsdp": 2, "tensor": 1, "context": 2}
+    assert c.cells.shape(2)["context"] == 2 and c.mesh.shape() == {"data": c.mesh.data, "fsdp": 2, "tensor": 1}
+    mesh = make_mesh(jax.devices()[: c.mesh.num_devices], c.mesh.shape(2))
+    assert mesh.axis_names[-1] == "context" and mesh.shape["context"] == 2  # neighbouring devices
+    with pytest.raises(ConfigError, match=r"context_parallel=8 must divide config.mesh.data=4"):
+        load_config(["--config.model.attention_impl=blockwise", "--config.model.context_parallel=8"])
+    with pytest.raises(ConfigError, match=r"row_length=1030 must be a multiple of 2 x model.context_parallel = 4"):
+        load_config(cp + ["--config.trajectory.row_length=1030", "--config.trajectory.tokens_per_micro_batch=2060"])
+    with pytest.raises(ConfigError, match="needs attention_impl='blockwise'"):
+        load_config(["--config.model.context_parallel=2"])
