@@ -12,7 +12,8 @@ per-device memory budget (XLA's compiled ``memory_analysis()``: arguments + outp
 1 device and with ``model.context_parallel = 8`` over 8 virtual CPU devices (ring attention,
 ``model/ring.py``), and the micro-step time of both at the 1-device length.
 
-    python benchmarks/bench_long_context.py            # -> benchmarks/results/long_context.json, long_context_cp.json
+    python benchmarks/bench_long_context.py            # -> benchmarks/results/long_context.json
+    python benchmarks/bench_long_context.py --section cp   # -> benchmarks/results/long_context_cp.json (~15 min)
     python benchmarks/bench_long_context.py --section attention --lengths 1024 2048 --time-max 0 --out /tmp/lc.json
     python benchmarks/bench_long_context.py --section cp --cp-budget-mib 16 --cp-time 0 --cp-out /tmp/cp.json
 """
@@ -246,7 +247,7 @@ def write(path: str, payload: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--section", choices=("attention", "cp", "all"), default="all")
+    ap.add_argument("--section", choices=("attention", "cp", "all"), default="attention")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 65536])
     ap.add_argument("--block", type=int, default=128, help="block_q = block_k")
     ap.add_argument("--time-max", type=int, default=4096, help="time fwd+bwd only at T <= this (0: no times)")

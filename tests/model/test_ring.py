@@ -3,8 +3,10 @@
 Attention level: ``ring_attention`` on the zigzag layout (permuted back) against single-device
 ``blockwise_attention``, outputs and q/k/v gradients, over packed rows holding a real branching prefix tree
 (``trajectory.tree``), plain causal segments and padding. Learner level: a ``GradWorker`` micro-step with
-``model.context_parallel = n`` (mesh with a ``context`` axis) against the same micro-step on one device:
-loss, per-token log-probs of the forward and every parameter gradient within 1e-5 (fp32).
+``model.context_parallel = n`` (mesh with a ``context`` axis: 2 devices, and 4 x data 2 = 8 devices) against
+the same micro-step on one device: loss, per-token log-probs of the forward and every parameter gradient
+within 1e-5 (fp32). The tree chunk (60 tokens) is longer than one shard's share of the 96-token row (48 or
+24), so the branch spans context shards, with the short sequences packed densely beside it.
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ def learner_case():
     return rules, jax.device_get(params), mb, (float(aux["loss"]), flat(grads), np.asarray(logp))
 
 
-@pytest.mark.parametrize("shape", [{"context": 2}, {"context": 4}, {"data": 2, "context": 4}])
+@pytest.mark.parametrize("shape", [{"context": 2}, {"data": 2, "context": 4}])
 def test_context_parallel_micro_step_equals_one_device(learner_case, shape):
     """Loss, forward log-probs and every parameter gradient of a micro-step with model.context_parallel =
     the mesh's context axis (rows over 'data' where it is there) equal the single-device micro-step."""
