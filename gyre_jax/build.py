@@ -72,8 +72,9 @@ def setup(config) -> Setup:
     tokenizer = load_tokenizer(config.tokenizer.kind, ckpt_dir)
     rules = config.sharding_rules
     devices = _run_devices(config)
-    train_mesh = runtime.make_train_mesh(config.mesh.shape(), devices)
-    cells = runtime.make_cells(devices, config.cells.num_cells, config.cells.shape())
+    cp = config.model.context_parallel  # a `context` axis carved out of `data` when > 1
+    train_mesh = runtime.make_train_mesh(config.mesh.shape(cp), devices)
+    cells = runtime.make_cells(devices, config.cells.num_cells, config.cells.shape(cp))
     if jax.process_count() > 1:
         runtime.check_cells_within_processes(cells)
     if ckpt_dir is not None:  # a Hugging Face checkpoint: its config.json defines the architecture

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gyre_jax.config.base import Section, require
-from gyre_jax.model.rules import ALL_MESH_AXES, EXPERT_AXIS, MESH_AXES
+from gyre_jax.model.rules import ALL_MESH_AXES, CONTEXT_AXIS, EXPERT_AXIS, MESH_AXES
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 OPTIONAL_MESH_AXES = (EXPERT_AXIS,)  # size 1 by default: MoE experts are split over it when > 1
@@ -48,9 +48,15 @@ class _Axes(Section):
     def num_devices(self) -> int:
         return self.data * self.fsdp * self.tensor * self.expert
 
-    def shape(self) -> dict[str, int]:
-        """The mesh shape for ``make_mesh``: ``{data, fsdp, tensor}``, plus ``expert`` when it is > 1."""
-        return {a: getattr(self, a) for a in AXES if a in MESH_AXES or getattr(self, a) > 1}
+    def shape(self, context: int = 1) -> dict[str, int]:
+        """The mesh shape for ``make_mesh``: ``{data, fsdp, tensor}``, plus ``expert`` when it is > 1. With
+        ``context`` > 1 (``model.context_parallel``) a ``context`` axis of that size is carved out of ``data``
+        (``data / context`` rows of context shards; ``run.validate`` checks that it divides)."""
+        out = {a: getattr(self, a) for a in AXES if a in MESH_AXES or getattr(self, a) > 1}
+        if context > 1:
+            out["data"] //= context
+            out[CONTEXT_AXIS] = context
+        return out
 
 
 @dataclass(frozen=True)

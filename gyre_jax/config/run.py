@@ -206,7 +206,8 @@ def resolve_workdir(config: RunConfig) -> Path:
 # -- how the sections fit together ---------------------------------------------------------------------------
 def validate(config: RunConfig) -> None:
     """Checks the rules that span sections (each section checked its own values when it was built)."""
-    for check in (_devices_fit, _model_fits_cells, _tokenizer_fits_model, _lengths_fit, _schedule_fits, _processes_fit):
+    checks = (_devices_fit, _model_fits_cells, _tokenizer_fits_model, _lengths_fit, _context_fits, _schedule_fits)
+    for check in checks + (_processes_fit,):
         check(config)
     _suite_fits(config)
     if not config.model.checkpoint_dir:  # a checkpoint's architecture is checked when build.setup reads it
@@ -310,6 +311,26 @@ def _lengths_fit(c: RunConfig) -> None:
         c.trajectory.row_length >= n,
         f"config.trajectory.row_length={c.trajectory.row_length} must be >= serving.max_seq_len={n} (a branch "
         f"can be that long and must fit one row)",
+    )
+
+
+def _context_fits(c: RunConfig) -> None:
+    """``model.context_parallel`` shards each training row over a ``context`` axis carved out of ``data``."""
+    n = c.model.context_parallel
+    if n == 1:
+        return
+    for section in ("mesh", "cells"):
+        data = getattr(c, section).data
+        require(
+            data % n == 0,
+            f"config.model.context_parallel={n} must divide config.{section}.data={data} (the context axis is "
+            f"carved out of the data axis: each group of {n} devices trains one row)",
+        )
+    row = c.trajectory.row_length
+    require(
+        row % (2 * n) == 0,
+        f"config.trajectory.row_length={row} must be a multiple of 2 x model.context_parallel = {2 * n} (each "
+        "row is cut into 2 chunks per context shard: the zigzag layout of model/ring.py)",
     )
 
 

@@ -114,7 +114,8 @@ class TrajectorySection(Section):
 
     _path = "trajectory"
     packing: str = "tree"  # tree: shared prefixes computed once (ancestor-only attention) | plain: a branch per row
-    row_length: int = 1024  # tokens per packed row; >= serving.max_seq_len so every branch fits a row
+    row_length: int = 1024  # tokens per packed row; >= serving.max_seq_len so every branch fits a row (split
+    # over model.context_parallel devices: each holds row_length / context_parallel of a row's tokens)
     tokens_per_micro_batch: int = 2048  # rows per micro-batch = this / row_length (fixed shape: one compile)
     max_sequences_per_micro_batch: int = 64  # sequence slots per micro-batch (GSPO ratios, advantages, weights)
     open_micro_batches: int = 4  # micro-batches filled at once: more packs tighter, 1 streams each as soon as full

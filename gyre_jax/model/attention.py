@@ -2,7 +2,8 @@
 
 A mask is either dense, ``mask[b, q, k]`` True where query ``q`` may attend to key ``k`` ([B, T, S] bool,
 for ``attention_impl`` "xla" and "cudnn": ``jax.nn.dot_product_attention``), or a ``blockwise.MaskSpec``
-(per-token descriptors, never [T, S]: ``attention_impl="blockwise"``, ``blockwise.blockwise_attention``).
+(per-token descriptors, never [T, S]: ``attention_impl="blockwise"``, ``blockwise.blockwise_attention``;
+with ``context_parallel > 1`` and no cache, ``ring.ring_attention`` over the current mesh's ``context`` axis).
 Two layouts are in use: the packed training row (a prefix tree per segment; plain rows are causal) and
 the cache (serving, where a key's cache index equals its position). ``tree_mask`` and ``cache_mask``
 build either kind for a config: every forward of the system takes its mask from them.
@@ -20,6 +21,7 @@ from gyre_jax.model.blockwise import MaskSpec, blockwise_attention, cache_mask_s
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import Einsum, RMSNorm
 from gyre_jax.model.positional_embeddings import apply_rope, rope_frequencies
+from gyre_jax.model.ring import ring_attention
 
 
 @jax.tree_util.register_dataclass
@@ -139,7 +141,10 @@ class Attention(nnx.Module):
         _check_mask_kind(impl, mask)
         if impl == "blockwise":
             bq, bk = self.cfg.attention_block_q, self.cfg.attention_block_k
-            out = blockwise_attention(q, k, v, mask, block_q=bq, block_k=bk)  # [B, T, H, D]
+            if self.cfg.context_parallel > 1 and cache is None:  # T split over the mesh's context axis
+                out = ring_attention(q, k, v, mask, block_q=bq, block_k=bk)
+            else:
+                out = blockwise_attention(q, k, v, mask, block_q=bq, block_k=bk)  # [B, T, H, D]
         else:
             xla = None if impl == "xla" else impl
             out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, :, :], implementation=xla)

@@ -32,6 +32,7 @@ COMPUTE_FIELDS = (
     "attention_block_q",
     "attention_block_k",
     "logits_chunk",
+    "context_parallel",
 )
 
 
@@ -92,6 +93,9 @@ class ModelConfig:
     # whole [B, T, V] float32 logits (and their gradient); > 0 computes them chunk by chunk, recomputed in the
     # backward, so only [B, chunk, V] is live: at vocab 151936 the full logits cost 0.6 MB per token.
     logits_chunk: int = 0
+    # Context parallelism (model/ring.py): each training row's tokens split over this many devices of the
+    # mesh's ``context`` axis, ring attention between them (needs attention_impl="blockwise"); 1 = off.
+    context_parallel: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -127,6 +131,13 @@ class ModelConfig:
                 out.append(f"{name}={getattr(self, name)} must be >= 1 (blockwise attention block size in tokens)")
         if self.logits_chunk < 0:
             out.append(f"logits_chunk={self.logits_chunk} must be >= 0 (0 = whole logits, else tokens per chunk)")
+        if self.context_parallel < 1:
+            out.append(f"context_parallel={self.context_parallel} must be >= 1 (context shards per row; 1 = off)")
+        elif self.context_parallel > 1 and self.attention_impl != "blockwise":
+            out.append(
+                f"context_parallel={self.context_parallel} needs attention_impl='blockwise' (ring attention passes "
+                f"the mask descriptors with K/V); got {self.attention_impl!r}"
+            )
         if self.moe_impl not in MOE_IMPLS:
             out.append(f"moe_impl={self.moe_impl!r} must be one of {MOE_IMPLS}")
         if self.num_experts < 0:

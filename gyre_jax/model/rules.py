@@ -12,6 +12,7 @@ Rules = Sequence[tuple[str, "str | Sequence[str] | None"]]
 MESH_AXES = ("data", "fsdp", "tensor")  # every mesh has these (size 1 when unused)
 EXPERT_AXIS = "expert"  # added when the shape names it: MoE experts split over it (expert parallelism)
 ALL_MESH_AXES = MESH_AXES + (EXPERT_AXIS,)
+CONTEXT_AXIS = "context"  # added when the shape names it: a row's tokens split over it (model.context_parallel)
 
 # Named rule sets (logical axis -> mesh axes). Configs carry their own ``sharding_rules``; these are
 # the reference layouts tests and benchmarks use. Logical axes: batch (activations / decode slots),

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.modules import Transformer
-from gyre_jax.model.rules import ALL_MESH_AXES, MESH_AXES, Rules
+from gyre_jax.model.rules import ALL_MESH_AXES, CONTEXT_AXIS, MESH_AXES, Rules
 from gyre_jax.model.rules import EXPERT_AXIS as EXPERT_AXIS  # re-exported: the names and rule sets live in rules.py
 from gyre_jax.model.rules import RULE_SETS as RULE_SETS
 from gyre_jax.model.rules import RULES_DATA as RULES_DATA
@@ -26,13 +26,13 @@ from gyre_jax.model.rules import RULES_FSDP_TENSOR as RULES_FSDP_TENSOR
 
 
 def make_mesh(devices: Sequence[jax.Device], shape: dict[str, int]) -> Mesh:
-    """A mesh over ``devices`` (in order) with axes ``data, fsdp, tensor`` (+ ``expert`` when ``shape`` has it)."""
-    unknown = set(shape) - set(ALL_MESH_AXES)
+    """A mesh over ``devices`` (in order) with axes ``data, fsdp, tensor`` (+ ``expert``, + ``context`` when
+    ``shape`` has them; ``context`` is innermost: a row's context shards are neighbouring devices)."""
+    known = ALL_MESH_AXES + (CONTEXT_AXIS,)
+    unknown = set(shape) - set(known)
     if unknown:
-        raise ValueError(
-            f"mesh shape {dict(shape)} names unknown axes {sorted(unknown)}; mesh axes are {ALL_MESH_AXES}"
-        )
-    axes = ALL_MESH_AXES if EXPERT_AXIS in shape else MESH_AXES
+        raise ValueError(f"mesh shape {dict(shape)} names unknown axes {sorted(unknown)}; mesh axes are {known}")
+    axes = tuple(a for a in known if a in MESH_AXES or a in shape)
     sizes = tuple(int(shape.get(a, 1)) for a in axes)
     if int(np.prod(sizes)) != len(devices):
         raise ValueError(f"mesh shape {dict(zip(axes, sizes))} needs {int(np.prod(sizes))} devices, got {len(devices)}")

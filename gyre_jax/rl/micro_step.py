@@ -14,6 +14,7 @@ complete it; a failure gives the claim back.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from gyre_jax.faultpoints import kill_point
 from gyre_jax.model.attention import tree_mask
 from gyre_jax.model.logprobs import target_logprobs
+from gyre_jax.model.ring import CONTEXT_AXIS, from_zigzag, spec_to_zigzag, to_zigzag, zigzag_permutation
 from gyre_jax.model.sharding import Rules, abstract_model, logical_sharding, param_shardings
 from gyre_jax.rl import losses
 from gyre_jax.rl.accumulator import GradAccumulator
@@ -39,16 +41,36 @@ KINDS = ("rl", "sft")
 
 def _logprobs_and_aux(graphdef: nnx.GraphDef, params: nnx.State, mb: MicroBatch, with_aux: bool):
     """([B, T] log-probs of the targets, [] MoE load-balancing loss or None). A micro-batch with ``expert_ids``
-    replays them in the MoE layers (routing replay, ``rl.routing_replay``)."""
+    replays them in the MoE layers (routing replay, ``rl.routing_replay``).
+
+    With ``context_parallel = n > 1`` the forward runs on the zigzag layout of each row (``ring.py``: tokens,
+    positions, replayed experts and mask descriptors permuted, T split over the mesh's ``context`` axis, which
+    must be set with ``jax.set_mesh``) and the log-probs are permuted back: the result is the single-device one."""
     model = nnx.merge(graphdef, params)
+    n = model.cfg.context_parallel
     mask = tree_mask(model.cfg, mb.segment_ids, mb.subtree_end)  # [B, T, T] bool, or a MaskSpec (blockwise)
     replay = getattr(mb, "expert_ids", None)  # [B, T, L_moe, K] or None
+    tokens, positions, targets, temperature = mb.tokens, mb.positions, mb.targets, mb.temperature
+    if n > 1:
+        perm = zigzag_permutation(tokens.shape[1], n)
+        tokens, positions, targets, temperature = (
+            _context_split(to_zigzag(a, perm)) for a in (tokens, positions, targets, temperature)
+        )
+        mask = spec_to_zigzag(mask, perm)
+        replay = None if replay is None else to_zigzag(replay, perm)
     if with_aux:
-        hidden, _, aux = model(mb.tokens, mb.positions, mask, return_aux=True, expert_ids=replay, head=False)
+        hidden, _, aux = model(tokens, positions, mask, return_aux=True, expert_ids=replay, head=False)
         lb = aux.load_balancing_loss
     else:
-        (hidden, _), lb = model(mb.tokens, mb.positions, mask, expert_ids=replay, head=False), None
-    return target_logprobs(model.head, hidden, mb.targets, mb.temperature, model.cfg.logits_chunk), lb
+        (hidden, _), lb = model(tokens, positions, mask, expert_ids=replay, head=False), None
+    logp = target_logprobs(model.head, hidden, targets, temperature, model.cfg.logits_chunk)
+    return (from_zigzag(logp, perm) if n > 1 else logp), lb
+
+
+def _context_split(x: jax.Array) -> jax.Array:
+    """x: [B, T] -> the same, constrained to T over the current mesh's ``context`` axis (rows as they are),
+    so every activation of the forward is split over the context shards, not only attention."""
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(PartitionSpec.UNCONSTRAINED, CONTEXT_AXIS))
 
 
 def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, mb: MicroBatch) -> jax.Array:
@@ -77,6 +99,12 @@ class GradWorker:
         # MoE models add router_aux_loss_coef x the load-balancing loss, weighted by each micro-batch's share
         # of the step's loss weight (so micro-steps still sum to the step's objective).
         self.moe_coef = float(model_cfg.router_aux_loss_coef) if getattr(model_cfg, "is_moe", False) else 0.0
+        cp = int(getattr(model_cfg, "context_parallel", 1))
+        if cp > 1 and dict(mesh.shape).get(CONTEXT_AXIS, 1) != cp:
+            raise ValueError(
+                f"model.context_parallel={cp} needs the cell's mesh to have a {CONTEXT_AXIS!r} axis of {cp} devices; "
+                f"mesh {name!r} has axes {dict(mesh.shape)} (sharding.make_mesh(devices, {{..., 'context': {cp}}}))"
+            )
         _, abstract_params = abstract_model(model_cfg)
         self.param_shardings = param_shardings(abstract_params, rules, mesh)
         self.replicated = NamedSharding(mesh, PartitionSpec())
@@ -162,6 +190,11 @@ class GradWorker:
             raise ValueError(f"micro-step kind {kind!r} must be one of {KINDS}")
         kill_point("micro_step")
         batch = self.put_batch(mb)
+        cp = getattr(self.model_cfg, "context_parallel", 1) > 1
+        with jax.set_mesh(self.mesh) if cp else contextlib.nullcontext():  # ring attention reads the mesh from it
+            return self._grads(params, batch, kind, ref_params)
+
+    def _grads(self, params: nnx.State, batch: MicroBatch, kind: str, ref_params: nnx.State | None):
         if kind == "sft":
             return self._sft_grads(params, batch)
         if self.loss_cfg.kl_coef > 0.0 and ref_params is None:

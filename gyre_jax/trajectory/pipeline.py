@@ -257,7 +257,8 @@ class BuildChunks(grain.transforms.Map):
         except ValueError as e:
             return ExecutionChunks(
                 entry=element.entry,
-                excluded=f"does not fit: {e}; raise trajectory.row_length",
+                excluded=f"does not fit: {e}; raise trajectory.row_length (with model.context_parallel = n a "
+                "row's tokens are split over n devices: raise both to hold longer rows in the same memory per device)",
                 greedy_calls=element.greedy_calls,
             )
         return ExecutionChunks(entry=element.entry, selection=sel, chunks=chunks, greedy_calls=element.greedy_calls)
