@@ -222,21 +222,33 @@ def _bench_weights(pid: int, warmup: int, repeats: int) -> dict:
         params4, params2 = like(sh["cell0"]), like(sh["m01"])
         tiny = jax.ShapeDtypeStruct((1,), np.float32, sharding=one)
     param_bytes = _tree_bytes(abstract)
+    uuids = iter(range(1, 1 << 30))  # one per point-to-point move; both processes draw them in one order
+
+    def p2p(tree, shardings):
+        return lambda: runtime.transfer(tree, shardings, uuid=next(uuids))
+
     # name -> (what it is, devices, bytes, cross-process?, call)
     variants = {
-        "cell_put_4to4_cross": (
-            "cell_put across processes, 4-device cells",
+        "transfer_p2p_4to4_cross": (
+            "transfer point to point across processes, 4-device cells",
+            "0-3 -> 4-7",
+            param_bytes,
+            True,
+            p2p(params4, sh["cell1"]),
+        ),
+        "transfer_p2p_2to2_cross": (
+            "transfer point to point across processes, 2-device meshes",
+            "0-1 -> 4-5",
+            param_bytes,
+            True,
+            p2p(params2, sh["m45"]),
+        ),
+        "transfer_program_4to4_cross": (
+            "transfer by a program over both cells (before), 4-device cells",
             "0-3 -> 4-7",
             param_bytes,
             True,
             lambda: runtime.transfer(params4, sh["cell1"]),
-        ),
-        "cell_put_2to2_cross": (
-            "cell_put across processes, 2-device meshes",
-            "0-1 -> 4-5",
-            param_bytes,
-            True,
-            lambda: runtime.transfer(params2, sh["m45"]),
         ),
         "device_put_2to2_local": (
             "jax.device_put within process 0, 2-device meshes",
@@ -245,12 +257,12 @@ def _bench_weights(pid: int, warmup: int, repeats: int) -> dict:
             False,
             lambda: jax.device_put(params2, sh["m23"]),
         ),
-        "cell_put_4to4_cross_4B": (
-            "cell_put across processes, 4-device cells, one 4-byte array (latency floor)",
+        "transfer_p2p_4to4_cross_4B": (
+            "transfer point to point across processes, 4-device cells, one 4-byte array (latency floor)",
             "0-3 -> 4-7",
             4,
             True,
-            lambda: runtime.transfer(tiny, NamedSharding(cells[1].mesh, PartitionSpec())),
+            p2p(tiny, NamedSharding(cells[1].mesh, PartitionSpec())),
         ),
     }
     runtime.sync("weights-ready", timeout_s=SETUP_TIMEOUT_S)
@@ -262,7 +274,7 @@ def _bench_weights(pid: int, warmup: int, repeats: int) -> dict:
             if not cross and pid != 0:  # process 1 waits at the next barrier (host-side, idle)
                 continue
             t = time.perf_counter()
-            out = jax.block_until_ready(call())  # process 0, cross: its result has no shards (returns at dispatch)
+            out = jax.block_until_ready(call())  # process 0, cross: its result has no shards (returns once offered)
             dt = time.perf_counter() - t
             if r >= warmup:
                 times[name].append(dt)
@@ -428,8 +440,12 @@ def combine(results: list[dict], smoke: bool) -> dict:
     base = weights["variants"]["device_put_2to2_local"]["median_s"]
     for v in weights["variants"].values():
         v["median_over_device_put_2to2"] = v["median_s"] / base
-    weights["cell_put_4to4_over_cell_put_2to2"] = (
-        weights["variants"]["cell_put_4to4_cross"]["median_s"] / weights["variants"]["cell_put_2to2_cross"]["median_s"]
+    v = weights["variants"]
+    weights["p2p_4to4_over_p2p_2to2"] = (
+        v["transfer_p2p_4to4_cross"]["median_s"] / v["transfer_p2p_2to2_cross"]["median_s"]
+    )
+    weights["program_4to4_over_p2p_4to4"] = (
+        v["transfer_program_4to4_cross"]["median_s"] / v["transfer_p2p_4to4_cross"]["median_s"]
     )
     return {
         "benchmark": "bench_multiprocess",

@@ -49,15 +49,18 @@ class TransferLog:
     def __init__(self, keep: int = 256):
         self.lock = threading.RLock()
         self._next: dict[int, int] = collections.defaultdict(int)
-        self.recent: collections.deque[tuple[str, dict[int, int]]] = collections.deque(maxlen=keep)
+        self._uuids = itertools.count(1)
+        self.recent: collections.deque[tuple[str, dict[int, int], int]] = collections.deque(maxlen=keep)
 
-    def announce(self, kind: str, *processes: int) -> dict[int, int]:
+    def announce(self, kind: str, *processes: int) -> tuple[dict[int, int], int]:
+        """Each process's sequence number for this move, and the move's number in the run (its ``uuid``)."""
         seqs = {}
         for p in processes:
             seqs[p] = self._next[p]
             self._next[p] += 1
-        self.recent.append((kind, seqs))
-        return seqs
+        uuid = next(self._uuids)
+        self.recent.append((kind, seqs, uuid))
+        return seqs, uuid
 
 
 class FollowerLink:
@@ -173,9 +176,9 @@ class RemoteWorker:
     def snapshot(self, params: Any, slot: str = "params") -> cmd.WeightsRef:
         """``params`` (the core's, or the reference policy's) onto the remote cell's training layout."""
         ref = cmd.WeightsRef(cell=self.owner.index, slot=slot, serial=next(self._serials))
-        with self.owner.program("load_weights") as seqs:
-            self.owner.link.send(cmd.LoadWeights(cell=self.owner.index, ref=ref, transfer=seqs[self.owner.process]))
-            transfer(params, self.param_shardings)
+        with self.owner.program("load_weights") as (seqs, uuid):
+            self.owner.link.send(cmd.LoadWeights(self.owner.index, ref, seqs[self.owner.process], uuid))
+            transfer(params, self.param_shardings, uuid=uuid)
         return ref
 
     def micro_step(
@@ -192,10 +195,10 @@ class RemoteWorker:
             raise RemoteError(
                 f"{self.name}: no gradients from process {link.process_id} within {self.timeout_s} s"
             ) from None
-        with self.owner.program("send_grads") as seqs:
-            link.send(cmd.SendGrads(cell=index, token=token, transfer=seqs[link.process_id]))
+        with self.owner.program("send_grads") as (seqs, uuid):
+            link.send(cmd.SendGrads(cell=index, token=token, transfer=seqs[link.process_id], uuid=uuid))
             source = abstract_on(layout, self.owner.cell.mesh, self.core_shardings)
-            grads = transfer(source, self.core_shardings)
+            grads = transfer(source, self.core_shardings, uuid=uuid)
         return grads, aux
 
 
@@ -234,9 +237,10 @@ class RemoteCell(CellHandleBase):
         return self.link.process_id
 
     @contextmanager
-    def program(self, kind: str, *others: int) -> Iterator[dict[int, int]]:
-        """Announces a transfer program this cell's process (and processes ``others``) take part in; yields
-        each one's sequence number. Send the command(s) and run the leader's side (if any) inside the block."""
+    def program(self, kind: str, *others: int) -> Iterator[tuple[dict[int, int], int]]:
+        """Announces a move this cell's process (and processes ``others``) take part in; yields each one's
+        sequence number and the move's ``uuid``. Send the command(s) and run the leader's side (if any) inside
+        the block."""
         with self.transfers.lock:
             yield self.transfers.announce(kind, self.process, *others)
 
@@ -267,9 +271,9 @@ class RemoteCell(CellHandleBase):
     def set_weights(self, params: Any, version: int) -> None:
         """``params`` (the core's) onto the remote cell's serving layout by one program; swapped in remotely at
         the loop's next step."""
-        with self.program("set_weights") as seqs:
-            self.link.send(cmd.SetWeights(cell=self.index, version=version, transfer=seqs[self.process]))
-            transfer(params, self.layout.param_shardings)
+        with self.program("set_weights") as (seqs, uuid):
+            self.link.send(cmd.SetWeights(self.index, version, seqs[self.process], uuid))
+            transfer(params, self.layout.param_shardings, uuid=uuid)
         self._version = version
 
     def drop_sessions(self) -> int:
