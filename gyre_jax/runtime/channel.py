@@ -15,6 +15,8 @@ import struct
 import threading
 from typing import Any
 
+import numpy as np
+
 PREFIX = "gyre/ch"
 POLL_MS = 500  # a reader wakes this often to notice it was closed
 CONNECT_TIMEOUT_MS = 300_000  # a writer waits this long for its reader to appear (processes start at once)
@@ -181,14 +183,14 @@ class Channel:
         size, count = _HEADER.unpack(head)
         lengths = bytearray(_LENGTH.size * count)
         _recv_into(sock, lengths, repr(self.name))
-        data = bytearray(size)
-        _recv_into(sock, data, repr(self.name))
-        buffers = []
-        for (n,) in _LENGTH.iter_unpack(lengths):
-            buf = bytearray(n)
-            _recv_into(sock, buf, repr(self.name))
-            buffers.append(buf)
-        return pickle.loads(data, buffers=buffers)
+        sizes = [n for (n,) in _LENGTH.iter_unpack(lengths)]
+        blob = memoryview(np.empty(size + sum(sizes), np.uint8)).cast("B")  # one read, no zero-fill
+        _recv_into(sock, blob, repr(self.name))
+        buffers, offset = [], size
+        for n in sizes:  # the arrays of the message keep these views of the blob (no copy)
+            buffers.append(blob[offset : offset + n])
+            offset += n
+        return pickle.loads(blob[:size], buffers=buffers)
 
     def _accept(self, timeout_ms: int) -> socket.socket:
         if self._listener is None:

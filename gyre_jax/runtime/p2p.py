@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from gyre_jax.runtime.channel import local_address
 from gyre_jax.runtime.watchdog import FOREVER_MS, KV_NAMESPACE, DistributedError, first_line
@@ -129,8 +129,9 @@ def pack(shards: tuple) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=256)
-def unpack(layout: Layout):
-    """A jitted ``uint8[n] -> tuple of shards`` (shapes and dtypes as in ``layout``), inverse of ``pack``."""
+def unpack(layout: Layout, out_shardings: tuple | None = None):
+    """A jitted ``uint8[n] -> tuple of shards`` (shapes and dtypes as in ``layout``), inverse of ``pack``;
+    with ``out_shardings``, its outputs are laid out so (one per piece)."""
 
     def split(flat):
         out, offset = [], 0
@@ -148,7 +149,7 @@ def unpack(layout: Layout):
                 out.append(jax.lax.bitcast_convert_type(raw.reshape(tuple(shape) + (width,)), dtype))
         return tuple(out)
 
-    return jax.jit(split)
+    return jax.jit(split, out_shardings=out_shardings)
 
 
 def _nbytes(pieces: list) -> int:
@@ -180,6 +181,7 @@ def receive(leaves: list[Any], targets: list[NamedSharding], source: int, uuid: 
     positions = plan(leaves, targets)
     dst = targets[0].mesh
     flat_dst = list(dst.devices.flat)
+    local = [d for d in flat_dst if d.process_index == jax.process_index()]
     wanted = [
         jax.ShapeDtypeStruct((_nbytes(pieces),), jnp.uint8, sharding=SingleDeviceSharding(flat_dst[k]))
         for k, pieces in positions.items()
@@ -188,6 +190,12 @@ def receive(leaves: list[Any], targets: list[NamedSharding], source: int, uuid: 
         flats = _connection(source).pull(uuid, wanted)
     except Exception as exc:  # noqa: BLE001 - the peer may be gone: the watchdog tells
         raise DistributedError(f"{PULL_FAILED}: move {uuid} from process {source}: {first_line(exc)}") from None
+    if len(positions) == 1 and all(t.is_fully_replicated for t in targets) and all(d in local for d in flat_dst):
+        # every leaf whole on every device (e.g. weights under replicated rules): one local broadcast of the
+        # buffer and one program that unpacks it straight onto the targets
+        everywhere = jax.device_put(flats[0], NamedSharding(dst, PartitionSpec()))
+        (pieces,) = positions.values()
+        return list(unpack(tuple((shape, dt.name) for _, _, shape, dt in pieces), tuple(targets))(everywhere))
     by_position = dict(zip(positions, flats))
     indices = [t.devices_indices_map(tuple(x.shape)) for x, t in zip(leaves, targets)]
     primaries = [_primaries(tuple(x.shape), t) for x, t in zip(leaves, targets)]
@@ -205,7 +213,6 @@ def receive(leaves: list[Any], targets: list[NamedSharding], source: int, uuid: 
             unpacked[(k, device)] = {(j, key_j): part for (j, key_j, _, _), part in zip(pieces, parts)}
         return unpacked[(k, device)][(i, key)]
 
-    local = [d for d in flat_dst if d.process_index == jax.process_index()]
     out = []
     for i, (x, target) in enumerate(zip(leaves, targets)):
         arrays = [shard(i, d) for d in local]
