@@ -257,7 +257,8 @@ def initialize(config) -> ProcessInfo:
     """Selects the platform, creates this process's devices and, if enabled, joins the multi-process run.
 
     Call it once, before any JAX computation. Single-process
-    configs (``config.distributed.enabled`` false) only set the platform and devices.
+    configs (``config.distributed.enabled`` false) only set the platform and devices. A multi-process run
+    also starts this process's transfer server (``p2p.start``: cross-process moves point to point).
     """
     global _RUNTIME
     d = config.distributed  # checked with the rest of the config (gyre_jax.config.DistributedSection)

@@ -4,10 +4,12 @@ process, and the run's ordered log of cross-process transfers.
 In a multi-process run (``docs/multihost.md``) process 0 leads: it runs the proxy, the executor, the
 records, the trajectory pipeline, the controller and the core cell. Every other process is a follower
 (``runtime.host.CellHost``) that runs the cells on its own devices as the leader's commands say. Host
-messages (``runtime.commands``) travel on ``Channel``s; device data (weights, gradients, KV) moves only by
-``transfer`` programs, which every process taking part must run at the same point: the leader announces
-each one, under ``TransferLog.lock``, to the followers taking part (with their sequence numbers) before
-running its own side, and commands are read in the order sent, so every process runs them in one order.
+messages (``runtime.commands``) travel on ``Channel``s (direct TCP connections); device data (weights,
+gradients, KV) moves only by ``transfer``: point to point under a ``uuid`` (``runtime.p2p``), or, as the
+fallback, by a program every process taking part runs at the same point. The leader announces each move,
+under ``TransferLog.lock``, to the followers taking part (with their sequence numbers and the move's
+``uuid``) before running its own side, and commands are read in the order sent, so every process runs
+them in one order.
 """
 
 from __future__ import annotations
