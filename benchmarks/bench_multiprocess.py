@@ -1,6 +1,6 @@
 """Benchmark: what crossing processes costs, for host messages and for weights.
 
-    python benchmarks/bench_multiprocess.py            # about 30 s on 2 busy cores
+    python benchmarks/bench_multiprocess.py            # about a minute on 2 busy cores
     python benchmarks/bench_multiprocess.py --smoke    # seconds; the same code path, for tests
 
 Starts itself as 2 child processes x 4 virtual CPU devices on loopback (gloo collectives), the layout
@@ -8,26 +8,28 @@ of ``tests/runtime/``: process 0 is the leader, process 1 a follower. Two measur
 baseline measured in the same run:
 
 1. **Channel round trip** (``gyre_jax.runtime.channel.Channel``, the leader <-> follower host messages
-   through the coordination service's key-value store): process 0 sends a message on one channel,
-   process 1 receives it and sends it back on another; median and p90 over N round trips, for a small
-   payload (a ``GenerationRequest`` with a 2,000-token prompt) and a large one (a dict of numpy arrays of
-   ~200 KB, a packed micro-batch's fields). Baseline: the same ping-pong between two threads of process 0
-   over ``queue.Queue``, with the same pickling (``pickle.dumps`` / ``loads`` on both sides), so the
-   ratio is the coordination service's cost. Also reported: ``zlib.compress(payload, 6)`` timed alone,
-   since jax's coordination client gzips every request it sends (``use_compression=True``).
+   over a direct TCP connection): process 0 sends a message on one channel, process 1 receives it and
+   sends it back on another; median and p90 over N round trips, for a small payload (a
+   ``GenerationRequest`` with a 2,000-token prompt) and a large one (a dict of numpy arrays of ~200 KB, a
+   packed micro-batch's fields). Baseline: the same ping-pong between two threads of process 0 over
+   ``queue.Queue``, with the same pickling (``pickle.dumps`` / ``loads`` on both sides), so the ratio is
+   what crossing processes adds. Also measured (N / 5 round trips): the channel before, one key per
+   message in the coordination service's key-value store (``KVChannel``; jax's client gzips every
+   request, so ``zlib.compress(payload, 6)`` is timed alone too).
 2. **Weights across processes** (``runtime.transfer``, what ``RemoteCell.set_weights`` and
    ``RemoteWorker.snapshot`` run): the tiny model's params (``model.config.TINY``, initialized on cell 0
    with the default config's sharding rules) moved from a 4-device cell on process 0 (mesh data=4) to a
-   4-device cell on process 1. Both processes call it; process 1 passes ``jax.ShapeDtypeStruct`` leaves
-   with the source shardings. Timed on process 1 from a common barrier (``runtime.sync``) to
-   ``block_until_ready`` of its result. Baselines: ``jax.device_put`` of the same params between two
-   2-device meshes within process 0 (devices 0-1 -> 2-3), and, like for like, ``cell_put`` between
-   2-device meshes across processes (devices 0-1 -> 4-5); and a 4-byte array by ``cell_put`` between the
-   cells (the fixed cost of one cross-process program). The variants run round robin (after warm-up
-   calls that compile them), so load from other work falls on all alike. MB/s = the params' bytes /
-   the median time / 1e6; ``dest_device_bytes`` is what lands on the destination devices (every
-   device of a cell holds a full copy of the tiny model's params under the default rules). The leader's
-   own ``cell_put`` call, which returns once its side is dispatched, is reported too.
+   4-device cell on process 1, point to point (``uuid``: ``runtime.p2p``) and, for comparison, by the
+   program over both cells (the path before, still the fallback). Both processes call it; process 1
+   passes ``jax.ShapeDtypeStruct`` leaves with the source shardings. Timed on process 1 from a common
+   barrier (``runtime.sync``) to ``block_until_ready`` of its result. Baselines: ``jax.device_put`` of the
+   same params between two 2-device meshes within process 0 (devices 0-1 -> 2-3), and, like for like, a
+   point-to-point move between 2-device meshes across processes (devices 0-1 -> 4-5); and a 4-byte array
+   point to point between the cells (the fixed cost of one move). The variants run round robin (after
+   warm-up calls that compile them), so load from other work falls on all alike. MB/s = the params' bytes
+   / the median time / 1e6; ``dest_device_bytes`` is what lands on the destination devices (every device
+   of a cell holds a full copy of the tiny model's params under the default rules). The leader's own
+   call, which returns once its side is offered (point to point) or dispatched (program), is reported too.
 
 Prints markdown tables and writes JSON (``--out``, default ``benchmarks/results/multiprocess.json``;
 ``--smoke``: fewer repeats, default ``benchmarks/results/multiprocess_smoke.json``). Every wait has a
@@ -131,29 +133,58 @@ def _queue_round_trips(obj, warmup: int, n: int) -> list[float]:
     return times
 
 
+class KVChannel:
+    """The host channel before (kept here only to measure it): one key per message in the coordination
+    service's key-value store (``gyre/ch/<name>/<k>``; the reader deletes each key), which jax's client
+    sends gzip-compressed."""
+
+    def __init__(self, client, name: str):
+        self.client, self.name, self._send, self._recv = client, name, 0, 0
+
+    def send(self, obj) -> None:
+        self.client.key_value_set_bytes(f"bench/kv/{self.name}/{self._send}", pickle.dumps(obj, protocol=5))
+        self._send += 1
+
+    def recv(self, timeout_ms: int):
+        key = f"bench/kv/{self.name}/{self._recv}"
+        data = self.client.blocking_key_value_get_bytes(key, timeout_ms)
+        self._recv += 1
+        self.client.key_value_delete(key)
+        return pickle.loads(data)
+
+
+def _ping_pong(pid: int, ping, pong, obj, warmup: int, n: int) -> list[float]:
+    """Process 0 sends ``obj`` on ``ping`` and waits for it back on ``pong`` (process 1 echoes); its times."""
+    times = []
+    if pid == 0:
+        for i in range(warmup + n):
+            t = time.perf_counter()
+            ping.send(obj)
+            pong.recv(timeout_ms=RECV_TIMEOUT_MS)
+            if i >= warmup:
+                times.append(time.perf_counter() - t)
+    else:
+        for _ in range(warmup + n):
+            pong.send(ping.recv(timeout_ms=RECV_TIMEOUT_MS))
+    return times
+
+
 def _bench_channels(pid: int, client, warmup: int, n: int) -> dict:
     from gyre_jax import runtime
     from gyre_jax.runtime.channel import Channel
 
     ping, pong = Channel(client, "bench-ping"), Channel(client, "bench-pong")
+    kv_ping, kv_pong = KVChannel(client, "ping"), KVChannel(client, "pong")
     out = {}
     for name, obj in _payloads().items():
         runtime.sync(f"channel-{name}", timeout_s=SETUP_TIMEOUT_S)
-        if pid == 0:
-            times = []
-            for i in range(warmup + n):
-                t = time.perf_counter()
-                ping.send(obj)
-                pong.recv(timeout_ms=RECV_TIMEOUT_MS)
-                if i >= warmup:
-                    times.append(time.perf_counter() - t)
-        else:
-            for _ in range(warmup + n):
-                pong.send(ping.recv(timeout_ms=RECV_TIMEOUT_MS))
+        times = _ping_pong(pid, ping, pong, obj, warmup, n)
+        runtime.sync(f"kv-{name}", timeout_s=SETUP_TIMEOUT_S)
+        kv_times = _ping_pong(pid, kv_ping, kv_pong, obj, max(1, warmup // 5), max(2, n // 5))
         runtime.sync(f"queue-{name}", timeout_s=SYNC_TIMEOUT_S)
         if pid == 0:  # process 1 waits at the next barrier meanwhile (host-side, idle)
             base = _queue_round_trips(obj, warmup, n)
-            ch, q = _stats_ms(times), _stats_ms(base)
+            ch, q, kv = _stats_ms(times), _stats_ms(base), _stats_ms(kv_times)
             data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             gzip_s = []
             for _ in range(5):  # jax's coordination client gzips every request (use_compression=True)
@@ -166,9 +197,11 @@ def _bench_channels(pid: int, client, warmup: int, n: int) -> dict:
                 "gzip6_bytes": len(packed),
                 "gzip6_ms": _pct(gzip_s, 50) * 1e3,
                 "channel": ch,
+                "kv_channel": kv,
                 "queue": q,
                 "median_ratio": ch["median_ms"] / q["median_ms"],
                 "p90_ratio": ch["p90_ms"] / q["p90_ms"],
+                "kv_median_ratio": kv["median_ms"] / q["median_ms"],
                 "channel_times_ms": [t * 1e3 for t in times],
             }
     runtime.sync("channels-done", timeout_s=SETUP_TIMEOUT_S)
@@ -222,21 +255,33 @@ def _bench_weights(pid: int, warmup: int, repeats: int) -> dict:
         params4, params2 = like(sh["cell0"]), like(sh["m01"])
         tiny = jax.ShapeDtypeStruct((1,), np.float32, sharding=one)
     param_bytes = _tree_bytes(abstract)
+    uuids = iter(range(1, 1 << 30))  # one per point-to-point move; both processes draw them in one order
+
+    def p2p(tree, shardings):
+        return lambda: runtime.transfer(tree, shardings, uuid=next(uuids))
+
     # name -> (what it is, devices, bytes, cross-process?, call)
     variants = {
-        "cell_put_4to4_cross": (
-            "cell_put across processes, 4-device cells",
+        "transfer_p2p_4to4_cross": (
+            "transfer point to point across processes, 4-device cells",
+            "0-3 -> 4-7",
+            param_bytes,
+            True,
+            p2p(params4, sh["cell1"]),
+        ),
+        "transfer_p2p_2to2_cross": (
+            "transfer point to point across processes, 2-device meshes",
+            "0-1 -> 4-5",
+            param_bytes,
+            True,
+            p2p(params2, sh["m45"]),
+        ),
+        "transfer_program_4to4_cross": (
+            "transfer by a program over both cells (before), 4-device cells",
             "0-3 -> 4-7",
             param_bytes,
             True,
             lambda: runtime.transfer(params4, sh["cell1"]),
-        ),
-        "cell_put_2to2_cross": (
-            "cell_put across processes, 2-device meshes",
-            "0-1 -> 4-5",
-            param_bytes,
-            True,
-            lambda: runtime.transfer(params2, sh["m45"]),
         ),
         "device_put_2to2_local": (
             "jax.device_put within process 0, 2-device meshes",
@@ -245,12 +290,12 @@ def _bench_weights(pid: int, warmup: int, repeats: int) -> dict:
             False,
             lambda: jax.device_put(params2, sh["m23"]),
         ),
-        "cell_put_4to4_cross_4B": (
-            "cell_put across processes, 4-device cells, one 4-byte array (latency floor)",
+        "transfer_p2p_4to4_cross_4B": (
+            "transfer point to point across processes, 4-device cells, one 4-byte array (latency floor)",
             "0-3 -> 4-7",
             4,
             True,
-            lambda: runtime.transfer(tiny, NamedSharding(cells[1].mesh, PartitionSpec())),
+            p2p(tiny, NamedSharding(cells[1].mesh, PartitionSpec())),
         ),
     }
     runtime.sync("weights-ready", timeout_s=SETUP_TIMEOUT_S)
@@ -262,7 +307,7 @@ def _bench_weights(pid: int, warmup: int, repeats: int) -> dict:
             if not cross and pid != 0:  # process 1 waits at the next barrier (host-side, idle)
                 continue
             t = time.perf_counter()
-            out = jax.block_until_ready(call())  # process 0, cross: its result has no shards (returns at dispatch)
+            out = jax.block_until_ready(call())  # process 0, cross: its result has no shards (returns once offered)
             dt = time.perf_counter() - t
             if r >= warmup:
                 times[name].append(dt)
@@ -428,8 +473,12 @@ def combine(results: list[dict], smoke: bool) -> dict:
     base = weights["variants"]["device_put_2to2_local"]["median_s"]
     for v in weights["variants"].values():
         v["median_over_device_put_2to2"] = v["median_s"] / base
-    weights["cell_put_4to4_over_cell_put_2to2"] = (
-        weights["variants"]["cell_put_4to4_cross"]["median_s"] / weights["variants"]["cell_put_2to2_cross"]["median_s"]
+    v = weights["variants"]
+    weights["p2p_4to4_over_p2p_2to2"] = (
+        v["transfer_p2p_4to4_cross"]["median_s"] / v["transfer_p2p_2to2_cross"]["median_s"]
+    )
+    weights["program_4to4_over_p2p_4to4"] = (
+        v["transfer_program_4to4_cross"]["median_s"] / v["transfer_p2p_4to4_cross"]["median_s"]
     )
     return {
         "benchmark": "bench_multiprocess",
@@ -450,19 +499,22 @@ def combine(results: list[dict], smoke: bool) -> dict:
 
 def tables(res: dict) -> str:
     lines = [
-        ("Channel round trip (process 0 -> process 1 -> process 0) vs queue.Queue between two threads, same pickling:"),
+        (
+            "Channel round trip (process 0 -> process 1 -> process 0): TCP Channel (now), the key-value store "
+            "(before), queue.Queue between two threads of one process with the same pickling:"
+        ),
         "",
         (
-            "| payload | pickled bytes | Channel median ms | Channel p90 ms | queue median ms | queue p90 ms | "
-            "median ratio | zlib-6 of the payload ms |"
+            "| payload | pickled bytes | Channel median ms | Channel p90 ms | key-value (before) median ms | "
+            "queue median ms | queue p90 ms | Channel / queue | key-value / queue |"
         ),
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, c in res["channel"].items():
         lines.append(
-            f"| {name}: {c['payload']} | {c['pickled_bytes']:,} | {c['channel']['median_ms']:.2f} | "
-            f"{c['channel']['p90_ms']:.2f} | {c['queue']['median_ms']:.3f} | {c['queue']['p90_ms']:.3f} | "
-            f"{c['median_ratio']:.0f} | {c['gzip6_ms']:.2f} |"
+            f"| {name}: {c['payload']} | {c['pickled_bytes']:,} | {c['channel']['median_ms']:.3f} | "
+            f"{c['channel']['p90_ms']:.3f} | {c['kv_channel']['median_ms']:.2f} | {c['queue']['median_ms']:.3f} | "
+            f"{c['queue']['p90_ms']:.3f} | {c['median_ratio']:.1f} | {c['kv_median_ratio']:.0f} |"
         )
     w = res["weights"]
     lines += [
@@ -483,7 +535,7 @@ def tables(res: dict) -> str:
         lines.append(
             f"| {v['what']} | {v['devices']} | {v['bytes']:,} | {v['dest_device_bytes']:,} | "
             f"{v['median_s'] * 1e3:.2f} | {v['p90_s'] * 1e3:.2f} | {v['mb_per_s']:.2f} | "
-            f"{v['median_over_device_put_2to2']:.1f} | {leader} |"
+            f"{v['median_over_device_put_2to2']:.2f} | {leader} |"
         )
     return "\n".join(lines)
 

@@ -4,9 +4,9 @@
   (``broadcast_decision``, ``sync``, ``abort``) and fail-fast (``watchdog``).
 - ``cells``: ``make_train_mesh``, ``make_cells`` (equal, host-aligned submeshes), ``CellLayout``.
 - ``transfer``: ``transfer`` (every move of arrays between cells, in one process or across processes) and
-  ``publish_to_cells``.
+  ``publish_to_cells``; ``p2p``: cross-process moves point to point (``jax.experimental.transfer``).
 - ``handle``: the ``CellHandle`` protocol; ``local.LocalCell`` runs a cell in this process,
-  ``remote.RemoteCell`` drives a cell on a follower process (typed ``commands`` on ``channel``s, an ordered
+  ``remote.RemoteCell`` drives a cell on a follower process (typed ``commands`` on TCP ``channel``s, an ordered
   ``remote.TransferLog``), and ``host.CellHost`` is the follower's side; ``sessions`` moves sessions
   between any two handles.
 

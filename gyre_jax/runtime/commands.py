@@ -4,7 +4,8 @@ Every command names the cell it is for. A command that expects an answer carries
 answers with ``Reply(token, value)`` or ``Failure(token, error)``. A command whose work is a cross-process
 ``transfer`` program carries ``transfer``: the follower's sequence number of that program in the run's
 transfer log (``remote.TransferLog``), which the follower checks before running its side, so both
-processes run every program in one order. Host data only: token ids, packed micro-batches as host
+processes run every program in one order, and ``uuid``: the move's number in the run, under which the
+sending process offers its arrays and the receiving one pulls them (point-to-point moves, ``runtime.p2p``). Host data only: token ids, packed micro-batches as host
 arrays, sessions' host parts, array layouts.
 """
 
@@ -61,6 +62,7 @@ class SetWeights:
     cell: int
     version: int
     transfer: int
+    uuid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class LoadWeights:
     cell: int
     ref: WeightsRef
     transfer: int
+    uuid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class SendGrads:
     cell: int
     token: int
     transfer: int
+    uuid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class SendKV:
     index: int
     dest: int
     transfer: int
+    uuid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,7 @@ class ImportSession:
     part: SessionPart
     source: int
     transfer: int | None
+    uuid: int | None = None
 
 
 @dataclass(frozen=True)

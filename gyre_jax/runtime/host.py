@@ -203,7 +203,7 @@ class CellHost:
     def _set_weights(self, c: cmd.SetWeights) -> None:
         cell = self.cells[c.cell]
         self._program(c.transfer, "SetWeights")
-        params = transfer(self.core_abstract, cell.layout.param_shardings)
+        params = transfer(self.core_abstract, cell.layout.param_shardings, uuid=c.uuid)
         if cell.loop is None:
             cell.loop = cell.make_loop(params, c.version)
         else:
@@ -230,7 +230,10 @@ class CellHost:
     def _load_weights(self, c: cmd.LoadWeights) -> None:
         cell = self.cells[c.cell]
         self._program(c.transfer, "LoadWeights")
-        cell.weights[c.ref.slot] = (c.ref.serial, transfer(self.core_abstract, cell.worker.param_shardings))
+        cell.weights[c.ref.slot] = (
+            c.ref.serial,
+            transfer(self.core_abstract, cell.worker.param_shardings, uuid=c.uuid),
+        )
 
     def _micro_step(self, c: cmd.MicroStep) -> None:
         cell = self.cells[c.cell]
@@ -251,7 +254,7 @@ class CellHost:
     def _send_grads(self, c: cmd.SendGrads) -> None:
         grads = self.cells[c.cell].grads.pop(c.token)
         self._program(c.transfer, "SendGrads")
-        jax.block_until_ready(transfer(grads, self.core_shardings))
+        jax.block_until_ready(transfer(grads, self.core_shardings, uuid=c.uuid))
 
     # -- sessions -----------------------------------------------------------------------------------------
     def _export_sessions(self, c: cmd.ExportSessions) -> None:
@@ -267,7 +270,7 @@ class CellHost:
     def _send_kv(self, c: cmd.SendKV) -> None:
         kv = self.cells[c.cell].outbox.pop(c.index)
         self._program(c.transfer, "SendKV")
-        jax.block_until_ready(transfer(kv, self.layouts[c.dest].kv_pages_shardings(kv.num_pages)))
+        jax.block_until_ready(transfer(kv, self.layouts[c.dest].kv_pages_shardings(kv.num_pages), uuid=c.uuid))
 
     def _import_session(self, c: cmd.ImportSession) -> None:
         cell = self.cells[c.cell]
@@ -275,7 +278,7 @@ class CellHost:
         if c.part.kv is not None:
             self._program(c.transfer, "ImportSession")
             like = cell.layout.kv_pages_shardings(c.part.kv[0])
-            kv = transfer(abstract_on(c.part.kv[1], self.layouts[c.source].cell.mesh, like), like)
+            kv = transfer(abstract_on(c.part.kv[1], self.layouts[c.source].cell.mesh, like), like, uuid=c.uuid)
         future = None
         request = c.part.fields["request"]
         if request is not None:

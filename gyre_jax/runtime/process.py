@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from gyre_jax.runtime import p2p
 from gyre_jax.runtime.watchdog import (
     FAILED_EXIT_CODE,
     FOREVER_MS,
@@ -94,8 +95,8 @@ def _configure_platform(platform: str, cpu_devices: int) -> None:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
 
 
-# What a collective raises when the process at the other end of its connection is gone (gloo on CPU).
-_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
+# What a collective (gloo on CPU), a host channel or a point-to-point pull raises when its peer is gone.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", p2p.PULL_FAILED)
 
 
 def peer_connection_lost(exc: BaseException) -> bool:
@@ -256,7 +257,8 @@ def initialize(config) -> ProcessInfo:
     """Selects the platform, creates this process's devices and, if enabled, joins the multi-process run.
 
     Call it once, before any JAX computation. Single-process
-    configs (``config.distributed.enabled`` false) only set the platform and devices.
+    configs (``config.distributed.enabled`` false) only set the platform and devices. A multi-process run
+    also starts this process's transfer server (``p2p.start``: cross-process moves point to point).
     """
     global _RUNTIME
     d = config.distributed  # checked with the rest of the config (gyre_jax.config.DistributedSection)
@@ -284,6 +286,7 @@ def initialize(config) -> ProcessInfo:
     _check_equal_local_devices(client, info)
     _RUNTIME = DistributedRuntime(info, client, float(d.heartbeat_timeout_s))
     _RUNTIME.install()
+    p2p.start(client, info.process_id, info.num_processes, info.coordinator_address)
     log.info(
         "distributed: process %d of %d, %d local / %d global %s devices, coordinator %s",
         info.process_id,

@@ -4,10 +4,12 @@ process, and the run's ordered log of cross-process transfers.
 In a multi-process run (``docs/multihost.md``) process 0 leads: it runs the proxy, the executor, the
 records, the trajectory pipeline, the controller and the core cell. Every other process is a follower
 (``runtime.host.CellHost``) that runs the cells on its own devices as the leader's commands say. Host
-messages (``runtime.commands``) travel on ``Channel``s; device data (weights, gradients, KV) moves only by
-``transfer`` programs, which every process taking part must run at the same point: the leader announces
-each one, under ``TransferLog.lock``, to the followers taking part (with their sequence numbers) before
-running its own side, and commands are read in the order sent, so every process runs them in one order.
+messages (``runtime.commands``) travel on ``Channel``s (direct TCP connections); device data (weights,
+gradients, KV) moves only by ``transfer``: point to point under a ``uuid`` (``runtime.p2p``), or, as the
+fallback, by a program every process taking part runs at the same point. The leader announces each move,
+under ``TransferLog.lock``, to the followers taking part (with their sequence numbers and the move's
+``uuid``) before running its own side, and commands are read in the order sent, so every process runs
+them in one order.
 """
 
 from __future__ import annotations
@@ -49,15 +51,18 @@ class TransferLog:
     def __init__(self, keep: int = 256):
         self.lock = threading.RLock()
         self._next: dict[int, int] = collections.defaultdict(int)
-        self.recent: collections.deque[tuple[str, dict[int, int]]] = collections.deque(maxlen=keep)
+        self._uuids = itertools.count(1)
+        self.recent: collections.deque[tuple[str, dict[int, int], int]] = collections.deque(maxlen=keep)
 
-    def announce(self, kind: str, *processes: int) -> dict[int, int]:
+    def announce(self, kind: str, *processes: int) -> tuple[dict[int, int], int]:
+        """Each process's sequence number for this move, and the move's number in the run (its ``uuid``)."""
         seqs = {}
         for p in processes:
             seqs[p] = self._next[p]
             self._next[p] += 1
-        self.recent.append((kind, seqs))
-        return seqs
+        uuid = next(self._uuids)
+        self.recent.append((kind, seqs, uuid))
+        return seqs, uuid
 
 
 class FollowerLink:
@@ -173,9 +178,9 @@ class RemoteWorker:
     def snapshot(self, params: Any, slot: str = "params") -> cmd.WeightsRef:
         """``params`` (the core's, or the reference policy's) onto the remote cell's training layout."""
         ref = cmd.WeightsRef(cell=self.owner.index, slot=slot, serial=next(self._serials))
-        with self.owner.program("load_weights") as seqs:
-            self.owner.link.send(cmd.LoadWeights(cell=self.owner.index, ref=ref, transfer=seqs[self.owner.process]))
-            transfer(params, self.param_shardings)
+        with self.owner.program("load_weights") as (seqs, uuid):
+            self.owner.link.send(cmd.LoadWeights(self.owner.index, ref, seqs[self.owner.process], uuid))
+            transfer(params, self.param_shardings, uuid=uuid)
         return ref
 
     def micro_step(
@@ -192,10 +197,10 @@ class RemoteWorker:
             raise RemoteError(
                 f"{self.name}: no gradients from process {link.process_id} within {self.timeout_s} s"
             ) from None
-        with self.owner.program("send_grads") as seqs:
-            link.send(cmd.SendGrads(cell=index, token=token, transfer=seqs[link.process_id]))
+        with self.owner.program("send_grads") as (seqs, uuid):
+            link.send(cmd.SendGrads(cell=index, token=token, transfer=seqs[link.process_id], uuid=uuid))
             source = abstract_on(layout, self.owner.cell.mesh, self.core_shardings)
-            grads = transfer(source, self.core_shardings)
+            grads = transfer(source, self.core_shardings, uuid=uuid)
         return grads, aux
 
 
@@ -234,9 +239,10 @@ class RemoteCell(CellHandleBase):
         return self.link.process_id
 
     @contextmanager
-    def program(self, kind: str, *others: int) -> Iterator[dict[int, int]]:
-        """Announces a transfer program this cell's process (and processes ``others``) take part in; yields
-        each one's sequence number. Send the command(s) and run the leader's side (if any) inside the block."""
+    def program(self, kind: str, *others: int) -> Iterator[tuple[dict[int, int], int]]:
+        """Announces a move this cell's process (and processes ``others``) take part in; yields each one's
+        sequence number and the move's ``uuid``. Send the command(s) and run the leader's side (if any) inside
+        the block."""
         with self.transfers.lock:
             yield self.transfers.announce(kind, self.process, *others)
 
@@ -267,9 +273,9 @@ class RemoteCell(CellHandleBase):
     def set_weights(self, params: Any, version: int) -> None:
         """``params`` (the core's) onto the remote cell's serving layout by one program; swapped in remotely at
         the loop's next step."""
-        with self.program("set_weights") as seqs:
-            self.link.send(cmd.SetWeights(cell=self.index, version=version, transfer=seqs[self.process]))
-            transfer(params, self.layout.param_shardings)
+        with self.program("set_weights") as (seqs, uuid):
+            self.link.send(cmd.SetWeights(self.index, version, seqs[self.process], uuid))
+            transfer(params, self.layout.param_shardings, uuid=uuid)
         self._version = version
 
     def drop_sessions(self) -> int:

@@ -84,9 +84,9 @@ def _local_to_remote(source: LocalCell, target: RemoteCell) -> list[MovedSession
         if part.kv is None:
             target.link.send(cmd.ImportSession(target.index, token, part, source.index, None))
         else:
-            with target.program("kv_in") as seqs:
-                target.link.send(cmd.ImportSession(target.index, token, part, source.index, seqs[target.process]))
-                transfer(state.kv, target.layout.kv_pages_shardings(part.kv[0]))
+            with target.program("kv_in") as (seqs, uuid):
+                target.link.send(cmd.ImportSession(target.index, token, part, source.index, seqs[target.process], uuid))
+                transfer(state.kv, target.layout.kv_pages_shardings(part.kv[0]), uuid=uuid)
         if part.fields["request"] is not None:
             state.moved_to = target  # the local loop forwards cancels
         out.append(moved(part))
@@ -112,9 +112,9 @@ def _remote_to_local(source: RemoteCell, target: LocalCell) -> list[MovedSession
         kv = None
         if part.kv is not None:
             like = target.layout.kv_pages_shardings(part.kv[0])
-            with source.program("kv_out") as seqs:
-                source.link.send(cmd.SendKV(source.index, index, target.index, seqs[source.process]))
-                kv = transfer(abstract_on(part.kv[1], source.cell.mesh, like), like)
+            with source.program("kv_out") as (seqs, uuid):
+                source.link.send(cmd.SendKV(source.index, index, target.index, seqs[source.process], uuid))
+                kv = transfer(abstract_on(part.kv[1], source.cell.mesh, like), like, uuid=uuid)
         target.loop.import_session(SessionState(kv=kv, future=caller, **part.fields))
         out.append(moved(part))
     return out
@@ -127,9 +127,9 @@ def _remote_to_remote(source: RemoteCell, target: RemoteCell) -> list[MovedSessi
         if part.kv is None:
             target.link.send(cmd.ImportSession(target.index, token, part, source.index, None))
         else:
-            with source.program("kv_move", target.process) as seqs:  # the two followers run it
-                source.link.send(cmd.SendKV(source.index, index, target.index, seqs[source.process]))
-                target.link.send(cmd.ImportSession(target.index, token, part, source.index, seqs[target.process]))
+            with source.program("kv_move", target.process) as (seqs, uuid):  # the two followers run it
+                source.link.send(cmd.SendKV(source.index, index, target.index, seqs[source.process], uuid))
+                target.link.send(cmd.ImportSession(target.index, token, part, source.index, seqs[target.process], uuid))
         out.append(moved(part))
     return out
 

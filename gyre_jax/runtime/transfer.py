@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gyre_jax.runtime import p2p
 from gyre_jax.runtime.watchdog import DistributedError
 
 
@@ -130,7 +131,7 @@ def publish_to_cells(params: Any, cell_shardings: Sequence[Any]) -> list[Any]:
     return result
 
 
-def transfer(tree: Any, shardings: Any, *, may_alias: bool | None = None) -> Any:
+def transfer(tree: Any, shardings: Any, *, may_alias: bool | None = None, uuid: int | None = None) -> Any:
     """``tree`` onto ``shardings`` (a pytree of ``NamedSharding`` like ``tree``): the one way arrays move
     between cells, whichever processes hold them.
 
@@ -144,6 +145,12 @@ def transfer(tree: Any, shardings: Any, *, may_alias: bool | None = None) -> Any
     (``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``) in its place. 0-d leaves travel as ``[1]``
     arrays. While it runs it costs a zero-filled shard per destination device and a copy on the source
     devices (the source half of the program's output).
+
+    With ``uuid`` (a number unique in the run that both sides pass: ``remote.TransferLog`` gives them), each
+    mesh held by one process and point-to-point moves on (``p2p.enabled``), the move goes point to point
+    instead (``runtime.p2p``): the source process offers its shards and returns at once, the destination
+    process pulls them (the bytes cross once; no program runs on both sides, so there is nothing to keep in
+    order). The source side's result then has no local shards.
     """
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(shardings)
@@ -167,8 +174,18 @@ def transfer(tree: Any, shardings: Any, *, may_alias: bool | None = None) -> Any
             f"transfer across processes needs meshes of one shape: {dict(src.shape)} -> "
             f"{dict(dst.shape)} (not supported yet)"
         )
-    if not (src_devs | dst_devs) & local:  # this process holds neither mesh: nothing to run
+
+    def nothing_here() -> Any:  # the result on a process that holds no destination device
         return jax.tree.unflatten(treedef, [_wrap(x.shape, x.dtype, t, {}) for x, t in zip(leaves, targets)])
+
+    if not (src_devs | dst_devs) & local:  # this process holds neither mesh: nothing to run
+        return nothing_here()
+    source = p2p.owner(src)
+    if uuid is not None and p2p.enabled() and source is not None and p2p.owner(dst) is not None:
+        if src_devs & local:
+            p2p.send(leaves, targets, src, uuid)
+            return nothing_here()
+        return jax.tree.unflatten(treedef, p2p.receive(leaves, targets, source, uuid))
     out = _cross_process_copy(leaves, targets, treedef, src, dst, local)
     return jax.tree.unflatten(treedef, out)
 

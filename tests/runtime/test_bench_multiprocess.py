@@ -20,10 +20,11 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks" / "bench_multiprocess.py"
 # name -> (across processes?, destination devices, moves the whole params?)
 VARIANTS = {
-    "cell_put_4to4_cross": (True, 4, True),
-    "cell_put_2to2_cross": (True, 2, True),
+    "transfer_p2p_4to4_cross": (True, 4, True),
+    "transfer_p2p_2to2_cross": (True, 2, True),
+    "transfer_program_4to4_cross": (True, 4, True),
     "device_put_2to2_local": (False, 2, True),
-    "cell_put_4to4_cross_4B": (True, 4, False),
+    "transfer_p2p_4to4_cross_4B": (True, 4, False),
 }
 
 pytestmark = pytest.mark.slow
@@ -62,7 +63,7 @@ def test_smoke_run_writes_consistent_results(tmp_path):
     assert set(res["channel"]) == {"small", "large"}
     for name, c in res["channel"].items():
         assert c["pickled_bytes"] > 0 and 0 < c["gzip6_bytes"] and c["gzip6_ms"] > 0
-        for side in ("channel", "queue"):
+        for side in ("channel", "kv_channel", "queue"):
             s = c[side]
             assert s["n"] >= 1 and 0 < s["median_ms"] <= s["p90_ms"], (name, side, s)
         samples = c["channel_times_ms"]
@@ -71,6 +72,7 @@ def test_smoke_run_writes_consistent_results(tmp_path):
         assert c["channel"]["p90_ms"] == pytest.approx(float(np.percentile(samples, 90)), rel=1e-9)
         assert c["median_ratio"] == pytest.approx(c["channel"]["median_ms"] / c["queue"]["median_ms"], rel=1e-9)
         assert c["p90_ratio"] == pytest.approx(c["channel"]["p90_ms"] / c["queue"]["p90_ms"], rel=1e-9)
+        assert c["kv_median_ratio"] == pytest.approx(c["kv_channel"]["median_ms"] / c["queue"]["median_ms"], rel=1e-9)
     assert 8_000 < res["channel"]["small"]["pickled_bytes"] < 20_000  # 2,000 token ids
     assert 150_000 < res["channel"]["large"]["pickled_bytes"] < 300_000  # ~200 KB of arrays
 
@@ -91,6 +93,10 @@ def test_smoke_run_writes_consistent_results(tmp_path):
         assert v["mb_per_s"] == pytest.approx(v["bytes"] / v["median_s"] / 1e6, rel=1e-9)
         base = w["variants"]["device_put_2to2_local"]["median_s"]
         assert v["median_over_device_put_2to2"] == pytest.approx(v["median_s"] / base, rel=1e-9)
-    assert w["cell_put_4to4_over_cell_put_2to2"] == pytest.approx(
-        w["variants"]["cell_put_4to4_cross"]["median_s"] / w["variants"]["cell_put_2to2_cross"]["median_s"], rel=1e-9
+    v = w["variants"]
+    assert w["p2p_4to4_over_p2p_2to2"] == pytest.approx(
+        v["transfer_p2p_4to4_cross"]["median_s"] / v["transfer_p2p_2to2_cross"]["median_s"], rel=1e-9
+    )
+    assert w["program_4to4_over_p2p_4to4"] == pytest.approx(
+        v["transfer_program_4to4_cross"]["median_s"] / v["transfer_p2p_4to4_cross"]["median_s"], rel=1e-9
     )

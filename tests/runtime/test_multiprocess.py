@@ -175,6 +175,18 @@ def test_cell_put_moves_trees_between_cells_on_different_processes(main_run):
     assert m1["cell_put_scalar"] == 2.5
 
 
+def test_point_to_point_moves_equal_the_source_in_every_dtype_and_layout(main_run):
+    """``transfer(..., uuid=n)``: the sender offers, the receiver pulls (``runtime.p2p``); sharded and replicated
+    leaves of f32 / bf16 / int8 / bool / 0-d, resharded on the way, arrive bit for bit on the target layout."""
+    _, runs, _ = main_run
+    (m0, _), (m1, _) = runs
+    assert m0["p2p_enabled"] and m1["p2p_enabled"]
+    assert m1["p2p_params_ok"] and m1["p2p_params_held"] == [True]
+    assert m0["p2p_params_held"] == [False]
+    assert m1["p2p_mixed_ok"] == {"f32": True, "bf16": True, "i8": True, "bool": True, "scalar": True}
+    assert m0["p2p_back_ok"] is True
+
+
 def test_broadcast_decision_gives_identical_objects_on_every_process(main_run):
     _, runs, _ = main_run
     (m0, _), (m1, _) = runs

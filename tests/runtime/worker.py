@@ -236,6 +236,7 @@ def scenario_main(args, info, config, out: dict) -> None:
     if info.process_id == 1:
         out["cell_put_scalar"] = float(np.asarray(moved.addressable_data(0)))
 
+    _p2p_moves(info.process_id, cells, shardings, per_cell, host_params, out)
     lap("cell_put")
     # Orbax: every process writes its shards of one checkpoint.
     ckpt = Checkpointer(Path(args.out) / "ckpt", max_to_keep=2)
@@ -338,6 +339,74 @@ def main() -> int:
     (Path(args.out) / f"{args.scenario}_{info.process_id}.json").write_text(json.dumps(out, indent=1, sort_keys=True))
     runtime.shutdown()
     return 0
+
+
+def _p2p_moves(pid: int, cells, shardings, per_cell, host_params, out: dict) -> None:
+    """The same moves point to point (``uuid``), plus sharded leaves of several dtypes, resharded on the way."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from gyre_jax import runtime
+    from gyre_jax.runtime import p2p
+
+    out["p2p_enabled"] = p2p.enabled()
+    snap = runtime.transfer(per_cell[0], shardings[1], uuid=101)
+    out["p2p_params_ok"] = shards_match(snap, host_params)
+    out["p2p_params_held"] = sorted({bool(x.addressable_shards) for x in jax.tree.leaves(snap)})
+    axis = cells[0].mesh.axis_names[0]
+    values = {
+        "f32": np.arange(32 * 6, dtype=np.float32).reshape(32, 6) / 7,
+        "bf16": (np.arange(16 * 4).reshape(16, 4) / 3).astype(jax.numpy.bfloat16),
+        "i8": (np.arange(8 * 3).reshape(8, 3) - 12).astype(np.int8),
+        "bool": np.arange(8) % 3 == 0,
+        "scalar": np.float32(-1.25),
+    }
+    src_specs = {
+        "f32": PartitionSpec(axis),
+        "bf16": PartitionSpec(),
+        "i8": PartitionSpec(axis),
+        "bool": PartitionSpec(axis),
+    }
+    dst_specs = {
+        "f32": PartitionSpec(axis),
+        "bf16": PartitionSpec(axis),
+        "i8": PartitionSpec(),
+        "bool": PartitionSpec(axis),
+    }
+
+    def spec(specs, k):
+        return specs.get(k, PartitionSpec())
+
+    src = {k: NamedSharding(cells[0].mesh, spec(src_specs, k)) for k in values}
+    dst = {k: NamedSharding(cells[1].mesh, spec(dst_specs, k)) for k in values}
+    tree = (
+        {k: jax.device_put(v, src[k]) for k, v in values.items()}
+        if pid == 0
+        else {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=src[k]) for k, v in values.items()}
+    )
+    moved = runtime.transfer(tree, dst, uuid=102)
+    if pid == 1:
+        out["p2p_mixed_ok"] = {
+            k: bool(
+                moved[k].sharding == dst[k]
+                and moved[k].dtype == np.asarray(v).dtype
+                and np.array_equal(np.asarray(moved[k]), np.asarray(v))
+            )
+            for k, v in values.items()
+        }
+    # and back: computed on the satellite, pulled by the core's process
+    if pid == 1:
+        back = jax.jit(lambda t: jax.tree.map(lambda x: 2 * x, t))(snap)
+    else:
+        back = jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), per_cell[1], shardings[1]
+        )
+    at_core = runtime.transfer(back, shardings[0], uuid=103)
+    if pid == 0:
+        out["p2p_back_ok"] = all(
+            np.array_equal(np.asarray(a), 2 * h) for a, h in zip(jax.tree.leaves(at_core), jax.tree.leaves(host_params))
+        )
 
 
 if __name__ == "__main__":
