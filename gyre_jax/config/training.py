@@ -21,7 +21,7 @@ STREAM_ORDERS = ("task", "arrival")  # gyre_jax.elastic.ledger.STREAM_ORDERS
 AUXILIARY_POLICIES = ("lowest", "exclude")  # gyre_jax.trajectory.select.AUXILIARY_POLICIES
 POLICIES = ("colocated", "async", "elastic")  # gyre_jax.elastic.policies.make_policy
 LEAVE_RULES = ("waterlevel", "backlog")  # gyre_jax.elastic.policies.ElasticPolicy.LEAVE_RULES
-EVAL_SPLITS = ("train", "heldout")
+EVAL_SPLITS = ("train", "heldout", "both")
 
 DROP_BOUND = "the drop bound: executions more policy versions behind are dropped"
 DISPATCH_BOUND = "the dispatch bound eta: executions may start at most this many policy versions ahead"
@@ -176,11 +176,14 @@ class WarmStartSection(Section):
 class EvalSection(Section):
     """Evaluation before the first RL step, after the last, and every ``every_steps`` (0: only those two).
 
-    Tasks: the training set when rollout.num_tasks > 0 ("train"), or fresh held-out tasks ("heldout").
+    Tasks (``split``): the training set, with rollout.num_tasks > 0 ("train"); held-out tasks, never trained on
+    ("heldout": the builtin suite's own stream, or a harbor/jsonl suite's rollout.heldout_fraction); or both
+    ("both", the default: one metrics line per split; a harbor/jsonl suite without a held-out split evaluates
+    its training set only). ``RunConfig.eval_splits`` says which a config runs.
     """
 
     _path = "eval"
-    split: str = "train"
+    split: str = "both"
     num_tasks: int = 16  # for the held-out split
     samples_per_task: int = 2  # 0 disables eval
     every_steps: int = 0
@@ -188,7 +191,7 @@ class EvalSection(Section):
     def __post_init__(self):
         self.check_types()
         e = self
-        require(e.split in EVAL_SPLITS, f"config.eval.split={e.split!r} must be 'train' or 'heldout'")
+        require(e.split in EVAL_SPLITS, f"config.eval.split={e.split!r} must be one of {EVAL_SPLITS}")
         require(e.num_tasks >= 1, f"config.eval.num_tasks={e.num_tasks} must be >= 1")
         require(
             e.samples_per_task >= 0,
