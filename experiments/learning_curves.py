@@ -3,11 +3,12 @@ the mean over seeds with a 95% bootstrap interval, and the evaluation gain (afte
 
 Usage:
     python experiments/learning_curves.py --config configs/tiny_cpu.py --seeds 3 [--steps 40] [--config.a.b=value ...]
-    python experiments/learning_curves.py --analyze-only --runs-dir experiments/results/learning_curves/tiny_cpu/runs
+    python experiments/learning_curves.py --analyze-only --runs-dir runs/learning_curves/tiny_cpu
 
 Runs the config once per seed (seeds ``--first-seed`` .. ``--first-seed + N - 1``), sequentially, each in its own
-workdir ``<runs-dir>/seed<k>`` (``python -m gyre_jax.train --config CONFIG --config.seed=k --config.workdir=...``;
-``--steps`` and every ``--config.x=y`` pass through). A seed whose run is complete is not run again, and an
+workdir ``<runs-dir>/seed<k>`` (default runs-dir: ``runs/learning_curves/<config>``, git-ignored), as
+``python -m gyre_jax.train --config CONFIG --config.seed=k --config.workdir=...`` (``--steps`` and every
+``--config.x=y`` pass through). A seed whose run is complete is not run again, and an
 interrupted one resumes from its checkpoint (the same command). Then reads each ``metrics.jsonl`` (and, where
 present, ``results/eval_<step>.jsonl``) and writes ``learning_curves.json`` and ``learning_curves.png`` into
 ``--out``, and prints the gains.
@@ -243,7 +244,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (--config.total_steps)")
     parser.add_argument("--out", type=Path, default=None, help="default: experiments/results/learning_curves/<config>")
-    parser.add_argument("--runs-dir", type=Path, default=None, help="the seeds' workdirs (default: <out>/runs)")
+    parser.add_argument(
+        "--runs-dir", type=Path, default=None, help="the seeds' workdirs (default: runs/learning_curves/<config>)"
+    )
     parser.add_argument("--analyze-only", action="store_true", help="read the runs' metrics, run nothing")
     parser.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples")
     args, overrides = parser.parse_known_args(argv)
@@ -253,7 +256,7 @@ def main(argv: list[str]) -> int:
     if args.steps is not None:
         overrides.append(f"--config.total_steps={args.steps}")
     out = args.out or REPO / "experiments" / "results" / "learning_curves" / Path(args.config).stem
-    runs_dir = args.runs_dir or out / "runs"
+    runs_dir = args.runs_dir or REPO / "runs" / "learning_curves" / Path(args.config).stem  # git-ignored
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     wall: dict[int, float] = {}
     if not args.analyze_only:
