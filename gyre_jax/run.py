@@ -162,13 +162,18 @@ class ExecutionPlan:
         self._set_aside_stale(specs, f"step {step}")
         return specs
 
-    def evaluation(self, step: int) -> list[ExecutionSpec]:
-        """The evaluation after ``step`` RL steps: the training pool, or fresh held-out tasks."""
+    def evaluation(self, step: int) -> dict[str, list[ExecutionSpec]]:
+        """The evaluation after ``step`` RL steps, per split (``config.eval_splits()``): "train" = the training
+        pool, "heldout" = the suite's held-out tasks. Ids ``eval<step>-<task id>-g<j>`` (the splits' task ids
+        are disjoint); a split's seeds have their own salt, so the splits' samples are independent."""
         e = self.config.eval
-        tasks = self.suite.pool() if e.split == "train" else self.suite.heldout_tasks(e.num_tasks)
-        specs = plan_specs(self.config.seed, f"eval{step:06d}-", tasks, e.samples_per_task, 10**6 + step)
-        self._set_aside_stale(specs, f"eval {step}")
-        return specs
+        out = {}
+        for k, split in enumerate(self.config.eval_splits()):
+            tasks = self.suite.pool() if split == "train" else self.suite.heldout_tasks(e.num_tasks)
+            salt = (1 + 2 * k) * 10**6 + step
+            out[split] = plan_specs(self.config.seed, f"eval{step:06d}-", tasks, e.samples_per_task, salt)
+        self._set_aside_stale([s for specs in out.values() for s in specs], f"eval {step}")
+        return out
 
     def _set_aside_stale(self, specs: list[ExecutionSpec], what: str) -> None:
         """Records/workspaces left by an interrupted attempt are moved to aborted/<time>-<pid>/ (never trained on)."""
@@ -325,36 +330,34 @@ class Run:
             self.executor.cancel()
 
     # -- evaluation -----------------------------------------------------------------------------------------
-    def evaluate(self, step: int) -> dict[str, Any] | None:
-        """Scores the policy after ``step`` RL steps on the eval tasks (never trained on). None if interrupted."""
+    def evaluate(self, step: int) -> dict[str, dict[str, Any]] | None:
+        """Scores the policy after ``step`` RL steps on each evaluation split (``config.eval_splits()``): one
+        metrics line per split; all splits' results in ``results/eval_<step>.jsonl``, each with its
+        ``eval_split``. Returns split -> metrics, None if interrupted."""
         e = self.config.eval
         if e.samples_per_task == 0:
             return None
         t0 = time.time()
-        results = self.executor.run(self.plan.evaluation(step))
+        plan = self.plan.evaluation(step)
+        split_of = {s.execution_id: split for split, specs in plan.items() for s in specs}
+        results = self.executor.run([s for specs in plan.values() for s in specs])  # all splits at once
         if self.stop.is_set():
             return None
-        fsync_write(self.workdir / "results" / f"eval_{step:06d}.jsonl", _jsonl(results))
-        valid = [r.reward for r in results if not r.excluded]
-        metrics = {
-            "phase": "eval",
-            "eval_split": e.split,
-            "eval_reward_mean": float(np.mean(valid)) if valid else float("nan"),
-            "eval_pass_rate": float(np.mean([v >= 1.0 for v in valid])) if valid else float("nan"),
-            "eval_executions": len(results),
-            "eval_excluded": sum(r.excluded for r in results),
-            "eval_timeouts": sum(r.status == "timeout" for r in results),
-            "eval_s": time.time() - t0,
-            "policy_version": int(self.state.step),
-        }
-        self.metrics.write(step, metrics)
-        print(
-            f"eval after {step} RL steps ({e.split} tasks, {len(results)} executions): reward "
-            f"{metrics['eval_reward_mean']:.3f}  pass {metrics['eval_pass_rate']:.2f}  excluded "
-            f"{metrics['eval_excluded']}  ({metrics['eval_s']:.1f}s)",
-            flush=True,
-        )
-        return metrics
+        lines = "".join(json.dumps(dict(r.to_dict(), eval_split=split_of[r.execution_id])) + "\n" for r in results)
+        fsync_write(self.workdir / "results" / f"eval_{step:06d}.jsonl", lines)
+        eval_s = time.time() - t0
+        out = {}
+        for split in plan:
+            out[split] = metrics = eval_metrics([r for r in results if split_of[r.execution_id] == split], split)
+            metrics.update(eval_s=eval_s, policy_version=int(self.state.step))
+            self.metrics.write(step, metrics)
+            print(
+                f"eval after {step} RL steps ({split} tasks, {metrics['eval_executions']} executions): reward "
+                f"{metrics['eval_reward_mean']:.3f}  pass {metrics['eval_pass_rate']:.2f}  excluded "
+                f"{metrics['eval_excluded']}  ({eval_s:.1f}s)",
+                flush=True,
+            )
+        return out
 
     def _eval_due(self, step: int) -> bool:
         e = self.config.eval
@@ -410,6 +413,21 @@ class Run:
                 closer()
             except Exception:  # noqa: BLE001 - best effort on shutdown; the first error is logged
                 log.exception("error while shutting down")
+
+
+def eval_metrics(results: list[ExecutionResult], split: str) -> dict[str, Any]:
+    """One evaluation split's metrics line (``phase`` "eval"): mean reward and pass rate over the executions that
+    were scored, and how many were excluded or timed out."""
+    valid = [r.reward for r in results if not r.excluded]
+    return {
+        "phase": "eval",
+        "eval_split": split,
+        "eval_reward_mean": float(np.mean(valid)) if valid else float("nan"),
+        "eval_pass_rate": float(np.mean([v >= 1.0 for v in valid])) if valid else float("nan"),
+        "eval_executions": len(results),
+        "eval_excluded": sum(r.excluded for r in results),
+        "eval_timeouts": sum(r.status == "timeout" for r in results),
+    }
 
 
 def _jsonl(results: list[ExecutionResult]) -> str:

@@ -534,7 +534,7 @@ SECTION_CHECKS = [
     ("warm_start", "steps", -1, "config.warm_start.steps=-1 must be >= 0"),
     ("warm_start", "batch_size", 0, "config.warm_start.batch_size=0 must be >= 1"),
     ("warm_start", "learning_rate", 0.0, "config.warm_start.learning_rate=0.0 must be > 0"),
-    ("eval", "split", "test", "config.eval.split='test' must be 'train' or 'heldout'"),
+    ("eval", "split", "test", "config.eval.split='test' must be one of ('train', 'heldout', 'both')"),
     ("eval", "num_tasks", 0, "config.eval.num_tasks=0 must be >= 1"),
     ("eval", "samples_per_task", -1, "(0 disables eval)"),
     ("schedule", "policy", "bogus", "config.schedule.policy='bogus' must be one of"),
@@ -599,7 +599,7 @@ CROSS_SECTION = [
         "config.rollout.max_tokens_per_call=1024 must be in [1, serving.max_seq_len",
     ),
     ({"serving.max_seq_len": 2048}, "config.trajectory.row_length=1024 must be >= serving.max_seq_len=2048"),
-    ({"rollout.num_tasks": 0}, "config.eval.split='train' needs a fixed training set"),
+    ({"rollout.num_tasks": 0}, "config.eval.split='both' evaluates the training set, which needs a fixed one"),
     (
         {"schedule.policy": "elastic", "cells.num_cells": 1, "cells.data": 8},
         "config.schedule.policy='elastic' needs config.cells.num_cells >= 2",
@@ -737,7 +737,7 @@ def valid_overrides(draw) -> dict:
     o["optimizer.decay_steps"] = draw(st.integers(1, 1000))
     o["optimizer.learning_rate"] = draw(st.floats(1e-7, 1.0))
     o["warm_start.steps"] = draw(st.integers(0, 100))
-    o["eval.split"] = draw(st.sampled_from(["train", "heldout"]))
+    o["eval.split"] = draw(st.sampled_from(["train", "heldout", "both"]))
     n = draw(st.sampled_from([1, 2, 4, 8]))
     o["distributed.enabled"] = draw(st.booleans())
     o["distributed.num_processes"] = n if o["distributed.enabled"] else draw(st.sampled_from([0, 1]))

@@ -23,6 +23,7 @@ SMALL = [
     "--config.rl.group_size=4",
     "--config.rollout.num_tasks=2",
     "--config.eval.samples_per_task=1",
+    "--config.eval.num_tasks=1",  # held-out tasks (the default eval.split='both' scores training and held-out tasks)
     "--config.metrics.progress_bar=false",
 ]
 SMALL_MODEL = ["--config.model.num_layers=1", "--config.model.embed_dim=32", "--config.model.mlp_dim=64",
@@ -110,8 +111,14 @@ def test_two_rl_steps(two_steps):
     records = sorted((workdir / "records").glob("s*.jsonl"))
     assert len(records) == 2 * 4
     evals = sorted((workdir / "records").glob("eval*.jsonl"))
-    assert len(evals) == 2 * 1 * 2, "eval before the first and after the last step: 2 tasks x 1 sample"
-    assert (workdir / "results" / "eval_000000.jsonl").exists() and (workdir / "results" / "eval_000002.jsonl").exists()
+    assert len(evals) == 2 * (2 + 1) * 1, "eval before the first and after the last step: (2 + 1 held-out) x 1 sample"
+    for step in (0, 2):
+        results = [json.loads(x) for x in (workdir / "results" / f"eval_{step:06d}.jsonl").read_text().splitlines()]
+        assert sorted(r["eval_split"] for r in results) == ["heldout", "train", "train"]
+        assert all(("-heldout-" in r["execution_id"]) == (r["eval_split"] == "heldout") for r in results)
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    evals_logged = [(m["step"], m["eval_split"], m["eval_executions"]) for m in lines if m.get("phase") == "eval"]
+    assert evals_logged == [(0, "train", 2), (0, "heldout", 1), (2, "train", 2), (2, "heldout", 1)]
     continued = 0
     for path in records:
         calls = [json.loads(line) for line in path.read_text().splitlines()]

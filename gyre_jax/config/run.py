@@ -175,6 +175,15 @@ class RunConfig(Section):
             micro_steps_per_step=self.rl.micro_steps_per_step,
         )
 
+    def eval_splits(self) -> tuple[str, ...]:
+        """The task sets each evaluation scores, in order: ``eval.split``, with "both" = ("train", "heldout"), or
+        ("train",) for a harbor/jsonl suite without a held-out split (rollout.heldout_fraction = 0)."""
+        split = self.eval.split
+        if split != "both":
+            return (split,)
+        has_heldout = self.rollout.suite == "builtin" or self.rollout.heldout_fraction > 0
+        return ("train", "heldout") if has_heldout else ("train",)
+
     @property
     def drop_bound(self) -> int | None:
         """``rl.drop_staleness`` as the ledger takes it: None for no bound (-1)."""
@@ -230,11 +239,12 @@ def _suite_fits(c: RunConfig) -> None:
     if builtin:
         require(
             c.eval.split == "heldout" or c.rollout.num_tasks > 0,
-            "config.eval.split='train' needs a fixed training set (config.rollout.num_tasks > 0); use eval.split=heldout",
+            f"config.eval.split={c.eval.split!r} evaluates the training set, which needs a fixed one "
+            "(config.rollout.num_tasks > 0); use eval.split=heldout",
         )
         return
     require(
-        c.eval.split == "train" or c.rollout.heldout_fraction > 0 or c.eval.samples_per_task == 0,
+        c.eval.split != "heldout" or c.rollout.heldout_fraction > 0 or c.eval.samples_per_task == 0,
         f"config.eval.split='heldout' with config.rollout.suite={c.rollout.suite!r} needs a held-out split: set "
         "config.rollout.heldout_fraction (e.g. 0.25)",
     )

@@ -22,7 +22,7 @@ AUXILIARY_POLICIES = ("lowest", "exclude")  # gyre_jax.trajectory.select.AUXILIA
 POLICIES = ("colocated", "async", "elastic")  # gyre_jax.elastic.policies.make_policy
 LEAVE_RULES = ("waterlevel", "backlog")  # gyre_jax.elastic.policies.ElasticPolicy.LEAVE_RULES
 ADMISSION_ORDERS = ("task", "longest_first")  # gyre_jax.elastic.policies.ADMISSION_ORDERS
-EVAL_SPLITS = ("train", "heldout")
+EVAL_SPLITS = ("train", "heldout", "both")
 ROUTING_REPLAY = ("off", "replay")  # rl.routing_replay
 ROUTING_REPLAY_PROMPT = ("recompute", "replay")  # rl.routing_replay_prompt
 
@@ -195,11 +195,14 @@ class WarmStartSection(Section):
 class EvalSection(Section):
     """Evaluation before the first RL step, after the last, and every ``every_steps`` (0: only those two).
 
-    Tasks: the training set when rollout.num_tasks > 0 ("train"), or fresh held-out tasks ("heldout").
+    Tasks (``split``): the training set, with rollout.num_tasks > 0 ("train"); held-out tasks, never trained on
+    ("heldout": the builtin suite's own stream, or a harbor/jsonl suite's rollout.heldout_fraction); or both
+    ("both", the default: one metrics line per split; a harbor/jsonl suite without a held-out split evaluates
+    its training set only). ``RunConfig.eval_splits`` says which a config runs.
     """
 
     _path = "eval"
-    split: str = "train"
+    split: str = "both"
     num_tasks: int = 16  # for the held-out split
     samples_per_task: int = 2  # 0 disables eval
     every_steps: int = 0
@@ -207,7 +210,7 @@ class EvalSection(Section):
     def __post_init__(self):
         self.check_types()
         e = self
-        require(e.split in EVAL_SPLITS, f"config.eval.split={e.split!r} must be 'train' or 'heldout'")
+        require(e.split in EVAL_SPLITS, f"config.eval.split={e.split!r} must be one of {EVAL_SPLITS}")
         require(e.num_tasks >= 1, f"config.eval.num_tasks={e.num_tasks} must be >= 1")
         require(
             e.samples_per_task >= 0,

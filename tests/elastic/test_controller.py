@@ -197,6 +197,7 @@ def test_segments_between_evaluations_start_from_a_clean_state(tmp_path):
             "--config.rl.group_size=4",
             "--config.rollout.num_tasks=2",
             "--config.eval.samples_per_task=1",
+            "--config.eval.num_tasks=1",
             "--config.eval.every_steps=1",
             "--config.cells.sessions_per_cell=2",
             "--config.rollout.max_tokens_per_call=32",
@@ -212,9 +213,10 @@ def test_segments_between_evaluations_start_from_a_clean_state(tmp_path):
         trainer.close()
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if m.get("phase") == "train"] == [0, 1]
-    assert [m["step"] for m in lines if m.get("phase") == "eval"] == [0, 1, 2]
-    for m in (m for m in lines if m.get("phase") == "eval"):
-        assert m["eval_executions"] == 2 and m["eval_excluded"] == 0
+    evals = [m for m in lines if m.get("phase") == "eval"]
+    assert [(m["step"], m["eval_split"]) for m in evals] == [(s, p) for s in (0, 1, 2) for p in ("train", "heldout")]
+    for m in evals:  # the 2 training tasks and 1 held-out task, 1 sample each
+        assert m["eval_executions"] == (2 if m["eval_split"] == "train" else 1) and m["eval_excluded"] == 0
     policy = make_policy("elastic", 2, **config_lib.policy_options(config))
     for line in (tmp_path / "decisions.jsonl").read_text().splitlines():
         d = json.loads(line)

@@ -204,6 +204,22 @@ def test_the_config_refuses_a_bad_suite_before_any_work(tmp_path):
         load_config(["--config.rollout.heldout_fraction=0.5"])
 
 
+def test_which_splits_an_evaluation_scores(tmp_path):
+    """eval.split='both' (the default): training and held-out tasks where the suite has held-out tasks (the
+    builtin suite always; a harbor/jsonl suite with rollout.heldout_fraction > 0), else the training set only."""
+    write_upstream_task(tmp_path, "a")
+    write_upstream_task(tmp_path, "b")
+    harbor = [f"--config.rollout.suite=harbor:{tmp_path}", "--config.warm_start.steps=0"]
+    assert load_config([]).eval.split == "both"
+    assert load_config([]).eval_splits() == ("train", "heldout")
+    assert load_config(["--config.eval.split=heldout"]).eval_splits() == ("heldout",)
+    assert load_config(harbor).eval_splits() == ("train",)
+    assert load_config([*harbor, "--config.rollout.heldout_fraction=0.5"]).eval_splits() == ("train", "heldout")
+    with pytest.raises(ConfigError, match="config.eval.split='both' evaluates the training set, which needs a fixed"):
+        load_config(["--config.rollout.num_tasks=0"])
+    assert load_config(["--config.rollout.num_tasks=0", "--config.eval.split=heldout"]).eval_splits() == ("heldout",)
+
+
 def test_instruction_text_is_kept_verbatim(tmp_path):
     task_dir = write_upstream_task(tmp_path)
     text = textwrap.dedent("""\

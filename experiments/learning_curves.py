@@ -1,0 +1,294 @@
+"""Learning curves of one config over N seeds: training reward per step and evaluation before / after RL, each as
+the mean over seeds with a 95% bootstrap interval, and the evaluation gain (after - before) with its interval.
+
+Usage:
+    python experiments/learning_curves.py --config configs/tiny_cpu.py --seeds 3 [--steps 40] [--config.a.b=value ...]
+    python experiments/learning_curves.py --analyze-only --runs-dir runs/learning_curves/tiny_cpu
+
+Runs the config once per seed (seeds ``--first-seed`` .. ``--first-seed + N - 1``), sequentially, each in its own
+workdir ``<runs-dir>/seed<k>`` (default runs-dir: ``runs/learning_curves/<config>``, git-ignored), as
+``python -m gyre_jax.train --config CONFIG --config.seed=k --config.workdir=...`` (``--steps`` and every
+``--config.x=y`` pass through). A seed whose run is complete is not run again, and an
+interrupted one resumes from its checkpoint (the same command). Then reads each ``metrics.jsonl`` (and, where
+present, ``results/eval_<step>.jsonl``) and writes ``learning_curves.json`` and ``learning_curves.png`` into
+``--out``, and prints the gains.
+
+Statistics (``curves`` / ``eval_gains``, pure functions of the runs' metrics):
+- training reward at step s: mean over seeds of the step's reward_mean; interval: percentile bootstrap over seeds.
+- evaluation, per split (``train``: the training tasks, ``heldout``: tasks never trained on): before = the
+  evaluation after 0 RL steps, after = the one after the last step; gain = after - before per seed. Interval:
+  a two-level bootstrap (resample seeds, then each resampled seed's evaluation executions, before and after
+  independently) when the per-execution results are present, so it covers both seed-to-seed variation and the
+  sampling noise of a finite evaluation; with the metrics alone, a bootstrap over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIDENCE = 0.95
+SPLITS = ("train", "heldout")
+
+
+@dataclass
+class SeedRun:
+    """One seed's run as read back: per-step training reward, evaluation means, per-execution eval rewards."""
+
+    seed: int
+    workdir: Path
+    train_reward: dict[int, float] = field(default_factory=dict)  # step -> reward_mean
+    evals: dict[tuple[str, int], float] = field(default_factory=dict)  # (split, after_steps) -> eval_reward_mean
+    eval_rewards: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)  # (split, after_steps) -> [n]
+
+
+def read_run(workdir: Path, seed: int) -> SeedRun:
+    """The metrics of the run in ``workdir`` (its ``metrics.jsonl``, and ``results/eval_*.jsonl`` if present)."""
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: the seed-{seed} run has not written metrics (run it first)")
+    run = SeedRun(seed=seed, workdir=workdir)
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        m = json.loads(line)
+        if m.get("phase") == "train" and "reward_mean" in m:
+            run.train_reward[int(m["step"])] = float(m["reward_mean"])  # a resumed step's last line wins
+        elif m.get("phase") == "eval" and "eval_reward_mean" in m:
+            run.evals[(m.get("eval_split", "train"), int(m["step"]))] = float(m["eval_reward_mean"])
+    config_split = _config_split(workdir)
+    for f in sorted((workdir / "results").glob("eval_*.jsonl")):
+        step = int(f.stem.split("_")[1])
+        by_split: dict[str, list[float]] = {}
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            split = r.get("eval_split", config_split)  # older runs: one split, the config's
+            if r.get("excluded") or r.get("reward") is None or split not in SPLITS:
+                continue
+            by_split.setdefault(split, []).append(float(r["reward"]))
+        for split, rewards in by_split.items():
+            run.eval_rewards[(split, step)] = np.asarray(rewards, np.float64)
+    return run
+
+
+def _config_split(workdir: Path) -> str | None:
+    """The run's ``eval.split`` from its ``config.json`` (None if unknown)."""
+    try:
+        return json.loads((workdir / "config.json").read_text())["eval"]["split"]
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def bootstrap_mean_interval(values: np.ndarray, rng: np.random.Generator, n_boot: int) -> tuple[float, float, float]:
+    """(mean, low, high): ``values`` [n] and the percentile bootstrap interval of their mean."""
+    values = np.asarray(values, np.float64)
+    if values.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    idx = rng.integers(0, values.size, size=(n_boot, values.size))
+    means = values[idx].mean(axis=1)
+    a = (1 - CONFIDENCE) / 2
+    return float(values.mean()), float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+
+
+def curves(runs: list[SeedRun], n_boot: int = 10_000, seed: int = 0) -> dict:
+    """Training reward per step over the seeds: {"steps": [s], "mean", "low", "high": [s], "seeds": [s] counts}."""
+    rng = np.random.default_rng(seed)
+    steps = sorted({s for r in runs for s in r.train_reward})
+    out: dict = {"steps": steps, "mean": [], "low": [], "high": [], "seeds": []}
+    for s in steps:
+        values = np.asarray([r.train_reward[s] for r in runs if s in r.train_reward])
+        mean, low, high = bootstrap_mean_interval(values, rng, n_boot)
+        for key, v in (("mean", mean), ("low", low), ("high", high), ("seeds", int(values.size))):
+            out[key].append(v)
+    return out
+
+
+def _two_level_gains(before: list[np.ndarray], after: list[np.ndarray], rng, n_boot: int) -> np.ndarray:
+    """[n_boot] bootstrap replicates of the mean over seeds of (mean after - mean before), resampling seeds and
+    then, within each resampled seed, its evaluation executions (before and after independently)."""
+    k = len(before)
+
+    def resampled_means(values: np.ndarray) -> np.ndarray:  # [n_boot, k]: one fresh resample per (b, slot)
+        idx = rng.integers(0, values.size, size=(n_boot, k, values.size))
+        return values[idx].mean(axis=-1)
+
+    gain = np.stack([resampled_means(after[i]) - resampled_means(before[i]) for i in range(k)])  # [k, n_boot, k]
+    picks = rng.integers(0, k, size=(n_boot, k))
+    return gain[picks, np.arange(n_boot)[:, None], np.arange(k)[None, :]].mean(axis=1)
+
+
+def eval_gains(runs: list[SeedRun], n_boot: int = 10_000, seed: int = 0) -> dict:
+    """Per split: before / after means over seeds with intervals, the per-seed gains, and the gain's interval.
+
+    ``method`` says which bootstrap gave the gain's interval ("seeds+executions" or "seeds")."""
+    rng = np.random.default_rng(seed)
+    a = (1 - CONFIDENCE) / 2
+    out: dict = {}
+    for split in SPLITS:
+        pairs = []
+        for r in runs:
+            steps = sorted(s for (sp, s) in r.evals if sp == split)
+            if len(steps) >= 2 and steps[0] == 0:
+                pairs.append((r, steps[0], steps[-1]))
+        if not pairs:
+            continue
+        before = np.asarray([r.evals[(split, s0)] for r, s0, _ in pairs])
+        after = np.asarray([r.evals[(split, s1)] for r, _, s1 in pairs])
+        row = {
+            "seeds": [r.seed for r, _, _ in pairs],
+            "after_steps": [s1 for _, _, s1 in pairs],
+            "before": dict(zip(("mean", "low", "high"), bootstrap_mean_interval(before, rng, n_boot))),
+            "after": dict(zip(("mean", "low", "high"), bootstrap_mean_interval(after, rng, n_boot))),
+            "gain_per_seed": (after - before).tolist(),
+        }
+        per_exec = all((split, s0) in r.eval_rewards and (split, s1) in r.eval_rewards for r, s0, s1 in pairs)
+        if per_exec:
+            reps = _two_level_gains(
+                [r.eval_rewards[(split, s0)] for r, s0, _ in pairs],
+                [r.eval_rewards[(split, s1)] for r, _, s1 in pairs],
+                rng,
+                n_boot,
+            )
+            low, high = float(np.quantile(reps, a)), float(np.quantile(reps, 1 - a))
+            row["gain"] = {"mean": float((after - before).mean()), "low": low, "high": high}
+            row["method"] = "seeds+executions"
+        else:
+            row["gain"] = dict(zip(("mean", "low", "high"), bootstrap_mean_interval(after - before, rng, n_boot)))
+            row["method"] = "seeds"
+        row["gain"]["excludes_zero"] = bool(row["gain"]["low"] > 0 or row["gain"]["high"] < 0)
+        out[split] = row
+    return out
+
+
+def plot(curve: dict, gains: dict, path: Path, title: str) -> None:
+    """Two panels: training reward per step (mean +- 95% interval) and evaluation before / after per split."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    steps = np.asarray(curve["steps"]) + 1
+    if len(steps):
+        ax1.plot(steps, curve["mean"], color="C0", label="mean over seeds")
+        ax1.fill_between(steps, curve["low"], curve["high"], color="C0", alpha=0.25, label="95% bootstrap interval")
+    ax1.set_xlabel("RL step")
+    ax1.set_ylabel("training reward (mean of the step's executions)")
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.legend(loc="lower right")
+    ax1.set_title("training reward")
+    width = 0.35
+    for j, (label, key) in enumerate((("before RL", "before"), ("after RL", "after"))):
+        names = list(gains)
+        means = [gains[s][key]["mean"] for s in names]
+        err = np.asarray([[m - gains[s][key]["low"], gains[s][key]["high"] - m] for s, m in zip(names, means)]).T
+        x = np.arange(len(names)) + (j - 0.5) * width
+        ax2.bar(x, means, width, yerr=err if len(names) else None, capsize=4, label=label, color=f"C{j + 1}")
+    ax2.set_xticks(np.arange(len(gains)))
+    ax2.set_xticklabels([f"{s}\ngain {g['gain']['mean']:+.3f}" for s, g in gains.items()])
+    ax2.set_ylim(0, 1.05)
+    ax2.set_ylabel("evaluation reward")
+    ax2.legend(loc="upper left")
+    ax2.set_title("evaluation (95% intervals)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def gain_lines(gains: dict) -> list[str]:
+    """One printed line per split: before, after and the gain with its 95% interval."""
+    lines = []
+    for split, g in gains.items():
+        gain = g["gain"]
+        lines.append(
+            f"{split:>8} tasks: before {g['before']['mean']:.3f}  after {g['after']['mean']:.3f}  gain "
+            f"{gain['mean']:+.3f}  95% [{gain['low']:+.3f}, {gain['high']:+.3f}] ({len(g['seeds'])} seeds, "
+            f"bootstrap over {g['method']}){'' if gain['excludes_zero'] else '  (includes 0)'}"
+        )
+    return lines
+
+
+def run_seed(config: str, seed: int, workdir: Path, overrides: list[str]) -> float:
+    """Runs (or resumes) one seed's training; returns its wall time in seconds."""
+    cmd = [sys.executable, "-m", "gyre_jax.train", "--config", config, f"--config.seed={seed}"]
+    cmd += [f"--config.workdir={workdir}", "--config.metrics.progress_bar=False", *overrides]
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.time()
+    subprocess.run(cmd, check=True, cwd=REPO)
+    return time.time() - t0
+
+
+def complete(workdir: Path, total_steps: int | None) -> bool:
+    """Whether the run in ``workdir`` trained its last step and evaluated after it."""
+    try:
+        run = read_run(workdir, -1)
+    except FileNotFoundError:
+        return False
+    last = max(run.train_reward, default=-1) + 1
+    return last > 0 and (total_steps is None or last >= total_steps) and any(s == last for _, s in run.evals)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/tiny_cpu.py")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=None, help="RL steps per run (--config.total_steps)")
+    parser.add_argument("--out", type=Path, default=None, help="default: experiments/results/learning_curves/<config>")
+    parser.add_argument(
+        "--runs-dir", type=Path, default=None, help="the seeds' workdirs (default: runs/learning_curves/<config>)"
+    )
+    parser.add_argument("--analyze-only", action="store_true", help="read the runs' metrics, run nothing")
+    parser.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not o.startswith("--config.")]
+    if bad:
+        parser.error(f"unknown arguments {bad}: overrides are --config.<key>=<value>")
+    if args.steps is not None:
+        overrides.append(f"--config.total_steps={args.steps}")
+    out = args.out or REPO / "experiments" / "results" / "learning_curves" / Path(args.config).stem
+    runs_dir = args.runs_dir or REPO / "runs" / "learning_curves" / Path(args.config).stem  # git-ignored
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    wall: dict[int, float] = {}
+    if not args.analyze_only:
+        for s in seeds:
+            workdir = runs_dir / f"seed{s}"
+            if complete(workdir, args.steps):
+                print(f"seed {s}: complete in {workdir}, not run again", flush=True)
+                continue
+            wall[s] = run_seed(args.config, s, workdir, overrides)
+            print(f"seed {s}: {wall[s]:.0f} s", flush=True)
+    runs = [read_run(runs_dir / f"seed{s}", s) for s in seeds if (runs_dir / f"seed{s}" / "metrics.jsonl").exists()]
+    if not runs:
+        raise SystemExit(f"error: no run under {runs_dir} has a metrics.jsonl; run without --analyze-only first")
+    curve, gains = curves(runs, args.bootstrap), eval_gains(runs, args.bootstrap)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "config": args.config,
+        "overrides": overrides,
+        "seeds": [r.seed for r in runs],
+        "wall_s": {str(k): v for k, v in wall.items()},
+        "confidence": CONFIDENCE,
+        "bootstrap": args.bootstrap,
+        "train_reward": curve,
+        "eval": gains,
+    }
+    (out / "learning_curves.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(curve, gains, out / "learning_curves.png", f"{args.config}: {len(runs)} seeds")
+    for line in gain_lines(gains):
+        print(line)
+    print(f"wrote {out / 'learning_curves.json'} and {out / 'learning_curves.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,131 @@
+"""experiments/learning_curves.py on synthetic run directories (no training): its statistics, JSON and PNG."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "experiments" / "learning_curves.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("learning_curves", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_run(workdir: Path, train: list[float], evals: dict, per_exec: dict | None = None) -> None:
+    """A run directory as gyre_jax.train writes it: metrics.jsonl (+ results/eval_<step>.jsonl, config.json)."""
+    workdir.mkdir(parents=True)
+    lines = [{"step": -1, "phase": "warm_start", "warm_start_loss": 0.1}]
+    for (split, step), value in sorted(evals.items(), key=lambda kv: kv[0][1]):
+        lines.append({"step": step, "phase": "eval", "eval_split": split, "eval_reward_mean": value})
+    lines += [{"step": s, "phase": "train", "reward_mean": r, "pass_rate": 0.0} for s, r in enumerate(train)]
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    (workdir / "config.json").write_text(json.dumps({"eval": {"split": "both"}}))
+    if per_exec:
+        (workdir / "results").mkdir()
+        for step in sorted({s for _, s in per_exec}):
+            rows = [
+                {"execution_id": f"eval{step:06d}-{split}-{i}", "reward": r, "excluded": False, "eval_split": split}
+                for (split, s), rewards in per_exec.items()
+                if s == step
+                for i, r in enumerate(rewards)
+            ]
+            (workdir / "results" / f"eval_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_bootstrap_interval_of_a_mean():
+    lc = _module()
+    rng = np.random.default_rng(0)
+    assert lc.bootstrap_mean_interval(np.full(5, 0.25), rng, 500) == (0.25, 0.25, 0.25)
+    values = rng.normal(1.0, 1.0, size=400)
+    mean, low, high = lc.bootstrap_mean_interval(values, rng, 4000)
+    se = values.std() / np.sqrt(values.size)  # the normal-theory interval is mean +- 1.96 se
+    assert mean == pytest.approx(values.mean())
+    assert low == pytest.approx(mean - 1.96 * se, abs=0.3 * se) and high == pytest.approx(
+        mean + 1.96 * se, abs=0.3 * se
+    )
+
+
+def test_curves_and_gains_from_synthetic_runs(tmp_path):
+    """Three seeds: training reward rising 0.2 -> 0.8, a clear gain on the training tasks and none held out."""
+    lc = _module()
+    rng = np.random.default_rng(1)
+    runs = []
+    for seed in range(3):
+        train = list(np.linspace(0.2, 0.8, 10) + 0.01 * seed)
+        per_exec = {
+            ("train", 0): rng.uniform(0.3, 0.5, 32),
+            ("train", 10): rng.uniform(0.7, 0.9, 32),
+            ("heldout", 0): rng.uniform(0.0, 1.0, 32),
+            ("heldout", 10): rng.uniform(0.0, 1.0, 32),
+        }
+        evals = {k: float(v.mean()) for k, v in per_exec.items()}
+        _write_run(tmp_path / "runs" / f"seed{seed}", train, evals, per_exec)
+        runs.append(lc.read_run(tmp_path / "runs" / f"seed{seed}", seed))
+    curve = lc.curves(runs, n_boot=2000)
+    assert curve["steps"] == list(range(10)) and curve["seeds"] == [3] * 10
+    assert curve["mean"][0] == pytest.approx(0.21) and curve["mean"][-1] == pytest.approx(0.81)
+    assert curve["low"][0] == pytest.approx(0.2) and curve["high"][0] == pytest.approx(0.22)
+    gains = lc.eval_gains(runs, n_boot=2000)
+    train, held = gains["train"], gains["heldout"]
+    assert train["method"] == held["method"] == "seeds+executions"
+    assert train["gain"]["excludes_zero"] and 0.3 < train["gain"]["low"] < train["gain"]["mean"] < train["gain"]["high"]
+    assert not held["gain"]["excludes_zero"] and held["gain"]["low"] < 0 < held["gain"]["high"]
+    assert train["gain"]["mean"] == pytest.approx(np.mean(train["gain_per_seed"]))
+    # Without the per-execution results the interval is over seeds only: narrower here (3 close seeds).
+    for r in runs:
+        r.eval_rewards.clear()
+    seeds_only = lc.eval_gains(runs, n_boot=2000)["train"]
+    assert seeds_only["method"] == "seeds"
+    assert seeds_only["gain"]["high"] - seeds_only["gain"]["low"] < train["gain"]["high"] - train["gain"]["low"]
+
+
+def test_script_analyzes_runs_writes_json_and_png(tmp_path):
+    for seed, (before, after) in enumerate([(0.4, 0.7), (0.5, 0.8), (0.45, 0.75)]):
+        evals = {("train", 0): before, ("train", 4): after, ("heldout", 0): before, ("heldout", 4): before + 0.1}
+        _write_run(tmp_path / "runs" / f"seed{seed}", [0.3, 0.4, 0.5, 0.6], evals)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--analyze-only",
+            "--runs-dir",
+            str(tmp_path / "runs"),
+            "--out",
+            str(out),
+            "--seeds",
+            "3",
+            "--bootstrap",
+            "500",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result = json.loads((out / "learning_curves.json").read_text())
+    assert result["seeds"] == [0, 1, 2] and result["train_reward"]["mean"] == pytest.approx([0.3, 0.4, 0.5, 0.6])
+    assert result["eval"]["train"]["gain"]["mean"] == pytest.approx(0.3)
+    assert result["eval"]["heldout"]["gain"] == pytest.approx(
+        {"mean": 0.1, "low": 0.1, "high": 0.1, "excludes_zero": True}
+    )
+    assert (out / "learning_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "train tasks: before 0.450  after 0.750  gain +0.300" in proc.stdout
+
+
+def test_script_without_runs_says_what_to_do(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--analyze-only", "--runs-dir", str(tmp_path), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode != 0 and "run without --analyze-only first" in proc.stderr
