@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "serving"))
 
-STEP_S = 0.03  # per decode step: 40 tokens take > 1 s, so a move at 0.5 s lands mid-generation
+STEP_S = 0.03  # per decode step: 40 tokens take > 1 s, so a move after 3 steps lands mid-generation
 MAX_TOKENS = 40
 
 
@@ -111,18 +111,29 @@ def main() -> int:
     def tokens(futures):
         return [(r.token_ids, r.cell, r.finish_reason, r.logprobs) for r in (f.result(timeout=120) for f in futures)]
 
+    def decoding(cell, submit):
+        """Submits, then returns once the cell's loop has run 3 decode steps with all 3 requests in the batch
+        (each has generated tokens, none can have finished its 40): a move then lands mid-generation however
+        loaded the machine is (a fixed sleep did not, under CI load: 2 of 3 had generated nothing yet)."""
+        before = len(cell.stats().step_log)
+        futures = submit()
+        deadline = time.time() + 120
+        while sum(1 for jobs, *_ in cell.stats().step_log[before:] if jobs >= 3) < 3:
+            if time.time() > deadline:
+                raise SystemExit(f"{cell.name}: 3 requests were not decoding together within 120 s")
+            time.sleep(0.01)
+        return futures
+
     result = {"unmoved": tokens([a.submit(r) for r in batch("ref")])}
     tokens([b.submit(r) for r in batch("warm")])  # process 1's loop has compiled what the batch needs
     # process 1 -> process 0, mid-generation
-    futures = [b.submit(r) for r in batch("p1")]
-    time.sleep(0.6)
+    futures = decoding(b, lambda: [b.submit(r) for r in batch("p1")])
     moved = b.move_sessions_to(a)
     result["moved_1_to_0"] = tokens(futures)
     result["moved_1_to_0_states"] = [[s.in_flight, s.generated] for s in moved]
     # process 0 -> process 1, mid-generation; one of them cancelled after the move (the cancel follows it)
     reqs = batch("p0")
-    futures = [a.submit(r) for r in reqs]
-    time.sleep(0.6)
+    futures = decoding(a, lambda: [a.submit(r) for r in reqs])
     moved = a.move_sessions_to(b)
     result["moved_0_to_1_states"] = [[s.in_flight, s.generated] for s in moved]
     cancel = GenerationRequest(prompts[0], SamplingParams(temperature=0.0, max_tokens=120), session_id="c")
