@@ -1,6 +1,6 @@
 """Elastic against the ideal (every accelerator-second busy), with the mechanisms of issue 21 one by one.
 
-    python experiments/ablate_elastic_ideal.py --workers 2                  # every preset, 24 steps
+    python experiments/ablate_elastic_ideal.py --workers 2                  # every preset, 24 steps, eta 1, 2, 3
     python experiments/ablate_elastic_ideal.py --presets terminal --steps 8  # one preset, quicker
     python experiments/ablate_elastic_ideal.py --quick                       # seconds: the tiny preset
 
@@ -13,14 +13,16 @@ earlier executions predict its later ones; every row uses it, so all rows see th
   executions enter training together), ``+ partial rollouts`` (a step trains the first groups to complete;
   the others carry on across the weight update, each token keeps the version that produced it; an execution
   whose oldest token is more than eta + 1 versions behind its step is dropped), ``+ longest first``
-  (admission in order of per-task duration history, ``policies.DurationHistory``);
-- the same at eta = 2 (a stated, larger bound).
+  (admission in order of per-task duration history, ``policies.DurationHistory``), ``+ group quorum`` (a group
+  trains once G - 1 of its members ended, ``--quorum``; the last is aborted: it trains nothing and its slot
+  time is wasted; advantages over the members that ended);
+- the same at eta = 2 and eta = 3 (stated, larger bounds).
 
 Columns: busy fraction (the ideal is 1) in steady state (between the ends of step 2 and step ``steps - 4``:
 partial rollouts may dispatch past the last step, a fixed batch per step may not, so the whole run's
 fraction favours them by up to a batch of slot time) and over the whole run, step time, speedup over the best async split at the same eta and
-at eta = 1, per-token staleness (max: oldest token; mean: token-weighted), executions dropped, and where the
-idle accelerator-time went. Writes ``<out>/elastic_vs_ideal.json`` and ``summary.md``.
+at eta = 1, per-token staleness (max: oldest token; mean: token-weighted), executions dropped (beyond the
+per-token bound) and aborted (by the group quorum), and where the idle accelerator-time went. Writes ``<out>/elastic_vs_ideal.json`` and ``summary.md``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ for p in (REPO, REPO / "experiments"):
         sys.path.insert(0, str(p))
 
 from ablate_scheduling import Run, run_all  # noqa: E402
+from tables import markdown_table, pct, times  # noqa: E402
 
 from gyre_jax.sim.config import load_sim_config  # noqa: E402
 
@@ -47,10 +50,13 @@ MECHANISMS = (  # (row name, overrides on top of the previous rows'); partial ro
     ("+ group streaming", {"schedule.stream_unit": "group"}),
     ("+ partial rollouts", {"schedule.partial_rollouts": True}),
     ("+ longest first", {"schedule.admission": "longest_first"}),
+    ("+ group quorum", {"schedule.group_quorum": -1}),  # -1: G - 1 (the preset's group size less one)
 )
 
 
-def plan(presets, steps: int, etas, task_pool: int, splits_arg: str = "") -> list[Run]:
+def plan(presets, steps: int, etas, task_pool: int, splits_arg: str = "", quorum: int = 0) -> list[Run]:
+    """The runs, per preset and eta: the async sweep and the mechanisms added one at a time (``quorum``: the
+    group quorum of the last row; 0: G - 1)."""
     runs = []
     for p in presets:
         cells = load_sim_config(p).num_cells
@@ -64,8 +70,11 @@ def plan(presets, steps: int, etas, task_pool: int, splits_arg: str = "") -> lis
                 for t in splits
             ]
             o = dict(b)
+            group = load_sim_config(p).group_size
             for name, extra in MECHANISMS:
                 o = {**o, **extra}
+                if o.get("schedule.group_quorum") == -1:
+                    o["schedule.group_quorum"] = quorum if quorum > 0 else group - 1
                 if name == "+ group streaming" and eta != etas[0]:
                     continue  # the prerequisite of partial rollouts, measured at the reference bound
                 if extra.get("schedule.partial_rollouts"):
@@ -103,6 +112,8 @@ def _row(r: dict, best_same: dict | None, best_first: dict | None, label: str = 
         "token_staleness_max": r["token_staleness"]["max"],
         "token_staleness_mean": r["token_staleness"]["mean"],
         "dropped_fraction": r["partial"]["dropped_fraction"],
+        "aborted_fraction": r["partial"].get("aborted_fraction", 0.0),
+        "group_quorum": r.get("group_quorum", 0),
         "carried_groups": r["partial"]["carried_groups"],
         "idle": r["idle"],
         "split": label,
@@ -113,40 +124,54 @@ def _row(r: dict, best_same: dict | None, best_first: dict | None, label: str = 
     return row
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0%}"
-
-
 def markdown(summary: dict, steps: int, task_pool: int) -> str:
-    lines = [
-        f"### Elastic against the ideal ({steps} steps, task pool {task_pool}; busy: share of accelerator-time "
-        "doing useful work, the ideal is 100%)",
-        "",
-        "| preset | row | busy, steady / whole run | step (min) | vs async best, same eta / eta=1 | token staleness max / mean | "
-        "dropped | idle: empty slots / training idle / dropped slots |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for p, rows in summary.items():
-        for name, r in rows.items():
-            sp = (
-                f"{r['speedup_vs_async_best_same_eta']:.2f}x / {r['speedup_vs_async_best_eta1']:.2f}x"
-                if "speedup_vs_async_best_same_eta" in r
-                else f"({r['split']})"
+    def cells(p: str, name: str, r: dict) -> list[str]:
+        sp = (
+            f"{times(r['speedup_vs_async_best_same_eta'])} / {times(r['speedup_vs_async_best_eta1'])}"
+            if "speedup_vs_async_best_same_eta" in r
+            else f"({r['split']})"
+        )
+        i = r["idle"]
+        return [
+            p,
+            name,
+            f"{pct(r['busy_steady'])} / {pct(r['busy'])}",
+            f"{r['step_min']:.1f}",
+            sp,
+            f"{r['token_staleness_max']} / {r['token_staleness_mean']:.2f}",
+            f"{pct(r['dropped_fraction'], 1)} / {pct(r['aborted_fraction'], 1)}",
+            f"{pct(i['serving_empty'])} / {pct(i['training_idle'])} / {pct(i['dropped_slots'])} / "
+            f"{pct(i.get('aborted_slots', 0.0))}",
+        ]
+
+    return (
+        "\n".join(
+            markdown_table(
+                [
+                    "preset",
+                    "row",
+                    "busy, steady / whole run",
+                    "step (min)",
+                    "vs async best, same eta / eta=1",
+                    "token staleness max / mean",
+                    "dropped / aborted",
+                    "idle: empty slots / training idle / dropped slots / aborted slots",
+                ],
+                (cells(p, name, r) for p, rows in summary.items() for name, r in rows.items()),
+                title=f"Elastic against the ideal ({steps} steps, task pool {task_pool}; busy: share of "
+                "accelerator-time doing useful work, the ideal is 100%)",
             )
-            i = r["idle"]
-            lines.append(
-                f"| {p} | {name} | {_pct(r['busy_steady'])} / {r['busy']:.0%} | {r['step_min']:.1f} | {sp} | "
-                f"{r['token_staleness_max']} / {r['token_staleness_mean']:.2f} | {r['dropped_fraction']:.1%} | "
-                f"{i['serving_empty']:.0%} / {i['training_idle']:.0%} / {i['dropped_slots']:.0%} |"
-            )
-    return "\n".join(lines) + "\n"
+        )
+        + "\n"
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets")
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--etas", default="1,2", help="dispatch bounds to compare (the first is the reference)")
+    ap.add_argument("--etas", default="1,2,3", help="dispatch bounds to compare (the first is the reference)")
+    ap.add_argument("--quorum", type=int, default=0, help="group quorum of the last row (0: the group size less 1)")
     ap.add_argument("--task-pool", type=int, default=128, help="tasks in the dataset (they recur)")
     ap.add_argument("--splits", default="", help="async training cells to sweep (default: 1, 2, cells/8, cells/4)")
     ap.add_argument("--workers", type=int, default=1)
@@ -158,7 +183,7 @@ def main(argv=None) -> int:
     etas = [int(e) for e in args.etas.split(",")]
     task_pool = 8 if args.quick else args.task_pool
     t0 = time.time()
-    runs = plan(presets, steps, etas, task_pool, args.splits)
+    runs = plan(presets, steps, etas, task_pool, args.splits, args.quorum)
     results = run_all(runs, args.workers)
     summary = summarize(results, presets, etas)
     out = Path(args.out)

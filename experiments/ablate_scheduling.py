@@ -46,6 +46,7 @@ for p in (REPO, REPO / "experiments"):
         sys.path.insert(0, str(p))
 
 from plot_timeline import draw_gantt  # noqa: E402
+from tables import markdown_table, pct, times  # noqa: E402
 
 from gyre_jax.elastic.timeline import TimelineWriter, load_timeline  # noqa: E402
 from gyre_jax.sim.config import load_sim_config  # noqa: E402
@@ -244,68 +245,83 @@ def summarize(res: dict[str, dict], presets) -> dict:
 
 
 def markdown(summary: dict, steps: int) -> str:
-    lines = [
-        f"### Elastic speedups ({steps} steps; step time of the baseline / step time of elastic)",
-        "",
-        "| preset | colocated min/step | async (half) | async (best split) | elastic eta=1 | elastic eta=0 | "
-        "vs colocated (eta=1 / eta=0) | published | vs async half / best | published | busy elastic / colocated |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for p, r in summary["presets"].items():
+    def speedup_row(p: str, r: dict) -> list[str]:
         st, pub = r["step_min"], r["published"] or {}
-        pc = "{:.2f}-{:.2f}x".format(*pub["vs_colocated"]) if pub else "-"
-        pa = "{:.2f}-{:.2f}x".format(*pub["vs_async"]) if pub else "-"
-        lines.append(
-            f"| {p} | {st['colocated']:.1f} | {st['async-half']:.1f} | {st[r['best_async']]:.1f} "
-            f"({r['best_async'][6:]}) | {st['elastic']:.1f} | {st['elastic-eta0']:.1f} | "
-            f"{r['elastic_vs_colocated']:.2f}x / {r['elastic_eta0_vs_colocated']:.2f}x | {pc} | "
-            f"{r['elastic_vs_async_half']:.2f}x / {r['elastic_vs_async_best']:.2f}x | {pa} | "
-            f"{r['busy']['elastic']:.0%} / {r['busy']['colocated']:.0%} |"
-        )
+        return [
+            p,
+            f"{st['colocated']:.1f}",
+            f"{st['async-half']:.1f}",
+            f"{st[r['best_async']]:.1f} ({r['best_async'][6:]})",
+            f"{st['elastic']:.1f}",
+            f"{st['elastic-eta0']:.1f}",
+            f"{times(r['elastic_vs_colocated'])} / {times(r['elastic_eta0_vs_colocated'])}",
+            "{:.2f}-{:.2f}x".format(*pub["vs_colocated"]) if pub else "-",
+            f"{times(r['elastic_vs_async_half'])} / {times(r['elastic_vs_async_best'])}",
+            "{:.2f}-{:.2f}x".format(*pub["vs_async"]) if pub else "-",
+            f"{pct(r['busy']['elastic'])} / {pct(r['busy']['colocated'])}",
+        ]
+
+    presets = list(summary["presets"])
+    lines = markdown_table(
+        [
+            "preset",
+            "colocated min/step",
+            "async (half)",
+            "async (best split)",
+            "elastic eta=1",
+            "elastic eta=0",
+            "vs colocated (eta=1 / eta=0)",
+            "published",
+            "vs async half / best",
+            "published",
+            "busy elastic / colocated",
+        ],
+        (speedup_row(p, r) for p, r in summary["presets"].items()),
+        title=f"Elastic speedups ({steps} steps; step time of the baseline / step time of elastic)",
+    )
     a = summary["ablations"]
-    lines += [
-        "",
-        "### Published ablations",
-        "",
-        "| ablation | published | " + " | ".join(summary["presets"]) + " |",
-        "|---|---|" + "---|" * len(summary["presets"]),
-    ]
 
-    def row(name, key, pub, fmt):
-        vals = a.get(key, {})
-        lines.append(
-            f"| {name} | {pub} | " + " | ".join(fmt(vals[p]) if p in vals else "" for p in summary["presets"]) + " |"
-        )
+    def share(v: float) -> str:
+        return pct(v, 1)
 
-    row("streaming saves over async (half split)", "streaming_saves_over_async_half", "11.6%", lambda v: f"{v:.1%}")
-    row("streaming saves over async (best split)", "streaming_saves_over_async_best", "11.6%", lambda v: f"{v:.1%}")
-    row("streaming saves over colocated", "streaming_saves_over_colocated", "", lambda v: f"{v:.1%}")
-    row("elastic over colocated + streaming", "elastic_over_colocated_plus_streaming", "1.19x", lambda v: f"{v:.2f}x")
-    row("4 cells x 8 nodes instead of 8 x 4 costs", "cells_4x8_instead_of_8x4_costs", "2.2%", lambda v: f"{v:+.1%}")
-    row("streaming saves, elastic", "elastic_streaming_saves", "", lambda v: f"{v:.1%}")
+    published = (  # (name, key, published, format)
+        ("streaming saves over async (half split)", "streaming_saves_over_async_half", "11.6%", share),
+        ("streaming saves over async (best split)", "streaming_saves_over_async_best", "11.6%", share),
+        ("streaming saves over colocated", "streaming_saves_over_colocated", "", share),
+        ("elastic over colocated + streaming", "elastic_over_colocated_plus_streaming", "1.19x", times),
+        ("4 cells x 8 nodes instead of 8 x 4 costs", "cells_4x8_instead_of_8x4_costs", "2.2%", lambda v: f"{v:+.1%}"),
+        ("streaming saves, elastic", "elastic_streaming_saves", "", share),
+    )
+    lines += [""] + markdown_table(
+        ["ablation", "published", *presets],
+        (
+            [name, pub, *(fmt(a[key][p]) if p in a.get(key, {}) else "" for p in presets)]
+            for name, key, pub, fmt in published
+        ),
+        title="Published ablations",
+    )
     if "granularity_step_vs_32" in a:
-        lines += [
-            "",
-            "### Cell granularity (elastic step time relative to cells of 32 accelerators, 1024 in all)",
-            "",
-            "| preset | 32 | 64 | 128 | 256 |",
-            "|---|---|---|---|---|",
-        ]
-        for p, g in a["granularity_step_vs_32"].items():
-            lines.append(f"| {p} | " + " | ".join(f"{g[c]:.3f}" for c in (32, 64, 128, 256)) + " |")
+        lines += [""] + markdown_table(
+            ["preset", "32", "64", "128", "256"],
+            ([p, *(f"{g[c]:.3f}" for c in (32, 64, 128, 256))] for p, g in a["granularity_step_vs_32"].items()),
+            title="Cell granularity (elastic step time relative to cells of 32 accelerators, 1024 in all)",
+        )
     if "flagship_timeout_sweep" in a:
-        lines += [
-            "",
-            "### Flagship: the elastic gain against the share of executions at the timeout",
-            "",
-            "| timeout | executions at the timeout | colocated busy | elastic eta=1 vs colocated | eta=0 vs colocated |",
-            "|---|---|---|---|---|",
-        ]
-        for t, d in a["flagship_timeout_sweep"].items():
-            lines.append(
-                f"| {t[7:]} | {d['timeout_fraction']:.0%} | {d['colocated_busy']:.0%} | "
-                f"{d['elastic_vs_colocated']:.2f}x | {d['elastic_eta0_vs_colocated']:.2f}x |"
-            )
+        lines += [""] + markdown_table(
+            [
+                "timeout",
+                "executions at the timeout",
+                "colocated busy",
+                "elastic eta=1 vs colocated",
+                "eta=0 vs colocated",
+            ],
+            (
+                [t[7:], pct(d["timeout_fraction"]), pct(d["colocated_busy"])]
+                + [times(d["elastic_vs_colocated"]), times(d["elastic_eta0_vs_colocated"])]
+                for t, d in a["flagship_timeout_sweep"].items()
+            ),
+            title="Flagship: the elastic gain against the share of executions at the timeout",
+        )
     if "elastic_variants_step_vs_default" in a:
         lines += ["", "### Elastic rule variants (step time relative to the default rules)", ""]
         for p, v in a["elastic_variants_step_vs_default"].items():

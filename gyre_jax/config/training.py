@@ -237,6 +237,9 @@ class ScheduleSection(Section):
     # the order a step's executions are dispatched in: task | longest_first (tasks predicted longest by their
     # duration history first, policies.DurationHistory); real runs: only "task" yet
     admission: str = "task"
+    # a group trains once this many of its members ended, the others aborted (0: the whole group): the simulator
+    # has it (docs/simulator.md); real runs: not supported yet, must stay 0
+    group_quorum: int = 0
 
     def __post_init__(self):
         self.check_types()
@@ -264,6 +267,12 @@ class ScheduleSection(Section):
             s.admission == "task",
             f"config.schedule.admission={s.admission!r}: not supported yet in real runs (the controller dispatches in "
             "task order); the simulator has it: python -m gyre_jax.sim --config.schedule.admission=longest_first",
+        )
+        require(
+            s.group_quorum == 0,
+            f"config.schedule.group_quorum={s.group_quorum}: not supported yet in real runs (the controller's ledger "
+            "trains a group once all its executions ended); the simulator has it: "
+            "python -m gyre_jax.sim --config.schedule.group_quorum=15",
         )
 
     def policy_options(self) -> dict:

@@ -117,6 +117,7 @@ def sim_config(c: config_dict.ConfigDict) -> SimConfig:
             partial_rollouts=s.partial_rollouts,
             drop_staleness=s.drop_staleness,
             admission=s.admission,
+            group_quorum=s.group_quorum,
             segments=c.segments,
             name=c.name,
         )

@@ -10,6 +10,9 @@ of that step, which carries on (its sessions keep running across the weight upda
 group's later step. Per-token staleness: every segment's tokens carry the version that produced them
 (``ServingModel.tok_v``); an execution whose oldest token is more than ``drop_bound`` versions behind the
 step it is assigned to is dropped (no training work; its slot time is counted as wasted).
+
+Group quorum (``quorum`` < G): once ``quorum`` of a group's executions have ended, the group is complete; the
+simulator aborts its other members (``abort``), which count as ended (the waterlevel's f) but train nothing.
 """
 
 from __future__ import annotations
@@ -36,11 +39,13 @@ class SimLedger:
         pool_steps: int | None = None,
         drop_bound: int | None = None,
         order: Callable[[int], list[int]] | None = None,
+        quorum: int = 0,
     ):
         self.steps, self.n, self.g = steps, batch_size, group_size
         self.pool_steps = max(steps, pool_steps or steps)
         self.total = self.pool_steps * batch_size
         self.drop_bound = drop_bound
+        self.quorum = quorum if 0 < quorum < group_size else group_size  # ended members that complete a group
         # admission order: order(step) -> positions of the step's executions in the order they are dispatched
         # (asked once, when the step's first execution is dispatched); None: task order
         self.order = order
@@ -59,7 +64,9 @@ class SimLedger:
         groups = self.total // group_size
         self.per_step = batch_size // group_size  # groups per step
         self.label = [gi // self.per_step for gi in range(groups)]
-        self.grp_fin = [0] * groups
+        self.grp_fin = [0] * groups  # members ended (aborted ones included)
+        self.grp_ended = [0] * groups  # members whose harness ended by itself (finished or timed out)
+        self.aborted = [False] * self.total  # ended by the group quorum: trains nothing
         self.finished_flag = [False] * self.total
         self.dropped = [False] * self.total
         self.complete = [0] * self.pool_steps  # complete groups assigned to each step
@@ -103,9 +110,13 @@ class SimLedger:
         self.dispatch_ver[i] = self.version
         return i
 
-    def finished(self, i: int) -> bool:
-        """Execution ``i``'s harness ended; True if that completed its group."""
+    def finished(self, i: int, aborted: bool = False) -> bool:
+        """Execution ``i``'s harness ended (``aborted``: by the group quorum); True if that completed its group."""
         gi = i // self.g
+        if aborted:
+            self.aborted[i] = True
+        else:
+            self.grp_ended[gi] += 1
         step = self.label[gi]
         self.fin_count[step] += 1
         if step <= self.version:
@@ -114,6 +125,18 @@ class SimLedger:
         self.finished_flag[i] = True
         self.grp_fin[gi] += 1
         return self.grp_fin[gi] == self.g
+
+    def quorum_reached(self, i: int) -> list[int]:
+        """After execution ``i`` ended by itself: the members of its group to abort now (the group's
+        ``quorum``-th member just ended), else []."""
+        gi = i // self.g
+        if self.quorum == self.g or self.grp_ended[gi] != self.quorum:
+            return []
+        return [j for j in range(gi * self.g, (gi + 1) * self.g) if not self.finished_flag[j]]
+
+    def trains(self, i: int) -> bool:
+        """Execution ``i`` is in its step's training data (neither dropped nor aborted)."""
+        return not (self.dropped[i] or self.aborted[i])
 
     # -- partial rollouts: a step trains the first groups to complete -------------------------------
     def assign(self, gi: int) -> tuple[int, int, int]:
@@ -158,7 +181,11 @@ class SimLedger:
         behind ``step`` as dropped; returns them."""
         if self.drop_bound is None:
             return []
-        out = [i for i in range(gi * self.g, (gi + 1) * self.g) if step - oldest_version[i] > self.drop_bound]
+        out = [
+            i
+            for i in range(gi * self.g, (gi + 1) * self.g)
+            if not self.aborted[i] and step - oldest_version[i] > self.drop_bound
+        ]
         for i in out:
             self.dropped[i] = True
         return out
@@ -172,7 +199,7 @@ class SimLedger:
     def trained(self, v: int, now: float) -> None:
         """Step ``v``'s optimizer step ended at ``now``: the policy version is ``v + 1``."""
         for i in self.members(v):
-            if not self.dropped[i]:
+            if self.trains(i):
                 self.staleness.append(v - self.dispatch_ver[i])
         self.version = v + 1
         if self.version < self.pool_steps:

@@ -7,6 +7,8 @@
 - partial rollouts: a completed group is assigned to the step being filled (``SimLedger.assign``), the group
   it displaces carries on into a later step, and executions whose oldest token is beyond the drop bound
   are dropped: no training work; their slot time (in the steps trained) is counted as wasted, not busy;
+- group quorum: executions aborted when their group's quorum ended without them train nothing; their slot
+  time (in the steps trained) is counted as wasted, apart from the drops';
 - admission by history: every ended execution's duration is recorded per task
   (``policies.DurationHistory``); with ``admission="longest_first"`` a step's executions are dispatched
   in the order of their tasks' predicted durations, longest first.
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gyre_jax.elastic.policies import DurationHistory
+from gyre_jax.sim.events import EVAL
 from gyre_jax.sim.ledger import SimLedger
 from gyre_jax.sim.serving_model import ServingModel
 from gyre_jax.sim.training_model import TrainingModel
@@ -35,7 +38,8 @@ class VersionBooks:
         self.cfg, self.ledger, self.serving, self.training = config, ledger, serving, training
         self.history = DurationHistory()
         self.per_step: list[tuple[int, float]] = []  # per trained step: (max, mean) per-token staleness
-        self.wasted = 0.0  # cell-seconds of slots held by the dropped executions of the steps trained so far
+        self.wasted = 0.0  # cell-seconds of slots held by the dropped or aborted executions of the steps trained
+        self.aborted_s = 0.0  # the aborted executions' share of ``wasted``
         # at each step's end: (time, busy cell-seconds so far) for the steady-state busy fraction
         self.busy_at_step_end: list[tuple[float, float]] = []
         if config.admission == "longest_first":
@@ -48,12 +52,33 @@ class VersionBooks:
         task = step * cfg.tasks_per_step + j // cfg.group_size
         return task % cfg.workload.task_pool if cfg.workload.task_pool else task
 
-    def ended(self, i: int, group_done: bool) -> None:
+    def ended(self, i: int, group_done: bool, aborted: bool = False) -> None:
         """Execution ``i``'s harness ended (its slot time is in ``serving.slot_s``); ``group_done``: its group is
-        complete."""
-        self.history.record(self.task_of(i), self.serving.slot_s[i])
+        complete; ``aborted``: by its group's quorum (its duration is cut short: not recorded in the history)."""
+        if not aborted:
+            self.history.record(self.task_of(i), self.serving.slot_s[i])
         if group_done and self.cfg.partial_rollouts:
             self.assign(i // self.cfg.group_size)
+
+    def abort(self, j: int) -> bool:
+        """Execution ``j``'s group reached its quorum without it: it ends now (one not dispatched yet ends at its
+        dispatch: ``end_aborted``, called by the driver). True if it had started (its session ended now)."""
+        if not self.ledger.was_dispatched[j]:
+            self.ledger.aborted[j] = True
+            return False
+        had_slot = self.serving.abort(j)
+        self.end_aborted(j, had_slot)
+        return had_slot
+
+    def end_aborted(self, j: int, had_slot: bool) -> None:
+        """Aborted execution ``j`` ends: it trains nothing, and its (empty) data counts as evaluated at once;
+        ``had_slot``: it had started (else it counts as started now: it no longer waits for a slot)."""
+        if not had_slot:
+            self.ledger.wl.started += 1
+        group_done = self.ledger.finished(j, aborted=True)
+        self.training.exec_work[j] = 0.0
+        self.serving.clock.push(self.serving.clock.now, EVAL, j)
+        self.ended(j, group_done, aborted=True)
 
     def admission_order(self, step: int) -> list[int]:
         """Positions of step ``step``'s executions in dispatch order: its tasks, longest predicted first."""
@@ -77,11 +102,14 @@ class VersionBooks:
 
     def step_trained(self, v: int) -> None:
         """Records step ``v``'s per-token staleness: the max over its executions' oldest tokens, and the
-        token-weighted mean (dropped executions excluded)."""
-        sv, oldest, n_tok, v_tok = self.serving, 0, 0.0, 0.0
-        for i in self.ledger.members(v):
-            if self.ledger.dropped[i]:
-                self.wasted += sv.slot_s[i] / self.cfg.slots_per_cell
+        token-weighted mean (dropped and aborted executions excluded: their slot time is wasted)."""
+        sv, ledger, oldest, n_tok, v_tok = self.serving, self.ledger, 0, 0.0, 0.0
+        for i in ledger.members(v):
+            if not ledger.trains(i):
+                w = sv.slot_s[i] / self.cfg.slots_per_cell
+                self.wasted += w
+                if ledger.aborted[i]:
+                    self.aborted_s += w
                 continue
             oldest = max(oldest, v - sv.ver0[i])
             n_tok += sv.tok_n[i]
@@ -94,7 +122,7 @@ class VersionBooks:
         return [i for v in range(len(ledger.step_end)) for i in ledger.members(v) if ledger.dropped[i]]
 
     def wasted_s(self) -> float:
-        """Cell-seconds of serving slots the dropped executions of the trained steps held."""
+        """Cell-seconds of serving slots the dropped or aborted executions of the trained steps held."""
         return self.wasted
 
     def step_ended(self, now: float, training_busy_s: float) -> None:
@@ -119,6 +147,8 @@ class VersionBooks:
         """The ``SimResult`` fields ``token_staleness`` and ``partial``."""
         ledger = self.ledger
         dropped = len(self.dropped())
+        trained = [i for v in range(len(ledger.step_end)) for i in ledger.members(v)]
+        aborted = sum(ledger.aborted[i] for i in trained)
         tok = self.per_step or [(0, 0.0)]
         return {
             "steady": self.steady_busy(),
@@ -132,5 +162,8 @@ class VersionBooks:
                 "dropped": dropped,
                 "dropped_fraction": dropped / (self.cfg.steps * self.cfg.batch_size),
                 "wasted_fraction": self.wasted_s() / cell_time,
+                "aborted": aborted,
+                "aborted_fraction": aborted / (self.cfg.steps * self.cfg.batch_size),
+                "aborted_wasted_fraction": self.aborted_s / cell_time,
             },
         }

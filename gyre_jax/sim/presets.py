@@ -96,6 +96,8 @@ def base(name: str, description: str) -> config_dict.ConfigDict:
             partial_rollouts=False,
             drop_staleness=-1,  # partial rollouts: drop executions whose oldest token is more versions behind
             admission="task",  # task | longest_first (tasks predicted longest by their history first; task_pool > 0)
+            # a group trains once this many of its G members ended; the others are aborted (0: the whole group)
+            group_quorum=0,
         )
     )
     c.model = config_dict.ConfigDict(dict(QWEN_122B))

@@ -83,6 +83,7 @@ class ServingModel:
         self.waits: list[float] = []
         self.tokens_done: list[float] = []  # trajectory tokens of each ended execution
         self.timeouts = 0
+        self.aborts = 0  # sessions ended by their group's quorum (not in ``durations``)
 
     # -- slots ------------------------------------------------------------------------------------
     def best_cell(self, exclude: int = -1) -> int:
@@ -255,6 +256,23 @@ class ServingModel:
         self.begin_segment(i, 1.0, 0.0)
         return None
 
+    def abort(self, i: int) -> bool:
+        """Ends dispatched session ``i`` now (its group's quorum ended without it), on a slot, held after a move
+        or queued. False if it never had a slot; else True, and ``slot_s[i]`` is set as for a session that ended."""
+        self.aborts += 1
+        c = self.cell_of[i]
+        if c >= 0 and i in self.sessions[c]:
+            self.detach(i)
+        elif i in self.held_frac:  # moved off a cell that left serving, waiting for a slot
+            self.held.remove(i)
+            heapq.heapify(self.held)
+            del self.held_frac[i], self.held_t[i]
+        else:
+            self.queue.remove(i)  # dispatched, never started
+            return False
+        self.slot_s[i] = self.clock.now - self.start_t[i]
+        return True
+
     # -- cells that pause or leave serving --------------------------------------------------------
     def pause(self, c: int, sync_s: float) -> None:
         """Serving cell ``c`` pauses ``sync_s`` for a weight sync: its sessions' segments resume after it."""
@@ -308,17 +326,19 @@ class ServingModel:
         """Slot-occupied serving time (weight-sync pauses excluded), in cell-seconds, up to the last ``touch``."""
         return sum(max(0.0, self.occ_area[c] - self.pause_area[c]) / self.slots for c in range(self.k))
 
-    def execution_stats(self) -> dict[str, float]:
-        """The ended executions: count, timeout share, durations (slot to end), waits for a slot, tokens."""
-        d = np.asarray(self.durations) if self.durations else np.zeros(1)
-        waits = np.asarray(self.waits) if self.waits else np.zeros(1)
-        return {
-            "ended": len(self.durations),
-            "timeout_fraction": self.timeouts / max(1, len(self.durations)),
-            "duration_mean_s": float(d.mean()),
-            "duration_p50_s": float(np.percentile(d, 50)),
-            "duration_p90_s": float(np.percentile(d, 90)),
-            "duration_max_s": float(d.max()),
-            "wait_mean_s": float(waits.mean()),
-            "tokens_mean": float(np.mean(self.tokens_done)) if self.tokens_done else 0.0,
-        }
+
+def execution_stats(sv: ServingModel) -> dict[str, float]:
+    """Serving model ``sv``'s ended executions: count, timeout share, durations (slot to end), waits for a slot, tokens."""
+    d = np.asarray(sv.durations) if sv.durations else np.zeros(1)
+    waits = np.asarray(sv.waits) if sv.waits else np.zeros(1)
+    return {
+        "ended": len(sv.durations),
+        "timeout_fraction": sv.timeouts / max(1, len(sv.durations)),
+        "aborted": sv.aborts,
+        "duration_mean_s": float(d.mean()),
+        "duration_p50_s": float(np.percentile(d, 50)),
+        "duration_p90_s": float(np.percentile(d, 90)),
+        "duration_max_s": float(d.max()),
+        "wait_mean_s": float(waits.mean()),
+        "tokens_mean": float(np.mean(sv.tokens_done)) if sv.tokens_done else 0.0,
+    }

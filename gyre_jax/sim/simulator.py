@@ -50,7 +50,7 @@ from gyre_jax.sim.cost_model import CostModel
 from gyre_jax.sim.events import BATCH, BOUNDARY, EVAL, MICRO, OPT, PULL, SEG, SWITCH, EventQueue
 from gyre_jax.sim.ledger import SimLedger
 from gyre_jax.sim.partial import VersionBooks
-from gyre_jax.sim.serving_model import ServingModel
+from gyre_jax.sim.serving_model import ServingModel, execution_stats
 from gyre_jax.sim.training_model import TrainingModel
 from gyre_jax.sim.workload import SegmentPlan, StepPlans, WorkloadSpec
 
@@ -108,6 +108,10 @@ class SimConfig:
     # longest by their duration history first, ``policies.DurationHistory``; needs tasks that recur:
     # workload.task_pool > 0)
     admission: str = "task"
+    # group quorum: once this many of a group's G executions have ended (finished or timed out), the group is
+    # complete and its other members are aborted: their sessions end at once, they train nothing, and their
+    # slot time is wasted (GRPO/GSPO advantages over the members that ended); 0: the whole group (no aborts)
+    group_quorum: int = 0
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -154,6 +158,10 @@ class SimConfig:
             raise SimConfigError(
                 f"drop_staleness={self.drop_staleness} applies to partial rollouts (partial_rollouts=True); without "
                 f"them every execution trains within the dispatch bound eta"
+            )
+        if not 0 <= self.group_quorum <= self.group_size:
+            raise SimConfigError(
+                f"group_quorum={self.group_quorum} must be in 0 .. group_size={self.group_size} (0: the whole group)"
             )
         if self.partial_rollouts and self.policy == "colocated":
             raise SimConfigError("partial_rollouts: the colocated policy trains each batch whole; use async or elastic")
@@ -223,12 +231,14 @@ class SimResult:
     # the dropped ones held (as a share of all accelerator-time; not counted as busy)
     partial: dict[str, float] = field(default_factory=dict)
     # where accelerator-time that is not busy went, as shares of all accelerator-time: serving slots empty (or
-    # paused for a weight sync), training cells with nothing to compute, switches, dropped executions' slots
+    # paused for a weight sync), training cells with nothing to compute, switches, dropped executions' slots,
+    # slots of executions aborted by their group's quorum
     idle: dict[str, float] = field(default_factory=dict)
     # the busy fraction in steady state: between the ends of steps[0] - 1 and steps[1] (``VersionBooks.steady_busy``)
     steady: dict[str, Any] = field(default_factory=dict)
     partial_rollouts: bool = False
     drop_staleness: int = -1
+    group_quorum: int = 0
 
     @property
     def step_time_s(self) -> float:
@@ -262,6 +272,7 @@ def _config_fields(cfg: SimConfig) -> dict[str, Any]:
         max_branches=cfg.max_branches,
         partial_rollouts=cfg.partial_rollouts,
         drop_staleness=cfg.drop_staleness,
+        group_quorum=cfg.group_quorum,
     )
 
 
@@ -358,6 +369,7 @@ class Simulator:
             group_size=cfg.group_size,
             pool_steps=cfg.pool_steps,
             drop_bound=None if cfg.drop_staleness < 0 else cfg.drop_staleness,
+            quorum=cfg.group_quorum,
         )
         self.training = TrainingModel(
             cfg, self.clock, self.cells, self.step_plans.plans, self.timeline, step_of=self.ledger.step_of
@@ -440,8 +452,11 @@ class Simulator:
         for _ in range(count):
             i = self.ledger.dispatch()
             self.step_plans.get(i // self.n)
-            self.serving.enqueue(i)
-        self.wl.dispatched += count
+            self.wl.dispatched += 1
+            if self.ledger.aborted[i]:  # its group reached its quorum before it was dispatched
+                self.versions.end_aborted(i, had_slot=False)
+            else:
+                self.serving.enqueue(i)
         self._counter()
 
     def _start_waiting(self) -> int:
@@ -480,6 +495,9 @@ class Simulator:
             delay += float(p.tokens[j]) * self.cfg.cost.pipeline.processing_s_per_token
         self.clock.push(now + delay, EVAL, i)
         self.versions.ended(i, group_done)
+        for a in self.ledger.quorum_reached(i):  # the group's quorum: its other members are aborted
+            if self.versions.abort(a) and self.trace_executions:  # (a session's cell_of stays when it leaves)
+                self.timeline.execution_ended(now, self._eid(a), "aborted", cell=self.serving.cell_of[a])
         self._counter()
         self._start_waiting()
         self._replan("finished", i)
@@ -601,7 +619,7 @@ def _result(sim: Simulator, end: float, wall: float) -> SimResult:
         serving_busy_fraction=serving_busy / cell_time,
         training_busy_fraction=training_busy / cell_time,
         role_fractions=roles,
-        executions=sim.serving.execution_stats(),
+        executions=execution_stats(sim.serving),
         staleness={"mean": float(stale.mean()), "max": int(stale.max())},
         switches=dict(sim.cells.switch_count),
         training=sim.training.stats(),
@@ -611,7 +629,8 @@ def _result(sim: Simulator, end: float, wall: float) -> SimResult:
             "serving_empty": roles["serving"] - serving_busy / cell_time,
             "training_idle": roles["training"] - training_busy / cell_time,
             "switching": roles["switching"],
-            "dropped_slots": wasted,
+            "dropped_slots": wasted - sim.versions.aborted_s / cell_time,
+            "aborted_slots": sim.versions.aborted_s / cell_time,
         },
     )
 
