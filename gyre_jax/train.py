@@ -204,6 +204,7 @@ def _ledger(config, executor, records, pipeline, make_specs, timeline) -> Rollou
         pipeline=pipeline,
         make_specs=make_specs,
         timeline=timeline,
+        admission=config.schedule.admission,
     )
 
 

@@ -542,7 +542,6 @@ SECTION_CHECKS = [
     ("schedule", "leave_on", "never", "config.schedule.leave_on='never' must be one of"),
     ("schedule", "idle_before_return_s", -1.0, "config.schedule.idle_before_return_s=-1.0 must be >= 0"),
     ("schedule", "partial_rollouts", True, "config.schedule.partial_rollouts=True: not supported yet in real runs"),
-    ("schedule", "admission", "longest_first", "config.schedule.admission='longest_first': not supported yet"),
     ("schedule", "admission", "shortest", "config.schedule.admission='shortest' must be one of"),
     ("distributed", "coordinator_address", "localhost", "must be 'host:port'"),
     ("distributed", "num_processes", -1, "config.distributed.num_processes=-1 must be >= 1, or 0 to auto-detect"),

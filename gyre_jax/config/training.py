@@ -235,7 +235,7 @@ class ScheduleSection(Section):
     # the simulator has them (docs/simulator.md); real runs: not supported yet, must stay False
     partial_rollouts: bool = False
     # the order a step's executions are dispatched in: task | longest_first (tasks predicted longest by their
-    # duration history first, policies.DurationHistory); real runs: only "task" yet
+    # duration history first, policies.DurationHistory: the controller's ledger and the simulator)
     admission: str = "task"
     # a group trains once this many of its members ended, the others aborted (0: the whole group): the simulator
     # has it (docs/simulator.md); real runs: not supported yet, must stay 0
@@ -262,11 +262,6 @@ class ScheduleSection(Section):
             not s.partial_rollouts,
             "config.schedule.partial_rollouts=True: not supported yet in real runs (the controller's ledger trains "
             "each step's own batch); the simulator has them: python -m gyre_jax.sim --config.schedule.partial_rollouts=True",
-        )
-        require(
-            s.admission == "task",
-            f"config.schedule.admission={s.admission!r}: not supported yet in real runs (the controller dispatches in "
-            "task order); the simulator has it: python -m gyre_jax.sim --config.schedule.admission=longest_first",
         )
         require(
             s.group_quorum == 0,

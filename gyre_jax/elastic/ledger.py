@@ -1,6 +1,7 @@
 """The rollout ledger: a controller segment's executions, from dispatch to the step's micro-step queue.
 
-Executions are dispatched in task order (d), started when a serving slot is free (p) and finished when the
+Executions are dispatched (d) in task order, or with ``admission="longest_first"`` their task groups longest
+predicted first (``policies.DurationHistory``), started when a serving slot is free (p) and finished when the
 harness ended and the evaluator scored them (f): the rollout waterlevel. When a task's group of G
 executions has all finished, it is scored with ``rl.step_data.score_executions`` on its TITO records
 (staleness over every policy-generated token, executions over the drop bound leave the group, then
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gyre_jax.elastic.policies import Waterlevel
+from gyre_jax.elastic.policies import ADMISSION_ORDERS, DurationHistory, Waterlevel
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.rl.microstep_queue import MicroStepQueue
 from gyre_jax.rl.staleness import StalenessReport
@@ -48,6 +49,7 @@ class StepRun:
     pipeline_excluded: list = field(default_factory=list)
     t_first_dispatch: float | None = None
     t_last_finish: float | None = None
+    order: list[int] = field(default_factory=list)  # positions in ``specs``, in dispatch order (set at the first)
 
     def ready_groups(self, order: str) -> list[str]:
         """Completed groups not fed yet: in task order up to the first incomplete one, or in arrival order."""
@@ -68,7 +70,10 @@ class RolloutLedger:
 
     ``make_specs(step)``: the step's executions in task order (the callee also sets aside leftovers of an
     interrupted attempt). ``drop_staleness``: the drop bound (None: none). ``stream_order``: groups enter
-    the pipeline in task order (deterministic) or as they complete."""
+    the pipeline in task order (deterministic) or as they complete. ``admission``: the order a step's
+    executions are dispatched in: "task", or "longest_first" (its tasks by their predicted durations, longest
+    first: ``policies.DurationHistory``, the simulator's policy object, fed every ended execution's harness
+    time; the order is fixed when the step's first execution is dispatched)."""
 
     def __init__(
         self,
@@ -81,9 +86,13 @@ class RolloutLedger:
         pipeline,
         make_specs: Callable[[int], list[ExecutionSpec]],
         timeline: TimelineWriter,
+        admission: str = "task",
     ):
         if stream_order not in STREAM_ORDERS:
             raise ValueError(f"stream_order={stream_order!r} must be one of {STREAM_ORDERS}")
+        if admission not in ADMISSION_ORDERS:
+            raise ValueError(f"admission={admission!r} must be one of {ADMISSION_ORDERS}")
+        self.history = DurationHistory() if admission == "longest_first" else None
         self.batch_size = batch_size
         self.drop_staleness = drop_staleness
         self.stream_order = stream_order
@@ -133,12 +142,25 @@ class RolloutLedger:
                 return
             step = self.start + self._dispatched // self.batch_size
             run = self.step_run(step)
-            spec = run.specs[self._dispatched % self.batch_size]
+            if not run.order:
+                run.order = self.admission_order(run)
+            spec = run.specs[run.order[self._dispatched % self.batch_size]]
             self._dispatched += 1
             run.dispatched += 1
             run.t_first_dispatch = run.t_first_dispatch or time.time()
             self.wl.dispatched += 1
             self.waiting.append((step, spec))
+
+    def admission_order(self, run: StepRun) -> list[int]:
+        """Positions of ``run.specs`` in dispatch order: task order, or (``admission="longest_first"``) its groups
+        by their tasks' predicted durations, longest first (ties in task order), each group's members together."""
+        if self.history is None:
+            return list(range(len(run.specs)))
+        positions: dict[str, list[int]] = {}
+        for k, spec in enumerate(run.specs):
+            positions.setdefault(spec.group_id, []).append(k)
+        tasks = [run.specs[positions[g][0]].task.task_id for g in run.group_order]
+        return [k for j in self.history.order(tasks) for k in positions[run.group_order[j]]]
 
     def start_waiting(self, slots: int, on_finished: Callable[[ExecutionResult, int], None]) -> None:
         """Starts waiting executions while fewer than ``slots`` run; ``on_finished(result, step)`` follows each."""
@@ -160,6 +182,8 @@ class RolloutLedger:
         run.t_last_finish = now
         self.wl.finished += 1
         self.running -= 1
+        if self.history is not None and result.returncode is not None:  # its harness ran (a timeout: its limit)
+            self.history.record(result.task_id, result.duration_s)
         self.timeline.execution_ended(now, result.execution_id, result.status, step=step, reward=result.reward)
         self.timeline.waterlevel(now, self.wl.dispatched, self.wl.started, self.wl.finished)
         if all(e in run.results for e in run.members[result.group_id]):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -413,29 +414,30 @@ class DurationHistory:
     ``record(task, seconds)`` after each execution ends (slot to harness end; a timed-out one counts as its
     timeout); ``predict(task)`` is the mean of the task's recorded durations, or, for a task never seen, the
     mean over every task seen (0 before any). ``order(tasks)`` is the admission order of a batch's tasks:
-    positions sorted by predicted duration, longest first, ties in task order. Plain Python: the simulator
-    uses it; the real controller does not yet (``schedule.admission`` refuses it for real runs).
+    positions sorted by predicted duration, longest first, ties in task order. Plain Python, used by the
+    simulator (``sim/partial.py``) and the real controller's ledger (``ledger.RolloutLedger``); a task is any
+    hashable id (the simulator's dataset index, a run's task id).
     """
 
     def __init__(self) -> None:
-        self.sum: dict[int, float] = {}
-        self.count: dict[int, int] = {}
+        self.sum: dict[Hashable, float] = {}
+        self.count: dict[Hashable, int] = {}
         self.total = 0.0
         self.n = 0
 
-    def record(self, task: int, seconds: float) -> None:
+    def record(self, task: Hashable, seconds: float) -> None:
         self.sum[task] = self.sum.get(task, 0.0) + seconds
         self.count[task] = self.count.get(task, 0) + 1
         self.total += seconds
         self.n += 1
 
-    def predict(self, task: int) -> float:
+    def predict(self, task: Hashable) -> float:
         c = self.count.get(task, 0)
         if c:
             return self.sum[task] / c
         return self.total / self.n if self.n else 0.0
 
-    def order(self, tasks: list[int]) -> list[int]:
+    def order(self, tasks: Sequence[Hashable]) -> list[int]:
         """Positions 0 .. len(tasks) - 1, the task predicted longest first (a stable sort: ties in task order)."""
         pred = [self.predict(t) for t in tasks]
         return sorted(range(len(tasks)), key=lambda j: -pred[j])
