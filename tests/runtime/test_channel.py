@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pickle
 import socket
-import threading
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,26 +14,8 @@ import pytest
 from gyre_jax.runtime.channel import Channel, ChannelClosed
 from gyre_jax.runtime.process import peer_connection_lost
 
-
-class MemoryKV:
-    def __init__(self):
-        self.data: dict[str, bytes] = {}
-        self.cond = threading.Condition()
-
-    def key_value_set_bytes(self, key: str, value: bytes) -> None:
-        with self.cond:
-            self.data[key] = value
-            self.cond.notify_all()
-
-    def blocking_key_value_get_bytes(self, key: str, timeout_ms: int) -> bytes:
-        with self.cond:
-            if not self.cond.wait_for(lambda: key in self.data, timeout=timeout_ms / 1000):
-                raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
-            return self.data[key]
-
-    def key_value_delete(self, key: str) -> None:
-        with self.cond:
-            self.data.pop(key, None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from memory_kv import MemoryKV  # noqa: E402
 
 
 def test_arrays_and_objects_arrive_in_order_and_equal():

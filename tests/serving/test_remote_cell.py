@@ -9,7 +9,9 @@ cell mesh.
 
 from __future__ import annotations
 
+import sys
 import threading
+from pathlib import Path
 
 import jax
 import pytest
@@ -23,31 +25,10 @@ from gyre_jax.runtime.remote import FollowerLink, RemoteCell, TransferLog
 from gyre_jax.serving.loop import ServingLoop
 from gyre_jax.serving.types import ContextTooLongError, GenerationRequest, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from memory_kv import MemoryKV  # noqa: E402
+
 MAX_SEQ_LEN = 128  # the serving fixtures' engine (tests/serving/conftest.py)
-
-
-class MemoryKV:
-    """The subset of jax's DistributedRuntimeClient the channels use, in memory."""
-
-    def __init__(self):
-        self.data: dict[str, bytes] = {}
-        self.cond = threading.Condition()
-
-    def key_value_set_bytes(self, key: str, value: bytes) -> None:
-        with self.cond:
-            assert key not in self.data, f"{key} written twice"
-            self.data[key] = value
-            self.cond.notify_all()
-
-    def blocking_key_value_get_bytes(self, key: str, timeout_ms: int) -> bytes:
-        with self.cond:
-            if not self.cond.wait_for(lambda: key in self.data, timeout=timeout_ms / 1000):
-                raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
-            return self.data[key]
-
-    def key_value_delete(self, key: str) -> None:
-        with self.cond:
-            self.data.pop(key, None)
 
 
 def test_channel_keeps_order_times_out_and_deletes_what_it_read():
