@@ -331,12 +331,12 @@ def _long_fits(c: RunConfig) -> None:
     r = c.rollout
     if "longlog" not in r.task_kinds:
         return
-    need = r.long_compact_tokens + 4 * r.max_tokens_per_call + 512
+    need = r.long_compact_tokens + 5 * (r.max_tokens_per_call + 128)
     require(
         c.serving.max_seq_len >= need,
-        f"config.serving.max_seq_len={c.serving.max_seq_len} must be >= rollout.long_compact_tokens + 4 x "
-        f"rollout.max_tokens_per_call + 512 = {need} (a longlog conversation grows to long_compact_tokens, then "
-        "asks for its summary, up to 3 times); raise it (and trajectory.row_length) or lower long_compact_tokens",
+        f"config.serving.max_seq_len={c.serving.max_seq_len} must be >= rollout.long_compact_tokens + 5 x "
+        f"(rollout.max_tokens_per_call + 128) = {need} (a longlog conversation grows to long_compact_tokens, then "
+        "asks for its summary, up to 5 times); raise it (and trajectory.row_length) or lower long_compact_tokens",
     )
     require(
         c.warm_start.steps == 0,

@@ -50,7 +50,7 @@ from gyre_jax.rollout.harness import (
     tool_latency,
 )
 
-SUMMARY_TRIES = 3
+SUMMARY_TRIES = 5
 MIN_LINE_CHARS = 20  # the proxy's MIN_QUOTE_CHARS: a summary needs a line this long to be recognized as quoted
 TEMPLATE_TOKENS = 64  # room for the chat template's tokens around one more turn (the compaction check)
 _TAG = re.compile(r"</?[A-Za-z][\w-]*>")

@@ -179,15 +179,16 @@ class LongTaskParams:
         return -(-self.file_chars // self.read_chars)
 
     def planned_calls(self) -> int:
-        """Model calls of an execution without compaction: a call per read, a report per sub-agent (and one in
-        the main agent to take it in), and the final answer. Compaction adds one call (or a few) per summary."""
+        """Model calls of an execution without compaction: the main agent's first call, a call per read, a report
+        per sub-agent (and one in the main agent to take it in), and the answer. Compaction adds 1-5 calls (the
+        summary requests) per summary."""
         delegated = self.files // self.subagent_every if self.subagent_every else 0
-        return self.files * self.reads_per_file + 2 * delegated + 1
+        return self.files * self.reads_per_file + 2 * delegated + 2
 
     def max_calls(self) -> int:
         """The call budget of a task (``Task.max_turns``): the planned calls plus room for summaries."""
         per_conversation = max(1, (self.compact_tokens - self.system_chars) // (2 * self.read_chars))
-        return self.planned_calls() + 4 * (self.planned_calls() // per_conversation + 1)
+        return self.planned_calls() + 5 * (self.planned_calls() // per_conversation + 1)
 
 
 def long_manual(header: str, chars: int) -> str:
