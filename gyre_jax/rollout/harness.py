@@ -2,9 +2,12 @@
 
 Run: ``python -m gyre_jax.rollout.harness --task TASK_JSON --model NAME [--temperature T]
 [--max-tokens N] [--seed S]``, with the workspace as the current directory. It reads only
-``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` from the environment (through the ``openai`` SDK) and
+``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` from the environment, as the ``openai`` SDK does, and
 imports nothing from gyre_jax: it re-parses the task JSON itself (schema in tasks.py), so it behaves
-like any third-party harness would. Tools: ``read_file(path)`` and ``write_file(path, content)``,
+like any third-party harness would. It speaks HTTP with the standard library (``ChatClient``) rather
+than through the ``openai`` SDK, whose import alone costs ~1.3 s of CPU per process: one harness
+process runs per execution, so that was most of a tiny run's rollout time on a small machine (the SDKs
+themselves are tested against the proxy in tests/integration). Tools: ``read_file(path)`` and ``write_file(path, content)``,
 confined to the workspace; files are written as the conversation goes, so a killed harness leaves
 its partial work behind. Exit status: 0 when the conversation ended (no tool call, or max_turns
 reached), 1 on an API error, 2 on a bad task file or configuration; the reason goes to stderr.
@@ -15,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path, PurePosixPath
 from typing import Any
-
-import openai
 
 TOOL_NAMES = ("read_file", "write_file")
 
@@ -100,11 +104,72 @@ def run_tool(workspace: Path, name: str, arguments: str) -> str:
         return f"error: {name} failed: {exc.strerror or exc}"
 
 
-def assistant_message_dict(message: Any) -> dict[str, Any]:
-    """The assistant message as returned (content, tool calls and any extra fields), as a plain dict."""
-    out = message.model_dump(exclude_none=True)
+# The openai SDK's exception class per HTTP status, so a failure reads the same as through the SDK.
+STATUS_ERRORS = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+}
+
+
+class APIError(Exception):
+    """A failed model call; ``kind`` is the openai SDK's name for the failure (e.g. ``RateLimitError``)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class ChatClient:
+    """``POST {base_url}/chat/completions`` with a bearer key: the one call the harness makes, no retries
+    (the proxy, not the client, decides about retries). Configured from the environment like the SDK:
+    ``OPENAI_BASE_URL`` (default ``https://api.openai.com/v1``) and ``OPENAI_API_KEY`` (required)."""
+
+    def __init__(self, timeout_s: float, environ: dict[str, str] | None = None):
+        env = os.environ if environ is None else environ
+        self.api_key = env.get("OPENAI_API_KEY", "")
+        if not self.api_key:
+            raise ValueError("OPENAI_API_KEY is not set; set it to the key the API expects (any string for the proxy)")
+        self.base_url = (env.get("OPENAI_BASE_URL") or "https://api.openai.com/v1").rstrip("/")
+        self.timeout_s = timeout_s
+
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The chat completion for ``body`` as a dict; ``APIError`` on any failure."""
+        request = urllib.request.Request(
+            f"{self.base_url}/chat/completions",
+            data=json.dumps(body).encode("utf-8"),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            kind = "InternalServerError" if exc.code >= 500 else STATUS_ERRORS.get(exc.code, "APIStatusError")
+            raise APIError(kind, f"Error code: {exc.code} - {exc.read().decode('utf-8', 'replace')[:2000]}") from None
+        except TimeoutError as exc:
+            raise APIError("APITimeoutError", f"Request timed out after {self.timeout_s:g}s: {exc}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise APIError("APIConnectionError", f"Connection error: {getattr(exc, 'reason', exc)}") from None
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise APIError("APIResponseValidationError", f"the response is not JSON ({exc})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("choices", []), list):
+            raise APIError("APIResponseValidationError", f"the response is not a chat completion: {raw[:500]!r}")
+        return data
+
+
+def assistant_message_dict(message: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message as returned (content, tool calls and any extra fields) without null fields,
+    as the conversation's next assistant turn."""
+    out = {k: v for k, v in message.items() if v is not None}
     out["role"] = "assistant"
-    out["content"] = message.content
+    out["content"] = message.get("content")
     return out
 
 
@@ -122,8 +187,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"harness: {exc}", file=sys.stderr)
         return 2
     try:
-        client = openai.OpenAI(max_retries=0, timeout=args.request_timeout)
-    except openai.OpenAIError as exc:  # e.g. OPENAI_API_KEY not set
+        client = ChatClient(args.request_timeout)
+    except ValueError as exc:  # OPENAI_API_KEY not set
         print(f"harness: cannot create the OpenAI client: {exc}", file=sys.stderr)
         return 2
     workspace = Path.cwd()
@@ -132,38 +197,37 @@ def run(args: argparse.Namespace) -> int:
     if task["system"]:
         messages.append({"role": "system", "content": task["system"]})
     messages.append({"role": "user", "content": task["instruction"]})
-    tools = task["tools"] or openai.NOT_GIVEN
+    request = {"model": args.model, "temperature": args.temperature, "max_tokens": args.max_tokens}
+    if task["tools"]:
+        request["tools"] = task["tools"]
 
     turns, stop = 0, "max_turns"
     for turns in range(1, task["max_turns"] + 1):
         try:
-            response = client.chat.completions.create(
-                model=args.model,
-                messages=messages,
-                tools=tools,
-                temperature=args.temperature,
-                max_tokens=args.max_tokens,
-            )
-        except openai.APIError as exc:
-            print(f"harness: model call {turns} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            response = client.create({**request, "messages": messages})
+        except APIError as exc:
+            print(f"harness: model call {turns} failed: {exc.kind}: {exc}", file=sys.stderr)
             return 1
-        if not response.choices:
+        choices = response.get("choices") or []
+        if not choices or not isinstance(choices[0].get("message"), dict):
             print(f"harness: model call {turns} returned no choices", file=sys.stderr)
             return 1
-        message = response.choices[0].message
+        message = choices[0]["message"]
         messages.append(assistant_message_dict(message))
-        calls = message.tool_calls or []
+        calls = message.get("tool_calls") or []
         if not calls:
             stop = "no_tool_call"
             break
         for call in calls:
             time.sleep(tool_latency(rng, task["tool_latency_median_s"], task["tool_latency_sigma"]))
-            fn = getattr(call, "function", None)
-            if fn is None:
-                result = f"error: unsupported tool call type {getattr(call, 'type', None)!r}; only function calls are supported"
+            call = call if isinstance(call, dict) else {}
+            fn = call.get("function")
+            if not isinstance(fn, dict):
+                kind = call.get("type")
+                result = f"error: unsupported tool call type {kind!r}; only function calls are supported"
             else:
-                result = run_tool(workspace, fn.name, fn.arguments)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+                result = run_tool(workspace, fn.get("name"), fn.get("arguments"))
+            messages.append({"role": "tool", "tool_call_id": call.get("id"), "content": result})
     print(json.dumps({"turns": turns, "stop": stop}))
     return 0
 

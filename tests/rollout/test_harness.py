@@ -282,3 +282,30 @@ def test_reference_harness_under_the_executor(server, tmp_path):
     assert (result.status, result.reward, result.returncode, result.excluded) == ("finished", 1.0, 0, False), stderr
     assert registry.opened == registry.closed == ["e0"]
     assert len(server.requests) == 3 and server.requests[0]["body"]["max_tokens"] == 96
+
+
+def test_harness_names_each_failure_as_the_openai_sdk_does(server, tmp_path):
+    """A 429 is a RateLimitError, a body that is not JSON a validation error, a missing key a config error (exit 2)."""
+    _, workspace, task_path = make_task(tmp_path)
+    server.script = [(429, {"error": {"message": "slow down"}})]
+    proc = run_harness(task_path, workspace, server.base_url)
+    assert proc.returncode == 1 and "RateLimitError" in proc.stderr and "slow down" in proc.stderr
+    server.script = [(200, ["not", "a", "completion"])]
+    proc = run_harness(task_path, workspace, server.base_url)
+    assert proc.returncode == 1 and "APIResponseValidationError" in proc.stderr
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO_ROOT), "OPENAI_BASE_URL": server.base_url}
+    cmd = [sys.executable, "-m", "gyre_jax.rollout.harness", "--task", str(task_path), "--model", "tiny"]
+    proc = subprocess.run(cmd, cwd=workspace, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "OPENAI_API_KEY" in proc.stderr
+    assert len(server.requests) == 2
+
+
+def test_harness_answers_a_call_of_an_unknown_type_with_an_error_and_goes_on(server, tmp_path):
+    _, workspace, task_path = make_task(tmp_path)
+    server.say({"content": "", "tool_calls": [{"id": "x1", "type": "retrieval"}]}, {"content": "Done."})
+    proc = run_harness(task_path, workspace, server.base_url)
+    assert proc.returncode == 0, proc.stderr
+    tool_turn = server.requests[1]["body"]["messages"][-1]
+    assert tool_turn["role"] == "tool" and tool_turn["tool_call_id"] == "x1"
+    assert "unsupported tool call type 'retrieval'" in tool_turn["content"]
+    assert server.requests[0]["authorization"] == f"Bearer {API_KEY}" and "tools" in server.requests[0]["body"]
