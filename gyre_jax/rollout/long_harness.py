@@ -3,7 +3,7 @@
 Run: ``python -m gyre_jax.rollout.long_harness --task TASK_JSON --model NAME [--temperature T]
 [--max-tokens N] [--seed S]`` with the workspace as the current directory; like the reference harness
 (harness.py, whose helpers it imports) it reads only ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` and speaks the
-OpenAI chat API through the ``openai`` SDK. The sizes come from the task's ``metadata.long_horizon``
+OpenAI chat API over HTTP (harness.py's ``ChatClient``). The sizes come from the task's ``metadata.long_horizon``
 (``tasks.LongTaskParams``).
 
 What it does, as agent harnesses do over long tasks (docs/tasks.md, "longlog"):
@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import openai
-
 from gyre_jax.rollout.harness import (
+    APIError,
+    ChatClient,
     TaskFileError,
     assistant_message_dict,
     load_task,
@@ -100,42 +100,47 @@ class Conversation:
         ]
         self.context_tokens = 0
 
-    def call(self) -> Any:
+    def call(self) -> dict[str, Any]:
         """One model call on the messages; appends the answer (and the results of its tool calls); returns it."""
         run = self.run
         if run.calls >= run.task["max_turns"]:
             raise BudgetExhausted
         run.calls += 1
-        response = run.client.chat.completions.create(
-            model=run.model, messages=self.messages, tools=run.task["tools"], temperature=run.temperature,
-            max_tokens=run.max_tokens,
-        )  # fmt: skip
-        if not response.choices:
+        body = {"model": run.model, "messages": self.messages, "tools": run.task["tools"],
+                "temperature": run.temperature, "max_tokens": run.max_tokens}  # fmt: skip
+        response = run.client.create(body)
+        choices = response.get("choices") or []
+        if not choices or not isinstance(choices[0].get("message"), dict):
             raise NoChoices(f"model call {run.calls} returned no choices")
-        message = response.choices[0].message
+        message = choices[0]["message"]
         self.messages.append(assistant_message_dict(message))
-        usage = response.usage
-        self.context_tokens = (usage.prompt_tokens + usage.completion_tokens) if usage else _chars(self.messages)
+        usage = response.get("usage") or {}
+        tokens = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+        self.context_tokens = tokens or _chars(self.messages)
         run.max_context = max(run.max_context, self.context_tokens)
-        for tool_call in message.tool_calls or []:
-            self.messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": self._tool(tool_call)})
+        for tool_call in message.get("tool_calls") or []:
+            tool_call = tool_call if isinstance(tool_call, dict) else {}
+            self.messages.append(
+                {"role": "tool", "tool_call_id": tool_call.get("id"), "content": self._tool(tool_call)}
+            )
         return message
 
-    def _tool(self, tool_call: Any) -> str:
-        fn = getattr(tool_call, "function", None)
-        if fn is None:
-            return f"error: unsupported tool call type {getattr(tool_call, 'type', None)!r}"
+    def _tool(self, tool_call: dict[str, Any]) -> str:
+        fn = tool_call.get("function")
+        if not isinstance(fn, dict):
+            return f"error: unsupported tool call type {tool_call.get('type')!r}; only function calls are supported"
         time.sleep(
             tool_latency(self.run.rng, self.run.task["tool_latency_median_s"], self.run.task["tool_latency_sigma"])
         )
-        if fn.name == "read_file":
-            return read_piece_tool(self.run.workspace, fn.arguments, self.run.params["read_chars"])
-        result = run_tool(self.run.workspace, fn.name, fn.arguments)
-        if fn.name == "write_file" and result == "ok" and '"answer.txt"' in fn.arguments:
+        name, arguments = fn.get("name"), fn.get("arguments") or ""
+        if name == "read_file":
+            return read_piece_tool(self.run.workspace, arguments, self.run.params["read_chars"])
+        result = run_tool(self.run.workspace, name, arguments)
+        if name == "write_file" and result == "ok" and '"answer.txt"' in arguments:
             self.run.answer_written = True
         return result
 
-    def say(self, text: str) -> Any:
+    def say(self, text: str) -> dict[str, Any]:
         """Appends a user turn (an observation or a request) and makes the call."""
         self.messages.append({"role": "user", "content": text})
         return self.call()
@@ -144,6 +149,11 @@ class Conversation:
         """Whether one more turn of ``more_chars`` characters and an answer stay within ``compact_tokens``."""
         need = self.context_tokens + more_chars + self.run.max_tokens + TEMPLATE_TOKENS
         return need <= self.run.params["compact_tokens"]
+
+
+def _content(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    return content if isinstance(content, str) else ""
 
 
 def _chars(messages: list[dict[str, Any]]) -> int:
@@ -185,11 +195,11 @@ def compact(conv: Conversation, system: str, task_text: str) -> Conversation:
     conversation that starts from it."""
     message = conv.say(SUMMARY_REQUEST)
     for _ in range(SUMMARY_TRIES - 1):
-        if quotable(message.content or "") and not message.tool_calls:
+        if quotable(_content(message)) and not message.get("tool_calls"):
             break
         message = conv.say(SUMMARY_AGAIN)
     conv.run.summaries += 1
-    summary = message.content or ""
+    summary = _content(message)
     return Conversation(conv.run, system, f"{task_text}\n\nSummary of your work so far:\n{summary}")
 
 
@@ -213,7 +223,7 @@ def subagent(run: Run, path: str) -> str:
     conv = read_file_in(Conversation(run, system, task_text), path, system, task_text)
     if not conv.fits(len(REPORT_REQUEST)):
         conv = compact(conv, system, task_text)
-    return conv.say(REPORT_REQUEST).content or ""
+    return _content(conv.say(REPORT_REQUEST))
 
 
 def work(run: Run) -> str:
@@ -233,7 +243,7 @@ def work(run: Run) -> str:
             conv = read_file_in(conv, path, system, task_text)
     if not conv.fits(len(FINAL_REQUEST)):
         conv = compact(conv, system, task_text)
-    return conv.say(FINAL_REQUEST).content or ""
+    return _content(conv.say(FINAL_REQUEST))
 
 
 def long_params(task: dict[str, Any]) -> dict[str, int]:
@@ -253,11 +263,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         task = load_task(args.task)
         params = long_params(task)
-        client = openai.OpenAI(max_retries=0, timeout=args.request_timeout)
+        client = ChatClient(args.request_timeout)
     except TaskFileError as exc:
         print(f"long_harness: {exc}", file=sys.stderr)
         return 2
-    except openai.OpenAIError as exc:  # e.g. OPENAI_API_KEY not set
+    except ValueError as exc:  # OPENAI_API_KEY not set
         print(f"long_harness: cannot create the OpenAI client: {exc}", file=sys.stderr)
         return 2
     state = Run(
@@ -269,8 +279,9 @@ def run(args: argparse.Namespace) -> int:
         answer = work(state)
     except BudgetExhausted:
         stop = "max_turns"
-    except (openai.APIError, NoChoices) as exc:
-        print(f"long_harness: model call {state.calls} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except (APIError, NoChoices) as exc:
+        kind = exc.kind if isinstance(exc, APIError) else type(exc).__name__
+        print(f"long_harness: model call {state.calls} failed: {kind}: {exc}", file=sys.stderr)
         return 1
     if not state.answer_written:
         lines = answer.strip().splitlines()
