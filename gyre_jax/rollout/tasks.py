@@ -187,7 +187,9 @@ class LongTaskParams:
 
     def max_calls(self) -> int:
         """The call budget of a task (``Task.max_turns``): the planned calls plus room for summaries."""
-        per_conversation = max(1, (self.compact_tokens - self.system_chars) // (2 * self.read_chars))
+        per_conversation = max(
+            1, (self.compact_tokens - self.system_chars - 2 * self.read_chars) // (2 * self.read_chars)
+        )
         return self.planned_calls() + 5 * (self.planned_calls() // per_conversation + 1)
 
 

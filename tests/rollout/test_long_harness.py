@@ -22,7 +22,7 @@ from gyre_jax.trajectory.branches import build_branches
 
 REPO = Path(__file__).resolve().parents[2]
 BYTES = ByteTokenizer()
-PARAMS = LongTaskParams(files=6, file_chars=400, read_chars=100, system_chars=1400, compact_tokens=2200,
+PARAMS = LongTaskParams(files=6, file_chars=400, read_chars=100, system_chars=1400, compact_tokens=2600,
                         subagent_every=3)  # fmt: skip
 
 
