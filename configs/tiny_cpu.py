@@ -1,8 +1,10 @@
-"""Default config: a tiny Qwen3-style agent trained with GSPO on CPU with 8 virtual devices.
+"""Default config: a tiny Qwen3-style agent trained with GSPO on CPU with 2 virtual devices.
 
 Run: python -m gyre_jax.train --config configs/tiny_cpu.py [--config.a.b=value ...]
-Two cells of 4 devices: each serves rollouts and trains (cell 0, the core, holds the optimizer state);
-the scheduling policy (config.schedule.policy) decides when each cell does which.
+Two cells of 1 device: each serves rollouts and trains (cell 0, the core, holds the optimizer state);
+the scheduling policy (config.schedule.policy) decides when each cell does which. On a 2-core machine more
+virtual devices only add per-device overhead; to run multi-device cells (sharded serving and training) on one
+host: --config.devices.num_cpu_devices=8 --config.mesh.data=4 --config.mesh.fsdp=2 --config.cells.data=4.
 
 Every key and its default, with a comment saying what it does, is a field of the typed config in
 gyre_jax/config/ (``RunConfig`` in run.py; its sections in cluster.py, rollout.py and training.py):

@@ -33,6 +33,11 @@ POLICIES = ("colocated", "async", "elastic")
 SHARED = [
     "--config",
     "configs/tiny_cpu.py",
+    # 8 virtual devices in 2 cells of 4 (the default run has 2 devices; the recorded comparisons used these)
+    "--config.devices.num_cpu_devices=8",
+    "--config.mesh.data=4",
+    "--config.mesh.fsdp=2",
+    "--config.cells.data=4",
     "--config.eval.samples_per_task=0",
     "--config.metrics.progress_bar=false",
     "--config.metrics.tensorboard=false",

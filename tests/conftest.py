@@ -11,7 +11,10 @@ and options; only the compile is skipped. An outer ``JAX_COMPILATION_CACHE_DIR``
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # shared test modules (layouts.py) import by name
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

@@ -9,6 +9,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layouts import EIGHT_DEVICES
 from ml_collections import config_dict
 
 from gyre_jax import config as config_lib
@@ -24,15 +25,18 @@ from gyre_jax.config import (
     validate,
 )
 
+# The cross-section checks below are written against 8 virtual devices in 2 cells of 4 (the default run has 2 devices).
+EIGHT = EIGHT_DEVICES
+
 
 @pytest.fixture(scope="module")
 def base():
-    return load_config([])
+    return load_config(EIGHT)
 
 
 def config_error(argv) -> str:
     with pytest.raises(ConfigError) as info:
-        load_config(argv)
+        load_config([*EIGHT, *argv])
     message = str(info.value)
     assert message and "\n" not in message, message  # one line, fit for a terminal
     return message
@@ -43,6 +47,10 @@ def test_default_config_loads_and_validates(base):
     assert base.rl.group_size >= 2 and base.devices.num_cpu_devices == 8
     assert base.mesh.data * base.mesh.fsdp * base.mesh.tensor == 8
     assert isinstance(base.to_dict(), dict)
+    default = load_config([])  # the default run: 2 virtual devices, 2 cells of 1
+    validate(default)
+    assert default.devices.num_cpu_devices == 2 and default.mesh.num_devices == 2
+    assert default.cells.num_cells == 2 and default.cells.num_devices == 1
 
 
 def test_overrides_parse_with_the_type_of_the_field_they_replace():
@@ -340,8 +348,8 @@ def test_each_component_config_is_derived_by_one_method(base):
     assert not hasattr(OptimizerConfig, "from_config_dict")
 
 
-def test_defaults_live_in_the_dataclasses_and_tiny_cpu_is_them(base):
-    assert base == RunConfig()
+def test_defaults_live_in_the_dataclasses_and_tiny_cpu_is_them():
+    assert load_config([]) == RunConfig()
     assert config_lib.base_config(DEFAULT_CONFIG) == default_config()
     assert default_config() == RunConfig().to_config_dict()
     # Every field of every section has a default, and the ConfigDict carries every key (so any key can be
@@ -361,7 +369,7 @@ def test_defaults_live_in_the_dataclasses_and_tiny_cpu_is_them(base):
     # The run's optimizer defaults differ from OptimizerConfig's own in the two fields the section sets.
     from gyre_jax.rl.learner import OptimizerConfig
 
-    assert dataclasses.replace(base.optimizer, learning_rate=1.0, warmup_steps=0).__dict__ == (
+    assert dataclasses.replace(RunConfig().optimizer, learning_rate=1.0, warmup_steps=0).__dict__ == (
         OptimizerConfig(1.0).__dict__
     )
 
@@ -700,6 +708,7 @@ def valid_overrides(draw) -> dict:
     o["seed"] = draw(st.integers(-(2**31), 2**31))
     o["workdir"] = draw(st.text("abcxyz_/-.", min_size=1, max_size=12))
     o["total_steps"], o["checkpoint_every"] = draw(st.integers(0, 500)), draw(st.integers(1, 50))
+    o["devices.num_cpu_devices"] = 8
     o["mesh.data"], o["mesh.fsdp"], o["mesh.tensor"] = draw(st.sampled_from(factors(8)))
     num_cells = draw(st.sampled_from([1, 2, 4, 8]))
     per_cell = [f for f in factors(8 // num_cells) if f[2] <= 2]  # the model's 2 KV heads split over tensor

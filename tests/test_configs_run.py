@@ -13,11 +13,13 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from layouts import EIGHT_DEVICES_OVERRIDES
 
 from gyre_jax import config as config_lib
 
 RUNS = 5  # configs trained end to end (each compiles its own programs: the suite's CI time)
 BASE = {
+    **EIGHT_DEVICES_OVERRIDES,  # the cell layouts below are of 8 devices
     "total_steps": 1,
     "warm_start.steps": 0,
     "eval.samples_per_task": 0,

@@ -22,7 +22,9 @@ class DevicesSection(Section):
 
     _path = "devices"
     platform: str = "cpu"  # cpu | gpu | tpu
-    num_cpu_devices: int = 8
+    # 2: the default tiny run on a laptop; more virtual devices on a 2-core machine only add per-device overhead
+    # (tests and configs that exercise multi-device cells set 8: 2 cells of 4)
+    num_cpu_devices: int = 2
 
     def __post_init__(self):
         self.check_types()
@@ -64,8 +66,7 @@ class MeshSection(_Axes):
     """The training mesh over all devices (axis sizes multiply to the device count)."""
 
     _path = "mesh"
-    data: int = 4
-    fsdp: int = 2
+    data: int = 2
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,6 @@ class CellsSection(_Axes):
     """The device list split into ``num_cells`` equal, contiguous cells; each serves with this mesh."""
 
     _path = "cells"
-    data: int = 4
     num_cells: int = 2
     sessions_per_cell: int = 0  # executions a serving cell holds at once (0 = serving.max_concurrent_decodes)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from layouts import EIGHT_DEVICES
 
 from gyre_jax import config as config_lib
 from gyre_jax.elastic.driver import state_from_dict
@@ -47,6 +48,7 @@ def _config(workdir: Path, policy: str = "elastic"):
             "--config.metrics.tensorboard=False",
             "--config.checkpoint_every=1",
             "--config.keep_checkpoints=4",
+            *EIGHT_DEVICES,  # 2 cells of 4 devices: sessions and their KV move between multi-device cells
             "--config.cells.sessions_per_cell=8",  # two cells hold exactly one step: the core leaves with sessions on it
             "--config.rollout.tool_latency_median_s=0.2",
             "--config.rollout.tool_latency_sigma=1.0",

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from layouts import EIGHT_DEVICES
 
 from gyre_jax.config import load_config
 from gyre_jax.model.blockwise import blockwise_attention, tree_mask_spec
@@ -214,15 +215,15 @@ def test_context_parallel_config_is_checked():
 def test_run_config_carves_the_context_axis_out_of_data():
     from gyre_jax.config import ConfigError
 
-    cp = ["--config.model.attention_impl=blockwise", "--config.model.context_parallel=2"]
+    cp = [*EIGHT_DEVICES, "--config.model.attention_impl=blockwise", "--config.model.context_parallel=2"]
     c = load_config(cp)
     assert c.mesh.shape(c.model.context_parallel) == {"data": c.mesh.data // 2, "fsdp": 2, "tensor": 1, "context": 2}
     assert c.cells.shape(2)["context"] == 2 and c.mesh.shape() == {"data": c.mesh.data, "fsdp": 2, "tensor": 1}
     mesh = make_mesh(jax.devices()[: c.mesh.num_devices], c.mesh.shape(2))
     assert mesh.axis_names[-1] == "context" and mesh.shape["context"] == 2  # neighbouring devices
     with pytest.raises(ConfigError, match=r"context_parallel=8 must divide config.mesh.data=4"):
-        load_config(["--config.model.attention_impl=blockwise", "--config.model.context_parallel=8"])
+        load_config([*EIGHT_DEVICES, "--config.model.attention_impl=blockwise", "--config.model.context_parallel=8"])
     with pytest.raises(ConfigError, match=r"row_length=1030 must be a multiple of 2 x model.context_parallel = 4"):
         load_config(cp + ["--config.trajectory.row_length=1030", "--config.trajectory.tokens_per_micro_batch=2060"])
     with pytest.raises(ConfigError, match="needs attention_impl='blockwise'"):
-        load_config(["--config.model.context_parallel=2"])
+        load_config([*EIGHT_DEVICES, "--config.model.context_parallel=2"])

@@ -12,6 +12,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
+from layouts import EIGHT_DEVICES
 
 from gyre_jax.config import load_config
 from gyre_jax.model.attention import segment_causal_mask
@@ -250,7 +251,7 @@ def test_make_mesh_adds_the_expert_axis_only_when_asked() -> None:
 def test_config_validation_accepts_the_expert_axis_and_checks_moe_keys() -> None:
     from gyre_jax.config import ConfigError, config_from_dict, device_count, validate
 
-    base = load_config([])
+    base = load_config(EIGHT_DEVICES)
     moe = {"model.num_experts": 8, "model.num_experts_per_tok": 2, "model.moe_mlp_dim": 64}
     c = config_from_dict(
         base,

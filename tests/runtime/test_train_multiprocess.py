@@ -25,12 +25,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from layouts import EIGHT_DEVICES
 
 REPO = Path(__file__).resolve().parents[2]
 
 RUN = [
     "--config",
     "configs/tiny_cpu.py",
+    *EIGHT_DEVICES,  # 4 devices per process
     "--config.warm_start.steps=60",  # enough for some executions to earn a reward: non-zero gradients
     "--config.rollout.tasks_per_step=2",
     "--config.rl.group_size=4",

@@ -32,7 +32,10 @@ def make_config(nproc: int = 1, pid: int = 0, port: int = 0, heartbeat_s: float 
 
     from gyre_jax import config as config_lib
 
-    config = config_lib.load_config(["--config", str(REPO / "configs" / "tiny_cpu.py")])
+    sys.path.insert(0, str(REPO / "tests"))
+    from layouts import EIGHT_DEVICES
+
+    config = config_lib.load_config(["--config", str(REPO / "configs" / "tiny_cpu.py"), *EIGHT_DEVICES])
     d = config_lib.DistributedSection(
         enabled=nproc > 1,
         coordinator_address=f"127.0.0.1:{port}" if nproc > 1 else "",

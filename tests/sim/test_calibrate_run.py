@@ -12,6 +12,7 @@ import json
 
 import numpy as np
 import pytest
+from layouts import EIGHT_DEVICES
 
 from gyre_jax.config import load_config
 from gyre_jax.elastic.policies import Role
@@ -166,6 +167,7 @@ def run_dir(tmp_path_factory):
 def test_run_sim_config_reads_the_runs_shape(tmp_path):
     _write_config(
         tmp_path,
+        *EIGHT_DEVICES,  # 2 cells of 4 devices
         "--config.schedule.policy=elastic",
         "--config.schedule.dispatch_staleness=2",
         "--config.cells.sessions_per_cell=6",
