@@ -21,6 +21,10 @@ def get_config():
     c.workdir = "runs/xlong_cpu"
     c.total_steps = 3
     c.checkpoint_every = 3
+    # 8 virtual devices in 2 cells of 4 (the default run has 2 cells of 1): each cell's 4 devices are its context axis
+    c.devices.num_cpu_devices = 8
+    c.mesh.data, c.mesh.fsdp = 4, 2
+    c.cells.data, c.cells.num_cells = 4, 2
     # A small model (the one of benchmarks/bench_long_context.py): long rows on 2-core CPUs stay minutes, not hours.
     c.model.num_layers, c.model.embed_dim, c.model.mlp_dim = 2, 64, 128
     c.model.num_heads, c.model.num_kv_heads, c.model.head_dim = 4, 2, 16
