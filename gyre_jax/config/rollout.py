@@ -15,7 +15,8 @@ from gyre_jax.model.config import ModelConfig
 
 DTYPES = ("float32", "bfloat16")
 TOKENIZERS = ("byte", "hf")
-TASK_KINDS = ("copy", "upper", "reverse", "longlog")
+TASK_KINDS = ("copy", "upper", "reverse")  # the short kinds, mixed freely
+LONG_TASK_KIND = "longlog"  # the long-horizon kind: alone, task_kinds=("longlog",), with the "long" harness
 WEIGHT_UPDATE_RULES = ("continue", "recompute")
 
 
@@ -230,8 +231,9 @@ class RolloutSection(Section):
         self._check_suite()
         self._check_harness()
         require(
-            len(r.task_kinds) > 0 and all(k in TASK_KINDS for k in r.task_kinds),
-            f"config.rollout.task_kinds={r.task_kinds} must be a non-empty subset of {TASK_KINDS}",
+            len(r.task_kinds) > 0 and all(k in (*TASK_KINDS, LONG_TASK_KIND) for k in r.task_kinds),
+            f"config.rollout.task_kinds={r.task_kinds} must be a non-empty subset of {TASK_KINDS}, or "
+            f"({LONG_TASK_KIND!r},)",
         )
         self._check_long()
         require(r.alphabet in ALPHABETS, f"config.rollout.alphabet={r.alphabet!r} must be one of {tuple(ALPHABETS)}")
@@ -273,7 +275,7 @@ class RolloutSection(Section):
 
     def _check_long(self) -> None:
         """The ``longlog`` kind: alone, with the ``long`` harness, and sizes that make sense (``long_params``)."""
-        long = "longlog" in self.task_kinds
+        long = LONG_TASK_KIND in self.task_kinds
         require(
             not long or self.task_kinds == ("longlog",),
             f"config.rollout.task_kinds={self.task_kinds}: 'longlog' cannot be mixed with other kinds; use ('longlog',)",
