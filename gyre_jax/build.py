@@ -32,7 +32,7 @@ from gyre_jax.rl.losses import LossConfig
 from gyre_jax.rl.micro_step import GradWorker
 from gyre_jax.rollout import suites
 from gyre_jax.rollout.suites import TaskSuite
-from gyre_jax.rollout.tasks import BuiltinSuite
+from gyre_jax.rollout.tasks import BuiltinSuite, LongTaskParams
 from gyre_jax.rollout.templates import harness_env
 from gyre_jax.runtime.cells import Cell, CellLayout
 from gyre_jax.serving.engine import Engine
@@ -172,6 +172,7 @@ def make_suite(config) -> TaskSuite:
         min_len=r.input_min_len,
         max_len=r.input_max_len,
         num_tasks=r.num_tasks,
+        long=LongTaskParams.from_rollout(r),
     )
 
 

@@ -15,7 +15,8 @@ from gyre_jax.model.config import ModelConfig
 
 DTYPES = ("float32", "bfloat16")
 TOKENIZERS = ("byte", "hf")
-TASK_KINDS = ("copy", "upper", "reverse")
+TASK_KINDS = ("copy", "upper", "reverse")  # the short kinds, mixed freely
+LONG_TASK_KIND = "longlog"  # the long-horizon kind: alone, task_kinds=("longlog",), with the "long" harness
 WEIGHT_UPDATE_RULES = ("continue", "recompute")
 
 
@@ -210,6 +211,17 @@ class RolloutSection(Section):
     evaluator_timeout_s: float = 30.0
     # a harness whose workspace grows past this many MiB is killed (killed_reason "workspace_full"); 0: no cap
     max_workspace_mb: int = 0
+    # task kind "longlog" (task_kinds=("longlog",), harness "long"; docs/tasks.md): sizes in characters (= tokens
+    # with the byte tokenizer). Each task's logs/ holds long_files files of long_file_chars; the harness reads them
+    # in pieces of long_read_chars (a model call each), gives every long_subagent_every-th file to a sub-agent
+    # (0: none), and compacts a conversation (summary -> new conversation) before it passes long_compact_tokens.
+    # long_system_chars: both agents' system prompt size (a tool manual; it keeps each call's reused prefix large)
+    long_files: int = 4
+    long_file_chars: int = 2000
+    long_read_chars: int = 500
+    long_system_chars: int = 2000
+    long_compact_tokens: int = 8000
+    long_subagent_every: int = 3
 
     def __post_init__(self):
         from gyre_jax.rollout.tasks import ALPHABETS
@@ -219,9 +231,11 @@ class RolloutSection(Section):
         self._check_suite()
         self._check_harness()
         require(
-            len(r.task_kinds) > 0 and all(k in TASK_KINDS for k in r.task_kinds),
-            f"config.rollout.task_kinds={r.task_kinds} must be a non-empty subset of {TASK_KINDS}",
+            len(r.task_kinds) > 0 and all(k in (*TASK_KINDS, LONG_TASK_KIND) for k in r.task_kinds),
+            f"config.rollout.task_kinds={r.task_kinds} must be a non-empty subset of {TASK_KINDS}, or "
+            f"({LONG_TASK_KIND!r},)",
         )
+        self._check_long()
         require(r.alphabet in ALPHABETS, f"config.rollout.alphabet={r.alphabet!r} must be one of {tuple(ALPHABETS)}")
         require(
             1 <= r.input_min_len <= r.input_max_len,
@@ -258,6 +272,29 @@ class RolloutSection(Section):
             "config.rollout.heldout_fraction applies to harbor/jsonl suites; the builtin suite's held-out tasks come "
             "from their own stream (eval.split='heldout')",
         )
+
+    def _check_long(self) -> None:
+        """The ``longlog`` kind: alone, with the ``long`` harness, and sizes that make sense (``long_params``)."""
+        long = LONG_TASK_KIND in self.task_kinds
+        require(
+            not long or self.task_kinds == ("longlog",),
+            f"config.rollout.task_kinds={self.task_kinds}: 'longlog' cannot be mixed with other kinds; use ('longlog',)",
+        )
+        require(
+            (not long or self.harness in ("long", "command")) and (long or self.harness != "long"),
+            f"config.rollout.harness={self.harness!r} with task_kinds={self.task_kinds}: the 'longlog' kind runs with "
+            "the 'long' harness (or your own, 'command'), and the 'long' harness only runs 'longlog' tasks",
+        )
+        try:
+            self.long_params()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def long_params(self):
+        """The ``longlog`` sizes (``rollout.tasks.LongTaskParams``); ValueError naming the bad key."""
+        from gyre_jax.rollout.tasks import LongTaskParams
+
+        return LongTaskParams.from_rollout(self)
 
     def _check_harness(self) -> None:
         from gyre_jax.rollout.harnesses import harness_spec

@@ -218,6 +218,7 @@ def validate(config: RunConfig) -> None:
     checks = (_devices_fit, _model_fits_cells, _tokenizer_fits_model, _lengths_fit, _context_fits, _schedule_fits)
     for check in checks + (_processes_fit,):
         check(config)
+    _long_fits(config)
     _suite_fits(config)
     if not config.model.checkpoint_dir:  # a checkpoint's architecture is checked when build.setup reads it
         check_routing_replay(config.rl.routing_replay, config.model.num_experts)
@@ -321,6 +322,25 @@ def _lengths_fit(c: RunConfig) -> None:
         c.trajectory.row_length >= n,
         f"config.trajectory.row_length={c.trajectory.row_length} must be >= serving.max_seq_len={n} (a branch "
         f"can be that long and must fit one row)",
+    )
+
+
+def _long_fits(c: RunConfig) -> None:
+    """A ``longlog`` conversation compacts before ``rollout.long_compact_tokens``: a call up to there plus its
+    answer must fit a serving slot, and the kind has no warm-start demonstrations."""
+    r = c.rollout
+    if "longlog" not in r.task_kinds:
+        return
+    need = r.long_compact_tokens + 5 * (r.max_tokens_per_call + 128)
+    require(
+        c.serving.max_seq_len >= need,
+        f"config.serving.max_seq_len={c.serving.max_seq_len} must be >= rollout.long_compact_tokens + 5 x "
+        f"(rollout.max_tokens_per_call + 128) = {need} (a longlog conversation grows to long_compact_tokens, then "
+        "asks for its summary, up to 5 times); raise it (and trajectory.row_length) or lower long_compact_tokens",
+    )
+    require(
+        c.warm_start.steps == 0,
+        f"config.warm_start.steps={c.warm_start.steps}: the longlog kind has no demonstrations; set it to 0",
     )
 
 

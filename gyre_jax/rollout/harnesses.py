@@ -11,6 +11,8 @@ preset names no host path of its own: under a sandbox the executor's values are 
 The presets (docs/harnesses.md has the table):
 
 - ``reference``: gyre-jax's own harness (``python -m gyre_jax.rollout.harness``), run by this very interpreter.
+- ``long``: gyre-jax's long-horizon harness for ``longlog`` tasks (``python -m gyre_jax.rollout.long_harness``):
+  100+ calls, compaction into summary continuations, sub-agents.
 - ``claude-code``: the Claude Code CLI in print mode (``claude -p``), stream-json output, permissions skipped
   (``IS_SANDBOX=1`` lets root do that), its state under ``{exec_dir}/home``.
 - ``mini-swe-agent``: ``python -m minisweagent`` with our compact config (``harness_configs/mini_swe_agent.yaml``,
@@ -37,7 +39,7 @@ from pathlib import Path, PurePosixPath
 
 from gyre_jax.rollout import templates
 
-HARNESSES = ("reference", "claude-code", "mini-swe-agent", "codex", "opencode", "command")
+HARNESSES = ("reference", "long", "claude-code", "mini-swe-agent", "codex", "opencode", "command")
 # What the executor fills in a harness's argv, environment values and files (besides ``{task.FIELD}``).
 PLACEHOLDERS = ("task", "instruction_file", "workspace", "exec_dir", "base_url", "anthropic_base_url", "api_key",
                 "model", "temperature", "max_tokens", "seed", "execution_id", "timeout_s", "max_turns")  # fmt: skip
@@ -49,6 +51,8 @@ DEFAULT_HARNESS_CMD: tuple[str, ...] = (
     "--task", "{task}", "--model", "{model}", "--temperature", "{temperature}",
     "--max-tokens", "{max_tokens}", "--seed", "{seed}",
 )  # fmt: skip
+# The long-horizon harness (``longlog`` tasks): the same arguments as the reference harness.
+LONG_HARNESS_CMD: tuple[str, ...] = (sys.executable, "-m", "gyre_jax.rollout.long_harness", *DEFAULT_HARNESS_CMD[3:])
 
 _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _NESTED_RE = re.compile(r"\{\{(?:task\.)?[A-Za-z_][A-Za-z0-9_]*\}\}")  # ``{{task}}``: Jinja meeting a placeholder
@@ -179,6 +183,7 @@ def _presets() -> dict[str, HarnessSpec]:
     mini_yaml = (_CONFIGS / "mini_swe_agent.yaml").read_text(encoding="utf-8")
     return {
         "reference": HarnessSpec("reference", DEFAULT_HARNESS_CMD, install="pip install gyre-jax (this package)"),
+        "long": HarnessSpec("long", LONG_HARNESS_CMD, install="pip install gyre-jax (this package)"),
         "mini-swe-agent": HarnessSpec(
             "mini-swe-agent",
             mini_cmd,

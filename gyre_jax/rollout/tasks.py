@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path, PurePosixPath
@@ -34,6 +35,8 @@ from typing import Any
 import numpy as np
 
 KINDS: tuple[str, ...] = ("copy", "upper", "reverse")
+LONG_KIND = "longlog"  # the long-horizon kind: a log corpus read in pieces (``LongTaskParams``, the ``long`` harness)
+ALL_KINDS: tuple[str, ...] = (*KINDS, LONG_KIND)
 ALPHABETS: dict[str, str] = {"lowercase": "abcdefghijklmnopqrstuvwxyz", "digits": "0123456789"}
 INPUT_FILE = "input.txt"
 ANSWER_FILE = "answer.txt"
@@ -92,6 +95,153 @@ def transform(kind: str, text: str) -> str:
     if kind == "reverse":
         return text[::-1]
     raise ValueError(f"unknown task kind {kind!r}: expected one of {KINDS}")
+
+
+# -- the long-horizon kind ------------------------------------------------------------------------------------------
+LONG_SYSTEM = "You are a log analysis agent. Read the files with the tools, keep notes, and answer the task."
+LONG_SUBAGENT_SYSTEM = "You are a sub-agent of a log analysis agent. Read the file you are given and report."
+LONG_LOG_DIR = "logs"
+LONG_LEVELS = ("INFO", "INFO", "INFO", "DEBUG", "WARN", "ERROR")  # drawn uniformly: 1 line in 6 is an ERROR
+LONG_TOOLS: tuple[dict[str, Any], ...] = (
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a piece of a file: limit characters from offset.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "offset": {"type": "integer"}, "limit": {"type": "integer"}},
+                "required": ["path"],
+            },
+        },
+    },
+    TOOLS[1],
+)
+_MANUAL_WORDS = ("read_file returns limit characters of a file from offset; an offset past the end returns nothing. "
+                 "write_file replaces a file. Logs are one event per line: sequence number, level, service, "
+                 "message. Count carefully; keep a running tally in your notes; summaries must keep the tally. ")  # fmt: skip
+
+
+LONG_PARAM_NAMES = ("files", "file_chars", "read_chars", "system_chars", "compact_tokens", "subagent_every")
+
+
+@dataclass(frozen=True)
+class LongTaskParams:
+    """Sizes of a ``longlog`` task (config keys ``rollout.long_*``; characters are tokens for the byte tokenizer).
+
+    The workspace holds ``files`` log files of ``file_chars`` characters under ``logs/``; the task is to count
+    their ERROR lines into answer.txt. The ``long`` harness reads each file in pieces of ``read_chars`` (one
+    model call per piece), hands every ``subagent_every``-th file to a sub-agent (0: none), and compacts a
+    conversation (a summary, then a new conversation from it) before its context would pass
+    ``compact_tokens``. Both agents' system prompts are ``system_chars`` long (a tool manual, as real agents
+    carry), which is also what keeps each continuing call's reused prefix large.
+    """
+
+    files: int = 4
+    file_chars: int = 2000
+    read_chars: int = 500
+    system_chars: int = 2000
+    compact_tokens: int = 8000
+    subagent_every: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("files", "file_chars", "read_chars", "compact_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"config.rollout.long_{name}={value!r} must be an integer >= 1")
+        if self.read_chars > self.file_chars:
+            raise ValueError(
+                f"config.rollout.long_read_chars={self.read_chars} must be <= long_file_chars={self.file_chars} "
+                "(a read is a piece of one file)"
+            )
+        if self.system_chars < len(LONG_SYSTEM) + 1:
+            raise ValueError(f"config.rollout.long_system_chars={self.system_chars} must be > {len(LONG_SYSTEM)}")
+        if not 0 <= self.subagent_every <= self.files:
+            raise ValueError(
+                f"config.rollout.long_subagent_every={self.subagent_every} must be in [0, long_files={self.files}] "
+                "(0: no sub-agents)"
+            )
+        floor = self.system_chars + 4 * self.read_chars
+        if self.compact_tokens < floor:
+            raise ValueError(
+                f"config.rollout.long_compact_tokens={self.compact_tokens} must be >= long_system_chars + 4 x "
+                f"long_read_chars = {floor}: a conversation must hold its system prompt and a few reads before it "
+                "compacts"
+            )
+
+    @classmethod
+    def from_rollout(cls, rollout: Any) -> LongTaskParams:
+        """The sizes of a run config's rollout section (its ``long_*`` keys; typed section or ConfigDict)."""
+        return cls(**{name: getattr(rollout, f"long_{name}") for name in LONG_PARAM_NAMES})
+
+    @property
+    def reads_per_file(self) -> int:
+        return -(-self.file_chars // self.read_chars)
+
+    def planned_calls(self) -> int:
+        """Model calls of an execution without compaction: the main agent's first call, a call per read, a report
+        per sub-agent (and one in the main agent to take it in), and the answer. Compaction adds 1-5 calls (the
+        summary requests) per summary."""
+        delegated = self.files // self.subagent_every if self.subagent_every else 0
+        return self.files * self.reads_per_file + 2 * delegated + 2
+
+    def max_calls(self) -> int:
+        """The call budget of a task (``Task.max_turns``): the planned calls plus room for summaries."""
+        per_conversation = max(
+            1, (self.compact_tokens - self.system_chars - 2 * self.read_chars) // (2 * self.read_chars)
+        )
+        return self.planned_calls() + 5 * (self.planned_calls() // per_conversation + 1)
+
+
+def long_manual(header: str, chars: int) -> str:
+    """A system prompt of exactly ``chars`` characters: ``header``, then the tool manual repeated."""
+    body = header + "\n\n" + _MANUAL_WORDS * (chars // len(_MANUAL_WORDS) + 1)
+    return body[:chars]
+
+
+def long_log_file(rng: np.random.Generator, chars: int, first_seq: int) -> tuple[str, int]:
+    """A log text of exactly ``chars`` characters (whole lines, the last padded) and its number of ERROR lines."""
+    lines, size, errors, seq = [], 0, 0, first_seq
+    while size < chars:
+        level = LONG_LEVELS[int(rng.integers(len(LONG_LEVELS)))]
+        line = f"{seq:07d} {level:<5} svc{int(rng.integers(10))} op{int(rng.integers(1000)):03d} t={int(rng.integers(1, 999))}ms\n"
+        if size + len(line) > chars:
+            line = " " * (chars - size - 1) + "\n" if chars - size > 1 else "\n"
+            level = ""
+        errors += level == "ERROR"
+        lines.append(line)
+        size += len(line)
+        seq += 1
+    return "".join(lines), errors
+
+
+def make_long_task(
+    rng: np.random.Generator, task_id: str, params: LongTaskParams, latency: tuple[float, float]
+) -> Task:
+    """A ``longlog`` task: ``params.files`` generated log files; count their ERROR lines into answer.txt."""
+    files, total = {}, 0
+    for i in range(params.files):
+        text, errors = long_log_file(rng, params.file_chars, 100000 * i)
+        files[f"{LONG_LOG_DIR}/part-{i:03d}.log"] = text
+        total += errors
+    return Task(
+        task_id=task_id,
+        kind=LONG_KIND,
+        system=long_manual(LONG_SYSTEM, params.system_chars),
+        instruction=f"Count the ERROR lines of all {params.files} files in {LONG_LOG_DIR}/ and write the number to {ANSWER_FILE}.",
+        files=files,
+        expected={ANSWER_FILE: str(total)},
+        tools=[json.loads(json.dumps(t)) for t in LONG_TOOLS],
+        max_turns=params.max_calls(),
+        tool_latency_median_s=latency[0],
+        tool_latency_sigma=latency[1],
+        metadata={
+            "long_horizon": {
+                **asdict(params),
+                "subagent_system": long_manual(LONG_SUBAGENT_SYSTEM, params.system_chars),
+            }
+        },
+    )
 
 
 def _check_relative_path(path: str, what: str) -> None:
@@ -254,7 +404,8 @@ def _tool_call_message(call_id: str, name: str, arguments: dict[str, str]) -> di
 class BuiltinSuite:
     """Deterministic copy/upper/reverse tasks on ``min_len..max_len`` random characters of ``alphabet``
     (lowercase letters or digits; digits appear nowhere else in a prompt, which makes them easy for a
-    tiny model to attend to).
+    tiny model to attend to), or, with ``kinds=("longlog",)``, long-horizon tasks sized by ``long``
+    (``make_long_task``; no demonstrations).
 
     ``tasks_for_step(step, n)`` depends only on ``(seed, step, n)`` (and the constructor arguments),
     so a resumed run regenerates exactly the tasks it would have had.
@@ -271,13 +422,20 @@ class BuiltinSuite:
         max_len: int = 8,
         alphabet: str = "lowercase",
         num_tasks: int = 0,
+        long: LongTaskParams | None = None,
     ) -> None:
         kinds = tuple(kinds)
-        bad = [k for k in kinds if k not in KINDS]
+        bad = [k for k in kinds if k not in ALL_KINDS]
         if not kinds or bad:
-            raise ValueError(f"kinds={kinds!r}: expected a non-empty subset of {KINDS}")
+            raise ValueError(f"kinds={kinds!r}: expected a non-empty subset of {ALL_KINDS}")
         if len(set(kinds)) != len(kinds):
             raise ValueError(f"kinds={kinds!r} lists a kind twice")
+        if LONG_KIND in kinds and len(kinds) > 1:
+            raise ValueError(
+                f"kinds={kinds!r}: {LONG_KIND!r} cannot be mixed with the short kinds (it needs its own harness, "
+                f"'long'); use kinds=({LONG_KIND!r},)"
+            )
+        self.long = long if long is not None else LongTaskParams()
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed={seed!r} must be an integer >= 0")
         if not 1 <= min_len <= max_len:
@@ -311,6 +469,8 @@ class BuiltinSuite:
         return [json.loads(json.dumps(t)) for t in TOOLS]
 
     def _make_task(self, rng: np.random.Generator, task_id: str) -> Task:
+        if self.kinds == (LONG_KIND,):
+            return make_long_task(rng, task_id, self.long, (self.tool_latency_median_s, self.tool_latency_sigma))
         kind = self.kinds[int(rng.integers(len(self.kinds)))]
         length = int(rng.integers(self.min_len, self.max_len + 1))
         text = "".join(self.alphabet[int(c)] for c in rng.integers(0, len(self.alphabet), size=length))
@@ -362,6 +522,10 @@ class BuiltinSuite:
             raise ValueError(f"seed={seed!r} must be an integer >= 0")
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"n={n!r} must be an integer >= 0")
+        if LONG_KIND in self.kinds:
+            raise ValueError(
+                f"not supported yet: warm-start demonstrations of the {LONG_KIND!r} kind; set config.warm_start.steps=0"
+            )
         rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_DEMO_STREAM,)))
         return [self._make_task(rng, f"demo-{i:06d}") for i in range(n)]
 
@@ -400,8 +564,19 @@ def partial_credit(expected: str, got: str) -> float:
     return sum(a == b for a, b in zip(expected, got)) / longest
 
 
+def numeric_credit(expected: str, got: str) -> float:
+    """A ``longlog`` answer's credit: 1.0 for the right number, else 1 - |error| / expected (at least 0), where
+    the answer's number is the first integer in it (none: 0.0)."""
+    match = re.search(r"\d+", got)
+    if match is None:
+        return 0.0
+    want, number = int(expected), int(match.group(0)[:18])
+    return max(0.0, 1.0 - abs(number - want) / max(want, 1))
+
+
 def evaluate(task: Task, workspace: Path) -> float:
-    """Reward in [0, 1] of ``workspace`` for ``task``: mean partial credit over ``task.expected``.
+    """Reward in [0, 1] of ``workspace`` for ``task``: mean partial credit over ``task.expected`` (for the
+    ``longlog`` kind, ``numeric_credit``).
 
     A missing (or non-file) answer scores 0. Raises ``FileNotFoundError``/``NotADirectoryError`` when
     the workspace itself does not exist: that is an infrastructure failure, and the executor then
@@ -419,5 +594,5 @@ def evaluate(task: Task, workspace: Path) -> float:
             scores.append(0.0)
             continue
         got = path.read_bytes().decode("utf-8", errors="replace")
-        scores.append(partial_credit(want, got))
+        scores.append(numeric_credit(want, got) if task.kind == LONG_KIND else partial_credit(want, got))
     return sum(scores) / len(scores)
