@@ -232,15 +232,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def harness_arg_parser(description: str, max_tokens: int) -> argparse.ArgumentParser:
+    """The command line every built-in harness takes (the executor's ``harness_cmd`` passes these flags)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--task", required=True, help="path of the task JSON (outside the workspace)")
     parser.add_argument("--model", required=True, help="model name sent with every request")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each model call")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="max_tokens of each model call")
     parser.add_argument("--seed", type=int, default=0, help="seed of the simulated tool latencies")
     parser.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one model call may take")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return harness_arg_parser(__doc__.split("\n\n")[0], max_tokens=256).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

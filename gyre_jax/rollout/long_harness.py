@@ -44,6 +44,7 @@ from gyre_jax.rollout.harness import (
     ChatClient,
     TaskFileError,
     assistant_message_dict,
+    harness_arg_parser,
     load_task,
     resolve_in_workspace,
     run_tool,
@@ -293,14 +294,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", required=True, help="path of the task JSON (outside the workspace)")
-    parser.add_argument("--model", required=True, help="model name sent with every request")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each model call")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the simulated tool latencies")
-    parser.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one model call may take")
-    return parser.parse_args(argv)
+    return harness_arg_parser(__doc__.split("\n\n")[0], max_tokens=64).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
