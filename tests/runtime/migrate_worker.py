@@ -19,6 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "serving"))
+sys.path.insert(0, str(REPO / "tests"))
 
 STEP_S = 0.03  # per decode step: 40 tokens take > 1 s, so a move after 3 steps lands mid-generation
 MAX_TOKENS = 40
@@ -26,11 +27,13 @@ MAX_TOKENS = 40
 
 def main() -> int:
     pid, port, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    from layouts import EIGHT_DEVICES
+
     from gyre_jax import runtime
     from gyre_jax.config import config_from_dict, load_config
 
     config = config_from_dict(
-        load_config([]),
+        load_config(EIGHT_DEVICES),  # 4 devices per process: each process holds one cell of 4
         {
             "distributed.enabled": True,
             "distributed.coordinator_address": f"127.0.0.1:{port}",
