@@ -348,7 +348,10 @@ def child(pid: int, port: int, out_dir: Path, smoke: bool) -> None:
             "distributed.num_processes": NUM_PROCESSES,
             "distributed.process_id": pid,
             "distributed.initialization_timeout_s": 120.0,
-            "devices.num_cpu_devices": NUM_PROCESSES * DEVICES_PER_PROCESS,  # the default mesh's 8
+            "devices.num_cpu_devices": NUM_PROCESSES * DEVICES_PER_PROCESS,  # 8: a data=4 x fsdp=2 mesh
+            "mesh.data": 4,
+            "mesh.fsdp": 2,
+            "cells.data": 4,
         },
     )
     runtime.initialize(config)

@@ -22,12 +22,13 @@ from gyre_jax import runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakes import hosts  # noqa: E402
+from layouts import EIGHT_DEVICES  # noqa: E402
 
 
 def tiny_config(**section):
     """The default config with these ``distributed`` keys (values of any type, as a hand-written file could hold);
     the section is checked as the config is built (``gyre_jax.config.DistributedSection``)."""
-    values = config_lib.load_config([]).to_dict()
+    values = config_lib.load_config(EIGHT_DEVICES).to_dict()
     values["distributed"].update(section)
     return config_lib.RunConfig.from_config_dict(values)
 
@@ -38,7 +39,7 @@ def test_defaults_and_a_full_multi_process_section_are_valid():
     tiny_config(
         enabled=True, coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1, heartbeat_timeout_s=5.0
     )
-    values = config_lib.load_config([]).to_dict()
+    values = config_lib.load_config(EIGHT_DEVICES).to_dict()
     del values["distributed"]  # a config without the section is a single-process config
     assert config_lib.RunConfig.from_config_dict(values).distributed.enabled is False
 
