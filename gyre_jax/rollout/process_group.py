@@ -117,7 +117,7 @@ def sweep(mark: str, grace_s: float, exclude: int | None = None, rounds: int = 2
                 time.sleep(0.02)
         sig = signal.SIGKILL
         _reap(killed, exclude)
-    _reap(killed, exclude)
+    _reap(killed, exclude, within_s=max(grace_s, 1.0))
     if exclude is not None:
         _reap(set(_zombie_children(exclude)), exclude)
     return sorted(killed)
@@ -138,18 +138,27 @@ def _zombie_children(leader: int) -> list[int]:
     return found
 
 
-def _reap(pids: set[int], exclude: int | None) -> None:
-    """``waitpid`` (no hang) on each of ``pids`` that is our child (reparented to this subreaper)."""
-    for pid in pids:
-        if pid == exclude:
-            continue
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        except OSError as exc:
-            if exc.errno != errno.ECHILD:
-                raise
+def _reap(pids: set[int], exclude: int | None, within_s: float = 0.0) -> None:
+    """``waitpid`` (no hang) on each of ``pids`` that is our child (reparented to this subreaper). With
+    ``within_s`` > 0, keeps trying for up to that long while any of them still exists: a process sent SIGKILL
+    a moment ago may not have died yet, and one whose parent is dying may not have been reparented to us yet
+    (under load either takes a while; reaped once, it never lingers as our zombie)."""
+    pending = {pid for pid in pids if pid != exclude}
+    deadline = time.monotonic() + within_s
+    while True:
+        for pid in sorted(pending):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    pending.discard(pid)
+            except ChildProcessError:
+                if _read_stat(pid) is None:
+                    pending.discard(pid)  # gone (someone else reaped it)
+            except OSError as exc:
+                if exc.errno != errno.ECHILD:
+                    raise
+        if not pending or time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
 
 
 def disk_usage(root: Path, stop_at: int | None = None) -> int:
