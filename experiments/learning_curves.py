@@ -37,6 +37,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 CONFIDENCE = 0.95
 SPLITS = ("train", "heldout")
+TRAIN_METRICS = ("grad_norm", "clip_fraction")  # per-step learner metrics aggregated next to the reward
 
 
 @dataclass
@@ -46,6 +47,7 @@ class SeedRun:
     seed: int
     workdir: Path
     train_reward: dict[int, float] = field(default_factory=dict)  # step -> reward_mean
+    train_metrics: dict[str, dict[int, float]] = field(default_factory=dict)  # key of TRAIN_METRICS -> step -> value
     evals: dict[tuple[str, int], float] = field(default_factory=dict)  # (split, after_steps) -> eval_reward_mean
     eval_rewards: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)  # (split, after_steps) -> [n]
 
@@ -62,6 +64,9 @@ def read_run(workdir: Path, seed: int) -> SeedRun:
         m = json.loads(line)
         if m.get("phase") == "train" and "reward_mean" in m:
             run.train_reward[int(m["step"])] = float(m["reward_mean"])  # a resumed step's last line wins
+            for key in TRAIN_METRICS:
+                if m.get(key) is not None:
+                    run.train_metrics.setdefault(key, {})[int(m["step"])] = float(m[key])
         elif m.get("phase") == "eval" and "eval_reward_mean" in m:
             run.evals[(m.get("eval_split", "train"), int(m["step"]))] = float(m["eval_reward_mean"])
     config_split = _config_split(workdir)
@@ -98,13 +103,15 @@ def bootstrap_mean_interval(values: np.ndarray, rng: np.random.Generator, n_boot
     return float(values.mean()), float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
 
 
-def curves(runs: list[SeedRun], n_boot: int = 10_000, seed: int = 0) -> dict:
-    """Training reward per step over the seeds: {"steps": [s], "mean", "low", "high": [s], "seeds": [s] counts}."""
+def curves(runs: list[SeedRun], n_boot: int = 10_000, seed: int = 0, key: str = "reward_mean") -> dict:
+    """A per-step training metric over the seeds (``key``: the reward, or one of TRAIN_METRICS):
+    {"steps": [s], "mean", "low", "high": [s], "seeds": [s] counts}."""
     rng = np.random.default_rng(seed)
-    steps = sorted({s for r in runs for s in r.train_reward})
+    series = [r.train_reward if key == "reward_mean" else r.train_metrics.get(key, {}) for r in runs]
+    steps = sorted({s for per_step in series for s in per_step})
     out: dict = {"steps": steps, "mean": [], "low": [], "high": [], "seeds": []}
     for s in steps:
-        values = np.asarray([r.train_reward[s] for r in runs if s in r.train_reward])
+        values = np.asarray([per_step[s] for per_step in series if s in per_step])
         mean, low, high = bootstrap_mean_interval(values, rng, n_boot)
         for key, v in (("mean", mean), ("low", low), ("high", high), ("seeds", int(values.size))):
             out[key].append(v)
@@ -280,6 +287,7 @@ def main(argv: list[str]) -> int:
         "confidence": CONFIDENCE,
         "bootstrap": args.bootstrap,
         "train_reward": curve,
+        "train_metrics": {key: curves(runs, args.bootstrap, key=key) for key in TRAIN_METRICS},
         "eval": gains,
     }
     (out / "learning_curves.json").write_text(json.dumps(result, indent=2) + "\n")

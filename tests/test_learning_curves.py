@@ -21,13 +21,18 @@ def _module():
     return module
 
 
-def _write_run(workdir: Path, train: list[float], evals: dict, per_exec: dict | None = None) -> None:
-    """A run directory as gyre_jax.train writes it: metrics.jsonl (+ results/eval_<step>.jsonl, config.json)."""
+def _write_run(
+    workdir: Path, train: list[float], evals: dict, per_exec: dict | None = None, extra: dict | None = None
+) -> None:
+    """A run directory as gyre_jax.train writes it: metrics.jsonl (+ results/eval_<step>.jsonl, config.json).
+    ``extra``: per-step learner metrics, {key: [value per step]}."""
     workdir.mkdir(parents=True)
     lines = [{"step": -1, "phase": "warm_start", "warm_start_loss": 0.1}]
     for (split, step), value in sorted(evals.items(), key=lambda kv: kv[0][1]):
         lines.append({"step": step, "phase": "eval", "eval_split": split, "eval_reward_mean": value})
-    lines += [{"step": s, "phase": "train", "reward_mean": r, "pass_rate": 0.0} for s, r in enumerate(train)]
+    for s, r in enumerate(train):
+        lines.append({"step": s, "phase": "train", "reward_mean": r, "pass_rate": 0.0})
+        lines[-1].update({key: values[s] for key, values in (extra or {}).items()})
     (workdir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     (workdir / "config.json").write_text(json.dumps({"eval": {"split": "both"}}))
     if per_exec:
@@ -129,3 +134,35 @@ def test_script_without_runs_says_what_to_do(tmp_path):
         text=True,
     )
     assert proc.returncode != 0 and "run without --analyze-only first" in proc.stderr
+
+
+def test_compare_losses_tabulates_each_loss_with_its_learner_curves(tmp_path):
+    """experiments/compare_losses.py --analyze-only over synthetic runs of three losses: the table, the JSON the
+    notebook reads (gains, reward / grad-norm / clip-fraction curves per loss) and the PNG."""
+    gains = {"gspo": 0.3, "gspo_token": 0.2, "grpo": 0.1}
+    for i, (loss, gain) in enumerate(gains.items()):
+        for seed in range(2):
+            evals = {("train", 0): 0.4, ("train", 3): 0.4 + gain, ("heldout", 0): 0.5, ("heldout", 3): 0.5}
+            extra = {"grad_norm": [1.0 + i, 2.0 + i, 3.0 + i], "clip_fraction": [0.0, 0.1 * (i + 1), 0.2]}
+            _write_run(tmp_path / "root" / loss / f"seed{seed}", [0.1, 0.2, 0.3 + seed * 0.1], evals, extra=extra)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(REPO / "experiments" / "compare_losses.py"), "--analyze-only", "--seeds", "2"]
+    cmd += ["--runs-root", str(tmp_path / "root"), "--out", str(out), "--bootstrap", "300"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    result = json.loads((out / "compare_losses.json").read_text())
+    rows = {row["loss"]: row for row in result["rows"]}
+    assert list(rows) == ["gspo", "gspo_token", "grpo"] and result["losses"]["grpo"][0] == "--config.rl.loss=grpo"
+    for i, (loss, gain) in enumerate(gains.items()):
+        row = rows[loss]
+        assert row["seeds"] == [0, 1] and row["eval"]["train"]["gain"]["mean"] == pytest.approx(gain)
+        assert row["eval"]["heldout"]["gain"]["mean"] == pytest.approx(0.0)
+        assert row["curves"]["grad_norm"]["mean"] == pytest.approx([1.0 + i, 2.0 + i, 3.0 + i])
+        assert row["curves"]["clip_fraction"]["mean"] == pytest.approx([0.0, 0.1 * (i + 1), 0.2])
+        assert row["curves"]["reward_mean"]["mean"] == pytest.approx([0.1, 0.2, 0.35])
+        assert row["grad_norm_last10"] == pytest.approx(2.0 + i)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("| grpo |"))
+    assert "0.400 -> 0.500 (+0.100" in line and "| 0.217 | 4.000 | 0.1667 |" in line
+    assert (out / "compare_losses.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # every loss's learning_curves.json carries the learner curves too
+    per_loss = json.loads((out / "grpo" / "learning_curves.json").read_text())
+    assert per_loss["train_metrics"]["grad_norm"]["mean"] == pytest.approx([3.0, 4.0, 5.0])
