@@ -332,8 +332,8 @@ def test_each_component_config_is_derived_by_one_method(base):
         name="grpo", clip_low=0.2, clip_high=4e-4, kl_coef=0.01, is_token_mask=2.0, is_sequence_mask=1.5
     )
     ctl = c.controller_config()
-    assert type(ctl) is ControllerConfig and (ctl.tasks_per_step, ctl.group_size) == (2, 8)
-    assert (ctl.sessions_per_cell, ctl.max_branches, ctl.micro_step_slots) == (3, 5, 2 * 8 * 5)
+    assert type(ctl) is ControllerConfig and (ctl.tasks_per_step, ctl.group_size) == (4, 8)
+    assert (ctl.sessions_per_cell, ctl.max_branches, ctl.micro_step_slots) == (3, 5, 4 * 8 * 5)
     assert (c.drop_bound, base.drop_bound) == (2, 4)  # the ledger's drop bound (-1: None)
     assert config_from_dict(base, {"rl.drop_staleness": -1}).drop_bound is None
     assert base.controller_config().sessions_per_cell == base.serving.max_concurrent_decodes  # 0: the decode slots

@@ -203,7 +203,7 @@ class EvalSection(Section):
 
     _path = "eval"
     split: str = "both"
-    num_tasks: int = 16  # for the held-out split
+    num_tasks: int = 64  # for the held-out split (x samples_per_task: 128 executions, as many as the training split's)
     samples_per_task: int = 2  # 0 disables eval
     every_steps: int = 0
 
