@@ -11,7 +11,7 @@ git-ignored; ``--reuse gspo=DIR`` takes one loss's seeds from an existing runs-d
 ``learning_curves.py`` runs, which are GSPO). A complete seed is not rerun, an interrupted one resumes. Losses and
 their overrides (``LOSSES``): ``gspo`` (the default: sequence ratio, clip 3e-4 / 4e-4), ``gspo_token`` (the
 sequence ratio per token, same clip), ``grpo`` (token ratios, DAPO's clip-higher 0.2 / 0.28). Writes
-``<out>/compare_losses.json`` (read by ``notebooks/gspo_vs_grpo.ipynb``) and ``compare_losses.png``, and prints
+``<out>/compare_losses.json`` (for ``notebooks/gspo_vs_grpo.ipynb``, which does not read it yet) and ``compare_losses.png``, and prints
 a markdown table.
 """
 
@@ -36,11 +36,12 @@ LOSSES = {
 CURVES = ("reward_mean", *lc.TRAIN_METRICS)
 
 
-def summarize(name: str, runs: list[lc.SeedRun], n_boot: int, tail: int = 10) -> dict:
-    """One loss's row: eval gains per split, the per-step curves, and last-``tail``-steps means over seeds."""
-    row: dict = {"loss": name, "seeds": [r.seed for r in runs], "eval": lc.eval_gains(runs, n_boot)}
-    row["curves"] = {key: lc.curves(runs, n_boot, key=key) for key in CURVES}
-    for key, curve in row["curves"].items():
+def summarize(name: str, result: dict, tail: int = 10) -> dict:
+    """One loss's row from its ``learning_curves.json`` (``result``): eval gains per split, the per-step curves, and
+    last-``tail``-steps means over seeds."""
+    curves = {"reward_mean": result["train_reward"], **result["train_metrics"]}
+    row: dict = {"loss": name, "seeds": result["seeds"], "eval": result["eval"], "curves": curves}
+    for key, curve in curves.items():
         values = np.asarray(curve["mean"][-tail:], np.float64)
         row[f"{key}_last{tail}"] = float(values.mean()) if values.size else float("nan")
     return row
@@ -125,10 +126,8 @@ def main(argv: list[str]) -> int:
         if args.analyze_only:
             cmd.append("--analyze-only")
         print(f"== {name}", flush=True)
-        lc.main([*cmd, *LOSSES[name], *overrides])
-        seeds = range(args.first_seed, args.first_seed + args.seeds)
-        runs = [lc.read_run(runs_dir / f"seed{s}", s) for s in seeds if (runs_dir / f"seed{s}").exists()]
-        rows.append(summarize(name, runs, args.bootstrap))
+        lc.main([*cmd, *LOSSES[name], *overrides])  # runs the seeds, writes the loss's statistics
+        rows.append(summarize(name, json.loads((out / name / "learning_curves.json").read_text())))
     result = {"config": args.config, "overrides": overrides, "losses": {n: LOSSES[n] for n in losses}, "rows": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare_losses.json").write_text(json.dumps(result, indent=2) + "\n")
