@@ -49,6 +49,8 @@ def _config(workdir: Path, policy: str = "elastic"):
             "--config.checkpoint_every=1",
             "--config.keep_checkpoints=4",
             *EIGHT_DEVICES,  # 2 cells of 4 devices: sessions and their KV move between multi-device cells
+            "--config.rollout.tasks_per_step=2",  # N: 2 tasks x G=8 (the default is 4 x 8)
+            "--config.rollout.num_tasks=16",
             "--config.cells.sessions_per_cell=8",  # two cells hold exactly one step: the core leaves with sessions on it
             "--config.rollout.tool_latency_median_s=0.2",
             "--config.rollout.tool_latency_sigma=1.0",
