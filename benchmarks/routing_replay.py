@@ -137,16 +137,26 @@ def gap(cfg: ModelConfig, graphdef, params, records: list[TitoRecord], replay: s
     return row
 
 
-def flips(cfg: ModelConfig, graphdef, params, records: list[TitoRecord], packing: str = "tree") -> float:
-    """Fraction of (token with recorded experts, prompt or completion, MoE layer) whose top-k set the training
-    forward chooses itself differs from the set serving used."""
-    mb = micro_batch(records, (cfg.num_moe_layers, cfg.num_experts_per_tok), packing)
+def flips(
+    cfg: ModelConfig, graphdef, params, records: list[TitoRecord], packing: str = "tree", part: str = "all"
+) -> float:
+    """Fraction of (token with recorded experts, MoE layer) whose top-k set the training forward chooses itself
+    differs from the set serving used. ``part``: "all" (prompt and completion tokens), "prompt" or "completion"."""
+    shape = (cfg.num_moe_layers, cfg.num_experts_per_tok)
+    mb = micro_batch(records, shape, packing)
     model = nnx.merge(graphdef, params)
     mask = tree_mask(cfg, jnp.asarray(mb.segment_ids), jnp.asarray(mb.subtree_end))
     _, _, aux = model(jnp.asarray(mb.tokens), jnp.asarray(mb.positions), mask, return_aux=True)
     own = np.sort(np.asarray(aux.expert_ids), -1)  # [L, B*T, K]
-    given = np.sort(mb.expert_ids.reshape(-1, *mb.expert_ids.shape[2:]).transpose(1, 0, 2), -1)
+
+    def given_of(batch):
+        return np.sort(batch.expert_ids.reshape(-1, *batch.expert_ids.shape[2:]).transpose(1, 0, 2), -1)
+
+    given = given_of(mb)
     known = given[..., 0] >= 0  # [L, B*T]
+    if part != "all":
+        completion = given_of(micro_batch(records, shape, packing, prompt=False))[..., 0] >= 0  # same layout
+        known = known & completion if part == "completion" else known & ~completion
     return float(np.mean(np.any(own != given, -1)[known])) if known.any() else 0.0
 
 
