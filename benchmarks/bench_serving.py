@@ -59,6 +59,7 @@ class Sizes:
     long_prompt: int
     chunk: int
     background_sessions: int
+    decode_steps: int  # the multi-step loop's steps per generate program
 
 
 FULL = Sizes(
@@ -79,6 +80,7 @@ FULL = Sizes(
     long_prompt=900,
     chunk=128,
     background_sessions=8,
+    decode_steps=8,
 )
 SMOKE = Sizes(
     slots=4,
@@ -98,6 +100,7 @@ SMOKE = Sizes(
     long_prompt=100,
     chunk=32,
     background_sessions=2,
+    decode_steps=4,
 )
 
 
@@ -140,7 +143,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     vocab = 256  # byte tokens: ids any prompt could hold
 
-    def make_engine(slots: int, max_prefill: int) -> Engine:
+    def make_engine(slots: int, max_prefill: int, decode_steps: int = 1) -> Engine:
         return Engine(
             cfg,
             graphdef,
@@ -150,9 +153,11 @@ def main(argv=None) -> int:
             max_seq_len=sz.max_seq_len,
             max_prefill_length=max_prefill,
             prefill_buckets=sz.buckets,
+            decode_steps=decode_steps,
         )
 
     engine = make_engine(sz.slots, sz.max_seq_len)
+    engine_multi = make_engine(sz.slots, sz.max_seq_len, sz.decode_steps)
     engine1 = make_engine(1, sz.max_seq_len)
     greedy = SamplingParams(temperature=0.0, max_tokens=sz.max_tokens)
 
@@ -188,17 +193,23 @@ def main(argv=None) -> int:
         nxt = req.prompt_ids + r.token_ids + prompt(3)
         warm_loop.submit(GenerationRequest(prompt_ids=nxt, sampling=greedy, session_id=req.session_id)).result()
     warm_loop.stop()
-    for eng in (engine, engine1):
+    for eng in (engine, engine1, engine_multi):
         eng.warmup(params)
     naive_generate(engine1, params, [prompt(20)], greedy)
     report["warmup_s"] = round(time.perf_counter() - t_warm, 1)
 
-    # -- throughput (each repeat runs the naive baseline and the loop back to back; ratios per pair) ---------
-    tput: dict = {"max_tokens": sz.max_tokens, "prompt_len": list(sz.prompt_len), "slots": sz.slots}
+    # -- throughput (each repeat runs the naive baseline, the loop and the multi-step loop back to back; ratios
+    # per pair). The multi-step loop: the same loop on an engine with decode_steps > 1 (one program per
+    # decode_steps tokens while every slot decodes and nothing waits to join) --------------------------------
+    tput: dict = {
+        "max_tokens": sz.max_tokens, "prompt_len": list(sz.prompt_len), "slots": sz.slots,
+        "decode_steps": sz.decode_steps,
+    }  # fmt: skip
     rows = []
     for c in sz.concurrency:
         loop = ServingLoop(engine, params, name=f"c{c}", kv_pages=0).start()
-        naive, looped = [], []
+        loop_multi = ServingLoop(engine_multi, params, name=f"m{c}", kv_pages=0).start()
+        naive, looped, multi = [], [], []
         for _ in range(sz.repeats):
             naive_prompts = [prompt(int(rng.integers(*sz.prompt_len))) for _ in range(sz.naive_requests)]
             naive.append(naive_generate(engine1, params, naive_prompts, greedy))
@@ -206,7 +217,9 @@ def main(argv=None) -> int:
                 [prompt(int(rng.integers(*sz.prompt_len))) for _ in range(sz.requests_per_session)] for _ in range(c)
             ]
             looped.append(closed_loop(loop, prompts_, greedy, GenerationRequest))
+            multi.append(closed_loop(loop_multi, prompts_, greedy, GenerationRequest))
         loop.stop()
+        loop_multi.stop()
         best = max(looped) / max(naive)
         median = statistics.median(a / b for a, b in zip(looped, naive))
         tput[f"c{c}"] = {
@@ -216,7 +229,23 @@ def main(argv=None) -> int:
             "vs_naive_median_of_pairs": median,
             "runs": looped,
             "naive_runs": naive,
+            "multi_step_tokens_per_s_best": max(multi),
+            "multi_step_vs_loop_best": max(multi) / max(looped),
+            "multi_step_vs_loop_median_of_pairs": statistics.median(a / b for a, b in zip(multi, looped)),
+            "multi_step_vs_naive_best": max(multi) / max(naive),
+            "multi_step_runs": multi,
+            "multi_step_programs": loop_multi.stats.generate_calls,
+            "multi_step_steps": loop_multi.stats.generate_steps,
         }
+        m = tput[f"c{c}"]
+        rows.append(
+            (
+                f"multi-step loop ({sz.decode_steps} steps/program), {c} sessions",
+                f"{max(multi):,.0f} tok/s",
+                f"{m['multi_step_vs_loop_best']:.2f}x the one-step loop; median of paired runs "
+                f"{m['multi_step_vs_loop_median_of_pairs']:.2f}x; {m['multi_step_vs_naive_best']:.2f}x naive",
+            )
+        )
         rows.append(
             (
                 f"throughput, {c} concurrent sessions",

@@ -27,7 +27,7 @@ from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import Rules, abstract_model, init_params
 from gyre_jax.model.tokenizer import load_tokenizer
 from gyre_jax.proxy.tito import render_demonstration
-from gyre_jax.rl.learner import Learner, OptimizerConfig
+from gyre_jax.rl.learner import Learner
 from gyre_jax.rl.losses import LossConfig
 from gyre_jax.rl.micro_step import GradWorker
 from gyre_jax.rollout import suites
@@ -136,6 +136,7 @@ class CellFactory:
             prefill_buckets=tuple(sv.prefill_buckets),
             page_size=sv.page_size,
             record_experts=self.s.config.rl.routing_replay == "replay",
+            decode_steps=sv.decode_steps,
         )
 
     def loop(self, cell: Cell, params: Any, version: int) -> ServingLoop:
@@ -210,12 +211,9 @@ def warm_start(s: Setup, suite: TaskSuite, stop: threading.Event, on_done=None) 
     the new params. Every process of a multi-process run runs it (the training mesh spans them all)."""
     c = s.config
     w = c.warm_start
-    opt = OptimizerConfig(
-        learning_rate=w.learning_rate, warmup_steps=w.warmup_steps, grad_clip_norm=c.optimizer.grad_clip_norm
-    )
-    learner = Learner(s.model_cfg, s.graphdef, s.train_mesh, s.rules, opt)
+    learner = Learner(s.model_cfg, s.graphdef, s.train_mesh, s.rules, w.optimizer(c.optimizer.grad_clip_norm))
     state = learner.init_state(s.params)
-    t0 = time.time()
+    t0, losses = time.time(), []
     for i in range(w.steps):
         kill_point("warm_start")
         demos = suite.demonstrations(w.batch_size, seed=c.seed * 100_003 + i)
@@ -224,13 +222,18 @@ def warm_start(s: Setup, suite: TaskSuite, stop: threading.Event, on_done=None) 
         total = sum(sum(t[1:]) for _, t in seqs)
         mb = supervised_micro_batch(seqs, total, row_length(max(len(ids) for ids, _ in seqs) - 1))
         state, m = learner.step(state, [mb], kind="sft")
+        losses.append(m["loss"])
         if i % 25 == 0 or i == w.steps - 1:
             log.info("warm start %d/%d  loss %.4f", i + 1, w.steps, m["loss"])
         if stop.is_set():
             raise KeyboardInterrupt("stopped during warm start (nothing was saved; rerun to start over)")
-    log.info("warm start: %d steps in %.1fs", w.steps, time.time() - t0)
+    tail = [float(x) for x in losses[-25:]]  # each batch is fresh demonstrations: a held-out estimate
+    loss = sum(tail) / len(tail) if tail else float("nan")
+    log.info(
+        "warm start: %d steps in %.1fs, mean loss of the last %d: %.4f", w.steps, time.time() - t0, len(tail), loss
+    )
     if on_done is not None and w.steps:
-        on_done(w.steps, m["loss"])
+        on_done(w.steps, loss)
     return state.params
 
 

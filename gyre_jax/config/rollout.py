@@ -84,6 +84,9 @@ class ServingSection(Section):
     kv_pages: int = 1024  # session prefix cache budget per cell, in pages (0 = no cache); 1024 x 16 = 16K tokens
     on_weight_update: str = "continue"  # in-flight requests: continue on their KV | recompute it under the new weights
     reuse_stale_kv: bool = False  # reuse cached KV computed by an older policy version (off: flushed on update)
+    # decode steps one generate program may run while every slot decodes and nothing waits to join (1: a dispatch
+    # per token; more saves the per-step dispatch, at up to decode_steps - 1 wasted steps for a request that stops)
+    decode_steps: int = 1
 
     def __post_init__(self):
         self.check_types()
@@ -114,6 +117,7 @@ class ServingSection(Section):
         require(
             s.kv_pages >= 0, f"config.serving.kv_pages={s.kv_pages} must be >= 0 (0 disables the session prefix cache)"
         )
+        require(s.decode_steps >= 1, f"config.serving.decode_steps={s.decode_steps} must be >= 1")
         require(
             s.on_weight_update in WEIGHT_UPDATE_RULES,
             f"config.serving.on_weight_update={s.on_weight_update!r} must be 'continue' or 'recompute'",

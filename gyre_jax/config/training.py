@@ -175,13 +175,19 @@ class OptimizerSection(OptimizerConfig, Section):
 
 @dataclass(frozen=True)
 class WarmStartSection(Section):
-    """Supervised warm start on the suite's built-in demonstrations, before RL step 0."""
+    """Supervised warm start on the suite's built-in demonstrations, before RL step 0.
+
+    Learning rate: linear warmup over ``warmup_steps``, then ``schedule`` (``constant``, or ``cosine`` /
+    ``linear`` decay to ``learning_rate * min_lr_ratio`` at the last step): a decaying schedule makes the
+    policy RL starts from less dependent on where the last steps happened to land."""
 
     _path = "warm_start"
     steps: int = 400
     batch_size: int = 8
     learning_rate: float = 3e-3
     warmup_steps: int = 50
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0
 
     def __post_init__(self):
         self.check_types()
@@ -189,6 +195,19 @@ class WarmStartSection(Section):
             require(getattr(self, key) >= 0, f"config.warm_start.{key}={getattr(self, key)} must be >= 0")
         require(self.batch_size >= 1, f"config.warm_start.batch_size={self.batch_size} must be >= 1")
         require(self.learning_rate > 0, f"config.warm_start.learning_rate={self.learning_rate} must be > 0")
+        require(self.schedule in SCHEDULES, f"config.warm_start.schedule={self.schedule!r} must be one of {SCHEDULES}")
+        require(0 <= self.min_lr_ratio <= 1, f"config.warm_start.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+
+    def optimizer(self, grad_clip_norm: float) -> OptimizerConfig:
+        """The warm start's AdamW: the decay (if any) spans the steps after the warmup."""
+        return OptimizerConfig(
+            learning_rate=self.learning_rate,
+            warmup_steps=self.warmup_steps,
+            grad_clip_norm=grad_clip_norm,
+            schedule=self.schedule,
+            decay_steps=max(1, self.steps - self.warmup_steps),
+            min_lr_ratio=self.min_lr_ratio,
+        )
 
 
 @dataclass(frozen=True)

@@ -91,13 +91,15 @@ class DecodeBatch:
         job.cached_tokens = job.done
 
     # -- one iteration -----------------------------------------------------------------------------
-    def step(self) -> Step | None:
+    def step(self, multi_step: bool = False) -> Step | None:
         """Prefills, dispatches the next generate step, then reads the previous one (returned). Pipelined: step
         k+1 is dispatched before step k's tokens are read, so the device never waits for this thread; a request
-        that ends at step k wastes its token of step k+1."""
+        that ends at step k wastes its token of step k+1. ``multi_step`` (the caller has nothing waiting to join
+        the batch): with every slot decoding, the engine's ``decode_steps`` steps run in one program; a request
+        that ends inside it wastes the rest of its steps there."""
         self.prefill_step()
         previous = self.pending
-        self.pending = self._dispatch_generate(previous)
+        self.pending = self._dispatch_generate(previous, multi_step)
         self._collect(previous)
         return previous
 
@@ -177,21 +179,25 @@ class DecodeBatch:
             token, logprob = jax.device_get((prefix.token, prefix.logprob))
             self.accept(slot, int(token), float(logprob))
 
-    def _dispatch_generate(self, in_flight: Step | None) -> Step | None:
-        """Starts one generate step for the decoding slots (not waiting for it). Jobs still owed their token of
-        the step ``in_flight`` hold one more cached token by the time this step runs."""
+    def _dispatch_generate(self, in_flight: Step | None, multi_step: bool = False) -> Step | None:
+        """Starts a generate program for the decoding slots (not waiting for it): one step, or the engine's
+        ``decode_steps`` with ``multi_step`` when no slot is still prefilling. Jobs still owed their tokens of the
+        program ``in_flight`` hold that many more cached tokens by the time this one runs."""
         decoding = {slot: j for slot, j in enumerate(self.slots) if j is not None and j.decoding}
         if not decoding:
             return None
-        owed = in_flight.jobs if in_flight is not None else {}
+        owed, ahead = (in_flight.jobs, in_flight.num_steps) if in_flight is not None else ({}, 0)
         longest = max(
-            len(j.request.prompt_ids) + len(j.tokens) - 1 + (owed.get(slot) is j) for slot, j in decoding.items()
+            len(j.request.prompt_ids) + len(j.tokens) - 1 + ahead * (owed.get(slot) is j)
+            for slot, j in decoding.items()
         )
+        n = self.engine.decode_steps if multi_step and len(decoding) == sum(j is not None for j in self.slots) else 1
         self.state, result = self.engine.generate(
-            self.params, self.state, max_length=longest, slot_limit=max(decoding) + 1, wait=False
+            self.params, self.state, max_length=longest, slot_limit=max(decoding) + 1, wait=False, num_steps=n
         )
-        self.stats.generate_steps += 1
-        return Step(result=result, jobs=decoding, version=self.version)
+        self.stats.generate_steps += n
+        self.stats.generate_calls += 1
+        return Step(result=result, jobs=decoding, version=self.version, num_steps=n)
 
     def _collect(self, step: Step | None) -> None:
         """Gives each job its token of ``step``; a slot whose job ended or changed since it was dispatched
@@ -200,23 +206,28 @@ class DecodeBatch:
             return
         result = step.result.to_host()
         tokens, logprobs, valid = result.tokens.tolist(), result.logprobs.tolist(), result.valid.tolist()
+        experts = result.experts
+        if step.num_steps == 1:  # one row per step of the program
+            tokens, logprobs, valid = [tokens], [logprobs], [valid]
+            experts = None if experts is None else experts[None]
         with self.lock:
-            for slot, job in step.jobs.items():
-                if self.slots[slot] is not job or not job.decoding:
-                    continue
-                if not valid[slot]:  # cannot happen while budgets respect the context; never pass garbage on
-                    log.error(
-                        "serving loop %s: slot %d sampled no valid token (request %s); ending it",
-                        self.name,
-                        slot,
-                        job.request.request_id,
-                    )
-                    self.finish(slot, "length")
-                    continue
-                self.stats.tokens_generated += 1
-                if result.experts is not None:
-                    job.note_experts(result.experts[slot])
-                self.accept(slot, tokens[slot], logprobs[slot], step.version)
+            for i in range(step.num_steps):
+                for slot, job in step.jobs.items():
+                    if self.slots[slot] is not job or not job.decoding:
+                        continue  # ended (at an earlier step of this program, or since), or another job's now
+                    if not valid[i][slot]:  # cannot happen while budgets respect the context; never pass garbage on
+                        log.error(
+                            "serving loop %s: slot %d sampled no valid token (request %s); ending it",
+                            self.name,
+                            slot,
+                            job.request.request_id,
+                        )
+                        self.finish(slot, "length")
+                        continue
+                    self.stats.tokens_generated += 1
+                    if experts is not None:
+                        job.note_experts(experts[i][slot])
+                    self.accept(slot, tokens[i][slot], logprobs[i][slot], step.version)
 
     # -- a job's tokens and end (caller holds the lock) ---------------------------------------------
     def accept(self, slot: int, token: int, logprob: float, version: int | None = None) -> None:

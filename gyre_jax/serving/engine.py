@@ -48,13 +48,14 @@ class ResultTokens:
     stepped and its cache had room), ``lengths`` (int32: the slot's cache length after the step), ``logprobs``
     (f32: the token's log-prob), and on an engine built with ``record_experts`` ``experts`` ([slots, L_moe, K]
     int16: the experts each MoE layer selected for the slot's input token, i.e. the token the step before
-    sampled; -1 where not stepped; else None). Host numpy arrays; ``generate(..., wait=False)`` returns one
-    still on the device (being copied) until ``to_host()``."""
+    sampled; -1 where not stepped; else None). Several steps in one call (``generate(..., num_steps=n)``, n > 1):
+    every array has a leading [n] axis, one row per step in order. Host numpy arrays; ``generate(...,
+    wait=False)`` returns one still on the device (being copied) until ``to_host()``."""
 
     def __init__(self, *, _ints, _logprobs, _experts=None):
-        self._ints = _ints  # [3, slots] int32: tokens, valid, lengths
-        self._logprobs = _logprobs  # [slots] f32
-        self._experts = _experts  # [slots, L_moe, K] int16 or None
+        self._ints = _ints  # [(n,) 3, slots] int32: tokens, valid, lengths
+        self._logprobs = _logprobs  # [(n,) slots] f32
+        self._experts = _experts  # [(n,) slots, L_moe, K] int16 or None
 
     def to_host(self) -> ResultTokens:
         """The host copy (waits for the step to finish)."""
@@ -71,23 +72,27 @@ class ResultTokens:
 
     @property
     def tokens(self) -> np.ndarray:
-        return np.asarray(self._ints[0])
+        return np.asarray(self._ints[..., 0, :])
 
     @property
     def valid(self) -> np.ndarray:
-        return np.asarray(self._ints[1]).astype(bool)
+        return np.asarray(self._ints[..., 1, :]).astype(bool)
 
     @property
     def lengths(self) -> np.ndarray:
-        return np.asarray(self._ints[2])
+        return np.asarray(self._ints[..., 2, :])
 
     @property
     def logprobs(self) -> np.ndarray:
         return np.asarray(self._logprobs)
 
 
-def _check_sizes(max_concurrent_decodes: int, max_seq_len: int, max_prefill_length: int, page_size: int | None) -> int:
+def _check_sizes(
+    max_concurrent_decodes: int, max_seq_len: int, max_prefill_length: int, page_size: int | None, decode_steps: int
+) -> int:
     """Raises ValueError for sizes an engine cannot have; returns the page size (default ``gcd(16, max_seq_len)``)."""
+    if decode_steps < 1:
+        raise ValueError(f"decode_steps={decode_steps} must be >= 1")
     if max_concurrent_decodes < 1:
         raise ValueError(f"max_concurrent_decodes={max_concurrent_decodes} must be >= 1")
     if not 1 <= max_prefill_length <= max_seq_len:
@@ -117,8 +122,9 @@ def _slot_buckets(given: Sequence[int] | None, slots: int, on_one_device: bool) 
 
 
 def _model_programs(cfg: ModelConfig, graphdef, max_seq_len: int, record_experts: bool, state_shardings, replicated):
-    """The jitted programs that run the model: (prefill, prefill on top of a prefix, generate). With
-    ``record_experts`` (MoE models only) each also returns the experts its MoE layers selected."""
+    """The jitted programs that run the model: (prefill, prefill on top of a prefix, generate, several generate
+    steps in one program). With ``record_experts`` (MoE models only) each also returns the experts its MoE layers
+    selected."""
     if record_experts and not cfg.is_moe:
         raise ValueError("record_experts needs a MoE model (num_experts > 0): a dense model has no experts to record")
     prefill = jax.jit(functools.partial(steps.prefill, graphdef, cfg, with_experts=record_experts), static_argnums=(1,))
@@ -126,13 +132,20 @@ def _model_programs(cfg: ModelConfig, graphdef, max_seq_len: int, record_experts
         functools.partial(steps.prefill_extend, graphdef, max_seq_len, with_experts=record_experts),
         static_argnums=(1,),
     )
+    outputs = (state_shardings, replicated, replicated) + ((replicated,) if record_experts else ())
     generate = jax.jit(
         functools.partial(steps.generate, graphdef, with_experts=record_experts),
         donate_argnums=(2,),
         static_argnums=(1, 3, 4),
-        out_shardings=(state_shardings, replicated, replicated) + ((replicated,) if record_experts else ()),
+        out_shardings=outputs,
     )
-    return prefill, prefill_extend, generate
+    generate_steps = jax.jit(
+        functools.partial(steps.generate_steps, graphdef, with_experts=record_experts),
+        donate_argnums=(2,),
+        static_argnums=(1, 3, 4, 5),
+        out_shardings=outputs,
+    )
+    return prefill, prefill_extend, generate, generate_steps
 
 
 class Engine:
@@ -153,6 +166,7 @@ class Engine:
         decode_windows: Sequence[int] | None = None,
         decode_slot_buckets: Sequence[int] | None = None,
         record_experts: bool = False,
+        decode_steps: int = 1,
     ):
         """``max_prefill_length``: the most tokens one ``prefill`` call takes (longer prompts are prefilled in
         chunks by the caller, each on top of the previous). ``page_size`` (tokens per KV page; default
@@ -161,12 +175,12 @@ class Engine:
         numbers of leading slots a generate step may run over (default: powers of 2 when the slots live on one
         device, else only all of them; ``max_concurrent_decodes`` is always one). One compile per pair in use.
         ``record_experts`` (MoE models only): every generate step also returns the experts each MoE layer
-        selected (``ResultTokens.experts``), for routing replay in training (``rl.routing_replay``)."""
-        page_size = _check_sizes(max_concurrent_decodes, max_seq_len, max_prefill_length, page_size)
-        self.cfg = cfg
-        self.graphdef = graphdef
-        self._mesh = mesh
-        self.rules = rules
+        selected (``ResultTokens.experts``), for routing replay in training (``rl.routing_replay``).
+        ``decode_steps``: the most generate steps one ``generate`` call may run in one program (it runs 1 or
+        ``decode_steps``: two compiles per window and slot bucket); >1 saves a dispatch per token where the caller
+        can wait that many steps between looks at the tokens."""
+        page_size = _check_sizes(max_concurrent_decodes, max_seq_len, max_prefill_length, page_size, decode_steps)
+        self.cfg, self.graphdef, self._mesh, self.rules, self.decode_steps = cfg, graphdef, mesh, rules, decode_steps
         self._slots = slots = max_concurrent_decodes
         self.max_seq_len = max_seq_len
         self._max_prefill_length = max_prefill_length
@@ -189,7 +203,7 @@ class Engine:
         )
         self._flat_cache = None
         self.record_experts = record_experts
-        self._prefill_jit, self._prefill_extend_jit, self._generate_jit = _model_programs(
+        self._prefill_jit, self._prefill_extend_jit, self._generate_jit, self._generate_steps_jit = _model_programs(
             cfg, graphdef, max_seq_len, record_experts, self.decode_state_shardings, self._replicated
         )
         self._insert_jit = jax.jit(steps.insert, donate_argnums=(1,), out_shardings=self.decode_state_shardings)
@@ -314,8 +328,11 @@ class Engine:
         max_length: int | None = None,
         slot_limit: int | None = None,
         wait: bool = True,
+        num_steps: int = 1,
     ) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot: feeds each slot's last token, samples the next (donates the state).
+        ``num_steps`` (1 or the engine's ``decode_steps``): that many steps in one program, the same tokens as
+        that many calls; the result's arrays get a leading [num_steps] axis.
 
         ``wait=False`` returns at once with the result still on the device (its host copy started): the caller
         can dispatch the next step before reading this one (``ResultTokens.to_host()``), as JetStream's
@@ -329,9 +346,17 @@ class Engine:
             [0, slot_limit) is stepped.
         A slot left out by a wrong hint samples nothing: ``valid`` is False for it and its state is unchanged.
         """
-        state, ints, logprobs, *experts = self._generate_jit(
-            *self._flat_params(params), decode_state, self.decode_window(max_length), self.decode_slots(slot_limit)
-        )
+        if num_steps not in (1, self.decode_steps):
+            raise ValueError(f"num_steps={num_steps} must be 1 or the engine's decode_steps={self.decode_steps}")
+        leaves = self._flat_params(params)
+        slots = self.decode_slots(slot_limit)
+        if num_steps == 1:
+            state, ints, logprobs, *experts = self._generate_jit(
+                *leaves, decode_state, self.decode_window(max_length), slots
+            )
+        else:  # the window must hold every step's input token: the longest slot grows by num_steps - 1
+            window = self.decode_window(None if max_length is None else max_length + num_steps - 1)
+            state, ints, logprobs, *experts = self._generate_steps_jit(*leaves, decode_state, window, slots, num_steps)
         result = ResultTokens(_ints=ints, _logprobs=logprobs, _experts=experts[0] if experts else None)
         if wait:
             return state, result.to_host()
@@ -340,33 +365,8 @@ class Engine:
         return state, result
 
     def warmup(self, params: nnx.State) -> int:
-        """Compiles every shape serving can use (prefill per bucket, fresh and on top of a prefix; insert per
-        prefix length; generate per decode window and slot bucket) by running each once on scratch state, so
-        no compile stalls a running cell later. Returns the number of shapes run."""
-        greedy = SamplingParams(temperature=0.0)
-        key = jnp.zeros((2,), jnp.uint32)
-        state = self.init_decode_state()
-        count = 0
-        for b in self.prefill_buckets:
-            if b > self._bucket(self._max_prefill_length):
-                break
-            n = min(b, self._max_prefill_length, self.max_seq_len - 1)
-            for existing in (None, self.empty_prefix(key)):
-                state = self.insert(
-                    self.prefill(
-                        params=params, tokens=[0] * n, sampling_params=greedy, key=key, existing_prefix=existing
-                    ),
-                    state,
-                    0,
-                    greedy,
-                )
-                count += 1
-        for w in self.decode_windows:
-            for k in self.decode_slot_buckets:
-                state, *_ = self._generate_jit(*self._flat_params(params), state, w, k)
-                count += 1
-        jax.block_until_ready(state)
-        return count
+        """Compiles every shape serving can use (``warmup``); returns the number of shapes run."""
+        return warmup(self, params)
 
     # -- pages: the session prefix cache's KV budget and KV in transit (kv_pages.PageOps) -----------
     def kv_pages_shardings(self, num_pages: int) -> KVPages:
@@ -421,3 +421,36 @@ class Engine:
         from gyre_jax.model.sharding import param_shardings
 
         return param_shardings(abstract_state, self.rules, self._mesh)
+
+
+def warmup(engine: Engine, params: nnx.State) -> int:
+    """Compiles every shape ``engine`` can serve with (prefill per bucket, fresh and on top of a prefix; insert
+    per prefix length; generate per decode window, slot bucket and number of steps) by running each once on
+    scratch state, so no compile stalls a running cell later. Returns the number of shapes run."""
+    greedy = SamplingParams(temperature=0.0)
+    key = jnp.zeros((2,), jnp.uint32)
+    state = engine.init_decode_state()
+    count = 0
+    for b in engine.prefill_buckets:
+        if b > engine._bucket(engine.max_prefill_length):
+            break
+        n = min(b, engine.max_prefill_length, engine.max_seq_len - 1)
+        for existing in (None, engine.empty_prefix(key)):
+            state = engine.insert(
+                engine.prefill(
+                    params=params, tokens=[0] * n, sampling_params=greedy, key=key, existing_prefix=existing
+                ),
+                state,
+                0,
+                greedy,
+            )
+            count += 1
+    for w in engine.decode_windows:
+        for k in engine.decode_slot_buckets:
+            state, *_ = engine._generate_jit(*engine._flat_params(params), state, w, k)
+            count += 1
+            if engine.decode_steps > 1:
+                state, *_ = engine._generate_steps_jit(*engine._flat_params(params), state, w, k, engine.decode_steps)
+                count += 1
+    jax.block_until_ready(state)
+    return count

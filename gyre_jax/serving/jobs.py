@@ -133,6 +133,7 @@ class Step:
     result: ResultTokens
     jobs: dict[int, Job]
     version: int
+    num_steps: int = 1  # generate steps in the program (> 1: the result's arrays have a leading [num_steps] axis)
 
 
 @dataclass
@@ -141,7 +142,8 @@ class LoopStats:
     tokens_generated: int = 0  # tokens sampled by generate steps (the first token of a request comes from prefill)
     prefill_tokens: int = 0  # prompt tokens actually prefilled (cached and imported KV excluded)
     prefill_calls: int = 0
-    generate_steps: int = 0
+    generate_steps: int = 0  # decode steps run (a multi-step program counts each of its steps)
+    generate_calls: int = 0  # generate programs dispatched
     busy_s: float = 0.0
     sessions_exported: int = 0
     sessions_imported: int = 0

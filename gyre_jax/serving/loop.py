@@ -10,8 +10,9 @@ model. A daemon thread repeats:
      prefilling, oldest first, while other slots decode (everything needed for one slot to start, when
      none decodes); a slot whose prompt is fully prefilled is inserted and starts decoding;
   3. dispatch one generate step for the decoding slots (over the smallest decode window and slot bucket
-     that hold them), then read the tokens of the step dispatched in the previous iteration: the device
-     never waits for this thread. Each request's future resolves when it samples a stop id, completes a
+     that hold them; the engine's ``decode_steps`` steps in one program when every slot decodes and no
+     request waits to join), then read the tokens of the step dispatched in the previous iteration: the
+     device never waits for this thread. Each request's future resolves when it samples a stop id, completes a
      stop string, reaches its token budget or the context limit, or is cancelled. New requests take the
      lowest free slot, so a lightly loaded cell steps only its first few slots.
 
@@ -358,15 +359,18 @@ class ServingLoop:
                     if not self._batch.has_work() and self._batch.pending is None:
                         self._cv.wait(timeout=0.05)
                         continue
+                    multi_step = not self._requests.jobs and not self._commands  # nobody waits to join
                 t0 = time.perf_counter()
                 prefilled = self.stats.prefill_tokens
-                previous = self._batch.step()
+                previous = self._batch.step(multi_step)
                 dt = time.perf_counter() - t0
                 self.stats.busy_s += dt
                 if previous is not None or self.stats.prefill_tokens > prefilled:
                     jobs = previous.jobs.values() if previous is not None else ()
                     context = sum(len(j.request.prompt_ids) + len(j.tokens) for j in jobs)
-                    self.step_log.append((len(jobs), context, self.stats.prefill_tokens - prefilled, dt))
+                    n = previous.num_steps if previous is not None and self.stats.prefill_tokens == prefilled else 1
+                    for _ in range(n):  # one entry per decode step: a multi-step program's time split evenly
+                        self.step_log.append((len(jobs), context, self.stats.prefill_tokens - prefilled, dt / n))
         except BaseException as exc:  # the loop must never die silently: fail every waiter with the cause
             log.exception("serving loop %s failed", self.name)
             with self._cv:

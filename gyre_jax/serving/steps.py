@@ -1,5 +1,5 @@
 """The device programs of serving: prefill a prompt (fresh, or on top of a prefix), insert it into a decode
-slot, release a slot, and one generate step over every slot. Pure functions over the ``kv_cache`` pytrees;
+slot, release a slot, and one generate step over every slot (or several in one program). Pure functions over the ``kv_cache`` pytrees;
 ``Engine`` jits each once, with its donation and shardings.
 
 Parameters arrive as flat leaves plus a (static) treedef, merged with the model's ``graphdef`` inside the
@@ -185,3 +185,27 @@ def generate(
         return new_state, ints, jnp.pad(logprobs, (0, pad))
     experts = jnp.pad(jnp.where(ok[:, None, None], experts, -1), ((0, pad), (0, 0), (0, 0)), constant_values=-1)
     return new_state, ints, jnp.pad(logprobs, (0, pad)), experts
+
+
+def generate_steps(
+    graphdef: nnx.GraphDef,
+    leaves,
+    treedef,
+    state: DecodeState,
+    window: int,
+    num_slots: int,
+    num_steps: int,
+    with_experts: bool = False,
+):
+    """``num_steps`` (static) ``generate`` steps in one program (a ``lax.scan``): the same tokens, log-probs, keys
+    and cache as that many ``generate`` calls, for one dispatch. Every step attends over ``window``: a slot whose
+    cache fills it stops being stepped (``valid`` False from then on). Returns the state and ``generate``'s
+    outputs stacked on a leading [num_steps] axis (ints [n, 3, slots], log-probs [n, slots], experts
+    [n, slots, L_moe, K])."""
+
+    def body(carry: DecodeState, _):
+        new, *out = generate(graphdef, leaves, treedef, carry, window, num_slots, with_experts)
+        return new, tuple(out)
+
+    state, outs = jax.lax.scan(body, state, None, length=num_steps)
+    return (state, *outs)

@@ -445,3 +445,15 @@ def test_learner_from_the_run_config(base):
     assert default.loss_cfg == Learner(CFG, graphdef, mesh, rules, OPT).loss_cfg  # gspo, 3e-4 / 4e-4, no KL
     with pytest.raises(ValueError, match="not both"):
         Learner(CFG, graphdef, mesh, rules, OPT, loss="grpo", loss_cfg=d.loss_config())
+
+
+def test_the_warm_start_schedule_decays_over_the_steps_after_its_warmup():
+    w = load_config(
+        ["--config.warm_start.steps=12", "--config.warm_start.warmup_steps=2", "--config.warm_start.schedule=cosine",
+         "--config.warm_start.min_lr_ratio=0.1", "--config.warm_start.learning_rate=1e-3"]
+    ).warm_start  # fmt: skip
+    lr = learning_rate_schedule(w.optimizer(grad_clip_norm=1.0))
+    assert float(lr(2)) == pytest.approx(1e-3) and float(lr(7)) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5), rel=1e-5)
+    assert float(lr(11)) > 1e-4 and float(lr(12)) == pytest.approx(1e-4, rel=1e-5)  # the floor at the last step
+    flat = learning_rate_schedule(load_config(["--config.warm_start.warmup_steps=2"]).warm_start.optimizer(1.0))
+    assert float(flat(11)) == pytest.approx(3e-3)  # the default: constant after the warmup

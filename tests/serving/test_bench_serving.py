@@ -31,6 +31,9 @@ def test_serving_benchmark_smoke_run_writes_its_report(tmp_path) -> None:
         row = report["throughput"][f"c{c}"]
         assert len(row["runs"]) == len(row["naive_runs"]) == report["sizes"]["repeats"]
         assert abs(row["vs_naive_best"] - max(row["runs"]) / max(row["naive_runs"])) < 1e-9
+        assert len(row["multi_step_runs"]) == len(row["runs"])
+        assert abs(row["multi_step_vs_loop_best"] - max(row["multi_step_runs"]) / max(row["runs"])) < 1e-9
+        assert row["multi_step_programs"] < row["multi_step_steps"]  # programs of several steps did run
     over = report["overhead"]
     assert abs(over["loop_vs_raw_best"] - min(over["runs_ms"]["loop"]) / min(over["runs_ms"]["raw"])) < 1e-9
 

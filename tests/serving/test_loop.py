@@ -468,3 +468,54 @@ def test_stop_strings_end_the_completion_at_the_completing_token(engine, model_p
         _start(engine, params).submit(GenerationRequest(prompt_ids=[1], sampling=sp)).result(TIMEOUT)
     with pytest.raises(ValueError, match="non-empty strings"):
         SamplingParams(stop_strings=("",)).validate()
+
+
+def test_multi_step_decoding_gives_the_single_step_loops_tokens(engine, model_params, rules, prompts) -> None:
+    """An engine with ``decode_steps=4``: the loop runs 4 steps per program while every slot decodes and nothing
+    waits, and every request gets the tokens, log-probs and finish reason of the one-step loop: seeded sampling,
+    budgets that are not multiples of 4, a stop id met inside a program, and a session's next call on its
+    cached KV."""
+    from gyre_jax.serving.engine import Engine
+
+    e = engine
+    multi = Engine(
+        e.cfg, e.graphdef, e.mesh, rules, max_concurrent_decodes=e.max_concurrent_decodes, max_seq_len=e.max_seq_len,
+        max_prefill_length=e.max_prefill_length, prefill_buckets=e.prefill_buckets, decode_steps=4,
+    )  # fmt: skip
+    params = model_params[1]
+
+    def sampled(n, seed, stop=()):
+        return SamplingParams(temperature=1.0, max_tokens=n, seed=seed, stop_ids=stop)
+
+    def run(eng, stop_id):
+        loop = _start(eng, params)
+        try:
+            first = [
+                GenerationRequest(prompt_ids=prompts[i], sampling=sampled(n, 10 + i, stop), session_id=f"s{i}")
+                for i, n, stop in (
+                    (0, 9, ()),
+                    (1, 6, ()),
+                    (2, 13, (stop_id,) if stop_id is not None else ()),
+                    (4, 10, ()),
+                )
+            ]
+            out = [f.result(timeout=TIMEOUT) for f in [loop.submit(r) for r in first]]
+            follow = GenerationRequest(
+                prompt_ids=prompts[0] + out[0].token_ids + [5, 6, 7], sampling=sampled(11, 99), session_id="s0"
+            )
+            out.append(loop.submit(follow).result(timeout=TIMEOUT))
+            return out, loop.stats
+        finally:
+            loop.stop()
+
+    base, _ = run(engine, None)
+    stop_id = base[2].token_ids[5]
+    got, stats = run(multi, stop_id)
+    cut = base[2].token_ids.index(stop_id) + 1  # the one-step loop stops request 2 at the id's first occurrence
+    assert got[2].finish_reason == "stop" and got[2].token_ids == base[2].token_ids[:cut]
+    np.testing.assert_allclose(got[2].logprobs, base[2].logprobs[:cut], atol=1e-5)
+    assert base[4].cached_tokens > 0  # the follow-up reused its session's KV
+    for w, g in zip(base[:2] + base[3:], got[:2] + got[3:]):
+        assert (g.token_ids, g.finish_reason, g.cached_tokens) == (w.token_ids, w.finish_reason, w.cached_tokens)
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+    assert stats.generate_calls < stats.generate_steps  # programs of 4 steps did run
