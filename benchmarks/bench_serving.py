@@ -196,6 +196,9 @@ def main(argv=None) -> int:
     for eng in (engine, engine1, engine_multi):
         eng.warmup(params)
     naive_generate(engine1, params, [prompt(20)], greedy)
+    for together in (True, False):  # the burst's shapes: all slots' prompts in one program, and one at a time
+        burst_start(ServingLoop, engine, params, [prompt(sz.prompt_len[1] - 1)] * sz.slots, GenerationRequest,
+                    SamplingParams, together)  # fmt: skip
     report["warmup_s"] = round(time.perf_counter() - t_warm, 1)
 
     # -- throughput (each repeat runs the naive baseline, the loop and the multi-step loop back to back; ratios
@@ -254,6 +257,29 @@ def main(argv=None) -> int:
             )
         )
     report["throughput"] = tput
+
+    # -- a burst of requests arriving at an idle cell: prefilled together vs one prompt per call ------------------
+    burst: dict = {"requests": sz.slots, "prompt_len": list(sz.prompt_len)}
+    runs: dict = {"together": [], "one_per_call": [], "calls_together": 0, "calls_one_per_call": 0}
+    for _ in range(sz.repeats):
+        prompts_ = [prompt(int(rng.integers(*sz.prompt_len))) for _ in range(sz.slots)]
+        for name, together in (("together", True), ("one_per_call", False)):
+            t, calls = burst_start(ServingLoop, engine, params, prompts_, GenerationRequest, SamplingParams, together)
+            runs[name].append(t)
+            runs[f"calls_{name}"] = calls
+    burst.update(runs)
+    burst["together_over_one_per_call_best"] = min(runs["together"]) / min(runs["one_per_call"])
+    burst["median_of_pairs"] = statistics.median(a / b for a, b in zip(runs["together"], runs["one_per_call"]))
+    report["burst_start"] = burst
+    rows.append(
+        (
+            f"burst of {sz.slots} requests, every first token",
+            f"{1e3 * min(runs['together']):.1f} ms",
+            f"{burst['together_over_one_per_call_best']:.2f}x one prompt per prefill call "
+            f"({1e3 * min(runs['one_per_call']):.1f} ms, {runs['calls_one_per_call']} calls vs "
+            f"{runs['calls_together']}); median of pairs {burst['median_of_pairs']:.2f}x",
+        )
+    )
 
     # -- loop overhead vs raw jitted decode steps (interleaved per repeat) --------------------------------------
     raw, raw_fetch, looped = [], [], []
@@ -409,6 +435,22 @@ def closed_loop(loop, prompts_per_session, sp, request_cls) -> float:
     for t in threads:
         t.join()
     return sum(counts) / (time.perf_counter() - t0)
+
+
+def burst_start(loop_cls, engine, params, prompts, request_cls, sampling_cls, together: bool) -> tuple[float, int]:
+    """A burst of requests queued on an idle loop (max_tokens=1: each ends at its first token). Returns the seconds
+    until every one has its first token, from the loop's start, and the prefill calls it took."""
+    loop = loop_cls(engine, params, name="burst", kv_pages=0, prefill_together=together)
+    futures = [
+        loop.submit(request_cls(prompt_ids=p, sampling=sampling_cls(temperature=0.0, max_tokens=1))) for p in prompts
+    ]
+    t0 = time.perf_counter()
+    loop.start()
+    for f in futures:
+        f.result()
+    elapsed = time.perf_counter() - t0
+    loop.stop()
+    return elapsed, loop.stats.prefill_calls
 
 
 def fill(engine, params, sz, prompt, sp):

@@ -40,6 +40,7 @@ class DecodeBatch:
         lock: threading.Condition,
         stats: LoopStats,
         cache: SessionCache | None,
+        prefill_together: bool = True,
     ):
         self.engine = engine
         self.params = params
@@ -50,6 +51,7 @@ class DecodeBatch:
         self.lock = lock
         self.stats = stats
         self.cache = cache
+        self.together = prefill_together
         self.slots: list[Job | None] = [None] * engine.max_concurrent_decodes
         self.state: DecodeState | None = None
         self.pending: Step | None = None  # the generate step in flight (dispatched, tokens not read yet)
@@ -111,7 +113,9 @@ class DecodeBatch:
 
     def prefill_step(self) -> None:
         """Prefills up to ``prefill_chunk`` tokens of the slots still prefilling (oldest first); slots whose
-        prompt is complete start decoding. With no slot decoding, goes on until one can start."""
+        prompt is complete start decoding. With no slot decoding, goes on until one can start. Whole prompts
+        that fit one chunk are prefilled together in one program (``prefill_together``): with no slot decoding,
+        all of them at once, so a burst of requests starts in one iteration."""
         pending = sorted(
             ((slot, job) for slot, job in enumerate(self.slots) if job is not None and not job.decoding),
             key=lambda sj: sj[1].seq,
@@ -119,7 +123,11 @@ class DecodeBatch:
         if not pending:
             return
         must_start = not any(j is not None and j.decoding for j in self.slots)
-        spent = 0
+        spent = prefill_together(self, pending, None if must_start else self.prefill_chunk) if self.together else 0
+        if spent:
+            pending = [(slot, job) for slot, job in pending if not job.decoding and self.slots[slot] is job]
+            must_start = False
+        spent = spent or 0
         for slot, job in pending:
             while job.done < len(job.target):
                 if spent >= self.prefill_chunk and not must_start:
@@ -166,18 +174,23 @@ class DecodeBatch:
             prefix = dataclasses.replace(
                 prefix, token=jnp.int32(job.tokens[-1]), logprob=jnp.float32(job.logprobs[-1]), key=job.key
             )
-        sp = job.request.sampling
-        self.state = self.engine.insert(prefix, self.state, slot, sp)
+        self.state = self.engine.insert(prefix, self.state, slot, job.request.sampling)
         job.prefix = None
+        first = None if job.resuming else jax.device_get((prefix.token, prefix.logprob))
+        self.begin(slot, job, first)
+
+    def begin(self, slot: int, job: Job, first: tuple | None) -> None:
+        """``job``, inserted into ``slot``, decodes from now on; ``first``: (token, log-prob) its prefill sampled
+        (None: a resumed job, whose last token is already recorded)."""
+        sp = job.request.sampling
         job.budget = min(sp.max_tokens, self.max_context - len(job.request.prompt_ids)) - len(job.tokens)
         with self.lock:
             job.decoding = True
-            if job.resuming:
+            if first is None:
                 if job.budget <= 0:
                     self.finish(slot, "length")
                 return
-            token, logprob = jax.device_get((prefix.token, prefix.logprob))
-            self.accept(slot, int(token), float(logprob))
+            self.accept(slot, int(first[0]), float(first[1]))
 
     def _dispatch_generate(self, in_flight: Step | None, multi_step: bool = False) -> Step | None:
         """Starts a generate program for the decoding slots (not waiting for it): one step, or the engine's
@@ -299,3 +312,46 @@ class DecodeBatch:
             self.slots[slot] = None
             out.append((job, kv, kv_tokens, key))
         return out
+
+
+def prefill_together(batch: DecodeBatch, pending: list[tuple[int, Job]], budget: int | None) -> int:
+    """Prefills, in one program, the oldest of ``batch``'s ``pending`` (slot, job) pairs whose whole prompt fits
+    one chunk and has no KV to start from, up to ``budget`` prompt tokens (None: all of them), and starts them
+    decoding; returns the tokens prefilled (0 when fewer than 2 qualify: the one-prompt path serves them)."""
+    group, tokens = [], 0
+    for slot, job in pending:
+        n = len(job.target)
+        if job.prefix is not None or job.done or job.resuming or n > batch.prefill_chunk:
+            continue
+        if budget is not None and tokens + n > budget:
+            break
+        group.append((slot, job))
+        tokens += n
+    if len(group) < 2:
+        return 0
+    jobs = [job for _, job in group]
+    try:
+        batched = batch.engine.prefill_many(
+            params=batch.params,
+            prompts=[job.target for job in jobs],
+            sampling=[job.request.sampling for job in jobs],
+            keys=[job.key for job in jobs],
+        )
+    except Exception as exc:  # e.g. the device ran out of memory for the batch: one at a time instead
+        log.warning(
+            "serving loop %s: prefill of %d prompts together failed (%s); one at a time", batch.name, len(jobs), exc
+        )
+        return 0
+    batch.state = batch.engine.insert_many(
+        batched, batch.state, [slot for slot, _ in group], [j.request.sampling for j in jobs]
+    )
+    first, logprobs, experts = jax.device_get((batched.token, batched.logprob, batched.experts))
+    for i, (slot, job) in enumerate(group):
+        job.kv_version = batch.version
+        if experts is not None:  # routing replay: the experts of the prompt tokens
+            job.note_prompt_experts(0, np.asarray(experts[i])[: len(job.target)])
+        job.done = len(job.target)
+        batch.begin(slot, job, (first[i], logprobs[i]))
+    batch.stats.prefill_tokens += tokens
+    batch.stats.prefill_calls += 1
+    return tokens

@@ -108,6 +108,16 @@ def _sampling_args(sp: SamplingParams) -> tuple[jax.Array, jax.Array, jax.Array]
     return jnp.float32(sp.temperature), jnp.int32(sp.top_k), jnp.float32(sp.top_p)
 
 
+def _sampling_rows(sampling: Sequence[SamplingParams], rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_sampling_args`` of several requests as [rows] arrays, padded to ``rows`` with the first request's."""
+    sp = [*sampling, *[sampling[0]] * (rows - len(sampling))]
+    return (
+        np.asarray([x.temperature for x in sp], np.float32),
+        np.asarray([x.top_k for x in sp], np.int32),
+        np.asarray([x.top_p for x in sp], np.float32),
+    )
+
+
 def _buckets(sizes: Sequence[int], limit: int) -> tuple[int, ...]:
     """The distinct ``sizes`` in (0, limit), ascending, then ``limit``: the sizes one dimension compiles for."""
     return tuple(sorted({b for b in sizes if 0 < b < limit})) + (limit,)
@@ -122,15 +132,18 @@ def _slot_buckets(given: Sequence[int] | None, slots: int, on_one_device: bool) 
 
 
 def _model_programs(cfg: ModelConfig, graphdef, max_seq_len: int, record_experts: bool, state_shardings, replicated):
-    """The jitted programs that run the model: (prefill, prefill on top of a prefix, generate, several generate
-    steps in one program). With ``record_experts`` (MoE models only) each also returns the experts its MoE layers
-    selected."""
+    """The jitted programs that run the model: (prefill, prefill on top of a prefix, several whole prompts in one
+    prefill, generate, several generate steps in one program). With ``record_experts`` (MoE models only) each
+    also returns the experts its MoE layers selected."""
     if record_experts and not cfg.is_moe:
         raise ValueError("record_experts needs a MoE model (num_experts > 0): a dense model has no experts to record")
     prefill = jax.jit(functools.partial(steps.prefill, graphdef, cfg, with_experts=record_experts), static_argnums=(1,))
     prefill_extend = jax.jit(
         functools.partial(steps.prefill_extend, graphdef, max_seq_len, with_experts=record_experts),
         static_argnums=(1,),
+    )
+    prefill_many = jax.jit(
+        functools.partial(steps.prefill_many, graphdef, cfg, with_experts=record_experts), static_argnums=(1,)
     )
     outputs = (state_shardings, replicated, replicated) + ((replicated,) if record_experts else ())
     generate = jax.jit(
@@ -145,7 +158,35 @@ def _model_programs(cfg: ModelConfig, graphdef, max_seq_len: int, record_experts
         static_argnums=(1, 3, 4, 5),
         out_shardings=outputs,
     )
-    return prefill, prefill_extend, generate, generate_steps
+    return prefill, prefill_extend, prefill_many, generate, generate_steps
+
+
+def _slot_programs(state_shardings):
+    """The jitted programs that change which slots decode: (insert, insert several, release); each donates the
+    decode state."""
+    insert = jax.jit(steps.insert, donate_argnums=(1,), out_shardings=state_shardings)
+    insert_many = jax.jit(steps.insert_many, donate_argnums=(1,), out_shardings=state_shardings)
+    release = jax.jit(steps.release, donate_argnums=(0,), out_shardings=state_shardings)
+    return insert, insert_many, release
+
+
+def _pad_prompts(prompts: Sequence[Sequence[int]], engine: Engine) -> tuple[np.ndarray, np.ndarray]:
+    """Whole prompts as tokens [rows, bucket of the longest] and lengths [rows], rows the next power of 2 (padding
+    rows: length 0); raises for a prompt ``engine.prefill`` would refuse in one call."""
+    longest = max(len(p) for p in prompts)
+    if min(len(p) for p in prompts) == 0:
+        raise ValueError("cannot prefill an empty prompt")
+    if longest > engine.max_prefill_length or longest >= engine.max_seq_len:
+        raise ContextTooLongError(
+            f"prompt of {longest} tokens exceeds max_prefill_length={engine.max_prefill_length} (or leaves no "
+            f"room within max_seq_len={engine.max_seq_len}); prefill it alone, in chunks"
+        )
+    bucket = engine._bucket(longest)
+    rows = 1 << (len(prompts) - 1).bit_length()
+    padded, lengths = np.zeros((rows, bucket), np.int32), np.zeros((rows,), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, : len(p)], lengths[i] = p, len(p)
+    return padded, lengths
 
 
 class Engine:
@@ -203,11 +244,12 @@ class Engine:
         )
         self._flat_cache = None
         self.record_experts = record_experts
-        self._prefill_jit, self._prefill_extend_jit, self._generate_jit, self._generate_steps_jit = _model_programs(
+        programs = _model_programs(
             cfg, graphdef, max_seq_len, record_experts, self.decode_state_shardings, self._replicated
         )
-        self._insert_jit = jax.jit(steps.insert, donate_argnums=(1,), out_shardings=self.decode_state_shardings)
-        self._release_jit = jax.jit(steps.release, donate_argnums=(0,), out_shardings=self.decode_state_shardings)
+        self._prefill_jit, self._prefill_extend_jit, self._prefill_many_jit, *programs = programs
+        self._generate_jit, self._generate_steps_jit = programs
+        self._insert_jit, self._insert_many_jit, self._release_jit = _slot_programs(self.decode_state_shardings)
         self._pages = PageOps(cfg, mesh, rules, page_size, max_seq_len)
 
     # -- JetStream's engine properties ------------------------------------------------------------
@@ -290,6 +332,18 @@ class Engine:
         existing = dataclasses.replace(existing_prefix, experts=None)  # the earlier chunk's: not an input
         return self._prefill_extend_jit(*self._flat_params(params), existing, *args)
 
+    def prefill_many(
+        self, *, params: nnx.State, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams], keys
+    ) -> Prefix:
+        """Several whole prompts in one program (each padded to the bucket of the longest; the batch padded to a
+        power of 2 with empty rows): row i of the result (every field has a leading batch axis, cache
+        [B, bucket, K, D]) is ``prefill`` of ``prompts[i]`` with ``keys[i]`` alone. For ``insert_many``."""
+        padded, lengths = _pad_prompts(prompts, self)
+        rows = len(lengths)
+        k = jnp.stack([*keys, *[keys[0]] * (rows - len(prompts))])
+        args = (jnp.asarray(padded), jnp.asarray(lengths), *_sampling_rows(sampling, rows), k)
+        return self._prefill_many_jit(*self._flat_params(params), *args)
+
     # -- insert / release -------------------------------------------------------------------------
     def insert(
         self, prefix: Prefix, decode_state: DecodeState, slot: int, sampling_params: SamplingParams
@@ -297,6 +351,16 @@ class Engine:
         """Places a prefilled prompt into decode slot ``slot`` and activates it (donates ``decode_state``)."""
         prefix = dataclasses.replace(prefix, experts=None)  # not part of the slot's state
         return self._insert_jit(prefix, decode_state, jnp.int32(slot), *_sampling_args(sampling_params))
+
+    def insert_many(
+        self, prefixes: Prefix, decode_state: DecodeState, slots: Sequence[int], sampling: Sequence[SamplingParams]
+    ) -> DecodeState:
+        """Places rows 0..len(slots)-1 of ``prefill_many``'s result into decode ``slots`` (donates the state)."""
+        rows = prefixes.token.shape[0]
+        at = np.full((rows,), self._slots, np.int32)  # padding rows: out of range, dropped
+        at[: len(slots)] = slots
+        prefixes = dataclasses.replace(prefixes, experts=None)
+        return self._insert_many_jit(prefixes, decode_state, jnp.asarray(at), *_sampling_rows(sampling, rows))
 
     def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Deactivates ``slot`` (its KV stays until the next insert; donates ``decode_state``)."""

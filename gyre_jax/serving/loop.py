@@ -8,7 +8,9 @@ model. A daemon thread repeats:
      queued requests into free slots (taking the session's cached KV, if any);
   2. prefill: at most ``prefill_chunk`` prompt tokens (one chunk each call) of the slots still
      prefilling, oldest first, while other slots decode (everything needed for one slot to start, when
-     none decodes); a slot whose prompt is fully prefilled is inserted and starts decoding;
+     none decodes); whole prompts that fit one chunk go several in one program (all of them when none
+     decodes: a burst starts in one iteration); a slot whose prompt is fully prefilled is inserted and
+     starts decoding;
   3. dispatch one generate step for the decoding slots (over the smallest decode window and slot bucket
      that hold them; the engine's ``decode_steps`` steps in one program when every slot decodes and no
      request waits to join), then read the tokens of the step dispatched in the previous iteration: the
@@ -99,13 +101,14 @@ class ServingLoop:
         detokenize: Detokenize | None = None,
         on_update: str = "continue",
         reuse_stale_kv: bool = False,
+        prefill_together: bool = True,
     ):
         """``kv_pages``: page budget of the session prefix cache (None: as many tokens as the decode slots
         hold; 0: no cache). ``prefill_chunk``: prompt tokens per prefill call and per step while others
-        decode (None: ``engine.max_prefill_length``). ``detokenize``: ids -> text, needed for stop strings."""
+        decode (None: ``engine.max_prefill_length``). ``detokenize``: ids -> text, for stop strings.
+        ``prefill_together`` (False: one prompt per prefill call): several one-chunk prompts per program."""
         chunk, kv_pages = _check_options(engine, prefill_chunk, kv_pages, on_update, reuse_stale_kv)
-        self.engine = engine
-        self.name = name
+        self.engine, self.name = engine, name
         self.max_context = engine.max_seq_len
         self.prefill_chunk = chunk
         self.on_update = on_update
@@ -130,6 +133,7 @@ class ServingLoop:
             lock=self._cv,
             stats=self.stats,
             cache=self._cache,
+            prefill_together=prefill_together,
         )
         # one entry per loop iteration that did work: (decode batch, context tokens of that batch, tokens
         # prefilled, seconds); the controller turns these into the simulator's measured serving costs

@@ -1,6 +1,7 @@
-"""The device programs of serving: prefill a prompt (fresh, or on top of a prefix), insert it into a decode
-slot, release a slot, and one generate step over every slot (or several in one program). Pure functions over the ``kv_cache`` pytrees;
-``Engine`` jits each once, with its donation and shardings.
+"""The device programs of serving: prefill a prompt (fresh, or on top of a prefix; or several whole prompts at
+once), insert it into a decode slot (or several), release a slot, and one generate step over every slot (or
+several steps in one program). Pure functions over the ``kv_cache`` pytrees; ``Engine`` jits each once, with its
+donation and shardings.
 
 Parameters arrive as flat leaves plus a (static) treedef, merged with the model's ``graphdef`` inside the
 program: flattening an ``nnx.State`` on every call would cost more host time than a tiny model's decode
@@ -92,6 +93,60 @@ def prefill_extend(
     )
     length = existing.length + true_length
     return Prefix(cache=cache, length=length, token=token, logprob=logprob, key=key, experts=experts)
+
+
+def prefill_many(
+    graphdef: nnx.GraphDef,
+    cfg: ModelConfig,
+    leaves,
+    treedef,
+    tokens,
+    true_lengths,
+    temperature,
+    top_k,
+    top_p,
+    keys,
+    with_experts: bool = False,
+) -> Prefix:
+    """Several whole prompts in one forward: tokens [B, Tb] padded, true_lengths [B] int32 (0: a padding row,
+    nothing written), sampling [B] each, keys [B, 2]. Returns a Prefix whose every field has a leading [B] axis
+    (cache [B, Tb, K, D]); row i equals ``prefill`` of prompt i alone."""
+    b, tb = tokens.shape
+    idx = jnp.arange(tb, dtype=jnp.int32)[None, :]
+    positions = jnp.where(idx < true_lengths[:, None], idx, tb)  # [B, Tb]; padding writes are dropped
+    model = _model(graphdef, leaves, treedef)
+    mask = cache_mask(model.cfg, positions, tb)
+    logits, cache, experts = _step_model(model, tokens, positions, mask, init_cache(cfg, b, tb), with_experts)
+    last = logits[jnp.arange(b), jnp.maximum(true_lengths - 1, 0)]  # [B, V]
+    keys, use = sampling.split_keys(keys)
+    token, logprob = sampling.sample(last, use, temperature, top_k, top_p)
+    if experts is not None:
+        experts = experts.reshape(b, tb, *experts.shape[1:])
+    return Prefix(cache=cache, length=true_lengths, token=token, logprob=logprob, key=keys, experts=experts)
+
+
+def insert_many(prefixes: Prefix, state: DecodeState, slots, temperature, top_k, top_p) -> DecodeState:
+    """Writes each row of ``prefix_many``'s result (cache [B, C, K, D]) at [slots[i], 0:C] and activates those
+    slots; a row whose slot is out of range (a padding row) writes nothing."""
+    c = prefixes.cache[0].k.shape[1]
+
+    def put(dst, src):  # dst: [slots, S, K, D]; src: [B, C, K, D]
+        return dst.at[slots, :c].set(src.astype(dst.dtype), mode="drop")
+
+    def field(dst, src):
+        return dst.at[slots].set(src.astype(dst.dtype), mode="drop")
+
+    cache = [LayerCache(k=put(s.k, p.k), v=put(s.v, p.v)) for s, p in zip(state.cache, prefixes.cache)]
+    return DecodeState(
+        cache=cache,
+        tokens=field(state.tokens, prefixes.token),
+        lengths=field(state.lengths, prefixes.length),
+        active=field(state.active, jnp.ones_like(slots, dtype=bool)),
+        temperature=field(state.temperature, temperature),
+        top_k=field(state.top_k, top_k),
+        top_p=field(state.top_p, top_p),
+        keys=field(state.keys, prefixes.key),
+    )
 
 
 def insert(prefix: Prefix, state: DecodeState, slot, temperature, top_k, top_p) -> DecodeState:

@@ -463,3 +463,37 @@ def test_several_steps_in_one_program_equal_as_many_single_steps(engine, model_p
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-6)
     with pytest.raises(ValueError, match="num_steps=3 must be 1 or the engine's decode_steps=4"):
         engine.generate(params, state_four, num_steps=3)
+
+
+def test_several_prompts_prefilled_in_one_program_equal_one_at_a_time(engine, model_params, prompts) -> None:
+    """``prefill_many`` + ``insert_many`` of 3 prompts of different lengths (one padding row): the first tokens,
+    log-probs, keys and slot KV of ``prefill`` + ``insert`` each, and the same streams after 5 generate steps."""
+    _, params, _ = model_params
+    chosen = [prompts[4], prompts[0], prompts[7]]  # 9, 5, 16 tokens: one bucket (16), rows padded to 4
+    sps = [SamplingParams(temperature=1.0), GREEDY, SamplingParams(temperature=0.7, top_k=5)]
+    keys = [key_for_seed(s) for s in (3, 4, 5)]
+    slots = [2, 0, 3]
+    one = engine.init_decode_state()
+    for p, sp, k, slot in zip(chosen, sps, keys, slots):
+        one = engine.insert(engine.prefill(params=params, tokens=p, sampling_params=sp, key=k), one, slot, sp)
+    batched = engine.prefill_many(params=params, prompts=chosen, sampling=sps, keys=keys)
+    assert batched.token.shape == (4,) and [int(x) for x in batched.length] == [9, 5, 16, 0]
+    many = engine.insert_many(batched, engine.init_decode_state(), slots, sps)
+    streams = []
+    for state in (one, many):
+        out = []
+        for _ in range(5):
+            state, r = engine.generate(params, state)
+            out.append((r.tokens, r.logprobs, r.valid))
+        streams.append((out, jax.device_get(state)))
+    (out_one, s_one), (out_many, s_many) = streams
+    for a, b in zip(out_one, out_many):
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_allclose(a[1], b[1], atol=1e-5)
+        np.testing.assert_array_equal(a[2], b[2])
+    assert [bool(v) for v in out_many[0][2]] == [True, False, True, True]  # slot 1 was never filled
+    for a, b in zip(jax.tree.leaves(s_one), jax.tree.leaves(s_many)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-5)
+    with pytest.raises(ContextTooLongError, match="prefill it alone, in chunks"):
+        engine.prefill_many(params=params, prompts=[[1] * (engine.max_prefill_length + 1)], sampling=[GREEDY],
+                            keys=[keys[0]])  # fmt: skip

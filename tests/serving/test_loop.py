@@ -4,6 +4,7 @@ rejection of prompts that do not fit, weight updates with policy versions, queue
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import sys
 import threading
 import time
@@ -519,3 +520,32 @@ def test_multi_step_decoding_gives_the_single_step_loops_tokens(engine, model_pa
         assert (g.token_ids, g.finish_reason, g.cached_tokens) == (w.token_ids, w.finish_reason, w.cached_tokens)
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
     assert stats.generate_calls < stats.generate_steps  # programs of 4 steps did run
+
+
+def test_a_burst_of_requests_starts_with_one_prefill_program(engine, model_params, reference, prompts) -> None:
+    """Requests queued before the loop's first iteration (no slot decoding) are prefilled together in one
+    program and all start at once; each gets the greedy tokens of the uncached model, and a seeded sampled one
+    the tokens it gets alone."""
+    params = model_params[1]
+    burst = [GenerationRequest(prompt_ids=prompts[i], sampling=greedy(6)) for i in (0, 4, 7)]
+    alone = GenerationRequest(prompt_ids=prompts[1], sampling=SamplingParams(temperature=1.0, max_tokens=6, seed=5))
+    loop = ServingLoop(engine, params, policy_version=0, name="burst")
+    futures = [loop.submit(r) for r in [*burst, alone]]  # queued: the loop thread has not started
+    loop.start()
+    try:
+        results = [f.result(timeout=TIMEOUT) for f in futures]
+        assert loop.stats.prefill_calls == 1 and loop.stats.prefill_tokens == sum(
+            len(r.prompt_ids) for r in [*burst, alone]
+        )
+    finally:
+        loop.stop()
+    for req, res in zip(burst, results):
+        assert res.token_ids == reference.greedy(params, req.prompt_ids, 6)[0]
+    solo = _start(engine, params)
+    try:
+        want = solo.submit(dataclasses.replace(alone, request_id="again")).result(timeout=TIMEOUT)
+        assert solo.stats.prefill_calls == 1
+    finally:
+        solo.stop()
+    assert results[-1].token_ids == want.token_ids
+    np.testing.assert_allclose(results[-1].logprobs, want.logprobs, atol=1e-5)
