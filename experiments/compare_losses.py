@@ -11,8 +11,8 @@ git-ignored; ``--reuse gspo=DIR`` takes one loss's seeds from an existing runs-d
 ``learning_curves.py`` runs, which are GSPO). A complete seed is not rerun, an interrupted one resumes. Losses and
 their overrides (``LOSSES``): ``gspo`` (the default: sequence ratio, clip 3e-4 / 4e-4), ``gspo_token`` (the
 sequence ratio per token, same clip), ``grpo`` (token ratios, DAPO's clip-higher 0.2 / 0.28). Writes
-``<out>/compare_losses.json`` (for ``notebooks/gspo_vs_grpo.ipynb``, which does not read it yet) and ``compare_losses.png``, and prints
-a markdown table.
+``<out>/compare_losses.json`` (``notebooks/gspo_vs_grpo.ipynb`` reads the default config's, committed under
+``experiments/results/compare_losses/tiny_cpu/``) and ``compare_losses.png``, and prints a markdown table.
 """
 
 from __future__ import annotations
