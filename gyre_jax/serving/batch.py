@@ -127,7 +127,6 @@ class DecodeBatch:
         if spent:
             pending = [(slot, job) for slot, job in pending if not job.decoding and self.slots[slot] is job]
             must_start = False
-        spent = spent or 0
         for slot, job in pending:
             while job.done < len(job.target):
                 if spent >= self.prefill_chunk and not must_start:
