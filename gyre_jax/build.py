@@ -9,6 +9,7 @@ onto the core cell (across processes, one program every process runs: ``publish_
 
 from __future__ import annotations
 
+import collections
 import logging
 import tempfile
 import threading
@@ -213,7 +214,7 @@ def warm_start(s: Setup, suite: TaskSuite, stop: threading.Event, on_done=None) 
     w = c.warm_start
     learner = Learner(s.model_cfg, s.graphdef, s.train_mesh, s.rules, w.optimizer(c.optimizer.grad_clip_norm))
     state = learner.init_state(s.params)
-    t0, losses = time.time(), []
+    t0, losses = time.time(), collections.deque(maxlen=25)  # the last steps' losses, kept on the device
     for i in range(w.steps):
         kill_point("warm_start")
         demos = suite.demonstrations(w.batch_size, seed=c.seed * 100_003 + i)
@@ -227,7 +228,7 @@ def warm_start(s: Setup, suite: TaskSuite, stop: threading.Event, on_done=None) 
             log.info("warm start %d/%d  loss %.4f", i + 1, w.steps, m["loss"])
         if stop.is_set():
             raise KeyboardInterrupt("stopped during warm start (nothing was saved; rerun to start over)")
-    tail = [float(x) for x in losses[-25:]]  # each batch is fresh demonstrations: a held-out estimate
+    tail = [float(x) for x in losses]  # each batch is fresh demonstrations: a held-out estimate
     loss = sum(tail) / len(tail) if tail else float("nan")
     log.info(
         "warm start: %d steps in %.1fs, mean loss of the last %d: %.4f", w.steps, time.time() - t0, len(tail), loss
