@@ -12,8 +12,17 @@ per-device memory budget (XLA's compiled ``memory_analysis()``: arguments + outp
 1 device and with ``model.context_parallel = 8`` over 8 virtual CPU devices (ring attention,
 ``model/ring.py``), and the micro-step time of both at the 1-device length.
 
+Paged decoding (``--section paged``): one ``serving.paged.PagedEngine`` slot whose session grows by chunked
+prefill (each growth a new turn: ``release(keep=True)`` then ``attach``, the session's pages reused in place)
+to each of ``--paged-lengths`` tokens, decoding ``--paged-steps`` tokens at each: KV bytes held against the
+live tokens' bytes, and the decode step time. Baseline in the same run: the dense ``Engine`` sized for the
+longest session (``max_seq_len``), its bytes from its decode state's shapes and its decode step timed at the
+same live lengths (decode speed does not depend on the cached values, so its slots are given the lengths
+without a prefill).
+
     python benchmarks/bench_long_context.py            # -> benchmarks/results/long_context.json
     python benchmarks/bench_long_context.py --section cp   # -> benchmarks/results/long_context_cp.json (~15 min)
+    python benchmarks/bench_long_context.py --section paged     # -> benchmarks/results/long_context_paged.json
     python benchmarks/bench_long_context.py --section attention --lengths 1024 2048 --time-max 0 --out /tmp/lc.json
     python benchmarks/bench_long_context.py --section cp --cp-budget-mib 16 --cp-time 0 --cp-out /tmp/cp.json
 """
@@ -238,6 +247,97 @@ def cp_section(a) -> None:
     write(a.cp_out, {"meta": meta, "baseline": "the same micro-step on 1 device", "context_parallel": row})
 
 
+def paged_setup(a):
+    """(cfg, paged engine of one slot, dense engine sized for the longest session, params) on one device."""
+    from gyre_jax.config import load_config
+    from gyre_jax.model.config import ModelConfig
+    from gyre_jax.model.sharding import init_params, make_mesh
+    from gyre_jax.serving.engine import Engine
+    from gyre_jax.serving.paged import PagedEngine
+
+    cfg = ModelConfig(**dict(CP_MODEL, remat_policy="none"), attention_block_q=a.cp_block, attention_block_k=a.cp_block)
+    mesh, rules = make_mesh(jax.devices()[:1], {}), load_config([]).sharding_rules
+    graphdef, params = init_params(cfg, mesh, rules, seed=0)
+    longest = max(a.paged_lengths)
+    sizes = dict(max_prefill_length=a.paged_chunk, prefill_buckets=(a.paged_chunk,))
+    paged = PagedEngine(cfg, graphdef, mesh, rules, max_concurrent_decodes=1, num_pages=-(-longest // a.page_size),
+                        page_size=a.page_size, **sizes)  # fmt: skip
+    windows = tuple(sorted(set(a.paged_lengths)))
+    dense = Engine(cfg, graphdef, mesh, rules, max_concurrent_decodes=a.dense_slots, max_seq_len=longest,
+                   decode_windows=windows, page_size=a.page_size, **sizes)  # fmt: skip
+    return cfg, paged, dense, params
+
+
+def step_ms(fn, steps: int) -> float:
+    """Median ms of ``fn()`` (blocked) over ``steps`` calls after one warm-up (the compile)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def dense_decode_ms(dense, params, live: int, steps: int) -> float:
+    """The dense engine's decode step with one active slot (the others free) growing to ``live`` tokens over the
+    warm-up and the ``steps`` timed steps, attending over the window that holds ``live`` (as the paged slot)."""
+    import dataclasses
+
+    state = dense.init_decode_state()
+    start = live - steps - 1
+    box = [dataclasses.replace(state, lengths=state.lengths.at[0].set(start), active=state.active.at[0].set(True))]
+
+    def one():
+        box[0], _ = dense.generate(params, box[0], max_length=live - 1, slot_limit=1, wait=False)
+        return box[0].tokens
+
+    return step_ms(one, steps)
+
+
+def paged_section(a) -> None:
+    from gyre_jax.serving.sampling import key_for_seed
+    from gyre_jax.serving.types import SamplingParams
+
+    cfg, paged, dense, params = paged_setup(a)
+    greedy, rng, key = SamplingParams(temperature=0.0), np.random.default_rng(0), key_for_seed(0)
+    token_bytes = paged.page_bytes // a.page_size
+    dense_kv = jax.tree.leaves(jax.eval_shape(dense.init_decode_state).cache)
+    dense_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in dense_kv)
+    rows = []
+    print(f"\npaged decoding: one session, pages of {a.page_size}, prefill chunks of {a.paged_chunk}")
+    print(f"{'live':>7} {'prefill s':>10} {'held/live':>10} {'dense/live':>11} {'paged ms':>9} {'dense ms':>9}")
+    for target in sorted(a.paged_lengths):
+        kept = paged.release(0, keep=True)
+        if kept is not None:  # the session's next turn: its pages, in place
+            paged.attach(0, kept)
+        grow = target - a.paged_steps - 1 - paged.slot_length(0)  # decoding then stays within ``target``
+        t0 = time.perf_counter()
+        paged.prefill(params, 0, rng.integers(0, cfg.vocab_size, grow).tolist(), greedy, key)
+        prefill_s = time.perf_counter() - t0
+        paged.start(0)
+        ms = step_ms(lambda: paged.generate(params, wait=False)._ints, a.paged_steps)
+        live = paged.slot_length(0)
+        row = {"target": target, "live_tokens": live, "prefilled_tokens": grow, "prefill_s": prefill_s,
+               "kv_bytes_held": paged.kv_bytes_held(), "live_kv_bytes": live * token_bytes,
+               "held_over_live": paged.kv_bytes_held() / (live * token_bytes), "dense_kv_bytes": dense_bytes,
+               "dense_over_live": dense_bytes / (live * token_bytes), "paged_decode_ms": ms,
+               "dense_decode_ms": dense_decode_ms(dense, params, live, a.paged_steps)}  # fmt: skip
+        rows.append(row)
+        print(f"{live:>7} {prefill_s:>10.1f} {row['held_over_live']:>10.3f} {row['dense_over_live']:>11.1f} "
+              f"{ms:>9.2f} {row['dense_decode_ms']:>9.2f}")  # fmt: skip
+    first, last = rows[0], rows[-1]
+    print(f"decode step at {last['live_tokens']} / at {first['live_tokens']} tokens: paged "
+          f"{last['paged_decode_ms'] / first['paged_decode_ms']:.1f}x, dense {last['dense_decode_ms'] / first['dense_decode_ms']:.1f}x")  # fmt: skip
+    meta = {"python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
+            "load_avg": os.getloadavg(), "model": dict(CP_MODEL, remat_policy="none", dtype="float32"),
+            "page_size": a.page_size, "prefill_chunk": a.paged_chunk, "decode_steps_timed": a.paged_steps,
+            "dense_slots": a.dense_slots, "measure": "held: pages in use x page bytes (every layer's K and V); live: "
+            "tokens in the slot x token bytes; dense: the decode state's KV of an Engine with max_seq_len = the "
+            "longest session; decode ms: median of one-step generate calls (blocked) after a warm-up", "time": time.time()}  # fmt: skip
+    write(a.paged_out, {"meta": meta, "baseline": "dense Engine (slots x max_seq_len)", "rows": rows})
+
+
 def write(path: str, payload: dict) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -247,7 +347,7 @@ def write(path: str, payload: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--section", choices=("attention", "cp", "all"), default="attention")
+    ap.add_argument("--section", choices=("attention", "cp", "paged", "all"), default="attention")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 65536])
     ap.add_argument("--block", type=int, default=128, help="block_q = block_k")
     ap.add_argument("--time-max", type=int, default=4096, help="time fwd+bwd only at T <= this (0: no times)")
@@ -259,11 +359,19 @@ def main(argv=None) -> int:
     ap.add_argument("--cp-block", type=int, default=128)
     ap.add_argument("--cp-time", type=int, default=1, help="1: time both at the 1-device length; 0: memory only")
     ap.add_argument("--cp-out", default=str(ROOT / "benchmarks" / "results" / "long_context_cp.json"))
+    ap.add_argument("--paged-lengths", type=int, nargs="+", default=[8192, 131072], help="session lengths (tokens)")
+    ap.add_argument("--paged-steps", type=int, default=16, help="decode steps timed at each length")
+    ap.add_argument("--paged-chunk", type=int, default=4096, help="prefill chunk (max_prefill_length)")
+    ap.add_argument("--page-size", type=int, default=256)
+    ap.add_argument("--dense-slots", type=int, default=8, help="the dense baseline's slots (a cell's sessions)")
+    ap.add_argument("--paged-out", default=str(ROOT / "benchmarks" / "results" / "long_context_paged.json"))
     a = ap.parse_args(argv)
     if a.section in ("attention", "all"):
         attention_section(a)
     if a.section in ("cp", "all"):
         cp_section(a)
+    if a.section in ("paged", "all"):
+        paged_section(a)
     return 0
 
 

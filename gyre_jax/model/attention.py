@@ -126,7 +126,8 @@ class Attention(nnx.Module):
         ``cfg.attention_impl`` (S = T without cache, cache length with one).
 
         With a cache, this call's keys/values are first written at ``positions``, then queries attend
-        over the whole cache. Returns ([B, T, E], updated cache or None).
+        over the whole cache. Returns ([B, T, E], updated cache or None). "blockwise" computes a single query
+        (T = 1: a decode step) as "xla" does, over the MaskSpec's dense [B, 1, S] mask.
         """
         q = self.q_norm(self.q_proj("bte,ehd->bthd", x))
         k = self.k_norm(self.k_proj("bte,ekd->btkd", x))
@@ -139,7 +140,10 @@ class Attention(nnx.Module):
             k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
         impl = self.cfg.attention_impl
         _check_mask_kind(impl, mask)
-        if impl == "blockwise":
+        if impl == "blockwise" and q.shape[1] == 1:  # a decode step: its mask [B, 1, S] is small, and one
+            # query over S keys in blocks would be S / block_k dependent loop steps
+            out = jax.nn.dot_product_attention(q, k, v, mask=dense_mask(mask)[:, None, :, :])
+        elif impl == "blockwise":
             bq, bk = self.cfg.attention_block_q, self.cfg.attention_block_k
             if self.cfg.context_parallel > 1 and cache is None:  # T split over the mesh's context axis
                 out = ring_attention(q, k, v, mask, block_q=bq, block_k=bk)

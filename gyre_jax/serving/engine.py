@@ -87,6 +87,20 @@ class ResultTokens:
         return np.asarray(self._logprobs)
 
 
+class FlatParams:
+    """(leaves, treedef) of the params a program is called with, remembered for the last params seen: flattening
+    an nnx.State on every call would cost more host time than a tiny model's decode step."""
+
+    def __init__(self):
+        self._last: tuple | None = None
+
+    def __call__(self, params) -> tuple[list, object]:
+        if self._last is None or self._last[0] is not params:
+            leaves, treedef = jax.tree.flatten(params)
+            self._last = (params, leaves, treedef)
+        return self._last[1], self._last[2]
+
+
 def _check_sizes(
     max_concurrent_decodes: int, max_seq_len: int, max_prefill_length: int, page_size: int | None, decode_steps: int
 ) -> int:
@@ -242,7 +256,7 @@ class Engine:
         self._empty_prefix_jit = jax.jit(
             functools.partial(empty_prefix, cfg, max_seq_len), out_shardings=self._replicated
         )
-        self._flat_cache = None
+        self._flat = FlatParams()
         self.record_experts = record_experts
         programs = _model_programs(
             cfg, graphdef, max_seq_len, record_experts, self.decode_state_shardings, self._replicated
@@ -283,13 +297,7 @@ class Engine:
         )
 
     def _flat_params(self, params) -> tuple[list, object]:
-        """(leaves, treedef) of ``params``, remembered for the last params seen: flattening an nnx.State on
-        every call would cost more host time than a tiny model's decode step."""
-        cached = self._flat_cache
-        if cached is None or cached[0] is not params:
-            leaves, treedef = jax.tree.flatten(params)
-            cached = self._flat_cache = (params, leaves, treedef)
-        return cached[1], cached[2]
+        return self._flat(params)
 
     # -- prefill ----------------------------------------------------------------------------------
     def prefill(

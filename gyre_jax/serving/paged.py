@@ -1,0 +1,319 @@
+"""Paged KV decoding on one cell: ``PagedEngine`` serves its slots from one page pool through block tables.
+
+The dense ``Engine`` gives every slot ``max_seq_len`` cached tokens, fixed at construction: the longest session a
+cell can hold is that, and every slot pays for it. Here a cell has one pool of ``num_pages`` pages of
+``page_size`` tokens (the device programs and the state are in ``paged_steps``); a slot holds the pages its
+context has reached, taken from the pool as it grows, so a session's length is bounded by the free pages (and by
+``max_pages_per_slot``, by default the whole pool) and the bytes a session holds follow its length. When a slot
+ends, its pages can stay where they are as the session's KV (``release(keep=True)`` -> ``SlotPages``) and be
+handed to the slot of the session's next request without a copy (``attach``); a session moves between cells
+as ``KVPages`` (``export`` / ``import_kv``), the format of the dense engine's migration.
+
+The engine owns its ``PagedState`` and mirrors on the host what it needs to place pages (each slot's pages and
+length): every call is a method, none takes or returns the state. Prefill writes a prompt straight into its
+slot's pages in chunks of at most ``max_prefill_length`` tokens (no per-request prefix buffer). Not here yet:
+the serving loop's use of it (``ServingLoop`` runs the dense ``Engine``), routing-replay recording, prefilling
+several prompts in one program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.sharding import Rules
+from gyre_jax.serving import paged_steps
+from gyre_jax.serving.engine import FlatParams, ResultTokens, _buckets, _sampling_args, _slot_buckets
+from gyre_jax.serving.kv_cache import KVPages, kv_pages_shardings
+from gyre_jax.serving.kv_pages import gather_pages, scatter_pages
+from gyre_jax.serving.paged_steps import PagedState
+from gyre_jax.serving.types import ContextTooLongError, SamplingParams
+
+
+class PagePoolExhausted(ContextTooLongError):
+    """A slot needs a page and none is free: the cell's KV budget is spent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotPages:
+    """A session's KV left in the pool by ``release(keep=True)``: its pages in position order, and the tokens they
+    hold. Give it to ``attach`` (the session goes on) or ``drop`` (its pages return to the pool)."""
+
+    pages: tuple[int, ...]
+    length: int
+
+
+class PageAllocator:
+    """The free pages of a pool of ``num_pages`` (host side; lowest ids first)."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise PagePoolExhausted(
+                f"the KV page pool is spent: {n} more page(s) needed, {len(self._free)} of {self.num_pages} free; "
+                "end or drop sessions (release without keep, drop), or build the engine with more num_pages"
+            )
+        return [self._free.pop() for _ in range(n)]
+
+    def give_back(self, pages: Sequence[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _state_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules, page_size: int, num_pages: int) -> PagedState:
+    """The pool split like the session cache's pages (``kv_pages_shardings``); the table and slot fields replicated."""
+    rep = NamedSharding(mesh, PartitionSpec())
+    pool = kv_pages_shardings(cfg, mesh, rules, page_size, num_pages).pages
+    return PagedState(pool, rep, rep, rep, rep, rep, rep, rep, rep)
+
+
+def _export(state: PagedState, ids) -> KVPages:
+    return gather_pages(KVPages(pages=state.pool), ids)
+
+
+def _import(state: PagedState, kv: KVPages, ids) -> PagedState:
+    return dataclasses.replace(state, pool=scatter_pages(KVPages(pages=state.pool), kv, ids).pages)
+
+
+class PagedEngine:
+    """``max_concurrent_decodes`` slots over one pool of ``num_pages`` x ``page_size`` tokens on ``mesh``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        graphdef: nnx.GraphDef,
+        mesh: Mesh,
+        rules: Rules,
+        *,
+        max_concurrent_decodes: int,
+        num_pages: int,
+        page_size: int,
+        max_prefill_length: int,
+        prefill_buckets: Sequence[int],
+        max_pages_per_slot: int | None = None,
+        decode_slot_buckets: Sequence[int] | None = None,
+        decode_steps: int = 1,
+    ):
+        """``max_pages_per_slot`` (default ``num_pages``): the longest session, in pages. A program attends over a
+        power-of-2 number of pages covering the longest live context (one compile per such count in use, per
+        prefill bucket or slot bucket); ``decode_slot_buckets`` and ``decode_steps`` as in ``Engine``."""
+        max_pages = num_pages if max_pages_per_slot is None else max_pages_per_slot
+        for name, v in (("max_concurrent_decodes", max_concurrent_decodes), ("num_pages", num_pages),
+                        ("page_size", page_size), ("max_prefill_length", max_prefill_length),
+                        ("max_pages_per_slot", max_pages), ("decode_steps", decode_steps)):  # fmt: skip
+            if v < 1:
+                raise ValueError(f"{name}={v} must be >= 1")
+        self.cfg, self.graphdef, self.mesh, self.page_size = cfg, graphdef, mesh, page_size
+        self.max_concurrent_decodes, self.max_prefill_length = max_concurrent_decodes, max_prefill_length
+        self.max_pages_per_slot, self.decode_steps = max_pages, decode_steps
+        self.prefill_buckets = _buckets(prefill_buckets, max_prefill_length)
+        self.decode_slot_buckets = _slot_buckets(decode_slot_buckets, max_concurrent_decodes, True)
+        self.allocator = PageAllocator(num_pages)
+        self._pages: list[list[int]] = [[] for _ in range(max_concurrent_decodes)]  # host mirror of the table
+        self._lengths = [0] * max_concurrent_decodes
+        self._active = [False] * max_concurrent_decodes
+        self._flat = FlatParams()
+        sh = _state_shardings(cfg, mesh, rules, page_size, num_pages)
+        self._jit_programs(sh)
+        init = functools.partial(paged_steps.empty_state, cfg, max_concurrent_decodes, num_pages, page_size, max_pages)
+        self.state: PagedState = jax.jit(init, out_shardings=sh)()
+
+    def _jit_programs(self, sh: PagedState) -> None:
+        """The jit boundaries: every device computation of this engine is one of these (donating the state)."""
+        g = self.graphdef
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        out3 = (sh, rep, rep)
+        self._prefill_jit = jax.jit(
+            functools.partial(paged_steps.prefill, g), static_argnums=(1, 6), donate_argnums=(2,), out_shardings=out3
+        )
+        self._generate_jit = jax.jit(
+            functools.partial(paged_steps.generate, g),
+            static_argnums=(1, 3, 4),
+            donate_argnums=(2,),
+            out_shardings=out3,
+        )
+        self._generate_steps_jit = jax.jit(
+            functools.partial(paged_steps.generate_steps, g),
+            static_argnums=(1, 3, 4, 5),
+            donate_argnums=(2,),
+            out_shardings=out3,
+        )
+        self._set_slot_jit = jax.jit(paged_steps.set_slot, donate_argnums=(0,), out_shardings=sh)
+        self._set_row_jit = jax.jit(paged_steps.set_row, donate_argnums=(0,), out_shardings=sh)
+        self._export_jit = jax.jit(_export)
+        self._import_jit = jax.jit(_import, donate_argnums=(0,), out_shardings=sh)
+
+    # -- what the pool holds --------------------------------------------------------------------------
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over every layer (K and V)."""
+        c = self.state.pool[0].k
+        return 2 * len(self.state.pool) * int(np.prod(c.shape[1:])) * c.dtype.itemsize
+
+    def kv_bytes_held(self) -> int:
+        """Bytes of the pages in use (slots' and sessions' kept by ``release(keep=True)``)."""
+        return self.allocator.used * self.page_bytes
+
+    def slot_length(self, slot: int) -> int:
+        """Tokens in ``slot``'s pages."""
+        return self._lengths[slot]
+
+    # -- pages ------------------------------------------------------------------------------------------
+    def _row(self, slot: int) -> jax.Array:
+        row = np.full((self.max_pages_per_slot,), self.allocator.num_pages, np.int32)
+        row[: len(self._pages[slot])] = self._pages[slot]
+        return jnp.asarray(row)
+
+    def _ensure_pages(self, slot: int, num_tokens: int) -> None:
+        """Gives ``slot`` pages for positions [0, num_tokens)."""
+        need = -(-num_tokens // self.page_size)
+        if need > self.max_pages_per_slot:
+            raise ContextTooLongError(
+                f"a session of {num_tokens} tokens needs {need} pages of {self.page_size}; a slot holds at most "
+                f"max_pages_per_slot={self.max_pages_per_slot} ({self.max_pages_per_slot * self.page_size} tokens): "
+                "raise max_pages_per_slot (and num_pages)"
+            )
+        have = len(self._pages[slot])
+        if need > have:
+            self._pages[slot] += self.allocator.take(need - have)
+            self.state = self._set_row_jit(self.state, jnp.int32(slot), self._row(slot))
+
+    def _window(self, num_tokens: int) -> int:
+        """Pages a program attends over for contexts of at most ``num_tokens``: a power of 2, capped."""
+        return min(_pow2_at_least(-(-num_tokens // self.page_size)), self.max_pages_per_slot)
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.prefill_buckets if b >= n)
+
+    # -- prefill, decode ----------------------------------------------------------------------------
+    def prefill(
+        self, params: nnx.State, slot: int, tokens: Sequence[int], sampling_params: SamplingParams, key: jax.Array
+    ) -> tuple[int, float]:
+        """Prefills ``tokens`` into ``slot``'s pages after the tokens it holds (none, or an attached session's), in
+        chunks of at most ``max_prefill_length``, each with ``key`` (so chunking is invisible: the sampled token
+        depends only on the whole sequence and the key). Returns the token sampled after the last one and its
+        log-prob; ``start`` the slot to decode from there."""
+        if self._active[slot]:
+            raise ValueError(f"slot {slot} is decoding; release it before prefilling into it")
+        if len(tokens) == 0:
+            raise ValueError("cannot prefill an empty prompt")
+        leaves = self._flat(params)
+        temperature, top_k, top_p = _sampling_args(sampling_params)
+        done, out = 0, None
+        while done < len(tokens):
+            n = min(self.max_prefill_length, len(tokens) - done)
+            start = self._lengths[slot]
+            self._ensure_pages(slot, start + n + 1)  # + 1: room for the token sampled next
+            padded = np.zeros((1, self._bucket(n)), np.int32)
+            padded[0, :n] = tokens[done : done + n]
+            self.state, *out = self._prefill_jit(
+                *leaves, self.state, jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
+                self._window(start + n), temperature, top_k, top_p, key,
+            )  # fmt: skip
+            self._lengths[slot] = start + n
+            done += n
+        token, logprob = jax.device_get(out)
+        return int(token), float(logprob)
+
+    def start(self, slot: int) -> None:
+        """``slot`` (prefilled) decodes from the next ``generate`` on."""
+        if self._lengths[slot] == 0:
+            raise ValueError(f"slot {slot} holds no tokens: prefill it first")
+        self._active[slot] = True
+        self._set(slot)
+
+    def _set(self, slot: int) -> None:
+        self.state = self._set_slot_jit(
+            self.state, jnp.int32(slot), self._row(slot), jnp.int32(self._lengths[slot]), jnp.bool_(self._active[slot])
+        )
+
+    def generate(self, params: nnx.State, num_steps: int = 1, wait: bool = True) -> ResultTokens:
+        """``num_steps`` (1 or ``decode_steps``) decode steps for every started slot, in one program; each slot is
+        given the pages its next tokens need first. The result as ``Engine.generate``'s."""
+        if num_steps not in (1, self.decode_steps):
+            raise ValueError(f"num_steps={num_steps} must be 1 or the engine's decode_steps={self.decode_steps}")
+        live = [s for s, a in enumerate(self._active) if a]
+        if not live:
+            raise ValueError("no slot is decoding: prefill and start one first")
+        for s in live:
+            self._ensure_pages(s, self._lengths[s] + num_steps)
+        pages = self._window(max(self._lengths[s] for s in live) + num_steps)
+        slots = next(b for b in self.decode_slot_buckets if b > max(live))
+        leaves = self._flat(params)
+        if num_steps == 1:
+            self.state, ints, logprobs = self._generate_jit(*leaves, self.state, pages, slots)
+        else:
+            self.state, ints, logprobs = self._generate_steps_jit(*leaves, self.state, pages, slots, num_steps)
+        for s in live:
+            self._lengths[s] += num_steps
+        result = ResultTokens(_ints=ints, _logprobs=logprobs)
+        return result.to_host() if wait else result
+
+    # -- a slot's end, a session's pages --------------------------------------------------------------
+    def release(self, slot: int, keep: bool = False) -> SlotPages | None:
+        """Ends ``slot``. ``keep``: its pages stay in the pool as the session's KV (returned: hand them to
+        ``attach`` or ``drop``); else they return to the pool. The slot's KV holds every token but the newest
+        sampled one."""
+        kept = SlotPages(tuple(self._pages[slot]), self._lengths[slot]) if keep and self._pages[slot] else None
+        if not keep:
+            self.allocator.give_back(self._pages[slot])
+        self._pages[slot], self._lengths[slot], self._active[slot] = [], 0, False
+        self._set(slot)
+        return kept
+
+    def attach(self, slot: int, kv: SlotPages) -> None:
+        """Gives an empty ``slot`` a kept session's pages, as they are (no copy): prefill its next tokens on top."""
+        if self._pages[slot] or self._active[slot]:
+            raise ValueError(f"slot {slot} holds a request; release it first")
+        self._pages[slot], self._lengths[slot] = list(kv.pages), kv.length
+        self._set(slot)
+
+    def drop(self, kv: SlotPages) -> None:
+        """Returns a kept session's pages to the pool."""
+        self.allocator.give_back(kv.pages)
+
+    # -- migration ------------------------------------------------------------------------------------
+    def export(self, slot: int) -> KVPages:
+        """``slot``'s tokens as ``KVPages`` (the page count rounded up to a power of 2; the padding reads page 0)."""
+        pages = self._pages[slot][: -(-self._lengths[slot] // self.page_size)]
+        if not pages:
+            raise ValueError(f"slot {slot} holds no tokens")
+        ids = np.zeros((_pow2_at_least(len(pages)),), np.int32)
+        ids[: len(pages)] = pages
+        return self._export_jit(self.state, jnp.asarray(ids))
+
+    def import_kv(self, slot: int, kv: KVPages, length: int) -> None:
+        """Places ``length`` tokens of a session's ``kv`` (on this mesh) into an empty ``slot``'s new pages."""
+        if self._pages[slot] or self._active[slot]:
+            raise ValueError(f"slot {slot} holds a request; release it first")
+        need = -(-length // self.page_size)
+        if not 0 < need <= kv.num_pages:
+            raise ValueError(f"length={length} must be in [1, {kv.num_pages} pages x {self.page_size} tokens]")
+        self._ensure_pages(slot, length)
+        ids = np.full((kv.num_pages,), self.allocator.num_pages, np.int32)  # pages past the session's: dropped
+        ids[:need] = self._pages[slot][:need]
+        self.state = self._import_jit(self.state, kv, jnp.asarray(ids))
+        self._lengths[slot] = length
+        self._set(slot)

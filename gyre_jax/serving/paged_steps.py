@@ -1,0 +1,188 @@
+"""The device programs of paged KV decoding: every slot's KV lives in one page pool, found through a block table.
+
+``PagedState`` holds the pool (per layer ``[P, page_size, K, D]``), the block table ``[slots, max_pages]``
+(entry j of a slot's row: the pool page holding its positions ``j * page_size ...``; ``P``, past the pool, for
+none) and the per-slot decoding fields of ``kv_cache.DecodeState``. A program reads a slot's KV as a view
+gathered from its first ``num_pages`` table entries (``num_pages`` static: a bucket of the longest live
+context, so cost follows the live length, not the pool), runs the model on that view exactly as the dense
+engine runs it on a window of its cache (``attention.cache_mask``: dense or a ``MaskSpec``), and scatters
+the rows the step wrote back into their pages. Reads of table entries past a slot's pages fall on some page
+whose positions the mask never shows; writes to them are dropped.
+
+A pure-JAX gather, the same on every platform; a paged-attention kernel (Pallas ragged paged attention on
+TPU/GPU) would read the pages in place instead (docs/long_context.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gyre_jax.model.attention import LayerCache, cache_mask, init_cache
+from gyre_jax.model.config import ModelConfig
+from gyre_jax.serving import sampling
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedState:
+    """The pool and the slots. pool: per layer k, v [P, page_size, K, D]; table [slots, max_pages] int32; the
+    rest [slots] (keys [slots, 2]) as in ``DecodeState``."""
+
+    pool: list[LayerCache]
+    table: jax.Array  # int32: pool page of each slot's j-th page of positions (P: none)
+    tokens: jax.Array  # int32: last sampled token per slot, fed to the next generate step
+    lengths: jax.Array  # int32: tokens already in the slot's pages (= position of ``tokens``)
+    active: jax.Array  # bool: the slot decodes
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    keys: jax.Array
+
+
+def empty_state(cfg: ModelConfig, slots: int, num_pages: int, page_size: int, max_pages: int) -> PagedState:
+    """Zero pages, an empty table (every entry ``num_pages``), no slot active."""
+    return PagedState(
+        pool=init_cache(cfg, num_pages, page_size),
+        table=jnp.full((slots, max_pages), num_pages, jnp.int32),
+        tokens=jnp.zeros((slots,), jnp.int32),
+        lengths=jnp.zeros((slots,), jnp.int32),
+        active=jnp.zeros((slots,), jnp.bool_),
+        temperature=jnp.ones((slots,), jnp.float32),
+        top_k=jnp.zeros((slots,), jnp.int32),
+        top_p=jnp.ones((slots,), jnp.float32),
+        keys=jnp.zeros((slots, 2), jnp.uint32),
+    )
+
+
+def gather_view(pool: list[LayerCache], rows: jax.Array, num_pages: int) -> list[LayerCache]:
+    """rows: [B, max_pages] table rows -> per layer a cache [B, num_pages * page_size, K, D] of their first
+    ``num_pages`` pages in position order."""
+    ids = jnp.minimum(rows[:, :num_pages], pool[0].k.shape[0] - 1)  # no page: read any, never attended
+
+    def one(x):  # [P, p, K, D] -> [B, n * p, K, D]
+        return x[ids].reshape((ids.shape[0], -1) + x.shape[2:])
+
+    return [LayerCache(k=one(c.k), v=one(c.v)) for c in pool]
+
+
+def scatter_rows(pool: list[LayerCache], view: list[LayerCache], rows: jax.Array, positions: jax.Array):
+    """Writes the view's rows at ``positions`` [B, T] (a position at or past the view's length: nothing) into the
+    pool pages the table ``rows`` [B, max_pages] map them to."""
+    num_pool, p = pool[0].k.shape[:2]
+    w = view[0].k.shape[1]
+    b = jnp.arange(positions.shape[0])[:, None]
+    at = jnp.minimum(positions, w - 1)
+    page = jnp.where(positions < w, rows[b, at // p], num_pool)  # out of the pool: dropped
+    offset = at % p
+
+    def one(dst, src):  # dst: [P, p, K, D]; src: [B, w, K, D]
+        return dst.at[page, offset].set(src[b, at].astype(dst.dtype), mode="drop")
+
+    return [LayerCache(k=one(d.k, s.k), v=one(d.v, s.v)) for d, s in zip(pool, view)]
+
+
+def prefill(
+    graphdef: nnx.GraphDef,
+    leaves,
+    treedef,
+    state: PagedState,
+    slot,
+    tokens,
+    true_length,
+    num_pages: int,
+    temperature,
+    top_k,
+    top_p,
+    key,
+):
+    """Prefills tokens [1, Tb] (``true_length`` real) into ``slot``'s pages after its ``lengths[slot]`` cached
+    tokens (its table must map every position written; ``num_pages`` static covers them), samples the next token
+    from the last one with ``key`` [2] and records it, the advanced key, the new length and the sampling settings
+    in the slot (not activated). Returns (state, token [] int32, log-prob [] f32)."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    w = num_pages * state.pool[0].k.shape[1]
+    start = state.lengths[slot]
+    idx = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    positions = jnp.where(idx < true_length, start + idx, w)[None, :]  # padding writes are dropped
+    rows = jax.lax.dynamic_index_in_dim(state.table, slot, axis=0, keepdims=True)  # [1, max_pages]
+    view = gather_view(state.pool, rows, num_pages)
+    logits, view = model(tokens, positions, cache_mask(model.cfg, positions, w), view)
+    last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, axis=0, keepdims=True)  # [1, V]
+    key, use = sampling.split_keys(key[None])
+    token, logprob = sampling.sample(last, use, temperature[None], top_k[None], top_p[None])
+    state = dataclasses.replace(
+        state,
+        pool=scatter_rows(state.pool, view, rows, positions),
+        tokens=state.tokens.at[slot].set(token[0]),
+        lengths=state.lengths.at[slot].set(start + true_length),
+        temperature=state.temperature.at[slot].set(temperature),
+        top_k=state.top_k.at[slot].set(top_k),
+        top_p=state.top_p.at[slot].set(top_p),
+        keys=state.keys.at[slot].set(key[0]),
+    )
+    return state, token[0], logprob[0]
+
+
+def generate(graphdef: nnx.GraphDef, leaves, treedef, state: PagedState, num_pages: int, num_slots: int):
+    """One step for slots [0, num_slots) over their first ``num_pages`` pages (both static); the others are left
+    as they are. Returns the state, ints [3, slots] (tokens, valid, lengths) and log-probs [slots], as the dense
+    ``steps.generate``."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    slots, k = state.tokens.shape[0], num_slots
+    w = num_pages * state.pool[0].k.shape[1]
+    lengths = state.lengths[:k]
+    ok = state.active[:k] & (lengths < w)
+    positions = jnp.where(ok, lengths, w)[:, None]  # [k, 1]; the others write nothing
+    rows = state.table[:k]
+    view = gather_view(state.pool, rows, num_pages)
+    logits, view = model(state.tokens[:k, None], positions, cache_mask(model.cfg, positions, w), view)
+    keys, use = sampling.split_keys(state.keys[:k])
+    tokens, logprobs = sampling.sample(logits[:, 0], use, state.temperature[:k], state.top_k[:k], state.top_p[:k])
+    tokens = jnp.where(ok, tokens, state.tokens[:k])  # a slot that sampled nothing keeps its pending token and key
+    keys = jnp.where(ok[:, None], keys, state.keys[:k])
+    lengths = jnp.where(ok, lengths + 1, lengths)
+
+    def head(full, part):  # writes part: [k, ...] over full: [slots, ...]
+        return jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
+
+    state = dataclasses.replace(
+        state,
+        pool=scatter_rows(state.pool, view, rows, positions),
+        tokens=head(state.tokens, tokens),
+        lengths=head(state.lengths, lengths),
+        keys=head(state.keys, keys),
+    )
+    ints = jnp.stack([state.tokens, jnp.pad(ok, (0, slots - k)).astype(jnp.int32), state.lengths])
+    return state, ints, jnp.pad(logprobs, (0, slots - k))
+
+
+def generate_steps(
+    graphdef: nnx.GraphDef, leaves, treedef, state: PagedState, num_pages: int, num_slots: int, num_steps: int
+):
+    """``num_steps`` (static) ``generate`` steps in one ``lax.scan`` program; outputs stacked on a leading axis."""
+
+    def body(carry: PagedState, _):
+        new, *out = generate(graphdef, leaves, treedef, carry, num_pages, num_slots)
+        return new, tuple(out)
+
+    state, outs = jax.lax.scan(body, state, None, length=num_steps)
+    return (state, *outs)
+
+
+def set_slot(state: PagedState, slot, row, length, active) -> PagedState:
+    """Gives ``slot`` the table row ``row`` [max_pages], ``length`` cached tokens and the ``active`` flag."""
+    return dataclasses.replace(
+        state,
+        table=state.table.at[slot].set(row),
+        lengths=state.lengths.at[slot].set(length),
+        active=state.active.at[slot].set(active),
+    )
+
+
+def set_row(state: PagedState, slot, row) -> PagedState:
+    """Replaces ``slot``'s table row (pages added as its context grows)."""
+    return dataclasses.replace(state, table=state.table.at[slot].set(row))
