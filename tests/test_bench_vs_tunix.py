@@ -1,0 +1,78 @@
+"""benchmarks/bench_vs_tunix.py in its smoke form (its own process): the logits check passed before anything was
+timed, and the report has every row (decode per batch size and variant, training, compile) with positive numbers,
+the greedy tokens compared, and the versions and load average it ran under. Never asserts a speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytest.importorskip("tunix", reason="google-tunix (the test extra) is not installed")
+
+
+def test_vs_tunix_smoke_run_checks_the_logits_and_reports_every_row(tmp_path) -> None:
+    out = tmp_path / "vs_tunix_smoke.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the session's 8 virtual devices: not for this one-device run (--smoke sets its own)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_vs_tunix.py", "--smoke", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["smoke"] and report["machine"]["jax_backend"] == "cpu"
+    assert "--xla_backend_optimization_level=0" in report["xla_flags"]
+    assert report["jax"] and report["tunix"] == "0.1.7"
+    assert len(report["load_avg_start"]) == len(report["load_avg_end"]) == 3
+
+    check = report["logits_check"]
+    assert check["passed"] and check["batch"] == [2, 64]
+    assert 0 <= check["max_abs_diff"] <= check["tolerance"]
+
+    sz = report["sizes"]
+    all_steps = sz["new_tokens"] - 1
+    greedy = [
+        "engine, 1 step/program",
+        f"engine, {all_steps} steps/program",
+        "ServingLoop, 1 step/program",
+        f"ServingLoop, {sz['loop_decode_steps']} steps/program",
+    ]
+    sampled = [f"temperature 1: {v} vs Sampler, temperature 1" for v in greedy[:2]]
+    train = ["plain jit step (optax.adamw)", "Learner.step (sft: clip + adamw)"]
+    expected = [f"decode, batch {b}: {v}" for b in sz["batches"] for v in greedy + sampled]
+    expected += [f"train [{sz['train_batch']}, {sz['train_seq']}]: {t} vs PeftTrainer step" for t in train]
+    compiles = [f"{v} vs Sampler" for v in greedy[:2]]
+    compiles.append("temperature 1 after greedy (a new sampling setting): engine vs Sampler")
+    expected += [f"compile, decode batch {b}: {c}" for b in sz["batches"] for c in compiles]
+    expected += [f"compile, train: {t} vs PeftTrainer step" for t in train]
+    rows = {r["name"]: r for r in report["rows"]}
+    assert sorted(rows) == sorted(expected)
+    for name, r in rows.items():
+        if r["group"] == "compile":  # seconds beyond steady state: 0 where nothing compiles again
+            assert r["better"] == "lower" and r["ours"] >= 0 and r["tunix"] >= 0, name
+            assert all(t > 0 for t in r["ours_warmup_calls_s"] + r["tunix_warmup_calls_s"])
+        else:
+            assert r["ours"] > 0 and r["tunix"] > 0 and r["ratio"] > 0, name
+            assert r["better"] == "higher" and r["unit"] == "tokens/s"
+            assert len(r["ours_runs"]) == len(r["tunix_runs"]) == sz["reps"]
+            assert all(x > 0 for x in r["ours_runs"] + r["tunix_runs"]) and r["ratio_median_of_pairs"] > 0
+            assert len(r["ours_cpu_runs"]) == len(r["tunix_cpu_runs"]) == sz["reps"] and r["ratio_cpu"] > 0
+            assert r["ratio_best"] > 0
+        assert f"| {name}" in proc.stdout  # the markdown table
+
+    for b in sz["batches"]:  # every variant's greedy tokens were compared with Tunix's
+        agreement = report["greedy_token_agreement"][f"b{b}"]
+        assert sorted(agreement) == sorted(greedy)
+        assert all(a["rows"] == b and 0 <= a["rows_identical"] <= b for a in agreement.values())
+    assert all(len(v) == 2 + sz["reps"] for v in report["train_losses"].values())
