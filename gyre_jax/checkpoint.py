@@ -74,6 +74,12 @@ class Checkpointer:
             state = jax.device_put(state, jax.tree.map(lambda a: a.sharding, abstract_state))
         return state, dict(restored["meta"])
 
+    def saved_paths(self, step: int) -> list[tuple[str, ...]]:
+        """The key path of every array of checkpoint ``step``'s state, from its metadata (no array is read)."""
+        saved = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state").tree
+        leaves = jax.tree_util.tree_flatten_with_path(saved)[0]
+        return [tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) for path, _ in leaves]
+
     def restore_as_saved(self, step: int) -> tuple[Any, dict]:
         """Restores checkpoint ``step`` as host numpy arrays of the saved shapes and dtypes, without the model
         (``gyre_jax.audit`` checks a run directory with it): every array is read back, not only its metadata."""

@@ -35,6 +35,7 @@ from gyre_jax.elastic.policies import make_policy
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.elastic.training import CellTraining
 from gyre_jax.metrics import MetricsWriter
+from gyre_jax.model import layer_stack
 from gyre_jax.model.config import ModelInputError
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.router import Router
@@ -124,7 +125,7 @@ def _initial_state(
     if s.multi_process:
         runtime.broadcast_decision({"latest": latest})
     if latest is not None:
-        state, meta = checkpointer.restore(latest, learner.abstract_state())
+        state, meta = layer_stack.restore(checkpointer, latest, learner.abstract_state())  # either layer layout
         log.info(
             "resumed from %s at step %d (policy version %d)", checkpointer.directory, meta["next_step"], int(state.step)
         )
@@ -160,7 +161,7 @@ def _reference_policy(s: build.Setup, learner: Learner, state: TrainState, workd
     store = Checkpointer(workdir / "reference", max_to_keep=1, primary_only=s.multi_process)
     try:
         if store.latest_step() is not None:
-            return store.restore(0, build.abstract_params(s, learner.param_shardings))[0]
+            return layer_stack.restore(store, 0, build.abstract_params(s, learner.param_shardings))[0]
         if int(state.step) > 0:
             log.warning("no reference policy saved in %s: the KL term starts from the resumed params", store.directory)
         ref = jax.tree.map(jnp.copy, state.params)  # a copy: the optimizer step donates the state

@@ -33,6 +33,7 @@ COMPUTE_FIELDS = (
     "attention_block_k",
     "logits_chunk",
     "context_parallel",
+    "scan_layers",
 )
 
 
@@ -96,6 +97,11 @@ class ModelConfig:
     # Context parallelism (model/ring.py): each training row's tokens split over this many devices of the
     # mesh's ``context`` axis, ring attention between them (needs attention_impl="blockwise"); 1 = off.
     context_parallel: int = 1
+    # Layers as one scanned body (model/layer_stack.py, docs/model.md "Layer scan"): parameters stored stacked
+    # [L, ...] under logical axis "layers", the training forward a lax.scan (compile time independent of depth;
+    # remat applies to the body); the cached forward runs layer by layer over the stacked weights. Needs every
+    # layer of one kind (all dense or all MoE).
+    scan_layers: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -154,6 +160,12 @@ class ModelConfig:
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
         if bad:
             out.append(f"mlp_only_layers={self.mlp_only_layers} has layers outside [0, {self.num_layers})")
+        if self.scan_layers and self.decoder_sparse_step >= 1 and 0 < self.num_moe_layers < self.num_layers:
+            out.append(
+                f"scan_layers=True: not supported yet with mixed dense/MoE layers ({self.num_moe_layers} of "
+                f"{self.num_layers} layers are MoE: mlp_only_layers={self.mlp_only_layers}, decoder_sparse_step="
+                f"{self.decoder_sparse_step}); set scan_layers=False"
+            )
         return out
 
     # -- derived ---------------------------------------------------------------------------------

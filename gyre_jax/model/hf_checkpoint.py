@@ -243,7 +243,7 @@ def load_hf_params(
     """
     graphdef, abstract_state = abstract_model(cfg)
     shardings = param_shardings(abstract_state, rules, mesh)
-    specs = hf_params.param_specs(cfg)
+    specs = hf_params.model_specs(cfg)
     with SafetensorsDir(path) as ckpt:
         check_tensors(cfg, ckpt, ignore_unexpected, note=_defaults_note(path))
 
@@ -316,22 +316,30 @@ def _write_safetensors(file: Path, entries: Sequence[_Entry]) -> None:
     os.replace(tmp, file)
 
 
+def _host(array, index: tuple[int, ...]) -> np.ndarray:
+    """``array[index]`` (a layer, an expert) as a host array; the whole array for ``()`` (no device copy)."""
+    return np.asarray(array[index] if index else array)
+
+
 def _tensor_entries(cfg: ModelConfig, params: nnx.State, target: np.dtype | None) -> list[_Entry]:
     """Every HF tensor of ``params`` (a stacked MoE parameter gives one per expert), produced lazily, stored as
-    ``target`` (None: each parameter's own dtype). Raises for params that do not match ``cfg``."""
-    specs = hf_params.param_specs(cfg)
+    ``target`` (None: each parameter's own dtype), in HF's order whatever our layer layout (``cfg.scan_layers``:
+    layer ``i`` of a stacked parameter is its slice ``i``). Raises for params that do not match ``cfg``."""
     by_path = {
         _path_key(p): v
         for p, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     }
-    missing = sorted("/".join(p) for p in set(specs) - set(by_path))
-    extra = sorted("/".join(p) for p in set(by_path) - set(specs))
+    ours = hf_params.model_specs(cfg)
+    missing = sorted("/".join(p) for p in set(ours) - set(by_path))
+    extra = sorted("/".join(p) for p in set(by_path) - set(ours))
     if missing or extra:
         raise ValueError(f"params do not match the config: missing {missing}, unexpected {extra}")
     entries: list[_Entry] = []
-    for spec in specs.values():
-        var = by_path[spec.path]
+    for spec in hf_params.param_specs(cfg).values():
+        stacked = cfg.scan_layers and spec.path[0] == "layers"
+        var = by_path[spec.path[:1] + spec.path[2:]] if stacked else by_path[spec.path]
         array = var.get_value() if isinstance(var, nnx.Variable) else var
+        lead = (int(spec.path[1]),) if stacked else ()  # the layer's index into a stacked array
         if isinstance(array, jax.Array) and not array.is_fully_addressable:
             raise NotImplementedError(
                 "not supported yet: saving params that span several processes (gather them to one host first)"
@@ -340,11 +348,16 @@ def _tensor_entries(cfg: ModelConfig, params: nnx.State, target: np.dtype | None
         if spec.layout == "stacked":
             for j, name in enumerate(spec.hf_names):
                 entries.append(
-                    (name, spec.hf_shape, store, lambda a=array, j=j, s=spec: hf_params.to_hf(s, np.asarray(a[j])))
+                    (name, spec.hf_shape, store, lambda a=array, i=lead + (j,), s=spec: hf_params.to_hf(s, _host(a, i)))
                 )
         else:
             entries.append(
-                (spec.hf_names[0], spec.hf_shape, store, lambda a=array, s=spec: hf_params.to_hf(s, np.asarray(a)))
+                (
+                    spec.hf_names[0],
+                    spec.hf_shape,
+                    store,
+                    lambda a=array, i=lead, s=spec: hf_params.to_hf(s, _host(a, i)),
+                )
             )
     return entries
 

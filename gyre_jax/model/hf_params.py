@@ -9,6 +9,10 @@ Pure mapping, no I/O. For every parameter of ``Transformer(cfg)`` (a path in its
   its 1-D form reshaped (biases ``[H*D]`` -> ``[H, D]``).
 - ``stacked``: one HF ``linear`` tensor per expert, stacked on our leading expert axis.
 
+With ``cfg.scan_layers`` our decoder layers are stacked (``model/layer_stack.py``): ``model_specs(cfg)`` maps each
+stacked parameter (``("layers", "attn", "q_proj", "w")``, ``[L, ...]``) to a ``LayerStack`` of the per-layer
+specs, read layer by layer into its leading axis. ``param_specs`` is always per layer (HF's own layout).
+
 ``read_block`` computes one block (a shard) of our array from lazily sliced HF tensors, reading
 only the rows and columns that block needs; ``to_hf`` converts a whole host array back.
 """
@@ -111,6 +115,34 @@ def param_specs(cfg: ModelConfig) -> dict[Path, ParamSpec]:
     return {s.path: s for s in specs}
 
 
+@dataclass(frozen=True)
+class LayerStack:
+    """One parameter of the stacked layer layout ``[L, ...]``: layer ``i`` is ``layers[i]`` (a ParamSpec)."""
+
+    path: Path  # our nnx.State path without a layer index, e.g. ("layers", "attn", "q_proj", "w")
+    layers: tuple[ParamSpec, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.layers),) + self.layers[0].shape
+
+
+def model_specs(cfg: ModelConfig) -> dict[Path, ParamSpec | LayerStack]:
+    """Every parameter of ``Transformer(cfg)`` in its own layout -> its spec: ``param_specs``, or with
+    ``cfg.scan_layers`` a ``LayerStack`` for each stacked layer parameter."""
+    specs = param_specs(cfg)
+    if not cfg.scan_layers:
+        return specs
+    out: dict[Path, ParamSpec | LayerStack] = {p: s for p, s in specs.items() if p[0] != "layers"}
+    per_layer = [s for p, s in specs.items() if p[0] == "layers" and p[1] == "0"]
+    for first in per_layer:
+        rest = first.path[2:]
+        out[("layers",) + rest] = LayerStack(
+            ("layers",) + rest, tuple(specs[("layers", str(i)) + rest] for i in range(cfg.num_layers))
+        )
+    return out
+
+
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape, for every tensor a checkpoint of ``cfg`` must hold."""
     return {name: spec.hf_shape for spec in param_specs(cfg).values() for name in spec.hf_names}
@@ -149,9 +181,14 @@ def _read_linear(read: SliceReader, name: str, in_dims, out_dims, index: Sequenc
     return np.transpose(block, tuple(range(n_out, n_out + n_in)) + tuple(range(n_out)))
 
 
-def read_block(spec: ParamSpec, read: SliceReader, index: Sequence[slice]) -> np.ndarray:
+def read_block(spec: ParamSpec | LayerStack, read: SliceReader, index: Sequence[slice]) -> np.ndarray:
     """The block ``ours[index]`` of the parameter ``spec`` describes, read through ``read``."""
     index = _norm(index, spec.shape)
+    if isinstance(spec, LayerStack):
+        blocks = [read_block(spec.layers[i], read, index[1:]) for i in range(index[0].start, index[0].stop)]
+        if not blocks:
+            return np.zeros((0,) + tuple(s.stop - s.start for s in index[1:]))
+        return np.stack(blocks)
     if spec.layout == "reshape" and spec.same_shape:
         return read(spec.hf_names[0], tuple(index))
     if spec.layout == "reshape":

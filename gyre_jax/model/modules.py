@@ -7,6 +7,10 @@ pytree returned from the call, never hidden module state. ``return_aux=True`` ad
 (MoE router logits, the expert ids each MoE layer used and the load-balancing loss) as a third output;
 ``expert_ids=`` replays given expert ids in the MoE layers (routing replay, ``moe.choose_route``). ``cfg.remat_policy`` wraps each
 block in ``nnx.remat`` so the backward pass recomputes its activations.
+
+``cfg.scan_layers``: ``self.layers`` is one ``Block`` whose parameters are stacked ``[L, ...]`` (``layer_stack.py``)
+instead of an ``nnx.List`` of blocks; the forward without a cache is one ``lax.scan`` over them (remat wraps the
+scan body), the cached forward runs layer by layer over their slices (the cache stays a list of ``LayerCache``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gyre_jax.model import layer_stack
 from gyre_jax.model.attention import Attention, LayerCache
 from gyre_jax.model.blockwise import MaskSpec
 from gyre_jax.model.config import ModelConfig
@@ -98,7 +103,9 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedder = Embedder(cfg.vocab_size, cfg.embed_dim, param_dtype=cfg.weight_dtype, rngs=rngs)
-        self.layers = nnx.List([Block(cfg, moe=cfg.is_moe_layer(i), rngs=rngs) for i in range(cfg.num_layers)])
+        blocks = [Block(cfg, moe=cfg.is_moe_layer(i), rngs=rngs) for i in range(cfg.num_layers)]
+        # scan_layers: one Block with every parameter stacked [L, ...] (model/layer_stack.py), the same values
+        self.layers = layer_stack.stack_modules(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.final_norm = RMSNorm(cfg.embed_dim, "embed", eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = Einsum(
@@ -132,12 +139,43 @@ class Transformer(nnx.Module):
                 f"expert_ids {expert_ids.shape} must be [B={b}, T={t}, MoE layers={self.cfg.num_moe_layers}, k]"
             )
         x = self.embedder.encode(tokens, self.cfg.compute_dtype)
+        if self.cfg.scan_layers and cache is None:
+            x, router_logits, used_ids = self._scan_layers(x, positions, mask, expert_ids)
+            new_cache = None
+        else:
+            x, new_cache, router_logits, used_ids = self._loop_layers(x, positions, mask, cache, expert_ids)
+        x = self.final_norm(x)
+        logits = self.head(x) if head else x
+        if not return_aux:
+            return logits, new_cache
+        if router_logits is not None:  # [L_moe, B*T, X]
+            sees = mask.sees_any(self.cfg.attention_block_k) if isinstance(mask, MaskSpec) else jnp.any(mask, -1)
+            real = sees.reshape(-1)  # [B*T]: padding rows attend to nothing
+            lb = load_balancing_loss(router_logits, self.cfg.num_experts_per_tok, real)
+        else:
+            lb = jnp.zeros((), jnp.float32)
+        return logits, new_cache, ModelAux(router_logits=router_logits, load_balancing_loss=lb, expert_ids=used_ids)
+
+    def _block(self, i: int, stacked) -> Block:
+        """Layer ``i``'s ``Block``; in the stacked layout (``stacked``: ``nnx.split(self.layers)``) one over slice ``i``
+        of every stacked weight (XLA slices it out of the stack: on CPU a copy of the weights each call)."""
+        if stacked is None:
+            return self.layers[i]
+        graphdef, state = stacked
+        return nnx.merge(graphdef, layer_stack.layer_subtree(state, i))
+
+    def _loop_layers(self, x, positions, mask, cache, expert_ids):
+        """The layers one after another (a Python loop: one copy of the block per layer in the program) ->
+        (x, new cache or None, router logits [L_moe, B*T, X] or None, expert ids [L_moe, B*T, k] or None)."""
+        b, t = positions.shape
         call = _call_block
         if self.cfg.remat_policy != "none":
             call = nnx.remat(_call_block, policy=REMAT_POLICIES[self.cfg.remat_policy], prevent_cse=True)
         new_cache = [] if cache is not None else None
         router_logits, used_ids = [], []
-        for i, layer in enumerate(self.layers):
+        stacked = nnx.split(self.layers) if self.cfg.scan_layers else None
+        for i in range(self.cfg.num_layers):
+            layer = self._block(i, stacked)
             replay = None
             if expert_ids is not None and hasattr(layer, "moe"):
                 replay = expert_ids[:, :, len(used_ids)].reshape(b * t, -1)
@@ -149,19 +187,29 @@ class Transformer(nnx.Module):
             if logits_i is not None:
                 router_logits.append(logits_i)
                 used_ids.append(ids_i)
-        x = self.final_norm(x)
-        logits = self.head(x) if head else x
-        if not return_aux:
-            return logits, new_cache
-        if router_logits:
-            stacked = jnp.stack(router_logits)  # [L_moe, B*T, X]
-            sees = mask.sees_any(self.cfg.attention_block_k) if isinstance(mask, MaskSpec) else jnp.any(mask, -1)
-            real = sees.reshape(-1)  # [B*T]: padding rows attend to nothing
-            lb = load_balancing_loss(stacked, self.cfg.num_experts_per_tok, real)
-            ids = jnp.stack(used_ids)  # [L_moe, B*T, k]
-        else:
-            stacked, lb, ids = None, jnp.zeros((), jnp.float32), None
-        return logits, new_cache, ModelAux(router_logits=stacked, load_balancing_loss=lb, expert_ids=ids)
+        if not router_logits:
+            return x, new_cache, None, None
+        return x, new_cache, jnp.stack(router_logits), jnp.stack(used_ids)
+
+    def _scan_layers(self, x, positions, mask, expert_ids):
+        """The stacked layers as one ``lax.scan`` body (no cache; every layer of one kind) -> (x, router logits
+        [L, B*T, X] or None, expert ids [L, B*T, k] or None). Remat applies to the body: the backward keeps what
+        the policy saves of each iteration and recomputes the rest."""
+        b, t = positions.shape
+        graphdef, state = nnx.split(self.layers)
+        replay = None
+        if expert_ids is not None:  # [B, T, L, k] -> [L, B*T, k]
+            replay = jnp.moveaxis(expert_ids, 2, 0).reshape(self.cfg.num_layers, b * t, -1)
+
+        def body(h, layer, ids):
+            block = nnx.merge(graphdef, layer_stack.without_layer_axis(layer))
+            h, _, logits, used = block(h, positions, mask, None, ids)
+            return h, (logits, used)
+
+        if self.cfg.remat_policy != "none":  # prevent_cse is not needed inside a scan (jax.checkpoint's docs)
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat_policy], prevent_cse=False)
+        x, (router_logits, used_ids) = jax.lax.scan(lambda h, xs: body(h, *xs), x, (state, replay))
+        return x, router_logits, used_ids
 
     def head(self, x: jax.Array) -> jax.Array:
         """Final-normed hidden states [B, T, E] -> logits [B, T, V] float32 (tied embedding or ``lm_head``)."""
