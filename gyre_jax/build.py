@@ -38,6 +38,7 @@ from gyre_jax.rollout.templates import harness_env
 from gyre_jax.runtime.cells import Cell, CellLayout
 from gyre_jax.serving.engine import Engine
 from gyre_jax.serving.loop import ServingLoop
+from gyre_jax.serving.paged import PagedEngine
 from gyre_jax.trajectory.batch import row_length, supervised_micro_batch
 
 log = logging.getLogger("gyre_jax")
@@ -124,8 +125,22 @@ class CellFactory:
     def layout(self, cell: Cell) -> CellLayout:
         return CellLayout.of(cell, self.s.model_cfg, self.s.rules, self.s.config.serving.page_size)
 
-    def engine(self, cell: Cell) -> Engine:
+    def engine(self, cell: Cell) -> Engine | PagedEngine:
         sv = self.s.config.serving
+        if sv.kv_layout == "paged":  # one pool of kv_pages pages for slots and cached sessions
+            return PagedEngine(
+                self.s.model_cfg,
+                self.s.graphdef,
+                cell.mesh,
+                self.s.rules,
+                max_concurrent_decodes=sv.max_concurrent_decodes,
+                num_pages=sv.kv_pages,
+                page_size=sv.page_size,
+                max_prefill_length=sv.max_prefill_length,
+                prefill_buckets=tuple(sv.prefill_buckets),
+                max_pages_per_slot=sv.max_seq_len // sv.page_size,
+                decode_steps=sv.decode_steps,
+            )
         return Engine(
             self.s.model_cfg,
             self.s.graphdef,
@@ -149,7 +164,7 @@ class CellFactory:
             policy_version=version,
             name=cell.name,
             seed=c.seed + 7919 * cell.index,
-            kv_pages=sv.kv_pages,
+            kv_pages=None if sv.kv_layout == "paged" else sv.kv_pages,  # paged: the cache shares the engine's pool
             on_update=sv.on_weight_update,
             reuse_stale_kv=sv.reuse_stale_kv,
             detokenize=self.s.tokenizer.decode,

@@ -540,6 +540,7 @@ SECTION_CHECKS = [
     ("optimizer", "schedule", "step", "config.optimizer.schedule='step' must be one of"),
     ("optimizer", "min_lr_ratio", 2.0, "config.optimizer.min_lr_ratio=2.0 must be in [0, 1]"),
     ("serving", "decode_steps", 0, "config.serving.decode_steps=0 must be >= 1"),
+    ("serving", "kv_layout", "radix", "config.serving.kv_layout='radix' must be one of ('dense', 'paged')"),
     ("warm_start", "steps", -1, "config.warm_start.steps=-1 must be >= 0"),
     ("warm_start", "batch_size", 0, "config.warm_start.batch_size=0 must be >= 1"),
     ("warm_start", "learning_rate", 0.0, "config.warm_start.learning_rate=0.0 must be > 0"),
@@ -769,3 +770,14 @@ def test_round_trip_of_sampled_valid_configs(overrides):
         section, _, field = key.rpartition(".")
         got = getattr(getattr(cfg, section) if section else cfg, field)
         assert got == (float(value) if isinstance(got, float) else value), key
+
+
+def test_a_paged_pool_holds_one_session_and_routing_replay_needs_the_dense_layout(base):
+    with pytest.raises(ConfigError, match="raise serving.kv_pages to >= 64"):
+        dataclasses.replace(base.serving, kv_layout="paged", kv_pages=10)  # 160 tokens < max_seq_len=1024
+    dataclasses.replace(base.serving, kv_layout="paged", kv_pages=64)
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_mlp_dim": 32}
+    with pytest.raises(ConfigError, match="not supported yet: config.rl.routing_replay='replay' with"):
+        RunConfig.from_config_dict(
+            {"serving": {"kv_layout": "paged"}, "rl": {"routing_replay": "replay"}, "model": moe}
+        )

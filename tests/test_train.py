@@ -72,6 +72,7 @@ def _assert_refused_before_work(code: int, stderr: str, key: str, workdir: Path)
         ("--config.rl.group_szie=4", "group_szie"),
         ("--config.mesh.data=3", "mesh"),
         ("--config.schedule.policy=nope", "schedule.policy"),
+        ("--config.serving.kv_layout=pages", "serving.kv_layout"),
     ],
 )
 def test_bad_config_fails_before_work_with_one_line(tmp_path, capsys, override, key):
@@ -209,3 +210,27 @@ def test_async_and_elastic_policies_run_end_to_end_with_a_timeline(tmp_path, pol
     assert len(tl.optimizer_steps) == 2 and len(tl.executions) == 2 * 4
     if policy == "async":  # a fixed split: cell 1 never leaves serving
         assert {s.name for s in tl.roles[1]} == {"serving"}
+
+
+@pytest.mark.slow
+def test_the_paged_kv_layout_serves_an_elastic_run_end_to_end(tmp_path):
+    """``--config.serving.kv_layout=paged``: every cell serves from one page pool (slots and cached sessions), and
+    elastic switches move sessions between the cells' pools."""
+    workdir = tmp_path / "run"
+    proc = _train(
+        *SMALL,
+        f"--config.workdir={workdir}",
+        "--config.total_steps=2",
+        "--config.eval.samples_per_task=0",
+        "--config.warm_start.steps=0",
+        "--config.schedule.policy=elastic",
+        "--config.serving.kv_layout=paged",
+        "--config.serving.kv_pages=256",
+        "--config.rollout.tool_latency_median_s=0.1",
+        *SMALL_MODEL,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _metric_steps(workdir) == [0, 1]
+    metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in metrics if m.get("phase") == "train"]
+    assert all(m["executions"] == 4 for m in train)

@@ -18,6 +18,7 @@ TOKENIZERS = ("byte", "hf")
 TASK_KINDS = ("copy", "upper", "reverse")  # the short kinds, mixed freely
 LONG_TASK_KIND = "longlog"  # the long-horizon kind: alone, task_kinds=("longlog",), with the "long" harness
 WEIGHT_UPDATE_RULES = ("continue", "recompute")
+KV_LAYOUTS = ("dense", "paged")  # serving.kv_layout
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,10 @@ class ServingSection(Section):
     # decode steps one generate program may run while every slot decodes and nothing waits to join (1: a dispatch
     # per token; more saves the per-step dispatch, at up to decode_steps - 1 wasted steps for a request that stops)
     decode_steps: int = 1
+    # "dense": a [max_seq_len] KV cache per slot, sessions cached in kv_pages pages beside it (copied in and out);
+    # "paged": slots and cached sessions share one pool of kv_pages pages through block tables (a session holds
+    # the pages its length needs, its next request decodes from them in place; docs/long_context.md)
+    kv_layout: str = "dense"
 
     def __post_init__(self):
         self.check_types()
@@ -118,6 +123,13 @@ class ServingSection(Section):
             s.kv_pages >= 0, f"config.serving.kv_pages={s.kv_pages} must be >= 0 (0 disables the session prefix cache)"
         )
         require(s.decode_steps >= 1, f"config.serving.decode_steps={s.decode_steps} must be >= 1")
+        require(s.kv_layout in KV_LAYOUTS, f"config.serving.kv_layout={s.kv_layout!r} must be one of {KV_LAYOUTS}")
+        require(
+            s.kv_layout == "dense" or s.kv_pages * s.page_size >= s.max_seq_len,
+            f"config.serving.kv_layout='paged' holds every slot and cached session in kv_pages={s.kv_pages} pages "
+            f"of {s.page_size} tokens, fewer than one session of max_seq_len={s.max_seq_len}: raise serving.kv_pages "
+            f"to >= {s.max_seq_len // s.page_size}",
+        )
         require(
             s.on_weight_update in WEIGHT_UPDATE_RULES,
             f"config.serving.on_weight_update={s.on_weight_update!r} must be 'continue' or 'recompute'",

@@ -222,6 +222,11 @@ def validate(config: RunConfig) -> None:
     _suite_fits(config)
     if not config.model.checkpoint_dir:  # a checkpoint's architecture is checked when build.setup reads it
         check_routing_replay(config.rl.routing_replay, config.model.num_experts)
+    require(
+        config.serving.kv_layout == "dense" or config.rl.routing_replay == "off",
+        "not supported yet: config.rl.routing_replay='replay' with config.serving.kv_layout='paged' (the paged engine "
+        "does not record experts); use serving.kv_layout='dense' for routing replay",
+    )
 
 
 def check_routing_replay(routing_replay: str, num_experts: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import numpy as np
@@ -40,6 +41,10 @@ class Job:
     cached_tokens: int = 0
     decoding: bool = False
     stop: StopStrings | None = None
+    # on a paged engine (``paged_batch``): the session's cached pages to decode from (``paged.SlotPages``, given to
+    # the job's slot at its first prefill), and the (token, log-prob) its last prefill chunk sampled
+    pages: Any = None
+    first: tuple[int, float] | None = None
     # routing replay (engine built with record_experts): experts[i] = [L_moe, K] int16 ids the MoE layers
     # selected for tokens[i] (None: not known, e.g. tokens generated before a migration)
     experts: list[np.ndarray | None] = field(default_factory=list)

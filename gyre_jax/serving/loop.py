@@ -51,6 +51,8 @@ import numpy as np
 from gyre_jax.serving.batch import DecodeBatch
 from gyre_jax.serving.engine import Engine, KVPages
 from gyre_jax.serving.jobs import Job, LoopStats, check_prompt, check_resume, stop_checker
+from gyre_jax.serving.paged import PagedEngine
+from gyre_jax.serving.paged_batch import PagedBatch, PagedSessionCache
 from gyre_jax.serving.prefix_cache import PrefixCache
 from gyre_jax.serving.request_queue import RequestQueue
 from gyre_jax.serving.session import SessionState
@@ -78,6 +80,13 @@ def _check_options(
         raise ValueError(
             f"prefill_chunk={prefill_chunk} must be in [1, engine.max_prefill_length={engine.max_prefill_length}]"
         )
+    if isinstance(engine, PagedEngine):
+        if kv_pages not in (None, 0):
+            raise ValueError(
+                f"kv_pages={kv_pages}: on a paged engine the session cache shares the engine's pool "
+                f"(num_pages={engine.num_pages}); pass kv_pages=None (cache on) or 0 (no cache)"
+            )
+        return chunk, engine.num_pages if kv_pages is None else 0
     if kv_pages is None:
         kv_pages = engine.max_concurrent_decodes * engine.pages_per_seq
     if kv_pages < 0:
@@ -122,19 +131,16 @@ class ServingLoop:
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._cache = SessionCache(engine, kv_pages) if kv_pages > 0 else None
         self.stats = LoopStats()
-        self._batch = DecodeBatch(
-            engine,
-            params,
-            policy_version,
-            name=name,
-            prefill_chunk=chunk,
-            lock=self._cv,
-            stats=self.stats,
-            cache=self._cache,
-            prefill_together=prefill_together,
-        )
+        common = dict(name=name, prefill_chunk=chunk, lock=self._cv, stats=self.stats)
+        if isinstance(engine, PagedEngine):  # KV in the engine's page pool; the session cache shares it
+            self._cache = PagedSessionCache(engine) if kv_pages > 0 else None
+            self._batch = PagedBatch(engine, params, policy_version, cache=self._cache, **common)
+        else:
+            self._cache = SessionCache(engine, kv_pages) if kv_pages > 0 else None
+            self._batch = DecodeBatch(
+                engine, params, policy_version, cache=self._cache, prefill_together=prefill_together, **common
+            )
         # one entry per loop iteration that did work: (decode batch, context tokens of that batch, tokens
         # prefilled, seconds); the controller turns these into the simulator's measured serving costs
         self.step_log: collections.deque[tuple[int, int, int, float]] = collections.deque(maxlen=50_000)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Sequence
 
 import jax
@@ -33,13 +34,9 @@ from gyre_jax.model.sharding import Rules
 from gyre_jax.serving import paged_steps
 from gyre_jax.serving.engine import FlatParams, ResultTokens, _buckets, _sampling_args, _slot_buckets
 from gyre_jax.serving.kv_cache import KVPages, kv_pages_shardings
-from gyre_jax.serving.kv_pages import gather_pages, scatter_pages
+from gyre_jax.serving.kv_pages import PageOps, gather_pages, scatter_pages
 from gyre_jax.serving.paged_steps import PagedState
-from gyre_jax.serving.types import ContextTooLongError, SamplingParams
-
-
-class PagePoolExhausted(ContextTooLongError):
-    """A slot needs a page and none is free: the cell's KV budget is spent."""
+from gyre_jax.serving.types import ContextTooLongError, PagePoolExhausted, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +48,9 @@ class SlotPages:
     length: int
 
 
+log = logging.getLogger(__name__)
+
+
 class PageAllocator:
     """The free pages of a pool of ``num_pages`` (host side; lowest ids first)."""
 
@@ -59,14 +59,14 @@ class PageAllocator:
         self._free = list(range(num_pages - 1, -1, -1))  # a stack
 
     @property
-    def free(self) -> int:
+    def num_free(self) -> int:
         return len(self._free)
 
     @property
-    def used(self) -> int:
+    def num_used(self) -> int:
         return self.num_pages - len(self._free)
 
-    def take(self, n: int) -> list[int]:
+    def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise PagePoolExhausted(
                 f"the KV page pool is spent: {n} more page(s) needed, {len(self._free)} of {self.num_pages} free; "
@@ -74,7 +74,7 @@ class PageAllocator:
             )
         return [self._free.pop() for _ in range(n)]
 
-    def give_back(self, pages: Sequence[int]) -> None:
+    def deallocate(self, pages: Sequence[int]) -> None:
         self._free.extend(reversed(pages))
 
 
@@ -135,6 +135,8 @@ class PagedEngine:
         self._lengths = [0] * max_concurrent_decodes
         self._active = [False] * max_concurrent_decodes
         self._flat = FlatParams()
+        self._page_ops = PageOps(cfg, mesh, rules, page_size, max_pages * page_size)  # KV in transit: checks, moves
+        self.record_experts = False  # routing replay is not recorded by the paged engine yet
         sh = _state_shardings(cfg, mesh, rules, page_size, num_pages)
         self._jit_programs(sh)
         init = functools.partial(paged_steps.empty_state, cfg, max_concurrent_decodes, num_pages, page_size, max_pages)
@@ -162,8 +164,48 @@ class PagedEngine:
         )
         self._set_slot_jit = jax.jit(paged_steps.set_slot, donate_argnums=(0,), out_shardings=sh)
         self._set_row_jit = jax.jit(paged_steps.set_row, donate_argnums=(0,), out_shardings=sh)
+        self._pending_jit = jax.jit(paged_steps.set_pending, donate_argnums=(0,), out_shardings=sh)
         self._export_jit = jax.jit(_export)
         self._import_jit = jax.jit(_import, donate_argnums=(0,), out_shardings=sh)
+
+    # -- sizes, allocator, KV in transit ----------------------------------------------------------------
+    @property
+    def max_seq_len(self) -> int:
+        """The longest session a slot can hold (``max_pages_per_slot`` pages), while free pages last."""
+        return self.max_pages_per_slot * self.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    def use_allocator(self, allocator) -> None:
+        """Takes pages from ``allocator`` from now on (a session cache's ``PrefixCache``: slots and cached sessions
+        then share the pool, cached sessions evicted least recently used first when slots need pages). Only
+        while no page is in use."""
+        if self.allocator.num_used or allocator.num_pages != self.allocator.num_pages or allocator.num_used:
+            raise ValueError("an engine's allocator changes only while no page is in use, to one of the same pool size")
+        self.allocator = allocator
+
+    def check_kv(self, kv: KVPages) -> None:
+        """Raises ValueError if ``kv`` was not made by an engine of this KV layout."""
+        self._page_ops.check(kv)
+
+    def to_mesh(self, kv: KVPages) -> KVPages:
+        """Moves ``kv`` (possibly on another mesh) onto this engine's mesh."""
+        return self._page_ops.to_mesh(kv)
+
+    def export_pages(self, page_ids: Sequence[int]) -> KVPages:
+        """Pool pages ``page_ids`` as one KVPages (count rounded up to a power of 2; the padding reads page 0)."""
+        ids = np.zeros((_pow2_at_least(len(page_ids)),), np.int32)
+        ids[: len(page_ids)] = page_ids
+        return self._export_jit(self.state, jnp.asarray(ids))
+
+    def import_pages(self, kv: KVPages, page_ids: Sequence[int]) -> None:
+        """Writes the first ``len(page_ids)`` pages of ``kv`` (on this mesh) into pool pages ``page_ids``."""
+        self.check_kv(kv)
+        ids = np.full((kv.num_pages,), self.allocator.num_pages, np.int32)  # the rest: dropped
+        ids[: len(page_ids)] = page_ids
+        self.state = self._import_jit(self.state, kv, jnp.asarray(ids))
 
     # -- what the pool holds --------------------------------------------------------------------------
     @property
@@ -174,7 +216,7 @@ class PagedEngine:
 
     def kv_bytes_held(self) -> int:
         """Bytes of the pages in use (slots' and sessions' kept by ``release(keep=True)``)."""
-        return self.allocator.used * self.page_bytes
+        return self.allocator.num_used * self.page_bytes
 
     def slot_length(self, slot: int) -> int:
         """Tokens in ``slot``'s pages."""
@@ -197,7 +239,7 @@ class PagedEngine:
             )
         have = len(self._pages[slot])
         if need > have:
-            self._pages[slot] += self.allocator.take(need - have)
+            self._pages[slot] += self.allocator.allocate(need - have)
             self.state = self._set_row_jit(self.state, jnp.int32(slot), self._row(slot))
 
     def _window(self, num_tokens: int) -> int:
@@ -237,12 +279,23 @@ class PagedEngine:
         token, logprob = jax.device_get(out)
         return int(token), float(logprob)
 
-    def start(self, slot: int) -> None:
-        """``slot`` (prefilled) decodes from the next ``generate`` on."""
+    def start(self, slot: int, resume: tuple[int, jax.Array, SamplingParams] | None = None) -> None:
+        """``slot`` (prefilled) decodes from the next ``generate`` on, from the token its last prefill sampled, or
+        ``resume``: (token, sampling key [2], sampling params) for a request resumed on KV it brought (its last
+        sampled token is not in the pages yet)."""
         if self._lengths[slot] == 0:
             raise ValueError(f"slot {slot} holds no tokens: prefill it first")
+        if resume is not None:
+            token, key, sp = resume
+            self.state = self._pending_jit(
+                self.state, jnp.int32(slot), jnp.int32(token), jnp.asarray(key, jnp.uint32), *_sampling_args(sp)
+            )
         self._active[slot] = True
         self._set(slot)
+
+    def keys(self) -> np.ndarray:
+        """[slots, 2] each slot's next sampling key (host copy; waits for the programs in flight)."""
+        return np.asarray(jax.device_get(self.state.keys))
 
     def _set(self, slot: int) -> None:
         self.state = self._set_slot_jit(
@@ -257,8 +310,16 @@ class PagedEngine:
         live = [s for s, a in enumerate(self._active) if a]
         if not live:
             raise ValueError("no slot is decoding: prefill and start one first")
-        for s in live:
-            self._ensure_pages(s, self._lengths[s] + num_steps)
+        for s in list(live):
+            try:
+                self._ensure_pages(s, self._lengths[s] + num_steps)
+            except ContextTooLongError as exc:  # its context is at its limit: it stops (``valid`` False from now)
+                log.warning("paged engine: slot %d stops at %d tokens: %s", s, self._lengths[s], exc)
+                self._active[s] = False
+                self._set(s)
+                live.remove(s)
+        if not live:
+            return self._nothing_stepped(num_steps)
         pages = self._window(max(self._lengths[s] for s in live) + num_steps)
         slots = next(b for b in self.decode_slot_buckets if b > max(live))
         leaves = self._flat(params)
@@ -269,7 +330,18 @@ class PagedEngine:
         for s in live:
             self._lengths[s] += num_steps
         result = ResultTokens(_ints=ints, _logprobs=logprobs)
-        return result.to_host() if wait else result
+        if wait:
+            return result.to_host()
+        ints.copy_to_host_async()
+        logprobs.copy_to_host_async()
+        return result
+
+    def _nothing_stepped(self, num_steps: int) -> ResultTokens:
+        """The result of a step in which no slot could run: nothing valid."""
+        lead = () if num_steps == 1 else (num_steps,)
+        ints = np.zeros(lead + (3, self.max_concurrent_decodes), np.int32)
+        ints[..., 2, :] = self._lengths
+        return ResultTokens(_ints=ints, _logprobs=np.zeros(lead + (self.max_concurrent_decodes,), np.float32))
 
     # -- a slot's end, a session's pages --------------------------------------------------------------
     def release(self, slot: int, keep: bool = False) -> SlotPages | None:
@@ -278,7 +350,7 @@ class PagedEngine:
         sampled one."""
         kept = SlotPages(tuple(self._pages[slot]), self._lengths[slot]) if keep and self._pages[slot] else None
         if not keep:
-            self.allocator.give_back(self._pages[slot])
+            self.allocator.deallocate(self._pages[slot])
         self._pages[slot], self._lengths[slot], self._active[slot] = [], 0, False
         self._set(slot)
         return kept
@@ -292,7 +364,7 @@ class PagedEngine:
 
     def drop(self, kv: SlotPages) -> None:
         """Returns a kept session's pages to the pool."""
-        self.allocator.give_back(kv.pages)
+        self.allocator.deallocate(kv.pages)
 
     # -- migration ------------------------------------------------------------------------------------
     def export(self, slot: int) -> KVPages:
@@ -300,9 +372,7 @@ class PagedEngine:
         pages = self._pages[slot][: -(-self._lengths[slot] // self.page_size)]
         if not pages:
             raise ValueError(f"slot {slot} holds no tokens")
-        ids = np.zeros((_pow2_at_least(len(pages)),), np.int32)
-        ids[: len(pages)] = pages
-        return self._export_jit(self.state, jnp.asarray(ids))
+        return self.export_pages(pages)
 
     def import_kv(self, slot: int, kv: KVPages, length: int) -> None:
         """Places ``length`` tokens of a session's ``kv`` (on this mesh) into an empty ``slot``'s new pages."""
@@ -312,8 +382,6 @@ class PagedEngine:
         if not 0 < need <= kv.num_pages:
             raise ValueError(f"length={length} must be in [1, {kv.num_pages} pages x {self.page_size} tokens]")
         self._ensure_pages(slot, length)
-        ids = np.full((kv.num_pages,), self.allocator.num_pages, np.int32)  # pages past the session's: dropped
-        ids[:need] = self._pages[slot][:need]
-        self.state = self._import_jit(self.state, kv, jnp.asarray(ids))
+        self.import_pages(kv, self._pages[slot][:need])
         self._lengths[slot] = length
         self._set(slot)

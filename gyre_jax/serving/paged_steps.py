@@ -186,3 +186,15 @@ def set_slot(state: PagedState, slot, row, length, active) -> PagedState:
 def set_row(state: PagedState, slot, row) -> PagedState:
     """Replaces ``slot``'s table row (pages added as its context grows)."""
     return dataclasses.replace(state, table=state.table.at[slot].set(row))
+
+
+def set_pending(state: PagedState, slot, token, key, temperature, top_k, top_p) -> PagedState:
+    """``slot``'s next input token, sampling key [2] and settings (a request resuming on KV it brought)."""
+    return dataclasses.replace(
+        state,
+        tokens=state.tokens.at[slot].set(token),
+        keys=state.keys.at[slot].set(key),
+        temperature=state.temperature.at[slot].set(temperature),
+        top_k=state.top_k.at[slot].set(top_k),
+        top_p=state.top_p.at[slot].set(top_p),
+    )

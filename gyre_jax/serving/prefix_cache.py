@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gyre_jax.serving.types import PagePoolExhausted
+
 
 @dataclasses.dataclass
 class CacheEntry:
@@ -79,6 +81,10 @@ class PrefixCache:
         """Cached session ids, least recently used first."""
         return list(self._entries)
 
+    def entry(self, session_id: str) -> CacheEntry | None:
+        """The session's entry (not a use: its LRU place stays), or None."""
+        return self._entries.get(session_id)
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -132,6 +138,40 @@ class PrefixCache:
         self._stats.stores += 1
         self._stats.tokens_stored += len(tokens)
         return pages
+
+    # -- as the page allocator of a paged engine (``serving.paged``): slots and entries share one pool ------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` free pages for a decode slot, evicting least recently used entries as needed; raises
+        ``PagePoolExhausted`` when slots hold too many pages for that."""
+        if n > len(self._free) + sum(len(e.pages) for e in self._entries.values()):
+            raise PagePoolExhausted(
+                f"the KV page pool is spent: {n} more page(s) needed, {len(self._free)} of {self.num_pages} free and "
+                f"{len(self._entries)} cached session(s) to evict; fewer concurrent sessions, or more num_pages"
+            )
+        while len(self._free) < n:
+            self._drop(next(iter(self._entries)))
+            self._stats.evictions += 1
+        return [self._free.pop() for _ in range(n)]
+
+    def deallocate(self, pages: Sequence[int]) -> None:
+        """Returns pages a slot held to the pool."""
+        self._free.extend(reversed(pages))
+
+    def adopt(self, session_id: str, tokens: Sequence[int], version: int, pages: Sequence[int]) -> None:
+        """Makes ``pages`` (in position order, taken by ``allocate``, holding ``tokens``' KV) the session's entry:
+        a finished slot's pages become the session's cache entry where they are."""
+        self._drop(session_id)
+        self._entries[session_id] = CacheEntry(session_id, np.asarray(tokens, np.int32), list(pages), version)
+        self._stats.stores += 1
+        self._stats.tokens_stored += len(tokens)
 
     def drop_stale(self, version: int) -> int:
         """Drops every entry not computed by ``version`` (after a weight update). Returns how many."""

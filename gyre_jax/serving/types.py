@@ -133,6 +133,10 @@ class ContextTooLongError(ValueError):
     """The prompt (plus at least one generated token) does not fit the serving context."""
 
 
+class PagePoolExhausted(ContextTooLongError):
+    """A paged engine's slot needs a KV page and none is free: the cell's KV budget is spent."""
+
+
 class GenerationBackend(Protocol):
     """Anything that completes prompts: a cell's serving loop, or the router over several cells."""
 

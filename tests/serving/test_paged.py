@@ -109,8 +109,8 @@ def test_paged_decoding_gives_the_dense_engines_tokens_and_the_references_greedy
     for slot, (prompt, _, _) in requests.items():
         assert eng.slot_length(slot) == len(prompt) + 24
     held = sum(-(-(len(p) + 25) // PAGE) for p, _, _ in requests.values())
-    assert eng.allocator.used <= held
-    assert eng.kv_bytes_held() == eng.allocator.used * eng.page_bytes
+    assert eng.allocator.num_used <= held
+    assert eng.kv_bytes_held() == eng.allocator.num_used * eng.page_bytes
 
 
 def test_several_steps_in_one_program_equal_one_step_programs(model_params, cell_mesh, rules, requests) -> None:
@@ -130,11 +130,11 @@ def test_a_sessions_pages_pass_to_its_next_request_without_a_copy(model_params, 
     eng.start(0)
     tokens = [token] + [int(eng.generate(params).tokens[0]) for _ in range(6)]
     kept = eng.release(0, keep=True)
-    assert kept.length == len(first) + 6 and eng.allocator.used == len(kept.pages)
+    assert kept.length == len(first) + 6 and eng.allocator.num_used == len(kept.pages)
     follow_up = [7, 8, 9, 10, 11]  # the harness's next message
     history = first + tokens + follow_up  # the newest sampled token is not in the pages yet: it leads the suffix
     eng.attach(2, kept)
-    assert eng.allocator.used == len(kept.pages)  # no page taken: the slot reads the session's pages in place
+    assert eng.allocator.num_used == len(kept.pages)  # no page taken: the slot reads the session's pages in place
     cont = eng.prefill(params, 2, history[kept.length :], GREEDY, key_for_seed(0))
     eng.start(2)
     cont_tokens = [cont[0]] + [int(eng.generate(params).tokens[2]) for _ in range(5)]
@@ -142,7 +142,7 @@ def test_a_sessions_pages_pass_to_its_next_request_without_a_copy(model_params, 
     want = paged_streams(fresh, params, {1: (history, GREEDY, 0)}, steps=5)[1][0]
     assert cont_tokens == want
     eng.release(2)
-    assert eng.allocator.used == 0
+    assert eng.allocator.num_used == 0
 
 
 def test_a_session_moves_between_engines_as_kv_pages(model_params, cell_mesh, rules, prompts) -> None:
@@ -157,7 +157,7 @@ def test_a_session_moves_between_engines_as_kv_pages(model_params, cell_mesh, ru
     assert kv.num_pages == 16  # 69 tokens: 9 pages of 8, rounded up to a power of 2
     after = [int(a.generate(params).tokens[1]) for _ in range(4)]  # the source goes on
     b.import_kv(3, kv, len(history) - 2)
-    assert b.slot_length(3) == 68 and b.allocator.used == 1 + 9  # slot 0's page, then the session's 68 + 1
+    assert b.slot_length(3) == 68 and b.allocator.num_used == 1 + 9  # slot 0's page, then the session's 68 + 1
     token, _ = b.prefill(params, 3, history[-2:], GREEDY, key_for_seed(0))
     b.start(3)
     moved = [token] + [int(b.generate(params).tokens[3]) for _ in range(3)]
