@@ -195,7 +195,7 @@ class DecodeBatch:
         """Starts a generate program for the decoding slots (not waiting for it): one step, or the engine's
         ``decode_steps`` with ``multi_step`` when no slot is still prefilling. Jobs still owed their tokens of the
         program ``in_flight`` hold that many more cached tokens by the time this one runs."""
-        decoding = {slot: j for slot, j in enumerate(self.slots) if j is not None and j.decoding}
+        decoding = self._decoding(in_flight)
         if not decoding:
             return None
         owed, ahead = (in_flight.jobs, in_flight.num_steps) if in_flight is not None else ({}, 0)
@@ -210,6 +210,16 @@ class DecodeBatch:
         self.stats.generate_steps += n
         self.stats.generate_calls += 1
         return Step(result=result, jobs=decoding, version=self.version, num_steps=n)
+
+    def _decoding(self, in_flight: Step | None) -> dict[int, Job]:
+        """The decoding slots' jobs, or none when the program ``in_flight`` ends every one of them (each is owed
+        at least its remaining budget in tokens by it): a next program would only compute tokens to discard."""
+        decoding = {slot: j for slot, j in enumerate(self.slots) if j is not None and j.decoding}
+        if in_flight is not None and all(
+            in_flight.jobs.get(slot) is j and j.budget <= in_flight.num_steps for slot, j in decoding.items()
+        ):
+            return {}
+        return decoding
 
     def _collect(self, step: Step | None) -> None:
         """Gives each job its token of ``step``; a slot whose job ended or changed since it was dispatched

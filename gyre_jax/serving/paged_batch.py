@@ -170,7 +170,7 @@ class PagedBatch(DecodeBatch):
     def _dispatch_generate(self, in_flight: Step | None, multi_step: bool = False) -> Step | None:
         """Starts a generate program for the started slots (not waiting for it); the engine sizes it by their
         lengths. One step, or the engine's ``decode_steps`` with ``multi_step`` when no slot is still prefilling."""
-        decoding = {slot: j for slot, j in enumerate(self.slots) if j is not None and j.decoding}
+        decoding = self._decoding(in_flight)
         if not decoding:
             return None
         n = self.engine.decode_steps if multi_step and len(decoding) == sum(j is not None for j in self.slots) else 1

@@ -112,8 +112,7 @@ def prefill(
     view = gather_view(state.pool, rows, num_pages)
     logits, view = model(tokens, positions, cache_mask(model.cfg, positions, w), view)
     last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, axis=0, keepdims=True)  # [1, V]
-    key, use = sampling.split_keys(key[None])
-    token, logprob = sampling.sample(last, use, temperature[None], top_k[None], top_p[None])
+    token, logprob, key = sampling.advance(last, key[None], temperature[None], top_k[None], top_p[None])
     state = dataclasses.replace(
         state,
         pool=scatter_rows(state.pool, view, rows, positions),
@@ -140,8 +139,9 @@ def generate(graphdef: nnx.GraphDef, leaves, treedef, state: PagedState, num_pag
     rows = state.table[:k]
     view = gather_view(state.pool, rows, num_pages)
     logits, view = model(state.tokens[:k, None], positions, cache_mask(model.cfg, positions, w), view)
-    keys, use = sampling.split_keys(state.keys[:k])
-    tokens, logprobs = sampling.sample(logits[:, 0], use, state.temperature[:k], state.top_k[:k], state.top_p[:k])
+    tokens, logprobs, keys = sampling.advance(
+        logits[:, 0], state.keys[:k], state.temperature[:k], state.top_k[:k], state.top_p[:k]
+    )
     tokens = jnp.where(ok, tokens, state.tokens[:k])  # a slot that sampled nothing keeps its pending token and key
     keys = jnp.where(ok[:, None], keys, state.keys[:k])
     lengths = jnp.where(ok, lengths + 1, lengths)

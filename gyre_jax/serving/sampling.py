@@ -38,6 +38,31 @@ def sample(
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
+def advance(
+    logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One decode step's sampling: logits [B, V] f32, keys [B, 2] raw key data, sampling [B] each.
+
+    Returns tokens [B] int32, their log-probs [B] f32 and the rows' next keys [B, 2]. A greedy row's key never
+    advances (it draws nothing), so a row's key stream does not depend on what else is in the batch; when every
+    row is greedy the step is an argmax and a log-softmax: no key split, no draw (a ``lax.cond``, taken at run
+    time: one program for every mix of sampling settings).
+    """
+    greedy = temperature <= 0
+
+    def all_greedy(logits, keys):
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0], keys
+
+    def some_sampled(logits, keys):
+        nxt, use = split_keys(keys)
+        tokens, logprobs = sample(logits, use, temperature, top_k, top_p)
+        return tokens, logprobs, jnp.where(greedy[:, None], keys, nxt)
+
+    return jax.lax.cond(jnp.all(greedy), all_greedy, some_sampled, logits, keys)
+
+
 def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """scaled: [B, V] temperature-scaled logits -> the same with every token outside the row's top-k and its
     top-p nucleus set to -inf (``top_k <= 0``, ``top_p >= 1``: that limit off). Sorts each row once."""

@@ -38,8 +38,7 @@ def _forward_and_sample(params, cache, positions, tokens, true_length, temperatu
     mask = cache_mask(model.cfg, positions, cache[0].k.shape[1])  # dense [1, Tb, S] or a MaskSpec
     logits, cache, experts = _step_model(model, tokens, positions, mask, cache, with_experts)  # logits: [1, Tb, V]
     last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, axis=0, keepdims=True)  # [1, V]
-    key, use = sampling.split_keys(key[None])
-    token, logprob = sampling.sample(last, use, temperature[None], top_k[None], top_p[None])
+    token, logprob, key = sampling.advance(last, key[None], temperature[None], top_k[None], top_p[None])
     return cache, token[0], logprob[0], key[0], experts
 
 
@@ -118,8 +117,7 @@ def prefill_many(
     mask = cache_mask(model.cfg, positions, tb)
     logits, cache, experts = _step_model(model, tokens, positions, mask, init_cache(cfg, b, tb), with_experts)
     last = logits[jnp.arange(b), jnp.maximum(true_lengths - 1, 0)]  # [B, V]
-    keys, use = sampling.split_keys(keys)
-    token, logprob = sampling.sample(last, use, temperature, top_k, top_p)
+    token, logprob, keys = sampling.advance(last, keys, temperature, top_k, top_p)
     if experts is not None:
         experts = experts.reshape(b, tb, *experts.shape[1:])
     return Prefix(cache=cache, length=true_lengths, token=token, logprob=logprob, key=keys, experts=experts)
@@ -218,8 +216,9 @@ def generate(
             return full.at[rows, write].set(part[rows, read], mode="drop")
 
         cache = [LayerCache(k=put(c.k, n.k), v=put(c.v, n.v)) for c, n in zip(state.cache, sub)]
-    keys, use = sampling.split_keys(state.keys[:k])
-    tokens, logprobs = sampling.sample(logits[:, 0], use, state.temperature[:k], state.top_k[:k], state.top_p[:k])
+    tokens, logprobs, keys = sampling.advance(
+        logits[:, 0], state.keys[:k], state.temperature[:k], state.top_k[:k], state.top_p[:k]
+    )
     tokens = jnp.where(ok, tokens, state.tokens[:k])  # a slot that sampled nothing keeps its pending token and key
     keys = jnp.where(ok[:, None], keys, state.keys[:k])
     lengths = jnp.where(ok, lengths + 1, lengths)

@@ -524,8 +524,8 @@ def test_multi_step_decoding_gives_the_single_step_loops_tokens(engine, model_pa
 
 def test_a_burst_of_requests_starts_with_one_prefill_program(engine, model_params, reference, prompts) -> None:
     """Requests queued before the loop's first iteration (no slot decoding) are prefilled together in one
-    program and all start at once; each gets the greedy tokens of the uncached model, and a seeded sampled one
-    the tokens it gets alone."""
+    program and all start at once, and they decode in as many steps as their budgets need; each gets the greedy
+    tokens of the uncached model, and a seeded sampled one the tokens it gets alone."""
     params = model_params[1]
     burst = [GenerationRequest(prompt_ids=prompts[i], sampling=greedy(6)) for i in (0, 4, 7)]
     alone = GenerationRequest(prompt_ids=prompts[1], sampling=SamplingParams(temperature=1.0, max_tokens=6, seed=5))
@@ -537,6 +537,9 @@ def test_a_burst_of_requests_starts_with_one_prefill_program(engine, model_param
         assert loop.stats.prefill_calls == 1 and loop.stats.prefill_tokens == sum(
             len(r.prompt_ids) for r in [*burst, alone]
         )
+        # the prefill sampled each request's first token; 5 more steps end them all, and no program runs past
+        # the last (the step dispatched while the 5th is in flight would only compute tokens to discard)
+        assert loop.stats.generate_steps == 5
     finally:
         loop.stop()
     for req, res in zip(burst, results):

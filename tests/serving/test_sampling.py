@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gyre_jax.serving.sampling import key_for_seed, sample, split_keys
+from gyre_jax.serving.sampling import advance, key_for_seed, sample, split_keys
 
 V = 16
 _sample = jax.jit(sample)
@@ -176,3 +176,29 @@ def test_untruncated_rows_draw_from_the_whole_distribution_whether_or_not_other_
     np.testing.assert_array_equal(mixed[::2], want[::2])
     top2 = np.argsort(-logits, axis=-1)[:, :2]
     assert all(t in top2[i] for i, t in enumerate(mixed) if i % 2)
+
+
+def test_advance_is_sample_on_split_keys_and_greedy_rows_keep_their_keys() -> None:
+    """``advance`` (a decode step's sampling): sampled rows draw what ``sample`` draws from the split keys and
+    advance to the next keys; greedy rows take the argmax and keep their key, whether or not the batch holds a
+    sampled row (the all-greedy batch takes the branch that splits nothing)."""
+    step = jax.jit(advance)
+    logits = jnp.asarray(_rows(6, seed=9))
+    keys = _keys(6, seed=30)
+    temperature = jnp.asarray([0.0, 1.0, 0.7, 0.0, 1.0, 0.0], jnp.float32)
+    top_k = jnp.asarray([0, 0, 5, 0, 0, 3], jnp.int32)
+    top_p = jnp.asarray([1.0, 0.9, 1.0, 1.0, 1.0, 0.5], jnp.float32)
+    tokens, logprobs, nxt = step(logits, keys, temperature, top_k, top_p)
+    want_next, use = split_keys(keys)
+    want_tokens, want_logprobs = sample(logits, use, temperature, top_k, top_p)
+    np.testing.assert_array_equal(tokens, want_tokens)
+    np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-6)
+    greedy = np.asarray(temperature) <= 0
+    np.testing.assert_array_equal(np.asarray(nxt)[greedy], np.asarray(keys)[greedy])
+    np.testing.assert_array_equal(np.asarray(nxt)[~greedy], np.asarray(want_next)[~greedy])
+
+    zeros = jnp.zeros(6, jnp.float32)
+    tokens, logprobs, nxt = step(logits, keys, zeros, jnp.zeros(6, jnp.int32), jnp.ones(6, jnp.float32))
+    np.testing.assert_array_equal(tokens, np.argmax(np.asarray(logits), axis=-1))
+    np.testing.assert_allclose(logprobs, _log_softmax(np.asarray(logits)).max(axis=-1), atol=1e-5)
+    np.testing.assert_array_equal(nxt, keys)
