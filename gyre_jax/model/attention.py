@@ -3,7 +3,8 @@
 A mask is either dense, ``mask[b, q, k]`` True where query ``q`` may attend to key ``k`` ([B, T, S] bool,
 for ``attention_impl`` "xla" and "cudnn": ``jax.nn.dot_product_attention``), or a ``blockwise.MaskSpec``
 (per-token descriptors, never [T, S]: ``attention_impl="blockwise"``, ``blockwise.blockwise_attention``;
-with ``context_parallel > 1`` and no cache, ``ring.ring_attention`` over the current mesh's ``context`` axis).
+with ``context_parallel > 1`` and no cache, ``ring.ring_attention`` over the current mesh's ``context`` axis;
+``attention_impl="pallas"``, ``pallas_attention.pallas_attention``, the same mask in a Pallas kernel).
 Two layouts are in use: the packed training row (a prefix tree per segment; plain rows are causal) and
 the cache (serving, where a key's cache index equals its position). ``tree_mask`` and ``cache_mask``
 build either kind for a config: every forward of the system takes its mask from them.
@@ -20,6 +21,7 @@ from flax import nnx
 from gyre_jax.model.blockwise import MaskSpec, blockwise_attention, cache_mask_spec, dense_mask, tree_mask_spec
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import Einsum, RMSNorm
+from gyre_jax.model.pallas_attention import pallas_attention
 from gyre_jax.model.positional_embeddings import apply_rope, rope_frequencies
 from gyre_jax.model.ring import ring_attention
 
@@ -37,6 +39,9 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> list[La
     dtype = dtype or cfg.compute_dtype
     shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
     return [LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+
+
+MASK_SPEC_IMPLS = ("blockwise", "pallas")  # the attention_impls that take a MaskSpec; the others a dense mask
 
 
 def tree_causal_mask(segment_ids: jax.Array, subtree_end: jax.Array) -> jax.Array:
@@ -61,8 +66,8 @@ def cache_causal_mask(positions: jax.Array, cache_len: int) -> jax.Array:
 
 def tree_mask(cfg: ModelConfig, segment_ids: jax.Array, subtree_end: jax.Array) -> jax.Array | MaskSpec:
     """The packed-row mask for ``cfg.attention_impl``: segment_ids, subtree_end: [B, T] int -> a MaskSpec
-    ("blockwise") or ``tree_causal_mask``'s [B, T, T] bool. A plain causal row has ``subtree_end = T``."""
-    if cfg.attention_impl == "blockwise":
+    ("blockwise", "pallas") or ``tree_causal_mask``'s [B, T, T] bool. A plain causal row has ``subtree_end = T``."""
+    if cfg.attention_impl in MASK_SPEC_IMPLS:
         return tree_mask_spec(segment_ids, subtree_end)
     return tree_causal_mask(segment_ids, subtree_end)
 
@@ -75,8 +80,9 @@ def segment_mask(cfg: ModelConfig, segment_ids: jax.Array) -> jax.Array | MaskSp
 
 def cache_mask(cfg: ModelConfig, positions: jax.Array, cache_len: int) -> jax.Array | MaskSpec:
     """The serving mask for ``cfg.attention_impl``: positions [B, T] int -> a MaskSpec over ``cache_len``
-    slots ("blockwise") or ``cache_causal_mask``'s [B, T, cache_len] bool (slot s visible iff s <= position)."""
-    if cfg.attention_impl == "blockwise":
+    slots ("blockwise", "pallas") or ``cache_causal_mask``'s [B, T, cache_len] bool (slot s visible iff
+    s <= position)."""
+    if cfg.attention_impl in MASK_SPEC_IMPLS:
         return cache_mask_spec(positions, cache_len)
     return cache_causal_mask(positions, cache_len)
 
@@ -84,11 +90,12 @@ def cache_mask(cfg: ModelConfig, positions: jax.Array, cache_len: int) -> jax.Ar
 def _check_mask_kind(impl: str, mask) -> None:
     """Raises when the mask's kind is not the one ``impl`` computes with."""
     spec = isinstance(mask, MaskSpec)
-    if spec != (impl == "blockwise"):
+    if spec != (impl in MASK_SPEC_IMPLS):
         got = "a MaskSpec" if spec else "a dense [B, T, S] mask"
         raise ValueError(
             f"attention_impl={impl!r} cannot take {got}: build the mask with attention.tree_mask / cache_mask / "
-            "segment_mask for the same ModelConfig (they return a MaskSpec for 'blockwise', a dense mask otherwise)"
+            "segment_mask for the same ModelConfig (they return a MaskSpec for 'blockwise' and 'pallas', a dense mask "
+            "otherwise)"
         )
 
 
@@ -126,8 +133,8 @@ class Attention(nnx.Module):
         ``cfg.attention_impl`` (S = T without cache, cache length with one).
 
         With a cache, this call's keys/values are first written at ``positions``, then queries attend
-        over the whole cache. Returns ([B, T, E], updated cache or None). "blockwise" computes a single query
-        (T = 1: a decode step) as "xla" does, over the MaskSpec's dense [B, 1, S] mask.
+        over the whole cache. Returns ([B, T, E], updated cache or None). "blockwise" and "pallas" compute a single
+        query (T = 1: a decode step) as "xla" does, over the MaskSpec's dense [B, 1, S] mask.
         """
         q = self.q_norm(self.q_proj("bte,ehd->bthd", x))
         k = self.k_norm(self.k_proj("bte,ekd->btkd", x))
@@ -140,9 +147,12 @@ class Attention(nnx.Module):
             k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
         impl = self.cfg.attention_impl
         _check_mask_kind(impl, mask)
-        if impl == "blockwise" and q.shape[1] == 1:  # a decode step: its mask [B, 1, S] is small, and one
+        if impl in MASK_SPEC_IMPLS and q.shape[1] == 1:  # a decode step: its mask [B, 1, S] is small, and one
             # query over S keys in blocks would be S / block_k dependent loop steps
             out = jax.nn.dot_product_attention(q, k, v, mask=dense_mask(mask)[:, None, :, :])
+        elif impl == "pallas":
+            bq, bk = self.cfg.attention_block_q, self.cfg.attention_block_k
+            out = pallas_attention(q, k, v, mask, block_q=bq, block_k=bk)  # [B, T, H, D]
         elif impl == "blockwise":
             bq, bk = self.cfg.attention_block_q, self.cfg.attention_block_k
             if self.cfg.context_parallel > 1 and cache is None:  # T split over the mesh's context axis

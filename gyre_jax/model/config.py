@@ -19,7 +19,7 @@ from typing import Any
 ROPE_TYPES = ("default", "linear", "yarn")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 MOE_IMPLS = ("ragged", "dense")
-ATTENTION_IMPLS = ("xla", "cudnn", "blockwise")
+ATTENTION_IMPLS = ("xla", "cudnn", "blockwise", "pallas")
 HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # How the model is computed, not what it is: a Hugging Face config.json defines none of these, so a run from a
 # checkpoint takes them from its own config (``model.<field>``), and saving a checkpoint does not write them.
@@ -85,8 +85,9 @@ class ModelConfig:
     # Memory: rematerialize each block in the backward pass ("none" keeps all activations).
     remat_policy: str = "none"
     # Attention kernel: "xla" (jax.nn.dot_product_attention over a dense [B, T, S] mask, any platform),
-    # "cudnn" (the same over cuDNN, NVIDIA GPU) or "blockwise" (model/blockwise.py: mask-free, memory linear
-    # in T, any platform; query/key block sizes below). See docs/long_context.md.
+    # "cudnn" (the same over cuDNN, NVIDIA GPU), "blockwise" (model/blockwise.py: mask-free, memory linear
+    # in T, any platform; query/key block sizes below) or "pallas" (model/pallas_attention.py: the blockwise
+    # mask in a Pallas flash kernel; Triton on GPU, the interpreter on CPU, not TPU). See docs/long_context.md.
     attention_impl: str = "xla"
     attention_block_q: int = 128
     attention_block_k: int = 128
@@ -142,7 +143,8 @@ class ModelConfig:
         elif self.context_parallel > 1 and self.attention_impl != "blockwise":
             out.append(
                 f"context_parallel={self.context_parallel} needs attention_impl='blockwise' (ring attention passes "
-                f"the mask descriptors with K/V); got {self.attention_impl!r}"
+                f"the mask descriptors with K/V and runs the blockwise kernel per step; 'pallas' has no ring "
+                f"version yet); got {self.attention_impl!r}"
             )
         if self.moe_impl not in MOE_IMPLS:
             out.append(f"moe_impl={self.moe_impl!r} must be one of {MOE_IMPLS}")

@@ -118,8 +118,11 @@ def saved_bytes_per_token(cfg: ModelConfig, tokens: int) -> float:
 def _square_saved(cfg: ModelConfig, tokens: int, keys: int) -> float:
     """Attention's quadratic saved residuals: over a dense mask without remat every layer keeps three float32
     ``[H, T, S]`` score-sized arrays and the bool mask; the "dots" remat policy keeps the blockwise kernel's
-    block scores (a matmul output), one ``[H, T, S]`` per layer, so "dots" with "blockwise" is quadratic again."""
+    block scores (a matmul output), one ``[H, T, S]`` per layer, so "dots" with "blockwise" is quadratic again;
+    the "pallas" kernel's block scores live inside its pallas_call (no matmul output to save): nothing."""
     h, n, square = cfg.num_heads, cfg.num_layers, float(tokens) * keys
+    if cfg.attention_impl == "pallas":
+        return 0.0
     if cfg.attention_impl == "blockwise":
         return n * 4.0 * h * square if cfg.remat_policy in ("dots", "dots_no_batch") else 0.0
     if cfg.remat_policy != "none":
@@ -135,7 +138,7 @@ def saved_bytes(cfg: ModelConfig, tokens: int, keys: int | None = None) -> float
 def working_bytes(cfg: ModelConfig, tokens: int, keys: int | None = None) -> float:
     """Live beyond what is saved, at the peak: the logits' float32 working set (the whole row or one chunk), one
     block's intermediates recomputed (with remat), and one layer's attention scores (dense: three float32
-    ``[H, T, S]`` and the mask; cuDNN: the mask; blockwise: three blocks)."""
+    ``[H, T, S]`` and the mask; cuDNN: the mask; blockwise: three blocks; pallas: its backward's f32 gradients)."""
     s = tokens if keys is None else keys
     live = cfg.logits_chunk if _chunked(cfg, tokens) else tokens
     logits = LOGIT_COPIES * 4.0 * cfg.vocab_size * live
@@ -145,6 +148,8 @@ def working_bytes(cfg: ModelConfig, tokens: int, keys: int | None = None) -> flo
     square = float(tokens) * s
     attention = {
         "blockwise": 4.0 * cfg.num_heads * 3 * cfg.attention_block_q * cfg.attention_block_k,
+        # pallas: blocks stay in the kernel; its backward's f32 dQ and per-query-head dK, dV are linear in T
+        "pallas": 4.0 * cfg.num_heads * cfg.head_dim * (tokens + 2 * s),
         "cudnn": square,
     }.get(cfg.attention_impl, 3 * 4.0 * cfg.num_heads * square + square)
     return logits + recompute + attention
