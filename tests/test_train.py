@@ -131,6 +131,9 @@ def test_two_rl_steps(two_steps):
                     prev["prompt_ids"] + prev["completion_ids"]
                 )
     assert continued > 0, "some executions made several calls, each continuing the previous one's exact ids"
+    # the serving side's reuse: continuing calls were decoded from their session's KV, never past their prompt
+    cached = [json.loads(line)["cached_prompt_tokens"] for path in records for line in path.read_text().splitlines()]
+    assert any(cached)
     results = [json.loads(line) for line in (workdir / "results" / "step_000000.jsonl").read_text().splitlines()]
     assert len(results) == 4 and all(r["status"] in ("finished", "timeout", "crashed") for r in results)
     assert (workdir / "tensorboard").is_dir() and any((workdir / "tensorboard").iterdir())

@@ -55,6 +55,8 @@ def test_xlong_config_trains_long_horizon_executions_with_context_parallelism(tm
         assert {"main", "main-summary", "subagent"} <= labels  # a summary continuation and a sub-agent
         continuing = [r for r in records if r.reused_prefix_len > 0]
         assert continuing and min(r.reused_prefix_len / len(r.prompt_ids) for r in continuing) >= 0.9
+        # ... and serving took those prompts' KV from its session prefix cache: >= 90% of their tokens not prefilled
+        assert sum(r.cached_prompt_tokens for r in continuing) >= 0.9 * sum(len(r.prompt_ids) for r in continuing)
         selected_lengths += [len(b.tokens) for b in select_branches(branches, MAX_BRANCHES)]
     # what was trained: the selected branches, some longer than one context shard's share of a row
     assert train[0]["branches_selected"] == len(selected_lengths) and train[0]["micro_steps"] >= 1

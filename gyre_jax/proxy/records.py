@@ -6,7 +6,7 @@ and fsynced before the HTTP response is sent), see docs/records.md:
     {"execution_id": str, "call_index": int, "thread_id": str, "request_id": str,
      "prompt_ids": [int], "completion_ids": [int], "completion_logprobs": [float],
      "policy_versions": [int], "finish_reason": "stop" | "length" | "cancelled",
-     "temperature": float, "reused_prefix_len": int, "t_start": float, "t_end": float,
+     "temperature": float, "reused_prefix_len": int, "cached_prompt_tokens": int, "t_start": float, "t_end": float,
      "model": str, "api": "chat" | "completions" | "messages" | "responses", "cell": str, "agent_kind": "" | "auxiliary",
      "client_sampling": {"temperature": float, "top_p": float, "top_k": int, "seed": int, "stop": [str],
                          "n": int, "tool_choice": str | object} | null,
@@ -15,7 +15,10 @@ and fsynced before the HTTP response is sent), see docs/records.md:
 
 ``reused_prefix_len`` is how many leading prompt ids were taken verbatim from an earlier call of the
 same execution (its prompt + completion): those tokens are exactly what the policy saw and produced,
-never re-tokenized. ``temperature`` is what the call was sampled with: 0.0 means greedy (served under
+never re-tokenized. ``cached_prompt_tokens`` is how many leading prompt ids the serving cell did not prefill
+because their KV was still held (its session prefix cache, or a session migrated with its KV): what the serving
+side reused, where ``reused_prefix_len`` is what the proxy reused (0 in records written before it existed).
+``temperature`` is what the call was sampled with: 0.0 means greedy (served under
 ``proxy.sampling = "client"``): kept for evaluation, never trained on. ``client_sampling`` holds only the
 sampling fields the client sent (None: it sent none), whatever the proxy served. ``completion_experts``
 (routing replay, only when serving records them: ``rl.routing_replay = "replay"`` on a MoE model) is the
@@ -93,6 +96,7 @@ class TitoRecord:
     # routing replay: encode_experts of the [N, L_moe, K] experts of each completion token, or None
     completion_experts: dict | None = None
     prompt_experts: dict | None = None  # ... and of each prompt token ([P, L_moe, K]), or None
+    cached_prompt_tokens: int = 0  # leading prompt ids served from KV the cell held (not prefilled)
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

@@ -290,6 +290,7 @@ def tito_record(turn: Turn, completion: Completion, call_index: int, model: str)
         client_sampling=turn.request.client_sampling(),
         completion_experts=None if result.expert_ids is None else encode_experts(result.expert_ids[:kept]),
         prompt_experts=_prompt_experts(result, len(turn.build.prompt_ids)),
+        cached_prompt_tokens=min(int(result.cached_tokens), len(turn.build.prompt_ids)),
     )
 
 
