@@ -50,8 +50,9 @@ def get_config():
     c.eval.samples_per_task = 0  # an evaluation is one more round of long executions; 1 turns it on
     c.eval.split = "heldout"
     c.eval.num_tasks = 1
-    # Serving: a dense per-slot KV cache (paged KV is not built): slots x max_seq_len x 512 bytes per token (this
-    # model) = 4 x 36,864 x 512 B = 72 MiB per cell. The session prefix cache holds 8192 pages = 128K tokens.
+    # Serving: the dense per-slot KV cache: slots x max_seq_len x 512 bytes per token (this model) = 4 x 36,864 x
+    # 512 B = 72 MiB per cell; the session prefix cache holds 8192 pages = 128K tokens. (--config.serving.kv_layout=
+    # paged holds KV by live length instead, one pool of kv_pages per cell: docs/long_context.md, "Paged KV".)
     c.serving.max_seq_len = 36864
     c.serving.max_concurrent_decodes = 4
     c.serving.max_prefill_length = 1024
