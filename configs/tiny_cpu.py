@@ -8,7 +8,7 @@ host: --config.devices.num_cpu_devices=8 --config.mesh.data=4 --config.mesh.fsdp
 
 Every key and its default, with a comment saying what it does, is a field of the typed config in
 gyre_jax/config/ (``RunConfig`` in run.py; its sections in cluster.py, rollout.py and training.py):
-this file is those defaults. ``python -c "from gyre_jax import config; print(config.default_config())"``
+this file is those defaults but one (``serving.warmup``, below). ``python -c "from gyre_jax import config; print(config.default_config())"``
 prints them all.
 """
 
@@ -16,4 +16,10 @@ from gyre_jax import config as config_lib
 
 
 def get_config():
-    return config_lib.default_config()
+    c = config_lib.default_config()
+    # Off here, on by default: compiling every serving shape up front costs this tiny model ~50 program shapes per
+    # cell (measured on 2 CPU cores: 40 s a dense cell, 56 s a paged one; 117 s on loaded cores) against the few
+    # shapes a short CPU run uses, and the tests run many short trainings from this file (CI on 2 cores). Turn it
+    # on (--config.serving.warmup=true) for cells that serve for long.
+    c.serving.warmup = False
+    return c

@@ -158,8 +158,11 @@ class CellFactory:
     def loop(self, cell: Cell, params: Any, version: int) -> ServingLoop:
         """A started serving loop on ``cell`` with ``params`` (on its serving layout) at policy ``version``."""
         sv, c = self.s.config.serving, self.s.config
+        engine = self.engine(cell)  # a new engine per loop, and a cell builds its loop once (not per role switch)
+        if sv.warmup:
+            self.warm(cell, engine, params)
         return ServingLoop(
-            self.engine(cell),
+            engine,
             params,
             policy_version=version,
             name=cell.name,
@@ -169,6 +172,17 @@ class CellFactory:
             reuse_stale_kv=sv.reuse_stale_kv,
             detokenize=self.s.tokenizer.decode,
         ).start()
+
+    def warm(self, cell: Cell, engine: Engine | PagedEngine, params: Any) -> int:
+        """Compiles every program shape ``engine``'s serving loop can dispatch (``serving.warmup``), on scratch
+        state; logs the count and the seconds; returns the count."""
+        sv, t0 = self.s.config.serving, time.perf_counter()
+        if isinstance(engine, PagedEngine):
+            count = engine.warmup(params)
+        else:  # the loop's session cache pool too (kv_pages pages)
+            count = engine.warmup(params, kv_pages=sv.kv_pages)
+        log.info("%s: serving warm-up compiled %d program shapes in %.1fs", cell.name, count, time.perf_counter() - t0)
+        return count
 
     def worker(self, cell: Cell) -> GradWorker:
         return GradWorker(self.s.model_cfg, self.s.graphdef, cell.mesh, self.s.rules, self.loss_cfg, name=cell.name)

@@ -184,12 +184,20 @@ def test_unknown_key_names_the_key_and_lists_known_ones():
         (["--config.rl.group_size=x"], "rl.group_size", "integer"),
         (["--config.rl.group_size=2.5"], "rl.group_size", "integer"),
         (["--config.metrics.tensorboard=maybe"], "metrics.tensorboard", "boolean"),
+        (["--config.serving.warmup=later"], "serving.warmup", "boolean"),
         (["--config.optimizer.b1=fast"], "optimizer.b1", "number"),
     ],
 )
 def test_bad_values_raise_one_line_config_errors_naming_the_key(argv, key, words):
     message = config_error(argv)
     assert key in message and words in message, message
+
+
+def test_serving_warmup_is_on_by_default_and_can_be_turned_on_and_off():
+    assert RunConfig().serving.warmup is True  # compile every serving shape when a cell's loop is built
+    assert load_config([]).serving.warmup is False  # tiny_cpu.py: many short CPU runs (see its comment)
+    assert load_config(["--config.serving.warmup=true"]).serving.warmup is True
+    assert config_from_dict(RunConfig(), {"serving.warmup": False}).serving.warmup is False
 
 
 @pytest.mark.parametrize(
@@ -349,8 +357,12 @@ def test_each_component_config_is_derived_by_one_method(base):
 
 
 def test_defaults_live_in_the_dataclasses_and_tiny_cpu_is_them():
-    assert load_config([]) == RunConfig()
-    assert config_lib.base_config(DEFAULT_CONFIG) == default_config()
+    # tiny_cpu.py is the defaults but serving.warmup, off there (its comment says why)
+    assert load_config(["--config.serving.warmup=true"]) == RunConfig()
+    tiny = config_lib.base_config(DEFAULT_CONFIG)
+    assert tiny.serving.warmup is False
+    tiny.serving.warmup = True
+    assert tiny == default_config()
     assert default_config() == RunConfig().to_config_dict()
     # Every field of every section has a default, and the ConfigDict carries every key (so any key can be
     # overridden, with the type of its default), optional ones included.

@@ -92,6 +92,10 @@ class ServingSection(Section):
     # "paged": slots and cached sessions share one pool of kv_pages pages through block tables (a session holds
     # the pages its length needs, its next request decodes from them in place; docs/long_context.md)
     kv_layout: str = "dense"
+    # compile every program shape the cell's serving loop can dispatch when the loop is built (Engine.warmup /
+    # PagedEngine.warmup), as JetStream and vLLM compile or capture up front, so that no first request stalls
+    # on a compile (off: each shape compiles at its first use)
+    warmup: bool = True
 
     def __post_init__(self):
         self.check_types()

@@ -436,9 +436,18 @@ class Engine:
             array.copy_to_host_async()
         return state, result
 
-    def warmup(self, params: nnx.State) -> int:
-        """Compiles every shape serving can use (``warmup``); returns the number of shapes run."""
-        return warmup(self, params)
+    def warmup(self, params: nnx.State, kv_pages: int = 0) -> int:
+        """Compiles every shape the serving loop can dispatch (``warmup``); returns the number compiled."""
+        return warmup(self, params, kv_pages)
+
+    def _programs(self) -> list:
+        """Every jitted program of this engine that serving dispatches (for ``warmup``'s count)."""
+        p = self._pages
+        return [
+            self._init_decode_state_jit, self._empty_prefix_jit, self._prefill_jit, self._prefill_extend_jit,
+            self._prefill_many_jit, self._generate_jit, self._generate_steps_jit, self._insert_jit,
+            self._insert_many_jit, self._release_jit, p._save_jit, p._load_jit, *p._init_pool_jits.values(),
+        ]  # fmt: skip
 
     # -- pages: the session prefix cache's KV budget and KV in transit (kv_pages.PageOps) -----------
     def kv_pages_shardings(self, num_pages: int) -> KVPages:
@@ -495,34 +504,66 @@ class Engine:
         return param_shardings(abstract_state, self.rules, self._mesh)
 
 
-def warmup(engine: Engine, params: nnx.State) -> int:
-    """Compiles every shape ``engine`` can serve with (prefill per bucket, fresh and on top of a prefix; insert
-    per prefix length; generate per decode window, slot bucket and number of steps) by running each once on
-    scratch state, so no compile stalls a running cell later. Returns the number of shapes run."""
+def _compiled(programs) -> int:
+    """The compiled entries (shapes) of jitted ``programs``, together."""
+    return sum(f._cache_size() for f in programs)
+
+
+def warmup(engine: Engine, params: nnx.State, kv_pages: int = 0) -> int:
+    """Compiles every program shape ``engine``'s serving loop can dispatch, by running each once on scratch state
+    (never the loop's: a decode state and a page pool of its own, dropped at the end), so that no compile stalls
+    a running cell later:
+
+    - one prompt: prefill per bucket up to ``max_prefill_length``'s, fresh and on top of a prefix (a chunk, a
+      session-cache hit), and its insert (the prefix is [1, bucket] fresh, [1, max_seq_len] on a prefix);
+    - several whole prompts in one program (``batch.prefill_together``): ``prefill_many`` and ``insert_many`` per
+      bucket and power-of-2 row count from 2 up to the one holding every slot;
+    - generate per decode window, slot bucket and number of steps (1 and ``decode_steps``); release;
+    - ``kv_pages`` > 0 (the loop's session prefix cache of that many pages): the pool, ``save_slot``,
+      ``load_prefix`` and a prefill on top of a loaded prefix (in case its sharding, which follows the pool's,
+      makes another shape than the empty prefix's).
+
+    Not run: the migration programs (``export_*`` / ``import_pages`` / ``prefix_from_pages``, one shape per
+    power-of-2 page count), which compile when a session first moves. Returns the number of program shapes
+    compiled (0 when already warm)."""
     greedy = SamplingParams(temperature=0.0)
     key = jnp.zeros((2,), jnp.uint32)
+    before = _compiled(engine._programs())
     state = engine.init_decode_state()
-    count = 0
-    for b in engine.prefill_buckets:
-        if b > engine._bucket(engine.max_prefill_length):
-            break
-        n = min(b, engine.max_prefill_length, engine.max_seq_len - 1)
-        for existing in (None, engine.empty_prefix(key)):
-            state = engine.insert(
-                engine.prefill(
-                    params=params, tokens=[0] * n, sampling_params=greedy, key=key, existing_prefix=existing
-                ),
-                state,
-                0,
-                greedy,
+    top = engine._bucket(engine.max_prefill_length)
+    lengths = [min(b, engine.max_prefill_length, engine.max_seq_len - 1) for b in engine.prefill_buckets if b <= top]
+    starts = [engine.empty_prefix(key)]
+    pool = None
+    if kv_pages > 0:
+        pool = engine.init_page_pool(kv_pages)
+        pool = engine.save_slot(pool, state, 0, [0])
+        starts.append(engine.load_prefix(pool, [0], 1, key))
+    for n in lengths:
+        for existing in (None, *starts):
+            start = 0 if existing is None else int(existing.length)
+            m = min(n, engine.max_seq_len - 1 - start)
+            if m < 1 or engine._bucket(m) != engine._bucket(n):
+                continue  # no prompt of this bucket fits on top of this prefix
+            prefix = engine.prefill(
+                params=params, tokens=[0] * m, sampling_params=greedy, key=key, existing_prefix=existing
             )
-            count += 1
+            state = engine.insert(prefix, state, 0, greedy)
+    slots = engine.max_concurrent_decodes
+    rows = 2
+    while slots >= 2 and rows // 2 < slots:  # prefill_together: 2..slots prompts, rows padded to a power of 2
+        count = min(rows, slots)
+        for n in lengths:
+            batched = engine.prefill_many(
+                params=params, prompts=[[0] * n] * count, sampling=[greedy] * count, keys=[key] * count
+            )
+            state = engine.insert_many(batched, state, list(range(count)), [greedy] * count)
+        rows *= 2
+    leaves = engine._flat_params(params)
     for w in engine.decode_windows:
         for k in engine.decode_slot_buckets:
-            state, *_ = engine._generate_jit(*engine._flat_params(params), state, w, k)
-            count += 1
+            state, *_ = engine._generate_jit(*leaves, state, w, k)
             if engine.decode_steps > 1:
-                state, *_ = engine._generate_steps_jit(*engine._flat_params(params), state, w, k, engine.decode_steps)
-                count += 1
-    jax.block_until_ready(state)
-    return count
+                state, *_ = engine._generate_steps_jit(*leaves, state, w, k, engine.decode_steps)
+    state = engine.release(state, 0)
+    jax.block_until_ready((state, pool))
+    return _compiled(engine._programs()) - before

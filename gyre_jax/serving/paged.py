@@ -343,6 +343,16 @@ class PagedEngine:
         ints[..., 2, :] = self._lengths
         return ResultTokens(_ints=ints, _logprobs=np.zeros(lead + (self.max_concurrent_decodes,), np.float32))
 
+    # -- warm-up ------------------------------------------------------------------------------------------
+    def _programs(self) -> list:
+        return [self._prefill_jit, self._generate_jit, self._generate_steps_jit, self._set_slot_jit,
+                self._set_row_jit, self._pending_jit]  # fmt: skip
+
+    def warmup(self, params: nnx.State) -> int:
+        """Compiles every program shape the serving loop can dispatch on this engine, on no page (``warmup``);
+        returns the number compiled."""
+        return warmup(self, params)
+
     # -- a slot's end, a session's pages --------------------------------------------------------------
     def release(self, slot: int, keep: bool = False) -> SlotPages | None:
         """Ends ``slot``. ``keep``: its pages stay in the pool as the session's KV (returned: hand them to
@@ -385,3 +395,54 @@ class PagedEngine:
         self.import_pages(kv, self._pages[slot][:need])
         self._lengths[slot] = length
         self._set(slot)
+
+
+def _windows(engine: PagedEngine, lo: int, hi: int) -> list[int]:
+    """The page counts a program of ``engine`` attends over for contexts of ``lo`` ... ``hi`` tokens."""
+    out, t = [], lo
+    while t <= hi:
+        out.append(engine._window(t))
+        if out[-1] >= engine.max_pages_per_slot:
+            break
+        t = out[-1] * engine.page_size + 1
+    return out
+
+
+def warmup(engine: PagedEngine, params: nnx.State) -> int:
+    """Compiles every program shape the serving loop can dispatch on ``engine`` (prefill per bucket and page window
+    a chunk of that bucket can reach; generate per page window, slot bucket and number of steps; the slot updates),
+    so that no compile stalls a running cell later. Runs on an engine with no slot decoding, through an empty slot
+    whose block table maps no page: every KV write of these programs is dropped, the pool and the allocator are
+    untouched, and the slot is reset to empty afterwards (the fields a prefill sets are set again by the next
+    request's prefill or resume). Not run: the migration programs (export, import: one shape per power-of-2 page
+    count). Returns the number of program shapes compiled (0 when already warm)."""
+    if any(engine._active):
+        raise ValueError("warmup runs before serving: a slot is decoding")
+    slot = next((s for s in range(engine.max_concurrent_decodes) if not engine._pages[s]), None)
+    if slot is None:
+        raise ValueError("warmup needs an empty slot (one holding no pages)")
+    before = sum(f._cache_size() for f in engine._programs())
+    leaves = engine._flat(params)
+    key = jnp.zeros((2,), jnp.uint32)
+    greedy = _sampling_args(SamplingParams(temperature=0.0))
+    lo = 1
+    for bucket in engine.prefill_buckets:  # a chunk of lo..bucket tokens on top of 0.. cached ones
+        n = min(bucket, engine.max_prefill_length)
+        for window in _windows(engine, lo, engine.max_seq_len - 1):
+            padded = jnp.zeros((1, bucket), jnp.int32)
+            engine.state, *_ = engine._prefill_jit(
+                *leaves, engine.state, jnp.int32(slot), padded, jnp.int32(n), window, *greedy, key
+            )
+        lo = bucket + 1
+    for steps in sorted({1, engine.decode_steps}):  # no slot is active: nothing is stepped
+        for window in _windows(engine, 1 + steps, engine.max_seq_len):
+            for slots in engine.decode_slot_buckets:
+                if steps == 1:
+                    engine.state, *_ = engine._generate_jit(*leaves, engine.state, window, slots)
+                else:
+                    engine.state, *_ = engine._generate_steps_jit(*leaves, engine.state, window, slots, steps)
+    engine.state = engine._pending_jit(engine.state, jnp.int32(slot), jnp.int32(0), key, *greedy)
+    engine.state = engine._set_row_jit(engine.state, jnp.int32(slot), engine._row(slot))
+    engine._set(slot)  # the slot as it was: no pages, no tokens, not active
+    jax.block_until_ready(engine.state)
+    return sum(f._cache_size() for f in engine._programs()) - before
