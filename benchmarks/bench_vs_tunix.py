@@ -281,8 +281,8 @@ def sampling_params(sz: Sizes, seed: int, sampled: bool) -> SamplingParams:
 def ours_engine_generate(
     engine: Engine, params, prompts: list[list[int]], sz: Sizes, sampled: bool = False
 ) -> tuple[float, np.ndarray]:
-    """Prefill every prompt in one program, insert them, then dispatch generate steps (``engine.decode_steps`` per
-    program while that many are left, else one) without waiting, and read every token at the end. Returns
+    """Prefill every prompt in one program, insert them, then dispatch generate steps (up to ``engine.decode_steps``
+    per program) without waiting, and read every token at the end. Returns
     (seconds, tokens [B, new_tokens])."""
     b = len(prompts)
     sampling = [sampling_params(sz, i, sampled) for i in range(b)]
@@ -296,7 +296,7 @@ def ours_engine_generate(
     first.copy_to_host_async()
     results, length, left = [], sz.prompt_len, sz.new_tokens - 1
     while left:
-        n = engine.decode_steps if left >= engine.decode_steps else 1
+        n = min(engine.decode_steps, left)
         state, result = engine.generate(params, state, max_length=length, slot_limit=b, wait=False, num_steps=n)
         results.append((n, result))
         length, left = length + n, left - n

@@ -192,8 +192,8 @@ class DecodeBatch:
             self.accept(slot, int(first[0]), float(first[1]))
 
     def _dispatch_generate(self, in_flight: Step | None, multi_step: bool = False) -> Step | None:
-        """Starts a generate program for the decoding slots (not waiting for it): one step, or the engine's
-        ``decode_steps`` with ``multi_step`` when no slot is still prefilling. Jobs still owed their tokens of the
+        """Starts a generate program for the decoding slots (not waiting for it): one step, or with ``multi_step``
+        up to the engine's ``decode_steps`` (``num_steps``). Jobs still owed their tokens of the
         program ``in_flight`` hold that many more cached tokens by the time this one runs."""
         decoding = self._decoding(in_flight)
         if not decoding:
@@ -203,7 +203,7 @@ class DecodeBatch:
             len(j.request.prompt_ids) + len(j.tokens) - 1 + ahead * (owed.get(slot) is j)
             for slot, j in decoding.items()
         )
-        n = self.engine.decode_steps if multi_step and len(decoding) == sum(j is not None for j in self.slots) else 1
+        n = num_steps(self, decoding, in_flight, multi_step)
         self.state, result = self.engine.generate(
             self.params, self.state, max_length=longest, slot_limit=max(decoding) + 1, wait=False, num_steps=n
         )
@@ -321,6 +321,17 @@ class DecodeBatch:
             self.slots[slot] = None
             out.append((job, kv, kv_tokens, key))
         return out
+
+
+def num_steps(batch: DecodeBatch, decoding: dict[int, Job], in_flight: Step | None, multi_step: bool) -> int:
+    """Steps of ``batch``'s next program: 1, or with ``multi_step`` and no slot still prefilling, up to the engine's
+    ``decode_steps``, no more than the most any decoding job still owes after ``in_flight`` (a static batch's last
+    program ends with its last token)."""
+    if not multi_step or len(decoding) != sum(j is not None for j in batch.slots):
+        return 1
+    owed, ahead = (in_flight.jobs, in_flight.num_steps) if in_flight is not None else ({}, 0)
+    left = max(j.budget - ahead * (owed.get(slot) is j) for slot, j in decoding.items())
+    return max(1, min(batch.engine.decode_steps, left))
 
 
 def prefill_together(batch: DecodeBatch, pending: list[tuple[int, Job]], budget: int | None) -> int:

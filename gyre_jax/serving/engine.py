@@ -52,18 +52,20 @@ class ResultTokens:
     every array has a leading [n] axis, one row per step in order. Host numpy arrays; ``generate(...,
     wait=False)`` returns one still on the device (being copied) until ``to_host()``."""
 
-    def __init__(self, *, _ints, _logprobs, _experts=None):
+    def __init__(self, *, _ints, _logprobs, _experts=None, _rows: int | None = None):
         self._ints = _ints  # [(n,) 3, slots] int32: tokens, valid, lengths
         self._logprobs = _logprobs  # [(n,) slots] f32
         self._experts = _experts  # [(n,) slots, L_moe, K] int16 or None
+        self._rows = _rows  # a multi-step program's arrays hold decode_steps rows: the first _rows ran
 
     def to_host(self) -> ResultTokens:
-        """The host copy (waits for the step to finish)."""
+        """The host copy (waits for the step to finish); a multi-step result keeps only the steps that ran."""
         ints, logprobs, experts = jax.device_get((self._ints, self._logprobs, self._experts))
+        rows = slice(None) if self._rows is None else slice(0, self._rows)
         return ResultTokens(
-            _ints=np.asarray(ints),
-            _logprobs=np.asarray(logprobs),
-            _experts=None if experts is None else np.asarray(experts),
+            _ints=np.asarray(ints)[rows],
+            _logprobs=np.asarray(logprobs)[rows],
+            _experts=None if experts is None else np.asarray(experts)[rows],
         )
 
     @property
@@ -99,6 +101,15 @@ class FlatParams:
             leaves, treedef = jax.tree.flatten(params)
             self._last = (params, leaves, treedef)
         return self._last[1], self._last[2]
+
+
+def check_num_steps(num_steps: int, decode_steps: int) -> None:
+    """Raises ValueError unless 1 <= num_steps <= decode_steps (the steps one generate call may run)."""
+    if not 1 <= num_steps <= decode_steps:
+        raise ValueError(
+            f"num_steps={num_steps} must be between 1 and the engine's decode_steps={decode_steps} (raise "
+            "serving.decode_steps for longer programs)"
+        )
 
 
 def _check_sizes(
@@ -403,8 +414,9 @@ class Engine:
         num_steps: int = 1,
     ) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot: feeds each slot's last token, samples the next (donates the state).
-        ``num_steps`` (1 or the engine's ``decode_steps``): that many steps in one program, the same tokens as
-        that many calls; the result's arrays get a leading [num_steps] axis.
+        ``num_steps`` (1 to the engine's ``decode_steps``): that many steps in one program, the same tokens as
+        that many calls; the result's arrays get a leading [num_steps] axis (above 1, one compiled program runs
+        any count: its trip count is an argument, not a shape).
 
         ``wait=False`` returns at once with the result still on the device (its host copy started): the caller
         can dispatch the next step before reading this one (``ResultTokens.to_host()``), as JetStream's
@@ -418,18 +430,16 @@ class Engine:
             [0, slot_limit) is stepped.
         A slot left out by a wrong hint samples nothing: ``valid`` is False for it and its state is unchanged.
         """
-        if num_steps not in (1, self.decode_steps):
-            raise ValueError(f"num_steps={num_steps} must be 1 or the engine's decode_steps={self.decode_steps}")
+        check_num_steps(num_steps, self.decode_steps)
         leaves = self._flat_params(params)
         slots = self.decode_slots(slot_limit)
-        if num_steps == 1:
-            state, ints, logprobs, *experts = self._generate_jit(
-                *leaves, decode_state, self.decode_window(max_length), slots
-            )
-        else:  # the window must hold every step's input token: the longest slot grows by num_steps - 1
-            window = self.decode_window(None if max_length is None else max_length + num_steps - 1)
-            state, ints, logprobs, *experts = self._generate_steps_jit(*leaves, decode_state, window, slots, num_steps)
-        result = ResultTokens(_ints=ints, _logprobs=logprobs, _experts=experts[0] if experts else None)
+        # the window must hold every step's input token: the longest slot grows by num_steps - 1
+        window = self.decode_window(None if max_length is None else max_length + num_steps - 1)
+        multi = (self.decode_steps, jnp.int32(num_steps)) if num_steps > 1 else ()
+        program = self._generate_steps_jit if multi else self._generate_jit
+        state, ints, logprobs, *experts = program(*leaves, decode_state, window, slots, *multi)
+        rows = num_steps if multi else None
+        result = ResultTokens(_ints=ints, _logprobs=logprobs, _experts=experts[0] if experts else None, _rows=rows)
         if wait:
             return state, result.to_host()
         for array in (ints, logprobs, *experts):
@@ -563,7 +573,7 @@ def warmup(engine: Engine, params: nnx.State, kv_pages: int = 0) -> int:
         for k in engine.decode_slot_buckets:
             state, *_ = engine._generate_jit(*leaves, state, w, k)
             if engine.decode_steps > 1:
-                state, *_ = engine._generate_steps_jit(*leaves, state, w, k, engine.decode_steps)
+                state, *_ = engine._generate_steps_jit(*leaves, state, w, k, engine.decode_steps, jnp.int32(1))
     state = engine.release(state, 0)
     jax.block_until_ready((state, pool))
     return _compiled(engine._programs()) - before

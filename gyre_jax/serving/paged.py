@@ -32,7 +32,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import Rules
 from gyre_jax.serving import paged_steps
-from gyre_jax.serving.engine import FlatParams, ResultTokens, _buckets, _sampling_args, _slot_buckets
+from gyre_jax.serving.engine import (
+    FlatParams,
+    ResultTokens,
+    _buckets,
+    _sampling_args,
+    _slot_buckets,
+    check_num_steps,
+)
 from gyre_jax.serving.kv_cache import KVPages, kv_pages_shardings
 from gyre_jax.serving.kv_pages import PageOps, gather_pages, scatter_pages
 from gyre_jax.serving.paged_steps import PagedState
@@ -303,10 +310,9 @@ class PagedEngine:
         )
 
     def generate(self, params: nnx.State, num_steps: int = 1, wait: bool = True) -> ResultTokens:
-        """``num_steps`` (1 or ``decode_steps``) decode steps for every started slot, in one program; each slot is
+        """``num_steps`` (1 to ``decode_steps``) decode steps for every started slot, in one program; each slot is
         given the pages its next tokens need first. The result as ``Engine.generate``'s."""
-        if num_steps not in (1, self.decode_steps):
-            raise ValueError(f"num_steps={num_steps} must be 1 or the engine's decode_steps={self.decode_steps}")
+        check_num_steps(num_steps, self.decode_steps)
         live = [s for s, a in enumerate(self._active) if a]
         if not live:
             raise ValueError("no slot is decoding: prefill and start one first")
@@ -326,10 +332,12 @@ class PagedEngine:
         if num_steps == 1:
             self.state, ints, logprobs = self._generate_jit(*leaves, self.state, pages, slots)
         else:
-            self.state, ints, logprobs = self._generate_steps_jit(*leaves, self.state, pages, slots, num_steps)
+            self.state, ints, logprobs = self._generate_steps_jit(
+                *leaves, self.state, pages, slots, self.decode_steps, jnp.int32(num_steps)
+            )
         for s in live:
             self._lengths[s] += num_steps
-        result = ResultTokens(_ints=ints, _logprobs=logprobs)
+        result = ResultTokens(_ints=ints, _logprobs=logprobs, _rows=None if num_steps == 1 else num_steps)
         if wait:
             return result.to_host()
         ints.copy_to_host_async()
@@ -435,12 +443,14 @@ def warmup(engine: PagedEngine, params: nnx.State) -> int:
             )
         lo = bucket + 1
     for steps in sorted({1, engine.decode_steps}):  # no slot is active: nothing is stepped
-        for window in _windows(engine, 1 + steps, engine.max_seq_len):
+        for window in _windows(engine, 1 + min(steps, 2), engine.max_seq_len):  # a multi-step call runs >= 2
             for slots in engine.decode_slot_buckets:
                 if steps == 1:
                     engine.state, *_ = engine._generate_jit(*leaves, engine.state, window, slots)
                 else:
-                    engine.state, *_ = engine._generate_steps_jit(*leaves, engine.state, window, slots, steps)
+                    engine.state, *_ = engine._generate_steps_jit(
+                        *leaves, engine.state, window, slots, steps, jnp.int32(1)
+                    )
     engine.state = engine._pending_jit(engine.state, jnp.int32(slot), jnp.int32(0), key, *greedy)
     engine.state = engine._set_row_jit(engine.state, jnp.int32(slot), engine._row(slot))
     engine._set(slot)  # the slot as it was: no pages, no tokens, not active

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from gyre_jax.serving.batch import DecodeBatch
+from gyre_jax.serving.batch import DecodeBatch, num_steps
 from gyre_jax.serving.jobs import Job, LoopStats, Step
 from gyre_jax.serving.kv_cache import KVPages
 from gyre_jax.serving.paged import PagedEngine, SlotPages
@@ -173,7 +173,7 @@ class PagedBatch(DecodeBatch):
         decoding = self._decoding(in_flight)
         if not decoding:
             return None
-        n = self.engine.decode_steps if multi_step and len(decoding) == sum(j is not None for j in self.slots) else 1
+        n = num_steps(self, decoding, in_flight, multi_step)
         result = self.engine.generate(self.params, num_steps=n, wait=False)
         self.stats.generate_steps += n
         self.stats.generate_calls += 1

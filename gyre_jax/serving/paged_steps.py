@@ -23,7 +23,7 @@ from flax import nnx
 
 from gyre_jax.model.attention import LayerCache, cache_mask, init_cache
 from gyre_jax.model.config import ModelConfig
-from gyre_jax.serving import sampling
+from gyre_jax.serving import sampling, steps
 
 
 @jax.tree_util.register_dataclass
@@ -161,16 +161,20 @@ def generate(graphdef: nnx.GraphDef, leaves, treedef, state: PagedState, num_pag
 
 
 def generate_steps(
-    graphdef: nnx.GraphDef, leaves, treedef, state: PagedState, num_pages: int, num_slots: int, num_steps: int
+    graphdef: nnx.GraphDef,
+    leaves,
+    treedef,
+    state: PagedState,
+    num_pages: int,
+    num_slots: int,
+    num_steps: int,
+    count: jax.Array,
 ):
-    """``num_steps`` (static) ``generate`` steps in one ``lax.scan`` program; outputs stacked on a leading axis."""
-
-    def body(carry: PagedState, _):
-        new, *out = generate(graphdef, leaves, treedef, carry, num_pages, num_slots)
-        return new, tuple(out)
-
-    state, outs = jax.lax.scan(body, state, None, length=num_steps)
-    return (state, *outs)
+    """Up to ``num_steps`` (static) ``generate`` steps in one program, the first ``count`` (traced) of them run
+    (``steps.run_steps``); outputs stacked on a leading [num_steps] axis, zeros past ``count``."""
+    return steps.run_steps(
+        lambda st: generate(graphdef, leaves, treedef, st, num_pages, num_slots), state, num_steps, count
+    )
 
 
 def set_slot(state: PagedState, slot, row, length, active) -> PagedState:

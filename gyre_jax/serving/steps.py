@@ -249,17 +249,30 @@ def generate_steps(
     window: int,
     num_slots: int,
     num_steps: int,
+    count: jax.Array,
     with_experts: bool = False,
 ):
-    """``num_steps`` (static) ``generate`` steps in one program (a ``lax.scan``): the same tokens, log-probs, keys
+    """Up to ``num_steps`` (static) ``generate`` steps in one program: the first ``count`` (int32 scalar, traced:
+    1..num_steps, one compile for every count) run, in a ``lax.fori_loop``, giving the same tokens, log-probs, keys
     and cache as that many ``generate`` calls, for one dispatch. Every step attends over ``window``: a slot whose
-    cache fills it stops being stepped (``valid`` False from then on). Returns the state and ``generate``'s
-    outputs stacked on a leading [num_steps] axis (ints [n, 3, slots], log-probs [n, slots], experts
-    [n, slots, L_moe, K])."""
+    cache fills it stops being stepped (``valid`` False from then on). Returns the state and ``generate``'s outputs
+    stacked on a leading [num_steps] axis (ints [n, 3, slots], log-probs [n, slots], experts [n, slots, L_moe, K]);
+    rows at and past ``count`` are zeros (``valid`` False)."""
+    return run_steps(
+        lambda st: generate(graphdef, leaves, treedef, st, window, num_slots, with_experts), state, num_steps, count
+    )
 
-    def body(carry: DecodeState, _):
-        new, *out = generate(graphdef, leaves, treedef, carry, window, num_slots, with_experts)
-        return new, tuple(out)
 
-    state, outs = jax.lax.scan(body, state, None, length=num_steps)
+def run_steps(step, state, num_steps: int, count: jax.Array):
+    """``step``: state -> (state, *outputs). Runs it ``count`` (traced, <= num_steps) times; returns the final state
+    and each output stacked on a leading [num_steps] axis, zeros past ``count``."""
+    shapes = jax.eval_shape(step, state)[1:]
+    outs = tuple(jnp.zeros((num_steps, *o.shape), o.dtype) for o in shapes)
+
+    def body(i, carry):
+        st, acc = carry
+        st, *out = step(st)
+        return st, tuple(jax.lax.dynamic_update_index_in_dim(a, o, i, axis=0) for a, o in zip(acc, out))
+
+    state, outs = jax.lax.fori_loop(0, jnp.minimum(count, num_steps), body, (state, outs))
     return (state, *outs)

@@ -423,8 +423,9 @@ def test_blockwise_attention_engine_generates_the_dense_greedy_tokens(
 
 
 def test_several_steps_in_one_program_equal_as_many_single_steps(engine, model_params, rules, prompts) -> None:
-    """``generate(num_steps=4)``: the tokens, log-probs, lengths and final state of 4 single steps (sampled slots,
-    a greedy one, an empty one); a slot whose cache fills the decode window stops being stepped mid-program."""
+    """``generate(num_steps=n)``, n <= decode_steps = 4: the tokens, log-probs, lengths and final state of n single
+    steps (sampled slots, a greedy one, an empty one), for 4 and for 3 (the same compiled program: its trip count is
+    an argument); a slot whose cache fills the decode window stops being stepped mid-program."""
     graphdef, params, _ = model_params
     e, slots = engine, engine.max_concurrent_decodes
     engine = Engine(
@@ -433,36 +434,37 @@ def test_several_steps_in_one_program_equal_as_many_single_steps(engine, model_p
     )  # fmt: skip
     sp = SamplingParams(temperature=1.0)
     runs = []
-    for steps in (1, 4):
+    for schedule in ((1,) * 8, (4, 4), (3, 1, 4)):
         d = Driver(engine, params)
         d.insert(0, prompts[4], sp, seed=7)
         d.insert(1, prompts[0])
         d.insert(3, (prompts[5] * 2)[:62], sp, seed=3)  # 62 tokens: fills the 64-position window after 2 steps
         out = []
-        for _ in range(2):
-            if steps == 1:
-                for _ in range(4):
-                    d.state, r = engine.generate(params, d.state, max_length=60, slot_limit=4)  # window 64
-                    out.append((r.tokens, r.logprobs, r.lengths, r.valid))
+        for n in schedule:
+            if n == 1:
+                d.state, r = engine.generate(params, d.state, max_length=60, slot_limit=4)  # window 64
+                out.append((r.tokens, r.logprobs, r.lengths, r.valid))
             else:
-                # window 64 too (57 + 3 steps): a hint below slot 3's length, so that its cache fills the window
-                d.state, r = engine.generate(params, d.state, max_length=57, slot_limit=4, num_steps=4)
-                assert r.tokens.shape == r.logprobs.shape == r.valid.shape == (4, slots)
+                # window 64 too (57 + n - 1): a hint below slot 3's length, so that its cache fills the window
+                d.state, r = engine.generate(params, d.state, max_length=57, slot_limit=4, num_steps=n)
+                assert r.tokens.shape == r.logprobs.shape == r.valid.shape == (n, slots)
                 out.extend(zip(r.tokens, r.logprobs, r.lengths, r.valid))
         runs.append((out, jax.device_get(d.state)))
-    (one, state_one), (four, state_four) = runs
-    for a, b in zip(one, four):
-        np.testing.assert_array_equal(a[0], b[0])
-        np.testing.assert_allclose(a[1], b[1], atol=1e-6)
-        np.testing.assert_array_equal(a[2], b[2])
-        np.testing.assert_array_equal(a[3], b[3])
-    assert [bool(x[3][2]) for x in four] == [False] * 8  # the empty slot is never stepped
-    assert [bool(x[3][3]) for x in four] == [True, True] + [False] * 6  # slot 3 filled the window
-    assert all(bool(x[3][0]) for x in four) and len({int(x[0][0]) for x in four}) > 1  # sampled, not constant
-    for a, b in zip(jax.tree.leaves(state_one), jax.tree.leaves(state_four)):
-        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-6)
-    with pytest.raises(ValueError, match="num_steps=3 must be 1 or the engine's decode_steps=4"):
-        engine.generate(params, state_four, num_steps=3)
+    (one, state_one), *multi = runs
+    for several, state_several in multi:
+        for a, b in zip(one, several, strict=True):
+            np.testing.assert_array_equal(a[0], b[0])
+            np.testing.assert_allclose(a[1], b[1], atol=1e-6)
+            np.testing.assert_array_equal(a[2], b[2])
+            np.testing.assert_array_equal(a[3], b[3])
+        assert [bool(x[3][2]) for x in several] == [False] * 8  # the empty slot is never stepped
+        assert [bool(x[3][3]) for x in several] == [True, True] + [False] * 6  # slot 3 filled the window
+        assert all(bool(x[3][0]) for x in several) and len({int(x[0][0]) for x in several}) > 1  # sampled
+        for a, b in zip(jax.tree.leaves(state_one), jax.tree.leaves(state_several)):
+            np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-6)
+    assert engine._generate_steps_jit._cache_size() == 1  # 3 and 4 steps: one program
+    with pytest.raises(ValueError, match="num_steps=5 must be between 1 and the engine's decode_steps=4"):
+        engine.generate(params, multi[-1][1], num_steps=5)
 
 
 def test_several_prompts_prefilled_in_one_program_equal_one_at_a_time(engine, model_params, prompts) -> None:

@@ -63,16 +63,17 @@ def dense_stream(engine, params, prompt, sp, seed, steps):
     return tokens, logprobs
 
 
-def paged_streams(eng, params, requests, steps, num_steps=1):
-    """requests: {slot: (prompt, sampling, seed)} prefilled then decoded together -> {slot: (tokens, logprobs)}."""
+def paged_streams(eng, params, requests, steps, num_steps=1, schedule=None):
+    """requests: {slot: (prompt, sampling, seed)} prefilled then decoded together -> {slot: (tokens, logprobs)};
+    ``steps`` decode steps in programs of ``num_steps`` each, or of the counts in ``schedule``."""
     out = {}
     for slot, (prompt, sp, seed) in requests.items():
         token, logprob = eng.prefill(params, slot, prompt, sp, key_for_seed(seed))
         eng.start(slot)
         out[slot] = ([token], [logprob])
-    for _ in range(steps // num_steps):
-        r = eng.generate(params, num_steps=num_steps)
-        toks, lps, valid = (np.reshape(a, (num_steps, -1)) for a in (r.tokens, r.logprobs, r.valid))
+    for n in schedule or [num_steps] * (steps // num_steps):
+        r = eng.generate(params, num_steps=n)
+        toks, lps, valid = (np.reshape(a, (n, -1)) for a in (r.tokens, r.logprobs, r.valid))
         for slot in requests:
             assert valid[:, slot].all()
             out[slot][0].extend(int(t) for t in toks[:, slot])
@@ -116,10 +117,16 @@ def test_paged_decoding_gives_the_dense_engines_tokens_and_the_references_greedy
 def test_several_steps_in_one_program_equal_one_step_programs(model_params, cell_mesh, rules, requests) -> None:
     _, params, _ = model_params
     one = paged_streams(paged(model_params, cell_mesh, rules), params, requests, steps=12)
-    four = paged_streams(paged(model_params, cell_mesh, rules, decode_steps=4), params, requests, steps=12, num_steps=4)
+    eng = paged(model_params, cell_mesh, rules, decode_steps=4)
+    four = paged_streams(eng, params, requests, steps=12, num_steps=4)
+    eng = paged(model_params, cell_mesh, rules, decode_steps=4)
+    mixed = paged_streams(eng, params, requests, steps=12, schedule=(3, 4, 1, 2, 2))  # any count up to 4
     for slot in requests:
-        assert four[slot][0] == one[slot][0]
+        assert four[slot][0] == mixed[slot][0] == one[slot][0]
         np.testing.assert_allclose(four[slot][1], one[slot][1], atol=1e-6, rtol=0)
+        np.testing.assert_allclose(mixed[slot][1], one[slot][1], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="num_steps=5 must be between 1 and the engine's decode_steps=4"):
+        eng.generate(params, num_steps=5)
 
 
 def test_a_sessions_pages_pass_to_its_next_request_without_a_copy(model_params, cell_mesh, rules, prompts) -> None:
