@@ -15,8 +15,8 @@ gives medians and ratios ours / Tunix, the JSON every run):
             wall time of the whole call (prefill, decode, tokens on the host). Ours: the ``Engine`` (``prefill_many``
             + ``insert_many``, then ``generate`` with every step dispatched before any is read), one step per program
             and all 63 decode steps in one program (``decode_steps``); and the ``ServingLoop`` (the batch submitted
-            at once), one step per program and 8. Tunix: ``Sampler.__call__`` (one prefill program, then one
-            ``while_loop`` program over every decode step). The greedy tokens of the two are compared. Then the
+            at once), one step per program, 8 and 63 (each program sized to what the batch still owes). Tunix:
+            ``Sampler.__call__`` (one prefill program, then one ``while_loop`` program over every decode step). The greedy tokens of the two are compared. Then the
             engine rows again at temperature 1 (top-p 1, top-k 0: the full softmax, RL's setting) against Tunix's
             sampler with temperature 1 and top-p 1 (which compiles its programs again for it: sampling settings are
             static there, arguments here).
@@ -125,7 +125,7 @@ FULL = Sizes(
     reps=9,
     loop_decode_steps=8,
 )
-SMOKE = Sizes(  # one layer (compile time grows with the unrolled layers); the multi-step loop shares the engine
+SMOKE = Sizes(  # one layer (compile time grows with the unrolled layers); 7 tokens in programs of 3: 3 + 3 + 1
     layers=1,
     embed=64,
     mlp=128,
@@ -139,7 +139,7 @@ SMOKE = Sizes(  # one layer (compile time grows with the unrolled layers); the m
     train_batch=2,
     train_seq=32,
     reps=1,
-    loop_decode_steps=7,
+    loop_decode_steps=3,
 )
 
 
@@ -621,6 +621,7 @@ def main(argv=None) -> dict:
         (f"engine, {all_steps} steps/program", "engine", all_steps, False),
         ("ServingLoop, 1 step/program", "loop", 1, False),
         (f"ServingLoop, {sz.loop_decode_steps} steps/program", "loop", sz.loop_decode_steps, False),
+        (f"ServingLoop, {all_steps} steps/program", "loop", all_steps, False),  # a static batch: one program
         ("temperature 1: engine, 1 step/program", "engine", 1, True),
         (f"temperature 1: engine, {all_steps} steps/program", "engine", all_steps, True),
     ]

@@ -47,6 +47,7 @@ def test_vs_tunix_smoke_run_checks_the_logits_and_reports_every_row(tmp_path) ->
         f"engine, {all_steps} steps/program",
         "ServingLoop, 1 step/program",
         f"ServingLoop, {sz['loop_decode_steps']} steps/program",
+        f"ServingLoop, {all_steps} steps/program",
     ]
     sampled = [f"temperature 1: {v} vs Sampler, temperature 1" for v in greedy[:2]]
     train = ["plain jit step (optax.adamw)", "Learner.step (sft: clip + adamw)"]
