@@ -253,17 +253,28 @@ def warm_start(s: Setup, suite: TaskSuite, stop: threading.Event, on_done=None) 
         mb = supervised_micro_batch(seqs, total, row_length(max(len(ids) for ids, _ in seqs) - 1))
         state, m = learner.step(state, [mb], kind="sft")
         losses.append(m["loss"])
+        steps = i + 1
         if i % 25 == 0 or i == w.steps - 1:
-            log.info("warm start %d/%d  loss %.4f", i + 1, w.steps, m["loss"])
+            log.info("warm start %d/%d  loss %.4f", steps, w.steps, m["loss"])
         if stop.is_set():
             raise KeyboardInterrupt("stopped during warm start (nothing was saved; rerun to start over)")
+        if w.target_loss > 0 and len(losses) == losses.maxlen and steps % 5 == 0:
+            if sum(float(x) for x in losses) / len(losses) <= w.target_loss:
+                log.info("warm start reached warm_start.target_loss=%g at step %d", w.target_loss, steps)
+                break
+    else:
+        steps = w.steps
+        if w.target_loss > 0 and w.steps:
+            log.warning(
+                "warm start: warm_start.target_loss=%g not reached in warm_start.steps=%d (raise either to go on)",
+                w.target_loss,
+                w.steps,
+            )
     tail = [float(x) for x in losses]  # each batch is fresh demonstrations: a held-out estimate
     loss = sum(tail) / len(tail) if tail else float("nan")
-    log.info(
-        "warm start: %d steps in %.1fs, mean loss of the last %d: %.4f", w.steps, time.time() - t0, len(tail), loss
-    )
-    if on_done is not None and w.steps:
-        on_done(w.steps, loss)
+    log.info("warm start: %d steps in %.1fs, mean loss of the last %d: %.4f", steps, time.time() - t0, len(tail), loss)
+    if on_done is not None and steps:
+        on_done(steps, loss)
     return state.params
 
 

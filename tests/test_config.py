@@ -554,6 +554,7 @@ SECTION_CHECKS = [
     ("serving", "decode_steps", 0, "config.serving.decode_steps=0 must be >= 1"),
     ("serving", "kv_layout", "radix", "config.serving.kv_layout='radix' must be one of ('dense', 'paged')"),
     ("warm_start", "steps", -1, "config.warm_start.steps=-1 must be >= 0"),
+    ("warm_start", "target_loss", -0.5, "config.warm_start.target_loss=-0.5 must be >= 0"),
     ("warm_start", "batch_size", 0, "config.warm_start.batch_size=0 must be >= 1"),
     ("warm_start", "learning_rate", 0.0, "config.warm_start.learning_rate=0.0 must be > 0"),
     ("warm_start", "schedule", "step", "config.warm_start.schedule='step' must be one of"),
