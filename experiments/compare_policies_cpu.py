@@ -131,31 +131,38 @@ def read_policy_run(policy: str, seed: int, workdir: Path, wall_s: float | None)
     }
 
 
-def _resampled_step_means(per_seed: list[np.ndarray], rng: np.random.Generator, n_boot: int) -> np.ndarray:
-    """[n_boot, k]: for each replicate, seeds resampled (k of k) and each picked seed's steps resampled; the
-    per-seed means. ``per_seed``: k arrays of per-step values."""
-    k = len(per_seed)
+def _resampled_mean(values: np.ndarray, rng: np.random.Generator, n_boot: int) -> np.ndarray:
+    """[n_boot]: the mean of ``values`` (one seed's steps) over ``n_boot`` resamples."""
+    return values[rng.integers(0, values.size, size=(n_boot, values.size))].mean(axis=1)
+
+
+def _two_level(k: int, rng: np.random.Generator, n_boot: int, replicate) -> np.ndarray:
+    """[n_boot]: the two-level bootstrap of a mean over k seeds. Each replicate resamples the seeds (k of k),
+    and each picked seed contributes its own replicate ``replicate(i)`` ([n_boot]: seed i's steps resampled)."""
     picks = rng.integers(0, k, size=(n_boot, k))
     out = np.empty((n_boot, k))
-    for i, values in enumerate(per_seed):
-        idx = rng.integers(0, values.size, size=(n_boot, values.size))
-        boot = values[idx].mean(axis=1)  # [n_boot]: seed i's steps resampled
-        out[picks == i] = boot[np.nonzero(picks == i)[0]]
-    return out
+    for i in range(k):
+        rows = np.nonzero(picks == i)
+        out[rows] = replicate(i)[rows[0]]
+    return out.mean(axis=1)
+
+
+def _summary(per_seed: list[float], reps: np.ndarray) -> dict:
+    a = (1 - CONFIDENCE) / 2
+    return {
+        "mean": float(np.mean(per_seed)),
+        "low": float(np.quantile(reps, a)),
+        "high": float(np.quantile(reps, 1 - a)),
+        "per_seed": per_seed,
+    }
 
 
 def interval(per_seed: list[list[float]], n_boot: int = 10_000, seed: int = 0) -> dict:
     """Mean over seeds of each seed's mean, with the 95% two-level bootstrap interval (seeds, then steps)."""
     arrays = [np.asarray(v, np.float64) for v in per_seed]
     rng = np.random.default_rng(seed)
-    reps = _resampled_step_means(arrays, rng, n_boot).mean(axis=1)
-    a = (1 - CONFIDENCE) / 2
-    return {
-        "mean": float(np.mean([x.mean() for x in arrays])),
-        "low": float(np.quantile(reps, a)),
-        "high": float(np.quantile(reps, 1 - a)),
-        "per_seed": [float(x.mean()) for x in arrays],
-    }
+    reps = _two_level(len(arrays), rng, n_boot, lambda i: _resampled_mean(arrays[i], rng, n_boot))
+    return _summary([float(x.mean()) for x in arrays], reps)
 
 
 def speedup_interval(base: list[list[float]], other: list[list[float]], n_boot: int = 10_000, seed: int = 0) -> dict:
@@ -163,23 +170,11 @@ def speedup_interval(base: list[list[float]], other: list[list[float]], n_boot: 
     interval: the same seeds are picked for both policies, their steps resampled independently."""
     b = [np.asarray(v, np.float64) for v in base]
     o = [np.asarray(v, np.float64) for v in other]
-    k = len(b)
     rng = np.random.default_rng(seed)
-    picks = rng.integers(0, k, size=(n_boot, k))
-    ratios = np.empty((n_boot, k))
-    for i in range(k):
-        bi = b[i][rng.integers(0, b[i].size, size=(n_boot, b[i].size))].mean(axis=1)
-        oi = o[i][rng.integers(0, o[i].size, size=(n_boot, o[i].size))].mean(axis=1)
-        rows = np.nonzero(picks == i)
-        ratios[rows] = (bi / oi)[rows[0]]
-    a = (1 - CONFIDENCE) / 2
-    per_seed = [float(bi.mean() / oi.mean()) for bi, oi in zip(b, o)]
-    return {
-        "mean": float(np.mean(per_seed)),
-        "low": float(np.quantile(ratios.mean(axis=1), a)),
-        "high": float(np.quantile(ratios.mean(axis=1), 1 - a)),
-        "per_seed": per_seed,
-    }
+    reps = _two_level(
+        len(b), rng, n_boot, lambda i: _resampled_mean(b[i], rng, n_boot) / _resampled_mean(o[i], rng, n_boot)
+    )
+    return _summary([float(bi.mean() / oi.mean()) for bi, oi in zip(b, o)], reps)
 
 
 def summarize(runs: list[dict], n_boot: int = 10_000) -> dict:
