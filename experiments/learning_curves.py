@@ -11,7 +11,8 @@ workdir ``<runs-dir>/seed<k>`` (default runs-dir: ``runs/learning_curves/<config
 ``--config.x=y`` pass through). A seed whose run is complete is not run again, and an
 interrupted one resumes from its checkpoint (the same command). Then reads each ``metrics.jsonl`` (and, where
 present, ``results/eval_<step>.jsonl``) and writes ``learning_curves.json`` and ``learning_curves.png`` into
-``--out``, and prints the gains.
+``--out``, and prints the gains. Each seed run here also records its wall time and the machine's 1-minute load
+average over it (``wall_s``, ``load_avg_1min``: these machines are shared, and a time means little without it).
 
 Statistics (``curves`` / ``eval_gains``, pure functions of the runs' metrics):
 - training reward at step s: mean over seeds of the step's reward_mean; interval: percentile bootstrap over seeds.
@@ -26,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,14 +227,47 @@ def gain_lines(gains: dict) -> list[str]:
     return lines
 
 
-def run_seed(config: str, seed: int, workdir: Path, overrides: list[str]) -> float:
-    """Runs (or resumes) one seed's training; returns its wall time in seconds."""
+class LoadSampler:
+    """The machine's 1-minute load average, sampled every ``period_s`` seconds while in a ``with`` block (a
+    run's wall time means little without it: these machines are shared). ``summary()``: start, end, mean, max."""
+
+    def __init__(self, period_s: float = 5.0):
+        self.period_s = period_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.samples.append(os.getloadavg()[0])
+            if self._stop.wait(self.period_s):
+                return
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> dict:
+        x = self.samples
+        return {"start": x[0], "end": x[-1], "mean": float(np.mean(x)), "max": max(x), "samples": len(x),
+                "cpus": os.cpu_count()}  # fmt: skip
+
+
+def run_seed(config: str, seed: int, workdir: Path, overrides: list[str]) -> tuple[float, dict]:
+    """Runs (or resumes) one seed's training; returns its wall time in seconds and the load average over it
+    (``LoadSampler.summary``)."""
     cmd = [sys.executable, "-m", "gyre_jax.train", "--config", config, f"--config.seed={seed}"]
     cmd += [f"--config.workdir={workdir}", "--config.metrics.progress_bar=False", *overrides]
     print("$", " ".join(cmd), flush=True)
     t0 = time.time()
-    subprocess.run(cmd, check=True, cwd=REPO)
-    return time.time() - t0
+    with LoadSampler() as load:
+        subprocess.run(cmd, check=True, cwd=REPO)
+    return time.time() - t0, load.summary()
 
 
 def complete(workdir: Path, total_steps: int | None) -> bool:
@@ -266,14 +302,16 @@ def main(argv: list[str]) -> int:
     runs_dir = args.runs_dir or REPO / "runs" / "learning_curves" / Path(args.config).stem  # git-ignored
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     wall: dict[int, float] = {}
+    load: dict[int, dict] = {}
     if not args.analyze_only:
         for s in seeds:
             workdir = runs_dir / f"seed{s}"
             if complete(workdir, args.steps):
                 print(f"seed {s}: complete in {workdir}, not run again", flush=True)
                 continue
-            wall[s] = run_seed(args.config, s, workdir, overrides)
-            print(f"seed {s}: {wall[s]:.0f} s", flush=True)
+            wall[s], load[s] = run_seed(args.config, s, workdir, overrides)
+            print(f"seed {s}: {wall[s]:.0f} s, load average {load[s]['mean']:.2f} (max {load[s]['max']:.2f}) "
+                  f"on {load[s]['cpus']} CPUs", flush=True)  # fmt: skip
     runs = [read_run(runs_dir / f"seed{s}", s) for s in seeds if (runs_dir / f"seed{s}" / "metrics.jsonl").exists()]
     if not runs:
         raise SystemExit(f"error: no run under {runs_dir} has a metrics.jsonl; run without --analyze-only first")
@@ -284,6 +322,7 @@ def main(argv: list[str]) -> int:
         "overrides": overrides,
         "seeds": [r.seed for r in runs],
         "wall_s": {str(k): v for k, v in wall.items()},
+        "load_avg_1min": {str(k): v for k, v in load.items()},  # over each seed's run (LoadSampler)
         "confidence": CONFIDENCE,
         "bootstrap": args.bootstrap,
         "train_reward": curve,

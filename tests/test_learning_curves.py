@@ -60,6 +60,23 @@ def test_bootstrap_interval_of_a_mean():
     )
 
 
+def test_load_sampler_records_the_load_average_over_a_block(monkeypatch):
+    import itertools
+
+    lc = _module()
+    values = itertools.chain([1.5, 3.0, 2.5], itertools.repeat(0.5))  # what os.getloadavg()[0] reads, in order
+    monkeypatch.setattr(lc.os, "getloadavg", lambda: (next(values), 0.0, 0.0))
+    with lc.LoadSampler(period_s=0.01) as sampler:
+        while len(sampler.samples) < 3:  # the sampling thread's first three reads
+            pass
+    x = sampler.samples  # then 0.5 until stopped, and once more at the end of the block
+    assert x[:3] == [1.5, 3.0, 2.5] and x[3:] == [0.5] * (len(x) - 3) and len(x) >= 4
+    assert sampler.summary() == {
+        "start": 1.5, "end": 0.5, "mean": pytest.approx(sum(x) / len(x)), "max": 3.0, "samples": len(x),
+        "cpus": lc.os.cpu_count(),
+    }  # fmt: skip
+
+
 def test_curves_and_gains_from_synthetic_runs(tmp_path):
     """Three seeds: training reward rising 0.2 -> 0.8, a clear gain on the training tasks and none held out."""
     lc = _module()
