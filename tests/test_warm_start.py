@@ -40,6 +40,6 @@ def test_the_warm_start_stops_at_its_target_loss_and_otherwise_runs_every_step(c
     [(steps, loss)] = done
     assert steps == 30 and loss > 1e-9
     assert "warm_start.target_loss=1e-09 not reached in warm_start.steps=30" in caplog.text
-    # no target: every step, and no target message
-    _, _, done = _warm(["--config.warm_start.steps=27"], caplog)
+    # no target (0: off; the default config has one): every step, and no target message
+    _, _, done = _warm(["--config.warm_start.steps=27", "--config.warm_start.target_loss=0"], caplog)
     assert [d[0] for d in done] == [27] and "target_loss" not in caplog.text
