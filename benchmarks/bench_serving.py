@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     from gyre_jax.serving.types import GenerationRequest, SamplingParams
 
     sz = SMOKE if args.smoke else FULL
-    # smoke: one layer (its programs compile in about half the time of the default's two; same code paths)
+    # smoke: one layer (less to compile per program: the warm-up is most of a smoke run; same code paths)
     config = load_config(["--config.model.num_layers=1"] if args.smoke else [])
     cfg = config.model_config()
     rules = tuple((k, v) for k, v in config.sharding_rules)
