@@ -197,3 +197,27 @@ def test_sees_any_marks_the_queries_that_see_a_key_without_the_dense_mask() -> N
         assert want.any() and not want.all()
         for block_k in (1, 3, 128):  # several blocks, a ragged last block, one block
             np.testing.assert_array_equal(jax.jit(spec.sees_any, static_argnums=0)(block_k), want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_attention_equals_dot_product_attention_on_ragged_cache_rows(dtype) -> None:
+    """The decode step's grouped attention (one query per row, keys where the cache holds them) against
+    ``jax.nn.dot_product_attention`` on rows of different lengths, 2 query heads per KV head, a row that sees one key."""
+    from gyre_jax.model.attention import cache_causal_mask, decode_attention
+
+    rng = np.random.default_rng(0)
+    b, s, kh, g, d = 5, 48, 2, 2, 16
+    q = jnp.asarray(rng.standard_normal((b, 1, kh * g, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((b, s, kh, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((b, s, kh, d)), dtype)
+    positions = jnp.asarray([[0], [7], [20], [47], [31]], jnp.int32)
+    mask = cache_causal_mask(positions, s)  # [B, 1, S]
+    got = jax.jit(decode_attention)(q, k, v, mask)
+    want = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
+    assert got.shape == want.shape == (b, 1, kh * g, d) and got.dtype == dtype
+    tol = 2e-6 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+    # row 0 sees only key 0: its output is that key's value, per query head's KV head
+    np.testing.assert_allclose(
+        np.asarray(got[0, 0], np.float32), np.asarray(jnp.repeat(v[0, 0], g, axis=0), np.float32), atol=tol
+    )
