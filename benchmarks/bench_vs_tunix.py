@@ -24,7 +24,9 @@ gives medians and ratios ours / Tunix, the JSON every run):
             plain jitted step on our model with ``optax.adamw`` (params and optimizer state donated), and
             ``Learner.step`` (kind "sft": the micro-step, the gradient accumulator, clipping + AdamW with the
             finite-step guard). Tunix: its ``PeftTrainer``'s own train step (``nnx.jit`` over ``nnx.Optimizer``
-            with ``optax.adamw``, the nnx graph cached as ``PeftTrainer.train`` does).
+            with ``optax.adamw``, the nnx graph cached as ``PeftTrainer.train`` does). Ours both ways again with
+            ``attention_impl="blockwise"`` in 64 x 64 blocks (same weights; the flash-style kernel that skips
+            masked-out blocks, which long-context configs use; the default is "xla", ``jax.nn.dot_product_attention``).
   compile   seconds the two warm-up calls of each variant took beyond two steady-state calls (the second call
             compiles again for the plain step and Tunix's trainer: its arguments are the first call's outputs, now
             committed to the device). The persistent compilation cache is off for this run.
@@ -76,7 +78,7 @@ if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
 from gyre_jax.model.attention import segment_mask  # noqa: E402
 from gyre_jax.model.config import ModelConfig  # noqa: E402
 from gyre_jax.model.hf_checkpoint import save_hf_checkpoint  # noqa: E402
-from gyre_jax.model.sharding import RULES_DATA, init_params, make_mesh  # noqa: E402
+from gyre_jax.model.sharding import RULES_DATA, abstract_model, init_params, make_mesh  # noqa: E402
 from gyre_jax.rl.learner import Learner, OptimizerConfig  # noqa: E402
 from gyre_jax.serving.engine import Engine  # noqa: E402
 from gyre_jax.serving.loop import ServingLoop  # noqa: E402
@@ -87,6 +89,9 @@ from gyre_jax.trajectory.batch import MicroBatch  # noqa: E402
 # Both sides donate buffers (Tunix's sampler and trainer, our engine and steps); those a program cannot reuse warn.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
+BLOCKWISE_BLOCK = 64  # the training rows' blockwise attention blocks (model.attention_block_q / _k)
+BLOCKWISE_PLAIN = f"plain jit step, attention_impl=blockwise ({BLOCKWISE_BLOCK}x{BLOCKWISE_BLOCK} blocks)"
+BLOCKWISE_LEARNER = f"Learner.step, attention_impl=blockwise ({BLOCKWISE_BLOCK}x{BLOCKWISE_BLOCK} blocks)"
 LOGITS_TOL = 5e-6  # max |ours - Tunix| over the check batch, relative to max(1, max |logits|)
 LOGITS_BATCH = (2, 64)
 
@@ -699,9 +704,18 @@ def main(argv=None) -> dict:
     # -- training ----------------------------------------------------------------------------------------------
     lr = 1e-4
     tokens = train_tokens(sz, sz.vocab)
+    # the same model and weights with attention_impl="blockwise" (the kernel long-context training configs use:
+    # flash-style, masked-out blocks skipped) in blocks of 64 (at 128 a 256-token row has 4 blocks, 1 skipped; at 64,
+    # 16 and 6); its graphdef differs from the default's only in those config fields
+    cfg_blockwise = dataclasses.replace(
+        cfg, attention_impl="blockwise", attention_block_q=BLOCKWISE_BLOCK, attention_block_k=BLOCKWISE_BLOCK
+    )
+    graphdef_blockwise, _ = abstract_model(cfg_blockwise)
     steps = {
         "plain jit step (optax.adamw)": ours_plain_step(cfg, graphdef, params, tokens, lr),
         "Learner.step (sft: clip + adamw)": ours_learner_step(cfg, graphdef, mesh, params, tokens, lr),
+        BLOCKWISE_PLAIN: ours_plain_step(cfg_blockwise, graphdef_blockwise, params, tokens, lr),
+        BLOCKWISE_LEARNER: ours_learner_step(cfg_blockwise, graphdef_blockwise, mesh, params, tokens, lr),
         "Tunix PeftTrainer step": tunix_train_step(tunix_training_model, tokens, lr),
     }
     runs = Runs()
@@ -716,7 +730,12 @@ def main(argv=None) -> dict:
             runs.add(name, time.perf_counter() - t0, time.process_time() - cpu0)
     report["train_losses"] = losses
     n_tokens = sz.train_batch * sz.train_seq
-    for name in ("plain jit step (optax.adamw)", "Learner.step (sft: clip + adamw)"):
+    for name in (
+        "plain jit step (optax.adamw)",
+        "Learner.step (sft: clip + adamw)",
+        BLOCKWISE_PLAIN,
+        BLOCKWISE_LEARNER,
+    ):
         label = f"train [{sz.train_batch}, {sz.train_seq}]: {name} vs PeftTrainer step"
         rows.append(throughput_row(runs, "train", label, name, "Tunix PeftTrainer step", n_tokens))
         compile_rows.append(

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,7 +51,12 @@ def test_vs_tunix_smoke_run_checks_the_logits_and_reports_every_row(tmp_path) ->
         f"ServingLoop, {all_steps} steps/program",
     ]
     sampled = [f"temperature 1: {v} vs Sampler, temperature 1" for v in greedy[:2]]
-    train = ["plain jit step (optax.adamw)", "Learner.step (sft: clip + adamw)"]
+    train = [
+        "plain jit step (optax.adamw)",
+        "Learner.step (sft: clip + adamw)",
+        "plain jit step, attention_impl=blockwise (64x64 blocks)",
+        "Learner.step, attention_impl=blockwise (64x64 blocks)",
+    ]
     expected = [f"decode, batch {b}: {v}" for b in sz["batches"] for v in greedy + sampled]
     expected += [f"train [{sz['train_batch']}, {sz['train_seq']}]: {t} vs PeftTrainer step" for t in train]
     compiles = [f"{v} vs Sampler" for v in greedy[:2]]
@@ -76,4 +82,8 @@ def test_vs_tunix_smoke_run_checks_the_logits_and_reports_every_row(tmp_path) ->
         agreement = report["greedy_token_agreement"][f"b{b}"]
         assert sorted(agreement) == sorted(greedy)
         assert all(a["rows"] == b and 0 <= a["rows_identical"] <= b for a in agreement.values())
-    assert all(len(v) == 2 + sz["reps"] for v in report["train_losses"].values())
+    losses = report["train_losses"]
+    assert all(len(v) == 2 + sz["reps"] for v in losses.values())
+    # the blockwise kernel trains the same model: the same losses step for step as the default attention
+    np.testing.assert_allclose(losses[train[2]], losses[train[0]], rtol=1e-5)
+    np.testing.assert_allclose(losses[train[3]], losses[train[1]], rtol=1e-5)
