@@ -227,6 +227,7 @@ class Run:
     is_leader: bool = True
     untrained: UntrainedSteps | None = None  # set in __post_init__ from config.rl.max_untrained_steps
     untrained_error: str | None = None  # why the run stopped early for steps that trained nothing (exit 3)
+    signalled: bool = False  # this process got SIGINT/SIGTERM (a second one exits at once)
 
     def __post_init__(self) -> None:
         if self.untrained is None:
@@ -382,21 +383,31 @@ class Run:
         self._saved_step = next_step
 
     def request_stop(self, *_: Any) -> None:
-        """Stops the run at the next safe point: running harnesses are killed, a checkpoint is kept.
-
-        A second request exits at once (status 130) without saving."""
-        if self.stop.is_set():
+        """This process got SIGINT/SIGTERM: stops the run at the next safe point (running harnesses are killed, a
+        checkpoint is kept). A second signal exits at once (status 130) without saving. A stop already under way
+        for another reason (a follower relayed the same preemption notice first, or the run stopped itself) does
+        not make this signal the second one."""
+        if self.signalled:
             log.error("second stop request: exiting now without saving")
             os._exit(130)
+        self.signalled = True
+        if self.stop.is_set():
+            log.warning(
+                "stop requested here too (a stop is already under way): saving a checkpoint (send again to force)"
+            )
+            return
+        self._begin_stop()
+
+    def follower_asks_stop(self) -> None:
+        """A follower got SIGINT/SIGTERM (e.g. every process got Slurm's): stop and save, once, whether this
+        process got the signal before, after, or not at all; never a forcing request."""
+        if not self.stop.is_set():
+            self._begin_stop()
+
+    def _begin_stop(self) -> None:
         log.warning("stop requested: finishing up and saving a checkpoint (send again to force)")
         self.stop.set()
         self.executor.cancel()
-
-    def follower_asks_stop(self) -> None:
-        """A follower got SIGINT/SIGTERM (e.g. every process got Slurm's): stop and save, once (not taken as a
-        second, forcing, request when this process got the signal too)."""
-        if not self.stop.is_set():
-            self.request_stop()
 
     def close(self) -> None:
         closers = (
