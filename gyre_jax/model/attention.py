@@ -30,16 +30,46 @@ from gyre_jax.model.ring import ring_attention
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerCache:
-    """One layer's KV cache. k, v: [B, S, K, D]; index s holds the key/value of the token at position s."""
+    """One layer's KV cache. k, v: [B, S, K, D]; index s holds the key/value of the token at position s.
+
+    ``heads_first`` (static): k, v are [B, K, S, D] instead, the decode slots' layout (``serving.kv_cache``): a
+    decode step then reads a window ``[:, :, :w]`` of it with no transpose (one key head's positions are
+    contiguous), and writes its one new row per slot in place."""
 
     k: jax.Array
     v: jax.Array
+    heads_first: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    @property
+    def length(self) -> int:
+        """S: the positions the cache holds."""
+        return self.k.shape[2 if self.heads_first else 1]
+
+    def write(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> LayerCache:
+        """k, v: [B, T, K, D] written at positions [B, T] of rows 0..B-1 (the cache may hold more rows than the
+        batch: a decode step over the first B slots); positions >= S are dropped."""
+        return dataclasses.replace(
+            self,
+            k=write_cache(self.k, k, positions, self.heads_first),
+            v=write_cache(self.v, v, positions, self.heads_first),
+        )
+
+    def read(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
+        """Rows [0, batch) and positions [0, length) as k, v [batch, length, K, D] (a copy when heads_first)."""
+        if self.heads_first:
+            return tuple(jnp.swapaxes(x[:batch, :, :length], 1, 2) for x in (self.k, self.v))
+        return self.k[:batch, :length], self.v[:batch, :length]
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> list[LayerCache]:
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None, heads_first: bool = False) -> list[LayerCache]:
+    """Zero caches per layer: [batch, length, K, D] (``heads_first``: [batch, K, length, D])."""
     dtype = dtype or cfg.compute_dtype
-    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-    return [LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+    k, d = cfg.num_kv_heads, cfg.head_dim
+    shape = (batch, k, length, d) if heads_first else (batch, length, k, d)
+    return [
+        LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), heads_first=heads_first)
+        for _ in range(cfg.num_layers)
+    ]
 
 
 MASK_SPEC_IMPLS = ("blockwise", "pallas")  # the attention_impls that take a MaskSpec; the others a dense mask
@@ -100,27 +130,37 @@ def _check_mask_kind(impl: str, mask) -> None:
         )
 
 
-def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """Scatters new: [B, T, K, D] into cache: [B, S, K, D] at positions: [B, T]; positions >= S are dropped."""
-    b = jnp.arange(cache.shape[0])[:, None]
-    return cache.at[b, positions].set(new.astype(cache.dtype), mode="drop")
+def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array, heads_first: bool = False) -> jax.Array:
+    """Scatters new: [B, T, K, D] into rows 0..B-1 of cache: [B', S, K, D] (``heads_first``: [B', K, S, D]; B' >= B)
+    at positions: [B, T]; positions >= S are dropped."""
+    b = jnp.arange(new.shape[0])[:, None]
+    at = cache.at[b, :, positions] if heads_first else cache.at[b, positions]  # either way indexes [B, T, K, D]
+    return at.set(new.astype(cache.dtype), mode="drop")
 
 
-def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """One query per row over S keys: q [B, 1, H, D], k, v [B, S, K, D] (H = K * G), mask [B, 1, S] bool with at
-    least one True per row -> [B, 1, H, D]; ``jax.nn.dot_product_attention``'s result to float rounding.
+def decode_attention(q: jax.Array, cache: LayerCache, mask: jax.Array) -> jax.Array:
+    """One query per row over the first W keys of rows 0..B-1 of ``cache``: q [B, 1, H, D] (H = K * G), mask
+    [B, 1, W] bool with at least one True per row (W <= the cache's length) -> [B, 1, H, D];
+    ``jax.nn.dot_product_attention``'s result to float rounding.
 
-    The query heads are grouped per KV head and contracted with the keys where they lie ([B, S, K, D], the cache's
-    layout) and the mask is broadcast over the heads only inside the fused select: on a 2-core CPU, one layer over a
-    [32, 256] window of a [32, 1024] cache took 0.42-0.57 ms against ``jax.nn.dot_product_attention``'s 0.72-0.80,
-    and the 32-slot decode step of ``benchmarks/bench_serving.py``'s model 1.8 ms against 2.8 (docs/results.md)."""
+    The query heads are grouped per KV head and contracted with the keys where they lie, and the mask is broadcast
+    over the heads only inside the fused select. With a ``heads_first`` cache ([B', K, S, D], the decode slots')
+    the window is read with no transpose: on a 2-core CPU, one layer's write + attention over a [32, 256] window of
+    a [32, 1024] cache took 0.51-0.86 ms against 0.86-1.5 with the sequence-major layout (whose keys XLA copies
+    into [B, K, D, W] for the batched matmul) and 1.5-1.7 through ``jax.nn.dot_product_attention`` (docs/serving.md)."""
     b, _, h, d = q.shape
-    kh = k.shape[2]
+    w, kh = mask.shape[-1], cache.k.shape[1 if cache.heads_first else 2]
     qg = q.reshape(b, kh, h // kh, d)
-    scores = jnp.einsum("bkgd,bskd->bkgs", qg, k, preferred_element_type=jnp.float32) / np.sqrt(d).astype(np.float32)
-    scores = jnp.where(mask[:, :, None, :], scores, jnp.finfo(jnp.float32).min)  # mask [B, 1, S] -> [B, 1, 1, S]
+    if cache.heads_first:
+        k, v, spec_k = cache.k[:b, :, :w], cache.v[:b, :, :w], "bksd"
+    else:
+        k, v, spec_k = cache.k[:b, :w], cache.v[:b, :w], "bskd"
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    scale = np.sqrt(d).astype(np.float32)
+    scores = jnp.einsum(f"bkgd,{spec_k}->bkgs", qg, k, preferred_element_type=jnp.float32) / scale
+    scores = jnp.where(mask[:, :, None, :], scores, jnp.finfo(jnp.float32).min)  # mask [B, 1, W] -> [B, 1, 1, W]
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgs,bskd->bkgd", probs, v)
+    out = jnp.einsum(f"bkgs,{spec_k}->bkgd", probs, v)
     return out.reshape(b, 1, h, d)
 
 
@@ -152,7 +192,8 @@ class Attention(nnx.Module):
         ``cfg.attention_impl`` (S = T without cache, cache length with one).
 
         With a cache, this call's keys/values are first written at ``positions``, then queries attend
-        over the whole cache. Returns ([B, T, E], updated cache or None). "blockwise" and "pallas" compute a single
+        over the whole cache; a decode step (T = 1) attends over its first S keys only (S from the mask: a window of
+        a longer cache) and over its first B rows (a batch of the first B decode slots). Returns ([B, T, E], updated cache or None). "blockwise" and "pallas" compute a single
         query (T = 1: a decode step) as "xla" does, over the MaskSpec's dense [B, 1, S] mask.
         """
         q = self.q_norm(self.q_proj("bte,ehd->bthd", x))
@@ -161,15 +202,19 @@ class Attention(nnx.Module):
         inv_freq, scale = rope_frequencies(self.cfg)  # numpy constants, folded at trace time
         q = apply_rope(q, positions, self.cfg.rope_theta, inv_freq=inv_freq, scale=scale)
         k = apply_rope(k, positions, self.cfg.rope_theta, inv_freq=inv_freq, scale=scale)
-        if cache is not None:
-            cache = LayerCache(k=write_cache(cache.k, k, positions), v=write_cache(cache.v, v, positions))
-            k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
         impl = self.cfg.attention_impl
         _check_mask_kind(impl, mask)
+        if cache is not None:
+            cache = cache.write(k, v, positions)
         if q.shape[1] == 1 and impl != "cudnn":  # a decode step: its mask [B, 1, S] is small (for a MaskSpec:
             # one query over S keys in blocks would be S / block_k dependent loop steps)
-            out = decode_attention(q, k, v, dense_mask(mask) if impl in MASK_SPEC_IMPLS else mask)
-        elif impl == "pallas":
+            dense = dense_mask(mask) if impl in MASK_SPEC_IMPLS else mask
+            out = decode_attention(q, LayerCache(k, v) if cache is None else cache, dense)
+            return self.o_proj("bthd,hde->bte", out), cache
+        if cache is not None:  # the mask's S keys: the whole cache, or a window of it
+            keys = mask.k_segment.shape[1] if isinstance(mask, MaskSpec) else mask.shape[-1]
+            k, v = (x.astype(q.dtype) for x in cache.read(q.shape[0], keys))
+        if impl == "pallas":
             bq, bk = self.cfg.attention_block_q, self.cfg.attention_block_k
             out = pallas_attention(q, k, v, mask, block_q=bq, block_k=bk)  # [B, T, H, D]
         elif impl == "blockwise":

@@ -2,12 +2,15 @@
 one sequence's KV in pages (``KVPages``), with their layouts on a cell's mesh and their empty values.
 
 Per layer ``LayerCache(k, v)``; K = kv heads, D = head dim, S = ``max_seq_len``:
-  - ``DecodeState``: ``[slots, S, K, D]``, dense per slot, so a generate step is one plain model call;
+  - ``DecodeState``: ``[slots, K, S, D]`` (``heads_first``), dense per slot, so a generate step is one plain model
+    call that writes each stepped slot's new row in place and reads a window ``[:, :, :w]`` of the cache with no
+    transpose (``attention.decode_attention``); everything else is sequence-major, ``[.., S, K, D]``: ``insert``
+    transposes a prefix on its way in, ``save_slot`` / ``export_rows`` a slot on its way out;
   - ``Prefix``: ``[1, C, K, D]`` with C a prefill bucket (a fresh prompt) or S (a prompt prefilled on top
     of an existing prefix: chunked prefill, a session-cache hit, a migrated session);
   - page pool: ``[P, page_size, K, D]``, the fixed KV budget of the session prefix cache;
   - ``KVPages``: ``[n, page_size, K, D]``, one session's KV in transit (export -> device_put -> import).
-Decode slots and pages are split over the mesh like a batch (``CACHE_AXES``).
+Decode slots and pages are split over the mesh like a batch (``SLOT_CACHE_AXES``, ``CACHE_AXES``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from gyre_jax.model.attention import LayerCache, init_cache
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import Rules, logical_sharding
 
-CACHE_AXES = ("batch", None, "kv_heads", "head_dim")  # decode slots and pages are split like a batch
+CACHE_AXES = ("batch", None, "kv_heads", "head_dim")  # pages (and prefixes) are split like a batch
+SLOT_CACHE_AXES = ("batch", "kv_heads", None, "head_dim")  # the decode slots' heads-first cache, likewise
 
 
 @jax.tree_util.register_dataclass
@@ -43,7 +47,7 @@ class Prefix:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
-    """All slots' state. cache: per layer [slots, S, K, D]; the rest [slots] (keys [slots, 2])."""
+    """All slots' state. cache: per layer [slots, K, S, D] (``heads_first``); the rest [slots] (keys [slots, 2])."""
 
     cache: list[LayerCache]
     tokens: jax.Array  # int32: last sampled token per slot, fed to the next generate step
@@ -68,13 +72,13 @@ class KVPages:
 
 
 def decode_state_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules, slots: int, max_seq_len: int) -> DecodeState:
-    """``DecodeState`` of ``NamedSharding``: slots split like a batch, the cache [slots, S, K, D] per layer."""
-    cache_shape = (slots, max_seq_len, cfg.num_kv_heads, cfg.head_dim)
-    cache_sharding = logical_sharding(CACHE_AXES, rules, mesh, cache_shape)
+    """``DecodeState`` of ``NamedSharding``: slots split like a batch, the cache [slots, K, S, D] per layer."""
+    cache_shape = (slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
+    cache_sharding = logical_sharding(SLOT_CACHE_AXES, rules, mesh, cache_shape)
     slot_sharding = logical_sharding(("batch",), rules, mesh, (slots,))
     key_sharding = logical_sharding(("batch", None), rules, mesh, (slots, 2))
     return DecodeState(
-        cache=[LayerCache(k=cache_sharding, v=cache_sharding) for _ in range(cfg.num_layers)],
+        cache=[LayerCache(k=cache_sharding, v=cache_sharding, heads_first=True) for _ in range(cfg.num_layers)],
         tokens=slot_sharding,
         lengths=slot_sharding,
         active=slot_sharding,
@@ -94,9 +98,9 @@ def kv_pages_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules, page_size: in
 
 
 def empty_decode_state(cfg: ModelConfig, slots: int, max_seq_len: int) -> DecodeState:
-    """Every slot free: zero caches [slots, S, K, D], no tokens, greedy-neutral sampling settings."""
+    """Every slot free: zero caches [slots, K, S, D], no tokens, greedy-neutral sampling settings."""
     return DecodeState(
-        cache=init_cache(cfg, slots, max_seq_len),
+        cache=init_cache(cfg, slots, max_seq_len, heads_first=True),
         tokens=jnp.zeros((slots,), jnp.int32),
         lengths=jnp.zeros((slots,), jnp.int32),
         active=jnp.zeros((slots,), jnp.bool_),
@@ -116,6 +120,11 @@ def empty_prefix(cfg: ModelConfig, max_seq_len: int, key: jax.Array) -> Prefix:
         logprob=jnp.float32(0),
         key=key,
     )
+
+
+def heads_first(x: jax.Array) -> jax.Array:
+    """[B, C, K, D] -> [B, K, C, D]: a sequence-major cache (a prefix's) in the decode slots' layout."""
+    return jnp.swapaxes(x, 1, 2)
 
 
 def widen(x: jax.Array, max_seq_len: int) -> jax.Array:

@@ -21,7 +21,7 @@ from flax import nnx
 from gyre_jax.model.attention import LayerCache, cache_mask, init_cache
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.serving import sampling
-from gyre_jax.serving.kv_cache import DecodeState, Prefix, widen
+from gyre_jax.serving.kv_cache import DecodeState, Prefix, heads_first, widen
 
 
 def _model(graphdef: nnx.GraphDef, leaves, treedef):
@@ -124,17 +124,17 @@ def prefill_many(
 
 
 def insert_many(prefixes: Prefix, state: DecodeState, slots, temperature, top_k, top_p) -> DecodeState:
-    """Writes each row of ``prefix_many``'s result (cache [B, C, K, D]) at [slots[i], 0:C] and activates those
+    """Writes each row of ``prefix_many``'s result (cache [B, C, K, D]) at [slots[i], :, 0:C] and activates those
     slots; a row whose slot is out of range (a padding row) writes nothing."""
-    c = prefixes.cache[0].k.shape[1]
+    c = prefixes.cache[0].length
 
-    def put(dst, src):  # dst: [slots, S, K, D]; src: [B, C, K, D]
-        return dst.at[slots, :c].set(src.astype(dst.dtype), mode="drop")
+    def put(dst, src):  # dst: [slots, K, S, D]; src: [B, C, K, D]
+        return dst.at[slots, :, :c].set(heads_first(src).astype(dst.dtype), mode="drop")
 
     def field(dst, src):
         return dst.at[slots].set(src.astype(dst.dtype), mode="drop")
 
-    cache = [LayerCache(k=put(s.k, p.k), v=put(s.v, p.v)) for s, p in zip(state.cache, prefixes.cache)]
+    cache = [dataclasses.replace(s, k=put(s.k, p.k), v=put(s.v, p.v)) for s, p in zip(state.cache, prefixes.cache)]
     return DecodeState(
         cache=cache,
         tokens=field(state.tokens, prefixes.token),
@@ -148,12 +148,12 @@ def insert_many(prefixes: Prefix, state: DecodeState, slots, temperature, top_k,
 
 
 def insert(prefix: Prefix, state: DecodeState, slot, temperature, top_k, top_p) -> DecodeState:
-    """Writes the prefix's cache [1, C, K, D] at [slot, 0:C] of the slots' cache and activates the slot."""
+    """Writes the prefix's cache [1, C, K, D] at [slot, :, 0:C] of the slots' cache and activates the slot."""
 
-    def put(dst, src):  # dst: [slots, S, K, D]; src: [1, C, K, D] written at [slot, 0:C]
-        return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), (slot, 0, 0, 0))
+    def put(dst, src):  # dst: [slots, K, S, D]; src: [1, C, K, D] written at [slot, :, 0:C]
+        return jax.lax.dynamic_update_slice(dst, heads_first(src).astype(dst.dtype), (slot, 0, 0, 0))
 
-    cache = [LayerCache(k=put(s.k, p.k), v=put(s.v, p.v)) for s, p in zip(state.cache, prefix.cache)]
+    cache = [dataclasses.replace(s, k=put(s.k, p.k), v=put(s.v, p.v)) for s, p in zip(state.cache, prefix.cache)]
     return DecodeState(
         cache=cache,
         tokens=state.tokens.at[slot].set(prefix.token),
@@ -197,25 +197,13 @@ def generate(
     selected for each stepped slot's input token (its pending token: the one sampled by the step before),
     -1 for slots not stepped."""
     model = _model(graphdef, leaves, treedef)
-    slots, s = state.tokens.shape[0], state.cache[0].k.shape[1]
+    slots, s = state.tokens.shape[0], state.cache[0].length
     k = num_slots
     lengths = state.lengths[:k]
     ok = state.active[:k] & (lengths < window)  # stepped slots whose next position is inside the window
-    positions = jnp.where(ok, lengths, window)[:, None]  # [k, 1]; the others write nothing
-    mask = cache_mask(model.cfg, positions, window)
-    if k == slots and window == s:  # the whole cache, updated in place
-        logits, cache, experts = _step_model(model, state.tokens[:, None], positions, mask, state.cache, with_experts)
-    else:  # attend over a block of the cache, then write the one new KV row per slot back into the cache
-        sub = [LayerCache(k=c.k[:k, :window], v=c.v[:k, :window]) for c in state.cache]
-        logits, sub, experts = _step_model(model, state.tokens[:k, None], positions, mask, sub, with_experts)
-        rows = jnp.arange(k)
-        read = jnp.minimum(positions[:, 0], window - 1)
-        write = jnp.where(ok, lengths, s)  # out of range: dropped
-
-        def put(full, part):  # full: [slots, S, K, D]; part: [k, window, K, D]
-            return full.at[rows, write].set(part[rows, read], mode="drop")
-
-        cache = [LayerCache(k=put(c.k, n.k), v=put(c.v, n.v)) for c, n in zip(state.cache, sub)]
+    positions = jnp.where(ok, lengths, s)[:, None]  # [k, 1]; the others write nothing (a position past the cache)
+    mask = cache_mask(model.cfg, positions, window)  # the step attends over [:k] x [0, window) of the cache
+    logits, cache, experts = _step_model(model, state.tokens[:k, None], positions, mask, state.cache, with_experts)
     tokens, logprobs, keys = sampling.advance(
         logits[:, 0], state.keys[:k], state.temperature[:k], state.top_k[:k], state.top_p[:k]
     )

@@ -199,21 +199,25 @@ def test_sees_any_marks_the_queries_that_see_a_key_without_the_dense_mask() -> N
             np.testing.assert_array_equal(jax.jit(spec.sees_any, static_argnums=0)(block_k), want)
 
 
+@pytest.mark.parametrize("heads_first", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decode_attention_equals_dot_product_attention_on_ragged_cache_rows(dtype) -> None:
-    """The decode step's grouped attention (one query per row, keys where the cache holds them) against
-    ``jax.nn.dot_product_attention`` on rows of different lengths, 2 query heads per KV head, a row that sees one key."""
-    from gyre_jax.model.attention import cache_causal_mask, decode_attention
+def test_decode_attention_equals_dot_product_attention_on_ragged_cache_rows(dtype, heads_first) -> None:
+    """The decode step's grouped attention (one query per row, keys where the cache holds them, in either cache
+    layout) against ``jax.nn.dot_product_attention`` on rows of different lengths, 2 query heads per KV head, a row
+    that sees one key; over a window (the mask's length) of a longer cache with more rows than the batch."""
+    from gyre_jax.model.attention import LayerCache, cache_causal_mask, decode_attention
 
     rng = np.random.default_rng(0)
-    b, s, kh, g, d = 5, 48, 2, 2, 16
+    b, rows, s, w, kh, g, d = 5, 7, 64, 48, 2, 2, 16
     q = jnp.asarray(rng.standard_normal((b, 1, kh * g, d)), dtype)
-    k = jnp.asarray(rng.standard_normal((b, s, kh, d)), dtype)
-    v = jnp.asarray(rng.standard_normal((b, s, kh, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((rows, s, kh, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((rows, s, kh, d)), dtype)
     positions = jnp.asarray([[0], [7], [20], [47], [31]], jnp.int32)
-    mask = cache_causal_mask(positions, s)  # [B, 1, S]
-    got = jax.jit(decode_attention)(q, k, v, mask)
-    want = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
+    mask = cache_causal_mask(positions, w)  # [B, 1, W]: the window
+    swap = (lambda x: jnp.swapaxes(x, 1, 2)) if heads_first else (lambda x: x)
+    cache = LayerCache(k=swap(k), v=swap(v), heads_first=heads_first)
+    got = jax.jit(decode_attention)(q, cache, mask)
+    want = jax.nn.dot_product_attention(q, k[:b, :w], v[:b, :w], mask=mask[:, None])
     assert got.shape == want.shape == (b, 1, kh * g, d) and got.dtype == dtype
     tol = 2e-6 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
@@ -221,3 +225,26 @@ def test_decode_attention_equals_dot_product_attention_on_ragged_cache_rows(dtyp
     np.testing.assert_allclose(
         np.asarray(got[0, 0], np.float32), np.asarray(jnp.repeat(v[0, 0], g, axis=0), np.float32), atol=tol
     )
+
+
+def test_heads_first_cache_writes_rows_of_a_longer_batch_and_reads_back_sequence_major() -> None:
+    """``LayerCache.write`` in the decode slots' layout puts [B, T, K, D] at the positions of rows 0..B-1 of a cache
+    with more rows, drops positions past the cache, and ``read`` returns the same values as the sequence-major
+    cache given the same writes."""
+    from gyre_jax.model.attention import LayerCache
+
+    rng = np.random.default_rng(1)
+    rows, s, kh, d, b, t = 4, 16, 2, 8, 3, 2
+    new_k = jnp.asarray(rng.standard_normal((b, t, kh, d)), jnp.float32)
+    new_v = new_k + 1
+    positions = jnp.asarray([[0, 1], [5, 16], [15, 3]], jnp.int32)  # 16: past the cache, dropped
+    zeros = jnp.zeros((rows, s, kh, d), jnp.float32)
+    seq = LayerCache(k=zeros, v=zeros).write(new_k, new_v, positions)
+    first = LayerCache(k=jnp.swapaxes(zeros, 1, 2), v=jnp.swapaxes(zeros, 1, 2), heads_first=True)
+    first = first.write(new_k, new_v, positions)
+    assert first.k.shape == (rows, kh, s, d) and first.length == seq.length == s
+    for a, c in zip(first.read(rows, s), seq.read(rows, s)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    np.testing.assert_array_equal(np.asarray(first.k[1, :, 5]), np.asarray(new_k[1, 0]))
+    assert not np.any(np.asarray(first.k[3]))  # a row past the batch is untouched
+    assert np.count_nonzero(np.asarray(first.v).any(axis=(1, 3))) == 5  # 6 writes, 1 past the cache

@@ -73,7 +73,8 @@ def test_engine_properties_and_decode_state_layout(engine, cell_mesh) -> None:
     assert engine.decode_slot_buckets == (2, 4)
     assert [engine.decode_slots(n) for n in (None, 1, 2, 3, 4)] == [4, 2, 2, 4, 4]
     state = engine.init_decode_state()
-    assert state.cache[0].k.shape == (4, 128, engine.cfg.num_kv_heads, engine.cfg.head_dim)
+    assert state.cache[0].heads_first  # [slots, K, S, D]: a decode window is read with no transpose
+    assert state.cache[0].k.shape == (4, engine.cfg.num_kv_heads, 128, engine.cfg.head_dim)
     assert state.cache[0].k.sharding.spec == P("data", None, None, None)  # slots split over the cell's data axis
     assert set(state.cache[0].k.sharding.device_set) == set(jax.devices()[4:8])
     assert state.tokens.sharding.spec == P("data")
