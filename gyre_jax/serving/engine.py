@@ -8,7 +8,7 @@ about requests, queues, sessions or HTTP (that is ``serving.loop``). Shapes are 
 same layout.
 
 Its parts: the KV buffers as pytrees and their layouts (``kv_cache``: ``Prefix`` [1, C, K, D],
-``DecodeState`` [slots, S, K, D], ``KVPages`` [n, page_size, K, D]), the device programs of prefill,
+``DecodeState`` blocks [slots, K, n, D], ``KVPages`` [n, page_size, K, D]), the device programs of prefill,
 insert and generate (``steps``), and the page operations of the session prefix cache and migration
 (``kv_pages``). The engine jits the programs with their donation and shardings and checks every call.
 """
@@ -34,6 +34,7 @@ from gyre_jax.serving.kv_cache import (  # noqa: F401 - CACHE_AXES and kv_pages_
     DecodeState,
     KVPages,
     Prefix,
+    decode_blocks,
     decode_state_shardings,
     empty_decode_state,
     empty_prefix,
@@ -254,15 +255,17 @@ class Engine:
         self.pages_per_seq = max_seq_len // page_size
         self.prefill_buckets = tuple(sorted(b for b in prefill_buckets if b < max_seq_len)) + (max_seq_len,)
         self.decode_windows = _buckets(self.prefill_buckets if decode_windows is None else decode_windows, max_seq_len)
-        self.decode_state_shardings = decode_state_shardings(cfg, mesh, rules, slots, max_seq_len)
+        self.decode_blocks = decode_blocks(self.decode_windows)  # the decode state's cache blocks (kv_cache)
+        self.decode_state_shardings = decode_state_shardings(cfg, mesh, rules, slots, self.decode_blocks)
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        cache_shape = (slots, max_seq_len, cfg.num_kv_heads, cfg.head_dim)
-        on_one_device = self.decode_state_shardings.cache[0].k.shard_shape(cache_shape)[0] == slots
+        block_shape = (slots, cfg.num_kv_heads, self.decode_blocks[0], cfg.head_dim)
+        on_one_device = self.decode_state_shardings.cache[0].k[0].shard_shape(block_shape)[0] == slots
         self.decode_slot_buckets = _slot_buckets(decode_slot_buckets, slots, on_one_device)
         # jit boundaries: every device computation of serving is one of these (programs in steps.py), or one
         # of the page operations' (kv_pages.PageOps).
         self._init_decode_state_jit = jax.jit(
-            functools.partial(empty_decode_state, cfg, slots, max_seq_len), out_shardings=self.decode_state_shardings
+            functools.partial(empty_decode_state, cfg, slots, self.decode_blocks),
+            out_shardings=self.decode_state_shardings,
         )
         self._empty_prefix_jit = jax.jit(
             functools.partial(empty_prefix, cfg, max_seq_len), out_shardings=self._replicated

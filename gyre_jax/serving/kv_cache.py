@@ -2,10 +2,12 @@
 one sequence's KV in pages (``KVPages``), with their layouts on a cell's mesh and their empty values.
 
 Per layer ``LayerCache(k, v)``; K = kv heads, D = head dim, S = ``max_seq_len``:
-  - ``DecodeState``: ``[slots, K, S, D]`` (``heads_first``), dense per slot, so a generate step is one plain model
-    call that writes each stepped slot's new row in place and reads a window ``[:, :, :w]`` of the cache with no
-    transpose (``attention.decode_attention``); everything else is sequence-major, ``[.., S, K, D]``: ``insert``
-    transposes a prefix on its way in, ``save_slot`` / ``export_rows`` a slot on its way out;
+  - ``DecodeState``: an ``attention.BlockedCache`` per layer, dense per slot and heads first, split along the
+    positions into blocks ``[slots, K, n_i, D]`` that are the steps between the engine's decode windows
+    (``decode_blocks``), so a generate step is one plain model call that writes each stepped slot's new row in
+    place and reads its window as whole blocks, with no copy and no transpose (``attention.decode_attention``);
+    everything else is sequence-major, ``[.., S, K, D]``: ``insert`` transposes a prefix on its way in,
+    ``save_slot`` / ``export_rows`` a slot on its way out;
   - ``Prefix``: ``[1, C, K, D]`` with C a prefill bucket (a fresh prompt) or S (a prompt prefilled on top
     of an existing prefix: chunked prefill, a session-cache hit, a migrated session);
   - page pool: ``[P, page_size, K, D]``, the fixed KV budget of the session prefix cache;
@@ -21,12 +23,18 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from gyre_jax.model.attention import LayerCache, init_cache
+from gyre_jax.model.attention import BlockedCache, LayerCache, init_blocked_cache, init_cache
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import Rules, logical_sharding
 
 CACHE_AXES = ("batch", None, "kv_heads", "head_dim")  # pages (and prefixes) are split like a batch
-SLOT_CACHE_AXES = ("batch", "kv_heads", None, "head_dim")  # the decode slots' heads-first cache, likewise
+SLOT_CACHE_AXES = ("batch", "kv_heads", None, "head_dim")  # the decode slots' heads-first blocks, likewise
+
+
+def decode_blocks(windows: tuple[int, ...]) -> tuple[int, ...]:
+    """The decode slots' cache blocks for decode windows (ascending, the last = max_seq_len): (128, 256, 1024) ->
+    (128, 128, 768); window j is blocks 0..j."""
+    return tuple(b - a for a, b in zip((0, *windows[:-1]), windows))
 
 
 @jax.tree_util.register_dataclass
@@ -47,9 +55,10 @@ class Prefix:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
-    """All slots' state. cache: per layer [slots, K, S, D] (``heads_first``); the rest [slots] (keys [slots, 2])."""
+    """All slots' state. cache: per layer blocks [slots, K, n_i, D] (``BlockedCache``); the rest [slots] (keys
+    [slots, 2])."""
 
-    cache: list[LayerCache]
+    cache: list[BlockedCache]
     tokens: jax.Array  # int32: last sampled token per slot, fed to the next generate step
     lengths: jax.Array  # int32: tokens already in the slot's cache (= position of ``tokens``)
     active: jax.Array  # bool: the slot holds a request (inactive slots write nothing)
@@ -71,14 +80,18 @@ class KVPages:
         return int(self.pages[0].k.shape[0])
 
 
-def decode_state_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules, slots: int, max_seq_len: int) -> DecodeState:
-    """``DecodeState`` of ``NamedSharding``: slots split like a batch, the cache [slots, K, S, D] per layer."""
-    cache_shape = (slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
-    cache_sharding = logical_sharding(SLOT_CACHE_AXES, rules, mesh, cache_shape)
+def decode_state_shardings(
+    cfg: ModelConfig, mesh: Mesh, rules: Rules, slots: int, blocks: tuple[int, ...]
+) -> DecodeState:
+    """``DecodeState`` of ``NamedSharding``: slots split like a batch, the cache blocks [slots, K, n, D] per layer
+    (n in ``blocks``, ``decode_blocks``)."""
+    shardings = tuple(
+        logical_sharding(SLOT_CACHE_AXES, rules, mesh, (slots, cfg.num_kv_heads, n, cfg.head_dim)) for n in blocks
+    )
     slot_sharding = logical_sharding(("batch",), rules, mesh, (slots,))
     key_sharding = logical_sharding(("batch", None), rules, mesh, (slots, 2))
     return DecodeState(
-        cache=[LayerCache(k=cache_sharding, v=cache_sharding, heads_first=True) for _ in range(cfg.num_layers)],
+        cache=[BlockedCache(k=shardings, v=shardings) for _ in range(cfg.num_layers)],
         tokens=slot_sharding,
         lengths=slot_sharding,
         active=slot_sharding,
@@ -97,10 +110,11 @@ def kv_pages_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules, page_size: in
     return KVPages(pages=[LayerCache(k=sh, v=sh) for _ in range(cfg.num_layers)])
 
 
-def empty_decode_state(cfg: ModelConfig, slots: int, max_seq_len: int) -> DecodeState:
-    """Every slot free: zero caches [slots, K, S, D], no tokens, greedy-neutral sampling settings."""
+def empty_decode_state(cfg: ModelConfig, slots: int, blocks: tuple[int, ...]) -> DecodeState:
+    """Every slot free: zero cache blocks [slots, K, n, D] (n in ``blocks``), no tokens, greedy-neutral sampling
+    settings."""
     return DecodeState(
-        cache=init_cache(cfg, slots, max_seq_len, heads_first=True),
+        cache=init_blocked_cache(cfg, slots, blocks),
         tokens=jnp.zeros((slots,), jnp.int32),
         lengths=jnp.zeros((slots,), jnp.int32),
         active=jnp.zeros((slots,), jnp.bool_),

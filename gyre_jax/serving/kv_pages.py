@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from gyre_jax.model.attention import LayerCache, init_cache
+from gyre_jax.model.attention import BlockedCache, LayerCache, init_cache
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import Rules
 from gyre_jax.serving.kv_cache import DecodeState, KVPages, Prefix, kv_pages_shardings, widen
@@ -32,11 +32,14 @@ def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int) -> KVPages:
 def save_slot(pool: KVPages, state: DecodeState, slot: jax.Array, page_ids: jax.Array) -> KVPages:
     """page_ids: [S / page_size]; page j of the slot goes to pool page page_ids[j] (out of range: skipped)."""
 
-    def one(dst, src):  # dst: [P, p, K, D]; src: [slots, K, S, D] (the decode slots' heads-first layout)
-        seq = jnp.swapaxes(jax.lax.dynamic_index_in_dim(src, slot, axis=0, keepdims=False), 0, 1)  # [S, K, D]
+    def one(dst, seq):  # dst: [P, p, K, D]; seq: [1, S, K, D]
         return dst.at[page_ids].set(seq.reshape((-1,) + dst.shape[1:]).astype(dst.dtype), mode="drop")
 
-    return KVPages(pages=[LayerCache(k=one(d.k, s.k), v=one(d.v, s.v)) for d, s in zip(pool.pages, state.cache)])
+    pages = []
+    for d, s in zip(pool.pages, state.cache):  # s: the slots' BlockedCache
+        k, v = s.rows(slot, 1)
+        pages.append(LayerCache(k=one(d.k, k), v=one(d.v, v)))
+    return KVPages(pages=pages)
 
 
 def load_prefix(pool: KVPages, page_ids: jax.Array, length: jax.Array, key: jax.Array) -> Prefix:
@@ -49,22 +52,24 @@ def load_prefix(pool: KVPages, page_ids: jax.Array, length: jax.Array, key: jax.
     return Prefix(cache=cache, length=length, token=jnp.int32(0), logprob=jnp.float32(0), key=key)
 
 
-def export_rows(page_size: int, cache: list[LayerCache], row: jax.Array, num_pages: int) -> KVPages:
-    """The first num_pages x page_size tokens of ``row`` of a cache [B, C, K, D] (a prefix's) or [B, K, C, D] (the
-    decode slots', ``heads_first``) as [num_pages, p, K, D]."""
+def export_rows(page_size: int, cache: list[LayerCache | BlockedCache], row: jax.Array, num_pages: int) -> KVPages:
+    """The first num_pages x page_size tokens of ``row`` of a cache [B, C, K, D] (a prefix's) or of the decode slots'
+    ``BlockedCache`` as [num_pages, p, K, D]."""
     n = num_pages * page_size
 
-    def one(src, first):  # -> row's first n tokens as [num_pages, p, K, D]
-        seq_axis = 2 if first else 1
-        if src.shape[seq_axis] < n:
-            src = jnp.pad(src, [(0, n - src.shape[seq_axis]) if a == seq_axis else (0, 0) for a in range(4)])
-        size = list(src.shape)
-        size[0], size[seq_axis] = 1, n
-        seq = jax.lax.dynamic_slice(src, (row, 0, 0, 0), size)
-        seq = jnp.swapaxes(seq, 1, 2) if first else seq  # [1, n, K, D]
-        return seq.reshape((num_pages, page_size) + seq.shape[2:])
+    def one(seq):  # [1, C, K, D] -> its first n tokens as [num_pages, p, K, D]
+        if seq.shape[1] < n:
+            seq = jnp.pad(seq, ((0, 0), (0, n - seq.shape[1]), (0, 0), (0, 0)))
+        return seq[:, :n].reshape((num_pages, page_size) + seq.shape[2:])
 
-    return KVPages(pages=[LayerCache(k=one(c.k, c.heads_first), v=one(c.v, c.heads_first)) for c in cache])
+    pages = []
+    for c in cache:
+        if isinstance(c, BlockedCache):
+            k, v = c.rows(row, 1)
+        else:
+            k, v = (jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0) for x in (c.k, c.v))
+        pages.append(LayerCache(k=one(k), v=one(v)))
+    return KVPages(pages=pages)
 
 
 def gather_pages(pool: KVPages, page_ids: jax.Array) -> KVPages:

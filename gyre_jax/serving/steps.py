@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gyre_jax.model.attention import LayerCache, cache_mask, init_cache
+from gyre_jax.model.attention import BlockedCache, LayerCache, cache_mask, init_cache
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.serving import sampling
 from gyre_jax.serving.kv_cache import DecodeState, Prefix, heads_first, widen
@@ -123,18 +123,28 @@ def prefill_many(
     return Prefix(cache=cache, length=true_lengths, token=token, logprob=logprob, key=keys, experts=experts)
 
 
-def insert_many(prefixes: Prefix, state: DecodeState, slots, temperature, top_k, top_p) -> DecodeState:
-    """Writes each row of ``prefix_many``'s result (cache [B, C, K, D]) at [slots[i], :, 0:C] and activates those
-    slots; a row whose slot is out of range (a padding row) writes nothing."""
-    c = prefixes.cache[0].length
+def _put_blocks(cache, src, write):
+    """Writes src [B, C, K, D] (a prefix's cache, sequence-major) over positions [0, C) of a ``BlockedCache``'s
+    blocks [slots, K, n, D], each block's part by ``write(block, part [B, K, m, D])``."""
+    out, first = [], 0
+    for block in cache:
+        n, m = block.shape[2], min(block.shape[2], src.shape[1] - first)
+        out.append(block if m <= 0 else write(block, heads_first(src[:, first : first + m]).astype(block.dtype)))
+        first += n
+    return tuple(out)
 
-    def put(dst, src):  # dst: [slots, K, S, D]; src: [B, C, K, D]
-        return dst.at[slots, :, :c].set(heads_first(src).astype(dst.dtype), mode="drop")
+
+def insert_many(prefixes: Prefix, state: DecodeState, slots, temperature, top_k, top_p) -> DecodeState:
+    """Writes each row of ``prefix_many``'s result (cache [B, C, K, D]) over positions [0, C) of slot slots[i] and
+    activates those slots; a row whose slot is out of range (a padding row) writes nothing."""
+
+    def put(blocks, src):  # blocks: [slots, K, n, D] each; src: [B, C, K, D]
+        return _put_blocks(blocks, src, lambda b, part: b.at[slots, :, : part.shape[2]].set(part, mode="drop"))
 
     def field(dst, src):
         return dst.at[slots].set(src.astype(dst.dtype), mode="drop")
 
-    cache = [dataclasses.replace(s, k=put(s.k, p.k), v=put(s.v, p.v)) for s, p in zip(state.cache, prefixes.cache)]
+    cache = [BlockedCache(k=put(s.k, p.k), v=put(s.v, p.v)) for s, p in zip(state.cache, prefixes.cache)]
     return DecodeState(
         cache=cache,
         tokens=field(state.tokens, prefixes.token),
@@ -148,12 +158,12 @@ def insert_many(prefixes: Prefix, state: DecodeState, slots, temperature, top_k,
 
 
 def insert(prefix: Prefix, state: DecodeState, slot, temperature, top_k, top_p) -> DecodeState:
-    """Writes the prefix's cache [1, C, K, D] at [slot, :, 0:C] of the slots' cache and activates the slot."""
+    """Writes the prefix's cache [1, C, K, D] over positions [0, C) of slot ``slot`` and activates the slot."""
 
-    def put(dst, src):  # dst: [slots, K, S, D]; src: [1, C, K, D] written at [slot, :, 0:C]
-        return jax.lax.dynamic_update_slice(dst, heads_first(src).astype(dst.dtype), (slot, 0, 0, 0))
+    def put(blocks, src):  # blocks: [slots, K, n, D] each; src: [1, C, K, D]
+        return _put_blocks(blocks, src, lambda b, part: jax.lax.dynamic_update_slice(b, part, (slot, 0, 0, 0)))
 
-    cache = [dataclasses.replace(s, k=put(s.k, p.k), v=put(s.v, p.v)) for s, p in zip(state.cache, prefix.cache)]
+    cache = [BlockedCache(k=put(s.k, p.k), v=put(s.v, p.v)) for s, p in zip(state.cache, prefix.cache)]
     return DecodeState(
         cache=cache,
         tokens=state.tokens.at[slot].set(prefix.token),

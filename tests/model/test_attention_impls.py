@@ -199,13 +199,13 @@ def test_sees_any_marks_the_queries_that_see_a_key_without_the_dense_mask() -> N
             np.testing.assert_array_equal(jax.jit(spec.sees_any, static_argnums=0)(block_k), want)
 
 
-@pytest.mark.parametrize("heads_first", [False, True])
+@pytest.mark.parametrize("blocks", [None, (16, 16, 32), (20, 44)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decode_attention_equals_dot_product_attention_on_ragged_cache_rows(dtype, heads_first) -> None:
-    """The decode step's grouped attention (one query per row, keys where the cache holds them, in either cache
-    layout) against ``jax.nn.dot_product_attention`` on rows of different lengths, 2 query heads per KV head, a row
+def test_decode_attention_equals_dot_product_attention_on_ragged_cache_rows(dtype, blocks) -> None:
+    """The decode step's grouped attention (one query per row, keys where the cache holds them: a [B, S, K, D]
+    cache, or the decode slots' heads-first blocks, the window on a block boundary or inside a block) against ``jax.nn.dot_product_attention`` on rows of different lengths, 2 query heads per KV head, a row
     that sees one key; over a window (the mask's length) of a longer cache with more rows than the batch."""
-    from gyre_jax.model.attention import LayerCache, cache_causal_mask, decode_attention
+    from gyre_jax.model.attention import BlockedCache, LayerCache, cache_causal_mask, decode_attention
 
     rng = np.random.default_rng(0)
     b, rows, s, w, kh, g, d = 5, 7, 64, 48, 2, 2, 16
@@ -214,8 +214,12 @@ def test_decode_attention_equals_dot_product_attention_on_ragged_cache_rows(dtyp
     v = jnp.asarray(rng.standard_normal((rows, s, kh, d)), dtype)
     positions = jnp.asarray([[0], [7], [20], [47], [31]], jnp.int32)
     mask = cache_causal_mask(positions, w)  # [B, 1, W]: the window
-    swap = (lambda x: jnp.swapaxes(x, 1, 2)) if heads_first else (lambda x: x)
-    cache = LayerCache(k=swap(k), v=swap(v), heads_first=heads_first)
+    if blocks is None:
+        cache = LayerCache(k=k, v=v)
+    else:
+        edges = np.cumsum((0, *blocks))
+        split = lambda x: tuple(jnp.swapaxes(x[:, a:b], 1, 2) for a, b in zip(edges[:-1], edges[1:]))  # noqa: E731
+        cache = BlockedCache(k=split(k), v=split(v))
     got = jax.jit(decode_attention)(q, cache, mask)
     want = jax.nn.dot_product_attention(q, k[:b, :w], v[:b, :w], mask=mask[:, None])
     assert got.shape == want.shape == (b, 1, kh * g, d) and got.dtype == dtype
@@ -227,24 +231,29 @@ def test_decode_attention_equals_dot_product_attention_on_ragged_cache_rows(dtyp
     )
 
 
-def test_heads_first_cache_writes_rows_of_a_longer_batch_and_reads_back_sequence_major() -> None:
-    """``LayerCache.write`` in the decode slots' layout puts [B, T, K, D] at the positions of rows 0..B-1 of a cache
-    with more rows, drops positions past the cache, and ``read`` returns the same values as the sequence-major
-    cache given the same writes."""
-    from gyre_jax.model.attention import LayerCache
+def test_blocked_cache_writes_rows_of_a_longer_batch_and_reads_back_sequence_major() -> None:
+    """``BlockedCache.write`` (the decode slots' heads-first blocks) puts [B, T, K, D] at the positions of rows
+    0..B-1 of a cache with more rows, each in the block that holds it, drops positions past the cache, and
+    ``read`` / ``rows`` return what a [B, S, K, D] ``LayerCache`` given the same writes holds."""
+    from gyre_jax.model.attention import BlockedCache, LayerCache
 
     rng = np.random.default_rng(1)
-    rows, s, kh, d, b, t = 4, 16, 2, 8, 3, 2
+    rows, kh, d, b, t = 4, 2, 8, 3, 2
+    sizes = (4, 4, 8)
+    s = sum(sizes)
     new_k = jnp.asarray(rng.standard_normal((b, t, kh, d)), jnp.float32)
     new_v = new_k + 1
-    positions = jnp.asarray([[0, 1], [5, 16], [15, 3]], jnp.int32)  # 16: past the cache, dropped
+    positions = jnp.asarray([[0, 4], [5, 16], [15, 3]], jnp.int32)  # 16: past the cache, dropped
     zeros = jnp.zeros((rows, s, kh, d), jnp.float32)
     seq = LayerCache(k=zeros, v=zeros).write(new_k, new_v, positions)
-    first = LayerCache(k=jnp.swapaxes(zeros, 1, 2), v=jnp.swapaxes(zeros, 1, 2), heads_first=True)
-    first = first.write(new_k, new_v, positions)
-    assert first.k.shape == (rows, kh, s, d) and first.length == seq.length == s
-    for a, c in zip(first.read(rows, s), seq.read(rows, s)):
+    blank = tuple(jnp.zeros((rows, kh, n, d), jnp.float32) for n in sizes)
+    blocked = BlockedCache(k=blank, v=blank).write(new_k, new_v, positions)
+    assert blocked.sizes == sizes and blocked.length == seq.length == s
+    for a, c in zip(blocked.read(rows, s), seq.read(rows, s)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
-    np.testing.assert_array_equal(np.asarray(first.k[1, :, 5]), np.asarray(new_k[1, 0]))
-    assert not np.any(np.asarray(first.k[3]))  # a row past the batch is untouched
-    assert np.count_nonzero(np.asarray(first.v).any(axis=(1, 3))) == 5  # 6 writes, 1 past the cache
+    for a, c in zip(blocked.rows(jnp.int32(1), 2), (seq.k[1:3], seq.v[1:3])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    np.testing.assert_array_equal(np.asarray(blocked.k[1][1, :, 1]), np.asarray(new_k[1, 0]))  # position 5: block 1
+    assert not any(np.any(np.asarray(x[3])) for x in blocked.k)  # a row past the batch is untouched
+    written = sum(np.count_nonzero(np.asarray(x).any(axis=(1, 3))) for x in blocked.v)
+    assert written == 5  # 6 writes, 1 past the cache

@@ -73,10 +73,12 @@ def test_engine_properties_and_decode_state_layout(engine, cell_mesh) -> None:
     assert engine.decode_slot_buckets == (2, 4)
     assert [engine.decode_slots(n) for n in (None, 1, 2, 3, 4)] == [4, 2, 2, 4, 4]
     state = engine.init_decode_state()
-    assert state.cache[0].heads_first  # [slots, K, S, D]: a decode window is read with no transpose
-    assert state.cache[0].k.shape == (4, engine.cfg.num_kv_heads, 128, engine.cfg.head_dim)
-    assert state.cache[0].k.sharding.spec == P("data", None, None, None)  # slots split over the cell's data axis
-    assert set(state.cache[0].k.sharding.device_set) == set(jax.devices()[4:8])
+    # heads first, in blocks between the decode windows: a window is read as whole blocks, no copy
+    assert engine.decode_blocks == (64, 64)
+    kh, d = engine.cfg.num_kv_heads, engine.cfg.head_dim
+    assert [b.shape for b in state.cache[0].k] == [(4, kh, 64, d)] * 2 and state.cache[0].length == 128
+    assert state.cache[0].k[1].sharding.spec == P("data", None, None, None)  # slots split over the cell's data axis
+    assert set(state.cache[0].k[0].sharding.device_set) == set(jax.devices()[4:8])
     assert state.tokens.sharding.spec == P("data")
     np.testing.assert_array_equal(state.lengths, 0)
 
@@ -283,11 +285,11 @@ def test_released_slots_are_invalid_and_write_nothing(engine, model_params, prom
             GREEDY,
         )
     state = engine.release(state, 1)
-    before = np.asarray(state.cache[0].k[1])
+    before = np.asarray(state.cache[0].k[0][1])
     state, result = engine.generate(params, state)
     np.testing.assert_array_equal(result.valid, [True, False, False, False])
     np.testing.assert_array_equal(result.lengths[:2], [len(prompts[0]) + 1, len(prompts[1])])
-    np.testing.assert_array_equal(np.asarray(state.cache[0].k[1]), before)  # the released slot's KV is untouched
+    np.testing.assert_array_equal(np.asarray(state.cache[0].k[0][1]), before)  # the released slot's KV is untouched
 
 
 def test_slot_kv_through_pages_continues_like_the_uncached_model(engine, model_params, reference, prompts) -> None:
