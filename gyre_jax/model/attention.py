@@ -266,8 +266,9 @@ class Attention(nnx.Module):
 
         With a cache, this call's keys/values are first written at ``positions``, then queries attend
         over the whole cache; a decode step (T = 1) attends over its first S keys only (S from the mask: a window of
-        a longer cache) and over its first B rows (a batch of the first B decode slots). Returns ([B, T, E], updated cache or None). "blockwise" and "pallas" compute a single
-        query (T = 1: a decode step) as "xla" does, over the MaskSpec's dense [B, 1, S] mask.
+        a longer cache) and over its first B rows (a batch of the first B decode slots). Returns ([B, T, E], updated
+        cache or None). "blockwise" and "pallas" compute a single query (T = 1: a decode step) as "xla" does, over
+        the MaskSpec's dense [B, 1, S] mask.
         """
         q = self.q_norm(self.q_proj("bte,ehd->bthd", x))
         k = self.k_norm(self.k_proj("bte,ekd->btkd", x))
