@@ -258,8 +258,7 @@ class Engine:
         self.decode_blocks = decode_blocks(self.decode_windows)  # the decode state's cache blocks (kv_cache)
         self.decode_state_shardings = decode_state_shardings(cfg, mesh, rules, slots, self.decode_blocks)
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        block_shape = (slots, cfg.num_kv_heads, self.decode_blocks[0], cfg.head_dim)
-        on_one_device = self.decode_state_shardings.cache[0].k[0].shard_shape(block_shape)[0] == slots
+        on_one_device = self.decode_state_shardings.tokens.shard_shape((slots,))[0] == slots  # slots not split
         self.decode_slot_buckets = _slot_buckets(decode_slot_buckets, slots, on_one_device)
         # jit boundaries: every device computation of serving is one of these (programs in steps.py), or one
         # of the page operations' (kv_pages.PageOps).
