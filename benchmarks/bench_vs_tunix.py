@@ -26,7 +26,7 @@ gives medians and ratios ours / Tunix, the JSON every run):
             finite-step guard). Tunix: its ``PeftTrainer``'s own train step (``nnx.jit`` over ``nnx.Optimizer``
             with ``optax.adamw``, the nnx graph cached as ``PeftTrainer.train`` does). Ours both ways again with
             ``attention_impl="blockwise"`` in 64 x 64 blocks (same weights; the flash-style kernel that skips
-            masked-out blocks, which long-context configs use; the default is "xla", ``jax.nn.dot_product_attention``).
+            masked-out blocks, which long-context configs use; the default is "xla", ``attention.dense_attention``).
   compile   seconds the two warm-up calls of each variant took beyond two steady-state calls (the second call
             compiles again for the plain step and Tunix's trainer: its arguments are the first call's outputs, now
             committed to the device). The persistent compilation cache is off for this run.

@@ -1,7 +1,7 @@
 """Grouped-query attention with q/k RMSNorm and RoPE, over a mask and an optional KV cache.
 
 A mask is either dense, ``mask[b, q, k]`` True where query ``q`` may attend to key ``k`` ([B, T, S] bool,
-for ``attention_impl`` "xla" and "cudnn": ``jax.nn.dot_product_attention``), or a ``blockwise.MaskSpec``
+for ``attention_impl`` "xla": ``dense_attention``, and "cudnn": ``jax.nn.dot_product_attention``), or a ``blockwise.MaskSpec``
 (per-token descriptors, never [T, S]: ``attention_impl="blockwise"``, ``blockwise.blockwise_attention``;
 with ``context_parallel > 1`` and no cache, ``ring.ring_attention`` over the current mesh's ``context`` axis;
 ``attention_impl="pallas"``, ``pallas_attention.pallas_attention``, the same mask in a Pallas kernel).
@@ -108,16 +108,17 @@ class BlockedCache:
     def read(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
         """Rows [0, batch) and positions [0, length) as k, v [batch, length, K, D] (a copy)."""
         _, chunks = self.window(batch, length)
-        return tuple(jnp.swapaxes(jnp.concatenate([c[i] for c in chunks], axis=2), 1, 2) for i in (0, 1))
+        return _sequence_major([k for k, _ in chunks]), _sequence_major([v for _, v in chunks])
 
     def rows(self, start: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
         """Rows [start, start + count) (start traced) as k, v [count, S, K, D]."""
+        cut = lambda blocks: [jax.lax.dynamic_slice_in_dim(x, start, count, axis=0) for x in blocks]  # noqa: E731
+        return _sequence_major(cut(self.k)), _sequence_major(cut(self.v))
 
-        def one(blocks):
-            parts = [jax.lax.dynamic_slice_in_dim(x, start, count, axis=0) for x in blocks]
-            return jnp.swapaxes(jnp.concatenate(parts, axis=2), 1, 2)
 
-        return one(self.k), one(self.v)
+def _sequence_major(blocks: list[jax.Array]) -> jax.Array:
+    """Consecutive blocks [B, K, n_i, D] -> [B, sum(n_i), K, D] (a copy)."""
+    return jnp.swapaxes(jnp.concatenate(blocks, axis=2), 1, 2)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> list[LayerCache]:
@@ -200,6 +201,33 @@ def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.A
     positions >= S are dropped."""
     b = jnp.arange(new.shape[0])[:, None]
     return cache.at[b, positions].set(new.astype(cache.dtype), mode="drop")
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """q [B, T, H, D], k and v [B, S, K, D] (H = K * G), mask [B, T, S] bool -> [B, T, H, D] in q's dtype:
+    ``jax.nn.dot_product_attention``'s result to float rounding, a query that sees no key included (the mean of
+    all S values there, as ``jax.nn.dot_product_attention``: the masked scores are the float32 minimum, not -inf).
+
+    Laid out for the batched matmuls: each KV head's G query heads and T queries are one [G * T, D] operand against
+    its keys where they lie ([B, K, ...] leading: no copies of the [B, K, G, T, S] scores), the scores kept in float32
+    and exponentiated against their row maximum, the values' products normalised after the matmul (in float32, as
+    flash attention does). Measured on a 2-core CPU (forward + backward of [8, 256] queries, 8 heads x 32, 4 KV heads,
+    causal; best of 7 x 5): 41 ms against 66 ms through ``jax.nn.dot_product_attention``, whose XLA implementation
+    transposes the scores and probabilities for its [B, N, T, S] matmuls."""
+    b, t, h, d = q.shape
+    kh = k.shape[2]
+    g = h // kh
+    qg = q.reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, d)
+    k, v = (x.astype(q.dtype).transpose(0, 2, 1, 3) for x in (k, v))  # [B, K, S, D]
+    scores = jnp.einsum("bkmd,bksd->bkms", qg, k, preferred_element_type=jnp.float32).reshape(b, kh, g, t, -1)
+    scores = jnp.where(mask[:, None, None], scores * np.float32(1 / np.sqrt(d)), jnp.finfo(jnp.float32).min)
+    top = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))  # the softmax is shift-invariant
+    e = jnp.exp(scores - top)  # [B, K, G, T, S] float32
+    out = jnp.einsum(
+        "bkms,bksd->bkmd", e.astype(q.dtype).reshape(b, kh, g * t, -1), v, preferred_element_type=jnp.float32
+    )
+    out = out.reshape(b, kh, g, t, d) / jnp.sum(e, axis=-1, keepdims=True)
+    return out.astype(q.dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 def decode_attention(q: jax.Array, cache: LayerCache | BlockedCache, mask: jax.Array) -> jax.Array:
@@ -297,7 +325,8 @@ class Attention(nnx.Module):
                 out = ring_attention(q, k, v, mask, block_q=bq, block_k=bk)
             else:
                 out = blockwise_attention(q, k, v, mask, block_q=bq, block_k=bk)  # [B, T, H, D]
+        elif impl == "cudnn":
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, :, :], implementation="cudnn")
         else:
-            xla = None if impl == "xla" else impl
-            out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, :, :], implementation=xla)
+            out = dense_attention(q, k, v, mask)
         return self.o_proj("bthd,hde->bte", out), cache

@@ -84,8 +84,8 @@ class ModelConfig:
     moe_impl: str = "ragged"  # "ragged": sorted tokens + ragged_dot (k experts per token); "dense": all experts, masked
     # Memory: rematerialize each block in the backward pass ("none" keeps all activations).
     remat_policy: str = "none"
-    # Attention kernel: "xla" (jax.nn.dot_product_attention over a dense [B, T, S] mask, any platform),
-    # "cudnn" (the same over cuDNN, NVIDIA GPU), "blockwise" (model/blockwise.py: mask-free, memory linear
+    # Attention kernel: "xla" (attention.dense_attention over a dense [B, T, S] mask, any platform), "cudnn"
+    # (jax.nn.dot_product_attention over cuDNN, NVIDIA GPU), "blockwise" (model/blockwise.py: mask-free, memory linear
     # in T, any platform; query/key block sizes below) or "pallas" (model/pallas_attention.py: the blockwise
     # mask in a Pallas flash kernel; Triton on GPU, the interpreter on CPU, not TPU). See docs/long_context.md.
     attention_impl: str = "xla"

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gyre_jax.model.attention import cache_mask, segment_mask, tree_causal_mask, tree_mask
+from gyre_jax.model.attention import cache_causal_mask, cache_mask, segment_mask, tree_causal_mask, tree_mask
 from gyre_jax.model.blockwise import MaskSpec, cache_mask_spec, dense_mask, tree_mask_spec
 from gyre_jax.model.config import TINY_MOE, ModelConfig
 from gyre_jax.model.modules import Transformer
@@ -197,6 +197,45 @@ def test_sees_any_marks_the_queries_that_see_a_key_without_the_dense_mask() -> N
         assert want.any() and not want.all()
         for block_k in (1, 3, 128):  # several blocks, a ragged last block, one block
             np.testing.assert_array_equal(jax.jit(spec.sees_any, static_argnums=0)(block_k), want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dense_attention_values_and_gradients_equal_dot_product_attention(dtype) -> None:
+    """``dense_attention`` ("xla": grouped heads, the scores normalised after the values' matmul) against
+    ``jax.nn.dot_product_attention`` over packed prefix-tree rows with padding queries that see no key (there both
+    give the mean of all values), 3 query heads per KV head; the output and the gradients of q, k and v; and a chunk
+    of queries over a longer run of keys (T < S: chunked prefill over a cache)."""
+    from gyre_jax.model.attention import dense_attention
+
+    rng = np.random.default_rng(3)
+    _, _, seg, end = packed_tree_rows(90)
+    mask = tree_causal_mask(jnp.asarray(seg), jnp.asarray(end))  # [2, 90, 90]
+    sees_none = ~np.asarray(mask).any(-1)
+    assert sees_none.any() and not sees_none.all(), "the rows must hold padding queries and real ones"
+    b, t, kh, g, d = 2, 90, 2, 3, 16
+    q, k, v, w = (
+        jnp.asarray(rng.standard_normal((b, t, n, d)), dtype) for n in (kh * g, kh, kh, kh * g)
+    )  # w: the output's cotangent
+    tol = 2e-5 if dtype == jnp.float32 else 3e-2
+
+    def loss(fn, q, k, v):
+        return jnp.sum(fn(q, k, v).astype(jnp.float32) * w.astype(jnp.float32))
+
+    ref = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])  # noqa: E731
+    ours = lambda q, k, v: dense_attention(q, k, v, mask)  # noqa: E731
+    got, want = jax.jit(ours)(q, k, v), ref(q, k, v)
+    assert got.shape == want.shape == (b, t, kh * g, d) and got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+    grads = jax.jit(jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2)))(q, k, v)
+    for got_g, want_g in zip(grads, jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2))(q, k, v)):
+        scale = float(jnp.max(jnp.abs(want_g.astype(jnp.float32))))
+        np.testing.assert_allclose(
+            np.asarray(got_g, np.float32), np.asarray(want_g, np.float32), atol=tol * max(1.0, scale), rtol=tol
+        )
+    chunk = cache_causal_mask(jnp.asarray([[10 + i for i in range(8)]] * b, jnp.int32), t)  # 8 queries, 90 keys
+    got = dense_attention(q[:, :8], k, v, chunk)
+    want = jax.nn.dot_product_attention(q[:, :8], k, v, mask=chunk[:, None])
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("blocks", [None, (16, 16, 32), (20, 44)])

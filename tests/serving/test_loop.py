@@ -234,7 +234,8 @@ def test_seeded_sampled_request_is_reproducible(loop, model_params, reference, p
     for f in others:
         f.result(TIMEOUT)
     assert again.token_ids == alone.token_ids
-    np.testing.assert_allclose(again.logprobs, alone.logprobs, atol=1e-6)
+    # float32 rounding apart (a prefill batched with other prompts may tile its matmuls differently: a few ulps)
+    np.testing.assert_allclose(again.logprobs, alone.logprobs, rtol=1e-6, atol=1e-6)
     assert other_seed.token_ids != alone.token_ids
     # behaviour log-probs are the model's log_softmax at the sampled tokens (temperature 1)
     lp = reference.logprobs(params, prompts[4] + alone.token_ids)[len(prompts[4]) - 1 : -1]
