@@ -1,10 +1,11 @@
 """Grouped-query attention with q/k RMSNorm and RoPE, over a mask and an optional KV cache.
 
 A mask is either dense, ``mask[b, q, k]`` True where query ``q`` may attend to key ``k`` ([B, T, S] bool,
-for ``attention_impl`` "xla": ``dense_attention``, and "cudnn": ``jax.nn.dot_product_attention``), or a ``blockwise.MaskSpec``
-(per-token descriptors, never [T, S]: ``attention_impl="blockwise"``, ``blockwise.blockwise_attention``;
-with ``context_parallel > 1`` and no cache, ``ring.ring_attention`` over the current mesh's ``context`` axis;
-``attention_impl="pallas"``, ``pallas_attention.pallas_attention``, the same mask in a Pallas kernel).
+for ``attention_impl`` "xla": ``dense_attention``, and "cudnn": ``jax.nn.dot_product_attention``), or a
+``blockwise.MaskSpec`` (per-token descriptors, never [T, S]: ``attention_impl="blockwise"``,
+``blockwise.blockwise_attention``; with ``context_parallel > 1`` and no cache, ``ring.ring_attention`` over the
+current mesh's ``context`` axis; ``attention_impl="pallas"``, ``pallas_attention.pallas_attention``, the same mask
+in a Pallas kernel).
 Two layouts are in use: the packed training row (a prefix tree per segment; plain rows are causal) and
 the cache (serving, where a key's cache index equals its position). ``tree_mask`` and ``cache_mask``
 build either kind for a config: every forward of the system takes its mask from them.
