@@ -82,7 +82,17 @@ class BlockedCache:
         return [sum(self.sizes[:i]) for i in range(len(self.sizes))]
 
     def write(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> BlockedCache:
-        """k, v: [B, T, K, D] written at positions [B, T] of rows 0..B-1 (B <= the slots); positions >= S dropped."""
+        """k, v: [B, T, K, D] written at positions [B, T] of rows 0..B-1 (B <= the slots); positions >= S dropped.
+
+        A single row (B = T = 1) goes in with a second, dropped copy: XLA rewrites a scatter of one update as a
+        dynamic-update-slice and, on a cache of one slot, fuses that update into each reader of the block (the
+        attention's matmuls see it through a bitcast that drops the slot axis), copying the whole block two or three
+        times per step; a scatter of two updates stays one in-place write. Measured on a 2-core CPU: ~0.3 ms less per
+        batch-1 step of the 4-layer model in bench_vs_tunix, one layer's write + attention over 8 x 1024 positions of
+        8 x 128 KV heads 0.38 vs 1.04 ms (docs/serving.md)."""
+        if k.shape[0] * k.shape[1] == 1:
+            k, v = (jnp.concatenate([x, x], axis=1) for x in (k, v))
+            positions = jnp.concatenate([positions, jnp.full_like(positions, self.length)], axis=1)
         b = jnp.arange(k.shape[0])[:, None]
 
         def put(blocks, new):

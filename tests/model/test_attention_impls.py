@@ -296,3 +296,42 @@ def test_blocked_cache_writes_rows_of_a_longer_batch_and_reads_back_sequence_maj
     assert not any(np.any(np.asarray(x[3])) for x in blocked.k)  # a row past the batch is untouched
     written = sum(np.count_nonzero(np.asarray(x).any(axis=(1, 3))) for x in blocked.v)
     assert written == 5  # 6 writes, 1 past the cache
+
+
+def test_one_slot_decode_step_writes_its_row_in_place() -> None:
+    """A decode step on a cache of one slot (B = T = 1, the engine's batch-1 generate) writes its row at its
+    position, drops a position past the cache, and, compiled with the blocks donated as the engine compiles it,
+    copies no block: XLA had rewritten the one-update scatter as a dynamic-update-slice and fused it into each
+    reader of the block (the attention's matmuls, through a bitcast dropping the slot axis), two to four copies of
+    every block per step (``BlockedCache.write``)."""
+    from gyre_jax.model.attention import BlockedCache, cache_causal_mask, decode_attention
+
+    rng = np.random.default_rng(2)
+    sizes, kh, g, d = (16, 48), 2, 2, 8
+    s = sum(sizes)
+
+    def step(cache, q, k, v, positions):
+        cache = cache.write(k, v, positions)
+        return cache, decode_attention(q, cache, cache_causal_mask(jnp.minimum(positions, s - 1), s))
+
+    blocks = lambda: tuple(jnp.asarray(rng.standard_normal((1, kh, n, d)), jnp.float32) for n in sizes)  # noqa: E731
+    before = BlockedCache(k=blocks(), v=blocks())
+    q = jnp.asarray(rng.standard_normal((1, 1, kh * g, d)), jnp.float32)
+    new_k, new_v = (jnp.asarray(rng.standard_normal((1, 1, kh, d)), jnp.float32) for _ in range(2))
+    compiled = jax.jit(step, donate_argnums=(0,)).lower(before, q, new_k, new_v, jnp.zeros((1, 1), jnp.int32))
+    hlo = compiled.compile().as_text()
+    block_shapes = [f"[1,{kh},{n},{d}]" for n in sizes]
+    copies = [line for line in hlo.splitlines() if " copy(" in line and any(x in line for x in block_shapes)]
+    assert not copies, "\n".join(copies)
+    for position in (3, 16, 40, s):  # block 0, the first and an inner position of block 1, past the cache
+        want_k, want_v = (np.concatenate([np.asarray(x) for x in c], axis=2) for c in (before.k, before.v))
+        if position < s:
+            want_k[0, :, position], want_v[0, :, position] = np.asarray(new_k[0, 0]), np.asarray(new_v[0, 0])
+        after, out = jax.jit(step)(before, q, new_k, new_v, jnp.full((1, 1), position, jnp.int32))
+        np.testing.assert_array_equal(np.concatenate([np.asarray(x) for x in after.k], axis=2), want_k)
+        np.testing.assert_array_equal(np.concatenate([np.asarray(x) for x in after.v], axis=2), want_v)
+        seen = min(position, s - 1) + 1
+        want = jax.nn.dot_product_attention(
+            q, jnp.swapaxes(want_k[:, :, :seen], 1, 2), jnp.swapaxes(want_v[:, :, :seen], 1, 2)
+        )
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-6, rtol=2e-6)
