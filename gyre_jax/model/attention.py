@@ -348,6 +348,4 @@ class Attention(nnx.Module):
         in every decode step (0.25 MB per layer for 8 x 32 -> 256: ~13% of a batch-1 step). The forwards with T > 1
         keep the two-dim einsum: one copy per call there, and the 4-D output stays the single saved residual."""
         b, t, h, d = out.shape
-        o = self.o_proj
-        y = jnp.einsum("btf,fe->bte", out.reshape(b, t, h * d), o.w[...].astype(out.dtype).reshape(h * d, -1))
-        return y if o.b is None else y + o.b[...].astype(y.dtype)
+        return self.o_proj("btf,fe->bte", out.reshape(b, t, h * d), weight_shape=(h * d, -1))

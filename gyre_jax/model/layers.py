@@ -55,8 +55,12 @@ class Einsum(nnx.Module):
         else:
             self.b = None
 
-    def __call__(self, eqn: str, x: jax.Array, preferred_element_type=None) -> jax.Array:
-        y = jnp.einsum(eqn, x, self.w[...].astype(x.dtype), preferred_element_type=preferred_element_type)
+    def __call__(self, eqn: str, x: jax.Array, preferred_element_type=None, weight_shape=None) -> jax.Array:
+        """``einsum(eqn, x, w)`` + bias; ``weight_shape``: the weight viewed as that shape first (a reshape that
+        merges adjacent dims, e.g. o_proj's [H, D, E] as [H * D, E] so one dim is contracted)."""
+        w = self.w[...].astype(x.dtype)
+        w = w if weight_shape is None else w.reshape(weight_shape)
+        y = jnp.einsum(eqn, x, w, preferred_element_type=preferred_element_type)
         if self.b is not None:
             y = y + self.b[...].astype(y.dtype)
         return y
