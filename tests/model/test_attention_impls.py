@@ -323,15 +323,14 @@ def test_one_slot_decode_step_writes_its_row_in_place() -> None:
     block_shapes = [f"[1,{kh},{n},{d}]" for n in sizes]
     copies = [line for line in hlo.splitlines() if " copy(" in line and any(x in line for x in block_shapes)]
     assert not copies, "\n".join(copies)
+    run = jax.jit(step)
     for position in (3, 16, 40, s):  # block 0, the first and an inner position of block 1, past the cache
-        want_k, want_v = (np.concatenate([np.asarray(x) for x in c], axis=2) for c in (before.k, before.v))
+        want_k, want_v = (np.array(x) for x in before.read(1, s))  # [1, S, K, D], sequence-major
         if position < s:
-            want_k[0, :, position], want_v[0, :, position] = np.asarray(new_k[0, 0]), np.asarray(new_v[0, 0])
-        after, out = jax.jit(step)(before, q, new_k, new_v, jnp.full((1, 1), position, jnp.int32))
-        np.testing.assert_array_equal(np.concatenate([np.asarray(x) for x in after.k], axis=2), want_k)
-        np.testing.assert_array_equal(np.concatenate([np.asarray(x) for x in after.v], axis=2), want_v)
+            want_k[0, position], want_v[0, position] = np.asarray(new_k[0, 0]), np.asarray(new_v[0, 0])
+        after, out = run(before, q, new_k, new_v, jnp.full((1, 1), position, jnp.int32))
+        for got, want in zip(after.read(1, s), (want_k, want_v)):
+            np.testing.assert_array_equal(np.asarray(got), want)
         seen = min(position, s - 1) + 1
-        want = jax.nn.dot_product_attention(
-            q, jnp.swapaxes(want_k[:, :, :seen], 1, 2), jnp.swapaxes(want_v[:, :, :seen], 1, 2)
-        )
+        want = jax.nn.dot_product_attention(q, want_k[:, :seen], want_v[:, :seen])
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-6, rtol=2e-6)
