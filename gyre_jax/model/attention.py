@@ -57,6 +57,21 @@ class LayerCache:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class RowCache(LayerCache):
+    """The cache of a forward over packed rows (``serving.steps.prefill_many``): index t of row b holds the key/value
+    of the row's token t, whatever its position. A packed row holds several prompts, each from position 0 (its
+    RoPE positions), so the positions cannot be the indexes; a ``LayerCache`` would write two prompts' tokens at one
+    index. k, v: [B, T, K, D], the forward's own shape."""
+
+    def write(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> RowCache:
+        """k, v: [B, T, K, D], the whole rows (``positions`` unused: index = column)."""
+        if k.shape != self.k.shape:
+            raise ValueError(f"a RowCache of {self.k.shape} holds exactly its forward's rows; got keys {k.shape}")
+        return RowCache(k=k.astype(self.k.dtype), v=v.astype(self.v.dtype))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class BlockedCache:
     """The decode slots' KV cache of one layer (``serving.kv_cache.DecodeState``): heads first and split along the
     positions into blocks, one buffer each. k, v: tuples of [B, K, n_i, D]; block i holds positions
@@ -137,6 +152,11 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> list[La
     dtype = dtype or cfg.compute_dtype
     shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
     return [LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+
+
+def init_row_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> list[RowCache]:
+    """``RowCache`` per layer for a forward over [batch, length] packed rows (zeros until the forward writes them)."""
+    return [RowCache(k=c.k, v=c.v) for c in init_cache(cfg, batch, length, dtype)]
 
 
 def init_blocked_cache(cfg: ModelConfig, batch: int, sizes: tuple[int, ...], dtype=None) -> list[BlockedCache]:

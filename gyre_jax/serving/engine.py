@@ -196,9 +196,22 @@ def _slot_programs(state_shardings):
     return insert, insert_many, release
 
 
-def _pad_prompts(prompts: Sequence[Sequence[int]], engine: Engine) -> tuple[np.ndarray, np.ndarray]:
-    """Whole prompts as tokens [rows, bucket of the longest] and lengths [rows], rows the next power of 2 (padding
-    rows: length 0); raises for a prompt ``engine.prefill`` would refuse in one call."""
+def prompt_count_bucket(count: int) -> int:
+    """The prompts one ``prefill_many`` program takes for ``count`` prompts: the next power of 2."""
+    return 1 << (count - 1).bit_length()
+
+
+def packed_row_buckets(prompts: int) -> tuple[int, ...]:
+    """The packed row counts ``prefill_many`` compiles for a ``prompts`` (a power of 2) bucket: half, three quarters
+    and all of it (a prompt per row at most; prompts of 1/4 to all of the longest's bucket pack ~0.7 per row)."""
+    return tuple(sorted({max(1, prompts // 2), max(1, 3 * prompts // 4), prompts}))
+
+
+def _pack_prompts(prompts: Sequence[Sequence[int]], engine: Engine) -> tuple[np.ndarray, ...]:
+    """Whole prompts packed side by side in rows as wide as the bucket of the longest (first fit, longest first):
+    tokens, positions, segments [rows, width] and each prompt's row, offset and length [P] (``steps.prefill_many``'s
+    layout; P = ``prompt_count_bucket``, the padding prompts of length 0; rows the smallest of
+    ``packed_row_buckets(P)`` that holds them). Raises for a prompt ``engine.prefill`` would refuse in one call."""
     longest = max(len(p) for p in prompts)
     if min(len(p) for p in prompts) == 0:
         raise ValueError("cannot prefill an empty prompt")
@@ -207,12 +220,33 @@ def _pad_prompts(prompts: Sequence[Sequence[int]], engine: Engine) -> tuple[np.n
             f"prompt of {longest} tokens exceeds max_prefill_length={engine.max_prefill_length} (or leaves no "
             f"room within max_seq_len={engine.max_seq_len}); prefill it alone, in chunks"
         )
-    bucket = engine._bucket(longest)
-    rows = 1 << (len(prompts) - 1).bit_length()
-    padded, lengths = np.zeros((rows, bucket), np.int32), np.zeros((rows,), np.int32)
+    width, count = engine._bucket(longest), prompt_count_bucket(len(prompts))
+    used: list[int] = []  # tokens taken in each row so far
+    where = np.zeros((2, count), np.int32)  # each prompt's (row, offset)
+    for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):
+        row = next((r for r, u in enumerate(used) if u + len(prompts[i]) <= width), len(used))
+        if row == len(used):
+            used.append(0)
+        where[:, i] = row, used[row]
+        used[row] += len(prompts[i])
+    rows = next(b for b in packed_row_buckets(count) if b >= len(used))
+    tokens, positions, segments = (np.zeros((rows, width), np.int32) for _ in range(3))
+    lengths = np.zeros((count,), np.int32)
     for i, p in enumerate(prompts):
-        padded[i, : len(p)], lengths[i] = p, len(p)
-    return padded, lengths
+        (row, start), n = where[:, i], len(p)
+        tokens[row, start : start + n], positions[row, start : start + n] = p, np.arange(n)
+        segments[row, start : start + n], lengths[i] = i + 1, n
+    return tokens, positions, segments, where[0], where[1], lengths
+
+
+def _one_token_prompts(rows: int, width: int, count: int) -> tuple[np.ndarray, ...]:
+    """A ``_pack_prompts`` layout of ``rows`` x ``width`` with one one-token prompt per row and ``count - rows``
+    padding prompts (``warmup``: any packed shape, whether or not a prompt mix packs into it)."""
+    tokens, positions, segments = (np.zeros((rows, width), np.int32) for _ in range(3))
+    segments[:, 0] = np.arange(1, rows + 1)
+    row, lengths = np.zeros((count,), np.int32), np.zeros((count,), np.int32)
+    row[:rows], lengths[:rows] = np.arange(rows), 1
+    return tokens, positions, segments, row, np.zeros((count,), np.int32), lengths
 
 
 class Engine:
@@ -356,13 +390,17 @@ class Engine:
     def prefill_many(
         self, *, params: nnx.State, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams], keys
     ) -> Prefix:
-        """Several whole prompts in one program (each padded to the bucket of the longest; the batch padded to a
-        power of 2 with empty rows): row i of the result (every field has a leading batch axis, cache
-        [B, bucket, K, D]) is ``prefill`` of ``prompts[i]`` with ``keys[i]`` alone. For ``insert_many``."""
-        padded, lengths = _pad_prompts(prompts, self)
-        rows = len(lengths)
-        k = jnp.stack([*keys, *[keys[0]] * (rows - len(prompts))])
-        args = (jnp.asarray(padded), jnp.asarray(lengths), *_sampling_rows(sampling, rows), k)
+        """Several whole prompts in one program, packed side by side in rows as wide as the bucket of the longest
+        (``_pack_prompts``): entry i of the result (every field has a leading axis of the prompt count's power of
+        2, cache [P, bucket, K, D], entries past the prompts empty) is ``prefill`` of ``prompts[i]`` with
+        ``keys[i]`` alone. For ``insert_many``."""
+        return self._prefill_packed(params, _pack_prompts(prompts, self), sampling, keys)
+
+    def _prefill_packed(self, params: nnx.State, packed: tuple[np.ndarray, ...], sampling, keys) -> Prefix:
+        """``prefill_many`` of a ``_pack_prompts`` layout (``sampling`` and ``keys`` of its first prompts)."""
+        count = len(packed[-1])
+        k = jnp.stack([*keys, *[keys[0]] * (count - len(keys))])
+        args = (*map(jnp.asarray, packed), *_sampling_rows(sampling, count), k)
         return self._prefill_many_jit(*self._flat_params(params), *args)
 
     # -- insert / release -------------------------------------------------------------------------
@@ -528,8 +566,9 @@ def warmup(engine: Engine, params: nnx.State, kv_pages: int = 0) -> int:
 
     - one prompt: prefill per bucket up to ``max_prefill_length``'s, fresh and on top of a prefix (a chunk, a
       session-cache hit), and its insert (the prefix is [1, bucket] fresh, [1, max_seq_len] on a prefix);
-    - several whole prompts in one program (``batch.prefill_together``): ``prefill_many`` and ``insert_many`` per
-      bucket and power-of-2 row count from 2 up to the one holding every slot;
+    - several whole prompts in one program (``batch.prefill_together``): ``prefill_many`` per bucket, power-of-2
+      prompt count from 2 up to the one holding every slot and its ``packed_row_buckets``, and ``insert_many``
+      per bucket and prompt count;
     - generate per decode window, slot bucket and number of steps (1 and ``decode_steps``); release;
     - ``kv_pages`` > 0 (the loop's session prefix cache of that many pages): the pool, ``save_slot``,
       ``load_prefix`` and a prefill on top of a loaded prefix (in case its sharding, which follows the pool's,
@@ -561,15 +600,14 @@ def warmup(engine: Engine, params: nnx.State, kv_pages: int = 0) -> int:
             )
             state = engine.insert(prefix, state, 0, greedy)
     slots = engine.max_concurrent_decodes
-    rows = 2
-    while slots >= 2 and rows // 2 < slots:  # prefill_together: 2..slots prompts, rows padded to a power of 2
-        count = min(rows, slots)
+    count = 2
+    while slots >= 2 and count // 2 < slots:  # prefill_together: 2..slots prompts, packed in rows of each bucket
         for n in lengths:
-            batched = engine.prefill_many(
-                params=params, prompts=[[0] * n] * count, sampling=[greedy] * count, keys=[key] * count
-            )
-            state = engine.insert_many(batched, state, list(range(count)), [greedy] * count)
-        rows *= 2
+            for rows in packed_row_buckets(count):
+                packed = _one_token_prompts(rows, engine._bucket(n), count)
+                batched = engine._prefill_packed(params, packed, [greedy] * rows, [key] * rows)
+            state = engine.insert_many(batched, state, list(range(min(count, slots))), [greedy] * min(count, slots))
+        count *= 2
     leaves = engine._flat_params(params)
     for w in engine.decode_windows:
         for k in engine.decode_slot_buckets:

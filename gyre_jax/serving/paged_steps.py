@@ -110,8 +110,8 @@ def prefill(
     positions = jnp.where(idx < true_length, start + idx, w)[None, :]  # padding writes are dropped
     rows = jax.lax.dynamic_index_in_dim(state.table, slot, axis=0, keepdims=True)  # [1, max_pages]
     view = gather_view(state.pool, rows, num_pages)
-    logits, view = model(tokens, positions, cache_mask(model.cfg, positions, w), view)
-    last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, axis=0, keepdims=True)  # [1, V]
+    hidden, view = model(tokens, positions, cache_mask(model.cfg, positions, w), view, head=False)
+    last = steps.last_logits(model, hidden, true_length)  # [1, V]
     token, logprob, key = sampling.advance(last, key[None], temperature[None], top_k[None], top_p[None])
     state = dataclasses.replace(
         state,

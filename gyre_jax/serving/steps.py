@@ -5,20 +5,24 @@ donation and shardings.
 
 Parameters arrive as flat leaves plus a (static) treedef, merged with the model's ``graphdef`` inside the
 program: flattening an ``nnx.State`` on every call would cost more host time than a tiny model's decode
-step. The model is called only as ``model(tokens, positions, mask, cache) -> (logits, cache)``, the mask from
-``attention.cache_mask`` (dense or a ``MaskSpec``, per ``attention_impl``); a position
-outside the cache writes nothing, which is how padding and slots that are not stepped stay untouched.
+step. The model is called only as ``model(tokens, positions, mask, cache) -> (logits, cache)`` (a prefill with
+``head=False``: hidden states, unembedded only where a token is sampled), the mask from ``attention.cache_mask``
+(dense or a ``MaskSpec``, per ``attention_impl``); a position outside the cache writes nothing, which is how
+padding and slots that are not stepped stay untouched. Several whole prompts are prefilled packed side by side in
+rows (``prefill_many``: each prompt from position 0, ``attention.segment_mask``, an ``attention.RowCache``), so
+that short prompts do not each pay for a row of the longest one's bucket.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gyre_jax.model.attention import BlockedCache, LayerCache, cache_mask, init_cache
+from gyre_jax.model.attention import BlockedCache, LayerCache, cache_mask, init_cache, init_row_cache, segment_mask
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.serving import sampling
 from gyre_jax.serving.kv_cache import DecodeState, Prefix, heads_first, widen
@@ -33,13 +37,20 @@ def _forward_and_sample(params, cache, positions, tokens, true_length, temperatu
     """params: (graphdef, leaves, treedef); tokens, positions: [1, Tb] (padding rows at an out-of-cache
     position, so their writes drop). Returns the cache, the token sampled from position true_length - 1 with
     its log-prob, the advanced key, and (``with_experts``, static) the chunk's expert ids [Tb, L_moe, K] int16
-    or None."""
+    or None. Only that position's logits are computed (the unembedding of one hidden state, not Tb)."""
     model = _model(*params)
     mask = cache_mask(model.cfg, positions, cache[0].k.shape[1])  # dense [1, Tb, S] or a MaskSpec
-    logits, cache, experts = _step_model(model, tokens, positions, mask, cache, with_experts)  # logits: [1, Tb, V]
-    last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, axis=0, keepdims=True)  # [1, V]
+    hidden, cache, experts = _step_model(model, tokens, positions, mask, cache, with_experts, head=False)
+    last = last_logits(model, hidden, true_length)
     token, logprob, key = sampling.advance(last, key[None], temperature[None], top_k[None], top_p[None])
     return cache, token[0], logprob[0], key[0], experts
+
+
+def last_logits(model, hidden: jax.Array, true_length: jax.Array) -> jax.Array:
+    """A one-row prefill's hidden states [1, Tb, E] -> the logits [1, V] of position ``true_length - 1`` only (a
+    prefill samples one token: unembedding the other Tb - 1 would cost Tb x the vocabulary's matmul for nothing)."""
+    last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, axis=0, keepdims=True)  # [1, E]
+    return model.head(last[None])[0]
 
 
 def prefill(
@@ -100,6 +111,10 @@ def prefill_many(
     leaves,
     treedef,
     tokens,
+    positions,
+    segments,
+    rows,
+    offsets,
     true_lengths,
     temperature,
     top_k,
@@ -107,20 +122,36 @@ def prefill_many(
     keys,
     with_experts: bool = False,
 ) -> Prefix:
-    """Several whole prompts in one forward: tokens [B, Tb] padded, true_lengths [B] int32 (0: a padding row,
-    nothing written), sampling [B] each, keys [B, 2]. Returns a Prefix whose every field has a leading [B] axis
-    (cache [B, Tb, K, D]); row i equals ``prefill`` of prompt i alone."""
-    b, tb = tokens.shape
-    idx = jnp.arange(tb, dtype=jnp.int32)[None, :]
-    positions = jnp.where(idx < true_lengths[:, None], idx, tb)  # [B, Tb]; padding writes are dropped
+    """Several whole prompts packed in rows, one forward: tokens, positions, segments [R, L] (the prompts of a row
+    side by side, each at positions 0.., segment ids distinct and non-zero per prompt, 0 = padding: a token attends
+    to its own prompt only); rows, offsets, true_lengths [P] int32 (prompt i: tokens [offsets[i], offsets[i] +
+    true_lengths[i]) of row rows[i]; length 0: a padding prompt, nothing kept); sampling [P] each, keys [P, 2].
+    Returns a Prefix whose every field has a leading [P] axis (cache [P, L, K, D], zeros past each prompt; expert
+    ids [P, L, L_moe, K], -1 past it); entry i equals ``prefill`` of prompt i alone, to float rounding (the same
+    math over other operand shapes)."""
+    r, width = tokens.shape
     model = _model(graphdef, leaves, treedef)
-    mask = cache_mask(model.cfg, positions, tb)
-    logits, cache, experts = _step_model(model, tokens, positions, mask, init_cache(cfg, b, tb), with_experts)
-    last = logits[jnp.arange(b), jnp.maximum(true_lengths - 1, 0)]  # [B, V]
-    token, logprob, keys = sampling.advance(last, keys, temperature, top_k, top_p)
+    mask = segment_mask(model.cfg, segments)
+    hidden, cache, experts = _step_model(
+        model, tokens, positions, mask, init_row_cache(cfg, r, width), with_experts, head=False
+    )  # hidden: [R, L, E]
+    last = hidden[rows, offsets + jnp.maximum(true_lengths - 1, 0)]  # [P, E]
+    token, logprob, keys = sampling.advance(model.head(last[:, None])[:, 0], keys, temperature, top_k, top_p)
+    take = functools.partial(_take_prompts, rows=rows, offsets=offsets, lengths=true_lengths)
+    cache = [LayerCache(k=take(c.k, fill=0), v=take(c.v, fill=0)) for c in cache]
     if experts is not None:
-        experts = experts.reshape(b, tb, *experts.shape[1:])
+        experts = take(experts.reshape(r, width, *experts.shape[1:]), fill=-1)
     return Prefix(cache=cache, length=true_lengths, token=token, logprob=logprob, key=keys, experts=experts)
+
+
+def _take_prompts(x, *, rows, offsets, lengths, fill):
+    """x: [R, L, ...] packed rows -> [P, L, ...]: prompt i's ``lengths[i]`` entries from ``offsets[i]`` of row
+    ``rows[i]`` at the front, ``fill`` after them."""
+    width = x.shape[1]
+    idx = jnp.arange(width, dtype=jnp.int32)[None, :]  # [1, L]
+    keep = idx < lengths[:, None]  # [P, L]
+    out = x[rows[:, None], jnp.where(keep, offsets[:, None] + idx, 0)]  # [P, L, ...]
+    return jnp.where(keep.reshape(*keep.shape, *(1,) * (x.ndim - 2)), out, jnp.asarray(fill, x.dtype))
 
 
 def _put_blocks(cache, src, write):
@@ -180,15 +211,15 @@ def release(state: DecodeState, slot) -> DecodeState:
     return dataclasses.replace(state, active=state.active.at[slot].set(False))
 
 
-def _step_model(model, tokens, positions, mask, cache, with_experts: bool):
-    """The forward of tokens [B, T]: (logits [B, T, V], cache, expert ids [B*T, L_moe, K] int16 or None). With
-    ``with_experts`` (static) the ids are those each MoE layer selected for each input token (routing
-    replay: ``rl.routing_replay``, docs/learner.md)."""
+def _step_model(model, tokens, positions, mask, cache, with_experts: bool, head: bool = True):
+    """The forward of tokens [B, T]: (logits [B, T, V] or, ``head=False``, the final-normed hidden states
+    [B, T, E]; cache; expert ids [B*T, L_moe, K] int16 or None). With ``with_experts`` (static) the ids are those
+    each MoE layer selected for each input token (routing replay: ``rl.routing_replay``, docs/learner.md)."""
     if not with_experts:
-        logits, cache = model(tokens, positions, mask, cache)
-        return logits, cache, None
-    logits, cache, aux = model(tokens, positions, mask, cache, return_aux=True)
-    return logits, cache, jnp.transpose(aux.expert_ids, (1, 0, 2)).astype(jnp.int16)
+        out, cache = model(tokens, positions, mask, cache, head=head)
+        return out, cache, None
+    out, cache, aux = model(tokens, positions, mask, cache, return_aux=True, head=head)
+    return out, cache, jnp.transpose(aux.expert_ids, (1, 0, 2)).astype(jnp.int16)
 
 
 def generate(

@@ -79,3 +79,23 @@ def test_the_serving_loop_reports_the_experts_the_model_routed_each_token_to() -
     own = np.sort(np.asarray(jax.device_get(aux.expert_ids)).transpose(1, 0, 2), -1)  # [t, L, K]
     np.testing.assert_array_equal(np.sort(result.prompt_expert_ids, -1), own[: len(prompt)])
     np.testing.assert_array_equal(np.sort(result.expert_ids[:-1], -1), own[len(prompt) :])
+
+
+def test_prompts_prefilled_packed_record_the_experts_of_each_prompt_alone() -> None:
+    """``prefill_many`` packs 3 prompts into 2 rows: each prompt's recorded expert ids (and first token) are those
+    ``prefill`` of it alone records, -1 past its length."""
+    cfg = rr.MOE
+    mesh, graphdef, params = rr.build(cfg)
+    engine = Engine(
+        cfg, graphdef, mesh, RULES_DATA, max_concurrent_decodes=4, max_seq_len=64, max_prefill_length=16,
+        prefill_buckets=(8, 16), record_experts=True,
+    )  # fmt: skip
+    prompts = [[3, 9, 17, 4, 22, 5, 31, 8, 40, 2, 11], [7, 1, 30], [12, 6, 25, 14]]  # 11 + 3 | 4 in rows of 16
+    greedy, key = SamplingParams(temperature=0.0), jnp.zeros((2,), jnp.uint32)
+    many = jax.device_get(engine.prefill_many(params=params, prompts=prompts, sampling=[greedy] * 3, keys=[key] * 3))
+    assert many.experts.shape == (4, 16, cfg.num_moe_layers, cfg.num_experts_per_tok)
+    for i, p in enumerate(prompts):
+        alone = jax.device_get(engine.prefill(params=params, tokens=p, sampling_params=greedy, key=key))
+        assert int(many.token[i]) == int(alone.token)
+        np.testing.assert_array_equal(many.experts[i, : len(p)], alone.experts[: len(p)])
+        assert (many.experts[i, len(p) :] == -1).all()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from gyre_jax.serving.engine import Engine
+from gyre_jax.serving.engine import Engine, _pack_prompts, packed_row_buckets, prompt_count_bucket
 from gyre_jax.serving.sampling import key_for_seed
 from gyre_jax.serving.types import ContextTooLongError, SamplingParams
 
@@ -468,6 +468,77 @@ def test_several_steps_in_one_program_equal_as_many_single_steps(engine, model_p
     assert engine._generate_steps_jit._cache_size() == 1  # 3 and 4 steps: one program
     with pytest.raises(ValueError, match="num_steps=5 must be between 1 and the engine's decode_steps=4"):
         engine.generate(params, multi[-1][1], num_steps=5)
+
+
+def _blockwise_engine(engine, cell_mesh, rules) -> Engine:
+    """``engine``'s twin with attention_impl='blockwise' (MaskSpec masks, 16-token blocks), the same parameters."""
+    from gyre_jax.model.sharding import abstract_model
+
+    cfg = dataclasses.replace(engine.cfg, attention_impl="blockwise", attention_block_q=16, attention_block_k=16)
+    graphdef, _ = abstract_model(cfg)
+    return Engine(
+        cfg,
+        graphdef,
+        cell_mesh,
+        rules,
+        max_concurrent_decodes=engine.max_concurrent_decodes,
+        max_seq_len=engine.max_seq_len,
+        max_prefill_length=engine.max_prefill_length,
+        prefill_buckets=engine.prefill_buckets,
+        decode_windows=engine.decode_windows,
+        decode_slot_buckets=engine.decode_slot_buckets,
+    )
+
+
+def test_pack_prompts_places_each_prompt_whole_and_alone_in_the_fewest_bucketed_rows(engine) -> None:
+    """First fit, longest first, rows as wide as the longest prompt's bucket; the row count the smallest of
+    ``packed_row_buckets`` that holds them; every prompt's tokens contiguous from position 0 in its own segment."""
+    rng = np.random.default_rng(1)
+    assert packed_row_buckets(1) == (1,) and packed_row_buckets(2) == (1, 2) and packed_row_buckets(32) == (16, 24, 32)
+    for lengths, width, rows in (
+        ((22, 13, 9, 5), 32, 2),  # 22 + 9 | 13 + 5
+        ((16, 16, 16), 16, 3),  # full rows: one prompt each, 3 of the 4-prompt bucket
+        ((40, 30, 20, 10, 8, 3), 64, 4),  # 8 prompts: 40 + 20 + 3 | 30 + 10 + 8 -> 2 rows, the bucket's least is 4
+        ((1, 1), 16, 1),
+    ):
+        prompts = [rng.integers(1, 256, size=n).tolist() for n in lengths]
+        tokens, positions, segments, row, offset, length = _pack_prompts(prompts, engine)
+        assert tokens.shape == positions.shape == segments.shape == (rows, width)
+        assert len(row) == len(offset) == len(length) == prompt_count_bucket(len(prompts))
+        taken = np.zeros((rows, width), bool)
+        for i, p in enumerate(prompts):
+            cols = slice(offset[i], offset[i] + len(p))
+            assert length[i] == len(p) and tokens[row[i], cols].tolist() == p
+            assert positions[row[i], cols].tolist() == list(range(len(p))) and (segments[row[i], cols] == i + 1).all()
+            assert not taken[row[i], cols].any()
+            taken[row[i], cols] = True
+        assert (segments[~taken] == 0).all() and (length[len(prompts) :] == 0).all()
+
+
+@pytest.mark.parametrize("impl", ["xla", "blockwise"])
+def test_packed_prompts_prefill_as_each_alone(engine, model_params, cell_mesh, rules, prompts, impl) -> None:
+    """``prefill_many`` of 5 prompts packed 2-3 per row (3 rows for 8 prompt entries; dense masks and MaskSpecs):
+    each prompt's first token (greedy and sampled), log-prob, key and KV equal ``prefill`` of it alone, and its
+    KV is zero past its length (the next prompt's tokens in its row are not copied)."""
+    eng = engine if impl == "xla" else _blockwise_engine(engine, cell_mesh, rules)
+    _, params, _ = model_params
+    chosen = [prompts[i] for i in (3, 1, 4, 0, 6)]  # 22, 13, 9, 5, 3 tokens: bucket 32, 2 rows -> 4 of 8
+    sps = [GREEDY, SamplingParams(temperature=1.0), GREEDY, SamplingParams(temperature=0.8, top_k=7), GREEDY]
+    keys = [key_for_seed(s) for s in range(5)]
+    assert _pack_prompts(chosen, eng)[0].shape == (4, 32)
+    many = jax.device_get(eng.prefill_many(params=params, prompts=chosen, sampling=sps, keys=keys))
+    assert many.token.shape == (8,) and many.cache[0].k.shape[:2] == (8, 32)
+    for i, (p, sp, key) in enumerate(zip(chosen, sps, keys)):
+        alone = jax.device_get(eng.prefill(params=params, tokens=p, sampling_params=sp, key=key))
+        n = len(p)
+        assert int(many.token[i]) == int(alone.token) and int(many.length[i]) == n
+        np.testing.assert_allclose(many.logprob[i], alone.logprob, atol=1e-5)
+        np.testing.assert_array_equal(many.key[i], alone.key)
+        for a, b in zip(many.cache, alone.cache):
+            for x, y in ((a.k, b.k), (a.v, b.v)):
+                np.testing.assert_allclose(x[i, :n], y[0, :n], atol=1e-5)
+                assert not np.asarray(x[i, n:]).any()
+    assert not any(np.asarray(c.k[5:]).any() for c in many.cache)  # the padding entries hold nothing
 
 
 def test_several_prompts_prefilled_in_one_program_equal_one_at_a_time(engine, model_params, prompts) -> None:
