@@ -239,6 +239,14 @@ def _pack_prompts(prompts: Sequence[Sequence[int]], engine: Engine) -> tuple[np.
     return tokens, positions, segments, where[0], where[1], lengths
 
 
+def _prefill_packed(engine: Engine, params: nnx.State, packed: tuple[np.ndarray, ...], sampling, keys) -> Prefix:
+    """``engine.prefill_many`` of a ``_pack_prompts`` layout (``sampling`` and ``keys`` of its first prompts)."""
+    count = len(packed[-1])
+    k = jnp.stack([*keys, *[keys[0]] * (count - len(keys))])
+    args = (*map(jnp.asarray, packed), *_sampling_rows(sampling, count), k)
+    return engine._prefill_many_jit(*engine._flat_params(params), *args)
+
+
 def _one_token_prompts(rows: int, width: int, count: int) -> tuple[np.ndarray, ...]:
     """A ``_pack_prompts`` layout of ``rows`` x ``width`` with one one-token prompt per row and ``count - rows``
     padding prompts (``warmup``: any packed shape, whether or not a prompt mix packs into it)."""
@@ -394,14 +402,7 @@ class Engine:
         (``_pack_prompts``): entry i of the result (every field has a leading axis of the prompt count's power of
         2, cache [P, bucket, K, D], entries past the prompts empty) is ``prefill`` of ``prompts[i]`` with
         ``keys[i]`` alone. For ``insert_many``."""
-        return self._prefill_packed(params, _pack_prompts(prompts, self), sampling, keys)
-
-    def _prefill_packed(self, params: nnx.State, packed: tuple[np.ndarray, ...], sampling, keys) -> Prefix:
-        """``prefill_many`` of a ``_pack_prompts`` layout (``sampling`` and ``keys`` of its first prompts)."""
-        count = len(packed[-1])
-        k = jnp.stack([*keys, *[keys[0]] * (count - len(keys))])
-        args = (*map(jnp.asarray, packed), *_sampling_rows(sampling, count), k)
-        return self._prefill_many_jit(*self._flat_params(params), *args)
+        return _prefill_packed(self, params, _pack_prompts(prompts, self), sampling, keys)
 
     # -- insert / release -------------------------------------------------------------------------
     def insert(
@@ -605,7 +606,7 @@ def warmup(engine: Engine, params: nnx.State, kv_pages: int = 0) -> int:
         for n in lengths:
             for rows in packed_row_buckets(count):
                 packed = _one_token_prompts(rows, engine._bucket(n), count)
-                batched = engine._prefill_packed(params, packed, [greedy] * rows, [key] * rows)
+                batched = _prefill_packed(engine, params, packed, [greedy] * rows, [key] * rows)
             state = engine.insert_many(batched, state, list(range(min(count, slots))), [greedy] * min(count, slots))
         count *= 2
     leaves = engine._flat_params(params)

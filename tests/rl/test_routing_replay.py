@@ -51,15 +51,21 @@ def test_replay_closes_the_gap_that_near_tied_routers_open_down_to_the_dense_pat
     assert rr.gap(moe, g, p, records, "completion")["mean"] > 100 * replay["mean"]
 
 
+def _recording_engine(cfg, slots: int) -> tuple:
+    """(graphdef, params, an ``Engine`` recording experts: ``slots`` slots x 64 tokens, prefill buckets 8 and 16)."""
+    mesh, graphdef, params = rr.build(cfg)
+    engine = Engine(
+        cfg, graphdef, mesh, RULES_DATA, max_concurrent_decodes=slots, max_seq_len=64, max_prefill_length=16,
+        prefill_buckets=(8, 16), record_experts=True,
+    )  # fmt: skip
+    return graphdef, params, engine
+
+
 def test_the_serving_loop_reports_the_experts_the_model_routed_each_token_to() -> None:
     """Through the pipelined serving loop (prefill in chunks, decode): the prompt's and the completion's expert
     ids equal the MoE layers' own top-k in one full forward over prompt + completion (fp32, no near ties)."""
     cfg = rr.MOE
-    mesh, graphdef, params = rr.build(cfg)
-    engine = Engine(
-        cfg, graphdef, mesh, RULES_DATA, max_concurrent_decodes=2, max_seq_len=64, max_prefill_length=16,
-        prefill_buckets=(8, 16), record_experts=True,
-    )  # fmt: skip
+    graphdef, params, engine = _recording_engine(cfg, slots=2)
     loop = ServingLoop(engine, params, prefill_chunk=8).start()
     prompt = [3, 9, 17, 4, 22, 5, 31, 8, 40, 2, 11]  # two prefill chunks
     try:
@@ -85,11 +91,7 @@ def test_prompts_prefilled_packed_record_the_experts_of_each_prompt_alone() -> N
     """``prefill_many`` packs 3 prompts into 2 rows: each prompt's recorded expert ids (and first token) are those
     ``prefill`` of it alone records, -1 past its length."""
     cfg = rr.MOE
-    mesh, graphdef, params = rr.build(cfg)
-    engine = Engine(
-        cfg, graphdef, mesh, RULES_DATA, max_concurrent_decodes=4, max_seq_len=64, max_prefill_length=16,
-        prefill_buckets=(8, 16), record_experts=True,
-    )  # fmt: skip
+    _, params, engine = _recording_engine(cfg, slots=4)
     prompts = [[3, 9, 17, 4, 22, 5, 31, 8, 40, 2, 11], [7, 1, 30], [12, 6, 25, 14]]  # 11 + 3 | 4 in rows of 16
     greedy, key = SamplingParams(temperature=0.0), jnp.zeros((2,), jnp.uint32)
     many = jax.device_get(engine.prefill_many(params=params, prompts=prompts, sampling=[greedy] * 3, keys=[key] * 3))

@@ -385,17 +385,13 @@ def test_kv_export_import_to_another_submesh_continues_identically(
         engine_b.to_mesh(bad)
 
 
-def test_blockwise_attention_engine_generates_the_dense_greedy_tokens(
-    engine, model_params, cell_mesh, rules, reference, prompts
-):
-    """attention_impl='blockwise' (MaskSpec per prefill / decode step, 16-token blocks): fresh and chunked
-    prefills and decode steps over a window and over slot subsets give the uncached dense model's greedy tokens."""
+def _blockwise_engine(engine, cell_mesh, rules) -> Engine:
+    """``engine``'s twin with attention_impl='blockwise' (MaskSpec masks, 16-token blocks), the same parameters."""
     from gyre_jax.model.sharding import abstract_model
 
     cfg = dataclasses.replace(engine.cfg, attention_impl="blockwise", attention_block_q=16, attention_block_k=16)
     graphdef, _ = abstract_model(cfg)
-    _, params, _ = model_params
-    blockwise = Engine(
+    return Engine(
         cfg,
         graphdef,
         cell_mesh,
@@ -407,6 +403,15 @@ def test_blockwise_attention_engine_generates_the_dense_greedy_tokens(
         decode_windows=engine.decode_windows,
         decode_slot_buckets=engine.decode_slot_buckets,
     )
+
+
+def test_blockwise_attention_engine_generates_the_dense_greedy_tokens(
+    engine, model_params, cell_mesh, rules, reference, prompts
+):
+    """attention_impl='blockwise' (MaskSpec per prefill / decode step, 16-token blocks): fresh and chunked
+    prefills and decode steps over a window and over slot subsets give the uncached dense model's greedy tokens."""
+    _, params, _ = model_params
+    blockwise = _blockwise_engine(engine, cell_mesh, rules)
     assert blockwise.decode_windows == (64, 128) and blockwise.decode_slot_buckets == (2, 4)
     d = Driver(blockwise, params)
     d.insert(1, prompts[7])  # alone in slot 1: steps over slots 0-1, a 64-position window
@@ -468,26 +473,6 @@ def test_several_steps_in_one_program_equal_as_many_single_steps(engine, model_p
     assert engine._generate_steps_jit._cache_size() == 1  # 3 and 4 steps: one program
     with pytest.raises(ValueError, match="num_steps=5 must be between 1 and the engine's decode_steps=4"):
         engine.generate(params, multi[-1][1], num_steps=5)
-
-
-def _blockwise_engine(engine, cell_mesh, rules) -> Engine:
-    """``engine``'s twin with attention_impl='blockwise' (MaskSpec masks, 16-token blocks), the same parameters."""
-    from gyre_jax.model.sharding import abstract_model
-
-    cfg = dataclasses.replace(engine.cfg, attention_impl="blockwise", attention_block_q=16, attention_block_k=16)
-    graphdef, _ = abstract_model(cfg)
-    return Engine(
-        cfg,
-        graphdef,
-        cell_mesh,
-        rules,
-        max_concurrent_decodes=engine.max_concurrent_decodes,
-        max_seq_len=engine.max_seq_len,
-        max_prefill_length=engine.max_prefill_length,
-        prefill_buckets=engine.prefill_buckets,
-        decode_windows=engine.decode_windows,
-        decode_slot_buckets=engine.decode_slot_buckets,
-    )
 
 
 def test_pack_prompts_places_each_prompt_whole_and_alone_in_the_fewest_bucketed_rows(engine) -> None:
