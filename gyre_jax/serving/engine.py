@@ -203,7 +203,8 @@ def prompt_count_bucket(count: int) -> int:
 
 def packed_row_buckets(prompts: int) -> tuple[int, ...]:
     """The packed row counts ``prefill_many`` compiles for a ``prompts`` (a power of 2) bucket: half, three quarters
-    and all of it (a prompt per row at most; prompts of 1/4 to all of the longest's bucket pack ~0.7 per row)."""
+    and all of it (one prompt per row, the most any mix needs; prompts of a quarter to all of the longest's bucket
+    need ~0.7 rows each)."""
     return tuple(sorted({max(1, prompts // 2), max(1, 3 * prompts // 4), prompts}))
 
 
