@@ -170,6 +170,7 @@ class CellFactory:
             kv_pages=None if sv.kv_layout == "paged" else sv.kv_pages,  # paged: the cache shares the engine's pool
             on_update=sv.on_weight_update,
             reuse_stale_kv=sv.reuse_stale_kv,
+            lookahead=sv.decode_lookahead,
             detokenize=self.s.tokenizer.decode,
         ).start()
 

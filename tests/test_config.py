@@ -552,6 +552,7 @@ SECTION_CHECKS = [
     ("optimizer", "schedule", "step", "config.optimizer.schedule='step' must be one of"),
     ("optimizer", "min_lr_ratio", 2.0, "config.optimizer.min_lr_ratio=2.0 must be in [0, 1]"),
     ("serving", "decode_steps", 0, "config.serving.decode_steps=0 must be >= 1"),
+    ("serving", "decode_lookahead", 0, "config.serving.decode_lookahead=0 must be >= 1"),
     ("serving", "kv_layout", "radix", "config.serving.kv_layout='radix' must be one of ('dense', 'paged')"),
     ("warm_start", "steps", -1, "config.warm_start.steps=-1 must be >= 0"),
     ("warm_start", "target_loss", -0.5, "config.warm_start.target_loss=-0.5 must be >= 0"),

@@ -88,6 +88,10 @@ class ServingSection(Section):
     # decode steps one generate program may run while every slot decodes and nothing waits to join (1: a dispatch
     # per token; more saves the per-step dispatch, at up to decode_steps - 1 wasted steps for a request that stops)
     decode_steps: int = 1
+    # decode steps the loop dispatches after a step before it reads that step's tokens (1: step k is read once k + 1
+    # is dispatched; 2: once k + 2 is, so the host's wait and bookkeeping overlap a queued step; a request that
+    # stops wastes this many steps of its slot)
+    decode_lookahead: int = 2
     # "dense": a [max_seq_len] KV cache per slot, sessions cached in kv_pages pages beside it (copied in and out);
     # "paged": slots and cached sessions share one pool of kv_pages pages through block tables (a session holds
     # the pages its length needs, its next request decodes from them in place; docs/long_context.md)
@@ -127,6 +131,7 @@ class ServingSection(Section):
             s.kv_pages >= 0, f"config.serving.kv_pages={s.kv_pages} must be >= 0 (0 disables the session prefix cache)"
         )
         require(s.decode_steps >= 1, f"config.serving.decode_steps={s.decode_steps} must be >= 1")
+        require(s.decode_lookahead >= 1, f"config.serving.decode_lookahead={s.decode_lookahead} must be >= 1")
         require(s.kv_layout in KV_LAYOUTS, f"config.serving.kv_layout={s.kv_layout!r} must be one of {KV_LAYOUTS}")
         require(
             s.kv_layout == "dense" or s.kv_pages * s.page_size >= s.max_seq_len,

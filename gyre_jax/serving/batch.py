@@ -4,16 +4,18 @@
 the weights it runs (and their policy version), the generate step in flight, and what each sampled token
 does to its job (stop, budget, context limit). It does the device side of one loop iteration (``step``):
 prefill chunks of the slots still prefilling (oldest first), insert those whose prompt is complete, dispatch
-one generate step and read the previous one. Jobs end here: their session's KV goes to the session cache
+one generate step and read the oldest step in flight. Jobs end here: their session's KV goes to the session cache
 and their future resolves. Used from the loop thread; slot changes that other threads may read are made
 under ``lock``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +43,9 @@ class DecodeBatch:
         stats: LoopStats,
         cache: SessionCache | None,
         prefill_together: bool = True,
+        lookahead: int = 2,
     ):
+        """``lookahead``: decode steps dispatched after the oldest step in flight before its tokens are read."""
         self.engine = engine
         self.params = params
         self.version = version
@@ -54,7 +58,8 @@ class DecodeBatch:
         self.together = prefill_together
         self.slots: list[Job | None] = [None] * engine.max_concurrent_decodes
         self.state: DecodeState | None = None
-        self.pending: Step | None = None  # the generate step in flight (dispatched, tokens not read yet)
+        self.lookahead = lookahead
+        self.in_flight: collections.deque[Step] = collections.deque()  # dispatched, tokens not read yet; oldest first
 
     def set_weights(self, params, version: int) -> bool:
         """New weights for the next step; True if the policy version changed."""
@@ -94,22 +99,31 @@ class DecodeBatch:
 
     # -- one iteration -----------------------------------------------------------------------------
     def step(self, multi_step: bool = False) -> Step | None:
-        """Prefills, dispatches the next generate step, then reads the previous one (returned). Pipelined: step
-        k+1 is dispatched before step k's tokens are read, so the device never waits for this thread; a request
-        that ends at step k wastes its token of step k+1. ``multi_step`` (the caller has nothing waiting to join
-        the batch): with every slot decoding, the engine's ``decode_steps`` steps run in one program; a request
-        that ends inside it wastes the rest of its steps there."""
+        """Prefills, dispatches the next generate program, then reads the oldest in flight once ``lookahead``
+        decode steps follow it (or nothing new was dispatched); returns the step read, if any. Pipelined: the
+        device never waits for this thread, and at ``lookahead`` >= 2 the thread's wait for a step and its
+        bookkeeping overlap the steps queued behind it; a request that ends at step k wastes its tokens of the
+        steps dispatched after k (discarded). ``multi_step`` (the caller has nothing waiting to join the batch):
+        with every slot decoding, the engine's ``decode_steps`` steps run in one program; a request that ends
+        inside it wastes the rest of its steps there."""
         self.prefill_step()
-        previous = self.pending
-        self.pending = self._dispatch_generate(previous, multi_step)
-        self._collect(previous)
-        return previous
+        step = self._dispatch_generate(self.in_flight, multi_step)
+        if step is not None:
+            self.in_flight.append(step)
+        if not self.in_flight:
+            return None
+        ahead = sum(s.num_steps for s in self.in_flight) - self.in_flight[0].num_steps
+        if step is not None and ahead < self.lookahead:
+            return None
+        oldest = self.in_flight.popleft()
+        self._collect(oldest)
+        return oldest
 
     def flush(self) -> None:
-        """Collects the step in flight, so slots, tokens and the decode state agree (before an export, a
+        """Collects every step in flight, so slots, tokens and the decode state agree (before an export, a
         recompute or a stop)."""
-        step, self.pending = self.pending, None
-        self._collect(step)
+        while self.in_flight:
+            self._collect(self.in_flight.popleft())
 
     def prefill_step(self) -> None:
         """Prefills up to ``prefill_chunk`` tokens of the slots still prefilling (oldest first); slots whose
@@ -191,17 +205,15 @@ class DecodeBatch:
                 return
             self.accept(slot, int(first[0]), float(first[1]))
 
-    def _dispatch_generate(self, in_flight: Step | None, multi_step: bool = False) -> Step | None:
+    def _dispatch_generate(self, in_flight: Sequence[Step], multi_step: bool = False) -> Step | None:
         """Starts a generate program for the decoding slots (not waiting for it): one step, or with ``multi_step``
-        up to the engine's ``decode_steps`` (``num_steps``). Jobs still owed their tokens of the
-        program ``in_flight`` hold that many more cached tokens by the time this one runs."""
+        up to the engine's ``decode_steps`` (``num_steps``). Jobs still owed their tokens of the programs
+        ``in_flight`` hold that many more cached tokens by the time this one runs."""
         decoding = self._decoding(in_flight)
         if not decoding:
             return None
-        owed, ahead = (in_flight.jobs, in_flight.num_steps) if in_flight is not None else ({}, 0)
         longest = max(
-            len(j.request.prompt_ids) + len(j.tokens) - 1 + ahead * (owed.get(slot) is j)
-            for slot, j in decoding.items()
+            len(j.request.prompt_ids) + len(j.tokens) - 1 + owed(in_flight, slot, j) for slot, j in decoding.items()
         )
         n = num_steps(self, decoding, in_flight, multi_step)
         self.state, result = self.engine.generate(
@@ -211,13 +223,11 @@ class DecodeBatch:
         self.stats.generate_calls += 1
         return Step(result=result, jobs=decoding, version=self.version, num_steps=n)
 
-    def _decoding(self, in_flight: Step | None) -> dict[int, Job]:
-        """The decoding slots' jobs, or none when the program ``in_flight`` ends every one of them (each is owed
-        at least its remaining budget in tokens by it): a next program would only compute tokens to discard."""
+    def _decoding(self, in_flight: Sequence[Step]) -> dict[int, Job]:
+        """The decoding slots' jobs, or none when the programs ``in_flight`` end every one of them (each is owed
+        at least its remaining budget in tokens by them): a next program would only compute tokens to discard."""
         decoding = {slot: j for slot, j in enumerate(self.slots) if j is not None and j.decoding}
-        if in_flight is not None and all(
-            in_flight.jobs.get(slot) is j and j.budget <= in_flight.num_steps for slot, j in decoding.items()
-        ):
+        if in_flight and all(j.budget <= owed(in_flight, slot, j) for slot, j in decoding.items()):
             return {}
         return decoding
 
@@ -323,14 +333,18 @@ class DecodeBatch:
         return out
 
 
-def num_steps(batch: DecodeBatch, decoding: dict[int, Job], in_flight: Step | None, multi_step: bool) -> int:
+def owed(in_flight: Sequence[Step], slot: int, job: Job) -> int:
+    """Tokens the programs ``in_flight`` will still give ``job`` (in ``slot``): their steps that stepped it."""
+    return sum(step.num_steps for step in in_flight if step.jobs.get(slot) is job)
+
+
+def num_steps(batch: DecodeBatch, decoding: dict[int, Job], in_flight: Sequence[Step], multi_step: bool) -> int:
     """Steps of ``batch``'s next program: 1, or with ``multi_step`` and no slot still prefilling, up to the engine's
     ``decode_steps``, no more than the most any decoding job still owes after ``in_flight`` (a static batch's last
     program ends with its last token)."""
     if not multi_step or len(decoding) != sum(j is not None for j in batch.slots):
         return 1
-    owed, ahead = (in_flight.jobs, in_flight.num_steps) if in_flight is not None else ({}, 0)
-    left = max(j.budget - ahead * (owed.get(slot) is j) for slot, j in decoding.items())
+    left = max(j.budget - owed(in_flight, slot, j) for slot, j in decoding.items())
     return max(1, min(batch.engine.decode_steps, left))
 
 

@@ -111,12 +111,18 @@ class ServingLoop:
         on_update: str = "continue",
         reuse_stale_kv: bool = False,
         prefill_together: bool = True,
+        lookahead: int = 2,
     ):
         """``kv_pages``: page budget of the session prefix cache (None: as many tokens as the decode slots
         hold; 0: no cache). ``prefill_chunk``: prompt tokens per prefill call and per step while others
         decode (None: ``engine.max_prefill_length``). ``detokenize``: ids -> text, for stop strings.
-        ``prefill_together`` (False: one prompt per prefill call): several one-chunk prompts per program."""
+        ``prefill_together`` (False: one prompt per prefill call): several one-chunk prompts per program.
+        ``lookahead``: decode steps dispatched after a step before the loop reads its tokens (1: read step k
+        after dispatching k + 1; 2: after k + 2, so the read and the loop's bookkeeping overlap a queued step,
+        at one more discarded token when a request stops)."""
         chunk, kv_pages = _check_options(engine, prefill_chunk, kv_pages, on_update, reuse_stale_kv)
+        if lookahead < 1:
+            raise ValueError(f"lookahead={lookahead} must be >= 1 (decode steps dispatched before a step is read)")
         self.engine, self.name = engine, name
         self.max_context = engine.max_seq_len
         self.prefill_chunk = chunk
@@ -132,7 +138,7 @@ class ServingLoop:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.stats = LoopStats()
-        common = dict(name=name, prefill_chunk=chunk, lock=self._cv, stats=self.stats)
+        common = dict(name=name, prefill_chunk=chunk, lock=self._cv, stats=self.stats, lookahead=lookahead)
         if isinstance(engine, PagedEngine):  # KV in the engine's page pool; the session cache shares it
             self._cache = PagedSessionCache(engine) if kv_pages > 0 else None
             self._batch = PagedBatch(engine, params, policy_version, cache=self._cache, **common)
@@ -366,7 +372,7 @@ class ServingLoop:
                     if self._stop:
                         break
                     self._control()
-                    if not self._batch.has_work() and self._batch.pending is None:
+                    if not self._batch.has_work() and not self._batch.in_flight:
                         self._cv.wait(timeout=0.05)
                         continue
                     multi_step = not self._requests.jobs and not self._commands  # nobody waits to join

@@ -100,9 +100,18 @@ class PagedBatch(DecodeBatch):
         lock: threading.Condition,
         stats: LoopStats,
         cache: PagedSessionCache | None,
+        lookahead: int = 2,
     ):
         super().__init__(
-            engine, params, version, name=name, prefill_chunk=prefill_chunk, lock=lock, stats=stats, cache=None
+            engine,
+            params,
+            version,
+            name=name,
+            prefill_chunk=prefill_chunk,
+            lock=lock,
+            stats=stats,
+            cache=None,
+            lookahead=lookahead,
         )
         self.cache = cache  # type: ignore[assignment]  # the paged cache: same role, pages in the engine's pool
         self.together = False
@@ -167,7 +176,7 @@ class PagedBatch(DecodeBatch):
         self.engine.start(slot)
         self.begin(slot, job, job.first)
 
-    def _dispatch_generate(self, in_flight: Step | None, multi_step: bool = False) -> Step | None:
+    def _dispatch_generate(self, in_flight: Sequence[Step], multi_step: bool = False) -> Step | None:
         """Starts a generate program for the started slots (not waiting for it); the engine sizes it by their
         lengths. One step, or the engine's ``decode_steps`` with ``multi_step`` when no slot is still prefilling."""
         decoding = self._decoding(in_flight)

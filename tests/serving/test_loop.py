@@ -472,11 +472,12 @@ def test_stop_strings_end_the_completion_at_the_completing_token(engine, model_p
         SamplingParams(stop_strings=("",)).validate()
 
 
-def test_multi_step_decoding_gives_the_single_step_loops_tokens(engine, model_params, rules, prompts) -> None:
-    """An engine with ``decode_steps=4``: the loop runs 4 steps per program while every slot decodes and nothing
-    waits, and every request gets the tokens, log-probs and finish reason of the one-step loop: seeded sampling,
-    budgets that are not multiples of 4, a stop id met inside a program, and a session's next call on its
-    cached KV."""
+def test_multi_step_programs_and_lookahead_give_the_one_step_loops_tokens(engine, model_params, rules, prompts) -> None:
+    """An engine with ``decode_steps=4`` (4 steps per program while every slot decodes and nothing waits) and loops
+    that read a step 1 or 2 steps after dispatching it: every request gets the tokens, log-probs, finish reason
+    and cached tokens of the one-step loop that reads each step after dispatching the next: seeded sampling,
+    budgets that are not multiples of 4, a stop id met inside a program, and a session's next call on its cached
+    KV."""
     from gyre_jax.serving.engine import Engine
 
     e = engine
@@ -489,8 +490,8 @@ def test_multi_step_decoding_gives_the_single_step_loops_tokens(engine, model_pa
     def sampled(n, seed, stop=()):
         return SamplingParams(temperature=1.0, max_tokens=n, seed=seed, stop_ids=stop)
 
-    def run(eng, stop_id):
-        loop = _start(eng, params)
+    def run(eng, stop_id, lookahead):
+        loop = _start(eng, params, lookahead=lookahead)
         try:
             first = [
                 GenerationRequest(prompt_ids=prompts[i], sampling=sampled(n, 10 + i, stop), session_id=f"s{i}")
@@ -510,17 +511,47 @@ def test_multi_step_decoding_gives_the_single_step_loops_tokens(engine, model_pa
         finally:
             loop.stop()
 
-    base, _ = run(engine, None)
+    base, _ = run(engine, None, 1)
     stop_id = base[2].token_ids[5]
-    got, stats = run(multi, stop_id)
     cut = base[2].token_ids.index(stop_id) + 1  # the one-step loop stops request 2 at the id's first occurrence
-    assert got[2].finish_reason == "stop" and got[2].token_ids == base[2].token_ids[:cut]
-    np.testing.assert_allclose(got[2].logprobs, base[2].logprobs[:cut], atol=1e-5)
     assert base[4].cached_tokens > 0  # the follow-up reused its session's KV
-    for w, g in zip(base[:2] + base[3:], got[:2] + got[3:]):
-        assert (g.token_ids, g.finish_reason, g.cached_tokens) == (w.token_ids, w.finish_reason, w.cached_tokens)
-        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
-    assert stats.generate_calls < stats.generate_steps  # programs of 4 steps did run
+    for eng, lookahead in ((engine, 2), (multi, 1), (multi, 2)):
+        got, stats = run(eng, stop_id, lookahead)
+        assert got[2].finish_reason == "stop" and got[2].token_ids == base[2].token_ids[:cut]
+        np.testing.assert_allclose(got[2].logprobs, base[2].logprobs[:cut], atol=1e-5)
+        for w, g in zip(base[:2] + base[3:], got[:2] + got[3:]):
+            assert (g.token_ids, g.finish_reason, g.cached_tokens) == (w.token_ids, w.finish_reason, w.cached_tokens)
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+        if eng is multi:
+            assert stats.generate_calls < stats.generate_steps  # programs of 4 steps did run
+
+
+@pytest.mark.parametrize("lookahead", [1, 2, 3])
+def test_a_stopped_request_wastes_the_lookahead_steps_and_no_more(engine, model_params, prompts, lookahead) -> None:
+    """A lone request that stops at a stop id: the loop had dispatched ``lookahead`` steps past the one that sampled
+    it (their tokens discarded), and none after it read that step; its tokens are the one-step loop's."""
+    params = model_params[1]
+    probe = _start(engine, params, lookahead=1)
+    try:
+        free = probe.submit(GenerationRequest(prompt_ids=prompts[3], sampling=greedy(24))).result(timeout=TIMEOUT)
+    finally:
+        probe.stop()
+    stop_id = free.token_ids[6]
+    cut = free.token_ids.index(stop_id) + 1  # tokens up to the id's first occurrence; the first came from prefill
+    assert cut + lookahead < 24
+    loop = _start(engine, params, lookahead=lookahead)
+    try:
+        got = loop.submit(GenerationRequest(prompt_ids=prompts[3], sampling=greedy(24, (stop_id,)))).result(TIMEOUT)
+        assert got.finish_reason == "stop" and got.token_ids == free.token_ids[:cut]
+        assert _wait_until(lambda: not loop._batch.in_flight) is None
+        assert loop.stats.generate_steps == cut - 1 + lookahead
+    finally:
+        loop.stop()
+
+
+def test_lookahead_below_one_is_rejected(engine, model_params) -> None:
+    with pytest.raises(ValueError, match="lookahead=0 must be >= 1"):
+        ServingLoop(engine, model_params[1], lookahead=0)
 
 
 def test_a_burst_of_requests_starts_with_one_prefill_program(engine, model_params, reference, prompts) -> None:
