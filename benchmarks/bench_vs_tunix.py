@@ -15,7 +15,8 @@ gives medians and ratios ours / Tunix, the JSON every run):
             wall time of the whole call (prefill, decode, tokens on the host). Ours: the ``Engine`` (``prefill_many``
             + ``insert_many``, then ``generate`` with every step dispatched before any is read), one step per program
             and all 63 decode steps in one program (``decode_steps``); and the ``ServingLoop`` (the batch submitted
-            at once), one step per program, 8 and 63 (each program sized to what the batch still owes). Tunix:
+            at once), one step per program, 8 and 63 (each program sized to what the batch still owes), and one step per
+            program reading each step once the next is dispatched (``lookahead=1``; the default reads it once two are). Tunix:
             ``Sampler.__call__`` (one prefill program, then one ``while_loop`` program over every decode step). The greedy tokens of the two are compared. Then the
             engine rows again at temperature 1 (top-p 1, top-k 0: the full softmax, RL's setting) against Tunix's
             sampler with temperature 1 and top-p 1 (which compiles its programs again for it: sampling settings are
@@ -625,6 +626,7 @@ def main(argv=None) -> dict:
         ("engine, 1 step/program", "engine", 1, False),
         (f"engine, {all_steps} steps/program", "engine", all_steps, False),
         ("ServingLoop, 1 step/program", "loop", 1, False),
+        ("ServingLoop, 1 step/program, lookahead 1", "loop, lookahead 1", 1, False),  # reads each step one later
         (f"ServingLoop, {sz.loop_decode_steps} steps/program", "loop", sz.loop_decode_steps, False),
         (f"ServingLoop, {all_steps} steps/program", "loop", all_steps, False),  # a static batch: one program
         ("temperature 1: engine, 1 step/program", "engine", 1, True),
@@ -635,9 +637,12 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(2)
     for b in sz.batches:
         engines = {steps: make_engine(cfg, graphdef, mesh, sz, b, steps) for steps in {v[2] for v in variants}}
-        loops = {
-            steps: ServingLoop(engines[steps], params, name=f"b{b}s{steps}", kv_pages=0).start()
-            for steps in {v[2] for v in variants if v[1] == "loop"}
+        loops = {  # (kind, steps): the default lookahead (2), and 1 for the one-step loop as it was
+            (kind, steps): ServingLoop(
+                engines[steps], params, name=f"b{b}s{steps}", kv_pages=0, lookahead=1 if kind.endswith("1") else 2
+            ).start()
+            for _, kind, steps, _ in variants
+            if kind.startswith("loop")
         }
         runs = Runs()
         tokens_seen: dict[str, np.ndarray] = {}
@@ -653,7 +658,7 @@ def main(argv=None) -> dict:
                 elif kind == "engine":
                     seconds, tokens = ours_engine_generate(engines[steps], params, prompts, sz, sampled)
                 else:
-                    seconds, tokens = ours_loop_generate(loops[steps], prompts, sz)
+                    seconds, tokens = ours_loop_generate(loops[kind, steps], prompts, sz)
                 runs.add(name, seconds, time.process_time() - cpu0)
                 if rep == WARMUP + sz.reps - 1 and not sampled:
                     tokens_seen[name] = tokens

@@ -47,6 +47,7 @@ def test_vs_tunix_smoke_run_checks_the_logits_and_reports_every_row(tmp_path) ->
         "engine, 1 step/program",
         f"engine, {all_steps} steps/program",
         "ServingLoop, 1 step/program",
+        "ServingLoop, 1 step/program, lookahead 1",
         f"ServingLoop, {sz['loop_decode_steps']} steps/program",
         f"ServingLoop, {all_steps} steps/program",
     ]

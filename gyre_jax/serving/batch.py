@@ -45,7 +45,6 @@ class DecodeBatch:
         prefill_together: bool = True,
         lookahead: int = 2,
     ):
-        """``lookahead``: decode steps dispatched after the oldest step in flight before its tokens are read."""
         self.engine = engine
         self.params = params
         self.version = version
@@ -58,7 +57,7 @@ class DecodeBatch:
         self.together = prefill_together
         self.slots: list[Job | None] = [None] * engine.max_concurrent_decodes
         self.state: DecodeState | None = None
-        self.lookahead = lookahead
+        self.lookahead = lookahead  # decode steps dispatched after the oldest step in flight before it is read
         self.in_flight: collections.deque[Step] = collections.deque()  # dispatched, tokens not read yet; oldest first
 
     def set_weights(self, params, version: int) -> bool:
@@ -100,12 +99,10 @@ class DecodeBatch:
     # -- one iteration -----------------------------------------------------------------------------
     def step(self, multi_step: bool = False) -> Step | None:
         """Prefills, dispatches the next generate program, then reads the oldest in flight once ``lookahead``
-        decode steps follow it (or nothing new was dispatched); returns the step read, if any. Pipelined: the
-        device never waits for this thread, and at ``lookahead`` >= 2 the thread's wait for a step and its
-        bookkeeping overlap the steps queued behind it; a request that ends at step k wastes its tokens of the
-        steps dispatched after k (discarded). ``multi_step`` (the caller has nothing waiting to join the batch):
-        with every slot decoding, the engine's ``decode_steps`` steps run in one program; a request that ends
-        inside it wastes the rest of its steps there."""
+        decode steps follow it (or nothing new was dispatched); returns the step read, if any. The device never
+        waits for this thread, whose wait and bookkeeping overlap the steps queued; a request that ends at step k
+        wastes its tokens of the steps dispatched after k. ``multi_step`` (nothing waits to join the batch): with
+        every slot decoding, up to the engine's ``decode_steps`` steps run in one program."""
         self.prefill_step()
         step = self._dispatch_generate(self.in_flight, multi_step)
         if step is not None:
@@ -120,8 +117,7 @@ class DecodeBatch:
         return oldest
 
     def flush(self) -> None:
-        """Collects every step in flight, so slots, tokens and the decode state agree (before an export, a
-        recompute or a stop)."""
+        """Collects every step in flight, so slots, tokens and decode state agree (before an export or recompute)."""
         while self.in_flight:
             self._collect(self.in_flight.popleft())
 

@@ -66,9 +66,11 @@ ON_UPDATE = ("continue", "recompute")
 
 
 def _check_options(
-    engine: Engine, prefill_chunk: int | None, kv_pages: int | None, on_update: str, reuse: bool
+    engine: Engine, prefill_chunk: int | None, kv_pages: int | None, on_update: str, reuse: bool, lookahead: int
 ) -> tuple[int, int]:
     """(prefill chunk, KV pages) with their defaults; raises ValueError for options a loop cannot have."""
+    if lookahead < 1:
+        raise ValueError(f"lookahead={lookahead} must be >= 1 (decode steps dispatched before a step is read)")
     if on_update not in ON_UPDATE:
         raise ValueError(f"on_update={on_update!r} must be one of {ON_UPDATE}")
     if on_update == "recompute" and reuse:
@@ -117,12 +119,8 @@ class ServingLoop:
         hold; 0: no cache). ``prefill_chunk``: prompt tokens per prefill call and per step while others
         decode (None: ``engine.max_prefill_length``). ``detokenize``: ids -> text, for stop strings.
         ``prefill_together`` (False: one prompt per prefill call): several one-chunk prompts per program.
-        ``lookahead``: decode steps dispatched after a step before the loop reads its tokens (1: read step k
-        after dispatching k + 1; 2: after k + 2, so the read and the loop's bookkeeping overlap a queued step,
-        at one more discarded token when a request stops)."""
-        chunk, kv_pages = _check_options(engine, prefill_chunk, kv_pages, on_update, reuse_stale_kv)
-        if lookahead < 1:
-            raise ValueError(f"lookahead={lookahead} must be >= 1 (decode steps dispatched before a step is read)")
+        ``lookahead``: decode steps dispatched after a step before its tokens are read (``DecodeBatch.step``)."""
+        chunk, kv_pages = _check_options(engine, prefill_chunk, kv_pages, on_update, reuse_stale_kv, lookahead)
         self.engine, self.name = engine, name
         self.max_context = engine.max_seq_len
         self.prefill_chunk = chunk
