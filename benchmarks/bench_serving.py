@@ -15,6 +15,9 @@ shared and noisy; absolute times are printed for context only).
     python benchmarks/bench_serving.py              # the full run (a few minutes on 2 cores)
     python benchmarks/bench_serving.py --smoke      # seconds-scale sizes, same code paths (for tests)
 
+``--smoke`` skips the engines' full ``warmup()`` (every shape; most of a smoke run's time, and what
+tests/serving/test_warmup.py covers): shapes the smoke uses compile at first use, inside its timings.
+
 Each comparison runs both sides back to back, ``repeats`` times; the table shows the ratio of the best run of
 each side (the least disturbed by other jobs on a shared machine) and the median of the paired ratios; the JSON
 keeps every run. Prints a table and writes JSON (``--out``, default ``benchmarks/results/serving.json``; ``--smoke``:
@@ -194,7 +197,7 @@ def main(argv=None) -> int:
         nxt = req.prompt_ids + r.token_ids + prompt(3)
         warm_loop.submit(GenerationRequest(prompt_ids=nxt, sampling=greedy, session_id=req.session_id)).result()
     warm_loop.stop()
-    for eng in (engine, engine1, engine_multi):
+    for eng in (engine, engine1, engine_multi) if not args.smoke else ():  # smoke: compiled at first use
         eng.warmup(params)
     naive_generate(engine1, params, [prompt(20)], greedy)
     for together in (True, False):  # the burst's shapes: all slots' prompts in one program, and one at a time
