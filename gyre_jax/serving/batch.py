@@ -205,13 +205,11 @@ class DecodeBatch:
         """Starts a generate program for the decoding slots (not waiting for it): one step, or with ``multi_step``
         up to the engine's ``decode_steps`` (``num_steps``). Jobs still owed their tokens of the programs
         ``in_flight`` hold that many more cached tokens by the time this one runs."""
-        decoding = self._decoding(in_flight)
+        decoding, owes = self._decoding(in_flight)
         if not decoding:
             return None
-        longest = max(
-            len(j.request.prompt_ids) + len(j.tokens) - 1 + owed(in_flight, slot, j) for slot, j in decoding.items()
-        )
-        n = num_steps(self, decoding, in_flight, multi_step)
+        longest = max(len(j.request.prompt_ids) + len(j.tokens) - 1 + owes[slot] for slot, j in decoding.items())
+        n = num_steps(self, decoding, owes, multi_step)
         self.state, result = self.engine.generate(
             self.params, self.state, max_length=longest, slot_limit=max(decoding) + 1, wait=False, num_steps=n
         )
@@ -219,13 +217,15 @@ class DecodeBatch:
         self.stats.generate_calls += 1
         return Step(result=result, jobs=decoding, version=self.version, num_steps=n)
 
-    def _decoding(self, in_flight: Sequence[Step]) -> dict[int, Job]:
-        """The decoding slots' jobs, or none when the programs ``in_flight`` end every one of them (each is owed
-        at least its remaining budget in tokens by them): a next program would only compute tokens to discard."""
+    def _decoding(self, in_flight: Sequence[Step]) -> tuple[dict[int, Job], dict[int, int]]:
+        """The decoding slots' jobs and the tokens each is still owed by the programs ``in_flight`` (``owed``), or
+        none when those programs end every one of them (each owed at least its remaining budget): a next program
+        would only compute tokens to discard."""
         decoding = {slot: j for slot, j in enumerate(self.slots) if j is not None and j.decoding}
-        if in_flight and all(j.budget <= owed(in_flight, slot, j) for slot, j in decoding.items()):
-            return {}
-        return decoding
+        owes = owed(in_flight, decoding)
+        if in_flight and all(j.budget <= owes[slot] for slot, j in decoding.items()):
+            return {}, {}
+        return decoding, owes
 
     def _collect(self, step: Step | None) -> None:
         """Gives each job its token of ``step``; a slot whose job ended or changed since it was dispatched
@@ -329,18 +329,24 @@ class DecodeBatch:
         return out
 
 
-def owed(in_flight: Sequence[Step], slot: int, job: Job) -> int:
-    """Tokens the programs ``in_flight`` will still give ``job`` (in ``slot``): their steps that stepped it."""
-    return sum(step.num_steps for step in in_flight if step.jobs.get(slot) is job)
+def owed(in_flight: Sequence[Step], decoding: dict[int, Job]) -> dict[int, int]:
+    """Per slot of ``decoding``, the tokens the programs ``in_flight`` will still give its job (their steps that
+    stepped that job)."""
+    out = dict.fromkeys(decoding, 0)
+    for step in in_flight:
+        for slot, job in step.jobs.items():
+            if decoding.get(slot) is job:
+                out[slot] += step.num_steps
+    return out
 
 
-def num_steps(batch: DecodeBatch, decoding: dict[int, Job], in_flight: Sequence[Step], multi_step: bool) -> int:
+def num_steps(batch: DecodeBatch, decoding: dict[int, Job], owes: dict[int, int], multi_step: bool) -> int:
     """Steps of ``batch``'s next program: 1, or with ``multi_step`` and no slot still prefilling, up to the engine's
-    ``decode_steps``, no more than the most any decoding job still owes after ``in_flight`` (a static batch's last
-    program ends with its last token)."""
+    ``decode_steps``, no more than the most any decoding job still owes beyond ``owes`` (``owed``: a static
+    batch's last program ends with its last token)."""
     if not multi_step or len(decoding) != sum(j is not None for j in batch.slots):
         return 1
-    left = max(j.budget - owed(in_flight, slot, j) for slot, j in decoding.items())
+    left = max(j.budget - owes[slot] for slot, j in decoding.items())
     return max(1, min(batch.engine.decode_steps, left))
 
 

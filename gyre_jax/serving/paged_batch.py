@@ -179,10 +179,10 @@ class PagedBatch(DecodeBatch):
     def _dispatch_generate(self, in_flight: Sequence[Step], multi_step: bool = False) -> Step | None:
         """Starts a generate program for the started slots (not waiting for it); the engine sizes it by their
         lengths. One step, or the engine's ``decode_steps`` with ``multi_step`` when no slot is still prefilling."""
-        decoding = self._decoding(in_flight)
+        decoding, owes = self._decoding(in_flight)
         if not decoding:
             return None
-        n = num_steps(self, decoding, in_flight, multi_step)
+        n = num_steps(self, decoding, owes, multi_step)
         result = self.engine.generate(self.params, num_steps=n, wait=False)
         self.stats.generate_steps += n
         self.stats.generate_calls += 1
