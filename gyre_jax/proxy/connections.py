@@ -77,6 +77,7 @@ def _raw_response(status_line: bytes, body: bytes, content_type: bytes = b"text/
 
 
 _TIMEOUT_408 = _raw_response(b"408 Request Timeout", _TIMEOUT_TEXT)
+_LINGER_S = 2.0  # how long a refused connection reads and drops what its client still sends before closing
 _TOO_LARGE_431 = _raw_response(  # the path is not known yet: the OpenAI error style, as outside the API routes
     b"431 Request Header Fields Too Large",
     json.dumps(ProxyError(431, "the request head is over this proxy's limit; send smaller headers",
@@ -93,6 +94,7 @@ class GuardedH11Protocol(H11Protocol):
         self._limits = limits
         self._header_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
+        self._lingering = False  # answered and closing (``_answer_and_close``)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -127,10 +129,31 @@ class GuardedH11Protocol(H11Protocol):
         """A head still arriving when it passed ``max_header_bytes`` (h11's "receive buffer too long") gets 431,
         as a whole head over it gets from ``ConnectionCap``; any other malformed request uvicorn's 400."""
         if len(self.conn.trailing_data[0]) > self._limits.max_header_bytes:
-            self.transport.write(_TOO_LARGE_431)
-            self.transport.close()
+            self._answer_and_close(_TOO_LARGE_431)
             return
         super().send_400_response(msg)
+
+    def _answer_and_close(self, response: bytes) -> None:
+        """Sends ``response`` and closes once the client has read it: the write side first (FIN after the bytes),
+        then, reading and dropping what the client still sends, the socket when the client closes or after
+        ``_LINGER_S``. Closing at once with unread bytes from the client (the rest of a refused head) makes the
+        kernel reset the connection, which can discard the response before the client reads it (nginx's
+        lingering close)."""
+        self._lingering = True
+        self.transport.write(response)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(_LINGER_S, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._lingering:  # else: what a refused client still sends, read and dropped
+            super().data_received(data)
+
+    def eof_received(self) -> None:
+        if self._lingering:  # the client has read the answer and closed its side
+            self.transport.close()
+            return
+        super().eof_received()
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is not None:
@@ -143,8 +166,7 @@ class GuardedH11Protocol(H11Protocol):
         if self.cycle is cycle and not self.transport.is_closing():
             logger.info("closing a connection from %s: no request head within %s s", self.client,
                            self._limits.header_timeout_s)  # fmt: skip
-            self.transport.write(_TIMEOUT_408)
-            self.transport.close()
+            self._answer_and_close(_TIMEOUT_408)
 
     def _write_timed_out(self) -> None:
         self._write_timer = None  # resume_writing cancels it: the transport is still paused

@@ -120,6 +120,23 @@ def test_request_cap_answers_503_with_retry_after(tmp_path):
         assert after.status == 200
 
 
+def test_every_oversized_head_of_a_burst_gets_its_431_not_a_reset(tmp_path):
+    """60 clients at once each send a 64 KiB head: every one reads its 431. The proxy refuses a head while the rest
+    of it is still arriving; closing at once with those bytes unread made the kernel reset the connection,
+    discarding the answer before some clients read it (3 of 40 in a burst here, before the lingering close)."""
+    with u.proxy(tmp_path, max_active_calls=2, max_queued_calls=4, limits=LIMITS) as (server, _):
+        key = server.open_execution("exec")
+
+        async def run() -> list[u.Outcome]:
+            return await asyncio.gather(
+                *(u.exchange(server.port, u.oversized_headers(key, 64 * 1024)) for _ in range(60))
+            )
+
+        outcomes = asyncio.run(run())
+        assert [o for o in outcomes if o.status != 431] == []
+        assert asyncio.run(u.normal_calls(server.port, key, 1))[0].status == 200
+
+
 def test_slow_clients_do_not_block_others(tmp_path):
     """A reader that never reads (its stream endless), slowloris senders (head and body) and oversized headers,
     all at once: normal calls are served meanwhile; the non-reader's generation is cancelled and its slot
