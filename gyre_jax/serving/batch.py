@@ -113,13 +113,13 @@ class DecodeBatch:
         if step is not None and ahead < self.lookahead:
             return None
         oldest = self.in_flight.popleft()
-        self._collect(oldest)
+        collect(self, oldest)
         return oldest
 
     def flush(self) -> None:
         """Collects every step in flight, so slots, tokens and decode state agree (before an export or recompute)."""
         while self.in_flight:
-            self._collect(self.in_flight.popleft())
+            collect(self, self.in_flight.popleft())
 
     def prefill_step(self) -> None:
         """Prefills up to ``prefill_chunk`` tokens of the slots still prefilling (oldest first); slots whose
@@ -177,6 +177,19 @@ class DecodeBatch:
         self.stats.prefill_calls += 1
         return True
 
+    def prefill_group(self, slots: Sequence[int], jobs: Sequence[Job]) -> list[tuple]:
+        """Prefills the whole targets of ``jobs`` (no KV to start from) in one program into ``slots``; returns each
+        one's first sampled (token, log-prob)."""
+        sampling = [job.request.sampling for job in jobs]
+        batched = self.engine.prefill_many(
+            params=self.params, prompts=[job.target for job in jobs], sampling=sampling, keys=[job.key for job in jobs]
+        )
+        self.state = self.engine.insert_many(batched, self.state, slots, sampling)
+        first, logprobs, experts = jax.device_get((batched.token, batched.logprob, batched.experts))
+        for i, job in enumerate(jobs if experts is not None else ()):  # routing replay: the prompt tokens' experts
+            job.note_prompt_experts(0, np.asarray(experts[i])[: len(job.target)])
+        return list(zip(first, logprobs))
+
     def _start_decoding(self, slot: int, job: Job) -> None:
         prefix = job.prefix
         if job.resuming:  # insert the token sampled before the move/update, with the key state after it
@@ -226,36 +239,6 @@ class DecodeBatch:
         if in_flight and all(j.budget <= owes[slot] for slot, j in decoding.items()):
             return {}, {}
         return decoding, owes
-
-    def _collect(self, step: Step | None) -> None:
-        """Gives each job its token of ``step``; a slot whose job ended or changed since it was dispatched
-        (finished, cancelled, exported) ignores it."""
-        if step is None:
-            return
-        result = step.result.to_host()
-        tokens, logprobs, valid = result.tokens.tolist(), result.logprobs.tolist(), result.valid.tolist()
-        experts = result.experts
-        if step.num_steps == 1:  # one row per step of the program
-            tokens, logprobs, valid = [tokens], [logprobs], [valid]
-            experts = None if experts is None else experts[None]
-        with self.lock:
-            for i in range(step.num_steps):
-                for slot, job in step.jobs.items():
-                    if self.slots[slot] is not job or not job.decoding:
-                        continue  # ended (at an earlier step of this program, or since), or another job's now
-                    if not valid[i][slot]:  # cannot happen while budgets respect the context; never pass garbage on
-                        log.error(
-                            "serving loop %s: slot %d sampled no valid token (request %s); ending it",
-                            self.name,
-                            slot,
-                            job.request.request_id,
-                        )
-                        self.finish(slot, "length")
-                        continue
-                    self.stats.tokens_generated += 1
-                    if experts is not None:
-                        job.note_experts(experts[i][slot])
-                    self.accept(slot, tokens[i][slot], logprobs[i][slot], step.version)
 
     # -- a job's tokens and end (caller holds the lock) ---------------------------------------------
     def accept(self, slot: int, token: int, logprob: float, version: int | None = None) -> None:
@@ -329,6 +312,37 @@ class DecodeBatch:
         return out
 
 
+def collect(batch: DecodeBatch, step: Step | None) -> None:
+    """Gives each job of ``batch`` its token of ``step``; a slot whose job ended or changed since it was dispatched
+    (finished, cancelled, exported) ignores it."""
+    if step is None:
+        return
+    result = step.result.to_host()
+    tokens, logprobs, valid = result.tokens.tolist(), result.logprobs.tolist(), result.valid.tolist()
+    experts = result.experts
+    if step.num_steps == 1:  # one row per step of the program
+        tokens, logprobs, valid = [tokens], [logprobs], [valid]
+        experts = None if experts is None else experts[None]
+    with batch.lock:
+        for i in range(step.num_steps):
+            for slot, job in step.jobs.items():
+                if batch.slots[slot] is not job or not job.decoding:
+                    continue  # ended (at an earlier step of this program, or since), or another job's now
+                if not valid[i][slot]:  # cannot happen while budgets respect the context; never pass garbage on
+                    log.error(
+                        "serving loop %s: slot %d sampled no valid token (request %s); ending it",
+                        batch.name,
+                        slot,
+                        job.request.request_id,
+                    )
+                    batch.finish(slot, "length")
+                    continue
+                batch.stats.tokens_generated += 1
+                if experts is not None:
+                    job.note_experts(experts[i][slot])
+                batch.accept(slot, tokens[i][slot], logprobs[i][slot], step.version)
+
+
 def owed(in_flight: Sequence[Step], decoding: dict[int, Job]) -> dict[int, int]:
     """Per slot of ``decoding``, the tokens the programs ``in_flight`` will still give its job (their steps that
     stepped that job)."""
@@ -357,7 +371,7 @@ def prefill_together(batch: DecodeBatch, pending: list[tuple[int, Job]], budget:
     group, tokens = [], 0
     for slot, job in pending:
         n = len(job.target)
-        if job.prefix is not None or job.done or job.resuming or n > batch.prefill_chunk:
+        if job.has_kv or job.done or job.resuming or n > batch.prefill_chunk:
             continue
         if budget is not None and tokens + n > budget:
             break
@@ -365,29 +379,16 @@ def prefill_together(batch: DecodeBatch, pending: list[tuple[int, Job]], budget:
         tokens += n
     if len(group) < 2:
         return 0
-    jobs = [job for _, job in group]
     try:
-        batched = batch.engine.prefill_many(
-            params=batch.params,
-            prompts=[job.target for job in jobs],
-            sampling=[job.request.sampling for job in jobs],
-            keys=[job.key for job in jobs],
-        )
+        firsts = batch.prefill_group([slot for slot, _ in group], [job for _, job in group])
     except Exception as exc:  # e.g. the device ran out of memory for the batch: one at a time instead
         log.warning(
-            "serving loop %s: prefill of %d prompts together failed (%s); one at a time", batch.name, len(jobs), exc
+            "serving loop %s: prefill of %d prompts together failed (%s); one at a time", batch.name, len(group), exc
         )
         return 0
-    batch.state = batch.engine.insert_many(
-        batched, batch.state, [slot for slot, _ in group], [j.request.sampling for j in jobs]
-    )
-    first, logprobs, experts = jax.device_get((batched.token, batched.logprob, batched.experts))
-    for i, (slot, job) in enumerate(group):
-        job.kv_version = batch.version
-        if experts is not None:  # routing replay: the experts of the prompt tokens
-            job.note_prompt_experts(0, np.asarray(experts[i])[: len(job.target)])
-        job.done = len(job.target)
-        batch.begin(slot, job, (first[i], logprobs[i]))
+    for (slot, job), first in zip(group, firsts):
+        job.kv_version, job.done = batch.version, len(job.target)
+        batch.begin(slot, job, first)
     batch.stats.prefill_tokens += tokens
     batch.stats.prefill_calls += 1
     return tokens

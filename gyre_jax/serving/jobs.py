@@ -52,6 +52,11 @@ class Job:
     prompt_experts: np.ndarray | None = None
 
     @property
+    def has_kv(self) -> bool:
+        """The job starts from KV (a dense prefix, imported pages or its session's cached pages), not from nothing."""
+        return self.prefix is not None or self.kv is not None or self.pages is not None
+
+    @property
     def resuming(self) -> bool:
         """The next token was sampled already (a migrated or recomputed request): insert it, sample nothing."""
         return bool(self.tokens)

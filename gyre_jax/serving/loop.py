@@ -136,15 +136,16 @@ class ServingLoop:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.stats = LoopStats()
-        common = dict(name=name, prefill_chunk=chunk, lock=self._cv, stats=self.stats, lookahead=lookahead)
+        common = dict(
+            name=name, prefill_chunk=chunk, lock=self._cv, stats=self.stats, lookahead=lookahead,
+            prefill_together=prefill_together,
+        )  # fmt: skip
         if isinstance(engine, PagedEngine):  # KV in the engine's page pool; the session cache shares it
             self._cache = PagedSessionCache(engine) if kv_pages > 0 else None
             self._batch = PagedBatch(engine, params, policy_version, cache=self._cache, **common)
         else:
             self._cache = SessionCache(engine, kv_pages) if kv_pages > 0 else None
-            self._batch = DecodeBatch(
-                engine, params, policy_version, cache=self._cache, prefill_together=prefill_together, **common
-            )
+            self._batch = DecodeBatch(engine, params, policy_version, cache=self._cache, **common)
         # one entry per loop iteration that did work: (decode batch, context tokens of that batch, tokens
         # prefilled, seconds); the controller turns these into the simulator's measured serving costs
         self.step_log: collections.deque[tuple[int, int, int, float]] = collections.deque(maxlen=50_000)

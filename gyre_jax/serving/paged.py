@@ -11,9 +11,9 @@ as ``KVPages`` (``export`` / ``import_kv``), the format of the dense engine's mi
 
 The engine owns its ``PagedState`` and mirrors on the host what it needs to place pages (each slot's pages and
 length): every call is a method, none takes or returns the state. Prefill writes a prompt straight into its
-slot's pages in chunks of at most ``max_prefill_length`` tokens (no per-request prefix buffer). Not here yet:
-the serving loop's use of it (``ServingLoop`` runs the dense ``Engine``), routing-replay recording, prefilling
-several prompts in one program.
+slot's pages in chunks of at most ``max_prefill_length`` tokens (no per-request prefix buffer), or several
+whole prompts into their empty slots in one program (``prefill_many``, packed as the dense engine packs them).
+The serving loop runs it through ``paged_batch.PagedBatch``. Not here yet: routing-replay recording.
 """
 
 from __future__ import annotations
@@ -36,9 +36,13 @@ from gyre_jax.serving.engine import (
     FlatParams,
     ResultTokens,
     _buckets,
+    _one_token_prompts,
+    _pack_prompts,
     _sampling_args,
+    _sampling_rows,
     _slot_buckets,
     check_num_steps,
+    packed_row_buckets,
 )
 from gyre_jax.serving.kv_cache import KVPages, kv_pages_shardings
 from gyre_jax.serving.kv_pages import PageOps, gather_pages, scatter_pages
@@ -104,6 +108,41 @@ def _import(state: PagedState, kv: KVPages, ids) -> PagedState:
     return dataclasses.replace(state, pool=scatter_pages(KVPages(pages=state.pool), kv, ids).pages)
 
 
+def _programs(g: nnx.GraphDef, cfg: ModelConfig, mesh: Mesh, sh: PagedState) -> tuple:
+    """The jit boundaries: every device computation of a ``PagedEngine`` is one of these (donating the state):
+    (prefill, prefill_many, generate, generate_steps, set_slot, set_row, set_pending, export, import)."""
+    rep = NamedSharding(mesh, PartitionSpec())
+    out3 = (sh, rep, rep)
+    return (
+        jax.jit(
+            functools.partial(paged_steps.prefill, g), static_argnums=(1, 6), donate_argnums=(2,), out_shardings=out3
+        ),
+        jax.jit(
+            functools.partial(paged_steps.prefill_many, g, cfg),
+            static_argnums=(1,),
+            donate_argnums=(2,),
+            out_shardings=out3,
+        ),
+        jax.jit(
+            functools.partial(paged_steps.generate, g),
+            static_argnums=(1, 3, 4),
+            donate_argnums=(2,),
+            out_shardings=out3,
+        ),
+        jax.jit(
+            functools.partial(paged_steps.generate_steps, g),
+            static_argnums=(1, 3, 4, 5),
+            donate_argnums=(2,),
+            out_shardings=out3,
+        ),
+        jax.jit(paged_steps.set_slot, donate_argnums=(0,), out_shardings=sh),
+        jax.jit(paged_steps.set_row, donate_argnums=(0,), out_shardings=sh),
+        jax.jit(paged_steps.set_pending, donate_argnums=(0,), out_shardings=sh),
+        jax.jit(_export),
+        jax.jit(_import, donate_argnums=(0,), out_shardings=sh),
+    )
+
+
 class PagedEngine:
     """``max_concurrent_decodes`` slots over one pool of ``num_pages`` x ``page_size`` tokens on ``mesh``."""
 
@@ -145,35 +184,10 @@ class PagedEngine:
         self._page_ops = PageOps(cfg, mesh, rules, page_size, max_pages * page_size)  # KV in transit: checks, moves
         self.record_experts = False  # routing replay is not recorded by the paged engine yet
         sh = _state_shardings(cfg, mesh, rules, page_size, num_pages)
-        self._jit_programs(sh)
+        (self._prefill_jit, self._prefill_many_jit, self._generate_jit, self._generate_steps_jit, self._set_slot_jit,
+         self._set_row_jit, self._pending_jit, self._export_jit, self._import_jit) = _programs(graphdef, cfg, mesh, sh)  # fmt: skip
         init = functools.partial(paged_steps.empty_state, cfg, max_concurrent_decodes, num_pages, page_size, max_pages)
         self.state: PagedState = jax.jit(init, out_shardings=sh)()
-
-    def _jit_programs(self, sh: PagedState) -> None:
-        """The jit boundaries: every device computation of this engine is one of these (donating the state)."""
-        g = self.graphdef
-        rep = NamedSharding(self.mesh, PartitionSpec())
-        out3 = (sh, rep, rep)
-        self._prefill_jit = jax.jit(
-            functools.partial(paged_steps.prefill, g), static_argnums=(1, 6), donate_argnums=(2,), out_shardings=out3
-        )
-        self._generate_jit = jax.jit(
-            functools.partial(paged_steps.generate, g),
-            static_argnums=(1, 3, 4),
-            donate_argnums=(2,),
-            out_shardings=out3,
-        )
-        self._generate_steps_jit = jax.jit(
-            functools.partial(paged_steps.generate_steps, g),
-            static_argnums=(1, 3, 4, 5),
-            donate_argnums=(2,),
-            out_shardings=out3,
-        )
-        self._set_slot_jit = jax.jit(paged_steps.set_slot, donate_argnums=(0,), out_shardings=sh)
-        self._set_row_jit = jax.jit(paged_steps.set_row, donate_argnums=(0,), out_shardings=sh)
-        self._pending_jit = jax.jit(paged_steps.set_pending, donate_argnums=(0,), out_shardings=sh)
-        self._export_jit = jax.jit(_export)
-        self._import_jit = jax.jit(_import, donate_argnums=(0,), out_shardings=sh)
 
     # -- sizes, allocator, KV in transit ----------------------------------------------------------------
     @property
@@ -286,6 +300,21 @@ class PagedEngine:
         token, logprob = jax.device_get(out)
         return int(token), float(logprob)
 
+    def prefill_many(
+        self,
+        params: nnx.State,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        sampling: Sequence[SamplingParams],
+        keys: Sequence[jax.Array],
+    ) -> list[tuple[int, float]]:
+        """Several whole prompts, ``prompts[i]`` into empty ``slots[i]`` (no pages, not decoding) with ``keys[i]``, in
+        one program: packed side by side in rows as wide as the prefill bucket of the longest (``_pack_prompts``;
+        each prompt at most ``max_prefill_length``, else prefill it alone, in chunks). Each slot ends as ``prefill``
+        of its prompt alone leaves it, to float rounding; returns each prompt's sampled token and its log-prob
+        (``start`` the slots to decode)."""
+        return _prefill_many(self, params, slots, prompts, sampling, keys)
+
     def start(self, slot: int, resume: tuple[int, jax.Array, SamplingParams] | None = None) -> None:
         """``slot`` (prefilled) decodes from the next ``generate`` on, from the token its last prefill sampled, or
         ``resume``: (token, sampling key [2], sampling params) for a request resumed on KV it brought (its last
@@ -353,8 +382,8 @@ class PagedEngine:
 
     # -- warm-up ------------------------------------------------------------------------------------------
     def _programs(self) -> list:
-        return [self._prefill_jit, self._generate_jit, self._generate_steps_jit, self._set_slot_jit,
-                self._set_row_jit, self._pending_jit]  # fmt: skip
+        return [self._prefill_jit, self._prefill_many_jit, self._generate_jit, self._generate_steps_jit,
+                self._set_slot_jit, self._set_row_jit, self._pending_jit]  # fmt: skip
 
     def warmup(self, params: nnx.State) -> int:
         """Compiles every program shape the serving loop can dispatch on this engine, on no page (``warmup``);
@@ -405,6 +434,30 @@ class PagedEngine:
         self._set(slot)
 
 
+def _prefill_many(engine: PagedEngine, params, slots, prompts, sampling, keys) -> list[tuple[int, float]]:
+    """``PagedEngine.prefill_many``."""
+    if not len(slots) == len(prompts) == len(sampling) == len(keys) or len(set(slots)) != len(slots):
+        raise ValueError("prefill_many takes one distinct slot, sampling and key per prompt")
+    for slot in slots:
+        if engine._active[slot] or engine._pages[slot]:
+            raise ValueError(f"slot {slot} holds a request or a session's pages; prefill_many fills empty slots")
+    packed = _pack_prompts(prompts, engine)
+    count = len(packed[-1])
+    for slot, prompt in zip(slots, prompts):
+        engine._ensure_pages(slot, len(prompt) + 1)  # + 1: room for the token sampled next
+    at = np.full((count,), engine.max_concurrent_decodes, np.int32)  # padding prompts: out of range, dropped
+    at[: len(slots)] = slots
+    k = jnp.stack([*keys, *[keys[0]] * (count - len(keys))])
+    engine.state, tokens, logprobs = engine._prefill_many_jit(
+        *engine._flat(params), engine.state, jnp.asarray(at), *map(jnp.asarray, packed),
+        *_sampling_rows(sampling, count), k,
+    )  # fmt: skip
+    for slot, prompt in zip(slots, prompts):
+        engine._lengths[slot] = len(prompt)
+    tokens, logprobs = jax.device_get((tokens, logprobs))
+    return [(int(tokens[i]), float(logprobs[i])) for i in range(len(prompts))]
+
+
 def _windows(engine: PagedEngine, lo: int, hi: int) -> list[int]:
     """The page counts a program of ``engine`` attends over for contexts of ``lo`` ... ``hi`` tokens."""
     out, t = [], lo
@@ -418,7 +471,9 @@ def _windows(engine: PagedEngine, lo: int, hi: int) -> list[int]:
 
 def warmup(engine: PagedEngine, params: nnx.State) -> int:
     """Compiles every program shape the serving loop can dispatch on ``engine`` (prefill per bucket and page window
-    a chunk of that bucket can reach; generate per page window, slot bucket and number of steps; the slot updates),
+    a chunk of that bucket can reach; ``prefill_many`` per bucket, power-of-2 prompt count from 2 up to the one
+    holding every slot and its ``packed_row_buckets``; generate per page window, slot bucket and number of steps;
+    the slot updates),
     so that no compile stalls a running cell later. Runs on an engine with no slot decoding, through an empty slot
     whose block table maps no page: every KV write of these programs is dropped, the pool and the allocator are
     untouched, and the slot is reset to empty afterwards (the fields a prefill sets are set again by the next
@@ -442,6 +497,17 @@ def warmup(engine: PagedEngine, params: nnx.State) -> int:
                 *leaves, engine.state, jnp.int32(slot), padded, jnp.int32(n), window, *greedy, key
             )
         lo = bucket + 1
+    count = 2
+    while count // 2 < engine.max_concurrent_decodes:  # prefill_many: 2..slots prompts, packed in rows of each bucket
+        for bucket in engine.prefill_buckets:
+            for rows in packed_row_buckets(count):
+                at = np.full((count,), engine.max_concurrent_decodes, np.int32)
+                at[:rows] = slot  # the empty slot: its table maps no page, every KV write is dropped
+                engine.state, *_ = engine._prefill_many_jit(
+                    *leaves, engine.state, jnp.asarray(at), *map(jnp.asarray, _one_token_prompts(rows, bucket, count)),
+                    *_sampling_rows([SamplingParams(temperature=0.0)], count), jnp.zeros((count, 2), jnp.uint32),
+                )  # fmt: skip
+        count *= 2
     for steps in sorted({1, engine.decode_steps}):  # no slot is active: nothing is stepped
         for window in _windows(engine, 1 + min(steps, 2), engine.max_seq_len):  # a multi-step call runs >= 2
             for slots in engine.decode_slot_buckets:

@@ -87,7 +87,7 @@ class PagedSessionCache:
 
 
 class PagedBatch(DecodeBatch):
-    """``DecodeBatch`` on a ``PagedEngine`` (one prompt per prefill program; no routing replay)."""
+    """``DecodeBatch`` on a ``PagedEngine`` (no routing replay)."""
 
     def __init__(
         self,
@@ -100,6 +100,7 @@ class PagedBatch(DecodeBatch):
         lock: threading.Condition,
         stats: LoopStats,
         cache: PagedSessionCache | None,
+        prefill_together: bool = True,
         lookahead: int = 2,
     ):
         super().__init__(
@@ -111,10 +112,10 @@ class PagedBatch(DecodeBatch):
             lock=lock,
             stats=stats,
             cache=None,
+            prefill_together=prefill_together,
             lookahead=lookahead,
         )
         self.cache = cache  # type: ignore[assignment]  # the paged cache: same role, pages in the engine's pool
-        self.together = False
 
     def ensure_state(self) -> None:  # the engine holds its state
         return None
@@ -166,6 +167,16 @@ class PagedBatch(DecodeBatch):
         self.stats.prefill_tokens += n
         self.stats.prefill_calls += 1
         return True
+
+    def prefill_group(self, slots: Sequence[int], jobs: Sequence[Job]) -> list[tuple]:
+        """Prefills the whole targets of ``jobs`` into ``slots``' pages in one program (``PagedEngine.prefill_many``)
+        and starts the slots; returns each job's first sampled (token, log-prob)."""
+        firsts = self.engine.prefill_many(
+            self.params, slots, [j.target for j in jobs], [j.request.sampling for j in jobs], [j.key for j in jobs]
+        )
+        for slot in slots:
+            self.engine.start(slot)
+        return firsts
 
     def _start_decoding(self, slot: int, job: Job) -> None:
         self._place(slot, job)  # a resumed job whose KV covers its whole target prefills nothing

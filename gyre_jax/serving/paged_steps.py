@@ -126,6 +126,55 @@ def prefill(
     return state, token[0], logprob[0]
 
 
+def prefill_many(
+    graphdef: nnx.GraphDef,
+    cfg: ModelConfig,
+    leaves,
+    treedef,
+    state: PagedState,
+    slots,
+    tokens,
+    positions,
+    segments,
+    rows,
+    offsets,
+    true_lengths,
+    temperature,
+    top_k,
+    top_p,
+    keys,
+):
+    """Several whole prompts, each into the pages of its own empty slot, in one forward: the packed layout of
+    ``steps.prefill_many`` (tokens, positions, segments [R, L]; rows, offsets, true_lengths [P]; sampling [P] each,
+    keys [P, 2]) and slots [P] int32 (a padding prompt's: any out of range). Each slot's table must map
+    positions [0, true_length); its KV, next token, key, length and sampling settings are recorded as ``prefill``
+    of that prompt alone records them, to float rounding (not activated). Returns (state, tokens [P] int32,
+    log-probs [P] f32)."""
+    out = steps.prefill_many(
+        graphdef, cfg, leaves, treedef, tokens, positions, segments, rows, offsets, true_lengths,
+        temperature, top_k, top_p, keys,
+    )  # fmt: skip
+    width = tokens.shape[1]
+    idx = jnp.arange(width, dtype=jnp.int32)[None, :]
+    at = jnp.where(idx < true_lengths[:, None], idx, width)  # [P, L]; past each prompt: dropped
+    table = state.table[jnp.minimum(slots, state.table.shape[0] - 1)]  # [P, max_pages]
+
+    def put(field, value):  # a padding prompt's slot is out of range: dropped
+        return field.at[slots].set(value.astype(field.dtype), mode="drop")
+
+    state = dataclasses.replace(
+        state,
+        pool=scatter_rows(state.pool, out.cache, table, at),
+        tokens=put(state.tokens, out.token),
+        lengths=put(state.lengths, true_lengths),
+        temperature=put(state.temperature, temperature),
+        top_k=put(state.top_k, top_k),
+        top_p=put(state.top_p, top_p),
+        keys=put(state.keys, out.key),
+    )
+    return state, out.token, out.logprob
+
+
 def generate(graphdef: nnx.GraphDef, leaves, treedef, state: PagedState, num_pages: int, num_slots: int):
     """One step for slots [0, num_slots) over their first ``num_pages`` pages (both static); the others are left
     as they are. Returns the state, ints [3, slots] (tokens, valid, lengths) and log-probs [slots], as the dense

@@ -63,12 +63,17 @@ def dense_stream(engine, params, prompt, sp, seed, steps):
     return tokens, logprobs
 
 
-def paged_streams(eng, params, requests, steps, num_steps=1, schedule=None):
-    """requests: {slot: (prompt, sampling, seed)} prefilled then decoded together -> {slot: (tokens, logprobs)};
-    ``steps`` decode steps in programs of ``num_steps`` each, or of the counts in ``schedule``."""
+def paged_streams(eng, params, requests, steps, num_steps=1, schedule=None, together=False):
+    """requests: {slot: (prompt, sampling, seed)} prefilled (one at a time, or with ``together`` all in one
+    ``prefill_many``) then decoded together -> {slot: (tokens, logprobs)}; ``steps`` decode steps in programs of
+    ``num_steps`` each, or of the counts in ``schedule``."""
+    prompts, sps, keys = zip(*((p, sp, key_for_seed(seed)) for p, sp, seed in requests.values()))
+    if together:
+        firsts = eng.prefill_many(params, list(requests), prompts, sps, keys)
+    else:
+        firsts = [eng.prefill(params, slot, *args) for slot, *args in zip(requests, prompts, sps, keys)]
     out = {}
-    for slot, (prompt, sp, seed) in requests.items():
-        token, logprob = eng.prefill(params, slot, prompt, sp, key_for_seed(seed))
+    for slot, (token, logprob) in zip(requests, firsts):
         eng.start(slot)
         out[slot] = ([token], [logprob])
     for n in schedule or [num_steps] * (steps // num_steps):
@@ -127,6 +132,30 @@ def test_several_steps_in_one_program_equal_one_step_programs(model_params, cell
         np.testing.assert_allclose(mixed[slot][1], one[slot][1], atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="num_steps=5 must be between 1 and the engine's decode_steps=4"):
         eng.generate(params, num_steps=5)
+
+
+def test_several_prompts_prefilled_in_one_program_equal_one_at_a_time(model_params, cell_mesh, rules, prompts) -> None:
+    """``prefill_many`` of 3 prompts of different lengths into slots 2, 0, 3 (packed in rows of the longest's
+    bucket, one padding prompt): the first tokens and log-probs, the streams of 6 decode steps after them and the
+    pages taken are those of ``prefill`` one prompt at a time; a prompt past ``max_prefill_length`` or a slot
+    holding pages is refused before anything is written."""
+    _, params, _ = model_params
+    requests = {2: (prompts[5], SAMPLED, 3), 0: (prompts[0], GREEDY, 4),
+                3: (prompts[7], SamplingParams(temperature=0.7, top_k=5), 5)}  # 40, 5, 16 tokens  # fmt: skip
+    one_eng, many_eng = paged(model_params, cell_mesh, rules), paged(model_params, cell_mesh, rules)
+    one = paged_streams(one_eng, params, requests, steps=6)
+    many = paged_streams(many_eng, params, requests, steps=6, together=True)
+    for slot in requests:
+        assert many[slot][0] == one[slot][0]
+        np.testing.assert_allclose(many[slot][1], one[slot][1], atol=1e-5, rtol=0)
+        assert many_eng.slot_length(slot) == one_eng.slot_length(slot) == len(requests[slot][0]) + 6
+    assert many_eng.allocator.num_used == one_eng.allocator.num_used
+    np.testing.assert_array_equal(many_eng.keys(), one_eng.keys())
+    with pytest.raises(ContextTooLongError, match="prefill it alone, in chunks"):
+        many_eng.prefill_many(params, [1], [[1] * (MAX_PREFILL + 1)], [GREEDY], [key_for_seed(0)])
+    with pytest.raises(ValueError, match="slot 0 holds a request"):
+        many_eng.prefill_many(params, [0, 1], [[1, 2], [3]], [GREEDY] * 2, [key_for_seed(0)] * 2)
+    assert many_eng.slot_length(1) == 0 and many_eng.allocator.num_used == one_eng.allocator.num_used
 
 
 def test_a_sessions_pages_pass_to_its_next_request_without_a_copy(model_params, cell_mesh, rules, prompts) -> None:

@@ -32,10 +32,11 @@ class SlowPaged(PagedEngine):
         return out
 
 
-def paged_loop(model_params, mesh, rules, params=None, num_pages=32, cls=PagedEngine, **kw) -> ServingLoop:
+def paged_loop(model_params, mesh, rules, params=None, num_pages=32, cls=PagedEngine, start=True, **kw) -> ServingLoop:
     engine = cls(CFG, model_params[0], mesh, rules, max_concurrent_decodes=4, num_pages=num_pages, page_size=PAGE,
                  max_prefill_length=MAX_PREFILL, prefill_buckets=BUCKETS)  # fmt: skip
-    return ServingLoop(engine, model_params[1] if params is None else params, name="paged", **kw).start()
+    loop = ServingLoop(engine, model_params[1] if params is None else params, name="paged", **kw)
+    return loop.start() if start else loop
 
 
 def greedy(n: int) -> SamplingParams:
@@ -66,6 +67,29 @@ def test_concurrent_requests_complete_with_the_greedy_tokens(loop, model_params,
         assert result.finish_reason == "length"
     assert loop.stats.prefill_tokens == sum(len(p) for p in prompts)  # chunks of 16, each prefilled once
     assert loop.engine.allocator.num_used == 0  # no session ids: every page went back
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_a_burst_at_an_idle_loop_is_prefilled_in_one_program(
+    model_params, cell_mesh, rules, reference, prompts, together
+) -> None:
+    """Four whole prompts waiting when the loop starts: with ``prefill_together`` one ``prefill_many`` program
+    prefills them all into their slots' pages, else one program each; the same greedy tokens either way."""
+    _, params, _ = model_params
+    loop = paged_loop(model_params, cell_mesh, rules, start=False, prefill_chunk=16, prefill_together=together)
+    chosen = [prompts[i] for i in (0, 1, 4, 7)]  # 5, 13, 9, 16 tokens: each one chunk
+    futures = [loop.submit(GenerationRequest(prompt_ids=p, sampling=greedy(6))) for p in chosen]
+    loop.start()
+    try:
+        results = [f.result(TIMEOUT) for f in futures]
+    finally:
+        loop.stop()
+    assert loop.error is None
+    for prompt, result in zip(chosen, results):
+        assert result.token_ids == reference.greedy(params, prompt, 6)[0]
+    assert loop.stats.prefill_calls == (1 if together else 4)
+    assert loop.stats.prefill_tokens == sum(len(p) for p in chosen)
+    assert loop.engine.allocator.num_used == 0
 
 
 def test_session_turns_decode_from_their_cached_pages_in_place(loop, model_params, reference, prompts) -> None:
