@@ -32,3 +32,38 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+# --- parallel runs (pytest-xdist; `-n 2` in pyproject's addopts) -----------------------------------------------
+# One work unit per test file, so module fixtures (a multi-process reference run, a trained tiny model) are built
+# once; tests/integration is one unit, since its session fixtures (the serving stack, the npm CLIs installed into
+# tests/integration/npm) must be built once and by one process. Files with end-to-end (`slow`) tests go first, so
+# the long units start early and the short ones fill the tail (longest-first, as a scheduler should).
+SHARED_SCOPES = ("tests/integration/",)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):  # a serial run keeps pytest's own order
+        return
+    slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_files)  # stable: files stay in order
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # a serial-only environment: no scheduler to make
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+
+    class FileScheduling(LoadScopeScheduling):
+        """xdist's scope scheduling with a file (or a shared directory of ``SHARED_SCOPES``) as the scope, in
+        collection order (the workers' order above; pyproject passes ``--no-loadscope-reorder``)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return next((scope for scope in SHARED_SCOPES if nodeid.startswith(scope)), nodeid.split("::")[0])
+
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getoption("dist") == "load":  # the default of `-n N`; an explicit --dist gets xdist's own
+            return FileScheduling(config, log)
+        return None

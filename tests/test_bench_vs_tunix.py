@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 pytest.importorskip("tunix", reason="google-tunix (the test extra) is not installed")
 
 
+@pytest.mark.slow
 def test_vs_tunix_smoke_run_checks_the_logits_and_reports_every_row(tmp_path) -> None:
     out = tmp_path / "vs_tunix_smoke.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from gyre_jax import config as config_lib
 from gyre_jax.elastic.policies import DurationHistory
 from gyre_jax.elastic.timeline import load_timeline
@@ -18,6 +20,7 @@ SMALL_MODEL = ["--config.model.num_layers=1", "--config.model.embed_dim=32", "--
 STEPS, TASKS, G = 3, 4, 2
 
 
+@pytest.mark.slow
 def test_a_real_run_dispatches_the_tasks_predicted_longest_first(tmp_path):
     from gyre_jax.train import build_run
 

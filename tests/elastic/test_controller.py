@@ -90,6 +90,7 @@ def run(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 def test_the_core_left_serving_with_sessions_on_it_and_a_satellite_trained(run):
     tl = load_timeline(next((run["workdir"] / "timeline").glob("*.json")))
     assert [c for c in tl.cells] == ["cell0", "cell1"]

@@ -108,6 +108,7 @@ def test_through_the_cli_a_tokenizer_larger_than_the_vocabulary_exits_2_with_one
     assert not (tmp_path / "run" / "checkpoints").exists()  # failed before any work
 
 
+@pytest.mark.slow
 def test_a_run_where_every_execution_is_excluded_stops_with_exit_3(tmp_path):
     """The harness deletes its workspace: the evaluator raises, every execution is excluded (never scored 0)."""
     workdir = tmp_path / "run"

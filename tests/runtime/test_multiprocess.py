@@ -26,6 +26,8 @@ WORKER = HERE / "worker.py"
 sys.path.insert(0, str(HERE))
 import worker  # noqa: E402  (the worker's reference functions)
 
+pytestmark = pytest.mark.slow  # every test runs 2 processes
+
 RUN_TIMEOUT_S = 150  # a whole 2-process run, start-up and compiles included (2 busy cores)
 FAIL_FAST_BOUND_S = 60  # a survivor must be gone this soon after its peer is killed
 

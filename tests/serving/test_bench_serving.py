@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
+@pytest.mark.slow
 def test_serving_benchmark_smoke_run_writes_its_report(tmp_path) -> None:
     out = tmp_path / "serving_smoke.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
