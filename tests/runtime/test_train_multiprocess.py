@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 from layouts import EIGHT_DEVICES
 
+pytestmark = pytest.mark.slow  # every test runs 2 processes
+
 REPO = Path(__file__).resolve().parents[2]
 
 RUN = [
@@ -107,8 +109,6 @@ def _restore(path: Path) -> dict[str, np.ndarray]:
 import jax
 jax.config.update("jax_platforms", "cpu")
 import numpy as np, orbax.checkpoint as ocp
-
-pytestmark = pytest.mark.slow  # every test runs 2 processes
 ck = ocp.StandardCheckpointer()
 tree = ck.metadata({str(path)!r}).item_metadata.tree
 dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
