@@ -30,6 +30,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # write fails to decompress, which JAX reports as a warning and answers by compiling: never a wrong program.
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -63,6 +64,7 @@ if LoadScopeScheduling is not None:
         def _split_scope(self, nodeid: str) -> str:
             return next((scope for scope in SHARED_SCOPES if nodeid.startswith(scope)), nodeid.split("::")[0])
 
+    @pytest.hookimpl(optionalhook=True)  # a run with `-p no:xdist` has no such hook to check it against
     def pytest_xdist_make_scheduler(config, log):
         if config.getoption("dist") == "load":  # the default of `-n N`; an explicit --dist gets xdist's own
             return FileScheduling(config, log)
