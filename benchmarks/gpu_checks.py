@@ -4,7 +4,7 @@ Our ``Engine`` decodes static batches of 1, 8 and 32 (64-token prompts, 64 new t
 steps per program) and one training step runs on [8, T] tokens, both as a user's plain jitted forward + backward
 + AdamW and as ``Learner.step`` (kind "sft"), for two models: the ``bench_vs_tunix.py`` Qwen3 shape (fp32,
 T = 256) and the ``qwen3_1b`` preset in bf16 on fp32 master weights (T = 2048). Each measurement is the median of
-5 runs after a compile run (``--smoke``: the vs-Tunix smoke shape, 2 runs, on any backend); model TFLOP/s use
+5 runs after the warm-up calls (``--smoke``: the vs-Tunix smoke shape, 2 runs, on any backend); model TFLOP/s use
 ``ModelConfig.train_flops_per_token``. The functions measured are ``bench_vs_tunix.py``'s, which needs no Tunix
 for them. Runs from the checkout with no install (the H200 image has JAX with CUDA, flax, optax, orbax).
 
@@ -15,6 +15,7 @@ Prints one line per measurement and writes JSON (the rows).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import json
@@ -38,8 +39,10 @@ from gyre_jax.model.sharding import RULES_DATA, init_params, make_mesh  # noqa: 
 
 
 def timed(fn, reps: int) -> tuple[float, float]:
-    """(median, best) seconds of ``reps`` calls of ``fn`` after one call that compiles."""
-    fn()
+    """(median, best) seconds of ``reps`` calls of ``fn`` after ``bench_vs_tunix.WARMUP`` calls (a donating step's
+    second call compiles again: its inputs are now the first call's outputs)."""
+    for _ in range(B.WARMUP):
+        fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -86,8 +89,13 @@ def measure(name: str, cfg, sz, mesh, reps: int, decode: bool) -> list[dict]:
     return rows
 
 
-def main(argv: list[str]) -> int:
-    out_path, smoke, train_1b_only = Path(argv[0]), "--smoke" in argv, "--train1b" in argv
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path, help="JSON path for the rows")
+    ap.add_argument("--smoke", action="store_true", help="the vs-Tunix smoke shape, 2 runs per measurement")
+    ap.add_argument("--train1b", action="store_true", help="only qwen3_1b's training steps")
+    args = ap.parse_args(argv)
+    out_path, smoke, train_1b_only = args.out, args.smoke, args.train1b
     report = {"devices": str(jax.devices()), "jax": jax.__version__, "rows": []}
     mesh = make_mesh(jax.devices()[:1], dict(data=1))
     for name, cfg, sz in models(smoke, train_1b_only):
@@ -101,4 +109,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
