@@ -321,7 +321,7 @@ def test_sections_reuse_the_component_dataclasses_they_are(base):
 
 def test_each_component_config_is_derived_by_one_method(base):
     from gyre_jax.elastic.controller import ControllerConfig
-    from gyre_jax.rl.losses import LossConfig
+    from gyre_jax.rl.losses import GRPOParams, LossConfig
     from gyre_jax.trajectory.pipeline import TrajectoryConfig
 
     c = config_from_dict(
@@ -336,8 +336,8 @@ def test_each_component_config_is_derived_by_one_method(base):
             "cells.sessions_per_cell": 3,
         },
     )
-    assert c.loss_config() == LossConfig(
-        name="grpo", clip_low=0.2, clip_high=4e-4, kl_coef=0.01, is_token_mask=2.0, is_sequence_mask=1.5
+    assert c.loss_config() == LossConfig(  # clip_high unset: GRPO's own default (it was GSPO's 4e-4 before)
+        loss="grpo", params=GRPOParams(0.2, 0.28), kl_coef=0.01, is_token_mask=2.0, is_sequence_mask=1.5
     )
     ctl = c.controller_config()
     assert type(ctl) is ControllerConfig and (ctl.tasks_per_step, ctl.group_size) == (4, 8)

@@ -34,7 +34,7 @@ from gyre_jax.model.rules import RULES_FSDP_TENSOR
 
 if TYPE_CHECKING:  # the components' modules import JAX: the derivations import them when called
     from gyre_jax.elastic.controller import ControllerConfig
-    from gyre_jax.rl.losses import LossConfig
+    from gyre_jax.rl.loss_config import LossConfig
     from gyre_jax.trajectory.pipeline import TrajectoryConfig
 
 # Logical axis -> mesh axes (MaxText style). Changing parallelism never touches model code.
@@ -126,20 +126,8 @@ class RunConfig(Section):
         return ModelConfig(**{name: getattr(self.model, name) for name in ModelConfig.__dataclass_fields__})
 
     def loss_config(self) -> LossConfig:
-        """What a micro-step optimizes (``gyre_jax.rl.losses.LossConfig``), from ``config.rl``."""
-        from gyre_jax.rl.losses import LossConfig
-
-        r = self.rl
-        return LossConfig(
-            name=r.loss,
-            clip_low=r.clip_low,
-            clip_high=r.clip_high,
-            kl_coef=r.kl_coef,
-            recompute_behaviour=r.recompute_behaviour,
-            behaviour_is_cap=r.behaviour_is_cap,
-            is_token_mask=r.is_token_mask,
-            is_sequence_mask=r.is_sequence_mask,
-        )
+        """What a micro-step optimizes (``gyre_jax.rl.loss_config.LossConfig``), from ``config.rl``."""
+        return self.rl.loss_config()
 
     def trajectory_config(self, message_end_id: int | None = None) -> TrajectoryConfig:
         """The pipeline's ``TrajectoryConfig``: ``rl.max_branches``, ``trajectory.*``, ``seed``, ``model.vocab_size``.

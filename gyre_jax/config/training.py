@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gyre_jax.config.base import Section, require
+from gyre_jax.config.base import ConfigError, Section, coerce, require
+from gyre_jax.rl.loss_config import HYPERPARAMETERS, LossConfig, LossConfigError, hyperparameters
+from gyre_jax.rl.loss_config import LOSSES as LOSSES  # the losses' names, for gyre_jax.config (stated there once)
 from gyre_jax.rl.optimizer_config import SCHEDULES, OptimizerConfig
 
-LOSSES = ("gspo", "gspo_token", "grpo")  # gyre_jax.rl.losses.POLICY_LOSSES
 PACKINGS = ("tree", "plain")  # gyre_jax.trajectory.pipeline.PACKING
 STREAM_ORDERS = ("task", "arrival")  # gyre_jax.elastic.ledger.STREAM_ORDERS
 AUXILIARY_POLICIES = ("lowest", "exclude")  # gyre_jax.trajectory.select.AUXILIARY_POLICIES
@@ -32,24 +33,36 @@ DISPATCH_BOUND = "the dispatch bound eta: executions may start at most this many
 
 @dataclass(frozen=True)
 class RLSection(Section):
-    """The RL objective (docs/learner.md): GSPO by default (grpo: set clip_low=0.2, clip_high=0.28)."""
+    """The RL objective (docs/learner.md): GSPO by default. The loss's hyperparameters (``clip_low``,
+    ``clip_high``) are None unless set: None is the chosen loss's own default (``gyre_jax.rl.loss_config``,
+    docs/learner.md's loss table), so ``rl.loss=grpo`` trains with GRPO's clip range, not GSPO's. The loss
+    settings are checked by ``LossConfig`` (one place), their errors named ``config.rl.<key>``."""
 
     _path = "rl"
     _renamed = {"max_staleness": ("drop_staleness", DROP_BOUND)}
     _removed = {
         "micro_batch_size": "micro-batches are config.trajectory.tokens_per_micro_batch tokens (it did nothing)"
     }
-    loss: str = "gspo"  # gspo | gspo_token | grpo
+    # The loss settings' defaults are LossConfig's (gyre_jax/rl/loss_config.py), stated there once.
+    loss: str = LossConfig.loss  # one of LOSSES: gspo | gspo_token | grpo
     group_size: int = 8  # G executions per task
-    clip_low: float = 3e-4
-    clip_high: float = 4e-4
+    clip_low: float | None = None  # None: the chosen loss's default (docs/learner.md's loss table)
+    clip_high: float | None = None  # None: the chosen loss's default
     max_branches: int = 5  # J_max
-    kl_coef: float = 0.0  # k3 KL to the reference (warm-start) policy; 0 = off, no reference forward pass
-    recompute_behaviour: bool = False  # False: pi_old = behaviour log-probs recorded by the proxy
-    behaviour_is_cap: float = 0.0  # with recompute_behaviour: truncated behaviour importance weight (0 = off)
+    kl_coef: float = (
+        LossConfig.kl_coef
+    )  # k3 KL to the reference (warm-start) policy; 0 = off, no reference forward pass
+    recompute_behaviour: bool = (
+        LossConfig.recompute_behaviour
+    )  # False: pi_old = behaviour log-probs recorded by the proxy
+    behaviour_is_cap: float = (
+        LossConfig.behaviour_is_cap
+    )  # with recompute_behaviour: truncated behaviour importance weight (0 = off)
     # train/serve mismatch masks on r_t = pi_train / mu (docs/learner.md), 0 = off, else a cap c > 1:
-    is_token_mask: float = 0.0  # IcePop: drop trainable tokens with r_t outside [1/c, c]
-    is_sequence_mask: float = 0.0  # MIS: drop sequences whose geometric-mean r_t is outside [1/c, c]
+    is_token_mask: float = LossConfig.is_token_mask  # IcePop: drop trainable tokens with r_t outside [1/c, c]
+    is_sequence_mask: float = (
+        LossConfig.is_sequence_mask
+    )  # MIS: drop sequences whose geometric-mean r_t is outside [1/c, c]
     drop_staleness: int = 4  # executions more policy versions behind when their step trains are dropped (-1: no bound)
     micro_steps_per_step: int = 0  # fixed micro-steps per optimizer step; 0 = as many as the step's data needs
     # MoE routing replay (R3, docs/learner.md): "replay" = serving records each generated token's experts per MoE
@@ -65,27 +78,19 @@ class RLSection(Section):
 
     def __post_init__(self):
         self.check_types()
+        for name, hint in HYPERPARAMETERS.items():  # float | None: the type check of a value that is set
+            if (value := getattr(self, name)) is not None:
+                try:
+                    object.__setattr__(self, name, coerce(self.key(name), value, hint))
+                except ConfigError as e:
+                    raise ConfigError(f"{e}, or unset (None: the loss's default)") from None
+        self.loss_config()  # the loss settings' checks (LossConfig's), before any work
         r = self
-        require(r.loss in LOSSES, f"config.rl.loss={r.loss!r} must be one of {LOSSES}")
         require(
             r.group_size >= 2,
             f"config.rl.group_size={r.group_size} must be >= 2 (advantages are normalized within a group)",
         )
-        require(0 <= r.clip_low < 1, f"config.rl.clip_low={r.clip_low} must be in [0, 1)")
-        require(r.clip_high >= 0, f"config.rl.clip_high={r.clip_high} must be >= 0")
         require(r.max_branches >= 1, f"config.rl.max_branches={r.max_branches} must be >= 1")
-        require(r.kl_coef >= 0, f"config.rl.kl_coef={r.kl_coef} must be >= 0 (0 turns the KL term off)")
-        require(r.behaviour_is_cap >= 0, f"config.rl.behaviour_is_cap={r.behaviour_is_cap} must be >= 0 (0 = off)")
-        require(
-            r.behaviour_is_cap == 0 or r.recompute_behaviour,
-            "config.rl.behaviour_is_cap > 0 needs config.rl.recompute_behaviour=True",
-        )
-        for key in ("is_token_mask", "is_sequence_mask"):
-            cap = getattr(r, key)
-            require(
-                cap == 0 or cap > 1,
-                f"config.rl.{key}={cap} must be 0 (off) or a cap > 1 (ratios outside [1/cap, cap] are masked)",
-            )
         require(
             r.routing_replay in ROUTING_REPLAY,
             f"config.rl.routing_replay={r.routing_replay!r} must be one of {ROUTING_REPLAY}",
@@ -106,6 +111,22 @@ class RLSection(Section):
             r.micro_steps_per_step >= 0,
             f"config.rl.micro_steps_per_step={r.micro_steps_per_step} must be >= 0 (0 = as many as the data needs)",
         )
+
+    def loss_config(self) -> LossConfig:
+        """What a micro-step optimizes (``gyre_jax.rl.loss_config.LossConfig``): the loss with its defaults for
+        the hyperparameters left unset; a bad setting is a one-line ``ConfigError`` naming ``config.rl.<key>``."""
+        try:
+            return LossConfig(
+                loss=self.loss,
+                params=hyperparameters(self.loss, **{name: getattr(self, name) for name in HYPERPARAMETERS}),
+                kl_coef=self.kl_coef,
+                recompute_behaviour=self.recompute_behaviour,
+                behaviour_is_cap=self.behaviour_is_cap,
+                is_token_mask=self.is_token_mask,
+                is_sequence_mask=self.is_sequence_mask,
+            )
+        except LossConfigError as e:
+            raise ConfigError(e.message(prefix=f"config.{self._path}.")) from None
 
 
 @dataclass(frozen=True)

@@ -80,11 +80,9 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 class Learner:
     """The core training cell: params + the only optimizer state, its own ``GradWorker``, and the step.
 
-    Positional arguments as before; the objective is chosen by keyword (see ``losses.LossConfig``):
-    ``loss`` (gspo | gspo_token | grpo), ``clip_low`` / ``clip_high`` (None = the loss's default),
-    ``kl_coef``, ``recompute_behaviour``, ``behaviour_is_cap``, ``is_token_mask``, ``is_sequence_mask``; or whole, as ``loss_cfg`` (a run config's
-    ``loss_config()``). ``ordered_accumulation`` (default True) makes the summed gradients bit-identical
-    for every claim order.
+    ``loss_cfg`` is the objective (``losses.LossConfig``: a run config's ``loss_config()``; None = GSPO with
+    its defaults). ``ordered_accumulation`` (default True) makes the summed gradients bit-identical for every
+    claim order.
     """
 
     def __init__(
@@ -94,41 +92,17 @@ class Learner:
         mesh: Mesh,
         rules: Rules,
         opt_cfg: OptimizerConfig,
-        clip_low: float | None = None,
-        clip_high: float | None = None,
+        loss_cfg: losses.LossConfig | None = None,
         *,
-        loss: str = "gspo",
-        kl_coef: float = 0.0,
-        recompute_behaviour: bool = False,
-        behaviour_is_cap: float = 0.0,
-        is_token_mask: float = 0.0,
-        is_sequence_mask: float = 0.0,
         ordered_accumulation: bool = True,
         name: str = "core",
-        loss_cfg: losses.LossConfig | None = None,
     ):
-        self.model_cfg = model_cfg
-        self.graphdef = graphdef
-        self.mesh = mesh
-        self.rules = rules
-        keywords = (clip_low, clip_high, loss, kl_coef, recompute_behaviour, behaviour_is_cap)
-        keywords += (is_token_mask, is_sequence_mask)
-        if loss_cfg is not None and keywords != (None, None, "gspo", 0.0, False, 0.0, 0.0, 0.0):
-            raise ValueError("Learner: give the objective as loss_cfg or as keywords (loss, clip_low ...), not both")
-        self.loss_cfg = loss_cfg or losses.LossConfig(
-            name=loss,
-            clip_low=clip_low,
-            clip_high=clip_high,
-            kl_coef=kl_coef,
-            recompute_behaviour=recompute_behaviour,
-            behaviour_is_cap=behaviour_is_cap,
-            is_token_mask=is_token_mask,
-            is_sequence_mask=is_sequence_mask,
-        )
-        self.clip_low, self.clip_high = self.loss_cfg.clip_low, self.loss_cfg.clip_high
+        self.worker = GradWorker(model_cfg, graphdef, mesh, rules, loss_cfg, name=name)  # the core's micro-steps
+        self.model_cfg, self.graphdef, self.mesh, self.rules = model_cfg, graphdef, mesh, rules
+        self.loss_cfg = self.worker.loss_cfg  # satellites (make_satellite) compute the same objective
+        log.info("objective: %s", self.loss_cfg.describe())
         self.ordered_accumulation = ordered_accumulation
         self.tx = make_optimizer(opt_cfg)
-        self.worker = GradWorker(model_cfg, graphdef, mesh, rules, self.loss_cfg, name=name)
         self.param_shardings = self.worker.param_shardings
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._build_jits()

@@ -1,34 +1,169 @@
-"""Policy-gradient objectives as pure functions of per-token log-probs: GSPO, GSPO-token, GRPO, k3 KL.
+"""Policy-gradient objectives as pure functions of one input, ``LossInputs``: GSPO, GSPO-token, GRPO (the
+registered policy losses), the k3 KL term, the train/serve mismatch corrections, and ``rl_objective`` (all of
+them as one micro-step's objective under a ``LossConfig``).
 
-Layout (a packed micro-batch, see ``gyre_jax.trajectory.batch.MicroBatch``): token arrays are
-``[B, T]``; every token belongs to one sequence ``seq_index[b, t]`` in ``[0, S)``; per-sequence arrays
-(``advantages``, ``seq_weights``) are ``[S]``. ``loss_mask`` is 1 on trainable (policy-generated)
-target tokens. ``seq_weights`` already carry the global normalization (each execution counts once in
-the step), so summing micro-batch losses gives the step's loss exactly.
+One signature, one registry: every policy loss is ``fn(x: LossInputs, p: <its hyperparameters>) -> (loss,
+metrics)``, registered under its name with ``@policy_loss(name)`` in ``POLICY_LOSSES``; its hyperparameter
+type, whose field defaults are its defaults, is ``loss_config.LOSS_PARAMS[name]`` (stated once, there).
 
-Every objective aggregates the same way: a per-sequence value (GSPO) or the mean of per-token values
-over the sequence's trainable tokens (GSPO-token, GRPO, KL: "seq-mean-token-mean"), then the
-``seq_weights``-weighted sum over sequences. A sequence with no trainable token drops out. Values at
-non-trainable positions never reach the loss or its gradient (they are selected away, not multiplied
-by zero, so a NaN in padding is harmless while a NaN on a trained token poisons the step, as it should).
+Layout (a packed micro-batch, see ``gyre_jax.trajectory.batch.MicroBatch``): token arrays are ``[B, T]``;
+every token belongs to one sequence ``seq_index[b, t]`` in ``[0, S)``; per-sequence arrays (``advantages``,
+``seq_weights``) are ``[S]``. ``loss_mask`` is 1 on trainable (policy-generated) target tokens.
+``seq_weights`` already carry the global normalization (each execution counts once in the step), so summing
+micro-batch losses gives the step's loss exactly.
 
-Each loss returns ``(loss, metrics)`` with the same metric keys, all weighted sums (divide by
-``weight_sum`` for means; they add across micro-batches):
-``clip_fraction`` (weight of sequences / tokens whose clipped term was the active one),
-``ratio_mean`` (importance ratio), ``weight_sum``.
+Every objective aggregates the same way: a per-sequence value (GSPO) or the mean of per-token values over the
+sequence's trainable tokens (GSPO-token, GRPO, KL: "seq-mean-token-mean"), then the ``seq_weights``-weighted
+sum over sequences. A sequence with no trainable token drops out. Values at non-trainable positions never reach
+the loss or its gradient (they are selected away, not multiplied by zero, so a NaN in padding is harmless while
+a NaN on a trained token poisons the step, as it should).
+
+Each policy loss returns ``(loss, metrics)`` with the same metric keys, all weighted sums (divide by
+``weight_sum`` for means; they add across micro-batches): ``clip_fraction`` (weight of sequences / tokens whose
+clipped term was the active one), ``ratio_mean`` (importance ratio), ``weight_sum``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-# Default clip ranges: GSPO paper (v2, section 5.1) for the sequence-level ratio; DAPO clip-higher for GRPO.
-DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.28)}
-LOSSES = tuple(DEFAULT_CLIP)
+from gyre_jax.rl.loss_config import (
+    LOSS_PARAMS,
+    LOSSES,
+    ClipRange,
+    GRPOParams,
+    GSPOParams,
+    LossConfig,
+    LossConfigError,
+    hyperparameters,
+)
+
+__all__ = [
+    "LOSSES",
+    "LOSS_PARAMS",
+    "POLICY_LOSSES",
+    "GRPOParams",
+    "GSPOParams",
+    "LossConfig",
+    "LossConfigError",
+    "LossInputs",
+    "PolicyLoss",
+    "SequenceTotals",
+    "grpo_loss",
+    "gspo_loss",
+    "gspo_token_loss",
+    "hyperparameters",
+    "kl_k3",
+    "policy_loss",
+    "rl_objective",
+    "sequence_mean",
+    "sequence_totals",
+    "token_keep_mask",
+    "token_nll_loss",
+    "token_weights",
+]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SequenceTotals:
+    """Per-sequence sums ``[S]`` over whole sequences, for sequences split over micro-batches.
+
+    ``sequence_totals`` gives one part's; add the parts' (``a + b``: a forward-only pre-pass under the step's
+    fixed weights) and give the sum as ``LossInputs.whole``: each part then carries its share and the parts add
+    up exactly to the whole sequence's loss and gradient. The log-ratio is log pi - log pi_old (the micro-step's
+    log-probs, no gradient, against ``old_logprobs``).
+    """
+
+    log_ratio_sum: jax.Array  # [S] over the tokens the loss trains on (the token mask's kept ones)
+    count: jax.Array  # [S] how many: the n_i of every per-sequence mean
+    all_log_ratio_sum: jax.Array  # [S] over every trainable token (the sequence mask decides on its mean)
+    all_count: jax.Array  # [S]
+
+    def __add__(self, other: SequenceTotals) -> SequenceTotals:
+        return jax.tree.map(jnp.add, self, other)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LossInputs:
+    """What every objective reads: a micro-batch's arrays and the log-probs of its forward pass.
+
+    logprobs: [B, T] float32, log pi(target) under the params being differentiated;
+    old_logprobs: [B, T] float32, log pi_old, the ratio's denominator: the behaviour log-probs mu the proxy
+    recorded (``rl_objective`` uses the trainer's own under ``recompute_behaviour``);
+    loss_mask: [B, T] float32, 1 on trainable targets; seq_index: [B, T] int32 in [0, S);
+    advantages: [S] per sequence, or [B, T] per token (GSPO-token, GRPO); seq_weights: [S];
+    ref_logprobs: [B, T] under the reference policy (the KL term only);
+    whole: the whole sequences' ``SequenceTotals`` when sequences are split over micro-batches (None: every
+    sequence is whole here).
+    """
+
+    logprobs: jax.Array
+    old_logprobs: jax.Array
+    loss_mask: jax.Array
+    seq_index: jax.Array
+    advantages: jax.Array
+    seq_weights: jax.Array
+    ref_logprobs: jax.Array | None = None
+    whole: SequenceTotals | None = None
+
+    @classmethod
+    def of(
+        cls, mb: Any, logprobs: jax.Array, ref_logprobs: jax.Array | None = None, whole: SequenceTotals | None = None
+    ) -> LossInputs:
+        """From a micro-batch (``MicroBatch``: its old_logprobs, loss_mask, seq_index, advantages, seq_weights)
+        and the forward pass's log-probs."""
+        return cls(
+            logprobs, mb.old_logprobs, mb.loss_mask, mb.seq_index, mb.advantages, mb.seq_weights, ref_logprobs, whole
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_weights.shape[0]
+
+
+Metrics = dict[str, jax.Array]
+PolicyLossFn = Callable[[LossInputs, Any], tuple[jax.Array, Metrics]]
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered policy loss: ``fn(x: LossInputs, p: params) -> (loss, metrics)``; ``params`` is its
+    hyperparameter type (``loss_config.LOSS_PARAMS[name]``), whose field defaults are its defaults."""
+
+    name: str
+    fn: PolicyLossFn
+    params: type[ClipRange]
+
+
+_REGISTERED: dict[str, PolicyLoss] = {}  # filled once, at import, by @policy_loss below
+POLICY_LOSSES: Mapping[str, PolicyLoss] = MappingProxyType(_REGISTERED)
+
+
+def policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Registers ``fn(x: LossInputs, p) -> (loss, metrics)`` as policy loss ``name``, whose hyperparameter type
+    and defaults ``loss_config.LOSS_PARAMS`` states."""
+
+    def register(fn: PolicyLossFn) -> PolicyLossFn:
+        if name not in LOSS_PARAMS:
+            raise ValueError(f"policy loss {name!r}: add its hyperparameter type to loss_config.LOSS_PARAMS first")
+        if name in _REGISTERED:
+            raise ValueError(
+                f"policy loss {name!r} is registered twice ({_REGISTERED[name].fn.__name__}, {fn.__name__})"
+            )
+        _REGISTERED[name] = PolicyLoss(name, fn, LOSS_PARAMS[name])
+        return fn
+
+    return register
 
 
 def _sequence_sums(
@@ -50,97 +185,86 @@ def sequence_mean(
     return total / jnp.maximum(count, 1.0), count
 
 
-def sequence_log_ratio_sums(
-    logprobs: jax.Array, old_logprobs: jax.Array, loss_mask: jax.Array, seq_index: jax.Array, num_seqs: int
-) -> tuple[jax.Array, jax.Array]:
-    """Per sequence: (sum of log pi - log pi_old over its trainable tokens [S], their count [S]).
-
-    When a sequence is split over several micro-batches (a trajectory longer than a row), add these over
-    its parts (a forward-only pre-pass under the step's fixed weights) and pass the totals to ``gspo_loss``
-    / ``gspo_token_loss`` as ``seq_log_ratio`` (= sum / count) and ``seq_count``: the parts then add up
-    exactly to the loss and gradient of the whole sequence.
-    """
-    return _sequence_sums(logprobs - old_logprobs, loss_mask, seq_index, num_seqs)
+def _whole_log_ratio(x: LossInputs) -> jax.Array:
+    """[S] each sequence's mean log pi - log pi_old over its trained tokens: the whole sequence's if given."""
+    if x.whole is None:
+        return sequence_mean(x.logprobs - x.old_logprobs, x.loss_mask, x.seq_index, x.num_seqs)[0]
+    return x.whole.log_ratio_sum / jnp.maximum(x.whole.count, 1.0)
 
 
-def token_weights(
-    loss_mask: jax.Array, seq_index: jax.Array, seq_weights: jax.Array, seq_count: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+def token_weights(x: LossInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The seq-mean-token-mean weights: token (b, t) of sequence i gets ``w_i / n_i`` (0 off the mask).
 
-    ``n_i`` is the sequence's trainable-token count here, or ``seq_count`` [S] (its count over all the
-    micro-batches it spans). -> (token weights [B, T], effective sequence weights [S]: ``w_i`` times the
-    share of the sequence's tokens that are here (0 without trainable tokens), local counts [S]).
+    ``n_i`` is the sequence's trainable-token count here, or ``x.whole.count`` (its count over all the
+    micro-batches it spans). -> (token weights [B, T], effective sequence weights [S]: ``w_i`` times the share
+    of the sequence's tokens that are here (0 without trainable tokens), local counts [S]).
     """
-    count = jax.ops.segment_sum(loss_mask.reshape(-1), seq_index.reshape(-1), num_segments=seq_weights.shape[0])
-    if seq_count is None:
-        total, weights = count, jnp.where(count > 0, seq_weights, 0.0)
+    count = jax.ops.segment_sum(x.loss_mask.reshape(-1), x.seq_index.reshape(-1), num_segments=x.num_seqs)
+    if x.whole is None:
+        total, weights = count, jnp.where(count > 0, x.seq_weights, 0.0)
     else:
-        total = jnp.maximum(seq_count, count)
-        weights = jnp.where(count > 0, seq_weights * count / jnp.maximum(total, 1.0), 0.0)
-    per_token = jnp.where(count > 0, seq_weights / jnp.maximum(total, 1.0), 0.0)[seq_index]
-    return jnp.where(loss_mask > 0, per_token * loss_mask, 0.0), weights, count
+        total = jnp.maximum(x.whole.count, count)
+        weights = jnp.where(count > 0, x.seq_weights * count / jnp.maximum(total, 1.0), 0.0)
+    per_token = jnp.where(count > 0, x.seq_weights / jnp.maximum(total, 1.0), 0.0)[x.seq_index]
+    return jnp.where(x.loss_mask > 0, per_token * x.loss_mask, 0.0), weights, count
 
 
-def _token_advantages(advantages: jax.Array, seq_index: jax.Array) -> jax.Array:
+def _token_advantages(x: LossInputs) -> jax.Array:
     """Advantages per token [B, T] from per-sequence [S] (broadcast by ``seq_index``) or per-token [B, T]."""
-    if advantages.ndim == 1:
-        return advantages[seq_index]
-    if advantages.shape != seq_index.shape:
+    if x.advantages.ndim == 1:
+        return x.advantages[x.seq_index]
+    if x.advantages.shape != x.seq_index.shape:
         raise ValueError(
-            f"advantages must be [S] per sequence or [B, T]={seq_index.shape} per token, got {advantages.shape}"
+            f"advantages must be [S] per sequence or [B, T]={x.seq_index.shape} per token, got {x.advantages.shape}"
         )
-    return advantages
+    return x.advantages
 
 
 def _masked(values: jax.Array, loss_mask: jax.Array) -> jax.Array:
     return jnp.where(loss_mask > 0, values, 0.0)
 
 
-def gspo_loss(
-    logprobs: jax.Array,
-    old_logprobs: jax.Array,
-    loss_mask: jax.Array,
-    seq_index: jax.Array,
-    advantages: jax.Array,
-    seq_weights: jax.Array,
-    clip_low: float,
-    clip_high: float,
-    *,
-    seq_log_ratio: jax.Array | None = None,
-    seq_count: jax.Array | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def _clipped_token_objective(x: LossInputs, p: ClipRange, log_ratio: jax.Array, ratio_mean: jax.Array):
+    """sum_i w_i mean_t -min(r_t A_i,t, clip(r_t) A_i,t) with r_t = exp(log_ratio) [B, T] (GSPO-token, GRPO)."""
+    ratio = jnp.exp(_masked(log_ratio, x.loss_mask))  # [B, T]
+    adv = _token_advantages(x)
+    clipped_ratio = jnp.clip(ratio, 1.0 - p.clip_low, 1.0 + p.clip_high)
+    per_token = -jnp.minimum(ratio * adv, clipped_ratio * adv)
+    tw, weights, _ = token_weights(x)
+    loss = jnp.sum(_masked(tw * per_token, x.loss_mask))
+    was_clipped = (ratio * adv > clipped_ratio * adv).astype(jnp.float32)
+    metrics = {
+        "clip_fraction": jnp.sum(_masked(tw * was_clipped, x.loss_mask)),
+        "ratio_mean": ratio_mean if ratio_mean is not None else jnp.sum(_masked(tw * ratio, x.loss_mask)),
+        "weight_sum": jnp.sum(weights),
+    }
+    return loss, metrics
+
+
+@policy_loss("gspo")
+def gspo_loss(x: LossInputs, p: GSPOParams) -> tuple[jax.Array, Metrics]:
     """GSPO (Zheng et al. 2025): sequence-level ratio s_i = exp(mean_t(log pi - log pi_old)) over the
     sequence's trainable tokens, clipped to [1 - clip_low, 1 + clip_high]:
 
         loss = sum_i w_i * -min(s_i * A_i, clip(s_i) * A_i)
 
-    logprobs, old_logprobs, loss_mask: [B, T]; seq_index: [B, T] int32; advantages, seq_weights: [S].
-    seq_log_ratio, seq_count: [S] whole-sequence statistics for sequences split over micro-batches (see
-    ``sequence_log_ratio_sums``); each part then carries its share, and the parts add up to the above.
+    x.advantages: [S] (per-token advantages need ``gspo_token``). With ``x.whole`` (a sequence split over
+    micro-batches) each part carries its share, and the parts add up to the above.
     """
-    if seq_log_ratio is not None or seq_count is not None:
-        # The same objective written token by token (GSPO-token with A_i,t = A_i), which splits exactly.
-        return gspo_token_loss(
-            logprobs,
-            old_logprobs,
-            loss_mask,
-            seq_index,
-            advantages,
-            seq_weights,
-            clip_low,
-            clip_high,
-            seq_log_ratio=seq_log_ratio,
-            seq_count=seq_count,
+    if x.advantages.ndim != 1:
+        raise ValueError(
+            f"gspo takes per-sequence advantages [S], got {x.advantages.shape}: per-token advantages need gspo_token"
         )
-    num_seqs = advantages.shape[0]
-    log_ratio, count = sequence_mean(logprobs - old_logprobs, loss_mask, seq_index, num_seqs)
+    if x.whole is not None:
+        # The same objective written token by token (GSPO-token with A_i,t = A_i), which splits exactly.
+        return gspo_token_loss(x, p)
+    log_ratio, count = sequence_mean(x.logprobs - x.old_logprobs, x.loss_mask, x.seq_index, x.num_seqs)
     ratio = jnp.exp(log_ratio)
-    clipped_ratio = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    per_seq = -jnp.minimum(ratio * advantages, clipped_ratio * advantages)
-    weights = jnp.where(count > 0, seq_weights, 0.0)
+    clipped_ratio = jnp.clip(ratio, 1.0 - p.clip_low, 1.0 + p.clip_high)
+    per_seq = -jnp.minimum(ratio * x.advantages, clipped_ratio * x.advantages)
+    weights = jnp.where(count > 0, x.seq_weights, 0.0)
     loss = jnp.sum(jnp.where(count > 0, weights * per_seq, 0.0))
-    was_clipped = (ratio * advantages > clipped_ratio * advantages).astype(jnp.float32)
+    was_clipped = (ratio * x.advantages > clipped_ratio * x.advantages).astype(jnp.float32)
     metrics = {
         "clip_fraction": jnp.sum(weights * was_clipped),
         "ratio_mean": jnp.sum(weights * ratio),
@@ -149,172 +273,49 @@ def gspo_loss(
     return loss, metrics
 
 
-def gspo_token_loss(
-    logprobs: jax.Array,
-    old_logprobs: jax.Array,
-    loss_mask: jax.Array,
-    seq_index: jax.Array,
-    advantages: jax.Array,
-    seq_weights: jax.Array,
-    clip_low: float,
-    clip_high: float,
-    *,
-    seq_log_ratio: jax.Array | None = None,
-    seq_count: jax.Array | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+@policy_loss("gspo_token")
+def gspo_token_loss(x: LossInputs, p: GSPOParams) -> tuple[jax.Array, Metrics]:
     """GSPO-token (GSPO paper, section 4.3): per-token advantages with the sequence-level ratio,
 
         s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]      (numerically s_i; its gradient flows through token t only)
         loss  = sum_i w_i * mean_t -min(s_i,t * A_i,t, clip(s_i,t) * A_i,t)
 
-    With A_i,t = A_i for every t, value and gradient equal ``gspo_loss``.
-    logprobs, old_logprobs, loss_mask: [B, T]; seq_index: [B, T] int32; advantages: [S] or [B, T];
-    seq_weights: [S]. seq_log_ratio, seq_count: [S] whole-sequence statistics (``sequence_log_ratio_sums``)
-    for a sequence split over micro-batches; log s_i and the 1 / n_i of the mean then come from them.
+    With A_i,t = A_i for every t, value and gradient equal ``gspo_loss``. x.advantages: [S] or [B, T]; with
+    ``x.whole``, log s_i and the 1 / n_i of the mean come from the whole sequences' totals.
     """
-    num_seqs = seq_weights.shape[0]
-    if (seq_log_ratio is None) != (seq_count is None):
-        raise ValueError("seq_log_ratio and seq_count go together (whole-sequence statistics); pass both or neither")
-    if seq_log_ratio is None:
-        log_seq_ratio, _ = sequence_mean(logprobs - old_logprobs, loss_mask, seq_index, num_seqs)
-    else:
-        log_seq_ratio = seq_log_ratio
-    log_ratio = jax.lax.stop_gradient(log_seq_ratio)[seq_index] + logprobs - jax.lax.stop_gradient(logprobs)
-    ratio = jnp.exp(_masked(log_ratio, loss_mask))  # [B, T]
-    adv = _token_advantages(advantages, seq_index)
-    clipped_ratio = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    per_token = -jnp.minimum(ratio * adv, clipped_ratio * adv)
-    tw, weights, _ = token_weights(loss_mask, seq_index, seq_weights, seq_count)
-    loss = jnp.sum(_masked(tw * per_token, loss_mask))
-    was_clipped = (ratio * adv > clipped_ratio * adv).astype(jnp.float32)
-    metrics = {
-        "clip_fraction": jnp.sum(_masked(tw * was_clipped, loss_mask)),
-        "ratio_mean": jnp.sum(weights * jnp.exp(log_seq_ratio)),
-        "weight_sum": jnp.sum(weights),
-    }
-    return loss, metrics
+    log_seq_ratio = _whole_log_ratio(x)
+    log_ratio = jax.lax.stop_gradient(log_seq_ratio)[x.seq_index] + x.logprobs - jax.lax.stop_gradient(x.logprobs)
+    _, weights, _ = token_weights(x)
+    return _clipped_token_objective(x, p, log_ratio, jnp.sum(weights * jnp.exp(log_seq_ratio)))
 
 
-def grpo_loss(
-    logprobs: jax.Array,
-    old_logprobs: jax.Array,
-    loss_mask: jax.Array,
-    seq_index: jax.Array,
-    advantages: jax.Array,
-    seq_weights: jax.Array,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    *,
-    seq_count: jax.Array | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+@policy_loss("grpo")
+def grpo_loss(x: LossInputs, p: GRPOParams) -> tuple[jax.Array, Metrics]:
     """GRPO (Shao et al. 2024) with clip-higher (DAPO): token-level ratio r_t = pi(y_t) / pi_old(y_t),
 
         loss = sum_i w_i * mean_t -min(r_t * A_i,t, clip(r_t, 1 - clip_low, 1 + clip_high) * A_i,t)
 
-    logprobs, old_logprobs, loss_mask: [B, T]; seq_index: [B, T] int32; advantages: [S] or [B, T];
-    seq_weights: [S]; seq_count: [S] trainable tokens of each whole sequence when it is split over
-    micro-batches (the n_i of the mean; default: counted here).
+    x.advantages: [S] or [B, T]; with ``x.whole`` the n_i of the mean is the whole sequence's count.
     """
-    ratio = jnp.exp(_masked(logprobs - old_logprobs, loss_mask))  # [B, T]
-    adv = _token_advantages(advantages, seq_index)
-    clipped_ratio = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    per_token = -jnp.minimum(ratio * adv, clipped_ratio * adv)
-    tw, weights, _ = token_weights(loss_mask, seq_index, seq_weights, seq_count)
-    loss = jnp.sum(_masked(tw * per_token, loss_mask))
-    was_clipped = (ratio * adv > clipped_ratio * adv).astype(jnp.float32)
-    metrics = {
-        "clip_fraction": jnp.sum(_masked(tw * was_clipped, loss_mask)),
-        "ratio_mean": jnp.sum(_masked(tw * ratio, loss_mask)),
-        "weight_sum": jnp.sum(weights),
-    }
-    return loss, metrics
+    return _clipped_token_objective(x, p, x.logprobs - x.old_logprobs, None)
 
 
-def kl_k3(
-    logprobs: jax.Array,
-    ref_logprobs: jax.Array,
-    loss_mask: jax.Array,
-    seq_index: jax.Array,
-    seq_weights: jax.Array,
-    *,
-    seq_count: jax.Array | None = None,
-) -> jax.Array:
+def kl_k3(x: LossInputs) -> jax.Array:
     """KL(pi || pi_ref) by Schulman's k3 estimator per sampled token, aggregated like the policy losses:
 
         k3_t = exp(d_t) - d_t - 1,  d_t = log pi_ref(y_t) - log pi(y_t)      (>= 0, unbiased for y_t ~ pi)
         kl   = sum_i w_i * mean_t k3_t
 
     The choice (k3 as a loss term, as in GRPO/DeepSeekMath) gives a non-negative, low-variance value; its
-    gradient is that of the reverse KL only approximately, which is the standard trade-off. [B, T] inputs,
-    seq_weights [S], seq_count [S] as in ``grpo_loss``; returns a scalar.
+    gradient is that of the reverse KL only approximately, which is the standard trade-off. Reads
+    ``x.ref_logprobs`` (needed) and, with ``x.whole``, the whole sequences' counts; returns a scalar.
     """
-    d = _masked(ref_logprobs - logprobs, loss_mask)
+    if x.ref_logprobs is None:
+        raise ValueError("the KL term needs LossInputs.ref_logprobs (log-probs under the reference policy)")
+    d = _masked(x.ref_logprobs - x.logprobs, x.loss_mask)
     k3 = jnp.exp(d) - d - 1.0
-    tw, _, _ = token_weights(loss_mask, seq_index, seq_weights, seq_count)
-    return jnp.sum(_masked(tw * k3, loss_mask))
-
-
-POLICY_LOSSES = {"gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss}
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """What one RL micro-step optimizes (a static, hashable part of the jitted micro-step).
-
-    name: ``gspo`` | ``gspo_token`` | ``grpo``; clip_low / clip_high: None = the loss's default
-    (``DEFAULT_CLIP``); kl_coef: weight of ``kl_k3`` to a reference policy (0 = off, no reference
-    forward pass); recompute_behaviour: pi_old is the trainer's own policy at step start (weights are
-    fixed during a step, so that is ``stop_gradient`` of the micro-step's log-probs: no extra pass)
-    instead of the behaviour log-probs recorded by the proxy; behaviour_is_cap: with
-    recompute_behaviour, weight each sequence by the truncated importance ratio
-    min(exp(mean_t(log pi_old - log mu)), cap) between the recomputed pi_old and the behaviour policy mu
-    (0 = off; the decoupled-PPO correction for stale data).
-
-    Train/serve mismatch masks, on r_t = pi_train(t) / mu(t) with pi_train = ``stop_gradient`` of the
-    micro-step's log-probs (the trainer's policy at step start, in both recompute_behaviour modes) and mu
-    the behaviour log-probs (0 = off, else a cap c > 1; a ratio exactly at 1/c or c is kept, NaN is out):
-    is_token_mask (IcePop): a trainable token with r_t outside [1/c, c] leaves the whole objective (policy
-    loss and KL: as if its loss_mask were 0); is_sequence_mask (MIS): a sequence whose geometric-mean ratio
-    exp(mean_t log r_t over all its trainable tokens) lies outside [1/c, c] leaves it. Order: token mask,
-    sequence mask (decided on all trainable tokens, token-masked ones included), then behaviour_is_cap
-    over the tokens the token mask keeps, on the sequences that stay.
-    """
-
-    name: str = "gspo"
-    clip_low: float | None = None
-    clip_high: float | None = None
-    kl_coef: float = 0.0
-    recompute_behaviour: bool = False
-    behaviour_is_cap: float = 0.0
-    is_token_mask: float = 0.0
-    is_sequence_mask: float = 0.0
-
-    def __post_init__(self):
-        if self.name not in POLICY_LOSSES:
-            raise ValueError(f"loss {self.name!r} is not one of {LOSSES}")
-        low, high = DEFAULT_CLIP[self.name]
-        object.__setattr__(self, "clip_low", float(low if self.clip_low is None else self.clip_low))
-        object.__setattr__(self, "clip_high", float(high if self.clip_high is None else self.clip_high))
-        if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:
-            raise ValueError(
-                f"clip range [1 - {self.clip_low}, 1 + {self.clip_high}] must have 0 <= clip_low < 1 and clip_high >= 0"
-            )
-        if self.kl_coef < 0.0:
-            raise ValueError(f"kl_coef={self.kl_coef} must be >= 0 (0 turns the KL term off)")
-        if self.behaviour_is_cap < 0.0:
-            raise ValueError(f"behaviour_is_cap={self.behaviour_is_cap} must be >= 0 (0 = off)")
-        if self.behaviour_is_cap > 0.0 and not self.recompute_behaviour:
-            raise ValueError(
-                "behaviour_is_cap needs recompute_behaviour=True (with recorded pi_old the ratio already "
-                "corrects for the behaviour policy)"
-            )
-        for key in ("is_token_mask", "is_sequence_mask"):
-            cap = getattr(self, key)
-            if not (cap == 0.0 or cap > 1.0):  # NaN fails both
-                raise ValueError(
-                    f"{key}={cap} must be 0 (off) or a cap > 1 (ratios outside [1/cap, cap] are masked); "
-                    "e.g. 2.0 keeps tokens whose train/behaviour probability ratio is within a factor of 2"
-                )
+    tw, _, _ = token_weights(x)
+    return jnp.sum(_masked(tw * k3, x.loss_mask))
 
 
 def _in_band(log_ratio: jax.Array, cap: float) -> jax.Array:
@@ -324,118 +325,85 @@ def _in_band(log_ratio: jax.Array, cap: float) -> jax.Array:
     return (log_ratio >= -bound) & (log_ratio <= bound)
 
 
-def token_keep_mask(
-    logprobs: jax.Array, behaviour_logprobs: jax.Array, loss_mask: jax.Array, cfg: LossConfig
-) -> jax.Array:
-    """[B, T] bool: the trainable tokens the token mask (``cfg.is_token_mask``) keeps (all of them when off)."""
-    trainable = loss_mask > 0
+def token_keep_mask(x: LossInputs, cfg: LossConfig) -> jax.Array:
+    """[B, T] bool: the trainable tokens the token mask (``cfg.is_token_mask``) keeps (all of them when off), on
+    r_t = pi_train / mu with pi_train = sg[x.logprobs] and mu = x.old_logprobs."""
+    trainable = x.loss_mask > 0
     if cfg.is_token_mask == 0.0:
         return trainable
-    log_r = jax.lax.stop_gradient(logprobs) - behaviour_logprobs
+    log_r = jax.lax.stop_gradient(x.logprobs) - x.old_logprobs
     return trainable & _in_band(jnp.where(trainable, log_r, 0.0), cfg.is_token_mask)
 
 
-def offpolicy_sequence_sums(
-    logprobs: jax.Array,
-    behaviour_logprobs: jax.Array,
-    loss_mask: jax.Array,
-    seq_index: jax.Array,
-    num_seqs: int,
-    cfg: LossConfig,
-) -> dict[str, jax.Array]:
-    """Per-sequence sums of log r_t = log pi_train - log mu that the off-policy corrections decide on.
-
-    [B, T] inputs -> dict of [S]: ``log_ratio_sum`` / ``count`` over the trainable tokens (the sequence
-    mask's geometric mean), ``kept_log_ratio_sum`` / ``kept_count`` over the tokens the token mask keeps
-    (GSPO's sequence ratio with recorded pi_old, behaviour_is_cap's weight, the n_i of every mean). They
-    add over parts: for a sequence split over micro-batches sum them over its parts (a forward-only pass
-    under the step's fixed weights) and pass the totals to ``rl_objective`` as ``seq_sums``.
-    """
-    log_r = jax.lax.stop_gradient(logprobs) - behaviour_logprobs
-    kept = token_keep_mask(logprobs, behaviour_logprobs, loss_mask, cfg).astype(jnp.float32)
-    total, count = _sequence_sums(log_r, loss_mask, seq_index, num_seqs)
-    kept_total, kept_count = _sequence_sums(log_r, kept, seq_index, num_seqs)
-    return {"log_ratio_sum": total, "count": count, "kept_log_ratio_sum": kept_total, "kept_count": kept_count}
+def sequence_totals(x: LossInputs, cfg: LossConfig | None = None) -> SequenceTotals:
+    """This micro-batch's ``SequenceTotals`` of log r_t = log sg[pi] - log pi_old: over the tokens ``cfg``'s
+    token mask keeps (all trainable ones without ``cfg``) and over every trainable token. Summed over a split
+    sequence's parts, they are the ``whole`` a policy loss or ``rl_objective`` takes."""
+    log_r = jax.lax.stop_gradient(x.logprobs) - x.old_logprobs
+    kept = x.loss_mask if cfg is None else token_keep_mask(x, cfg).astype(jnp.float32)
+    total, count = _sequence_sums(log_r, x.loss_mask, x.seq_index, x.num_seqs)
+    kept_total, kept_count = _sequence_sums(log_r, kept, x.seq_index, x.num_seqs)
+    return SequenceTotals(kept_total, kept_count, total, count)
 
 
-def _offpolicy_corrections(logprobs, behaviour_logprobs, loss_mask, seq_index, seq_weights, cfg, seq_sums):
-    """Token mask, sequence mask, behaviour_is_cap (in that order) -> (policy mask [B, T], seq weights [S],
-    whole-sequence keywords for the losses, metrics)."""
-    num_seqs = seq_weights.shape[0]
-    local = offpolicy_sequence_sums(logprobs, behaviour_logprobs, loss_mask, seq_index, num_seqs, cfg)
-    whole = local if seq_sums is None else seq_sums
-    keep_token = token_keep_mask(logprobs, behaviour_logprobs, loss_mask, cfg)
-    keep_seq = jnp.ones((num_seqs,), bool)
+def _offpolicy_corrections(x: LossInputs, cfg: LossConfig) -> tuple[LossInputs, Metrics]:
+    """Token mask, sequence mask, behaviour_is_cap (in that order), on x.old_logprobs = mu -> (the policy loss's
+    inputs: its loss mask, sequence weights and whole-sequence totals; the mask counts)."""
+    local = sequence_totals(x, cfg)
+    whole = local if x.whole is None else x.whole
+    keep_token = token_keep_mask(x, cfg)
+    keep_seq = jnp.ones((x.num_seqs,), bool)
     if cfg.is_sequence_mask > 0.0:
-        mean_log_r = jnp.where(whole["count"] > 0, whole["log_ratio_sum"] / jnp.maximum(whole["count"], 1.0), 0.0)
-        keep_seq = _in_band(mean_log_r, cfg.is_sequence_mask)
-    dropped = (~keep_seq) & (local["count"] > 0)
+        n_all = jnp.maximum(whole.all_count, 1.0)
+        keep_seq = _in_band(jnp.where(whole.all_count > 0, whole.all_log_ratio_sum / n_all, 0.0), cfg.is_sequence_mask)
+    dropped = (~keep_seq) & (local.all_count > 0)
     metrics = {
-        "masked_tokens": jnp.sum(jnp.where(keep_token, 0.0, loss_mask)),
-        "masked_sequences": jnp.sum(jnp.where(dropped, local["count"] / jnp.maximum(whole["count"], 1.0), 0.0)),
+        "masked_tokens": jnp.sum(jnp.where(keep_token, 0.0, x.loss_mask)),
+        "masked_sequences": jnp.sum(jnp.where(dropped, local.all_count / jnp.maximum(whole.all_count, 1.0), 0.0)),
     }
-    policy_mask = jnp.where(keep_token & keep_seq[seq_index], loss_mask, 0.0)
-    live = keep_seq & (whole["kept_count"] > 0)
-    kept_log_r = jnp.where(live, whole["kept_log_ratio_sum"] / jnp.maximum(whole["kept_count"], 1.0), 0.0)
-    seq_weights = jnp.where(keep_seq, seq_weights, 0.0)
+    live = keep_seq & (whole.count > 0)
+    kept_log_r = jnp.where(live, whole.log_ratio_sum / jnp.maximum(whole.count, 1.0), 0.0)
+    seq_weights = jnp.where(keep_seq, x.seq_weights, 0.0)
     if cfg.behaviour_is_cap > 0.0:
         seq_weights = seq_weights * jnp.minimum(jnp.exp(kept_log_r), cfg.behaviour_is_cap)
-    whole_kw = {}
-    if seq_sums is not None:
-        ratio = jnp.zeros_like(kept_log_r) if cfg.recompute_behaviour else kept_log_r
-        whole_kw = {"seq_log_ratio": ratio, "seq_count": jnp.where(keep_seq, whole["kept_count"], 0.0)}
-    return policy_mask, seq_weights, whole_kw, metrics
+    loss_whole = None
+    if x.whole is not None:  # the loss's view: its trained tokens are the kept ones of the sequences that stay
+        ratio_sum = jnp.zeros_like(kept_log_r) if cfg.recompute_behaviour else jnp.where(live, whole.log_ratio_sum, 0.0)
+        count = jnp.where(keep_seq, whole.count, 0.0)
+        loss_whole = SequenceTotals(ratio_sum, count, ratio_sum, count)
+    policy_mask = jnp.where(keep_token & keep_seq[x.seq_index], x.loss_mask, 0.0)
+    return dataclasses.replace(x, loss_mask=policy_mask, seq_weights=seq_weights, whole=loss_whole), metrics
 
 
-def rl_objective(
-    logprobs: jax.Array,
-    behaviour_logprobs: jax.Array,
-    loss_mask: jax.Array,
-    seq_index: jax.Array,
-    advantages: jax.Array,
-    seq_weights: jax.Array,
-    cfg: LossConfig,
-    ref_logprobs: jax.Array | None = None,
-    *,
-    seq_sums: dict[str, jax.Array] | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The whole RL micro-step objective: policy loss (+ kl_coef * KL) with pi_old chosen by ``cfg``.
+def rl_objective(x: LossInputs, cfg: LossConfig) -> tuple[jax.Array, Metrics]:
+    """The whole RL micro-step objective: the policy loss ``cfg.loss`` with ``cfg.params`` (+ kl_coef * KL),
+    with pi_old and the off-policy corrections as ``cfg`` says.
 
-    logprobs: [B, T] under the current params (differentiated); behaviour_logprobs: [B, T] recorded by the
-    proxy; ref_logprobs: [B, T] under the reference params (needed iff cfg.kl_coef > 0); seq_sums: the
-    whole-sequence ``offpolicy_sequence_sums`` ([S] each) when sequences are split over micro-batches, so
-    every mask and weight is decided on the whole sequence and the parts add up to it. Metrics (weighted
-    sums that add across micro-batches): the policy loss's, plus ``loss``, ``policy_loss``, ``kl`` (when
-    on), ``logprob_gap_sum`` (sum |log pi - log mu| over the trainable tokens the token mask keeps),
-    ``target_tokens`` (trainable tokens), and with the off-policy corrections on (``cfg.is_token_mask``,
-    ``cfg.is_sequence_mask``, ``cfg.behaviour_is_cap`` or seq_sums given) ``masked_tokens`` (trainable
-    tokens the token mask drops) and ``masked_sequences`` (sequences the sequence mask drops; a split
-    sequence's parts carry their token shares, which add to 1).
+    x.old_logprobs: the behaviour log-probs mu recorded by the proxy; x.ref_logprobs: needed iff cfg.kl_coef > 0;
+    x.whole: the ``sequence_totals(part, cfg)`` of the whole sequences, summed over their parts, when sequences
+    are split over micro-batches (every mask and weight is then decided on the whole sequence and the parts add
+    up to it). Metrics (weighted sums that add across micro-batches): the policy loss's, plus ``loss``,
+    ``policy_loss``, ``kl`` (when on), ``logprob_gap_sum`` (sum |log pi - log mu| over the trainable tokens the
+    token mask keeps), ``target_tokens`` (trainable tokens), and with the off-policy corrections on (or
+    ``x.whole`` given) ``masked_tokens`` (trainable tokens the token mask drops) and ``masked_sequences``
+    (sequences the sequence mask drops; a split sequence's parts carry their token shares, which add to 1).
     """
-    current = jax.lax.stop_gradient(logprobs)
-    old = current if cfg.recompute_behaviour else behaviour_logprobs
-    corrections = cfg.is_token_mask > 0.0 or cfg.is_sequence_mask > 0.0 or cfg.behaviour_is_cap > 0.0
-    policy_mask, whole_kw, metrics = loss_mask, {}, {}
-    if corrections or seq_sums is not None:
-        policy_mask, seq_weights, whole_kw, metrics = _offpolicy_corrections(
-            current, behaviour_logprobs, loss_mask, seq_index, seq_weights, cfg, seq_sums
-        )
-    loss_kw = dict(whole_kw) if cfg.name != "grpo" else {k: v for k, v in whole_kw.items() if k == "seq_count"}
-    policy_loss, policy_metrics = POLICY_LOSSES[cfg.name](
-        logprobs, old, policy_mask, seq_index, advantages, seq_weights, cfg.clip_low, cfg.clip_high, **loss_kw
-    )
-    loss = policy_loss
-    metrics = dict(policy_metrics, policy_loss=policy_loss, **metrics)
+    current = jax.lax.stop_gradient(x.logprobs)
+    loss_x, metrics = x, {}
+    if cfg.corrections or x.whole is not None:
+        loss_x, metrics = _offpolicy_corrections(x, cfg)
+    if cfg.recompute_behaviour:
+        loss_x = dataclasses.replace(loss_x, old_logprobs=current)
+    policy_loss_value, policy_metrics = POLICY_LOSSES[cfg.loss].fn(loss_x, cfg.params)
+    loss = policy_loss_value
+    metrics = dict(policy_metrics, policy_loss=policy_loss_value, **metrics)
     if cfg.kl_coef > 0.0:
-        if ref_logprobs is None:
-            raise ValueError("kl_coef > 0 needs ref_logprobs (log-probs under the reference policy)")
-        count_kw = {k: v for k, v in whole_kw.items() if k == "seq_count"}
-        kl = kl_k3(logprobs, ref_logprobs, policy_mask, seq_index, seq_weights, **count_kw)
+        kl = kl_k3(loss_x)
         loss = loss + cfg.kl_coef * kl
         metrics["kl"] = jax.lax.stop_gradient(kl)
-    gap_mask = token_keep_mask(current, behaviour_logprobs, loss_mask, cfg)
-    metrics["logprob_gap_sum"] = jnp.sum(jnp.where(gap_mask, jnp.abs(current - behaviour_logprobs), 0.0))
-    metrics["target_tokens"] = jnp.sum(loss_mask)
+    gap_mask = token_keep_mask(x, cfg)
+    metrics["logprob_gap_sum"] = jnp.sum(jnp.where(gap_mask, jnp.abs(current - x.old_logprobs), 0.0))
+    metrics["target_tokens"] = jnp.sum(x.loss_mask)
     metrics["loss"] = loss
     return loss, metrics
 
@@ -443,3 +411,7 @@ def rl_objective(
 def token_nll_loss(logprobs: jax.Array, token_weights: jax.Array) -> jax.Array:
     """Supervised loss: -sum(weights * log p); ``token_weights`` [B, T] carry the normalization."""
     return -jnp.sum(token_weights * logprobs)
+
+
+if set(POLICY_LOSSES) != set(LOSS_PARAMS):  # every loss of loss_config.LOSS_PARAMS has its function here
+    raise ImportError(f"losses {sorted(set(LOSS_PARAMS) - set(POLICY_LOSSES))} have no @policy_loss function")

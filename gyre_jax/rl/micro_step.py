@@ -148,18 +148,10 @@ class GradWorker:
 
         def loss_fn(p):
             logp, lb = _logprobs_and_aux(self.graphdef, p, mb, with_aux=self.moe_coef > 0)
-            loss, aux = losses.rl_objective(
-                logp,
-                mb.old_logprobs,
-                mb.loss_mask,
-                mb.seq_index,
-                mb.advantages,
-                mb.seq_weights,
-                self.loss_cfg,
-                ref_logp,
-            )
+            x = losses.LossInputs.of(mb, logp, ref_logp)
+            loss, aux = losses.rl_objective(x, self.loss_cfg)
             if lb is not None:
-                share = jnp.sum(losses.token_weights(mb.loss_mask, mb.seq_index, mb.seq_weights)[1])
+                share = jnp.sum(losses.token_weights(x)[1])
                 loss, aux = self._add_load_balancing(loss, aux, lb, share)
             return loss, aux
 

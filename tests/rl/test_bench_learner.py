@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gyre_jax.rl.losses import gspo_loss
+from gyre_jax.rl.losses import GSPOParams, LossInputs, gspo_loss
 from gyre_jax.trajectory.batch import make_micro_batches
 
 SPEC = importlib.util.spec_from_file_location(
@@ -74,7 +74,7 @@ def _loss(mbs, logp_of):
         for (r, t), m in np.ndenumerate(mb.loss_mask):
             if m:
                 logp[r, t] = logp_of(mb, r, t)
-        loss, _ = gspo_loss(logp, mb.old_logprobs, mb.loss_mask, mb.seq_index, mb.advantages, mb.seq_weights, 0.2, 0.28)
+        loss, _ = gspo_loss(LossInputs.of(mb, logp), GSPOParams(clip_low=0.2, clip_high=0.28))
         total += float(loss)
     return total
 

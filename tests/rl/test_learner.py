@@ -14,6 +14,7 @@ from gyre_jax.config import load_config
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import init_params, make_mesh
 from gyre_jax.rl.learner import Learner, OptimizerConfig, token_logprobs
+from gyre_jax.rl.losses import GSPOParams, LossConfig
 from gyre_jax.trajectory.batch import make_micro_batches, replace
 from gyre_jax.trajectory.branches import Branch
 
@@ -35,7 +36,8 @@ def setup():
     mesh = make_mesh(jax.devices(), dict(data=4, fsdp=2))
     rules = load_config([]).sharding_rules
     graphdef, params = init_params(CFG, mesh, rules, seed=0)
-    learner = Learner(CFG, graphdef, mesh, rules, OptimizerConfig(learning_rate=3e-3), clip_low=0.2, clip_high=0.28)
+    wide = LossConfig(params=GSPOParams(clip_low=0.2, clip_high=0.28))  # GSPO with a wide clip range
+    learner = Learner(CFG, graphdef, mesh, rules, OptimizerConfig(learning_rate=3e-3), wide)
     logprob_fn = jax.jit(lambda p, mb: token_logprobs(graphdef, p, mb))
     return learner, params, logprob_fn
 
@@ -235,10 +237,8 @@ def test_off_policy_mask_counts_reach_the_step_metrics(setup):
     the masked-sequence count computed from the micro-batch's own ratios, whatever the micro-batch split."""
     base, params, logprob_fn = setup
     token_cap, seq_cap = 1.2, 1.3
-    learner = Learner(
-        CFG, base.graphdef, base.mesh, base.rules, OptimizerConfig(learning_rate=3e-3), loss="grpo",
-        is_token_mask=token_cap, is_sequence_mask=seq_cap,
-    )  # fmt: skip
+    masks = LossConfig("grpo", is_token_mask=token_cap, is_sequence_mask=seq_cap)
+    learner = Learner(CFG, base.graphdef, base.mesh, base.rules, OptimizerConfig(learning_rate=3e-3), masks)
     branches = make_branches(seed=1)
     set_behaviour_logprobs(branches, logprob_fn, params, noise=0.15, seed=2, shifts=(0.5, 0.05, -0.05, -0.5))
     adv, w = [1.0, -0.5, 0.8, -1.2], [0.25] * 4

@@ -9,10 +9,11 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from gyre_jax.rl.losses import gspo_loss, sequence_mean, token_nll_loss
+from gyre_jax.rl.losses import GRPOParams, GSPOParams, LossInputs, gspo_loss, sequence_mean, token_nll_loss
 
 B, T, S = 3, 12, 6  # fixed shapes: the jitted loss compiles once for every generated layout
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+GSPO_P, GRPO_P = GSPOParams(CLIP_LOW, CLIP_HIGH), GRPOParams(CLIP_LOW, CLIP_HIGH)  # the clip range these tests use
 
 
 def reference_gspo(logp, old, mask, seq_index, adv, w, cl, ch):
@@ -47,7 +48,7 @@ def reference_gspo(logp, old, mask, seq_index, adv, w, cl, ch):
 @jax.jit
 def _loss_and_grad(logp, old, mask, seq_index, adv, w):
     def f(lp):
-        return gspo_loss(lp, old, mask, seq_index, adv, w, CLIP_LOW, CLIP_HIGH)
+        return gspo_loss(LossInputs(lp, old, mask, seq_index, adv, w), GSPO_P)
 
     (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(logp)
     return loss, metrics, grad
@@ -110,8 +111,8 @@ def test_sequence_without_trainable_tokens_drops_out_of_loss_and_metrics():
     logp = np.array([[-1.0, -2.0, -3.0, -4.0]], np.float32)
     old = logp - 0.1
     w = np.array([0.5, 0.5], np.float32)
-    loss_a, m_a = gspo_loss(logp, old, mask, seq_index, np.array([1.0, 7.0], np.float32), w, CLIP_LOW, CLIP_HIGH)
-    loss_b, m_b = gspo_loss(logp, old, mask, seq_index, np.array([1.0, -3.0], np.float32), w, CLIP_LOW, CLIP_HIGH)
+    loss_a, m_a = gspo_loss(LossInputs(logp, old, mask, seq_index, np.array([1.0, 7.0], np.float32), w), GSPO_P)
+    loss_b, m_b = gspo_loss(LossInputs(logp, old, mask, seq_index, np.array([1.0, -3.0], np.float32), w), GSPO_P)
     assert float(loss_a) == pytest.approx(float(loss_b))
     assert float(loss_a) == pytest.approx(-0.5 * np.exp(0.1), rel=1e-6)
     assert float(m_a["weight_sum"]) == pytest.approx(0.5)
@@ -129,7 +130,7 @@ def test_clip_fraction_and_ratio_mean_on_constructed_case():
     mask = np.ones((1, 5), np.float32)
 
     def f(lp):
-        return gspo_loss(lp, old, mask, seq_index, adv, w, CLIP_LOW, CLIP_HIGH)
+        return gspo_loss(LossInputs(lp, old, mask, seq_index, adv, w), GSPO_P)
 
     (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logp))
     assert float(metrics["clip_fraction"]) == pytest.approx(0.1 + 0.3, rel=1e-6)
@@ -164,7 +165,6 @@ def test_token_nll_loss_value_and_gradient():
 # --- GSPO-token, GRPO, KL (k3) and the full objective -------------------------------------------------
 
 from gyre_jax.rl.losses import (  # noqa: E402
-    DEFAULT_CLIP,
     LossConfig,
     grpo_loss,
     gspo_token_loss,
@@ -223,20 +223,20 @@ def _random_case(layout, seed, spread=0.6):
     return seq_index, mask, empty, logp, old, seq_adv, tok_adv, w
 
 
-def _value_and_grad(fn, cl, ch):
+def _value_and_grad(fn, params):
     @jax.jit
     def run(logp, old, mask, seq_index, adv, w):
         (loss, metrics), grad = jax.value_and_grad(
-            lambda lp: fn(lp, old, mask, seq_index, adv, w, cl, ch), has_aux=True
+            lambda lp: fn(LossInputs(lp, old, mask, seq_index, adv, w), params), has_aux=True
         )(logp)
         return loss, metrics, grad
 
     return run
 
 
-_gspo_token_vg = _value_and_grad(gspo_token_loss, CLIP_LOW, CLIP_HIGH)
-_grpo_vg = _value_and_grad(grpo_loss, CLIP_LOW, CLIP_HIGH)
-_gspo_vg = _value_and_grad(gspo_loss, CLIP_LOW, CLIP_HIGH)
+_gspo_token_vg = _value_and_grad(gspo_token_loss, GSPO_P)
+_grpo_vg = _value_and_grad(grpo_loss, GRPO_P)
+_gspo_vg = _value_and_grad(gspo_loss, GSPO_P)
 
 
 def _away_from_clip_edges(ratios, cl, ch):
@@ -315,15 +315,24 @@ def test_gspo_token_differs_from_gspo_with_per_token_advantages():
     seq_index = np.zeros((1, 2), np.int32)
     w = np.array([0.5], np.float32)
     tok_adv = np.array([[1.0, -1.0]], np.float32)
-    grad = jax.grad(lambda lp: gspo_token_loss(lp, logp, mask, seq_index, tok_adv, w, 0.2, 0.28)[0])(jnp.asarray(logp))
+    grad = jax.grad(lambda lp: gspo_token_loss(LossInputs(lp, logp, mask, seq_index, tok_adv, w), GSPO_P)[0])(
+        jnp.asarray(logp)
+    )
     np.testing.assert_allclose(np.asarray(grad), [[-0.25, 0.25]], rtol=1e-6)
-    grad_seq = jax.grad(lambda lp: gspo_loss(lp, logp, mask, seq_index, np.zeros(1, np.float32), w, 0.2, 0.28)[0])(
+    zero_adv = np.zeros(1, np.float32)
+    grad_seq = jax.grad(lambda lp: gspo_loss(LossInputs(lp, logp, mask, seq_index, zero_adv, w), GSPO_P)[0])(
         jnp.asarray(logp)
     )
     np.testing.assert_allclose(np.asarray(grad_seq), 0.0)
 
 
-_kl_vg = jax.jit(jax.value_and_grad(kl_k3))
+def _kl(logp, ref, mask, seq_index, w):
+    """kl_k3 of LossInputs with these arrays (the policy-loss fields it does not read: zeros)."""
+    zeros = jnp.zeros_like(w)
+    return kl_k3(LossInputs(logp, jnp.zeros_like(logp), mask, seq_index, zeros, w, ref_logprobs=ref))
+
+
+_kl_vg = jax.jit(jax.value_and_grad(_kl))
 
 
 @settings(max_examples=25, deadline=None)
@@ -345,7 +354,7 @@ def test_kl_k3_value_and_gradient_match_numpy_reference(layout, seed):
     np.testing.assert_allclose(float(value), want, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-7)
     assert float(value) >= 0.0
-    assert float(kl_k3(logp, logp, mask, seq_index, w)) == 0.0
+    assert float(_kl(logp, logp, mask, seq_index, w)) == 0.0
 
 
 def test_padding_values_never_reach_loss_or_gradient():
@@ -357,10 +366,10 @@ def test_padding_values_never_reach_loss_or_gradient():
     old = logp - 0.01
     dirty = old.copy()
     dirty[0, 2], dirty[0, 3] = np.nan, -np.inf
-    for fn in (gspo_loss, gspo_token_loss, grpo_loss):
+    for fn, params in ((gspo_loss, GSPO_P), (gspo_token_loss, GSPO_P), (grpo_loss, GRPO_P)):
 
-        def f(lp, o, fn=fn):
-            return fn(lp, o, mask, seq_index, adv, w, 0.2, 0.28)[0]
+        def f(lp, o, fn=fn, params=params):
+            return fn(LossInputs(lp, o, mask, seq_index, adv, w), params)[0]
 
         clean_v, clean_g = jax.value_and_grad(f)(jnp.asarray(logp), old)
         dirty_v, dirty_g = jax.value_and_grad(f)(jnp.asarray(logp), dirty)
@@ -372,17 +381,19 @@ def test_padding_values_never_reach_loss_or_gradient():
 
 
 def test_loss_config_defaults_and_errors():
-    assert (LossConfig().clip_low, LossConfig().clip_high) == DEFAULT_CLIP["gspo"] == (3e-4, 4e-4)
-    assert (LossConfig("grpo").clip_low, LossConfig("grpo").clip_high) == (0.2, 0.28)
-    assert LossConfig("gspo_token", clip_low=0.1).clip_low == 0.1
-    with pytest.raises(ValueError, match="not one of"):
+    assert LossConfig().params == GSPOParams() and (GSPOParams().clip_low, GSPOParams().clip_high) == (3e-4, 4e-4)
+    assert LossConfig("grpo").params == GRPOParams(0.2, 0.28)
+    assert LossConfig("gspo_token", GSPOParams(clip_low=0.1)).params.clip_low == 0.1
+    with pytest.raises(ValueError, match="must be one of"):
         LossConfig("ppo")
     with pytest.raises(ValueError, match="kl_coef"):
         LossConfig(kl_coef=-1.0)
     with pytest.raises(ValueError, match="clip"):
-        LossConfig(clip_low=1.5)
+        LossConfig(params=GSPOParams(clip_low=1.5))
     with pytest.raises(ValueError, match="recompute_behaviour"):
         LossConfig(behaviour_is_cap=2.0)
+    with pytest.raises(ValueError, match="must be a GRPOParams"):  # each loss takes its own hyperparameter type
+        LossConfig("grpo", GSPOParams())
 
 
 def _objective_case():
@@ -403,7 +414,7 @@ def test_recomputed_behaviour_is_on_policy_and_keeps_the_gap_metric(name):
     cfg = LossConfig(name, recompute_behaviour=True)
 
     def f(lp):
-        return rl_objective(lp, behaviour, mask, seq_index, adv, w, cfg)
+        return rl_objective(LossInputs(lp, behaviour, mask, seq_index, adv, w), cfg)
 
     (loss, m), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logp))
     assert float(m["ratio_mean"]) == pytest.approx(float(m["weight_sum"]), rel=1e-6)  # every ratio is exactly 1
@@ -420,10 +431,9 @@ def test_recomputed_behaviour_is_on_policy_and_keeps_the_gap_metric(name):
 def test_behaviour_importance_weights_are_truncated_sequence_ratios():
     logp, behaviour, mask, seq_index, adv, w = _objective_case()
     cap = 1.05
-    plain = rl_objective(logp, behaviour, mask, seq_index, adv, w, LossConfig(recompute_behaviour=True))[0]
-    weighted, m = rl_objective(
-        logp, behaviour, mask, seq_index, adv, w, LossConfig(recompute_behaviour=True, behaviour_is_cap=cap)
-    )
+    x = LossInputs(logp, behaviour, mask, seq_index, adv, w)
+    plain = rl_objective(x, LossConfig(recompute_behaviour=True))[0]
+    weighted, m = rl_objective(x, LossConfig(recompute_behaviour=True, behaviour_is_cap=cap))
     seq_log_w, _ = sequence_mean(logp - behaviour, mask, seq_index, 4)
     iw = np.minimum(np.exp(np.asarray(seq_log_w, np.float64)), cap)
     assert np.any(iw == cap) and np.any(iw < cap)  # the case exercises the cap and the plain ratio
@@ -435,37 +445,35 @@ def test_behaviour_importance_weights_are_truncated_sequence_ratios():
 def test_kl_term_is_added_with_its_coefficient_and_needs_reference_logprobs():
     logp, behaviour, mask, seq_index, adv, w = _objective_case()
     ref = logp + 0.3
-    base, _ = rl_objective(logp, behaviour, mask, seq_index, adv, w, LossConfig())
-    with_kl, m = rl_objective(logp, behaviour, mask, seq_index, adv, w, LossConfig(kl_coef=0.1), ref_logprobs=ref)
-    kl = float(kl_k3(logp, ref, mask, seq_index, w))
+    x = LossInputs(logp, behaviour, mask, seq_index, adv, w)
+    base, _ = rl_objective(x, LossConfig())
+    with_kl, m = rl_objective(LossInputs(logp, behaviour, mask, seq_index, adv, w, ref), LossConfig(kl_coef=0.1))
+    kl = float(_kl(logp, ref, mask, seq_index, w))
     assert kl > 0 and float(m["kl"]) == pytest.approx(kl)
     assert float(with_kl) == pytest.approx(float(base) + 0.1 * kl, rel=1e-6)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        rl_objective(logp, behaviour, mask, seq_index, adv, w, LossConfig(kl_coef=0.1))
+        rl_objective(x, LossConfig(kl_coef=0.1))
 
 
-from gyre_jax.rl.losses import sequence_log_ratio_sums  # noqa: E402
-
-
-def _split_loss(name, with_stats):
-    """Jitted value_and_grad of one objective over (logp, old, ref, mask, adv, seq_index, seq_adv, w, seq_lr, seq_n)."""
-
-    def f(lp, o, r, m, a, si, seq_adv, w, seq_lr, seq_n):
-        ratio_kw = dict(seq_log_ratio=seq_lr, seq_count=seq_n) if with_stats else {}
-        count_kw = dict(seq_count=seq_n) if with_stats else {}
-        if name == "gspo":
-            return gspo_loss(lp, o, m, si, seq_adv, w, 0.2, 0.28, **ratio_kw)[0]
-        if name == "gspo_token":
-            return gspo_token_loss(lp, o, m, si, a, w, 0.2, 0.28, **ratio_kw)[0]
-        if name == "grpo":
-            return grpo_loss(lp, o, m, si, a, w, 0.2, 0.28, **count_kw)[0]
-        return kl_k3(lp, r, m, si, w, **count_kw)
-
-    return jax.jit(jax.value_and_grad(f))
-
+from gyre_jax.rl.losses import SequenceTotals, sequence_totals  # noqa: E402
 
 SPLIT_NAMES = ("gspo", "gspo_token", "grpo", "kl")
-_SPLIT = {(n, stats): _split_loss(n, stats) for n in SPLIT_NAMES for stats in (False, True)}
+
+
+@jax.jit
+def _split_value_and_grads(lp, o, r, m, a, si, seq_adv, w, whole):
+    """{objective: (value, d value / d logp)} of the four objectives over (logp, old, ref, mask, adv, seq_index);
+    ``whole``: the whole sequences' SequenceTotals, or None (each sequence taken as whole here)."""
+
+    def f(name, lp):
+        if name == "kl":
+            return kl_k3(LossInputs(lp, o, m, si, seq_adv, w, ref_logprobs=r, whole=whole))
+        if name == "gspo":
+            return gspo_loss(LossInputs(lp, o, m, si, seq_adv, w, whole=whole), GSPO_P)[0]
+        fn, params = (gspo_token_loss, GSPO_P) if name == "gspo_token" else (grpo_loss, GRPO_P)
+        return fn(LossInputs(lp, o, m, si, a, w, whole=whole), params)[0]
+
+    return {name: jax.value_and_grad(lambda lp, name=name: f(name, lp))(lp) for name in SPLIT_NAMES}
 
 
 @settings(max_examples=12, deadline=None)
@@ -492,26 +500,31 @@ def test_a_sequence_split_over_micro_batches_adds_up_exactly_with_whole_sequence
     ] + [seq_index]
     part_b = [np.concatenate([np.pad(x[:1, cut:], ((0, 0), (0, cut))), x[1:]]) for x in (logp, old, ref, mask, adv)]
     part_b += [seq_index]
-    sums, counts = np.zeros(3), np.zeros(3)
-    for lp, o, _, m, _, si in (part_a, part_b):  # the pre-pass: whole-sequence statistics
-        s_, c_ = sequence_log_ratio_sums(lp, o, m, si, 3)
-        sums, counts = sums + np.asarray(s_), counts + np.asarray(c_)
-    seq_lr, seq_n = (sums / counts).astype(np.float32), counts.astype(np.float32)
-    dummy = np.zeros(3, np.float32)
+    # the pre-pass: whole-sequence statistics, added over the parts
+    part_sums = [sequence_totals(LossInputs(lp, o, m, si, seq_adv, w)) for lp, o, _, m, _, si in (part_a, part_b)]
+    totals = part_sums[0] + part_sums[1]
+    assert (
+        isinstance(totals, SequenceTotals)
+        and np.asarray(totals.count).tolist() == _seq_counts(mask, seq_index, 3).tolist()
+    )
+    unsplit = _split_value_and_grads(logp, old, ref, mask, adv, seq_index, seq_adv, w, None)
+    split_a = _split_value_and_grads(*part_a, seq_adv, w, totals)
+    split_b = _split_value_and_grads(*part_b, seq_adv, w, totals)
+    alone_a = _split_value_and_grads(*part_a, seq_adv, w, None)
+    alone_b = _split_value_and_grads(*part_b, seq_adv, w, None)
     for name in SPLIT_NAMES:
         if name == "gspo" and per_token:
             continue
-        whole, g_whole = _SPLIT[name, False](logp, old, ref, mask, adv, seq_index, seq_adv, w, dummy, dummy)
-        va, ga = _SPLIT[name, True](*part_a, seq_adv, w, seq_lr, seq_n)
-        vb, gb = _SPLIT[name, True](*part_b, seq_adv, w, seq_lr, seq_n)
+        whole, g_whole = unsplit[name]
+        (va, ga), (vb, gb) = split_a[name], split_b[name]
         assert float(va) + float(vb) == pytest.approx(float(whole), rel=1e-5, abs=1e-7), name
         ga, gb = np.asarray(ga), np.asarray(gb)
         glued = np.stack([np.concatenate([ga[0, :cut], gb[0, : t - cut]]), gb[1]])
         np.testing.assert_allclose(glued, np.asarray(g_whole), rtol=1e-4, atol=1e-7, err_msg=name)
         assert np.all(ga[1] == 0.0)
         if name in ("gspo", "gspo_token"):  # without the statistics each part has its own ratio: no longer exact
-            na, _ = _SPLIT[name, False](*part_a, seq_adv, w, dummy, dummy)
-            nb, _ = _SPLIT[name, False](*part_b, seq_adv, w, dummy, dummy)
+            na, nb = alone_a[name][0], alone_b[name][0]
             assert abs(float(na) + float(nb) - float(whole)) > 1e-7 or abs(float(whole)) < 1e-6, name
-    with pytest.raises(ValueError, match="pass both or neither"):
-        gspo_token_loss(logp, old, mask, seq_index, adv, w, 0.2, 0.28, seq_count=seq_n)
+    # The whole-sequence log-ratio and count travel together (they were two keywords, checked "both or neither").
+    with pytest.raises(TypeError):
+        SequenceTotals(totals.log_ratio_sum)

@@ -9,10 +9,15 @@ import jax
 import numpy as np
 import pytest
 
-from gyre_jax.rl.losses import LossConfig, offpolicy_sequence_sums, rl_objective
+from gyre_jax.rl.losses import LOSS_PARAMS, LossConfig, LossInputs, rl_objective, sequence_totals
 
 B, T, S = 2, 12, 5
 TOKEN_CAP, SEQ_CAP, IS_CAP = 1.25, 1.1, 1.04
+
+
+def clip(name):
+    """Loss ``name``'s hyperparameters with the clip range these tests use, [0.8, 1.28]."""
+    return LOSS_PARAMS[name](clip_low=0.2, clip_high=0.28)
 
 
 def _layout():
@@ -65,11 +70,11 @@ def reference(logp, mu, mask, seq_index, adv, w, cfg, ref=None):
     for b, t in zip(*np.nonzero(pmask)):
         s = seq_index[b, t]
         tw, a = w[s] / n[s], adv[s]
-        if cfg.name == "grpo":
+        if cfg.loss == "grpo":
             ratio = 1.0 if cfg.recompute_behaviour else np.exp(log_r[b, t])
         else:
             ratio = np.exp(old_seq_lr[s])
-        clipped = np.clip(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
+        clipped = np.clip(ratio, 1 - cfg.params.clip_low, 1 + cfg.params.clip_high)
         loss += tw * -min(ratio * a, clipped * a)
         was_clipped = ratio * a > clipped * a
         clip_sum += tw * was_clipped
@@ -104,22 +109,22 @@ def _objective(cfg: LossConfig):
     """Jitted value_and_grad of ``rl_objective`` under ``cfg`` (compiled once per config)."""
     if cfg not in _JITS:
 
-        def f(lp, mu, mask, si, adv, w, ref, seq_sums=None):
-            return rl_objective(lp, mu, mask, si, adv, w, cfg, ref if cfg.kl_coef else None, seq_sums=seq_sums)
+        def f(lp, mu, mask, si, adv, w, ref, whole=None):
+            return rl_objective(LossInputs(lp, mu, mask, si, adv, w, ref if cfg.kl_coef else None, whole), cfg)
 
         _JITS[cfg] = jax.jit(jax.value_and_grad(f, has_aux=True))
     return _JITS[cfg]
 
 
-def _run(cfg, logp, mu, mask, seq_index, adv, w, ref, seq_sums=None):
-    (loss, metrics), grad = _objective(cfg)(logp, mu, mask, seq_index, adv, w, ref, seq_sums)
+def _run(cfg, logp, mu, mask, seq_index, adv, w, ref, whole=None):
+    (loss, metrics), grad = _objective(cfg)(logp, mu, mask, seq_index, adv, w, ref, whole)
     return float(loss), np.asarray(grad), {k: float(v) for k, v in metrics.items()}
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", LOSS_NAMES)
 def test_value_gradient_and_counts_match_reference(name, mode):
-    cfg = LossConfig(name, clip_low=0.2, clip_high=0.28, **MODES[mode])
+    cfg = LossConfig(name, clip(name), **MODES[mode])
     for seed in (0, 1, 2):
         logp, mu, mask, seq_index, adv, w, ref = _case(seed)
         want, want_grad, want_m = reference(logp, mu, mask, seq_index, adv, w, cfg, ref)
@@ -163,7 +168,7 @@ def test_non_finite_behaviour_on_a_masked_token_does_not_poison_the_loss(name, b
     dirty = mu.copy()
     dirty[0, 1] = bad  # a trainable token of sequence 0
     for mode in ("token", "both", "both+is_cap", "token+kl"):
-        cfg = LossConfig(name, clip_low=0.2, clip_high=0.28, **MODES[mode])
+        cfg = LossConfig(name, clip(name), **MODES[mode])
         loss, grad, m = _run(cfg, logp, dirty, mask, seq_index, adv, w, ref)
         assert np.isfinite(loss) and np.all(np.isfinite(grad)) and grad[0, 1] == 0.0, mode
         assert all(np.isfinite(v) for v in m.values()), (mode, m)
@@ -171,12 +176,12 @@ def test_non_finite_behaviour_on_a_masked_token_does_not_poison_the_loss(name, b
         np.testing.assert_allclose(loss, want, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-7)
     # The sequence mask alone drops the whole sequence (its mean is not finite); the loss stays finite.
-    cfg = LossConfig(name, clip_low=0.2, clip_high=0.28, is_sequence_mask=SEQ_CAP)
+    cfg = LossConfig(name, clip(name), is_sequence_mask=SEQ_CAP)
     loss, grad, m = _run(cfg, logp, dirty, mask, seq_index, adv, w, ref)
     assert np.isfinite(loss) and np.all(grad[seq_index == 0] == 0.0) and m["masked_sequences"] == 3.0
     # Without any mask a NaN behaviour log-prob on a trained token still poisons the step.
     if np.isnan(bad):
-        loss, _, _ = _run(LossConfig(name, clip_low=0.2, clip_high=0.28), logp, dirty, mask, seq_index, adv, w, ref)
+        loss, _, _ = _run(LossConfig(name, clip(name)), logp, dirty, mask, seq_index, adv, w, ref)
         assert not np.isfinite(loss)
 
 
@@ -184,8 +189,8 @@ def test_non_finite_behaviour_on_a_masked_token_does_not_poison_the_loss(name, b
 def test_masked_gradients_are_zero_and_other_sequences_unchanged(name):
     logp, mu, mask, seq_index, adv, w, ref = _case(1)
     for mode, off_kw in (("token+kl", dict(kl_coef=0.1)), ("both", {})):
-        cfg = LossConfig(name, clip_low=0.2, clip_high=0.28, **MODES[mode])
-        off = LossConfig(name, clip_low=0.2, clip_high=0.28, **off_kw)
+        cfg = LossConfig(name, clip(name), **MODES[mode])
+        off = LossConfig(name, clip(name), **off_kw)
         _, grad, _ = _run(cfg, logp, mu, mask, seq_index, adv, w, ref)
         _, grad_off, _ = _run(off, logp, mu, mask, seq_index, adv, w, ref)
         log_r = np.where(mask > 0, logp.astype(np.float64) - mu, 0.0)
@@ -209,7 +214,7 @@ def _split(x, cut):
 def test_split_sequence_is_masked_and_weighted_as_a_whole(name):
     """One row, sequences 0 (tokens 0..7) and 1 (8..11), cut at token 4 inside sequence 0: its first half
     alone is outside the sequence cap (mean log r 0.1125), the whole is inside (0.06875). With the summed
-    ``offpolicy_sequence_sums`` the two parts add up to the whole; deciding per part differs."""
+    ``sequence_totals`` the two parts add up to the whole; deciding per part differs."""
     seq_index = np.array([[0] * 8 + [1] * 4], np.int32)
     mask = np.ones((1, 12), np.float32)
     rng = np.random.default_rng(3)
@@ -219,15 +224,15 @@ def test_split_sequence_is_masked_and_weighted_as_a_whole(name):
     adv, w = np.array([0.8, -0.6], np.float32), np.array([0.5, 0.5], np.float32)
     ref = (logp + 0.2).astype(np.float32)
     for mode in ("both", "both+is_cap", "token+kl"):
-        cfg = LossConfig(name, clip_low=0.2, clip_high=0.28, **dict(MODES[mode], is_sequence_mask=SEQ_CAP))
+        cfg = LossConfig(name, clip(name), **dict(MODES[mode], is_sequence_mask=SEQ_CAP))
         whole_loss, whole_grad, whole_m = _run(cfg, logp, mu, mask, seq_index, adv, w, ref)
         assert whole_m["masked_sequences"] == 0.0 and whole_m["masked_tokens"] == 1.0
         parts = list(zip(*(_split(x, 4) for x in (logp, mu, mask, seq_index, ref))))
-        sums = [offpolicy_sequence_sums(lp, m_, mk, si, 2, cfg) for lp, m_, mk, si, _ in parts]
-        total = jax.tree.map(lambda a, b: a + b, *sums)
+        sums = [sequence_totals(LossInputs(lp, m_, mk, si, adv, w), cfg) for lp, m_, mk, si, _ in parts]
+        total = sums[0] + sums[1]
         losses, grads, counts = [], [], {"masked_tokens": 0.0, "masked_sequences": 0.0}
         for lp, m_, mk, si, r in parts:
-            loss, grad, m = _run(cfg, lp, m_, mk, si, adv, w, r, seq_sums=total)
+            loss, grad, m = _run(cfg, lp, m_, mk, si, adv, w, r, whole=total)
             losses.append(loss)
             grads.append(grad)
             counts = {k: counts[k] + m[k] for k in counts}

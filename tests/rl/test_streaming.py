@@ -21,6 +21,7 @@ from gyre_jax.config import load_config
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import init_params, make_mesh
 from gyre_jax.rl.learner import Learner, OptimizerConfig, learning_rate_schedule, token_logprobs
+from gyre_jax.rl.losses import GRPOParams, GSPOParams, LossConfig
 from gyre_jax.rl.microstep_queue import MicroStepQueue
 from gyre_jax.runtime.cells import make_cells
 from gyre_jax.trajectory.batch import make_micro_batches, replace
@@ -38,6 +39,7 @@ CFG = ModelConfig(
 )
 NUM, ROWS, LEN = 8, 2, 32  # 8 branches -> 4 micro-batches of [2, 32]
 OPT = OptimizerConfig(learning_rate=3e-3)
+WIDE = GSPOParams(clip_low=0.2, clip_high=0.28)  # GSPO with a wide clip range: most sequences carry gradient
 GROUPS = [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
@@ -123,7 +125,7 @@ def data(base):
 @pytest.fixture(scope="module")
 def learner(base):
     mesh, rules, graphdef, _, _ = base
-    return Learner(CFG, graphdef, mesh, rules, OPT, clip_low=0.2, clip_high=0.28)
+    return Learner(CFG, graphdef, mesh, rules, OPT, LossConfig(params=WIDE))
 
 
 def fresh(learner, params):
@@ -192,7 +194,7 @@ def cells(base):
     """Core learner on cell 0 (devices 0-3), a satellite on cell 1 (devices 4-7)."""
     _, rules, graphdef, params, _ = base
     cell0, cell1 = make_cells(jax.devices(), 2, dict(data=4))
-    core = Learner(CFG, graphdef, cell0.mesh, rules, OPT, clip_low=0.2, clip_high=0.28)
+    core = Learner(CFG, graphdef, cell0.mesh, rules, OPT, LossConfig(params=WIDE))
     satellite = core.make_satellite(cell1.mesh, "cell1")
     assert not set(cell0.mesh.devices.flat) & set(cell1.mesh.devices.flat)
     return core, satellite
@@ -327,12 +329,12 @@ def test_grad_scale_applies_the_step_normalization_at_the_end(base, data, learne
 @pytest.fixture(scope="module")
 def variants(base):
     mesh, rules, graphdef, _, _ = base
-    make = lambda **kw: Learner(CFG, graphdef, mesh, rules, OPT, **kw)  # noqa: E731
+    make = lambda **kw: Learner(CFG, graphdef, mesh, rules, OPT, LossConfig(**kw))  # noqa: E731
     return {
-        "gspo_token": make(clip_low=0.2, clip_high=0.28, loss="gspo_token"),
+        "gspo_token": make(loss="gspo_token", params=WIDE),
         "grpo": make(loss="grpo"),
-        "kl": make(clip_low=0.2, clip_high=0.28, kl_coef=0.5),
-        "recompute": make(clip_low=0.2, clip_high=0.28, recompute_behaviour=True),
+        "kl": make(params=WIDE, kl_coef=0.5),
+        "recompute": make(params=WIDE, recompute_behaviour=True),
     }
 
 
@@ -438,13 +440,33 @@ def test_learner_from_the_run_config(base):
         ]
     )
     learner = Learner(CFG, graphdef, mesh, rules, c.optimizer, loss_cfg=c.loss_config())
-    assert learner.loss_cfg.name == "grpo" and (learner.clip_low, learner.clip_high) == (0.2, 0.28)
+    assert learner.loss_cfg.loss == "grpo" and learner.loss_cfg.params == GRPOParams(0.2, 0.28)
+    assert learner.worker.loss_cfg is learner.loss_cfg  # the objective its micro-steps compute
     assert learner.loss_cfg.kl_coef == 0.01 and not learner.loss_cfg.recompute_behaviour
     d = load([])
     default = Learner(CFG, graphdef, mesh, rules, d.optimizer, loss_cfg=d.loss_config())
     assert default.loss_cfg == Learner(CFG, graphdef, mesh, rules, OPT).loss_cfg  # gspo, 3e-4 / 4e-4, no KL
-    with pytest.raises(ValueError, match="not both"):
-        Learner(CFG, graphdef, mesh, rules, OPT, loss="grpo", loss_cfg=d.loss_config())
+    assert default.loss_cfg.params == GSPOParams(3e-4, 4e-4)
+
+
+def test_rl_loss_grpo_alone_trains_with_grpos_documented_clip_range(base, data):
+    """``--config.rl.loss=grpo`` and no clip keys: the learner built as the run builds it (train.py:
+    ``Learner(..., loss_cfg=config.loss_config())``) clips at GRPO's 0.2 / 0.28 (docs/learner.md's loss table),
+    not at GSPO's 3e-4 / 4e-4 (on main before the loss registry it did the latter). Every trainable token's ratio
+    is exp(0.1) here: inside GRPO's range, outside GSPO's."""
+    mesh, rules, graphdef, params, logprob_fn = base
+    branches, adv, w = data
+    mb = batches(branches, adv, w, GROUPS)[1]  # A = 0.8 and -1.2
+    shifted = replace(mb, old_logprobs=((np.asarray(logprob_fn(params, mb)) - 0.1) * mb.loss_mask).astype(np.float32))
+    c = load_config(["--config.rl.loss=grpo"])
+    _, aux = Learner(CFG, graphdef, mesh, rules, c.optimizer, loss_cfg=c.loss_config()).micro_step(params, shifted)
+    assert float(aux["clip_fraction"]) == 0.0
+    assert float(aux["ratio_mean"]) == pytest.approx(np.exp(0.1) * float(aux["weight_sum"]), rel=1e-4)
+    # The same micro-batch under GSPO's range is clipped: the case tells the two ranges apart.
+    narrow = load_config(["--config.rl.loss=grpo", "--config.rl.clip_low=3e-4", "--config.rl.clip_high=4e-4"])
+    learner = Learner(CFG, graphdef, mesh, rules, narrow.optimizer, loss_cfg=narrow.loss_config())
+    _, aux_narrow = learner.micro_step(params, shifted)
+    assert float(aux_narrow["clip_fraction"]) > 0.0
 
 
 def test_the_warm_start_schedule_decays_over_the_steps_after_its_warmup():

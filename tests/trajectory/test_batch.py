@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre_jax.rl.learner import count_tokens
-from gyre_jax.rl.losses import gspo_loss
+from gyre_jax.rl.losses import GSPOParams, LossInputs, gspo_loss
 from gyre_jax.trajectory.batch import make_micro_batches, row_length, supervised_micro_batch
 from gyre_jax.trajectory.branches import Branch
 
 # one compiled program per micro-batch shape instead of op-by-op dispatch of each of the loss's primitives (the
 # drawn shapes vary, so eager dispatch compiled every primitive once per shape: most of this file's time)
-_gspo_loss = jax.jit(gspo_loss, static_argnums=(6, 7))
+_gspo_loss = jax.jit(gspo_loss, static_argnums=1)
 
 
 @st.composite
@@ -87,12 +87,7 @@ def test_micro_batches_shift_targets_and_mask_exactly_the_trainable_targets(case
     assert count_tokens(mbs) == (sum(len(b.tokens) - 1 for b in branches), trained)
     # On-policy (logprobs == old_logprobs) every ratio is 1: the loss is -sum(w * A) over trainable sequences.
     loss = sum(
-        float(
-            _gspo_loss(
-                mb.old_logprobs, mb.old_logprobs, mb.loss_mask, mb.seq_index, mb.advantages, mb.seq_weights, 0.2, 0.2
-            )[0]
-        )
-        for mb in mbs
+        float(_gspo_loss(LossInputs.of(mb, mb.old_logprobs), GSPOParams(clip_low=0.2, clip_high=0.2))[0]) for mb in mbs
     )
     expected = -sum(w * a for b, a, w in zip(branches, advantages, weights) if sum(b.trainable[1:]) > 0)
     assert loss == pytest.approx(expected, rel=1e-5, abs=1e-6)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.modules import Transformer
 from gyre_jax.rl.learner import token_logprobs
-from gyre_jax.rl.losses import gspo_loss
+from gyre_jax.rl.losses import GSPOParams, LossInputs, gspo_loss
 from gyre_jax.trajectory.batch import empty_micro_batch
 from gyre_jax.trajectory.branches import Branch, build_branches
 from gyre_jax.trajectory.packing import MicroBatchPacker
@@ -31,7 +31,9 @@ CFG = ModelConfig(
     vocab_size=8, num_layers=2, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, rope_theta=10000.0
 )
 ROWS, T, S = 2, 48, 8
-CLIP_LOW, CLIP_HIGH = 0.999, 1e6  # wide: no sequence is clipped, so every one carries gradient and the comparison bites
+CLIP = GSPOParams(
+    clip_low=0.999, clip_high=1e6
+)  # wide: no sequence is clipped, so every one carries gradient and the comparison bites
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +45,7 @@ def model():
     def objective(params, mb):
         def loss_fn(p):
             logp = token_logprobs(graphdef, p, mb)  # [B, T]
-            loss, _ = gspo_loss(
-                logp, mb.old_logprobs, mb.loss_mask, mb.seq_index, mb.advantages, mb.seq_weights, CLIP_LOW, CLIP_HIGH
-            )
+            loss, _ = gspo_loss(LossInputs.of(mb, logp), CLIP)
             return loss, logp
 
         (loss, logp), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
