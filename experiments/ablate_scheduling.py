@@ -132,9 +132,14 @@ def plan_runs(presets, steps: int, quick: bool) -> list[Run]:
             ]
         if p in ("deepswe", "flagship"):
             runs += [
-                Run(f"{p}/elastic-leave-backlog", p, dict(base), {"max_staleness": 1, "leave_on": "backlog"}),
-                Run(f"{p}/elastic-yield-ahead", p, dict(base), {"max_staleness": 1, "yield_ahead": True}),
-                Run(f"{p}/elastic-return-after-30s", p, dict(base), {"max_staleness": 1, "idle_before_return_s": 30.0}),
+                Run(f"{p}/elastic-leave-backlog", p, dict(base), {"dispatch_staleness": 1, "leave_on": "backlog"}),
+                Run(f"{p}/elastic-yield-ahead", p, dict(base), {"dispatch_staleness": 1, "yield_ahead": True}),
+                Run(
+                    f"{p}/elastic-return-after-30s",
+                    p,
+                    dict(base),
+                    {"dispatch_staleness": 1, "idle_before_return_s": 30.0},
+                ),
             ]
         if p == "flagship":
             for hours in (1.5, 3.0, 4.0):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import jax
 
-from gyre_jax.elastic.policies import Role
+from gyre_jax.elastic.state import Role
 from gyre_jax.elastic.training import CellTraining, TrainingCell
 from gyre_jax.faultpoints import kill_point
 
