@@ -4,7 +4,10 @@ One controller drives all three scheduling policies (``policies.py``: colocated,
 policy object decides, the controller carries out. It is the driver thread that owns every fact (cell
 roles, the step being trained) and composes four parts:
 
-- ``driver.Driver``: events in, the policy's decision out, each logged to ``decisions.jsonl``;
+- ``driver.Driver``: typed events (``events.py``) in from the workers' threads, the policy's decision out
+  (``Driver.replan``, as in the simulator), each logged to ``decisions.jsonl``; the policy's state is built
+  by ``state.cluster_state`` from the controller's ``state.Cells``, the ledger's books and the training
+  queue's counts, the simulator's builder;
 - ``ledger.RolloutLedger``: executions dispatched, started and finished (the waterlevel), each task group
   scored by the ``rl/`` functions on its records as it completes and streamed through the trajectory
   pipeline into the step's micro-step queue;
