@@ -62,7 +62,9 @@ class Divergence:
     fields: dict[str, tuple[Any, Any]]
 
     def __str__(self) -> str:
-        diffs = ", ".join(f"{k}: recorded {a!r}, simulator {b!r}" for k, a, b in ((k, *v) for k, v in self.fields.items()))
+        diffs = ", ".join(
+            f"{k}: recorded {a!r}, simulator {b!r}" for k, a, b in ((k, *v) for k, v in self.fields.items())
+        )
         return f"decision {self.line} ({self.event.kind} at {self.event.time:.3f}): {diffs}"
 
 
