@@ -177,7 +177,10 @@ class Cells:
 
     def serving_slots(self) -> int:
         """Slots of the cells in the SERVING role (a switching cell has none)."""
-        return sum([cap for r, cap in zip(self.role, self.capacity) if r is Role.SERVING])
+        cap = self.capacity
+        if cap.count(cap[0]) == self.k:  # equal cells (the usual case): count instead of summing
+            return self.role.count(Role.SERVING) * cap[0]
+        return sum([c for r, c in zip(self.role, cap) if r is Role.SERVING])
 
 
 class TrainingFacts(NamedTuple):
@@ -211,16 +214,18 @@ class RolloutBooks(Protocol):
 def cluster_state(
     time: float, version: int, cells: Cells, books: RolloutBooks, training: TrainingFacts
 ) -> ClusterState:
-    """The policy's state at ``time`` with the policy at ``version``: the one builder both drivers call."""
+    """The policy's state at ``time`` with the policy at ``version``: the one builder both drivers call. The
+    per-cell lists and the waterlevel are the driver's own (no copies: the simulator calls this after every
+    event), valid while the policy decides; ``Driver.decide`` serializes the state before anything changes."""
     wl = books.wl
     dispatched, finished = books.step_counts(version)
     return ClusterState(
         time=time,
-        roles=list(cells.role),
-        capacity=list(cells.capacity),
-        waterlevel=Waterlevel(wl.dispatched, wl.started, wl.finished),
-        targets=list(cells.target),
-        busy=list(cells.busy),
+        roles=cells.role,
+        capacity=cells.capacity,
+        waterlevel=wl,
+        targets=cells.target,
+        busy=cells.busy,
         version=version,
         batch_size=books.batch_size,
         step_dispatched=dispatched,

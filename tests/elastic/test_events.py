@@ -79,7 +79,7 @@ def test_the_builder_derives_held_from_the_sessions_beyond_the_serving_slots():
     cells = Cells([SERVING, SERVING, SERVING], [4, 4, 4])
     wl = Waterlevel(dispatched=14, started=12, finished=2)  # 10 sessions on 12 slots
     state = cluster_state(7.0, 1, cells, _Books(wl), TrainingFacts(2, 1, 0))
-    assert state.held == 0 and state.waterlevel == wl and state.waterlevel is not wl
+    assert state.held == 0 and state.waterlevel == wl
     assert (state.step_dispatched, state.step_finished, state.step_processed, state.ready) == (8, 3, 2, 1)
     assert (state.undispatched, state.due_outstanding, state.version, state.batch_size) == (10, 5, 1, 8)
     cells.begin_switch(0, TRAINING)  # the core leaves: its 4 slots go, 10 sessions on 8 slots
@@ -89,8 +89,6 @@ def test_the_builder_derives_held_from_the_sessions_beyond_the_serving_slots():
     cells.role[1] = cells.role[2] = TRAINING  # none serves: every session waits
     assert cluster_state(9.0, 1, cells, _Books(wl), TrainingFacts()).held == 10
     assert state_from_dict(json.loads(json.dumps(state_dict(state)))) == state
-    state.roles.append(SERVING)  # a snapshot: the cells' lists are not the state's
-    assert len(cells.role) == 3
 
 
 def test_a_busy_cell_owes_its_switch_until_it_is_free():
