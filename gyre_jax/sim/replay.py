@@ -34,16 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gyre_jax.elastic.events import (
-    Event,
-    Finished,
-    MicroStepDone,
-    StepBegan,
-    StepTrained,
-    Switched,
-    WeightsPulled,
-    event_from_dict,
-)
+from gyre_jax.elastic import events as ev
 from gyre_jax.elastic.policies import SchedulingPolicy
 from gyre_jax.elastic.state import ClusterState, Role, TrainingFacts, cluster_state, state_dict, state_from_dict
 from gyre_jax.sim.cells import CellRoles
@@ -58,7 +49,7 @@ class Divergence:
     ``dispatch`` are the decision's."""
 
     line: int
-    event: Event
+    event: ev.Event
     fields: dict[str, tuple[Any, Any]]
 
     def __str__(self) -> str:
@@ -83,7 +74,7 @@ class BooksReplay:
     def check(self, line: dict[str, Any]) -> Divergence | None:
         """Books one recorded decision's event, builds the state, decides, carries the decision out; returns
         what differs from the record (None: nothing)."""
-        event, recorded = event_from_dict(line["event"]), state_from_dict(line["state"])
+        event, recorded = ev.event_from_dict(line["event"]), state_from_dict(line["state"])
         index, self.lines = self.lines, self.lines + 1
         self._book(event)
         self._start_waiting()
@@ -104,23 +95,23 @@ class BooksReplay:
         self._start_waiting()
         return Divergence(index, event, fields) if fields else None
 
-    def _book(self, event: Event) -> None:
+    def _book(self, event: ev.Event) -> None:
         cells, ledger = self.cells, self.ledger
-        if isinstance(event, StepBegan):
+        if isinstance(event, ev.StepBegan):
             if event.step != 0 or ledger.wl.dispatched:
                 raise ValueError(f"the replay covers one segment from step 0; a segment begins at step {event.step}")
             cells.reset([Role.SERVING] * cells.k)
             for c, want in cells.switches_to_begin(self.policy.initial_roles()):
                 cells.begin_switch(c, want)
-        elif isinstance(event, Finished):
+        elif isinstance(event, ev.Finished):
             if not self.running[event.step]:
                 raise ValueError(f"an execution of step {event.step} finished but none of that step holds a slot")
             ledger.finished(self.running[event.step].pop())
-        elif isinstance(event, Switched):
+        elif isinstance(event, ev.Switched):
             cells.end_switch(event.cell)
-        elif isinstance(event, (MicroStepDone, WeightsPulled)):
+        elif isinstance(event, (ev.MicroStepDone, ev.WeightsPulled)):
             self._owed_switch(event.cell)
-        elif isinstance(event, StepTrained):
+        elif isinstance(event, ev.StepTrained):
             ledger.trained(event.step, event.time)
             self._owed_switch(0)
 
