@@ -456,7 +456,7 @@ def plot_gantts(presets, out_dir: Path, steps: int) -> list[Path]:
         fig, axes = plt.subplots(len(policies), 1, figsize=(12, 3.2 * len(policies)))
         for ax, (name, ov) in zip(axes, policies):
             cfg = load_sim_config(p, {"steps": steps, **ov})
-            tl = TimelineWriter(None, [f"cell{c}" for c in range(cfg.num_cells)], source="sim")
+            tl = TimelineWriter(None, cfg.cell_names, source="sim")
             result = Simulator(cfg, timeline=tl).run()
             tl.close(result.makespan_s)
             draw_gantt(

@@ -57,7 +57,7 @@ from gyre_jax.sim.ledger import SimLedger
 from gyre_jax.sim.partial import VersionBooks
 from gyre_jax.sim.serving_model import ServingModel, execution_stats
 from gyre_jax.sim.training_model import TrainingModel
-from gyre_jax.sim.workload import SegmentPlan, StepPlans, WorkloadSpec
+from gyre_jax.sim.workload import SegmentPlan, StepPlans, WorkloadSpec, check_plans
 
 SERVING, TRAINING, SWITCHING = Role.SERVING, Role.TRAINING, Role.SWITCHING
 PLACEMENTS = ("last", "balanced")
@@ -181,6 +181,11 @@ class SimConfig:
     @property
     def batch_size(self) -> int:
         return self.tasks_per_step * self.group_size
+
+    @property
+    def cell_names(self) -> list[str]:
+        """The cells' names in a timeline: ``cell0``, ``cell1``, ..."""
+        return [f"cell{c}" for c in range(self.num_cells)]
 
     @property
     def pool_steps(self) -> int:
@@ -310,20 +315,17 @@ class _WaterlevelSamples:
 class Simulator:
     """One simulated run. ``Simulator(config).run() -> SimResult``.
 
-    ``timeline``: a ``TimelineWriter`` over the cells (``cell_names()``) to record role changes,
+    ``timeline``: a ``TimelineWriter`` over the cells (``SimConfig.cell_names``) to record role changes,
     micro-steps, optimizer steps, the waterlevel (at most every ``counter_interval_s``) and, with
     ``trace_executions``, every execution. ``progress(version, time)`` is called after each optimizer step.
     ``plans`` replaces the sampled executions with given ones (one ``SegmentPlan`` per step; calibration
-    replays a real run's executions this way). ``decisions_path``: log every decision to this
-    ``decisions.jsonl`` (the real run's format: ``elastic.driver``).
+    replays a real run's executions this way). ``decisions_path``: a ``decisions.jsonl`` of every decision.
 
-    The simulator is the policy's driver: it keeps the rollout's books (``ledger.py``), builds the policy's
-    ``ClusterState`` from them with the real controller's builder (``elastic.state.cluster_state``), decides
-    after every event through the controller's ``Driver.replan`` with the same typed events
-    (``elastic.events``) and carries the decisions out, and handles each of its own timed events
-    (``_on_*``) by moving its parts: the event queue (``events.py``), the cells' roles (``cells.py``), the
-    sessions on serving cells (``serving_model.py``), the micro-step queue and training cells
-    (``training_model.py``) and the executions' plans (``workload.StepPlans``).
+    The simulator is the policy's driver, as the real controller is: the same typed events
+    (``elastic.events``), the same state builder (``elastic.state.cluster_state``) on its books (``ledger.py``,
+    ``cells.py``) and the same ``Driver.replan``; each of its own timed events (``_on_*``) moves its parts:
+    the event queue (``events.py``), the sessions on serving cells (``serving_model.py``), the micro-step
+    queue and training cells (``training_model.py``) and the executions' plans (``workload.StepPlans``).
     """
 
     def __init__(
@@ -338,11 +340,7 @@ class Simulator:
         decisions_path: str | None = None,
     ):
         self.cfg = config
-        if plans is not None and (len(plans) != config.steps or any(p.size != config.batch_size for p in plans)):
-            raise SimConfigError(
-                f"plans: expected {config.steps} steps of {config.batch_size} executions, got {[p.size for p in plans]}"
-            )
-        self.given_plans = plans
+        self.given_plans = check_plans(config, plans)
         self.policy: SchedulingPolicy = make_policy(config.policy, config.num_cells, **dict(config.policy_options))
         self.timeline = timeline
         if timeline is not None and len(timeline.cell_names) != config.num_cells:
@@ -351,9 +349,6 @@ class Simulator:
         self.counter_interval_s = counter_interval_s
         self.progress = progress
         self.decisions_path = decisions_path
-
-    def cell_names(self) -> list[str]:
-        return [f"cell{c}" for c in range(self.cfg.num_cells)]
 
     @property
     def now(self) -> float:
@@ -397,43 +392,40 @@ class Simulator:
         t_wall = _time.perf_counter()
         self._setup()
         try:
-            return self._run(t_wall)
-        finally:
-            self.driver.close()
-
-    def _run(self, t_wall: float) -> SimResult:
-        self._replan(StepBegan(0, 0.0, executions=self.n))
-        clock, pop = self.clock, heapq.heappop
-        heap, tok = clock.heap, self.serving.tok
-        handlers = {
-            EVAL: self._on_eval,
-            BATCH: self._on_batch_ready,
-            MICRO: self._on_micro_done,
-            OPT: self._on_optimizer_done,
-            SWITCH: self._on_switch_done,
-            PULL: self._on_pull_done,
-            BOUNDARY: self._on_boundary_done,
-        }
-        segment_end = self.serving.segment_end  # most events are segment ends: the hot path
-        while heap and not self.done:
-            t, _, kind, x, y = pop(heap)
-            if kind == SEG:
-                if y != tok[x]:
-                    continue  # cancelled: the session moved or paused
+            self._replan(StepBegan(0, 0.0, executions=self.n))
+            clock, pop = self.clock, heapq.heappop
+            heap, tok = clock.heap, self.serving.tok
+            handlers = {
+                EVAL: self._on_eval,
+                BATCH: self._on_batch_ready,
+                MICRO: self._on_micro_done,
+                OPT: self._on_optimizer_done,
+                SWITCH: self._on_switch_done,
+                PULL: self._on_pull_done,
+                BOUNDARY: self._on_boundary_done,
+            }
+            segment_end = self.serving.segment_end  # most events are segment ends: the hot path
+            while heap and not self.done:
+                t, _, kind, x, y = pop(heap)
+                if kind == SEG:
+                    if y != tok[x]:
+                        continue  # cancelled: the session moved or paused
+                    clock.now = t
+                    self.events += 1
+                    ended = segment_end(x)
+                    if ended is not None:
+                        self._on_harness_end(x, *ended)
+                    continue
                 clock.now = t
                 self.events += 1
-                ended = segment_end(x)
-                if ended is not None:
-                    self._on_harness_end(x, *ended)
-                continue
-            clock.now = t
-            self.events += 1
-            handlers[kind](x, y)
-        if not self.done:
-            raise RuntimeError(
-                f"simulation stalled at t={clock.now:.0f}s after {self.ledger.version}/{self.cfg.steps} steps: "
-                f"policy {self.cfg.policy} left no cell able to make progress (roles {self.cells.text()})"
-            )
+                handlers[kind](x, y)
+            if not self.done:
+                raise RuntimeError(
+                    f"simulation stalled at t={clock.now:.0f}s after {self.ledger.version}/{self.cfg.steps} steps: "
+                    f"policy {self.cfg.policy} left no cell able to make progress (roles {self.cells.text()})"
+                )
+        finally:
+            self.driver.close()
         return self._result(_time.perf_counter() - t_wall)
 
     # == policy ===================================================================================
