@@ -132,9 +132,14 @@ def plan_runs(presets, steps: int, quick: bool) -> list[Run]:
             ]
         if p in ("deepswe", "flagship"):
             runs += [
-                Run(f"{p}/elastic-leave-backlog", p, dict(base), {"max_staleness": 1, "leave_on": "backlog"}),
-                Run(f"{p}/elastic-yield-ahead", p, dict(base), {"max_staleness": 1, "yield_ahead": True}),
-                Run(f"{p}/elastic-return-after-30s", p, dict(base), {"max_staleness": 1, "idle_before_return_s": 30.0}),
+                Run(f"{p}/elastic-leave-backlog", p, dict(base), {"dispatch_staleness": 1, "leave_on": "backlog"}),
+                Run(f"{p}/elastic-yield-ahead", p, dict(base), {"dispatch_staleness": 1, "yield_ahead": True}),
+                Run(
+                    f"{p}/elastic-return-after-30s",
+                    p,
+                    dict(base),
+                    {"dispatch_staleness": 1, "idle_before_return_s": 30.0},
+                ),
             ]
         if p == "flagship":
             for hours in (1.5, 3.0, 4.0):
@@ -451,7 +456,7 @@ def plot_gantts(presets, out_dir: Path, steps: int) -> list[Path]:
         fig, axes = plt.subplots(len(policies), 1, figsize=(12, 3.2 * len(policies)))
         for ax, (name, ov) in zip(axes, policies):
             cfg = load_sim_config(p, {"steps": steps, **ov})
-            tl = TimelineWriter(None, [f"cell{c}" for c in range(cfg.num_cells)], source="sim")
+            tl = TimelineWriter(None, cfg.cell_names, source="sim")
             result = Simulator(cfg, timeline=tl).run()
             tl.close(result.makespan_s)
             draw_gantt(

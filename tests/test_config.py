@@ -672,9 +672,13 @@ def test_cross_section_rules_hold_for_replaced_configs_too(base):
 def test_policy_options_come_from_the_schedule_section(base):
     assert config_lib.policy_options(base) == {}
     a = config_from_dict(base, {"schedule.policy": "async", "schedule.dispatch_staleness": 2})
-    assert config_lib.policy_options(a) == {"max_staleness": 2} == a.schedule.policy_options()
+    assert config_lib.policy_options(a) == {"dispatch_staleness": 2} == a.schedule.policy_options()
     e = config_from_dict(base, {"schedule.policy": "elastic", "schedule.idle_before_return_s": 3})
-    assert e.schedule.policy_options() == {"max_staleness": 1, "leave_on": "waterlevel", "idle_before_return_s": 3.0}
+    assert e.schedule.policy_options() == {
+        "dispatch_staleness": 1,
+        "leave_on": "waterlevel",
+        "idle_before_return_s": 3.0,
+    }
     from gyre_jax.elastic.policies import make_policy
 
     for c in (base, a, e):

@@ -325,10 +325,10 @@ class ScheduleSection(Section):
         """Keyword options of ``gyre_jax.elastic.policies.make_policy`` for this policy."""
         if self.policy == "async":
             cells = {"training_cells": self.training_cells} if self.training_cells else {}
-            return {"max_staleness": self.dispatch_staleness, **cells}
+            return {"dispatch_staleness": self.dispatch_staleness, **cells}
         if self.policy == "elastic":
             return {
-                "max_staleness": self.dispatch_staleness,
+                "dispatch_staleness": self.dispatch_staleness,
                 "leave_on": self.leave_on,
                 "idle_before_return_s": self.idle_before_return_s,
             }

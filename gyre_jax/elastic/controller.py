@@ -4,7 +4,10 @@ One controller drives all three scheduling policies (``policies.py``: colocated,
 policy object decides, the controller carries out. It is the driver thread that owns every fact (cell
 roles, the step being trained) and composes four parts:
 
-- ``driver.Driver``: events in, the policy's decision out, each logged to ``decisions.jsonl``;
+- ``driver.Driver``: typed events (``events.py``) in from the workers' threads, the policy's decision out
+  (``Driver.replan``, as in the simulator), each logged to ``decisions.jsonl``; the policy's state is built
+  by ``state.cluster_state`` from the controller's ``state.Cells``, the ledger's books and the training
+  queue's counts, the simulator's builder;
 - ``ledger.RolloutLedger``: executions dispatched, started and finished (the waterlevel), each task group
   scored by the ``rl/`` functions on its records as it completes and streamed through the trajectory
   pipeline into the step's micro-step queue;
@@ -28,9 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from gyre_jax.elastic.driver import Driver
+from gyre_jax.elastic.driver import Driver, Failure
+from gyre_jax.elastic.events import Event, Finished, MicroStepDone, StepBegan, StepTrained, Switched, Tick
 from gyre_jax.elastic.ledger import RolloutLedger, StepRun
-from gyre_jax.elastic.policies import ClusterState, Decision, Event, Role, SchedulingPolicy, Waterlevel
+from gyre_jax.elastic.policies import Decision, SchedulingPolicy
+from gyre_jax.elastic.state import Cells, ClusterState, Role, TrainingFacts, cluster_state
 from gyre_jax.elastic.switcher import Switcher
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.elastic.training import CellTraining
@@ -71,14 +76,6 @@ class CostLog:
     weight_syncs: list[float] = field(default_factory=list)
 
 
-@dataclass
-class CellRole:
-    role: Role = Role.SERVING
-    target: Role | None = None  # the role a SWITCHING cell moves to
-    switch_s: float = 0.0
-    switches: int = 0
-
-
 OnStep = Callable[[int, dict[str, Any], list, dict[str, Any]], None]
 
 
@@ -115,13 +112,20 @@ class Controller:
         training.on_micro_step = self._micro_step_done
         training.on_error = self.report_error
         self.handles = [c.handle for c in training.cells]
-        self.cells = [CellRole() for _ in self.handles]
+        k = len(self.handles)
+        self.cells = Cells([Role.SERVING] * k, [cfg.sessions_per_cell] * k, owner=f"policy {policy.name}")
+        self.switch_s = [0.0] * k  # seconds each cell spent switching
         self.costs = CostLog(cell_accelerators=len(self.handles[0].cell.devices))
-        self.version = 0
+        self.version = 0  # the step that trains next (optimizer steps applied)
+        self.end = 0  # the segment's end: steps ``version .. end - 1`` are left to train
+        self.on_step: OnStep | None = None
+        self._closed = False  # the current step's micro-step queue has all its data
+        self._t_step = 0.0  # when the current step began (its metrics' wall time)
+        self._marks: list[dict[str, float]] = []  # the cells' counters then (``_cell_marks``)
 
     def report_error(self, message: str) -> None:
         """Thread-safe: stops the run with ``message`` (a failed micro-step, switch or follower process)."""
-        self.driver.post("error", message=message)
+        self.driver.post(Failure(message))
 
     # == the segment ===============================================================================
     def run(self, start: int, end: int, on_step: OnStep) -> int:
@@ -131,108 +135,104 @@ class Controller:
         self._new_step()
         self._t_step, self._marks = time.time(), self._cell_marks()
         self.training.start()
-        began = Event("step_began", start, time.time(), executions_in_step=self.cfg.batch_size)
-        self._apply(Decision(roles=self.policy.initial_roles(), dispatch=0), began)
-        self._plan(began)
+        self._carry_out(Decision(roles=self.policy.initial_roles(), dispatch=0), reason="start")
+        self._replan(StepBegan(start, time.time(), executions=self.cfg.batch_size))
         try:
             while self.version < end and not self.stop.is_set():
-                kind, payload = self.driver.next()
-                if kind == "error":
-                    raise RuntimeError(payload["message"])
-                event = self._handle(kind, payload)
+                item = self.driver.next()
+                if isinstance(item, Failure):
+                    raise RuntimeError(item.message)
+                event = Tick(self.version, time.time()) if item is None else self._handle(item)
+                self._replan(event)
                 self._maybe_train()
-                if self.version >= end:
-                    break
-                self._plan(event)
-                self.ledger.start_waiting(self._serving_slots(), self._finished)
         finally:
             self._shutdown()
         return self.version
 
+    # -- events from the workers' threads (thread-safe) ----------------------------------------------
     def _finished(self, result, step: int) -> None:
-        self.driver.post("finished", result=result, step=step)
+        self.driver.post(Finished(step, time.time(), execution_id=result.execution_id, result=result))
 
     def _micro_step_done(self, cell: int, step: int, slot: int, flops: float, t_start: float, t_end: float) -> None:
-        self.driver.post("micro_step_done", cell=cell, step=step, slot=slot, flops=flops, t_start=t_start, t_end=t_end)
+        self.driver.post(MicroStepDone(step, t_end, cell=cell, slot=slot, flops=flops, t_start=t_start))
 
     def _switched(self, cell: int, to: Role, seconds: float) -> None:
-        self.driver.post("switched", cell=cell, to=to, duration=seconds)
+        self.driver.post(Switched(self.version, time.time(), cell=cell, seconds=seconds))
 
-    def _handle(self, kind: str, p: dict) -> Event:
-        now = time.time()
-        if kind == "finished":
-            self.ledger.finished(p["result"], p["step"])
-            if p["step"] == self.version:
+    # -- on the driver thread ---------------------------------------------------------------------------
+    def _handle(self, event: Event) -> Event:
+        """Books ``event``'s facts; returns it."""
+        if isinstance(event, Finished):
+            self.ledger.finished(event.result, event.step)
+            if event.step == self.version:
                 self._feed()
-            return Event("finished", p["step"], now, execution_id=p["result"].execution_id)
-        if kind == "micro_step_done":
-            self.timeline.micro_step(p["t_start"], p["t_end"], p["cell"], p["step"], slot=p["slot"], work=p["flops"])
-            self.costs.micro_steps.append([p["flops"], p["t_end"] - p["t_start"]])
-            return Event("micro_step_done", p["step"], now, cell=p["cell"])
-        if kind == "switched":
-            c = self.cells[p["cell"]]
-            c.role, c.target = p["to"], None
-            c.switch_s += p["duration"]
-            c.switches += 1
-            costs = self.costs.serving_to_training if c.role is Role.TRAINING else self.costs.training_to_serving
-            costs.append(p["duration"])
-            self.timeline.role(now, p["cell"], c.role, reason=f"switched in {p['duration']:.3f}s")
-            log.info("%s: %s (switch took %.3fs)", self.handles[p["cell"]].name, c.role.value, p["duration"])
-            return Event("switched", self.version, now, cell=p["cell"])
-        return Event("tick", self.version, now)
+        elif isinstance(event, MicroStepDone):
+            self.timeline.micro_step(
+                event.t_start, event.time, event.cell, event.step, slot=event.slot, work=event.flops
+            )
+            self.costs.micro_steps.append([event.flops, event.time - event.t_start])
+            self._owed_switch(event.cell)
+        elif isinstance(event, Switched):
+            self._switch_ended(event)
+        return event
+
+    def _switch_ended(self, event: Switched) -> None:
+        c, now = event.cell, time.time()
+        role = self.cells.end_switch(c)
+        self.switch_s[c] += event.seconds
+        costs = self.costs.serving_to_training if role is Role.TRAINING else self.costs.training_to_serving
+        costs.append(event.seconds)
+        self.timeline.role(now, c, role, reason=f"switched in {event.seconds:.3f}s")
+        log.info("%s: %s (switch took %.3fs)", self.handles[c].name, role.value, event.seconds)
 
     # == decisions =================================================================================
-    def _cluster_state(self, now: float) -> ClusterState:
+    def _replan(self, event: Event) -> None:
+        """Waiting executions take the slots that freed, then the policy decides on ``event`` (and again while
+        its decisions dispatch or start executions): ``Driver.replan``, as the simulator does."""
+        self.ledger.start_waiting(self.cells.serving_slots(), self._finished)
+        self.driver.replan(event, self._observe, lambda d: self._carry_out(d, reason=event.kind))
+
+    def _observe(self) -> ClusterState:
+        """The policy's state now: ``state.cluster_state`` on the controller's facts (the simulator's builder)."""
         run = self.ledger.steps.get(self.version)
         counts = self.training.queue.counts()
-        wl = self.ledger.wl
-        return ClusterState(
-            time=now,
-            roles=[c.role for c in self.cells],
-            capacity=[self.cfg.sessions_per_cell] * len(self.cells),
-            waterlevel=Waterlevel(wl.dispatched, wl.started, wl.finished),
-            targets=[c.target for c in self.cells],
-            busy=[self.training.busy(i) for i in range(len(self.cells))],
-            version=self.version,
-            batch_size=self.cfg.batch_size,
-            step_dispatched=run.dispatched if run else 0,
-            step_finished=run.finished if run else 0,
-            step_processed=run.processed if run else 0,
-            ready=counts["ready"],
-            in_flight=counts["claimed"],
-            undispatched=self.ledger.undispatched,
-            due_outstanding=self.ledger.due_outstanding(self.version),
-            held=0,
-        )
+        for i in range(self.cells.k):
+            self.cells.busy[i] = self.training.busy(i)
+        facts = TrainingFacts(run.processed if run else 0, counts["ready"], counts["claimed"])
+        return cluster_state(time.time(), self.version, self.cells, self.ledger, facts)
 
-    def _plan(self, event: Event) -> None:
-        self._apply(self.driver.decide(event, self._cluster_state(event.time)), event)
+    def _carry_out(self, decision: Decision, reason: str) -> int:
+        """Starts the decision's switches and dispatch; returns the executions dispatched or started."""
+        self._begin_switches(list(self.cells.switches_to_begin(decision.roles)), reason)
+        for i, cell in enumerate(self.training.cells):  # a cell that owes a switch claims no more micro-steps
+            if self.cells.role[i] is Role.TRAINING:
+                (cell.gate.set if self.cells.pending_switch[i] is None else cell.gate.clear)()
+        dispatched = self.ledger.dispatch(decision.dispatch)
+        return dispatched + self.ledger.start_waiting(self.cells.serving_slots(), self._finished)
 
-    def _apply(self, decision: Decision, event: Event) -> None:
-        moving = [
-            (i, want)
-            for i, (c, want) in enumerate(zip(self.cells, decision.roles))
-            if c.role is not Role.SWITCHING and want is not c.role
-        ]
+    def _begin_switches(self, moving: list[tuple[int, Role]], reason: str) -> None:
         now = time.time()
         for i, want in moving:  # every role is set first, so a leaving cell's sessions go to a cell that stays
-            self.cells[i].role, self.cells[i].target = Role.SWITCHING, want
-            self.timeline.role(now, i, Role.SWITCHING, reason=event.kind, to=want)
+            self.cells.begin_switch(i, want)
+            self.timeline.role(now, i, Role.SWITCHING, reason=reason, to=want)
         for i, want in moving:
             self.switcher.start(i, want, self._migration_target(i) if want is Role.TRAINING else None)
-        self.ledger.dispatch(decision.dispatch)
+
+    def _owed_switch(self, cell: int) -> None:
+        """A cell that was busy when the policy asked it to switch does so now that it is free."""
+        want = self.cells.take_pending(cell)
+        if want is not None:
+            self._begin_switches([(cell, want)], reason="owed")
 
     def _migration_target(self, leaving: int) -> int | None:
         """The serving cell that stays longest: cells leave in index order, so the highest-index one."""
+        role, target = self.cells.role, self.cells.target
         staying = [
             i
-            for i, c in enumerate(self.cells)
-            if i != leaving and (c.role is Role.SERVING and c.target is None or c.target is Role.SERVING)
+            for i in range(self.cells.k)
+            if i != leaving and (role[i] is Role.SERVING and target[i] is None or target[i] is Role.SERVING)
         ]
         return staying[-1] if staying else None
-
-    def _serving_slots(self) -> int:
-        return sum(self.cfg.sessions_per_cell for c in self.cells if c.role is Role.SERVING)
 
     # == training ==================================================================================
     def _new_step(self) -> None:
@@ -254,7 +254,8 @@ class Controller:
         t1 = time.time()
         self.timeline.optimizer_step(t0, t1, 0, step, self.training.version)
         self.costs.optimizer_steps.append(t1 - t0)
-        serving = [h for h, c in zip(self.handles, self.cells) if c.role is Role.SERVING or c.target is Role.SERVING]
+        role, target = self.cells.role, self.cells.target
+        serving = [h for i, h in enumerate(self.handles) if role[i] is Role.SERVING or target[i] is Role.SERVING]
         self.training.publish(serving)
         self.costs.weight_syncs.append(time.time() - t1)
         self.version += 1
@@ -263,7 +264,8 @@ class Controller:
         self.on_step(step, metrics, [run.results[s.execution_id] for s in run.specs], self.ledger.pipeline.get_state())
         if self.version < self.end:
             self._new_step()
-        self._plan(Event("step_trained", step, time.time()))
+        self._owed_switch(0)  # the core computed the optimizer step (the simulator's core is busy with it)
+        self._replan(StepTrained(step, time.time()))
 
     def _step_metrics(self, run: StepRun, now: float) -> dict[str, Any]:
         marks, prev = self._cell_marks(), self._marks
@@ -296,8 +298,8 @@ class Controller:
 
     def _cell_marks(self) -> list[dict[str, float]]:
         return [
-            {"serve_busy": h.stats().busy_s, "train": t.train_s, "switch": c.switch_s, "micro_steps": t.micro_steps}
-            for h, t, c in zip(self.handles, self.training.cells, self.cells)
+            {"serve_busy": h.stats().busy_s, "train": t.train_s, "switch": s, "micro_steps": t.micro_steps}
+            for h, t, s in zip(self.handles, self.training.cells, self.switch_s)
         ]
 
     # == shutdown ==================================================================================
@@ -306,15 +308,14 @@ class Controller:
         self.switcher.join()
         self.training.stop()
         now, version = time.time(), self.training.version
-        stale = [
-            h for h, c in zip(self.handles, self.cells) if c.role is not Role.SERVING or h.policy_version != version
-        ]
+        role = self.cells.role
+        stale = [h for i, h in enumerate(self.handles) if role[i] is not Role.SERVING or h.policy_version != version]
         self.training.publish(stale)
-        for h, c in zip(self.handles, self.cells):
-            if c.role is not Role.SERVING:
-                c.role, c.target = Role.SERVING, None
-                self.timeline.role(now, h.index, Role.SERVING, reason="end of segment")
+        for i, h in enumerate(self.handles):
+            if role[i] is not Role.SERVING:
+                self.timeline.role(now, i, Role.SERVING, reason="end of segment")
             self.router.undrain(h.name)
+        self.cells.reset([Role.SERVING] * self.cells.k)
         self.driver.clear()  # events of this segment (e.g. the joined switches') must not reach the next one
         self.driver.flush()
         self.timeline.flush()

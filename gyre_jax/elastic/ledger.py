@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gyre_jax.elastic.policies import ADMISSION_ORDERS, DurationHistory, Waterlevel
+from gyre_jax.elastic.policies import ADMISSION_ORDERS, DurationHistory
+from gyre_jax.elastic.state import Waterlevel
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.rl.microstep_queue import MicroStepQueue
 from gyre_jax.rl.staleness import StalenessReport
@@ -101,6 +102,7 @@ class RolloutLedger:
         self.pipeline = pipeline
         self.make_specs = make_specs
         self.timeline = timeline
+        self.begin(0, 0)
 
     def begin(self, start: int, end: int) -> None:
         """A new segment: steps ``start .. end - 1``, nothing dispatched."""
@@ -108,14 +110,20 @@ class RolloutLedger:
         self.wl = Waterlevel()
         self.steps: dict[int, StepRun] = {}
         self.waiting: collections.deque[tuple[int, ExecutionSpec]] = collections.deque()
-        self.running = 0
+        self.running = 0  # executions started whose harness has not ended (``wl.sessions``)
         self._dispatched = 0  # executions dispatched since ``start``
         self._total = (end - start) * self.batch_size
-        self._packed = iter(self.pipeline)
+        self._packed = iter(self.pipeline) if end > start else iter(())
 
+    # -- the books a policy's state is built from (``state.RolloutBooks``) ---------------------------------
     @property
     def undispatched(self) -> int:
         return self._total - self._dispatched
+
+    def step_counts(self, step: int) -> tuple[int, int]:
+        """(dispatched, finished) executions of ``step``."""
+        run = self.steps.get(step)
+        return (run.dispatched, run.finished) if run is not None else (0, 0)
 
     def due_outstanding(self, version: int) -> int:
         """Executions of steps <= ``version`` dispatched and not finished."""
@@ -135,11 +143,11 @@ class RolloutLedger:
         return run
 
     # -- executions ---------------------------------------------------------------------------------------
-    def dispatch(self, count: int) -> None:
-        """The next ``count`` executions in task order wait for a serving slot."""
+    def dispatch(self, count: int) -> int:
+        """The next ``count`` executions in task order (fewer at the segment's end) wait for a serving slot;
+        returns how many."""
+        count = min(count, self.undispatched)
         for _ in range(count):
-            if self._dispatched >= self._total:
-                return
             step = self.start + self._dispatched // self.batch_size
             run = self.step_run(step)
             if not run.order:
@@ -150,6 +158,7 @@ class RolloutLedger:
             run.t_first_dispatch = run.t_first_dispatch or time.time()
             self.wl.dispatched += 1
             self.waiting.append((step, spec))
+        return count
 
     def admission_order(self, run: StepRun) -> list[int]:
         """Positions of ``run.specs`` in dispatch order: task order, or (``admission="longest_first"``) its groups
@@ -162,9 +171,12 @@ class RolloutLedger:
         tasks = [run.specs[positions[g][0]].task.task_id for g in run.group_order]
         return [k for j in self.history.order(tasks) for k in positions[run.group_order[j]]]
 
-    def start_waiting(self, slots: int, on_finished: Callable[[ExecutionResult, int], None]) -> None:
-        """Starts waiting executions while fewer than ``slots`` run; ``on_finished(result, step)`` follows each."""
+    def start_waiting(self, slots: int, on_finished: Callable[[ExecutionResult, int], None]) -> int:
+        """Starts waiting executions while fewer than ``slots`` run; ``on_finished(result, step)`` follows each.
+        Returns how many started."""
+        started = 0
         while self.waiting and self.running < slots:
+            started += 1
             step, spec = self.waiting.popleft()
             self.running += 1
             self.wl.started += 1
@@ -172,6 +184,7 @@ class RolloutLedger:
             self.timeline.execution_started(now, spec.execution_id, step=step)
             self.timeline.waterlevel(now, self.wl.dispatched, self.wl.started, self.wl.finished)
             self.executor.submit(spec, lambda r, s=step: on_finished(r, s))
+        return started
 
     def finished(self, result: ExecutionResult, step: int) -> None:
         """An execution's harness ended and it was scored; its group completes with its last member."""

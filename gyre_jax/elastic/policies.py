@@ -12,138 +12,38 @@ and carries the decision out:
 
 1. ``decision.roles[c]`` is the role cell ``c`` should have (SERVING or TRAINING). For a cell whose
    current role differs and that is not already switching, the driver starts a switch: the role becomes
-   SWITCHING at once (a training cell finishes its micro-step first) and a ``switched`` event follows
-   when the cell has its new role. A serving cell that leaves stops taking new sessions and moves its
-   sessions to the serving cell that stays longest (the last one in the leave order).
+   SWITCHING at once and a ``switched`` event follows when the cell has its new role; a training cell
+   that is busy (computing a micro-step) keeps its role and owes the switch until it is free
+   (``state.Cells``: the same in the controller and the simulator). A serving cell that leaves stops
+   taking new sessions and moves its sessions to the serving cell that stays longest (the last one in the
+   leave order).
 2. ``decision.dispatch`` more executions may be launched now, the next ones in task order (step by
    step). Each starts on a serving cell with a free slot or waits for one (dispatched, not started).
+   While a decision dispatched or started executions, the driver decides again on a ``started`` event
+   (``driver.Driver.replan``).
 3. Cells in the TRAINING role claim micro-steps of step ``state.version`` from the shared queue
    (fast cells take more); the core cell (cell 0) holds the only optimizer state and applies the
    optimizer step once every micro-step of the step is done. Weights stay fixed within a step.
 
-Events the driver must send (one event may stand for several executions that changed at the same
-instant; the counters in ``state`` carry the numbers): ``started``, ``finished`` (the harness ended:
-finished, timed out or crashed; its slot is free), ``data_ready`` (an execution was evaluated and its
-micro-steps are in the queue), ``micro_step_done``, ``step_trained`` (the optimizer step was applied;
-``state.version`` already counts it), ``switched``. Optional: ``step_began``, ``dispatched``, ``tick``.
+The events are the typed records of ``events.py`` (one event may stand for several executions that changed
+at the same instant; the counters in ``state`` carry the numbers); the state is built by
+``state.cluster_state`` from the driver's facts, the same function in the controller and the simulator.
 
 A policy's decisions depend only on the events and states it was given, so the same sequence gives the
-same decisions in the controller and in the simulator (tested in ``tests/elastic/test_policies.py``).
-The first trainer's call ``decide(event, waterlevel, roles) -> roles`` still works for the colocated
-policy: the policy then keeps the step facts itself from the events.
+same decisions in the controller and in the simulator (``tests/elastic/test_policies.py``,
+``tests/elastic/test_controller.py``: a real run's sequence through the simulator's books,
+``sim.replay``). The first trainer's call ``decide(event, waterlevel, roles) -> roles`` still works for the
+colocated policy: the policy then keeps the step facts itself from the events.
 """
 
 from __future__ import annotations
 
 import abc
-import enum
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-
-class Role(enum.StrEnum):
-    SERVING = "serving"
-    TRAINING = "training"
-    SWITCHING = "switching"
-
-
-@dataclass
-class Waterlevel:
-    dispatched: int = 0  # d(t): executions handed to the executor
-    started: int = 0  # p(t): executions whose session holds a serving slot
-    finished: int = 0  # f(t): executions whose harness ended (finished, timed out or crashed)
-
-    @property
-    def outstanding(self) -> int:
-        """w = d - f: executions dispatched and not yet finished."""
-        return self.dispatched - self.finished
-
-    @property
-    def queued(self) -> int:
-        """d - p: executions dispatched that wait for a serving slot."""
-        return self.dispatched - self.started
-
-
-EVENT_KINDS = (
-    "step_began",
-    "dispatched",
-    "started",
-    "finished",
-    "data_ready",
-    "micro_step_done",
-    "step_trained",
-    "switched",
-    "tick",
-)
-
-
-@dataclass(frozen=True)
-class Event:
-    """kind: one of ``EVENT_KINDS``; ``step`` is the RL step the event belongs to; ``time`` in seconds.
-
-    ``executions_in_step`` is set on ``step_began``; ``cell`` on ``switched`` and ``micro_step_done``.
-    """
-
-    kind: str
-    step: int
-    time: float
-    execution_id: str | None = None
-    executions_in_step: int = 0
-    cell: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in EVENT_KINDS:
-            raise ValueError(f"unknown event kind {self.kind!r} (expected one of {', '.join(EVENT_KINDS)})")
-
-
-@dataclass
-class ClusterState:
-    """The facts a policy decides from, kept by the driver and handed over with every event.
-
-    Per-cell lists have one entry per cell (cell 0 is the core). ``targets[c]`` is the role a SWITCHING
-    cell is moving to (None for cells that are not switching). ``busy[c]`` is True while a training cell
-    computes a micro-step or the optimizer step. The ``step_*`` counters, ``ready`` and ``in_flight``
-    describe step ``version`` (the step that trains next): its executions dispatched, finished (harness
-    ended) and processed (micro-steps queued), micro-steps ready to claim and being computed.
-    ``batch_size`` is the number of executions per step (N); ``undispatched`` how many executions the run
-    still has to dispatch before its last step (None: no end in sight). ``due_outstanding`` counts the
-    executions of steps <= ``version`` dispatched and not finished (w restricted to the steps the
-    trainer is waiting for); ``held`` the sessions that lost their slot to a leaving cell and wait for one.
-    """
-
-    time: float
-    roles: list[Role]
-    capacity: list[int]
-    waterlevel: Waterlevel = field(default_factory=Waterlevel)
-    targets: list[Role | None] | None = None
-    busy: list[bool] | None = None
-    version: int = 0
-    batch_size: int = 0
-    step_dispatched: int = 0
-    step_finished: int = 0
-    step_processed: int = 0
-    ready: int = 0
-    in_flight: int = 0
-    undispatched: int | None = None
-    due_outstanding: int = 0
-    held: int = 0
-
-    @property
-    def num_cells(self) -> int:
-        return len(self.roles)
-
-    def effective_role(self, cell: int) -> Role:
-        """The role a cell has, or is switching to."""
-        role = self.roles[cell]
-        if role is Role.SWITCHING:
-            target = self.targets[cell] if self.targets is not None else None
-            if target is None:
-                raise ValueError(f"cell {cell} is switching but state.targets[{cell}] is not set")
-            return target
-        return role
-
-    def is_busy(self, cell: int) -> bool:
-        return bool(self.busy[cell]) if self.busy is not None else False
+from gyre_jax.elastic.events import Event, MicroStepDone, StepBegan, StepTrained, Switched, WeightsPulled
+from gyre_jax.elastic.state import ClusterState, Role, Waterlevel
 
 
 @dataclass(frozen=True)
@@ -155,7 +55,7 @@ class Decision:
     dispatch: int = 0
 
 
-def admissible(state: ClusterState, max_staleness: int) -> int:
+def admissible(state: ClusterState, dispatch_staleness: int) -> int:
     """Executions that may be dispatched under staleness bound eta (AReaL's admission rule).
 
     Batch k (executions k*N ... (k+1)*N - 1) may start once the policy version is at least k - eta, so at
@@ -164,7 +64,7 @@ def admissible(state: ClusterState, max_staleness: int) -> int:
     """
     if state.batch_size <= 0:
         return 0
-    allowed = max(0, (max_staleness + state.version + 1) * state.batch_size - state.waterlevel.dispatched)
+    allowed = max(0, (dispatch_staleness + state.version + 1) * state.batch_size - state.waterlevel.dispatched)
     return allowed if state.undispatched is None else min(allowed, state.undispatched)
 
 
@@ -188,7 +88,7 @@ class SchedulingPolicy(abc.ABC):
 
     def decide(self, event: Event, waterlevel: Waterlevel, roles: list[Role]) -> list[Role]:
         """Older call used by the trainer: roles only; the step facts are kept here from the events
-        (``step_began`` with ``executions_in_step``, ``finished``, ``step_trained``)."""
+        (``StepBegan`` with its ``executions``, ``Finished``, ``StepTrained``)."""
         if self._compat is None:
             self._compat = _CompatState()
         state = self._compat.update(event, waterlevel, roles)
@@ -208,10 +108,10 @@ class _CompatState:
         self.finished_before_step = 0
 
     def update(self, event: Event, waterlevel: Waterlevel, roles: list[Role]) -> ClusterState:
-        if event.kind == "step_began":
-            self.batch_size = event.executions_in_step
+        if isinstance(event, StepBegan):
+            self.batch_size = event.executions
             self.finished_before_step = waterlevel.finished
-        elif event.kind == "step_trained":
+        elif isinstance(event, StepTrained):
             self.version += 1
             self.batch_size = 0
         return ClusterState(
@@ -243,12 +143,12 @@ class ColocatedPolicy(SchedulingPolicy):
 class AsyncPolicy(SchedulingPolicy):
     """A fixed split: cells ``0 .. training_cells - 1`` train (cell 0 is the core), the others serve.
 
-    Executions are dispatched as far ahead as the staleness bound ``max_staleness`` (eta) allows.
+    Executions are dispatched as far ahead as the staleness bound ``dispatch_staleness`` (eta) allows.
     """
 
     name = "async"
 
-    def __init__(self, num_cells: int, training_cells: int | None = None, max_staleness: int = 1):
+    def __init__(self, num_cells: int, training_cells: int | None = None, dispatch_staleness: int = 1):
         super().__init__(num_cells)
         if num_cells < 2:
             raise ValueError(f"the async policy needs >= 2 cells (one trains, one serves), got num_cells={num_cells}")
@@ -258,10 +158,10 @@ class AsyncPolicy(SchedulingPolicy):
                 f"async training_cells={training_cells} must be in [1, {num_cells - 1}] "
                 f"(at least one cell trains and one serves)"
             )
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness={max_staleness} must be >= 0")
+        if dispatch_staleness < 0:
+            raise ValueError(f"dispatch_staleness={dispatch_staleness} must be >= 0")
         self.training_cells = training_cells
-        self.max_staleness = max_staleness
+        self.dispatch_staleness = dispatch_staleness
         self._roles = [Role.TRAINING] * training_cells + [Role.SERVING] * (num_cells - training_cells)
 
     def initial_roles(self) -> list[Role]:
@@ -269,7 +169,10 @@ class AsyncPolicy(SchedulingPolicy):
 
     def plan(self, event: Event, state: ClusterState) -> Decision:
         self._check(state)
-        return Decision(roles=list(self._roles), dispatch=admissible(state, self.max_staleness))
+        return Decision(roles=list(self._roles), dispatch=admissible(state, self.dispatch_staleness))
+
+
+_CELL_FREED = (MicroStepDone, WeightsPulled, Switched)  # a cell's work or switch ended (``idle_before_return_s``)
 
 
 class ElasticPolicy(SchedulingPolicy):
@@ -304,19 +207,19 @@ class ElasticPolicy(SchedulingPolicy):
     def __init__(
         self,
         num_cells: int,
-        max_staleness: int = 1,
+        dispatch_staleness: int = 1,
         leave_on: str = "waterlevel",
         idle_before_return_s: float = 0.0,
         yield_ahead: bool = False,
     ):
         super().__init__(num_cells)
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness={max_staleness} must be >= 0")
+        if dispatch_staleness < 0:
+            raise ValueError(f"dispatch_staleness={dispatch_staleness} must be >= 0")
         if leave_on not in self.LEAVE_RULES:
             raise ValueError(f"leave_on={leave_on!r} must be one of {', '.join(self.LEAVE_RULES)}")
         if idle_before_return_s < 0:
             raise ValueError(f"idle_before_return_s={idle_before_return_s} must be >= 0")
-        self.max_staleness = max_staleness
+        self.dispatch_staleness = dispatch_staleness
         self.leave_on = leave_on
         self.idle_before_return_s = idle_before_return_s
         self.yield_ahead = yield_ahead
@@ -325,7 +228,7 @@ class ElasticPolicy(SchedulingPolicy):
     def plan(self, event: Event, state: ClusterState) -> Decision:
         self._check(state)
         n = self.num_cells
-        if event.cell is not None and event.kind in ("micro_step_done", "switched"):
+        if isinstance(event, _CELL_FREED):
             self._idle_since[event.cell] = event.time
         if Role.SWITCHING in state.roles:
             roles = [state.effective_role(c) for c in range(n)]
@@ -336,7 +239,7 @@ class ElasticPolicy(SchedulingPolicy):
             serving_capacity = roles.count(Role.SERVING) * capacity[0]
         else:
             serving_capacity = sum([cap for r, cap in zip(roles, capacity) if r is Role.SERVING])
-        allowed = admissible(state, self.max_staleness)
+        allowed = admissible(state, self.dispatch_staleness)
         due_new = min(allowed, max(0, (state.version + 1) * state.batch_size - state.waterlevel.dispatched))
         backlog = state.ready > 0
         # Data of the step that trains next is on its way (evaluating) and no cell trains yet: keep freed
@@ -447,23 +350,29 @@ POLICY_NAMES = ("colocated", "async", "elastic")
 
 
 def make_policy(name: str, num_cells: int, **options) -> SchedulingPolicy:
-    """The policy ``name`` for ``num_cells`` cells. Options: async ``training_cells``, ``max_staleness``;
-    elastic ``max_staleness``, ``leave_on``, ``idle_before_return_s``; colocated none."""
+    """The policy ``name`` for ``num_cells`` cells. Options: async ``training_cells``, ``dispatch_staleness``;
+    elastic ``dispatch_staleness``, ``leave_on``, ``idle_before_return_s``, ``yield_ahead``; colocated none."""
+    if "max_staleness" in options:
+        raise ValueError(
+            "the policy option max_staleness was renamed: use dispatch_staleness (as config.schedule.dispatch_staleness)"
+        )
     if name == "colocated":
         if options:
             raise ValueError(f"the colocated policy takes no options, got {sorted(options)}")
         return ColocatedPolicy(num_cells)
     if name == "async":
-        unknown = set(options) - {"training_cells", "max_staleness"}
+        unknown = set(options) - {"training_cells", "dispatch_staleness"}
         if unknown:
-            raise ValueError(f"unknown async policy options {sorted(unknown)} (known: training_cells, max_staleness)")
+            raise ValueError(
+                f"unknown async policy options {sorted(unknown)} (known: training_cells, dispatch_staleness)"
+            )
         return AsyncPolicy(num_cells, **options)
     if name == "elastic":
-        unknown = set(options) - {"max_staleness", "leave_on", "idle_before_return_s", "yield_ahead"}
+        unknown = set(options) - {"dispatch_staleness", "leave_on", "idle_before_return_s", "yield_ahead"}
         if unknown:
             raise ValueError(
                 f"unknown elastic policy options {sorted(unknown)} "
-                f"(known: max_staleness, leave_on, idle_before_return_s, yield_ahead)"
+                f"(known: dispatch_staleness, leave_on, idle_before_return_s, yield_ahead)"
             )
         return ElasticPolicy(num_cells, **options)
     raise ValueError(f"unknown scheduling policy {name!r} (available: {', '.join(POLICY_NAMES)})")

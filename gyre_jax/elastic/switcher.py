@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import jax
 
-from gyre_jax.elastic.policies import Role
+from gyre_jax.elastic.state import Role
 from gyre_jax.elastic.training import CellTraining, TrainingCell
 from gyre_jax.faultpoints import kill_point
 
@@ -96,6 +96,8 @@ class Switcher:
     def _to_serving(self, cell: TrainingCell) -> None:
         with cell.lock:  # the micro-step in progress finishes first
             pass
-        if cell.handle.policy_version != self.training.version:
+        with self.training.lock:  # the optimizer step replaces (donates) the train state under this lock
+            stale = cell.handle.policy_version != self.training.version
+        if stale:
             self.training.publish([cell.handle])
         self.router.undrain(cell.handle.name)

@@ -44,9 +44,7 @@ def main(argv=None) -> int:
         return 2
     timeline = None
     if own.timeline:
-        timeline = TimelineWriter(
-            own.timeline, [f"cell{c}" for c in range(config.num_cells)], source="sim", flush_every=4096
-        )
+        timeline = TimelineWriter(own.timeline, config.cell_names, source="sim", flush_every=4096)
     t0 = time.process_time()
     result = Simulator(config, timeline=timeline, trace_executions=own.trace_executions).run()
     if timeline is not None:

@@ -588,12 +588,12 @@ def _policy_options(c: dict, num_cells: int) -> dict:
     policy = _get(c, "schedule.policy")
     if policy == "async":
         return {
-            "max_staleness": int(_get(c, "schedule.dispatch_staleness", 1)),
+            "dispatch_staleness": int(_get(c, "schedule.dispatch_staleness", 1)),
             "training_cells": int(_get(c, "schedule.training_cells", 0)) or max(1, num_cells // 2),
         }
     if policy == "elastic":
         return {
-            "max_staleness": int(_get(c, "schedule.dispatch_staleness", 1)),
+            "dispatch_staleness": int(_get(c, "schedule.dispatch_staleness", 1)),
             "leave_on": _get(c, "schedule.leave_on", "waterlevel"),
             "idle_before_return_s": float(_get(c, "schedule.idle_before_return_s", 0.0)),
         }

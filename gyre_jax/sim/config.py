@@ -97,9 +97,12 @@ def sim_config(c: config_dict.ConfigDict) -> SimConfig:
         options: dict[str, Any] = {}
         if s.policy == "async":
             cells = c.cluster.accelerators // c.cluster.cell_accelerators
-            options = {"training_cells": s.training_cells or max(1, cells // 2), "max_staleness": s.dispatch_staleness}
+            options = {
+                "training_cells": s.training_cells or max(1, cells // 2),
+                "dispatch_staleness": s.dispatch_staleness,
+            }
         elif s.policy == "elastic":
-            options = {"max_staleness": s.dispatch_staleness}
+            options = {"dispatch_staleness": s.dispatch_staleness}
         return SimConfig(
             workload=workload(c),
             cost=cost_model(c),

@@ -20,21 +20,19 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
-from gyre_jax.elastic.policies import ClusterState, Waterlevel
-from gyre_jax.sim.cells import CellRoles
+from gyre_jax.elastic.state import Waterlevel
 
 
 class SimLedger:
-    """Books of a run of ``steps`` steps of ``batch_size`` executions (groups of ``group_size``) on ``cells`` of
-    ``slots`` serving slots, and the ``ClusterState`` the policy reads them from (``observe``). ``pool_steps``
-    (>= steps) batches of executions may be dispatched (partial rollouts dispatch past the last step)."""
+    """Books of a run of ``steps`` steps of ``batch_size`` executions (groups of ``group_size``): the
+    ``elastic.state.RolloutBooks`` the policy's state is built from (``state.cluster_state``, as in the real
+    controller). ``pool_steps`` (>= steps) batches of executions may be dispatched (partial rollouts
+    dispatch past the last step)."""
 
     def __init__(
         self,
         steps: int,
         batch_size: int,
-        cells: CellRoles,
-        slots: int,
         group_size: int = 1,
         pool_steps: int | None = None,
         drop_bound: int | None = None,
@@ -42,6 +40,7 @@ class SimLedger:
         quorum: int = 0,
     ):
         self.steps, self.n, self.g = steps, batch_size, group_size
+        self.batch_size = batch_size
         self.pool_steps = max(steps, pool_steps or steps)
         self.total = self.pool_steps * batch_size
         self.drop_bound = drop_bound
@@ -78,15 +77,6 @@ class SimLedger:
         for h in self.open:
             heapq.heapify(h)
         self.swaps = 0
-        self.state = ClusterState(
-            time=0.0,
-            roles=cells.role,
-            capacity=[slots] * cells.k,
-            waterlevel=self.wl,
-            targets=cells.target,
-            busy=cells.busy,
-            batch_size=batch_size,
-        )
 
     def step_of(self, i: int) -> int:
         """The step execution ``i`` trains in (its group's label)."""
@@ -206,20 +196,17 @@ class SimLedger:
             self.due_out += self.disp_count[self.version] - self.fin_count[self.version]
         self.step_end.append(now)
 
-    def observe(self, now: float, held: int, processed: int, ready: int, in_flight: int) -> ClusterState:
-        """The policy's state with the books written in; ``held``: sessions waiting to get a slot back;
-        ``processed``, ``ready``, ``in_flight``: step ``version``'s executions queued for training, micro-steps
-        ready to claim and micro-steps running (0 once every step is trained)."""
-        st, v = self.state, self.version
-        st.time = now
-        st.version = v
-        st.undispatched = self.total - self.next_exec
-        st.due_outstanding = self.due_out
-        st.held = held
-        if v < self.steps:
-            st.step_dispatched = self.disp_count[v]
-            st.step_finished = self.fin_count[v]
-        else:
-            st.step_dispatched = st.step_finished = 0
-        st.step_processed, st.ready, st.in_flight = processed, ready, in_flight
-        return st
+    # -- the books a policy's state is built from (``elastic.state.RolloutBooks``) --------------------
+    @property
+    def undispatched(self) -> int:
+        return self.total - self.next_exec
+
+    def step_counts(self, step: int) -> tuple[int, int]:
+        """(dispatched, finished) executions of ``step`` (zeros past the last step)."""
+        return (self.disp_count[step], self.fin_count[step]) if step < self.steps else (0, 0)
+
+    def due_outstanding(self, version: int) -> int:
+        """Executions of steps <= ``version`` (the current one) dispatched and not finished."""
+        if version != self.version:
+            raise ValueError(f"the books are at version {self.version}, not {version}")
+        return self.due_out

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gyre_jax.elastic.policies import Role
+from gyre_jax.elastic.state import Role
 from gyre_jax.sim.events import SEG, EventQueue
 from gyre_jax.sim.workload import SegmentPlan
 

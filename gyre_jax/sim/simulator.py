@@ -36,14 +36,19 @@ from typing import Any
 
 import numpy as np
 
-from gyre_jax.elastic.policies import (
-    ADMISSION_ORDERS,
+from gyre_jax.elastic.driver import Driver
+from gyre_jax.elastic.events import (
+    DataReady,
     Event,
-    Role,
-    SchedulingPolicy,
-    Waterlevel,
-    make_policy,
+    Finished,
+    MicroStepDone,
+    StepBegan,
+    StepTrained,
+    Switched,
+    WeightsPulled,
 )
+from gyre_jax.elastic.policies import ADMISSION_ORDERS, Decision, SchedulingPolicy, make_policy
+from gyre_jax.elastic.state import ClusterState, Role, Waterlevel, cluster_state
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.sim.cells import CellRoles
 from gyre_jax.sim.cost_model import CostModel
@@ -52,7 +57,7 @@ from gyre_jax.sim.ledger import SimLedger
 from gyre_jax.sim.partial import VersionBooks
 from gyre_jax.sim.serving_model import ServingModel, execution_stats
 from gyre_jax.sim.training_model import TrainingModel
-from gyre_jax.sim.workload import SegmentPlan, StepPlans, WorkloadSpec
+from gyre_jax.sim.workload import SegmentPlan, StepPlans, WorkloadSpec, check_plans
 
 SERVING, TRAINING, SWITCHING = Role.SERVING, Role.TRAINING, Role.SWITCHING
 PLACEMENTS = ("last", "balanced")
@@ -178,12 +183,17 @@ class SimConfig:
         return self.tasks_per_step * self.group_size
 
     @property
+    def cell_names(self) -> list[str]:
+        """The cells' names in a timeline: ``cell0``, ``cell1``, ..."""
+        return [f"cell{c}" for c in range(self.num_cells)]
+
+    @property
     def pool_steps(self) -> int:
         """Batches of executions the run may dispatch: ``steps``, plus (partial rollouts) eta more, since groups
         that carry on into later steps leave room for later batches in the steps a run trains."""
         if not self.partial_rollouts:
             return self.steps
-        return self.steps + int(dict(self.policy_options).get("max_staleness", 1)) + 1
+        return self.steps + int(dict(self.policy_options).get("dispatch_staleness", 1)) + 1
 
     @property
     def slots_per_cell(self) -> int:
@@ -305,17 +315,17 @@ class _WaterlevelSamples:
 class Simulator:
     """One simulated run. ``Simulator(config).run() -> SimResult``.
 
-    ``timeline``: a ``TimelineWriter`` over the cells (``cell_names()``) to record role changes,
+    ``timeline``: a ``TimelineWriter`` over the cells (``SimConfig.cell_names``) to record role changes,
     micro-steps, optimizer steps, the waterlevel (at most every ``counter_interval_s``) and, with
     ``trace_executions``, every execution. ``progress(version, time)`` is called after each optimizer step.
     ``plans`` replaces the sampled executions with given ones (one ``SegmentPlan`` per step; calibration
-    replays a real run's executions this way).
+    replays a real run's executions this way). ``decisions_path``: a ``decisions.jsonl`` of every decision.
 
-    The simulator is the policy's driver: it keeps the rollout's books (the facts of ``ClusterState``), calls
-    the policy after every event (``_replan``) and carries its decisions out, and handles each event kind
-    (``_on_*``) by moving its parts: the event queue (``events.py``), the cells' roles (``cells.py``), the
-    sessions on serving cells (``serving_model.py``), the micro-step queue and training cells
-    (``training_model.py``) and the executions' plans (``workload.StepPlans``).
+    The simulator is the policy's driver, as the real controller is: the same typed events
+    (``elastic.events``), the same state builder (``elastic.state.cluster_state``) on its books (``ledger.py``,
+    ``cells.py``) and the same ``Driver.replan``; each of its own timed events (``_on_*``) moves its parts:
+    the event queue (``events.py``), the sessions on serving cells (``serving_model.py``), the micro-step
+    queue and training cells (``training_model.py``) and the executions' plans (``workload.StepPlans``).
     """
 
     def __init__(
@@ -327,13 +337,10 @@ class Simulator:
         counter_interval_s: float = 60.0,
         progress: Callable[[int, float], None] | None = None,
         plans: list[SegmentPlan] | None = None,
+        decisions_path: str | None = None,
     ):
         self.cfg = config
-        if plans is not None and (len(plans) != config.steps or any(p.size != config.batch_size for p in plans)):
-            raise SimConfigError(
-                f"plans: expected {config.steps} steps of {config.batch_size} executions, got {[p.size for p in plans]}"
-            )
-        self.given_plans = plans
+        self.given_plans = check_plans(config, plans)
         self.policy: SchedulingPolicy = make_policy(config.policy, config.num_cells, **dict(config.policy_options))
         self.timeline = timeline
         if timeline is not None and len(timeline.cell_names) != config.num_cells:
@@ -341,9 +348,7 @@ class Simulator:
         self.trace_executions = trace_executions and timeline is not None
         self.counter_interval_s = counter_interval_s
         self.progress = progress
-
-    def cell_names(self) -> list[str]:
-        return [f"cell{c}" for c in range(self.cfg.num_cells)]
+        self.decisions_path = decisions_path
 
     @property
     def now(self) -> float:
@@ -359,13 +364,12 @@ class Simulator:
         self.events = 0
         self.done = False
         self.step_plans = StepPlans(cfg, self.given_plans)
-        self.cells = CellRoles(self.policy.initial_roles(), cfg.policy)
+        self.cells = CellRoles(self.policy.initial_roles(), cfg.policy, cfg.slots_per_cell)
         self.serving = ServingModel(cfg, self.clock, self.cells.role, self.step_plans.plans)
+        self.driver = Driver(self.policy, self.decisions_path)
         self.ledger = SimLedger(
             cfg.steps,
             self.n,
-            self.cells,
-            cfg.slots_per_cell,
             group_size=cfg.group_size,
             pool_steps=cfg.pool_steps,
             drop_bound=None if cfg.drop_staleness < 0 else cfg.drop_staleness,
@@ -387,65 +391,66 @@ class Simulator:
     def run(self) -> SimResult:
         t_wall = _time.perf_counter()
         self._setup()
-        self._replan("tick", None)
-        clock, pop = self.clock, heapq.heappop
-        heap, tok = clock.heap, self.serving.tok
-        handlers = {
-            EVAL: self._on_eval,
-            BATCH: self._on_batch_ready,
-            MICRO: self._on_micro_done,
-            OPT: self._on_optimizer_done,
-            SWITCH: self._on_switch_done,
-            PULL: self._on_pull_done,
-            BOUNDARY: self._on_boundary_done,
-        }
-        segment_end = self.serving.segment_end  # most events are segment ends: the hot path
-        while heap and not self.done:
-            t, _, kind, x, y = pop(heap)
-            if kind == SEG:
-                if y != tok[x]:
-                    continue  # cancelled: the session moved or paused
+        try:
+            self._replan(StepBegan(0, 0.0, executions=self.n))
+            clock, pop = self.clock, heapq.heappop
+            heap, tok = clock.heap, self.serving.tok
+            handlers = {
+                EVAL: self._on_eval,
+                BATCH: self._on_batch_ready,
+                MICRO: self._on_micro_done,
+                OPT: self._on_optimizer_done,
+                SWITCH: self._on_switch_done,
+                PULL: self._on_pull_done,
+                BOUNDARY: self._on_boundary_done,
+            }
+            segment_end = self.serving.segment_end  # most events are segment ends: the hot path
+            while heap and not self.done:
+                t, _, kind, x, y = pop(heap)
+                if kind == SEG:
+                    if y != tok[x]:
+                        continue  # cancelled: the session moved or paused
+                    clock.now = t
+                    self.events += 1
+                    ended = segment_end(x)
+                    if ended is not None:
+                        self._on_harness_end(x, *ended)
+                    continue
                 clock.now = t
                 self.events += 1
-                ended = segment_end(x)
-                if ended is not None:
-                    self._on_harness_end(x, *ended)
-                continue
-            clock.now = t
-            self.events += 1
-            handlers[kind](x, y)
-        if not self.done:
-            raise RuntimeError(
-                f"simulation stalled at t={clock.now:.0f}s after {self.ledger.version}/{self.cfg.steps} steps: "
-                f"policy {self.cfg.policy} left no cell able to make progress (roles {self.cells.text()})"
-            )
+                handlers[kind](x, y)
+            if not self.done:
+                raise RuntimeError(
+                    f"simulation stalled at t={clock.now:.0f}s after {self.ledger.version}/{self.cfg.steps} steps: "
+                    f"policy {self.cfg.policy} left no cell able to make progress (roles {self.cells.text()})"
+                )
+        finally:
+            self.driver.close()
         return self._result(_time.perf_counter() - t_wall)
 
     # == policy ===================================================================================
-    def _replan(self, kind: str, execution: int | None, cell: int | None = None) -> None:
+    def _replan(self, event: Event) -> None:
         """Tells the policy about the event and carries its decision out, until it dispatches nothing more."""
-        ledger = self.ledger
-        for _ in range(16):
-            v, now = ledger.version, self.clock.now
-            st = ledger.observe(now, len(self.serving.held), *self.training.step_facts(v))
-            execution_id = None if execution is None else str(execution)
-            event = Event(kind, min(v, ledger.steps - 1), now, execution_id=execution_id, cell=cell)
-            decision = self.policy.plan(event, st)
-            for c, want in self.cells.switches_to_begin(decision.roles):
-                self._begin_switch(c, want)
-            n = min(decision.dispatch, ledger.total - ledger.next_exec)
-            if n > 0:
-                self._dispatch(n)
-            started = self._start_waiting()
-            if not n and not started:
-                return
-            kind, execution, cell = "started", None, None
+        self.driver.replan(event, self._observe, self._carry_out)
 
-    def _train_then_replan(self, kind: str, execution: int | None = None, cell: int | None = None) -> None:
+    def _observe(self) -> ClusterState:
+        v = self.ledger.version
+        return cluster_state(self.clock.now, v, self.cells, self.ledger, self.training.step_facts(v))
+
+    def _carry_out(self, decision: Decision) -> int:
+        """Begins the decision's switches and dispatch; returns the executions dispatched or started."""
+        for c, want in self.cells.switches_to_begin(decision.roles):
+            self._begin_switch(c, want)
+        n = min(decision.dispatch, self.ledger.undispatched)
+        if n > 0:
+            self._dispatch(n)
+        return n + self._start_waiting()
+
+    def _train_then_replan(self, event: Event) -> None:
         """Training cells claim what is ready and a due optimizer step starts, then the policy decides."""
         self.training.claim(self.ledger.version)
         self.training.check_step(self.ledger.version)
-        self._replan(kind, execution, cell)
+        self._replan(event)
 
     # == executions ===============================================================================
     def _dispatch(self, count: int) -> None:
@@ -500,21 +505,21 @@ class Simulator:
                 self.timeline.execution_ended(now, self._eid(a), "aborted", cell=self.serving.cell_of[a])
         self._counter()
         self._start_waiting()
-        self._replan("finished", i)
+        self._replan(Finished(self.ledger.step_of(i), now, execution_id=self._eid(i)))
 
     def _on_eval(self, i: int, _: int) -> None:
         if self.training.evaluated(i):
-            self._train_then_replan("data_ready", i)
+            self._train_then_replan(DataReady(self.ledger.version, self.clock.now, execution_id=self._eid(i)))
 
     def _on_batch_ready(self, step: int, _: int) -> None:
         self.training.batch_ready(step)
-        self._train_then_replan("data_ready")
+        self._train_then_replan(DataReady(self.ledger.version, self.clock.now))
 
     # == training =================================================================================
     def _on_micro_done(self, c: int, tok: int) -> None:
         self.training.micro_done(c, self.ledger.version)
         self._owed_switch(c)
-        self._train_then_replan("micro_step_done", cell=c)
+        self._train_then_replan(MicroStepDone(self.ledger.version, self.clock.now, cell=c))
 
     def _on_optimizer_done(self, v: int, _: int) -> None:
         self.training.optimizer_done(v)
@@ -531,7 +536,7 @@ class Simulator:
             return
         self.training.start_boundary(version)
         self._owed_switch(0)
-        self._replan("step_trained", None)
+        self._replan(StepTrained(v, now))
         self._publish()
         self.training.claim(version)  # data of the new step that arrived while the last one trained
         self.training.check_step(version)
@@ -546,12 +551,12 @@ class Simulator:
                 self.training.pull(c, self.ledger.version, sync)
 
     def _on_boundary_done(self, v: int, _: int) -> None:
-        self._train_then_replan("data_ready")
+        self._train_then_replan(DataReady(self.ledger.version, self.clock.now))
 
     def _on_pull_done(self, c: int, _: int) -> None:
         self.training.pull_done(c, self.ledger.version)
         self._owed_switch(c)
-        self._train_then_replan("micro_step_done", cell=c)
+        self._train_then_replan(WeightsPulled(self.ledger.version, self.clock.now, cell=c))
 
     # == switches =================================================================================
     def _owed_switch(self, c: int) -> None:
@@ -563,7 +568,7 @@ class Simulator:
     def _begin_switch(self, c: int, want: Role) -> None:
         now = self.clock.now
         sw = self.cfg.cost.switch
-        if self.cells.begin_switch(c, want, now) is SERVING:
+        if self.cells.begin_switch_at(c, want, now) is SERVING:
             # its sessions move; sessions of later steps yield their slots first
             moved, waited = self.serving.vacate(c, first_ahead=(self.ledger.version + 1) * self.n)
             self.cells.switch_count["migrations"] += moved
@@ -577,16 +582,20 @@ class Simulator:
         self.clock.push(now + dur, SWITCH, c, self.cells.switch_tok[c])
 
     def _on_switch_done(self, c: int, _: int) -> None:
-        want = self.cells.end_switch(c, self.clock.now)
+        now = self.clock.now
+        want = self.cells.end_switch_at(c, now)
         if self.timeline is not None:
-            self.timeline.role(self.clock.now, c, want, reason="switched")
+            self.timeline.role(now, c, want, reason="switched")
+        sw = self.cfg.cost.switch
+        seconds = sw.serving_to_training_s if want is TRAINING else sw.training_to_serving_s
+        event = Switched(self.ledger.version, now, cell=c, seconds=seconds)
         if want is TRAINING:
             self.cells.wver[c] = self.ledger.version  # the switch includes loading the current weights
-            self._train_then_replan("switched", cell=c)
+            self._train_then_replan(event)
         else:
             self.serving.reopen(c)
             self._start_waiting()
-            self._replan("switched", None, c)
+            self._replan(event)
 
     # == output ===================================================================================
     def _counter(self) -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gyre_jax.elastic.policies import Role
+from gyre_jax.elastic.state import Role, TrainingFacts
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.sim.cells import CellRoles
 from gyre_jax.sim.events import BATCH, BOUNDARY, EPS, MICRO, OPT, PULL, EventQueue
@@ -86,12 +86,12 @@ class TrainingModel:
         rest = w - full * self.micro_flops
         return full + (1 if complete and rest > EPS else 0)
 
-    def step_facts(self, v: int) -> tuple[int, int, int]:
+    def step_facts(self, v: int) -> TrainingFacts:
         """Step ``v``'s executions whose data is queued, micro-steps ready to claim and micro-steps running
         (zeros past the last step)."""
         if v >= self.steps:
-            return 0, 0, 0
-        return self.queued_count[v], self.ready_micro_steps(v), self.in_flight[v]
+            return TrainingFacts()
+        return TrainingFacts(self.queued_count[v], self.ready_micro_steps(v), self.in_flight[v])
 
     def evaluated(self, i: int) -> bool:
         """Execution ``i`` is evaluated; True if data entered the micro-step queue (without streaming the

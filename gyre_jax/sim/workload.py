@@ -259,6 +259,15 @@ def sample_step(
     return build_plan(turns, obs, gen, tool, setup, eval_s, spec, serving, segments)
 
 
+def check_plans(config: SimConfig, plans: list[SegmentPlan] | None) -> list[SegmentPlan] | None:
+    """``plans`` if they are one per step of ``config``, each of its batch size (None: none given)."""
+    if plans is not None and (len(plans) != config.steps or any(p.size != config.batch_size for p in plans)):
+        raise ValueError(
+            f"plans: expected {config.steps} steps of {config.batch_size} executions, got {[p.size for p in plans]}"
+        )
+    return plans
+
+
 class StepPlans:
     """A run's executions, step by step: each step's ``SegmentPlan`` (sampled on first use, or given: one per
     step, e.g. a real run's replayed) and each execution's training work (its J_max-capped FLOPs x

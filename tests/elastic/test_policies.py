@@ -14,13 +14,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gyre_jax.elastic.events import (
+    DataReady,
+    Finished,
+    MicroStepDone,
+    Started,
+    StepBegan,
+    StepTrained,
+    Switched,
+    Tick,
+    event_from_dict,
+)
 from gyre_jax.elastic.policies import (
     AsyncPolicy,
     ClusterState,
     ColocatedPolicy,
     Decision,
     ElasticPolicy,
-    Event,
     Role,
     Waterlevel,
     admissible,
@@ -58,7 +68,7 @@ def test_colocated_serves_while_executions_are_outstanding_then_all_cells_train(
     wl = Waterlevel()
     time = 0.0
     for step, (n, bulk, order) in enumerate(schedule):
-        roles = policy.decide(Event("step_began", step, time, executions_in_step=n), wl, roles)
+        roles = policy.decide(StepBegan(step, time, executions=n), wl, roles)
         assert roles == [SERVING] * num_cells
         if bulk:
             wl.dispatched += n
@@ -73,14 +83,16 @@ def test_colocated_serves_while_executions_are_outstanding_then_all_cells_train(
                 wl.finished += 1
                 finished += 1
             assert wl.outstanding >= 0
-            roles = policy.decide(Event(kind, step, time, execution_id=f"s{step}-e{i}"), wl, roles)
+            # a dispatch is announced by no event of its own: the next decision (here a tick) sees it in the counters
+            event = {"dispatched": Tick(step, time), "started": Started(step, time)}.get(kind)
+            roles = policy.decide(event or Finished(step, time, execution_id=f"s{step}-e{i}"), wl, roles)
             if finished < n:
                 assert roles == [SERVING] * num_cells, (k, kind, wl)  # still executions outstanding
             else:
                 assert k == len(order) - 1
                 assert roles == [TRAINING] * num_cells  # every execution of the step finished
         assert wl.outstanding == 0
-        roles = policy.decide(Event("step_trained", step, time), wl, roles)
+        roles = policy.decide(StepTrained(step, time), wl, roles)
         assert roles == [SERVING] * num_cells
 
 
@@ -88,28 +100,28 @@ def test_decide_returns_a_new_list_and_ignores_unrelated_events():
     policy = ColocatedPolicy(2)
     roles = [SERVING, SERVING]
     wl = Waterlevel()
-    policy.decide(Event("step_began", 0, 0.0, executions_in_step=2), wl, roles)
+    policy.decide(StepBegan(0, 0.0, executions=2), wl, roles)
     wl.dispatched = 2
-    out = policy.decide(Event("started", 0, 1.0, execution_id="a"), wl, roles)
+    out = policy.decide(Started(0, 1.0), wl, roles)
     assert out == roles and out is not roles
     wl.finished = 1
-    assert policy.decide(Event("finished", 0, 2.0, execution_id="a"), wl, roles) == [SERVING, SERVING]
+    assert policy.decide(Finished(0, 2.0, execution_id="a"), wl, roles) == [SERVING, SERVING]
     wl.finished = 2
-    assert policy.decide(Event("finished", 0, 3.0, execution_id="b"), wl, roles) == [TRAINING, TRAINING]
+    assert policy.decide(Finished(0, 3.0, execution_id="b"), wl, roles) == [TRAINING, TRAINING]
 
 
 def test_waterlevel_counters():
     wl = Waterlevel(dispatched=7, started=5, finished=3)
-    assert wl.outstanding == 4 and wl.queued == 2
+    assert wl.outstanding == 4 and wl.queued == 2 and wl.sessions == 2
 
 
 def test_make_policy_and_invalid_arguments():
     policy = make_policy("colocated", 3)
     assert isinstance(policy, ColocatedPolicy) and policy.name == "colocated" and policy.num_cells == 3
-    a = make_policy("async", 4, training_cells=1, max_staleness=2)
+    a = make_policy("async", 4, training_cells=1, dispatch_staleness=2)
     assert isinstance(a, AsyncPolicy) and a.initial_roles() == [TRAINING, SERVING, SERVING, SERVING]
     assert make_policy("async", 4).training_cells == 2  # default: half the cells train
-    e = make_policy("elastic", 4, max_staleness=0)
+    e = make_policy("elastic", 4, dispatch_staleness=0)
     assert isinstance(e, ElasticPolicy) and e.initial_roles() == [SERVING] * 4
     with pytest.raises(ValueError, match="unknown scheduling policy 'nope'"):
         make_policy("nope", 2)
@@ -122,18 +134,20 @@ def test_make_policy_and_invalid_arguments():
     with pytest.raises(ValueError, match="unknown async policy options"):
         make_policy("async", 4, leave_on="backlog")
     with pytest.raises(ValueError, match="colocated policy takes no options"):
-        make_policy("colocated", 4, max_staleness=1)
+        make_policy("colocated", 4, dispatch_staleness=1)
     with pytest.raises(ValueError, match="leave_on='sometimes'"):
         make_policy("elastic", 4, leave_on="sometimes")
-    with pytest.raises(ValueError, match="max_staleness=-1"):
-        make_policy("elastic", 4, max_staleness=-1)
+    with pytest.raises(ValueError, match="dispatch_staleness=-1"):
+        make_policy("elastic", 4, dispatch_staleness=-1)
+    with pytest.raises(ValueError, match="max_staleness was renamed: use dispatch_staleness"):
+        make_policy("elastic", 4, max_staleness=1)
     with pytest.raises(ValueError, match="unknown event kind 'exploded'"):
-        Event("exploded", 0, 0.0)
+        event_from_dict({"kind": "exploded", "step": 0, "time": 0.0})
 
 
 def test_a_policy_refuses_a_state_with_another_number_of_cells():
     with pytest.raises(ValueError, match="elastic policy has 3 cells but the state has 2"):
-        ElasticPolicy(3).plan(Event("tick", 0, 0.0), ClusterState(0.0, [SERVING] * 2, [4, 4]))
+        ElasticPolicy(3).plan(Tick(0, 0.0), ClusterState(0.0, [SERVING] * 2, [4, 4]))
 
 
 # -- staleness admission ------------------------------------------------------------------------------
@@ -157,14 +171,14 @@ def test_admission_never_lets_an_execution_be_trained_more_than_eta_versions_lat
 
 
 def test_async_keeps_its_split_and_dispatches_ahead_within_the_staleness_bound():
-    policy = AsyncPolicy(4, training_cells=1, max_staleness=1)
+    policy = AsyncPolicy(4, training_cells=1, dispatch_staleness=1)
     state = ClusterState(0.0, policy.initial_roles(), [8] * 4, Waterlevel(), batch_size=10)
-    d = policy.plan(Event("tick", 0, 0.0), state)
+    d = policy.plan(Tick(0, 0.0), state)
     assert d.roles == [TRAINING, SERVING, SERVING, SERVING] and d.dispatch == 20  # steps 0 and 1
     state.waterlevel.dispatched = 20
-    assert policy.plan(Event("finished", 0, 1.0), state).dispatch == 0
+    assert policy.plan(Finished(0, 1.0), state).dispatch == 0
     state.version = 1
-    assert policy.plan(Event("step_trained", 0, 2.0), state) == Decision(roles=[TRAINING] + [SERVING] * 3, dispatch=10)
+    assert policy.plan(StepTrained(0, 2.0), state) == Decision(roles=[TRAINING] + [SERVING] * 3, dispatch=10)
 
 
 # -- elastic: the waterlevel rules on random states ----------------------------------------------------
@@ -213,8 +227,8 @@ def elastic_states(draw):
 def test_elastic_leaves_one_at_a_time_in_order_within_the_waterlevel_and_returns_in_reverse(args):
     state, eta, leave_on = args
     before = copy.deepcopy(state)
-    policy = ElasticPolicy(state.num_cells, max_staleness=eta, leave_on=leave_on)
-    d = policy.plan(Event("tick", 0, state.time), state)
+    policy = ElasticPolicy(state.num_cells, dispatch_staleness=eta, leave_on=leave_on)
+    d = policy.plan(Tick(0, state.time), state)
     assert state == before  # the policy never changes the driver's facts
     k = state.num_cells
     effective = [state.effective_role(c) for c in range(k)]
@@ -251,23 +265,23 @@ def test_elastic_leaves_one_at_a_time_in_order_within_the_waterlevel_and_returns
 
 
 def test_elastic_core_leaves_first_when_the_waterlevel_falls_and_cells_return_when_a_batch_needs_them():
-    policy = ElasticPolicy(4, max_staleness=0)
+    policy = ElasticPolicy(4, dispatch_staleness=0)
     state = ClusterState(0.0, [SERVING] * 4, [2] * 4, Waterlevel(), targets=[None] * 4, busy=[False] * 4, batch_size=8)
-    d = policy.plan(Event("tick", 0, 0.0), state)
+    d = policy.plan(Tick(0, 0.0), state)
     assert d == Decision(roles=[SERVING] * 4, dispatch=8)  # the step's 8 executions fill the 4 x 2 slots
     state.waterlevel = Waterlevel(8, 8, 0)
     state.step_dispatched = state.due_outstanding = 8
-    assert policy.plan(Event("started", 0, 1.0), state).roles == [SERVING] * 4  # w = 8 > C_R - C_e = 6
+    assert policy.plan(Started(0, 1.0), state).roles == [SERVING] * 4  # w = 8 > C_R - C_e = 6
     state.waterlevel.finished = 2
     state.step_finished, state.due_outstanding = 2, 6
-    d = policy.plan(Event("finished", 0, 2.0), state)
+    d = policy.plan(Finished(0, 2.0), state)
     assert d.roles == [TRAINING, SERVING, SERVING, SERVING]  # w = 6 <= 8 - 2: the core leaves first
     state.roles[0], state.targets[0] = SWITCHING, TRAINING
     state.waterlevel.finished = 6
     state.step_finished, state.due_outstanding = 6, 2
-    assert policy.plan(Event("finished", 0, 3.0), state).roles == [TRAINING, SERVING, SERVING, SERVING]  # one at a time
+    assert policy.plan(Finished(0, 3.0), state).roles == [TRAINING, SERVING, SERVING, SERVING]  # one at a time
     state.roles[0], state.targets[0] = TRAINING, None
-    d = policy.plan(Event("switched", 0, 4.0, cell=0), state)
+    d = policy.plan(Switched(0, 4.0, cell=0), state)
     assert d.roles == [TRAINING, TRAINING, SERVING, SERVING]  # then satellite 1
     state.roles = [TRAINING, TRAINING, TRAINING, SERVING]
     state.waterlevel.finished = 8
@@ -275,12 +289,12 @@ def test_elastic_core_leaves_first_when_the_waterlevel_falls_and_cells_return_wh
     state.due_outstanding = 0
     state.version = 1  # the step was trained: the next batch needs every slot
     state.step_dispatched = state.step_finished = state.step_processed = 0
-    d = policy.plan(Event("step_trained", 0, 5.0), state)
+    d = policy.plan(StepTrained(0, 5.0), state)
     assert d.dispatch == 8 and d.roles == [SERVING] * 4  # 8 executions need all 4 cells: every cell returns
 
 
 def test_elastic_keeps_the_core_training_while_its_step_has_work():
-    policy = ElasticPolicy(2, max_staleness=0)
+    policy = ElasticPolicy(2, dispatch_staleness=0)
     state = ClusterState(
         0.0,
         [TRAINING, SERVING],
@@ -296,9 +310,9 @@ def test_elastic_keeps_the_core_training_while_its_step_has_work():
     # two due executions waiting for one free slot; the core is computing a micro-step: it stays
     state.waterlevel = Waterlevel(4, 1, 0)
     state.step_dispatched, state.due_outstanding = 4, 4
-    assert policy.plan(Event("tick", 0, 0.0), state).roles == [TRAINING, SERVING]
+    assert policy.plan(Tick(0, 0.0), state).roles == [TRAINING, SERVING]
     state.busy, state.in_flight = [False, False], 0  # nothing to train now: the core goes back to serve them
-    assert policy.plan(Event("micro_step_done", 0, 1.0, cell=0), state).roles == [SERVING, SERVING]
+    assert policy.plan(MicroStepDone(0, 1.0, cell=0), state).roles == [SERVING, SERVING]
 
 
 def test_same_events_and_states_give_the_same_decisions():
@@ -323,7 +337,9 @@ def test_same_events_and_states_give_the_same_decisions():
         )
         script.append(
             (
-                Event(["finished", "micro_step_done", "switched", "data_ready"][t % 4], t // 20, float(t), cell=t % 4),
+                [Finished, MicroStepDone, Switched, DataReady][t % 4](
+                    t // 20, float(t), **({"cell": t % 4} if t % 4 in (1, 2) else {})
+                ),
                 state,
             )
         )

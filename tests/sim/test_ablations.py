@@ -87,7 +87,7 @@ def test_ablate_elastic_ideal_quick(tmp_path):
     best = min((r for k, r in runs.items() if k.startswith("tiny/eta1/async-")), key=lambda r: r["step_time_s"])
     partial = runs["tiny/eta1/+ partial rollouts"]
     assert partial["partial_rollouts"] and partial["drop_staleness"] == 2
-    assert runs["tiny/eta1/+ longest first"]["policy_options"] == partial["policy_options"] == {"max_staleness": 1}
+    assert runs["tiny/eta1/+ longest first"]["policy_options"] == partial["policy_options"] == {"dispatch_staleness": 1}
     row = rows["+ partial rollouts (eta=1)"]
     assert row["speedup_vs_async_best_same_eta"] == best["step_time_s"] / partial["step_time_s"]
     assert row["busy"] == partial["busy_fraction"] and row["token_staleness_max"] <= 2

@@ -175,7 +175,7 @@ def test_run_sim_config_reads_the_runs_shape(tmp_path):
     )
     cfg = run_sim_config(tmp_path)
     assert (cfg.num_cells, cfg.cell_accelerators, cfg.slots_per_cell) == (2, 4, 6)
-    assert cfg.policy == "elastic" and dict(cfg.policy_options)["max_staleness"] == 2 and cfg.steps == 7
+    assert cfg.policy == "elastic" and dict(cfg.policy_options)["dispatch_staleness"] == 2 and cfg.steps == 7
     assert cfg.placement == "balanced" and cfg.prefill_interference
     from gyre_jax.model.config import ModelConfig
 
@@ -199,7 +199,7 @@ def test_run_sim_config_reads_runs_written_before_the_staleness_keys_were_rename
     c["schedule"]["max_staleness"] = c["schedule"].pop("dispatch_staleness")  # an old run's config.json
     c["rl"]["max_staleness"] = c["rl"].pop("drop_staleness")
     (tmp_path / "config.json").write_text(json.dumps(c))
-    assert dict(run_sim_config(tmp_path).policy_options)["max_staleness"] == 3
+    assert dict(run_sim_config(tmp_path).policy_options)["dispatch_staleness"] == 3
 
 
 def test_execution_timing_comes_from_the_timeline_and_results(run_dir):

@@ -42,7 +42,7 @@ def test_every_trained_execution_ended_and_the_counts_add_up(run):
     ended = {eid for eid, span in tl.executions.items() if math.isfinite(span.end)}
     assert {sim._eid(i) for i in trained} <= ended
     assert len(sim.staleness) == len(trained)
-    eta = dict(cfg.policy_options).get("max_staleness", 0)
+    eta = dict(cfg.policy_options).get("dispatch_staleness", 0)
     assert 0 <= result.staleness["max"] <= eta
 
 
@@ -214,6 +214,6 @@ def test_training_starts_as_soon_as_its_data_and_weights_are_there():
 def test_the_dispatch_bound_has_the_run_configs_name():
     """``schedule.dispatch_staleness`` (eta) in the simulator's presets as in the run config; the old name is
     refused with the new one."""
-    assert dict(load_sim_config("tiny", {"schedule.dispatch_staleness": 2}).policy_options)["max_staleness"] == 2
+    assert dict(load_sim_config("tiny", {"schedule.dispatch_staleness": 2}).policy_options)["dispatch_staleness"] == 2
     with pytest.raises(ConfigError, match="schedule.max_staleness was renamed: use config.schedule.dispatch_staleness"):
         load_sim_config("tiny", {"schedule.max_staleness": 2})
