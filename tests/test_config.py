@@ -715,6 +715,7 @@ def test_presets_load_on_the_defaults(path):
     c = load_config(["--config", path])
     assert c.devices.platform in ("gpu", "tpu") and c.model.dtype == "bfloat16" and c.warm_start.steps == 0
     assert c.rl.group_size == 16 and c.rl.drop_staleness == RunConfig().rl.drop_staleness  # the rest: defaults
+    assert c.serving.warmup is True  # the default, not tiny_cpu.py's CPU-only choice: no first-request compiles
     assert RunConfig.from_config_dict(c.to_config_dict()) == c
 
 
