@@ -4,7 +4,8 @@ Launch one process per host (Slurm script and environment in docs/multihost.md):
     srun python -m gyre_jax.train --config configs/gpu_cluster.py [--config.a.b=value ...]
 (add --config.model.checkpoint_dir=/shared/Qwen3-30B-A3B --config.tokenizer.kind=hf for real weights)
 
-Built on configs/tiny_cpu.py. JAX finds the coordinator, process count and id from Slurm's variables
+Built on the defaults (``config.default_config()``: every key's own default; serving.warmup
+on, unlike configs/tiny_cpu.py). JAX finds the coordinator, process count and id from Slurm's variables
 (config.distributed.coordinator_address / num_processes / process_id left to auto-detect); each process
 uses its host's 8 GPUs (config.distributed.local_device_ids). Parallelism:
 4 cells, each one whole host (8 GPUs, experts split 8 ways over NVLink); the training mesh is data=4
@@ -13,15 +14,13 @@ weights, gradients and Adam moments, about 16 bytes x 30.5B parameters = 490 GB 
 remat is on and the KV cache is kept to 16 slots x 32K tokens x 96 KB = 50 GB per cell.
 """
 
-from pathlib import Path
-
 from gyre_jax import config as config_lib
 from gyre_jax.model.config import QWEN3_30B_A3B
 from gyre_jax.model.sharding import RULES_EXPERT
 
 
 def get_config():
-    c = config_lib.base_config(Path(__file__).with_name("tiny_cpu.py"))
+    c = config_lib.default_config()
     c.workdir = "/shared/runs/gpu_cluster"  # every host must see the same directory (checkpoints, records)
     c.devices.platform = "gpu"
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 4, 1, 1

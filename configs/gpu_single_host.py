@@ -3,7 +3,8 @@
 Run: python -m gyre_jax.train --config configs/gpu_single_host.py [--config.a.b=value ...]
      (add --config.model.checkpoint_dir=/path/to/Qwen3-1.7B --config.tokenizer.kind=hf for real weights)
 
-Built on configs/tiny_cpu.py (every other key keeps its value there). Parallelism: the training mesh is
+Built on the defaults (``config.default_config()``: every key's own default; serving.warmup
+on, unlike configs/tiny_cpu.py). Parallelism: the training mesh is
 fsdp=4 x tensor=2 over the 8 GPUs; 4 cells of 2 GPUs (tensor=2: a cell is a part of the host, its tensor
 pair shares NVLink). One process drives all 8 GPUs, so config.distributed stays disabled. Memory
 (estimates, not measured here): the core cell holds fp32 master weights, gradients and Adam moments, about
@@ -11,14 +12,12 @@ pair shares NVLink). One process drives all 8 GPUs, so config.distributed stays 
 29 GB) and activations (remat on).
 """
 
-from pathlib import Path
-
 from gyre_jax import config as config_lib
 from gyre_jax.model.config import QWEN3_1P7B
 
 
 def get_config():
-    c = config_lib.base_config(Path(__file__).with_name("tiny_cpu.py"))
+    c = config_lib.default_config()
     c.workdir = "runs/gpu_single_host"
     c.devices.platform = "gpu"
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 4, 2

@@ -4,7 +4,8 @@ Launch the same command on every host (gcloud recipe in docs/multihost.md):
     python -m gyre_jax.train --config configs/tpu_pod.py [--config.a.b=value ...]
 (add --config.model.checkpoint_dir=/mnt/disks/models/Qwen3-8B --config.tokenizer.kind=hf for real weights)
 
-Built on configs/tiny_cpu.py. JAX reads the worker id and the slice's hosts from the TPU VM metadata
+Built on the defaults (``config.default_config()``: every key's own default; serving.warmup
+on, unlike configs/tiny_cpu.py). JAX reads the worker id and the slice's hosts from the TPU VM metadata
 (config.distributed left to auto-detect). Parallelism: 8 cells of 4 chips, each cell one whole host
 (worker 0's host is the core); inside a cell, tensor=4 (32 query / 8 KV heads split 4 ways). A cell
 over several hosts (needed for a core larger than one host's HBM, e.g. Qwen3-30B-A3B's ~490 GB of
@@ -14,14 +15,12 @@ master weights, gradients and Adam moments) is not supported yet by the multi-pr
 (data=8 x tensor=4) is used for initialization.
 """
 
-from pathlib import Path
-
 from gyre_jax import config as config_lib
 from gyre_jax.model.config import QWEN3_8B
 
 
 def get_config():
-    c = config_lib.base_config(Path(__file__).with_name("tiny_cpu.py"))
+    c = config_lib.default_config()
     c.workdir = "/mnt/shared/runs/tpu_pod"  # a filesystem every host mounts (e.g. Filestore / GCS FUSE)
     c.devices.platform = "tpu"
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 8, 1, 4

@@ -3,7 +3,8 @@
 ``setup(config)``: the devices, the training mesh and the cells, the model (random init or a Hugging Face
 checkpoint; a collective program over every process's devices) and the tokenizer. ``CellFactory``: a
 cell's layout, serving engine and loop, and gradient worker. ``warm_start``: the optional supervised warm
-start on the suite's demonstrations (collective too). ``core_params``: the params from the training mesh
+start on the suite's demonstrations (collective too). ``make_suite``: the task suite the config names, loaded
+and checked (the config itself reads no file). ``core_params``: the params from the training mesh
 onto the core cell (across processes, one program every process runs: ``publish_to_cells``).
 """
 
@@ -22,6 +23,7 @@ import jax
 from flax import nnx
 
 from gyre_jax import runtime
+from gyre_jax.config.base import ConfigError
 from gyre_jax.config.run import check_routing_replay
 from gyre_jax.faultpoints import kill_point
 from gyre_jax.model.config import ModelConfig
@@ -190,10 +192,18 @@ class CellFactory:
 
 
 def make_suite(config) -> TaskSuite:
-    """The suite ``config.rollout.suite`` names (``rollout.suites.make_suite``)."""
+    """The suite ``config.rollout.suite`` names (``rollout.suites.make_suite``): the builtin suite, or a harbor/jsonl
+    suite read from disk and checked task by task. The config holds only the suite's name; this is where it is
+    loaded, before any work: a suite that cannot be read or does not fit the config (a malformed task, a
+    held-out split that leaves nothing to train on) raises ``ConfigError`` naming ``config.rollout.suite``."""
     r = config.rollout
     if r.suite != "builtin":
-        return suites.make_suite(r.suite, seed=config.seed, max_turns=r.max_turns, heldout_fraction=r.heldout_fraction)
+        try:
+            return suites.make_suite(
+                r.suite, seed=config.seed, max_turns=r.max_turns, heldout_fraction=r.heldout_fraction
+            )
+        except suites.SuiteError as exc:
+            raise ConfigError(f"config.rollout.suite={r.suite!r}: {exc}") from None
     return BuiltinSuite(
         kinds=tuple(r.task_kinds),
         seed=config.seed,

@@ -14,28 +14,29 @@ import threading
 import jax
 
 from gyre_jax import build, runtime
+from gyre_jax.rollout.suites import TaskSuite
 from gyre_jax.runtime.host import CellHost, HostedCell
+from gyre_jax.runtime.local import LocalCell
 
 log = logging.getLogger("gyre_jax")
 
 
-def follow(config) -> int:
-    """Runs this follower process's part of the run described by ``config``; returns the exit status."""
+def follow(config, suite: TaskSuite) -> int:
+    """Runs this follower process's part of the run described by ``config`` (``suite``: its task suite, for the
+    warm start's demonstrations); returns the exit status."""
     s = build.setup(config)
     latest = runtime.broadcast_decision(None)["latest"]  # the leader's: whether the warm start runs
     if latest is None:
         params = s.params
         if config.warm_start.steps > 0:
-            params = build.warm_start(s, build.make_suite(config), threading.Event())
+            params = build.warm_start(s, suite, threading.Event())
         build.core_params(s, params)
     s.params = None
     factory = build.CellFactory(s, config.loss_config())
     layouts = {cell.index: factory.layout(cell) for cell in s.cells}
-    mine = {
+    mine = {  # each serves from the leader's first SetWeights on (``LocalCell.serve``)
         cell.index: HostedCell(
-            layout=layouts[cell.index],
-            make_loop=lambda p, v, cell=cell: factory.loop(cell, p, v),
-            worker=factory.worker(cell),
+            LocalCell(cell, layouts[cell.index], None, factory.worker(cell), lambda p, v, c=cell: factory.loop(c, p, v))
         )
         for cell in s.cells
         if cell.processes == (s.process,)

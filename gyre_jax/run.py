@@ -1,9 +1,16 @@
 """``Run``: one run directory's RL steps, evaluations and checkpoints, on the parts ``train.build_run`` built.
 
-The controller (``elastic/controller.py``) runs the RL steps between evaluations as one segment (executions
-of later steps may start early within a segment under the async and elastic policies, never across an
-evaluation); evaluation runs between segments with every cell serving. The train state has one owner,
-``controller.training`` (``Run.state`` reads it).
+A run is a few parts, each built whole before the loop starts (nothing is wired into them afterwards):
+
+- ``RunDir``: what the run writes in its directory (results, metrics, checkpoints, the timeline, measured costs);
+- ``Rollouts``: which executions each step and evaluation runs, the executor that runs their harnesses and the
+  proxy those call;
+- ``runtime.Cells``: a handle per cell and the links to the follower processes;
+- the ``Controller`` (``elastic/controller.py``), which runs the RL steps between evaluations as one segment
+  (executions of later steps may start early within a segment under the async and elastic policies, never across
+  an evaluation); evaluation runs between segments with every cell serving. The train state has one owner,
+  ``controller.training`` (``Run.state`` reads it);
+- ``RunStop``: why the run stops early (a signal, a follower's request or failure, steps that trained nothing).
 
 Run directory layout (see docs/records.md):
     checkpoints/<step>/      orbax: train state + JSON meta (policy version, data cursor)
@@ -29,7 +36,8 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,23 +51,15 @@ from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.faultpoints import kill_point
 from gyre_jax.metrics import MetricsWriter, format_step_line
 from gyre_jax.proxy.records import RecordStore
-from gyre_jax.proxy.router import Router
 from gyre_jax.proxy.server import ProxyServer
-from gyre_jax.rl.learner import Learner, TrainState
+from gyre_jax.rl.learner import TrainState
 from gyre_jax.rollout.executor import ExecutionResult, ExecutionSpec, Executor, summarize
 from gyre_jax.rollout.process_group import kill_leftover_group
 from gyre_jax.rollout.suites import TaskSuite
-from gyre_jax.runtime.handle import CellHandle
+from gyre_jax.runtime.remote import Cells
 from gyre_jax.sim.calibrate import MEASUREMENTS_FILE, write_measurements
-from gyre_jax.trajectory.pipeline import TrajectoryConfig, TrajectoryPipeline
 
 log = logging.getLogger("gyre_jax")
-
-
-def fsync_write(path: Path, text: str) -> None:
-    """Writes ``text`` to ``path`` atomically and durably (``disk.write_whole``: the old file or the whole new one;
-    ``DiskFull`` on a full disk)."""
-    write_whole(path, text)
 
 
 EXIT_UNTRAINED = 3  # the exit status of a run stopped by ``UntrainedSteps`` (config.rl.max_untrained_steps)
@@ -200,38 +200,153 @@ class ExecutionPlan:
 
 
 @dataclass
-class Run:
-    """The leader's run (see the module docstring); ``run()`` trains until ``total_steps`` or a stop."""
+class RunDir:
+    """What the run writes in its directory besides the records and the execution queue (the proxy's and the
+    pipeline's): step and evaluation results, metrics, checkpoints, the cell timeline and the measured costs."""
 
-    config: Any
-    workdir: Path
-    stop: threading.Event
-    start_step: int
-    tokenizer: Any
-    model_cfg: Any
-    plan: ExecutionPlan
-    learner: Learner
-    trajectory_cfg: TrajectoryConfig
+    path: Path
     checkpointer: Checkpointer
     metrics: MetricsWriter
-    records: RecordStore
-    pipeline: TrajectoryPipeline
-    handles: list[CellHandle]
-    router: Router
-    proxy: ProxyServer
-    executor: Executor
-    controller: Controller
     timeline: TimelineWriter
-    links: list  # the followers' links (multi-process runs)
-    pipeline_state: dict | None = None  # the pipeline's state at the last step boundary (checkpointed)
-    is_leader: bool = True
-    untrained: UntrainedSteps | None = None  # set in __post_init__ from config.rl.max_untrained_steps
-    untrained_error: str | None = None  # why the run stopped early for steps that trained nothing (exit 3)
-    signalled: bool = False  # this process got SIGINT/SIGTERM (a second one exits at once)
+
+    def results_file(self, name: str) -> Path:
+        """``results/<name>.jsonl``: ``step_<k>`` or ``eval_<k>``."""
+        return self.path / "results" / f"{name}.jsonl"
+
+    def write_results(self, name: str, lines: str) -> None:
+        """Whole and durable before it returns (``disk.write_whole``; ``DiskFull`` on a full disk)."""
+        write_whole(self.results_file(name), lines)
+
+    def write_costs(self, costs: Any, step_logs: list) -> None:
+        """The measured costs (``cost_measurements.json``, the simulator's calibration input); a failure is logged,
+        never raised (it must not hide the error that ended a segment, e.g. the full disk that stopped it)."""
+        try:
+            write_measurements(self.path / MEASUREMENTS_FILE, costs, step_logs)
+        except OSError as exc:
+            log.warning("measured costs not written: %s", exc)
+
+
+@dataclass
+class Rollouts:
+    """The harness side of the run: which executions each step and evaluation runs (``plan``), the executor that
+    runs them and the proxy their harnesses call."""
+
+    plan: ExecutionPlan
+    executor: Executor
+    proxy: ProxyServer
+
+    def evaluation(self, step: int) -> dict[str, list[ExecutionResult]]:
+        """Runs the evaluation after ``step`` RL steps, all splits at once; returns each split's results, in the
+        plan's order (``ExecutionPlan.evaluation``)."""
+        plan = self.plan.evaluation(step)
+        results = iter(self.executor.run([s for specs in plan.values() for s in specs]))
+        return {split: [next(results) for _ in specs] for split, specs in plan.items()}
+
+
+STOP_REQUESTED = "stop requested: finishing up and saving a checkpoint (send again to force)"
+
+
+class RunStop:
+    """Why the run stops before ``total_steps``, set from any thread.
+
+    A stop request (SIGINT/SIGTERM to this process, one a follower relays, steps that trained nothing) ends the
+    run at the next step boundary with a checkpoint; a failure (a follower process failed) ends it without one
+    (``Run.run`` raises it). ``event`` is what the controller checks; ``cancelling`` kills the running harnesses
+    as soon as either happens."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.failure: str | None = None
+        self.signalled = False  # this process got SIGINT/SIGTERM (a second one exits at once)
+        self._changed = threading.Condition()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def _set(self) -> None:
+        with self._changed:
+            self.event.set()
+            self._changed.notify_all()
+
+    def request(self, why: str = "") -> None:
+        """Stops the run at the next step boundary, keeping a checkpoint; ``why`` is logged."""
+        if why:
+            log.warning("%s", why)
+        self._set()
+
+    def signal(self, *_: Any) -> None:
+        """SIGINT/SIGTERM to this process. A second one exits at once (status 130) without saving. A stop already
+        under way for another reason (a follower relayed the same preemption notice first, or the run stopped
+        itself) does not make this signal the second one."""
+        if self.signalled:
+            log.error("second stop request: exiting now without saving")
+            os._exit(130)
+        self.signalled = True
+        if self.is_set():
+            log.warning(
+                "stop requested here too (a stop is already under way): saving a checkpoint (send again to force)"
+            )
+            return
+        self.request("stop requested")
+
+    def follower_asks(self) -> None:
+        """A follower got SIGINT/SIGTERM (e.g. every process got Slurm's): stop and save, once, whether this process
+        got the signal before, after, or not at all; never a forcing request."""
+        if not self.is_set():
+            self.request(STOP_REQUESTED)
+
+    def fail(self, message: str) -> None:
+        """A part of the run failed where no exception reaches the loop (a follower process): the run ends without
+        a checkpoint, raising ``message``."""
+        log.error("%s", message)
+        if self.failure is None:
+            self.failure = message
+        self._set()
+
+    @contextmanager
+    def cancelling(self, cancel: Callable[[], None]) -> Iterator[None]:
+        """Within the block, ``cancel()`` (the executor's: kill every running harness) runs once, as soon as the run
+        is asked to stop or fails; it has run when the block exits."""
+        released = False
+
+        def watch() -> None:
+            with self._changed:
+                self._changed.wait_for(lambda: self.event.is_set() or released)
+            if self.event.is_set():
+                cancel()
+
+        watcher = threading.Thread(target=watch, name="run-stop", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            with self._changed:
+                released = True
+                self._changed.notify_all()
+            watcher.join()
+
+
+@dataclass
+class Run:
+    """The leader's run (see the module docstring): its parts, then ``run()`` trains until ``total_steps`` or a
+    stop."""
+
+    config: Any
+    start_step: int
+    rundir: RunDir
+    rollouts: Rollouts
+    cells: Cells
+    controller: Controller
+    stop: RunStop
+    pipeline_state: dict | None  # the pipeline's state at the last step boundary (checkpointed)
+    untrained: UntrainedSteps = field(init=False)  # from config.rl.max_untrained_steps
+    untrained_error: str | None = field(default=None, init=False)  # why the run stopped for untrained steps (exit 3)
+    _saved_step: int = field(init=False)  # the step of the last checkpoint
+    _bar: Any = field(default=None, init=False)  # the segment's progress bar, if shown
 
     def __post_init__(self) -> None:
-        if self.untrained is None:
-            self.untrained = UntrainedSteps(self.config.rl.max_untrained_steps)
+        self.untrained = UntrainedSteps(self.config.rl.max_untrained_steps)
+        self._saved_step = self.start_step
 
     @property
     def state(self) -> TrainState:
@@ -244,19 +359,23 @@ class Run:
         handlers = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
-                handlers[sig] = signal.signal(sig, self.request_stop)
-        step, self._saved_step, self._bar, ended = self.start_step, self.start_step, None, False
+                handlers[sig] = signal.signal(sig, self.stop.signal)
+        step, ended = self.start_step, False
         try:
-            while step < c.total_steps and not self.stop.is_set():
-                if self._eval_due(step) and self.evaluate(step) is None and self.stop.is_set():
-                    break
-                step = self._segment(step, self._next_eval_step(step))
-            if step == c.total_steps and not self.stop.is_set() and self._eval_due(step):
-                self.evaluate(step)
+            with self.stop.cancelling(self.rollouts.executor.cancel):
+                while step < c.total_steps and not self.stop.is_set():
+                    if self._eval_due(step) and self.evaluate(step) is None and self.stop.is_set():
+                        break
+                    step = self._segment(step, self._next_eval_step(step))
+                if step == c.total_steps and not self.stop.is_set() and self._eval_due(step):
+                    self.evaluate(step)
+            if self.stop.failure is not None:
+                raise RuntimeError(self.stop.failure)
             ended = True
         finally:
-            # After an error (a full disk, a failed micro-step) the state may be past ``step``, mid-segment:
-            # only the last checkpoint, saved at a step boundary, is consistent; the next run resumes there.
+            # After an error (a full disk, a failed micro-step or follower) the state may be past ``step``,
+            # mid-segment: only the last checkpoint, saved at a step boundary, is consistent; the next run resumes
+            # there.
             if ended and self._saved_step != step:
                 self.save_checkpoint(step)
             elif not ended:
@@ -288,11 +407,7 @@ class Run:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
-            logs = [h.stats().step_log for h in self.handles]
-            try:
-                write_measurements(self.workdir / MEASUREMENTS_FILE, self.controller.costs, logs)
-            except OSError as exc:  # never hides the segment's own error (e.g. the full disk that stopped it)
-                log.warning("measured costs not written: %s", exc)
+            self.rundir.write_costs(self.controller.costs, self.cells.step_logs())
 
     def _next_eval_step(self, step: int) -> int:
         """The end of the segment starting at ``step``: the next step with an evaluation, or the last."""
@@ -305,7 +420,7 @@ class Run:
         """Right after step ``step``'s optimizer update: results, metrics, checkpoint."""
         c = self.config
         self.pipeline_state = pipeline_state
-        fsync_write(self.workdir / "results" / f"step_{step:06d}.jsonl", _jsonl(results))
+        self.rundir.write_results(f"step_{step:06d}", _jsonl(results))
         kill_point("results_written")
         counts = summarize(results)
         valid = [r.reward for r in results if not r.excluded]
@@ -318,7 +433,7 @@ class Run:
             **{k: counts[k] for k in ("evaluator_failures", "evaluator_timeouts")},
             **learner_metrics,
         }
-        self.metrics.write(step, metrics)
+        self.rundir.metrics.write(step, metrics)
         if self._bar is not None:
             self._bar.update(1)
         print(format_step_line(step + 1, c.total_steps, metrics), flush=True)
@@ -327,31 +442,29 @@ class Run:
         error = self.untrained.observe(step, results, learner_metrics)
         if error is not None and self.untrained_error is None:
             self.untrained_error = error
-            self.stop.set()  # as a stop request: the segment ends, running harnesses are killed, a checkpoint kept
-            self.executor.cancel()
+            self.stop.request()  # the segment ends, running harnesses are killed, a checkpoint kept
 
     # -- evaluation -----------------------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, dict[str, Any]] | None:
         """Scores the policy after ``step`` RL steps on each evaluation split (``config.eval_splits()``): one
         metrics line per split; all splits' results in ``results/eval_<step>.jsonl``, each with its
         ``eval_split``. Returns split -> metrics, None if interrupted."""
-        e = self.config.eval
-        if e.samples_per_task == 0:
+        if self.config.eval.samples_per_task == 0:
             return None
         t0 = time.time()
-        plan = self.plan.evaluation(step)
-        split_of = {s.execution_id: split for split, specs in plan.items() for s in specs}
-        results = self.executor.run([s for specs in plan.values() for s in specs])  # all splits at once
+        by_split = self.rollouts.evaluation(step)
         if self.stop.is_set():
             return None
-        lines = "".join(json.dumps(dict(r.to_dict(), eval_split=split_of[r.execution_id])) + "\n" for r in results)
-        fsync_write(self.workdir / "results" / f"eval_{step:06d}.jsonl", lines)
+        lines = "".join(
+            json.dumps(dict(r.to_dict(), eval_split=split)) + "\n" for split, rs in by_split.items() for r in rs
+        )
+        self.rundir.write_results(f"eval_{step:06d}", lines)
         eval_s = time.time() - t0
         out = {}
-        for split in plan:
-            out[split] = metrics = eval_metrics([r for r in results if split_of[r.execution_id] == split], split)
+        for split, split_results in by_split.items():
+            out[split] = metrics = eval_metrics(split_results, split)
             metrics.update(eval_s=eval_s, policy_version=int(self.state.step))
-            self.metrics.write(step, metrics)
+            self.rundir.metrics.write(step, metrics)
             print(
                 f"eval after {step} RL steps ({split} tasks, {metrics['eval_executions']} executions): reward "
                 f"{metrics['eval_reward_mean']:.3f}  pass {metrics['eval_pass_rate']:.2f}  excluded "
@@ -362,11 +475,11 @@ class Run:
 
     def _eval_due(self, step: int) -> bool:
         e = self.config.eval
-        if e.samples_per_task == 0 or (self.workdir / "results" / f"eval_{step:06d}.jsonl").exists():
+        if e.samples_per_task == 0 or self.rundir.results_file(f"eval_{step:06d}").exists():
             return False
         return step == 0 or step == self.config.total_steps or (e.every_steps > 0 and step % e.every_steps == 0)
 
-    # -- checkpoints, signals, shutdown ---------------------------------------------------------------------
+    # -- checkpoints, shutdown ------------------------------------------------------------------------------
     def save_checkpoint(self, next_step: int) -> None:
         """Train state + meta (the pipeline state at the last step boundary: a resumed run neither drops nor
         repeats an execution)."""
@@ -379,45 +492,20 @@ class Run:
             "time": time.time(),
             "pipeline": self.pipeline_state,
         }
-        self.checkpointer.save(next_step, state, meta)
+        self.rundir.checkpointer.save(next_step, state, meta)
         self._saved_step = next_step
 
-    def request_stop(self, *_: Any) -> None:
-        """This process got SIGINT/SIGTERM: stops the run at the next safe point (running harnesses are killed, a
-        checkpoint is kept). A second signal exits at once (status 130) without saving. A stop already under way
-        for another reason (a follower relayed the same preemption notice first, or the run stopped itself) does
-        not make this signal the second one."""
-        if self.signalled:
-            log.error("second stop request: exiting now without saving")
-            os._exit(130)
-        self.signalled = True
-        if self.stop.is_set():
-            log.warning(
-                "stop requested here too (a stop is already under way): saving a checkpoint (send again to force)"
-            )
-            return
-        self._begin_stop()
-
-    def follower_asks_stop(self) -> None:
-        """A follower got SIGINT/SIGTERM (e.g. every process got Slurm's): stop and save, once, whether this
-        process got the signal before, after, or not at all; never a forcing request."""
-        if not self.stop.is_set():
-            self._begin_stop()
-
-    def _begin_stop(self) -> None:
-        log.warning("stop requested: finishing up and saving a checkpoint (send again to force)")
-        self.stop.set()
-        self.executor.cancel()
-
     def close(self) -> None:
+        """Stops every part, best effort (the first errors are logged): the proxy, the cells and the followers, the
+        controller, then the run directory's writers."""
         closers = (
-            self.proxy.stop,
-            *[h.close for h in self.handles],
-            *[link.close for link in self.links],
+            self.rollouts.proxy.stop,
+            *[h.close for h in self.cells.handles],
+            *[link.close for link in self.cells.links],
             self.controller.close,
-            lambda: self.timeline.close(time.time()),
-            self.metrics.close,
-            self.checkpointer.close,
+            lambda: self.rundir.timeline.close(time.time()),
+            self.rundir.metrics.close,
+            self.rundir.checkpointer.close,
         )
         for closer in closers:
             try:

@@ -1,7 +1,7 @@
 """Entry point: ``python -m gyre_jax.train [--config configs/<name>.py] [--config.a.b=value ...]``.
 
-Loads and validates the config before any work starts (a bad config exits with status 2 and one line
-saying what is wrong), starts this process (``runtime.initialize``: platform, devices, and
+Loads and validates the config and loads its task suite before any work starts (a bad config or suite exits
+with status 2 and one line saying what is wrong), starts this process (``runtime.initialize``: platform, devices, and
 ``jax.distributed`` for a multi-process run), then process 0 builds the run (``build_run``) and trains;
 every other process follows (``follower.follow``). Running again with the same ``workdir`` resumes from
 the last checkpoint; SIGINT/SIGTERM save and exit.
@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Sequence
 
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 from gyre_jax import build, runtime
 from gyre_jax import config as config_lib
 from gyre_jax.checkpoint import Checkpointer
-from gyre_jax.disk import DiskFull, is_disk_full
+from gyre_jax.disk import DiskFull, is_disk_full, write_whole
 from gyre_jax.elastic.controller import Controller
 from gyre_jax.elastic.ledger import RolloutLedger
 from gyre_jax.elastic.policies import make_policy
@@ -44,74 +43,79 @@ from gyre_jax.proxy.server import ProxyServer
 from gyre_jax.rl.learner import Learner, TrainState
 from gyre_jax.rollout.executor import Executor
 from gyre_jax.rollout.sandbox import make_sandbox
-from gyre_jax.rollout.suites import HarborSuite
-from gyre_jax.run import EXIT_UNTRAINED, ExecutionPlan, Run, fsync_write
+from gyre_jax.rollout.suites import HarborSuite, TaskSuite
+from gyre_jax.run import EXIT_UNTRAINED, ExecutionPlan, Rollouts, Run, RunDir, RunStop
 from gyre_jax.runtime.local import LocalCell
-from gyre_jax.runtime.remote import open_cells
+from gyre_jax.runtime.remote import Cells, open_cells
 from gyre_jax.runtime.transfer import transfer
 from gyre_jax.trajectory.pipeline import TrajectoryConfig, TrajectoryPipeline
 
 log = logging.getLogger("gyre_jax")
 
 
-def build_run(config) -> Run:
-    """Process 0's run from ``config``, top to bottom: setup -> core learner and train state -> data ->
-    cells -> proxy and executor -> controller."""
+def build_run(config, suite: TaskSuite | None = None) -> Run:
+    """Process 0's run from ``config``, top to bottom: its parts are built whole, then ``Run.run`` trains.
+
+    setup -> core learner and train state -> data -> cells -> proxy and executor -> controller. ``suite``: the
+    config's task suite if ``main`` already loaded it (``build.make_suite``, before any work)."""
     config_lib.validate(config)
+    suite = build.make_suite(config) if suite is None else suite
     [log.warning("%s", w) for w in build.preflight(config)]  # sandbox works, harness installed: before any work
     workdir = config_lib.resolve_workdir(config)
     workdir.mkdir(parents=True, exist_ok=True)
-    fsync_write(workdir / "config.json", json.dumps(config.to_dict(), indent=2, default=str))  # a full disk: now
-    stop = threading.Event()
+    write_whole(workdir / "config.json", json.dumps(config.to_dict(), indent=2, default=str))  # a full disk: now
+    stop = RunStop()
     s = build.setup(config)  # devices, training mesh, cells, model, tokenizer
-    suite = build.make_suite(config)
     learner = Learner(
         s.model_cfg, s.graphdef, s.cells[0].mesh, s.rules, config.optimizer, loss_cfg=config.loss_config()
     )
     checkpointer = Checkpointer(workdir / "checkpoints", config.keep_checkpoints, primary_only=s.multi_process)
     metrics = MetricsWriter(workdir, tensorboard=config.metrics.tensorboard)
-    state, start_step, pipeline_state = _initial_state(s, learner, checkpointer, suite, metrics, stop)
+    state, start_step, pipeline_state = _initial_state(s, learner, checkpointer, suite, metrics, stop.event)
     ref_params = _reference_policy(s, learner, state, workdir)
 
-    trajectory_cfg = _trajectory_config(config, s)
     records = RecordStore(workdir / "records")
-    pipeline = TrajectoryPipeline(workdir / "records", workdir / "trajectory", trajectory_cfg, state=pipeline_state)
+    pipeline = TrajectoryPipeline(
+        workdir / "records", workdir / "trajectory", _trajectory_config(config, s), state=pipeline_state
+    )
     plan = ExecutionPlan(config, suite, records, workdir / "executions", workdir, _set_aside_recorder(metrics))
 
-    handles, links = _cells(s, learner, state)
-    router = Router({h.name: h for h in handles})
+    cells = _cells(s, learner, state, stop)
+    router = Router({h.name: h for h in cells.handles})
     proxy = _proxy(config, router, s.tokenizer, records).start()
-    executor = _executor(config, proxy, workdir, suite)
-    if s.multi_process:  # a lost peer ends the run: kill the harnesses before this process exits
-        runtime.add_failure_hook(executor.cancel)
+    executor = _executor(config, proxy, workdir, suite, s.multi_process)
 
-    timeline = TimelineWriter(
-        workdir / "timeline" / f"step{start_step:06d}.json", [h.name for h in handles], source="run", t0=time.time()
-    )
-    for h in handles:
+    names = [h.name for h in cells.handles]
+    timeline = TimelineWriter(workdir / "timeline" / f"step{start_step:06d}.json", names, source="run", t0=time.time())
+    for h in cells.handles:
         timeline.role(time.time(), h.index, "serving", reason="start")
-    training = CellTraining(learner, state, handles, ref_params=ref_params)
-    training.publish([h for h in handles if h.policy_version != training.version])  # follower cells start serving
+    training = CellTraining(learner, state, cells.handles, ref_params=ref_params)
+    training.publish([h for h in cells.handles if h.policy_version != training.version])  # follower cells start serving
     controller = Controller(
         config.controller_config(),
         training=training,
         ledger=_ledger(config, executor, records, pipeline, plan.step, timeline),
-        policy=make_policy(config.schedule.policy, len(handles), **config_lib.policy_options(config)),
+        policy=make_policy(config.schedule.policy, len(cells.handles), **config_lib.policy_options(config)),
         router=router,
         timeline=timeline,
-        stop=stop,
+        stop=stop.event,
         decisions_path=workdir / "decisions.jsonl",
     )
-    run = Run(config, workdir, stop, start_step, s.tokenizer, s.model_cfg, plan, learner, trajectory_cfg,
-              checkpointer, metrics, records, pipeline, handles, router, proxy, executor, controller, timeline,
-              links, pipeline.get_state())  # fmt: skip
-    for link in links:
-        link.on_error, link.on_stop = controller.report_error, run.follower_asks_stop
+    run = Run(
+        config,
+        start_step,
+        rundir=RunDir(workdir, checkpointer, metrics, timeline),
+        rollouts=Rollouts(plan, executor, proxy),
+        cells=cells,
+        controller=controller,
+        stop=stop,
+        pipeline_state=pipeline.get_state(),
+    )
     if start_step == 0 and checkpointer.latest_step() is None:
         run.save_checkpoint(0)
     log.info(
         "proxy serving on %s; %s policy; %d cells x %d devices (cell0 = core); model %.2fM params",
-        proxy.base_url, config.schedule.policy, len(handles), len(s.cells[0].devices), s.model_cfg.num_params / 1e6,
+        proxy.base_url, config.schedule.policy, len(names), len(s.cells[0].devices), s.model_cfg.num_params / 1e6,
     )  # fmt: skip
     return run
 
@@ -171,8 +175,10 @@ def _reference_policy(s: build.Setup, learner: Learner, state: TrainState, workd
         store.close()
 
 
-def _cells(s: build.Setup, learner: Learner, state: TrainState) -> tuple[list, list]:
-    """A handle per cell: the core's worker is the learner's; every cell serves the current policy."""
+def _cells(s: build.Setup, learner: Learner, state: TrainState, stop: RunStop) -> Cells:
+    """A handle per cell: the core's worker is the learner's; every cell of this process serves the current policy
+    (a follower's starts when the first weights are published to it). A follower's failure fails the run, its stop
+    request stops it (``RunStop``)."""
     factory = build.CellFactory(s, learner.loss_cfg)
     version = int(state.step)
 
@@ -182,7 +188,8 @@ def _cells(s: build.Setup, learner: Learner, state: TrainState) -> tuple[list, l
         return LocalCell(cell, layout, factory.loop(cell, params, version), worker)
 
     layouts = [factory.layout(cell) for cell in s.cells]
-    return open_cells(s.cells, layouts, local, learner.param_shardings, s.config.serving.max_seq_len)
+    max_context = s.config.serving.max_seq_len
+    return open_cells(s.cells, layouts, local, learner.param_shardings, max_context, stop.fail, stop.follower_asks)
 
 
 def _trajectory_config(config, s: build.Setup) -> TrajectoryConfig:
@@ -222,19 +229,23 @@ def _proxy(config, router, tokenizer, records) -> ProxyServer:
     )  # fmt: skip
 
 
-def _executor(config, proxy: ProxyServer, workdir, suite) -> Executor:
+def _executor(config, proxy: ProxyServer, workdir, suite, multi_process: bool) -> Executor:
     """The executor: the config's harness preset, run in its sandbox, which hides the run directory (records,
-    other executions) and the suite's directory (hidden tests, oracle solutions) from every harness."""
+    other executions) and the suite's directory (hidden tests, oracle solutions) from every harness. In a
+    multi-process run a lost peer ends the process: the watchdog kills the harnesses first (its failure hook)."""
     r = config.rollout
     harness = r.harness_spec()
     hide = [workdir, *([suite.root] if isinstance(suite, HarborSuite) else [])]
     sandbox = make_sandbox(r.sandbox, proxy_address=(proxy.host, proxy.port), hide=hide, state_dir=workdir / "sandbox")
-    return Executor(
+    executor = Executor(
         proxy, proxy.base_url, workdir / "executions", model_name=config.proxy.model_name, timeout_s=r.timeout_s,
         max_parallel=r.max_parallel, temperature=r.temperature, max_tokens=r.max_tokens_per_call,
         evaluator_timeout_s=r.evaluator_timeout_s, harness_cmd=harness.cmd, extra_env=harness.env,
         harness_files=harness.files, sandbox=sandbox, max_workspace_bytes=(r.max_workspace_mb << 20) or None,
     )  # fmt: skip
+    if multi_process:
+        runtime.add_failure_hook(executor.cancel)
+    return executor
 
 
 def _stopped_by_full_disk(exc: OSError, workdir) -> int:
@@ -261,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         config = config_lib.load_config(argv)
+        suite = build.make_suite(config)  # a harbor/jsonl suite is read and checked task by task here
     except config_lib.ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -278,14 +290,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gyre_jax.follower import follow
 
         try:
-            code = follow(config)
+            code = follow(config, suite)
         except ModelInputError as exc:  # every process reads the same checkpoint: each says so in one line
             print(f"error: {exc}", file=sys.stderr)
             code = 2
         runtime.shutdown()
         return code
     try:
-        run = build_run(config)
+        run = build_run(config, suite)
     except (build.PreflightError, ModelInputError) as exc:  # the machine or the model input: one line, exit 2
         print(f"error: {exc}", file=sys.stderr)
         runtime.shutdown()
@@ -302,12 +314,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         run.close()
     if failure is not None:  # after the shutdown's own messages: the error is the last line
-        return _stopped_by_full_disk(failure, run.workdir)
+        return _stopped_by_full_disk(failure, run.rundir.path)
     if run.untrained_error is not None:
         print(f"error: {run.untrained_error}", file=sys.stderr, flush=True)
         runtime.shutdown()
         return EXIT_UNTRAINED
-    print(f"done: {step} steps in {run.workdir}", flush=True)
+    print(f"done: {step} steps in {run.rundir.path}", flush=True)
     runtime.shutdown()
     return 0
 

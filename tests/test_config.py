@@ -513,7 +513,7 @@ SECTION_CHECKS = [
     ("proxy", "port", 70000, "config.proxy.port=70000 must be in [0, 65535]"),
     ("proxy", "max_request_bytes", 10, "config.proxy.max_request_bytes=10 must be >= 1024"),
     ("rollout", "suite", "swe", "expected 'builtin', 'harbor:"),
-    ("rollout", "suite", "harbor:/no/such/dir", "suite directory /no/such/dir does not exist"),
+    ("rollout", "suite", "harbor:/no/such/dir", None),  # the name only: the builder reads the suite (below)
     ("rollout", "harness", "cursor", "unknown harness 'cursor'"),
     ("rollout", "harness", "command", "needs rollout.harness_cmd"),
     ("rollout", "harness_cmd", "echo {nope}", "placeholder {nope} in argv is not filled"),
@@ -592,6 +592,21 @@ def test_each_section_checks_its_own_fields_when_built(base, section, key, value
     with pytest.raises(ConfigError) as info:
         RunConfig.from_config_dict({section: {key: value}})
     assert words in str(info.value)
+
+
+def test_the_config_names_the_suite_and_the_run_builder_loads_it():
+    """A config is data: building it reads no file, so a suite that is not there is still a well-formed config; the
+    run's builder (``build.make_suite``, which ``python -m gyre_jax.train`` calls before any work) loads it and
+    refuses it with one line naming the key (tests/test_train.py: exit 2 before any work)."""
+    from gyre_jax import build
+
+    config = load_config(["--config.rollout.suite=harbor:/no/such/dir", "--config.warm_start.steps=0"])
+    assert config.rollout.suite == "harbor:/no/such/dir"
+    with pytest.raises(ConfigError) as info:
+        build.make_suite(config)
+    message = str(info.value)
+    assert message.startswith("config.rollout.suite='harbor:/no/such/dir': ") and "\n" not in message
+    assert "suite directory /no/such/dir does not exist" in message
 
 
 def test_every_section_has_its_own_checks():
@@ -704,6 +719,7 @@ def test_presets_load_on_the_defaults(path):
     c = load_config(["--config", path])
     assert c.devices.platform in ("gpu", "tpu") and c.model.dtype == "bfloat16" and c.warm_start.steps == 0
     assert c.rl.group_size == 16 and c.rl.drop_staleness == RunConfig().rl.drop_staleness  # the rest: defaults
+    assert c.serving.warmup is True  # the default, not tiny_cpu.py's CPU-only choice: no first-request compiles
     assert RunConfig.from_config_dict(c.to_config_dict()) == c
 
 

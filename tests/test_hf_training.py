@@ -44,9 +44,11 @@ def test_a_run_trains_from_a_hugging_face_checkpoint_with_its_tokenizer(tmp_path
     from gyre_jax.train import build_run
 
     trainer = build_run(_config(tmp_path))
+    tokenizer = trainer.rollouts.proxy.tokenizer  # what the proxy renders and records prompts with
+    model_cfg = trainer.controller.training.learner.model_cfg  # what the learner trains
     try:
-        assert isinstance(trainer.tokenizer, HFTokenizer)
-        assert trainer.model_cfg.embed_dim == 32 and trainer.model_cfg.num_layers == 2  # from config.json
+        assert isinstance(tokenizer, HFTokenizer)
+        assert model_cfg.embed_dim == 32 and model_cfg.num_layers == 2  # from config.json
         # the core's params are the checkpoint's tensors (before any RL step)
         with SafetensorsDir(FIXTURE) as ckpt:
             embed = np.asarray(ckpt.read("model.embed_tokens.weight", (slice(None), slice(None))), np.float32)
@@ -58,13 +60,13 @@ def test_a_run_trains_from_a_hugging_face_checkpoint_with_its_tokenizer(tmp_path
     train = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in train if m.get("phase") == "train"]
     assert len(train) == 1 and train[0]["executions"] == 2
-    vocab = trainer.model_cfg.vocab_size
+    vocab = model_cfg.vocab_size
     for path in (tmp_path / "records").glob("*.jsonl"):
         for line in path.read_text().splitlines():
             rec = json.loads(line)
             assert rec["prompt_ids"] and max(rec["prompt_ids"] + rec["completion_ids"]) < vocab
             # the prompt is the checkpoint tokenizer's rendering: it decodes back to the chat template's text
-            assert "<|im_start|>" in trainer.tokenizer.decode(rec["prompt_ids"])
+            assert "<|im_start|>" in tokenizer.decode(rec["prompt_ids"])
 
 
 def test_a_checkpoint_without_the_hf_tokenizer_is_a_config_error(tmp_path):

@@ -92,6 +92,26 @@ def test_bad_distributed_config_fails_before_work_with_one_line_from_the_command
     _assert_refused_before_work(proc.returncode, proc.stderr, "config.distributed", tmp_path / "w")
 
 
+def test_a_suite_that_cannot_load_or_does_not_fit_fails_before_work_with_one_line(tmp_path, capsys):
+    """The config only names the suite; ``main`` loads it (``build.make_suite``) before any work: a directory that
+    is not there, or a suite whose held-out split leaves nothing to train on, is one ``error:`` line, exit 2."""
+    from gyre_jax.train import main
+
+    one = {"name": "only", "instruction": "Write a.txt.", "task_toml": {},
+           "files": {"environment/README.md": "x\n", "tests/test.sh": "echo 1 > /logs/verifier/reward.txt\n"}}  # fmt: skip
+    (tmp_path / "one.jsonl").write_text(json.dumps(one) + "\n")
+    cases = [
+        ([f"--config.rollout.suite=harbor:{tmp_path / 'missing'}"], "does not exist"),
+        ([f"--config.rollout.suite=jsonl:{tmp_path / 'one.jsonl'}", "--config.rollout.heldout_fraction=0.5"], "none to train"),
+    ]  # fmt: skip
+    for overrides, words in cases:
+        workdir = tmp_path / "w"
+        code = main(["--config.warm_start.steps=0", f"--config.workdir={workdir}", *overrides])
+        err = capsys.readouterr().err
+        _assert_refused_before_work(code, err, "config.rollout.suite", workdir)
+        assert words in err, err
+
+
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """One fresh run of 2 RL steps (warm start, eval before and after, checkpoints 0 and 2); the tests below read

@@ -98,10 +98,9 @@ def _disk(du, root: Path, use_tmpfs: bool, patch: _Patch):
 
 
 def _full_disk_rows(du, workdir: Path, n: int, long: bool) -> tuple[list[dict], str]:
-    from gyre_jax.disk import DiskFull
+    from gyre_jax.disk import DiskFull, write_whole
     from gyre_jax.metrics import MetricsWriter, read_metrics
     from gyre_jax.proxy.records import RecordStore, TitoRecord
-    from gyre_jax.run import fsync_write
     from gyre_jax.trajectory.queue import ExecutionQueue
     from gyre_jax.trajectory.reader import iter_records
 
@@ -152,8 +151,8 @@ def _full_disk_rows(du, workdir: Path, n: int, long: bool) -> tuple[list[dict], 
               lambda i: queue().append_step(7, [(f"x{j:04d}" + "y" * 60, 0.5) for j in range(200)]),
               lambda i: queue().end()[1] == 2)  # fmt: skip
         path = root / "results" / "step_000000.jsonl"
-        cycle("ENOSPC on a results file (fsync_write)", lambda i: fsync_write(path, f'{{"i": {i}}}\n'),
-              lambda i: fsync_write(path, "z" * 60_000), lambda i: json.loads(path.read_text())["i"] >= 1000)  # fmt: skip
+        cycle("ENOSPC on a results file (write_whole)", lambda i: write_whole(path, f'{{"i": {i}}}\n'),
+              lambda i: write_whole(path, "z" * 60_000), lambda i: json.loads(path.read_text())["i"] >= 1000)  # fmt: skip
 
         def metrics_full(i):
             try:

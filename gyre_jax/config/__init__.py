@@ -1,11 +1,13 @@
 """Run configuration: everything a run does is in its config (MaxText style).
 
-Config files are ml_collections ``get_config()`` files (``configs/tiny_cpu.py`` holds the defaults; the
-presets start from it); ``--config.a.b=value`` overrides take the type of the field they replace.
+Config files are ml_collections ``get_config()`` files (``configs/tiny_cpu.py``, the default: every key's default
+but ``serving.warmup``; the presets start from it or from ``default_config()``); ``--config.a.b=value`` overrides
+take the type of the field they replace.
 ``load_config`` turns the result into a ``RunConfig``: a tree of typed, frozen sections whose attribute
 paths are the config keys (``cfg.rl.group_size``). Every value is checked once, when its section is
 built, and the rules across sections by ``validate``; any problem is a ``ConfigError`` whose one-line
-message names the key and what is allowed.
+message names the key and what is allowed. A config is data: building it reads no file (the run's builder loads
+the task suite, the checkpoint and the tokenizer it names).
 
 Modules: ``base`` (``ConfigError``, the ``Section`` mixin), ``cluster`` (devices, mesh, cells,
 distributed), ``rollout`` (model, tokenizer, serving, proxy, rollout), ``training`` (rl, trajectory,

@@ -1,7 +1,7 @@
 """Config files and command-line overrides: ``get_config()`` files, ``--config.a.b=value``, ``load_config``.
 
-A config file returns an ml_collections ConfigDict (``configs/tiny_cpu.py``: the defaults; presets start
-from it with ``base_config``). ``load_config`` fills in the defaults of keys the file leaves out, applies
+A config file returns an ml_collections ConfigDict (``configs/tiny_cpu.py``: the defaults but
+``serving.warmup``; CPU presets start from it with ``base_config``, accelerator presets from ``default_config``). ``load_config`` fills in the defaults of keys the file leaves out, applies
 the overrides with the type of the field they replace, and builds the typed, validated ``RunConfig``;
 every problem is a ``ConfigError`` with a one-line message naming the key and what is allowed.
 """

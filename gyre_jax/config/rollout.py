@@ -12,6 +12,10 @@ from pathlib import Path
 
 from gyre_jax.config.base import ConfigError, Section, require
 from gyre_jax.model.config import ModelConfig
+from gyre_jax.rollout.harnesses import HarnessSpec, harness_spec
+from gyre_jax.rollout.sandbox import SANDBOXES
+from gyre_jax.rollout.suites import SuiteError, parse_suite_spec
+from gyre_jax.rollout.tasks import ALPHABETS, LongTaskParams
 
 DTYPES = ("float32", "bfloat16")
 TOKENIZERS = ("byte", "hf")
@@ -209,8 +213,9 @@ class RolloutSection(Section):
     """The task suite, the harness that runs its executions and the sandbox it runs in (docs/tasks.md).
 
     ``suite``: ``builtin`` (generated copy/upper/reverse tasks: the keys task_kinds .. num_tasks) |
-    ``harbor:<dir>`` (Harbor task directories) | ``jsonl:<file>`` (the one-file form). A loaded suite is
-    checked here, task by task, so a malformed task stops the run before anything starts.
+    ``harbor:<dir>`` (Harbor task directories) | ``jsonl:<file>`` (the one-file form). The section holds the
+    name only (building it reads no file); the run's builder loads the suite and checks it task by task
+    (``build.make_suite``), so a malformed task still stops the run before anything starts.
     """
 
     _path = "rollout"
@@ -251,8 +256,6 @@ class RolloutSection(Section):
     long_subagent_every: int = 3
 
     def __post_init__(self):
-        from gyre_jax.rollout.tasks import ALPHABETS
-
         self.check_types()
         r = self
         self._check_suite()
@@ -282,16 +285,13 @@ class RolloutSection(Section):
             require(getattr(r, key) >= 0, f"config.rollout.{key}={getattr(r, key)} must be >= 0")
 
     def _check_suite(self) -> None:
-        from gyre_jax.rollout.suites import SuiteError, load_tasks, parse_suite_spec
-
+        """The suite's name (its form, not its files: ``build.make_suite`` reads those) and the held-out share."""
         require(
             0.0 <= self.heldout_fraction < 1.0,
             f"config.rollout.heldout_fraction={self.heldout_fraction} must be in [0, 1) (0: no held-out split)",
         )
         try:
             kind, _ = parse_suite_spec(self.suite)
-            if kind != "builtin":
-                load_tasks(self.suite, self.max_turns)
         except SuiteError as exc:
             raise ConfigError(f"config.rollout.suite={self.suite!r}: {exc}") from None
         require(
@@ -317,24 +317,17 @@ class RolloutSection(Section):
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
-    def long_params(self):
+    def long_params(self) -> LongTaskParams:
         """The ``longlog`` sizes (``rollout.tasks.LongTaskParams``); ValueError naming the bad key."""
-        from gyre_jax.rollout.tasks import LongTaskParams
-
         return LongTaskParams.from_rollout(self)
 
     def _check_harness(self) -> None:
-        from gyre_jax.rollout.harnesses import harness_spec
-        from gyre_jax.rollout.sandbox import SANDBOXES
-
         require(self.sandbox in SANDBOXES, f"config.rollout.sandbox={self.sandbox!r} must be one of {SANDBOXES}")
         try:
             harness_spec(self.harness, self.harness_cmd, self.harness_env)
         except ValueError as exc:
             raise ConfigError(f"config.rollout.harness={self.harness!r}: {exc}") from None
 
-    def harness_spec(self):
+    def harness_spec(self) -> HarnessSpec:
         """The harness preset with this section's overrides (``rollout.harnesses.HarnessSpec``)."""
-        from gyre_jax.rollout.harnesses import harness_spec
-
         return harness_spec(self.harness, self.harness_cmd, self.harness_env)

@@ -1,8 +1,9 @@
 """``RunConfig``: everything a run does, as a tree of frozen sections built once from the ConfigDict.
 
 Attribute paths are the config keys (``cfg.rl.group_size``, ``cfg.serving.max_seq_len``). Field defaults
-are the defaults of every config (``configs/tiny_cpu.py`` is them); each section checks its own values
-when it is built, and ``validate`` checks how the sections fit together. The configs of the run's
+are the defaults of every config (``default_config()``; ``configs/tiny_cpu.py`` is them but ``serving.warmup``);
+each section checks its own values when it is built, and ``validate`` checks how the sections fit together.
+Building a config reads no file and starts nothing: the run's builder loads what it names (``build.make_suite``). The configs of the run's
 components (``ModelConfig``, ``LossConfig``, ``TrajectoryConfig``, ``ControllerConfig``) are derived
 here, each by one method.
 """
@@ -183,7 +184,8 @@ RETIRED_KEYS = RunConfig.retired_keys()  # renamed and removed keys: {old key: t
 
 
 def default_config() -> config_dict.ConfigDict:
-    """The defaults of every key as a ConfigDict (what ``configs/tiny_cpu.py`` returns; presets start here)."""
+    """The defaults of every key as a ConfigDict (``configs/tiny_cpu.py`` returns it with ``serving.warmup`` off;
+    the accelerator presets start from it)."""
     return RunConfig().to_config_dict()
 
 

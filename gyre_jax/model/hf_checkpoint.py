@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from safetensors import safe_open
 
+from gyre_jax.disk import replacing
 from gyre_jax.model import hf_config, hf_params
 from gyre_jax.model.config import ModelConfig, ModelInputError
 from gyre_jax.model.sharding import Rules, abstract_model, param_shardings
@@ -302,8 +303,7 @@ def _write_safetensors(file: Path, entries: Sequence[_Entry]) -> None:
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
-    tmp = file.with_name(file.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with replacing(file, "wb") as f:  # renamed over ``file`` once whole and fsynced
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, shape, dtype, produce in entries:
@@ -311,9 +311,6 @@ def _write_safetensors(file: Path, entries: Sequence[_Entry]) -> None:
             if array.shape != tuple(shape):
                 raise RuntimeError(f"tensor {name}: produced shape {array.shape}, header says {shape}")
             f.write(array.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, file)
 
 
 def _host(array, index: tuple[int, ...]) -> np.ndarray:

@@ -49,7 +49,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import shutil
 import threading
 from collections import Counter
@@ -59,6 +58,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
+from gyre_jax.disk import write_whole
 from gyre_jax.faultpoints import kill_point
 from gyre_jax.rollout import templates
 from gyre_jax.rollout.evaluators import CommandEvaluator, run_evaluator
@@ -516,14 +516,9 @@ def _check_execution_id(execution_id: str) -> None:
 
 
 def _write_result(exec_dir: Path, result: ExecutionResult) -> None:
-    """Writes result.json atomically (tmp + fsync + rename); a failure is logged, never raised."""
+    """Writes result.json whole (``disk.write_whole``); a failure is logged, never raised: it is the execution's own
+    copy, and the run's durable record is ``results/step_<k>.jsonl``, whose write stops the run on a full disk."""
     try:
-        exec_dir.mkdir(parents=True, exist_ok=True)
-        tmp = exec_dir / "result.json.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(result.to_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, exec_dir / "result.json")
+        write_whole(exec_dir / "result.json", json.dumps(result.to_dict()))
     except OSError:
         logger.exception("could not write result.json for execution %s", result.execution_id)

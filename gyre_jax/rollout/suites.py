@@ -29,9 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
-import shutil
 import tempfile
 import tomllib
 from collections.abc import Sequence
@@ -40,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from gyre_jax.disk import publish_dir
 from gyre_jax.rollout.tasks import TOOLS, BuiltinSuite, Task, epoch_tasks
 
 DOCKER_FILES = ("Dockerfile", ".dockerignore", "docker-compose.yaml", "docker-compose.yml")
@@ -249,8 +248,7 @@ def materialize_jsonl(file: Path) -> Path:
     root = Path(tempfile.gettempdir()) / "gyre-jsonl-suites" / hashlib.sha256(data).hexdigest()[:20]
     if root.is_dir():
         return root
-    tmp = Path(tempfile.mkdtemp(prefix="tmp-", dir=root.parent if root.parent.exists() else _mkdir(root.parent)))
-    try:
+    with publish_dir(root) as tmp:  # renamed to root whole, or not at all
         for number, text in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
             if not text.strip():
                 continue
@@ -262,16 +260,7 @@ def materialize_jsonl(file: Path) -> Path:
             if not isinstance(line, dict):
                 raise SuiteError(f"{where}: a line must be a JSON object")
             _write_jsonl_task(line, tmp, where)
-        os.replace(tmp, root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return root
-
-
-def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def load_tasks(spec: str, max_turns: int = 4) -> tuple[list[Task], Path]:

@@ -1,6 +1,7 @@
 """The follower's side: ``CellHost`` runs this process's cells as the leader's commands say.
 
-One thread reads the commands in the order the leader sent them and handles each through one dispatch
+Each cell is a ``runtime.local.LocalCell`` (the same serving, weights, stats and session code as the leader's own
+cells), wrapped in a ``HostedCell`` with what the follower keeps between commands. One thread reads the commands in the order the leader sent them and handles each through one dispatch
 table (``CellHost.handlers``); it alone runs this process's side of every ``transfer`` program, checking
 each one's sequence number in the run's transfer log first. Gradient micro-steps run in one worker thread
 per cell, so a long micro-step does not hold up the cell's serving commands. Replies and failures go back
@@ -26,8 +27,8 @@ import numpy as np
 from gyre_jax.runtime import commands as cmd
 from gyre_jax.runtime.cells import CellLayout
 from gyre_jax.runtime.channel import Channel
-from gyre_jax.runtime.handle import CellStats
-from gyre_jax.runtime.sessions import host_part
+from gyre_jax.runtime.local import LocalCell
+from gyre_jax.runtime.sessions import host_part, local_to_local
 from gyre_jax.runtime.transfer import abstract_on, describe, transfer
 from gyre_jax.runtime.watchdog import DistributedError
 from gyre_jax.serving.session import SessionState
@@ -37,12 +38,10 @@ log = logging.getLogger("gyre_jax.host")
 
 @dataclass
 class HostedCell:
-    """One of this process's cells: how to make its serving loop, its gradient worker, and what it holds."""
+    """One of this process's cells: the ``LocalCell`` that runs it (its loop starts at the leader's first
+    ``SetWeights``) and what the follower keeps for the leader's later commands."""
 
-    layout: CellLayout
-    make_loop: Callable[[Any, int], Any]  # (params on the serving layout, policy version) -> started ServingLoop
-    worker: Any  # GradWorker on the cell's mesh
-    loop: Any = None
+    local: LocalCell
     weights: dict[str, tuple[int, Any]] = field(default_factory=dict)  # slot -> (serial, params on this cell)
     grads: dict[int, Any] = field(default_factory=dict)  # MicroStep token -> gradients waiting for SendGrads
     outbox: dict[int, Any] = field(default_factory=dict)  # exported session index -> its KV, until SendKV
@@ -50,7 +49,7 @@ class HostedCell:
 
     @property
     def name(self) -> str:
-        return self.layout.cell.name
+        return self.local.name
 
     def weights_for(self, ref: cmd.WeightsRef | None) -> Any:
         if ref is None:
@@ -134,8 +133,7 @@ class CellHost:
         finally:
             for c in self.cells.values():
                 c.work.put(None)
-                if c.loop is not None:
-                    c.loop.stop()
+                c.local.close()
 
     def handle(self, command: Any) -> None:
         """Runs one command; a failure is reported to the leader (which stops the run) and raised."""
@@ -181,7 +179,7 @@ class CellHost:
         rid = c.request.request_id
         self._reply_tokens[rid] = c.token
         try:
-            fut = self.cells[c.cell].loop.submit(c.request)
+            fut = self.cells[c.cell].local.submit(c.request)
         except Exception as exc:  # noqa: BLE001 - e.g. a prompt that cannot fit: the caller's future raises
             self._reply_tokens.pop(rid, None)
             self._send(cmd.Failure(c.token, exc))
@@ -196,30 +194,18 @@ class CellHost:
         self._send(cmd.Failure(token, exc) if exc is not None else cmd.Reply(token, fut.result()))
 
     def _cancel(self, c: cmd.Cancel) -> None:
-        loop = self.cells[c.cell].loop
-        if loop is not None:
-            loop.cancel(c.request_id)
+        self.cells[c.cell].local.cancel(c.request_id)
 
     def _set_weights(self, c: cmd.SetWeights) -> None:
-        cell = self.cells[c.cell]
+        local = self.cells[c.cell].local
         self._program(c.transfer, "SetWeights")
-        params = transfer(self.core_abstract, cell.layout.param_shardings, uuid=c.uuid)
-        if cell.loop is None:
-            cell.loop = cell.make_loop(params, c.version)
-        else:
-            cell.loop.update_params(params, c.version)
+        local.serve(transfer(self.core_abstract, local.layout.param_shardings, uuid=c.uuid), c.version)
 
     def _stats(self, c: cmd.Stats) -> None:
-        loop = self.cells[c.cell].loop
-        if loop is None:
-            self._reply(c.token, CellStats())
-            return
-        self._reply(c.token, CellStats(loop.stats.busy_s, loop.num_in_flight(), list(loop.step_log)))
+        self._reply(c.token, self.cells[c.cell].local.stats())
 
     def _close_cell(self, c: cmd.CloseCell) -> None:
-        cell = self.cells[c.cell]
-        if cell.loop is not None:
-            cell.loop.stop()
+        self.cells[c.cell].local.close()
         self._reply(c.token, True)
 
     def _stop(self, c: cmd.Stop) -> None:
@@ -232,7 +218,7 @@ class CellHost:
         self._program(c.transfer, "LoadWeights")
         cell.weights[c.ref.slot] = (
             c.ref.serial,
-            transfer(self.core_abstract, cell.worker.param_shardings, uuid=c.uuid),
+            transfer(self.core_abstract, cell.local.worker.param_shardings, uuid=c.uuid),
         )
 
     def _micro_step(self, c: cmd.MicroStep) -> None:
@@ -243,7 +229,7 @@ class CellHost:
         while (item := cell.work.get()) is not None:
             c, params, ref = item
             try:
-                grads, aux = cell.worker.micro_step(params, c.batch, c.kind, ref)
+                grads, aux = cell.local.worker.micro_step(params, c.batch, c.kind, ref)
                 aux = {k: float(np.asarray(v)) for k, v in jax.device_get(aux).items()}
                 cell.grads[c.token] = grads
                 self._reply(c.token, (aux, describe(grads)))
@@ -260,7 +246,7 @@ class CellHost:
     def _export_sessions(self, c: cmd.ExportSessions) -> None:
         cell = self.cells[c.cell]
         parts = []
-        for index, state in enumerate([] if cell.loop is None else cell.loop.drain()):
+        for index, state in enumerate(cell.local.drain()):
             token = None if state.request is None else self._reply_tokens.pop(state.request.request_id, None)
             if state.kv is not None:
                 cell.outbox[index] = state.kv
@@ -277,7 +263,7 @@ class CellHost:
         kv = None
         if c.part.kv is not None:
             self._program(c.transfer, "ImportSession")
-            like = cell.layout.kv_pages_shardings(c.part.kv[0])
+            like = cell.local.layout.kv_pages_shardings(c.part.kv[0])
             kv = transfer(abstract_on(c.part.kv[1], self.layouts[c.source].cell.mesh, like), like, uuid=c.uuid)
         future = None
         request = c.part.fields["request"]
@@ -285,16 +271,10 @@ class CellHost:
             future = concurrent.futures.Future()
             self._reply_tokens[request.request_id] = c.token
             future.add_done_callback(lambda f, rid=request.request_id: self._answer(rid, f))
-        cell.loop.import_session(SessionState(kv=kv, future=future, **c.part.fields))
+        cell.local.import_sessions([SessionState(kv=kv, future=future, **c.part.fields)])
 
     def _move_sessions(self, c: cmd.MoveSessions) -> None:
-        states = self.cells[c.cell].loop.drain()
-        self.cells[c.dest].loop.import_sessions(states)
-        self._reply(c.token, [host_part(s) for s in states])
+        self._reply(c.token, local_to_local(self.cells[c.cell].local, self.cells[c.dest].local))
 
     def _drop_sessions(self, c: cmd.DropSessions) -> None:
-        loop = self.cells[c.cell].loop
-        states = [] if loop is None else loop.drain()
-        for state in states:
-            state.cancel()
-        self._reply(c.token, len(states))
+        self._reply(c.token, self.cells[c.cell].local.drop_sessions())

@@ -1,57 +1,112 @@
-"""``LocalCell``: a cell this process runs, its ``ServingLoop`` and ``GradWorker`` behind the ``CellHandle``
-protocol."""
+"""``LocalCell``: a cell this process runs, its ``ServingLoop`` and gradient worker behind the ``CellHandle``
+protocol. The one implementation of a cell's serving, weights, stats and sessions: the leader's own cells are
+``LocalCell``s, and a follower's ``runtime.host.CellHost`` runs each of its cells as one too."""
 
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gyre_jax.rl.micro_step import MicroStepWorker
+from gyre_jax.runtime import sessions
 from gyre_jax.runtime.base import CellHandleBase
 from gyre_jax.runtime.cells import Cell, CellLayout
-from gyre_jax.runtime.handle import CellStats
+from gyre_jax.runtime.handle import CellHandle, CellStats, MovedSession
 from gyre_jax.runtime.transfer import transfer
 from gyre_jax.serving.loop import ServingLoop
+from gyre_jax.serving.session import SessionState
 from gyre_jax.serving.types import GenerationRequest, GenerationResult
+
+MakeLoop = Callable[[Any, int], ServingLoop]  # (params on the cell's serving layout, policy version) -> started loop
 
 
 class LocalCell(CellHandleBase):
-    """A ``CellHandle`` over a started ``ServingLoop`` and a ``MicroStepWorker`` on the cell's own devices."""
+    """A ``CellHandle`` over a ``ServingLoop`` and a ``MicroStepWorker`` on the cell's own devices.
 
-    def __init__(self, cell: Cell, layout: CellLayout, loop: ServingLoop, worker: MicroStepWorker):
+    ``loop``: the started loop, or None for a cell that has no weights yet (a follower's cell before the leader's
+    first ``set_weights``): then ``make_loop(params, version)`` starts it when the first weights arrive
+    (``serve``). Until then it holds no sessions and serves nothing."""
+
+    def __init__(
+        self,
+        cell: Cell,
+        layout: CellLayout,
+        loop: ServingLoop | None,
+        worker: MicroStepWorker | None,
+        make_loop: MakeLoop | None = None,
+    ):
+        if loop is None and make_loop is None:
+            raise ValueError(f"{cell.name}: give a started loop or make_loop to start one at the first weights")
         self.cell = cell
         self.layout = layout
         self.loop = loop
         self.worker = worker
+        self.make_loop = make_loop
+
+    def _serving(self) -> ServingLoop:
+        if self.loop is None:
+            raise RuntimeError(f"{self.name} has no weights yet: set_weights starts its serving loop")
+        return self.loop
 
     @property
     def max_context(self) -> int:
-        return self.loop.max_context
+        return self._serving().max_context
 
     @property
     def policy_version(self) -> int:
-        return self.loop.policy_version
+        return -1 if self.loop is None else self.loop.policy_version
 
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future[GenerationResult]:
-        return self.loop.submit(request)
+        return self._serving().submit(request)
 
     def cancel(self, request_id: str) -> None:
-        self.loop.cancel(request_id)
+        if self.loop is not None:
+            self.loop.cancel(request_id)
 
     def set_weights(self, params: Any, version: int) -> None:
         """A copy of ``params`` on this cell's serving layout (never aliasing: the optimizer donates its own)."""
-        self.loop.update_params(transfer(params, self.layout.param_shardings, may_alias=False), version)
+        self.serve(transfer(params, self.layout.param_shardings, may_alias=False), version)
+
+    def serve(self, params: Any, version: int) -> None:
+        """Serves ``params`` (already on this cell's serving layout) as policy ``version``: the loop swaps them in
+        at its next step, or starts with them (``make_loop``) if this cell had no weights yet."""
+        if self.loop is None:
+            self.loop = self.make_loop(params, version)
+        else:
+            self.loop.update_params(params, version)
+
+    # -- sessions -------------------------------------------------------------------------------------------
+    def drain(self) -> list[SessionState]:
+        """Everything the loop holds (cached sessions, requests in flight and queued), KV included; the loop stays
+        up, empty."""
+        return [] if self.loop is None else self.loop.drain()
+
+    def import_sessions(self, states: Sequence[SessionState]) -> None:
+        self._serving().import_sessions(states)
+
+    def move_sessions_to(self, target: CellHandle) -> list[MovedSession]:
+        return target.sessions_from_local(self)
+
+    def sessions_from_local(self, source: LocalCell) -> list[MovedSession]:
+        return sessions.local_to_local(source, self)
+
+    def sessions_from_remote(self, source) -> list[MovedSession]:
+        return sessions.remote_to_local(source, self)
 
     def drop_sessions(self) -> int:
-        states = self.loop.drain()
+        states = self.drain()
         for state in states:
             state.cancel()
         return len(states)
 
     def stats(self) -> CellStats:
+        if self.loop is None:
+            return CellStats()
         return CellStats(
             busy_s=self.loop.stats.busy_s, in_flight=self.loop.num_in_flight(), step_log=list(self.loop.step_log)
         )
 
     def close(self) -> None:
-        self.loop.stop()
+        if self.loop is not None:
+            self.loop.stop()

@@ -21,16 +21,19 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
 
 from gyre_jax.runtime import commands as cmd
+from gyre_jax.runtime import sessions
 from gyre_jax.runtime.base import CellHandleBase
 from gyre_jax.runtime.cells import Cell, CellLayout
 from gyre_jax.runtime.channel import Channel
-from gyre_jax.runtime.handle import CellHandle, CellStats
+from gyre_jax.runtime.handle import CellHandle, CellStats, MovedSession
+from gyre_jax.runtime.process import runtime
 from gyre_jax.runtime.transfer import abstract_on, transfer
 from gyre_jax.serving.types import GenerationRequest, GenerationResult
 
@@ -278,6 +281,15 @@ class RemoteCell(CellHandleBase):
             transfer(params, self.layout.param_shardings, uuid=uuid)
         self._version = version
 
+    def move_sessions_to(self, target: CellHandle) -> list[MovedSession]:
+        return target.sessions_from_remote(self)
+
+    def sessions_from_local(self, source) -> list[MovedSession]:
+        return sessions.local_to_remote(source, self)
+
+    def sessions_from_remote(self, source: RemoteCell) -> list[MovedSession]:
+        return sessions.remote_to_remote(source, self)
+
     def drop_sessions(self) -> int:
         return int(self.link.ask(lambda t: cmd.DropSessions(cell=self.index, token=t), timeout_s=600.0))
 
@@ -291,18 +303,32 @@ class RemoteCell(CellHandleBase):
             log.warning("%s: the follower did not confirm closing: %s", self.name, exc)
 
 
+@dataclass
+class Cells:
+    """The leader's cells: a handle per cell, in cell order, and the links to the follower processes holding some
+    (none in a one-process run)."""
+
+    handles: list[CellHandle]
+    links: list[FollowerLink]
+
+    def step_logs(self) -> list[list[tuple[int, int, int, float]]]:
+        """Each cell's serving step log (``CellStats.step_log``: the simulator's calibration input)."""
+        return [h.stats().step_log for h in self.handles]
+
+
 def open_cells(
     cells: list[Cell],
     layouts: list[CellLayout],
     make_local: Callable[[Cell, CellLayout], CellHandle],
     core_shardings: Any,
     max_context: int,
-) -> tuple[list[CellHandle], list[FollowerLink]]:
+    on_error: Callable[[str], None] | None = None,
+    on_stop: Callable[[], None] | None = None,
+) -> Cells:
     """A handle per cell, for the leader: ``make_local(cell, layout)`` for the cells this process holds, a
     ``RemoteCell`` (one ``FollowerLink`` per follower process, one ``TransferLog`` for the run) for the others.
-    A remote cell has no weights yet (``policy_version`` -1): ``set_weights`` starts its serving loop."""
-    from gyre_jax.runtime.process import runtime
-
+    A remote cell has no weights yet (``policy_version`` -1): ``set_weights`` starts its serving loop. Each link
+    reports its follower's failure to ``on_error`` and its stop requests to ``on_stop`` (``FollowerLink``)."""
     links: dict[int, FollowerLink] = {}
     transfers = TransferLog()
     me = jax.process_index()
@@ -313,6 +339,6 @@ def open_cells(
             continue
         owner = cell.processes[0]
         if owner not in links:
-            links[owner] = FollowerLink(runtime().client, owner)
+            links[owner] = FollowerLink(runtime().client, owner, on_error=on_error, on_stop=on_stop)
         handles.append(RemoteCell(links[owner], transfers, cell, layout, core_shardings, max_context))
-    return handles, list(links.values())
+    return Cells(handles, list(links.values()))

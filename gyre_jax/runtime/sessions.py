@@ -1,11 +1,12 @@
 """Moving every session of one cell to another, KV included, whichever processes run them.
 
-``move_sessions(source, target)`` is what ``CellHandle.move_sessions_to`` does. Four cases: both cells
-here (``ServingLoop.drain`` then ``import_sessions``: the KV moves device to device); here to a follower
-(host parts by command, each KV by one ``transfer`` program); a follower to here (the follower exports, each
-KV crosses by a program it sends); two cells of one follower (moved there); two followers (both run each
-KV's program). In every case a request in flight continues on ``target`` where it stopped, its caller's
-future resolves from there, and cancels sent to ``source`` follow it.
+``CellHandle.move_sessions_to`` dispatches on both ends (``runtime.base.CellHandleBase``) to one function here per
+pair of kinds: ``local_to_local`` (``ServingLoop.drain`` then ``import_sessions``: the KV moves device to device;
+also what a follower runs for two of its own cells), ``local_to_remote`` (host parts by command, each KV by one
+``transfer`` program), ``remote_to_local`` (the follower exports, each KV crosses by a program it sends) and
+``remote_to_remote`` (two cells of one follower: moved there; of two followers: both run each KV's program). In
+every case a request in flight continues on ``target`` where it stopped, its caller's future resolves from there,
+and cancels sent to ``source`` follow it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from gyre_jax.runtime.handle import CellHandle, MovedSession
 from gyre_jax.runtime.transfer import abstract_on, describe, transfer
 from gyre_jax.serving.session import SessionState
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the two handle types import this module
     from gyre_jax.runtime.local import LocalCell
     from gyre_jax.runtime.remote import RemoteCell
 
@@ -41,23 +42,11 @@ def moved(part: cmd.SessionPart) -> MovedSession:
     return MovedSession(f["session_id"], f["request"] is not None, len(f["token_ids"]))
 
 
-def move_sessions(source: CellHandle, target: CellHandle) -> list[MovedSession]:
-    """Moves every session of ``source`` into ``target`` (see the module docstring)."""
-    from gyre_jax.runtime.local import LocalCell  # the two handle types import this module
-
-    here_src, here_dst = isinstance(source, LocalCell), isinstance(target, LocalCell)
-    if here_src and here_dst:
-        states = source.loop.drain()
-        target.loop.import_sessions(states)
-        return [MovedSession(s.session_id, s.request is not None, len(s.token_ids)) for s in states]
-    if here_src:
-        return _local_to_remote(source, target)
-    if here_dst:
-        return _remote_to_local(source, target)
-    if source.link is target.link:
-        parts = source.link.ask(lambda t: cmd.MoveSessions(cell=source.index, token=t, dest=target.index), 600.0)
-        return [moved(p) for p in parts]
-    return _remote_to_remote(source, target)
+def local_to_local(source: LocalCell, target: LocalCell) -> list[MovedSession]:
+    """Both cells in this process: the sessions move whole (KV device to device, futures unchanged)."""
+    states = source.drain()
+    target.import_sessions(states)
+    return [MovedSession(s.session_id, s.request is not None, len(s.token_ids)) for s in states]
 
 
 def _waiting(part: cmd.SessionPart, caller: concurrent.futures.Future | None) -> cmd.SessionPart:
@@ -76,9 +65,9 @@ def _import_token(target: RemoteCell, part: cmd.SessionPart, caller: concurrent.
     return token
 
 
-def _local_to_remote(source: LocalCell, target: RemoteCell) -> list[MovedSession]:
+def local_to_remote(source: LocalCell, target: RemoteCell) -> list[MovedSession]:
     out = []
-    for state in source.loop.drain():
+    for state in source.drain():
         part = _waiting(host_part(state), state.future)
         token = _import_token(target, part, state.future)
         if part.kv is None:
@@ -106,7 +95,7 @@ def _exported(source: RemoteCell, target: CellHandle):
             source.forward_cancels(part.fields["request"].request_id, target, caller)
 
 
-def _remote_to_local(source: RemoteCell, target: LocalCell) -> list[MovedSession]:
+def remote_to_local(source: RemoteCell, target: LocalCell) -> list[MovedSession]:
     out = []
     for index, part, caller in _exported(source, target):
         kv = None
@@ -115,12 +104,14 @@ def _remote_to_local(source: RemoteCell, target: LocalCell) -> list[MovedSession
             with source.program("kv_out") as (seqs, uuid):
                 source.link.send(cmd.SendKV(source.index, index, target.index, seqs[source.process], uuid))
                 kv = transfer(abstract_on(part.kv[1], source.cell.mesh, like), like, uuid=uuid)
-        target.loop.import_session(SessionState(kv=kv, future=caller, **part.fields))
+        target.import_sessions([SessionState(kv=kv, future=caller, **part.fields)])
         out.append(moved(part))
     return out
 
 
-def _remote_to_remote(source: RemoteCell, target: RemoteCell) -> list[MovedSession]:
+def remote_to_remote(source: RemoteCell, target: RemoteCell) -> list[MovedSession]:
+    if source.link is target.link:  # two cells of one follower: it moves them itself (``local_to_local`` there)
+        return source.link.ask(lambda t: cmd.MoveSessions(cell=source.index, token=t, dest=target.index), 600.0)
     out = []
     for index, part, caller in _exported(source, target):
         token = _import_token(target, part, caller)

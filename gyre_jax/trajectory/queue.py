@@ -20,7 +20,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gyre_jax.disk import DiskFull, is_disk_full
+from gyre_jax.disk import append_whole, cut
 from gyre_jax.faultpoints import armed, kill_point
 
 
@@ -106,21 +106,8 @@ class ExecutionQueue:
             for i, (eid, adv) in enumerate(executions)
         ]
         data = "".join(e.to_json() + "\n" for e in entries).encode("utf-8")
-        with open(self.path, "r+b", buffering=0) as f:
-            f.truncate(end_offset)  # a torn entry left by a crash mid-append is not part of the queue
-            try:
-                f.seek(end_offset)
-                rest = data
-                if armed("queue_torn"):  # the fault suite: a kill with half the entries written
-                    rest = _write_all(f, data, len(data) // 2)
-                    kill_point("queue_torn")
-                _write_all(f, rest, len(rest))
-                os.fsync(f.fileno())
-            except OSError as exc:
-                f.truncate(end_offset)  # none of the step's part is in the queue; ``end`` is unchanged
-                if is_disk_full(exc):
-                    raise DiskFull(self.path) from exc
-                raise
+        torn = (lambda: kill_point("queue_torn")) if armed("queue_torn") else None  # the fault suite: a kill mid-append
+        append_whole(self.path, data, at=end_offset, torn=torn)  # a torn tail after end_offset is cut first
         self._end = (end_offset + len(data), first + len(entries))
         return entries
 
@@ -147,18 +134,6 @@ class ExecutionQueue:
                 f"{self.path}: cannot cut the queue at entry {index} (byte {offset}): it holds {end_index} "
                 f"entries ({end_offset} bytes). The saved pipeline state does not belong to this queue."
             )
-        with open(self.path, "r+b") as f:
-            f.truncate(offset)
-            f.flush()
-            os.fsync(f.fileno())
+        cut(self.path, offset)
         self._end = (offset, index)
         return end_index - index
-
-
-def _write_all(f, data: bytes, n: int) -> bytes:
-    """Writes the first ``n`` bytes of ``data`` at ``f``'s position (an unbuffered file may take less per call);
-    returns the rest."""
-    view = memoryview(data)[:n]
-    while view:
-        view = view[f.write(view) :]
-    return data[n:]

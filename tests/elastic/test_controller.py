@@ -75,10 +75,10 @@ def run(tmp_path_factory):
     trainer = build_run(config)
     try:
         assert trainer.run() == STEPS
-        retries = trainer.router.retries
-        learner = trainer.learner
-        trajectory_cfg = trainer.trajectory_cfg
-        checkpointer = trainer.checkpointer
+        retries = trainer.controller.router.retries
+        learner = trainer.controller.training.learner
+        trajectory_cfg = trainer.controller.ledger.pipeline.config
+        checkpointer = trainer.rundir.checkpointer
         abstract = learner.abstract_state()
         checkpoints = {k: checkpointer.restore(k, abstract) for k in range(STEPS + 1)}
     finally:

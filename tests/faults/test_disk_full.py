@@ -1,5 +1,5 @@
 """A full disk (issue 19 item 3) at every durable writer of a run: TITO records (and the proxy call that writes
-one), the execution queue, results (``fsync_write``), metrics and checkpoints. Each writer raises ``DiskFull``
+one), the execution queue, results (``write_whole``), metrics and checkpoints. Each writer raises ``DiskFull``
 ("disk full writing <path>: free space and run the same command again to resume") or skips (metrics); nothing
 half-written is read as valid afterwards; writing works again once space is freed. On a real small tmpfs where
 this machine allows mounting one (root), and through an ENOSPC-injecting ``os.write``/``os.fsync`` elsewhere."""
@@ -88,17 +88,17 @@ def test_queue_on_a_full_disk_keeps_whole_entries_and_resumes(disk):
 
 
 def test_results_file_is_replaced_whole_or_not_at_all(disk):
-    from gyre_jax.run import fsync_write
+    from gyre_jax.disk import write_whole
 
     path = disk.root / "results" / "step_000000.jsonl"
-    fsync_write(path, '{"old": 1}\n')
+    write_whole(path, '{"old": 1}\n')
     disk.fill()
     with pytest.raises(DiskFull) as err:
-        fsync_write(path, json.dumps({"new": "z" * 50_000}) + "\n")
+        write_whole(path, json.dumps({"new": "z" * 50_000}) + "\n")
     assert str(err.value) == FULL.format(path)
     assert path.read_text() == '{"old": 1}\n' and not path.with_suffix(".jsonl.tmp").exists()
     disk.free()
-    fsync_write(path, '{"new": 2}\n')
+    write_whole(path, '{"new": 2}\n')
     assert path.read_text() == '{"new": 2}\n'
 
 

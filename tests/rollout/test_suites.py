@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from gyre_jax.build import make_suite  # the run's builder loads the suite the config names
 from gyre_jax.config import ConfigError, load_config
 from gyre_jax.rollout.suites import (
     HarborSuite,
@@ -192,10 +193,11 @@ def test_the_config_refuses_a_bad_suite_before_any_work(tmp_path):
     write_upstream_task(tmp_path, "good")
     (write_upstream_task(tmp_path, "broken") / "task.toml").write_text("[agent]\ntimeout_sec = 'x'\n")
     with pytest.raises(ConfigError, match=r"config.rollout.suite=.*task broken .*\[agent\] timeout_sec='x'"):
-        load_config([f"--config.rollout.suite=harbor:{tmp_path}", "--config.warm_start.steps=0"])
+        make_suite(load_config([f"--config.rollout.suite=harbor:{tmp_path}", "--config.warm_start.steps=0"]))
     shutil.rmtree(tmp_path / "broken")
     ok = [f"--config.rollout.suite=harbor:{tmp_path}", "--config.warm_start.steps=0"]
     assert load_config(ok).rollout.suite == f"harbor:{tmp_path}"
+    assert [t.task_id for t in make_suite(load_config(ok)).pool()] == ["good"]
     with pytest.raises(ConfigError, match="warm-start demonstrations exist only for the builtin suite"):
         load_config([f"--config.rollout.suite=harbor:{tmp_path}"])
     with pytest.raises(ConfigError, match="needs a held-out split: set config.rollout.heldout_fraction"):

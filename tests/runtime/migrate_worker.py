@@ -92,7 +92,7 @@ def main() -> int:
 
     if pid == 1:
         loop = ServingLoop(SlowEngine(engines[1], STEP_S), mine, name="cell1", kv_pages=64).start()
-        hosted = HostedCell(layout=layouts[1], make_loop=None, worker=None, loop=loop)
+        hosted = HostedCell(LocalCell(cells[1], layouts[1], loop, worker=None))
         CellHost(client, 1, {1: hosted}, layouts, core_abstract=None).serve()
         runtime.shutdown()
         return 0

@@ -21,6 +21,7 @@ from gyre_jax.runtime import commands as cmd
 from gyre_jax.runtime.cells import Cell, CellLayout
 from gyre_jax.runtime.channel import Channel
 from gyre_jax.runtime.host import CellHost, HostedCell
+from gyre_jax.runtime.local import LocalCell
 from gyre_jax.runtime.remote import FollowerLink, RemoteCell, TransferLog
 from gyre_jax.serving.loop import ServingLoop
 from gyre_jax.serving.types import ContextTooLongError, GenerationRequest, SamplingParams
@@ -52,7 +53,7 @@ def remote_cell(engine, model_params):
     loop = ServingLoop(engine, model_params[1], policy_version=3, name="cell1", seed=0).start()
     cell = Cell(index=1, devices=tuple(engine.mesh.devices.flat), mesh=engine.mesh)
     layout = CellLayout.of(cell, engine.cfg, engine.rules, engine.page_size)
-    hosted = HostedCell(layout=layout, make_loop=None, worker=None, loop=loop)
+    hosted = HostedCell(LocalCell(cell, layout, loop, worker=None))
     host = CellHost(kv, 1, {1: hosted}, {1: layout}, core_abstract=None)
     failures = []
 
