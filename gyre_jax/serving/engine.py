@@ -246,12 +246,10 @@ class Engine(ServingEngine):
 
     # -- the session pool ------------------------------------------------------------------------------------
     def use_pages(self, index: PrefixCache) -> None:
-        """``ServingEngine.use_pages``: the session pool becomes ``index.num_pages`` pages (only while none is
-        used)."""
+        """``ServingEngine.use_pages``: the session pool becomes ``index.num_pages`` pages; sessions an earlier index
+        kept there are dropped (a loop built on an engine whose last loop stopped)."""
         if index.page_size != self.page_size:
             raise ValueError(f"the session cache's page_size={index.page_size} must be the engine's {self.page_size}")
-        if self._index is not None and self._index.num_used:
-            raise ValueError("an engine's session pool changes only while no page of it is in use")
         self._index, self.num_pages = index, index.num_pages
         if self._pool is None or self._pool.num_pages != index.num_pages:
             self._pool = self.dense.init_page_pool(index.num_pages)

@@ -165,15 +165,16 @@ class PagedEngine(ServingEngine):
     def use_pages(self, index: PrefixCache) -> None:
         """``ServingEngine.use_pages``: takes pages from ``index`` (a session cache's) from now on, so that slots and
         cached sessions share the pool, cached sessions evicted least recently used first when slots need pages.
-        Only while no page is in use, and only an index of this pool's size."""
+        Only while no slot holds pages (sessions an earlier index kept are dropped), and only an index of this
+        pool's size."""
         if index.num_pages != self.num_pages or index.page_size != self.page_size:
             raise ValueError(
                 f"a session cache of {index.num_pages} pages of {index.page_size} tokens: on a paged engine the "
                 f"session cache shares the engine's pool (num_pages={self.num_pages}, page_size={self.page_size}); "
                 "pass kv_pages=None (cache on) or 0 (no cache)"
             )
-        if self.allocator.num_used or index.num_used:
-            raise ValueError("an engine's allocator changes only while no page is in use")
+        if any(self._pages) or index.num_used:
+            raise ValueError("an engine's allocator changes only while no slot holds pages")
         self.allocator = index
 
     def check_kv(self, kv: KVPages) -> None:
