@@ -23,7 +23,14 @@ from jax.sharding import Mesh
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import Rules
 from gyre_jax.serving.dense import DenseSlots
-from gyre_jax.serving.engine_api import ResultTokens, Sampled, ServingEngine, SlotPages, check_num_steps
+from gyre_jax.serving.engine_api import (
+    ResultTokens,
+    Sampled,
+    ServingEngine,
+    SlotPages,
+    check_num_steps,
+    check_prefill_many,
+)
 from gyre_jax.serving.kv_cache import (  # noqa: F401 - CACHE_AXES and kv_pages_shardings are importable from here
     CACHE_AXES,
     DecodeState,
@@ -60,34 +67,27 @@ class Engine(ServingEngine):
         mesh: Mesh,
         rules: Rules,
         *,
-        max_concurrent_decodes: int,
-        max_seq_len: int,
-        max_prefill_length: int,
-        prefill_buckets: Sequence[int],
-        page_size: int | None = None,
         num_pages: int | None = None,
-        decode_windows: Sequence[int] | None = None,
-        decode_slot_buckets: Sequence[int] | None = None,
-        record_experts: bool = False,
-        decode_steps: int = 1,
+        **sizes,
     ):
-        """The sizes as ``DenseSlots``'; ``num_pages``: the session pool's pages (0: sessions are not kept)."""
-        self.dense = d = DenseSlots(
-            cfg, graphdef, mesh, rules, max_concurrent_decodes=max_concurrent_decodes, max_seq_len=max_seq_len,
-            max_prefill_length=max_prefill_length, prefill_buckets=prefill_buckets, page_size=page_size,
-            decode_windows=decode_windows, decode_slot_buckets=decode_slot_buckets, record_experts=record_experts,
-            decode_steps=decode_steps,
-        )  # fmt: skip
-        self.cfg, self.graphdef, self.mesh, self.rules = cfg, graphdef, mesh, rules
-        self.max_concurrent_decodes, self.max_seq_len, self.max_prefill_length = d.max_concurrent_decodes, max_seq_len, max_prefill_length  # fmt: skip
-        self.page_size, self.pages_per_seq, self.decode_steps = d.page_size, d.pages_per_seq, decode_steps
-        self.prefill_buckets, self.decode_windows, self.decode_slot_buckets = d.prefill_buckets, d.decode_windows, d.decode_slot_buckets  # fmt: skip
-        self.record_experts, self.programs = record_experts, d.programs
-        self.num_pages = max_concurrent_decodes * d.pages_per_seq if num_pages is None else num_pages
+        """``sizes``: ``DenseSlots``' (``max_concurrent_decodes``, ``max_seq_len``, ``max_prefill_length``,
+        ``prefill_buckets``, and optionally ``page_size``, ``decode_windows``, ``decode_slot_buckets``,
+        ``record_experts``, ``decode_steps``); ``num_pages``: the session pool's pages (0: sessions are not kept)."""
+        self.dense = d = DenseSlots(cfg, graphdef, mesh, rules, **sizes)
+        self.cfg, self.graphdef, self.mesh, self.rules, self.programs = cfg, graphdef, mesh, rules, d.programs
+        self.max_concurrent_decodes = slots = d.max_concurrent_decodes
+        self.max_seq_len, self.max_prefill_length, self.decode_steps = (
+            d.max_seq_len,
+            d.max_prefill_length,
+            d.decode_steps,
+        )
+        self.page_size, self.pages_per_seq, self.record_experts = d.page_size, d.pages_per_seq, d.record_experts
+        self.prefill_buckets, self.decode_windows = d.prefill_buckets, d.decode_windows
+        self.decode_slot_buckets = d.decode_slot_buckets
+        self.num_pages = slots * d.pages_per_seq if num_pages is None else num_pages
         if self.num_pages < 0:
             raise ValueError(f"num_pages={num_pages} must be >= 0 (0: no session pool)")
         self.state: DecodeState = d.init_decode_state()
-        slots = max_concurrent_decodes
         self._prefilled: list[_Prefilled | None] = [None] * slots
         self._lengths = [0] * slots  # host mirror: tokens in each slot's KV after the steps dispatched
         self._active = [False] * slots
@@ -142,10 +142,7 @@ class Engine(ServingEngine):
         keys: Sequence[jax.Array],
     ) -> Sampled:
         """``ServingEngine.prefill_many``: one packed prefill program; ``start`` inserts its rows (one program)."""
-        if not len(slots) == len(prompts) == len(sampling) == len(keys) or len(set(slots)) != len(slots):
-            raise ValueError("prefill_many takes one distinct slot, sampling and key per prompt")
-        for slot in slots:
-            self._check_empty(slot)
+        check_prefill_many(slots, prompts, sampling, keys, self._check_empty)
         batch = self.dense.prefill_many(params=params, prompts=prompts, sampling=sampling, keys=keys)
         for i, (slot, prompt, sp) in enumerate(zip(slots, prompts, sampling)):
             self._prefilled[slot] = _Prefilled(batch, i, sp)

@@ -123,6 +123,17 @@ def check_num_steps(num_steps: int, decode_steps: int) -> None:
         )
 
 
+def check_prefill_many(
+    slots: Sequence[int], prompts: Sequence, sampling: Sequence, keys: Sequence, check_empty
+) -> None:
+    """Raises ValueError unless ``prefill_many`` got one distinct slot, sampling and key per prompt, each slot empty
+    (``check_empty(slot)`` raises otherwise)."""
+    if not len(slots) == len(prompts) == len(sampling) == len(keys) or len(set(slots)) != len(slots):
+        raise ValueError("prefill_many takes one distinct slot, sampling and key per prompt")
+    for slot in slots:
+        check_empty(slot)
+
+
 class ServingEngine(Protocol):
     """Prefill / start / generate / release over ``max_concurrent_decodes`` slots whose KV the engine holds on
     ``mesh`` (one cell). Not thread-safe: one serving loop's thread drives it."""

@@ -5,15 +5,17 @@ cell can hold is that, and every slot pays for it. Here a cell has one pool of `
 ``page_size`` tokens (the device programs and the state are in ``paged_steps``); a slot holds the pages its
 context has reached, taken from the pool as it grows, so a session's length is bounded by the free pages (and by
 ``max_pages_per_slot``, by default the whole pool) and the bytes a session holds follow its length. When a slot
-ends, its pages can stay where they are as the session's KV (``release(keep=True)`` -> ``SlotPages``) and be
+ends, its pages can stay where they are as the session's KV (``release(slot, keep=n)`` -> ``SlotPages``) and be
 handed to the slot of the session's next request without a copy (``attach``); a session moves between cells
 as ``KVPages`` (``export`` / ``import_kv``), the format of the dense engine's migration.
 
-The engine owns its ``PagedState`` and mirrors on the host what it needs to place pages (each slot's pages and
-length): every call is a method, none takes or returns the state. Prefill writes a prompt straight into its
-slot's pages in chunks of at most ``max_prefill_length`` tokens (no per-request prefix buffer), or several
-whole prompts into their empty slots in one program (``prefill_many``, packed as the dense engine packs them).
-The serving loop runs it through ``paged_batch.PagedBatch``. Not here yet: routing-replay recording.
+``PagedEngine`` is the ``engine_api.ServingEngine`` of this layout: the serving loop drives it exactly as it drives
+the dense ``Engine``. It owns its ``PagedState`` and mirrors on the host what it needs to place pages (each slot's
+pages and length); the pages are allocated by a ``PrefixCache`` (its own, or a session cache's after ``use_pages``:
+slots and cached sessions then share the pool). Prefill writes a prompt straight into its slot's pages in chunks of
+at most ``max_prefill_length`` tokens (no per-request prefix buffer), or several whole prompts into their empty
+slots in one program (``prefill_many``, packed as the dense engine packs them). The decode step is
+``steps.decode_step`` over ``paged_steps.PagedLayout``. Not here yet: routing-replay recording.
 """
 
 from __future__ import annotations
@@ -32,7 +34,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import Rules
 from gyre_jax.serving import paged_steps, steps
-from gyre_jax.serving.engine_api import ResultTokens, Sampled, ServingEngine, SlotPages, check_num_steps
+from gyre_jax.serving.engine_api import (
+    ResultTokens,
+    Sampled,
+    ServingEngine,
+    SlotPages,
+    check_num_steps,
+    check_prefill_many,
+)
 from gyre_jax.serving.kv_cache import KVPages, kv_pages_shardings
 from gyre_jax.serving.kv_pages import PageOps, gather_pages, scatter_pages
 from gyre_jax.serving.paged_steps import PagedState
@@ -283,10 +292,7 @@ class PagedEngine(ServingEngine):
         keys: Sequence[jax.Array],
     ) -> Sampled:
         """``ServingEngine.prefill_many``: each prompt's KV scattered into its slot's pages in the program."""
-        if not len(slots) == len(prompts) == len(sampling) == len(keys) or len(set(slots)) != len(slots):
-            raise ValueError("prefill_many takes one distinct slot, sampling and key per prompt")
-        for slot in slots:
-            self._check_empty(slot)
+        check_prefill_many(slots, prompts, sampling, keys, self._check_empty)
         packed = pack_prompts(prompts, self)
         count = len(packed[-1])
         for slot, prompt in zip(slots, prompts):
