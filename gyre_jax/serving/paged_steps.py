@@ -6,7 +6,8 @@ none) and the per-slot decoding fields of ``kv_cache.DecodeState``. A program re
 gathered from its first ``num_pages`` table entries (``num_pages`` static: a bucket of the longest live
 context, so cost follows the live length, not the pool), runs the model on that view exactly as the dense
 engine runs it on a window of its cache (``attention.cache_mask``: dense or a ``MaskSpec``), and scatters
-the rows the step wrote back into their pages. Reads of table entries past a slot's pages fall on some page
+the rows the step wrote back into their pages: the decode step is ``steps.decode_step`` over ``PagedLayout``,
+a prefill ``steps.forward_and_sample`` on a slot's view. Reads of table entries past a slot's pages fall on some page
 whose positions the mask never shows; writes to them are dropped.
 
 A pure-JAX gather, the same on every platform; a paged-attention kernel (Pallas ragged paged attention on

@@ -1,7 +1,9 @@
 """The device programs of serving: prefill a prompt (fresh, or on top of a prefix; or several whole prompts at
-once), insert it into a decode slot (or several), release a slot, and one generate step over every slot (or
-several steps in one program). Pure functions over the ``kv_cache`` pytrees; ``Engine`` jits each once, with its
-donation and shardings.
+once), insert it into a decode slot (or several), release a slot, and the one decode step of both KV layouts
+(``decode_step``, or several in one program: ``decode_steps``), which reads and writes the slots' KV through a
+layout (``DenseLayout`` here, ``paged_steps.PagedLayout``) and is otherwise one body. Pure functions over the
+``kv_cache`` pytrees; ``dense.DenseSlots`` and ``paged.PagedEngine`` jit each once, with its donation and
+shardings.
 
 Parameters arrive as flat leaves plus a (static) treedef, merged with the model's ``graphdef`` inside the
 program: flattening an ``nnx.State`` on every call would cost more host time than a tiny model's decode
