@@ -252,7 +252,7 @@ def paged_setup(a):
     from gyre_jax.config import load_config
     from gyre_jax.model.config import ModelConfig
     from gyre_jax.model.sharding import init_params, make_mesh
-    from gyre_jax.serving.engine import Engine
+    from gyre_jax.serving.dense import DenseSlots
     from gyre_jax.serving.paged import PagedEngine
 
     cfg = ModelConfig(**dict(CP_MODEL, remat_policy="none"), attention_block_q=a.cp_block, attention_block_k=a.cp_block)
@@ -263,8 +263,8 @@ def paged_setup(a):
     paged = PagedEngine(cfg, graphdef, mesh, rules, max_concurrent_decodes=1, num_pages=-(-longest // a.page_size),
                         page_size=a.page_size, **sizes)  # fmt: skip
     windows = tuple(sorted(set(a.paged_lengths)))
-    dense = Engine(cfg, graphdef, mesh, rules, max_concurrent_decodes=a.dense_slots, max_seq_len=longest,
-                   decode_windows=windows, page_size=a.page_size, **sizes)  # fmt: skip
+    dense = DenseSlots(cfg, graphdef, mesh, rules, max_concurrent_decodes=a.dense_slots, max_seq_len=longest,
+                        decode_windows=windows, page_size=a.page_size, **sizes)  # fmt: skip
     return cfg, paged, dense, params
 
 
@@ -308,14 +308,14 @@ def paged_section(a) -> None:
     print(f"\npaged decoding: one session, pages of {a.page_size}, prefill chunks of {a.paged_chunk}")
     print(f"{'live':>7} {'prefill s':>10} {'held/live':>10} {'dense/live':>11} {'paged ms':>9} {'dense ms':>9}")
     for target in sorted(a.paged_lengths):
-        kept = paged.release(0, keep=True)
+        kept = paged.release(0, keep=paged.slot_length(0))
         if kept is not None:  # the session's next turn: its pages, in place
             paged.attach(0, kept)
         grow = target - a.paged_steps - 1 - paged.slot_length(0)  # decoding then stays within ``target``
         t0 = time.perf_counter()
         paged.prefill(params, 0, rng.integers(0, cfg.vocab_size, grow).tolist(), greedy, key)
         prefill_s = time.perf_counter() - t0
-        paged.start(0)
+        paged.start([0])
         ms = step_ms(lambda: paged.generate(params, wait=False)._ints, a.paged_steps)
         live = paged.slot_length(0)
         row = {"target": target, "live_tokens": live, "prefilled_tokens": grow, "prefill_s": prefill_s,

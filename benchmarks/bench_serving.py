@@ -6,7 +6,7 @@ shared and noisy; absolute times are printed for context only).
                 each session sends its next request when the last one returns) vs a naive loop serving
                 one request at a time (prefill, insert, then generate steps on a 1-slot engine)
   overhead      ``ServingLoop`` wall time per generate step with every slot decoding vs back-to-back raw
-                jitted decode steps (``Engine._generate_jit``, no host work); target: within 15%
+                jitted decode steps (``DenseSlots.generate_program``, no host work); target: within 15%
   prefix_cache  prefill tokens of a 20-turn agent session (each prompt = previous prompt + completion +
                 new tokens) / its final context length, with the session prefix cache and without it
   chunked       longest pause between two decode steps of running sessions while a long prompt is
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     t_warm = time.perf_counter()
     for b in sz.buckets:
         for eng in (engine, engine1):
-            eng.prefill(
+            eng.dense.prefill(
                 params=params, tokens=prompt(min(b, sz.max_seq_len - 1)), sampling_params=greedy, key=key_for_seed(0)
             )
     warm_loop = ServingLoop(engine, params, name="warm", prefill_chunk=sz.chunk).start()
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
             burst = [warm_rng.integers(0, vocab, size=int(warm_rng.integers(*sz.prompt_len))).tolist() for _ in
                      range(sz.slots)]  # fmt: skip
             burst_start(ServingLoop, paged, params, burst, GenerationRequest, SamplingParams, together)
-    naive_generate(engine1, params, [prompt(20)], greedy)
+    naive_generate(engine1.dense, params, [prompt(20)], greedy)
     for together in (True, False):  # the burst's shapes: all slots' prompts in one program, and one at a time
         burst_start(ServingLoop, engine, params, [prompt(sz.prompt_len[1] - 1)] * sz.slots, GenerationRequest,
                     SamplingParams, together)  # fmt: skip
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
         naive, looped, multi = [], [], []
         for _ in range(sz.repeats):
             naive_prompts = [prompt(int(rng.integers(*sz.prompt_len))) for _ in range(sz.naive_requests)]
-            naive.append(naive_generate(engine1, params, naive_prompts, greedy))
+            naive.append(naive_generate(engine1.dense, params, naive_prompts, greedy))
             prompts_ = [
                 [prompt(int(rng.integers(*sz.prompt_len))) for _ in range(sz.requests_per_session)] for _ in range(c)
             ]
@@ -307,9 +307,11 @@ def main(argv=None) -> int:
     # -- loop overhead vs raw jitted decode steps (interleaved per repeat) --------------------------------------
     raw, raw_fetch, looped = [], [], []
     for _ in range(sz.repeats):
-        raw.append(raw_steps(engine, params, fill(engine, params, sz, prompt, greedy), sz.overhead_steps))
+        raw.append(raw_steps(engine.dense, params, fill(engine.dense, params, sz, prompt, greedy), sz.overhead_steps))
         looped.append(loop_steps(engine, params, sz, prompt, ServingLoop, GenerationRequest, SamplingParams))
-        raw_fetch.append(fetch_steps(engine, params, fill(engine, params, sz, prompt, greedy), sz.overhead_steps))
+        raw_fetch.append(
+            fetch_steps(engine.dense, params, fill(engine.dense, params, sz, prompt, greedy), sz.overhead_steps)
+        )
     over = {
         "raw_step_ms_best": 1e3 * min(raw),
         "raw_fetch_step_ms_best": 1e3 * min(raw_fetch),
@@ -422,7 +424,8 @@ def main(argv=None) -> int:
 
 
 def naive_generate(engine, params, prompts, sp) -> float:
-    """One request at a time on a 1-slot engine: prefill, insert, generate until max_tokens. Returns tokens/s."""
+    """One request at a time on a 1-slot engine's dense programs (``DenseSlots``): prefill, insert, generate until
+    max_tokens. Returns tokens/s."""
     from gyre_jax.serving.sampling import key_for_seed
 
     state = engine.init_decode_state()
@@ -500,17 +503,17 @@ def raw_steps(engine, params, state, n) -> float:
 
     windows = [engine.decode_window(16 + i) for i in range(SKIP + n)]
     for w in windows[:SKIP]:
-        state, *out = engine._generate_jit(*engine._flat_params(params), state, w, engine.max_concurrent_decodes)
+        state, *out = engine.generate_program(*engine.flat_params(params), state, w, engine.max_concurrent_decodes)
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     for w in windows[SKIP:]:
-        state, *out = engine._generate_jit(*engine._flat_params(params), state, w, engine.max_concurrent_decodes)
+        state, *out = engine.generate_program(*engine.flat_params(params), state, w, engine.max_concurrent_decodes)
     jax.block_until_ready((state, out))
     return (time.perf_counter() - t0) / n
 
 
 def fetch_steps(engine, params, state, n) -> float:
-    """Seconds per step of ``Engine.generate`` (jitted step + the host copy of its tokens), back to back."""
+    """Seconds per step of ``DenseSlots.generate`` (jitted step + the host copy of its tokens), back to back."""
     for i in range(SKIP):
         state, _ = engine.generate(params, state, max_length=16 + i)
     t0 = time.perf_counter()
@@ -560,8 +563,8 @@ def decode_pause(engine, params, sz, prompt, long_prompt, chunk, loop_cls, reque
         def __getattr__(self, name):
             return getattr(engine, name)
 
-        def generate(self, p, state, **kw):
-            out = engine.generate(p, state, **kw)
+        def generate(self, p, **kw):
+            out = engine.generate(p, **kw)
             stamps.append(time.perf_counter())
             return out
 

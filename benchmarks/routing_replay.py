@@ -40,7 +40,7 @@ from gyre_jax.model.rules import RULES_DATA  # noqa: E402
 from gyre_jax.model.sharding import init_params, make_mesh  # noqa: E402
 from gyre_jax.proxy.records import TitoRecord, encode_experts  # noqa: E402
 from gyre_jax.rl.micro_step import token_logprobs  # noqa: E402
-from gyre_jax.serving.engine import Engine  # noqa: E402
+from gyre_jax.serving.dense import DenseSlots  # noqa: E402
 from gyre_jax.serving.sampling import key_for_seed  # noqa: E402
 from gyre_jax.serving.types import SamplingParams  # noqa: E402
 from gyre_jax.trajectory.branches import build_branches  # noqa: E402
@@ -74,7 +74,7 @@ def build(cfg: ModelConfig, near_tie: float = 0.0, seed: int = 0):
 def serve(cfg: ModelConfig, mesh, graphdef, params, tokens: int, seed: int = 0) -> list[TitoRecord]:
     """Samples ``tokens`` tokens for every prompt, all slots decoding together; one record per prompt (one
     execution), expert ids encoded as the proxy writes them, through JSON."""
-    engine = Engine(
+    engine = DenseSlots(
         cfg, graphdef, mesh, RULES_DATA, max_concurrent_decodes=SLOTS, max_seq_len=MAX_SEQ,
         max_prefill_length=16, prefill_buckets=(16,), record_experts=cfg.is_moe,
     )  # fmt: skip

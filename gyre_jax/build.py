@@ -153,6 +153,7 @@ class CellFactory:
             max_prefill_length=sv.max_prefill_length,
             prefill_buckets=tuple(sv.prefill_buckets),
             page_size=sv.page_size,
+            num_pages=sv.kv_pages,  # the session cache's pool, beside the slots
             record_experts=self.s.config.rl.routing_replay == "replay",
             decode_steps=sv.decode_steps,
         )
@@ -177,13 +178,10 @@ class CellFactory:
         ).start()
 
     def warm(self, cell: Cell, engine: Engine | PagedEngine, params: Any) -> int:
-        """Compiles every program shape ``engine``'s serving loop can dispatch (``serving.warmup``), on scratch
-        state; logs the count and the seconds; returns the count."""
-        sv, t0 = self.s.config.serving, time.perf_counter()
-        if isinstance(engine, PagedEngine):
-            count = engine.warmup(params)
-        else:  # the loop's session cache pool too (kv_pages pages)
-            count = engine.warmup(params, kv_pages=sv.kv_pages)
+        """Compiles every program shape ``engine``'s serving loop can dispatch (``serving.warmup``), ahead of time
+        (nothing runs); logs the count and the seconds; returns the count."""
+        t0 = time.perf_counter()
+        count = engine.warmup(params)  # the session cache's pool too (the engine's kv_pages pages)
         log.info("%s: serving warm-up compiled %d program shapes in %.1fs", cell.name, count, time.perf_counter() - t0)
         return count
 

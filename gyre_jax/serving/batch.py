@@ -1,28 +1,27 @@
-"""The decode slots of one serving loop and the device state they share.
+"""The decode slots of one serving loop, on an engine of either KV layout.
 
-``DecodeBatch`` owns which job holds which slot, each job's prefill progress, the engine's decode state,
-the weights it runs (and their policy version), the generate step in flight, and what each sampled token
-does to its job (stop, budget, context limit). It does the device side of one loop iteration (``step``):
-prefill chunks of the slots still prefilling (oldest first), insert those whose prompt is complete, dispatch
-one generate step and read the oldest step in flight. Jobs end here: their session's KV goes to the session cache
-and their future resolves. Used from the loop thread; slot changes that other threads may read are made
-under ``lock``.
+``DecodeBatch`` owns which job holds which of its ``engine_api.ServingEngine``'s slots, each job's prefill
+progress, the weights it runs (and their policy version), the generate steps in flight, and what each sampled token
+does to its job (stop, budget, context limit); the engine holds the slots' KV. It does the device side of one loop
+iteration (``step``): prefill chunks of the slots still prefilling (oldest first), start those whose prompt is
+complete, dispatch one generate program and read the oldest in flight. Jobs end here: their session's KV goes to
+the session cache and their future resolves. Used from the loop thread; slot changes that other threads may read
+are made under ``lock``.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from gyre_jax.serving.engine import DecodeState, Engine, KVPages
+from gyre_jax.serving.engine_api import ServingEngine
 from gyre_jax.serving.jobs import Job, LoopStats, Step
+from gyre_jax.serving.kv_cache import KVPages
 from gyre_jax.serving.session_cache import SessionCache
 
 log = logging.getLogger(__name__)
@@ -33,7 +32,7 @@ class DecodeBatch:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: ServingEngine,
         params,
         version: int,
         *,
@@ -56,7 +55,6 @@ class DecodeBatch:
         self.cache = cache
         self.together = prefill_together
         self.slots: list[Job | None] = [None] * engine.max_concurrent_decodes
-        self.state: DecodeState | None = None
         self.lookahead = lookahead  # decode steps dispatched after the oldest step in flight before it is read
         self.in_flight: collections.deque[Step] = collections.deque()  # dispatched, tokens not read yet; oldest first
 
@@ -66,12 +64,6 @@ class DecodeBatch:
         self.params, self.version = params, version
         return changed
 
-    def ensure_state(self) -> None:
-        if self.state is None:
-            self.state = self.engine.init_decode_state()
-        if self.cache is not None:
-            self.cache.ensure_pool()
-
     def has_work(self) -> bool:
         return any(s is not None for s in self.slots)
 
@@ -79,21 +71,30 @@ class DecodeBatch:
         return [slot for slot, job in enumerate(self.slots) if job is None]
 
     # -- a job's start: the KV it starts from ---------------------------------------------------------
-    def admit(self, job: Job, reuse_stale_kv: bool) -> None:
-        """Gives a job (with its sampling key) any KV it can start from: imported, or the session's cache entry."""
+    def admit(self, slot: int, job: Job, reuse_stale_kv: bool) -> None:
+        """Gives free ``slot`` the KV ``job`` (with its sampling key) can start from: imported, or its session's
+        cache entry."""
+        try:
+            self._place(slot, job, reuse_stale_kv)
+        except Exception:
+            self.engine.release(slot)  # nothing of the job stays in the slot
+            raise
+
+    def _place(self, slot: int, job: Job, reuse_stale_kv: bool) -> None:
         if job.kv is not None:
             ready = job.done if job.resuming else min(job.done, len(job.target) - 1)  # >= 1 token left to sample from
             if ready > 0:
-                job.prefix = self.engine.prefix_from_pages(job.kv, ready, job.key)
+                self.engine.import_kv(slot, job.kv, ready)
             job.done, job.kv = ready, None
             return
         sid = job.request.session_id
         if self.cache is None or sid is None or job.resuming:
             return
-        hit = self.cache.take(sid, job.target, None if reuse_stale_kv else self.version, job.key)
+        hit = self.cache.take(sid, job.target, None if reuse_stale_kv else self.version)
         if hit is None:
             return
-        job.prefix, job.done, job.kv_version = hit
+        pages, job.done, job.kv_version = hit
+        self.engine.attach(slot, pages)
         job.cached_tokens = job.done
 
     # -- one iteration -----------------------------------------------------------------------------
@@ -151,58 +152,53 @@ class DecodeBatch:
 
     def _prefill_chunk(self, slot: int, job: Job, n: int) -> bool:
         """Prefills the next ``n`` ids of the job's target; False if that failed (the job failed, its slot is free)."""
-        if job.prefix is None and n < len(job.target):  # chunks follow: all of them on a full-length cache
-            job.prefix = self.engine.empty_prefix(job.key)
         try:
-            job.prefix = self.engine.prefill(
-                params=self.params,
-                tokens=job.target[job.done : job.done + n],
-                sampling_params=job.request.sampling,
-                key=job.key,
-                existing_prefix=job.prefix,
-            )
+            first = self.engine.prefill(
+                self.params, slot, job.target[job.done : job.done + n], job.request.sampling, job.key,
+                final=job.done + n == len(job.target),
+            )  # fmt: skip
         except Exception as exc:  # this request fails; the loop serves on
             log.warning("serving loop %s: prefill of %s failed: %s", self.name, job.request.request_id, exc)
             with self.lock:
                 self.slots[slot] = None
+                self.engine.release(slot)
             if not job.future.done():
                 job.future.set_exception(exc)
             return False
         if job.kv_version is None:
             job.kv_version = self.version
-        if job.prefix.experts is not None:  # routing replay: the experts of these prompt tokens
-            job.note_prompt_experts(job.done, np.asarray(jax.device_get(job.prefix.experts))[:n])
+        if first.experts is not None:  # routing replay: the experts of these prompt tokens
+            job.note_prompt_experts(job.done, first.experts)
+        job.first = first
         job.done += n
         self.stats.prefill_tokens += n
         self.stats.prefill_calls += 1
         return True
 
     def prefill_group(self, slots: Sequence[int], jobs: Sequence[Job]) -> list[tuple]:
-        """Prefills the whole targets of ``jobs`` (no KV to start from) in one program into ``slots``; returns each
-        one's first sampled (token, log-prob)."""
+        """Prefills the whole targets of ``jobs`` (no KV to start from) in one program into ``slots`` and starts
+        them; returns each one's first sampled (token, log-prob)."""
         sampling = [job.request.sampling for job in jobs]
-        batched = self.engine.prefill_many(
-            params=self.params, prompts=[job.target for job in jobs], sampling=sampling, keys=[job.key for job in jobs]
+        firsts = self.engine.prefill_many(
+            self.params, slots, [job.target for job in jobs], sampling, [job.key for job in jobs]
         )
-        self.state = self.engine.insert_many(batched, self.state, slots, sampling)
-        first, logprobs, experts = jax.device_get((batched.token, batched.logprob, batched.experts))
-        for i, job in enumerate(jobs if experts is not None else ()):  # routing replay: the prompt tokens' experts
-            job.note_prompt_experts(0, np.asarray(experts[i])[: len(job.target)])
-        return list(zip(first, logprobs))
+        self.engine.start(slots)
+        tokens, logprobs = jax.device_get((firsts.token, firsts.logprob))
+        for i, job in enumerate(jobs if firsts.experts is not None else ()):  # routing replay: the prompts' experts
+            job.note_prompt_experts(0, np.asarray(firsts.experts[i])[: len(job.target)])
+        return list(zip(tokens, logprobs))
 
     def _start_decoding(self, slot: int, job: Job) -> None:
-        prefix = job.prefix
-        if job.resuming:  # insert the token sampled before the move/update, with the key state after it
-            prefix = dataclasses.replace(
-                prefix, token=jnp.int32(job.tokens[-1]), logprob=jnp.float32(job.logprobs[-1]), key=job.key
-            )
-        self.state = self.engine.insert(prefix, self.state, slot, job.request.sampling)
-        job.prefix = None
-        first = None if job.resuming else jax.device_get((prefix.token, prefix.logprob))
+        if job.resuming:  # its last token was sampled before the move/update: decode from it, with the key after it
+            self.engine.resume(slot, job.tokens[-1], job.key, job.request.sampling)
+            self.begin(slot, job, None)
+            return
+        self.engine.start([slot])
+        first, job.first = jax.device_get((job.first.token, job.first.logprob)), None
         self.begin(slot, job, first)
 
     def begin(self, slot: int, job: Job, first: tuple | None) -> None:
-        """``job``, inserted into ``slot``, decodes from now on; ``first``: (token, log-prob) its prefill sampled
+        """``job``, started in ``slot``, decodes from now on; ``first``: (token, log-prob) its prefill sampled
         (None: a resumed job, whose last token is already recorded)."""
         sp = job.request.sampling
         job.budget = min(sp.max_tokens, self.max_context - len(job.request.prompt_ids)) - len(job.tokens)
@@ -215,17 +211,13 @@ class DecodeBatch:
             self.accept(slot, int(first[0]), float(first[1]))
 
     def _dispatch_generate(self, in_flight: Sequence[Step], multi_step: bool = False) -> Step | None:
-        """Starts a generate program for the decoding slots (not waiting for it): one step, or with ``multi_step``
-        up to the engine's ``decode_steps`` (``num_steps``). Jobs still owed their tokens of the programs
-        ``in_flight`` hold that many more cached tokens by the time this one runs."""
+        """Starts a generate program for the decoding slots (not waiting for it; the engine sizes it by their
+        lengths): one step, or with ``multi_step`` up to the engine's ``decode_steps`` (``num_steps``)."""
         decoding, owes = self._decoding(in_flight)
         if not decoding:
             return None
-        longest = max(len(j.request.prompt_ids) + len(j.tokens) - 1 + owes[slot] for slot, j in decoding.items())
         n = num_steps(self, decoding, owes, multi_step)
-        self.state, result = self.engine.generate(
-            self.params, self.state, max_length=longest, slot_limit=max(decoding) + 1, wait=False, num_steps=n
-        )
+        result = self.engine.generate(self.params, num_steps=n, wait=False)
         self.stats.generate_steps += n
         self.stats.generate_calls += 1
         return Step(result=result, jobs=decoding, version=self.version, num_steps=n)
@@ -250,15 +242,19 @@ class DecodeBatch:
             self.finish(slot, ended[0], stop_reason=ended[1])
 
     def finish(self, slot: int, reason: str, stop_reason=None, save: bool = True) -> None:
-        """Ends the request in ``slot``: caches its session's KV, frees the slot, resolves its future."""
+        """Ends the request in ``slot``: frees the slot (its session's KV kept by the session cache), resolves its
+        future."""
         job = self.slots[slot]
         self.slots[slot] = None
         if job is None:
             return
-        if job.decoding and self.state is not None:
-            if save:
-                self._store_session(job, slot)
-            self.state = self.engine.release(self.state, slot)
+        sid = job.request.session_id
+        if save and job.decoding and self.cache is not None and sid is not None:
+            kv_tokens = list(job.request.prompt_ids) + job.tokens[:-1]  # the newest token is sampled, not cached
+            self.cache.store(sid, kv_tokens, self.version if job.kv_version is None else job.kv_version, slot)
+            self.stats.cache = self.cache.stats  # before the request's future resolves
+        else:
+            self.engine.release(slot)
         self.stats.requests_done += 1
         job.resolve(reason, self.name, stop_reason)
 
@@ -268,45 +264,34 @@ class DecodeBatch:
             if job is not None and job.request.request_id in request_ids:
                 self.finish(slot, "cancelled")
 
-    def _store_session(self, job: Job, slot: int) -> None:
-        sid = job.request.session_id
-        if self.cache is None or sid is None:
-            return
-        kv_tokens = list(job.request.prompt_ids) + job.tokens[:-1]  # the newest token is sampled, not cached
-        self.cache.store(sid, kv_tokens, self.version if job.kv_version is None else job.kv_version, self.state, slot)
-        self.stats.cache = self.cache.stats  # before the request's future resolves
-
     # -- weight updates and migration -----------------------------------------------------------------
     def recompute_in_flight(self) -> None:
         """on_update="recompute": every request in a slot prefills its KV again under the new weights."""
-        keys = np.asarray(jax.device_get(self.state.keys))
+        keys = self.engine.keys()
         for slot, job in enumerate(self.slots):
             if job is None:
                 continue
             if job.decoding:
-                job.key = jnp.asarray(keys[slot])
+                job.key = keys[slot].copy()
                 job.target = list(job.request.prompt_ids) + job.tokens[:-1]
                 job.decoding = False
-                self.state = self.engine.release(self.state, slot)
-            job.done, job.prefix, job.kv_version, job.cached_tokens = 0, None, None, 0
+            self.engine.release(slot)
+            job.done, job.first, job.kv_version, job.cached_tokens = 0, None, None, 0
 
     def export(self, wanted) -> list[tuple[Job, KVPages | None, list[int], np.ndarray | None]]:
         """Takes the wanted jobs (by session id) out of their slots: (job, KV, ids the KV holds, sampling key)
-        each; a decoding job's KV and key come from its slot, a prefilling job's from its partial prefix."""
+        each; a decoding job's key comes from its slot, a prefilling job's is its own."""
         out, keys = [], None
         for slot, job in enumerate(self.slots):
             if job is None or not wanted(job.request.session_id):
                 continue
             if job.decoding:
-                keys = np.asarray(jax.device_get(self.state.keys)) if keys is None else keys
-                kv_tokens = list(job.request.prompt_ids) + job.tokens[:-1]
-                kv = self.engine.export_slot(self.state, slot, len(kv_tokens))
-                self.state = self.engine.release(self.state, slot)
-                key = keys[slot]
+                keys = self.engine.keys() if keys is None else keys
+                kv_tokens, key = list(job.request.prompt_ids) + job.tokens[:-1], keys[slot]
             else:
-                kv_tokens = job.target[: job.done]
-                kv = self.engine.export_prefix(job.prefix, job.done) if job.prefix is not None and job.done else None
-                key = None if job.key is None else np.asarray(job.key)
+                kv_tokens, key = job.target[: job.done], None if job.key is None else np.asarray(job.key)
+            kv = self.engine.export(slot, len(kv_tokens)) if kv_tokens else None
+            self.engine.release(slot)
             self.slots[slot] = None
             out.append((job, kv, kv_tokens, key))
         return out
@@ -371,7 +356,7 @@ def prefill_together(batch: DecodeBatch, pending: list[tuple[int, Job]], budget:
     group, tokens = [], 0
     for slot, job in pending:
         n = len(job.target)
-        if job.has_kv or job.done or job.resuming or n > batch.prefill_chunk:
+        if job.done or job.resuming or n > batch.prefill_chunk:  # it starts from KV, or from a sampled token
             continue
         if budget is not None and tokens + n > budget:
             break

@@ -1,265 +1,64 @@
-"""The serving engine: JetStream's contract (prefill -> insert into a slot -> generate for all slots), plus
-the KV movements the serving loop needs (session pages, export/import between meshes).
+"""The dense serving engine: ``Engine``, the ``engine_api.ServingEngine`` of the dense KV layout.
 
-The engine owns the jitted model calls and the layout of every KV buffer on its mesh; it knows nothing
-about requests, queues, sessions or HTTP (that is ``serving.loop``). Shapes are fixed at construction
-(``max_concurrent_decodes`` slots of ``max_seq_len`` cached tokens; prefill padded to buckets; pages of
-``page_size`` tokens), so serving never recompiles after warm-up, including across weight updates of the
-same layout.
-
-Its parts: the KV buffers as pytrees and their layouts (``kv_cache``: ``Prefix`` [1, C, K, D],
-``DecodeState`` blocks [slots, K, n, D], ``KVPages`` [n, page_size, K, D]), the device programs of prefill,
-insert and generate (``steps``), and the page operations of the session prefix cache and migration
-(``kv_pages``). The engine jits the programs with their donation and shardings and checks every call.
+Every slot has a ``max_seq_len`` cache (``dense.DenseSlots``' ``DecodeState``, which the engine holds); a prompt is
+prefilled into a ``Prefix`` the slot keeps until ``start`` inserts it (whole prompts of a ``prefill_many`` batch:
+one ``insert_many``), and a finished session's KV is copied into pages of a pool beside the slots (``release`` with
+``keep``), from where ``attach`` copies it into the next request's prefix. The engine tracks on the host what it
+needs to size each generate program (each slot's length, which slots decode): the smallest decode window and slot
+bucket holding the live slots. ``warmup`` compiles every program shape the serving loop can dispatch, ahead of
+time, without running any. The engine knows nothing about requests, queues, sessions or HTTP (``serving.loop``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import Rules
-from gyre_jax.serving import steps
+from gyre_jax.serving.dense import DenseSlots
+from gyre_jax.serving.engine_api import (
+    ResultTokens,
+    Sampled,
+    ServingEngine,
+    SlotPages,
+    check_num_steps,
+    check_prefill_many,
+)
 from gyre_jax.serving.kv_cache import (  # noqa: F401 - CACHE_AXES and kv_pages_shardings are importable from here
     CACHE_AXES,
     DecodeState,
     KVPages,
     Prefix,
-    decode_blocks,
-    decode_state_shardings,
-    empty_decode_state,
-    empty_prefix,
     kv_pages_shardings,
 )
-from gyre_jax.serving.kv_pages import PageOps
-from gyre_jax.serving.types import ContextTooLongError, SamplingParams
+from gyre_jax.serving.prefix_cache import PrefixCache
+from gyre_jax.serving.shapes import one_token_prompts, packed_row_buckets, prompt_counts
+from gyre_jax.serving.types import PagePoolExhausted, SamplingParams
+
+_NO_KEY = np.zeros((2,), np.uint32)  # a loaded prefix's key: its prefill or resume sets the request's
 
 
-class ResultTokens:
-    """One generate step, [slots] each: ``tokens`` (int32, the sampled token), ``valid`` (bool: the slot was
-    stepped and its cache had room), ``lengths`` (int32: the slot's cache length after the step), ``logprobs``
-    (f32: the token's log-prob), and on an engine built with ``record_experts`` ``experts`` ([slots, L_moe, K]
-    int16: the experts each MoE layer selected for the slot's input token, i.e. the token the step before
-    sampled; -1 where not stepped; else None). Several steps in one call (``generate(..., num_steps=n)``, n > 1):
-    every array has a leading [n] axis, one row per step in order. Host numpy arrays; ``generate(...,
-    wait=False)`` returns one still on the device (being copied) until ``to_host()``."""
+@dataclasses.dataclass
+class _Prefilled:
+    """A slot's KV waiting for ``start``: a prefix (row ``row`` of a ``prefill_many`` batch, or the whole of a
+    single one) and the request's sampling settings (None: set by the next prefill or ``resume``)."""
 
-    def __init__(self, *, _ints, _logprobs, _experts=None, _rows: int | None = None):
-        self._ints = _ints  # [(n,) 3, slots] int32: tokens, valid, lengths
-        self._logprobs = _logprobs  # [(n,) slots] f32
-        self._experts = _experts  # [(n,) slots, L_moe, K] int16 or None
-        self._rows = _rows  # a multi-step program's arrays hold decode_steps rows: the first _rows ran
-
-    def to_host(self) -> ResultTokens:
-        """The host copy (waits for the step to finish); a multi-step result keeps only the steps that ran."""
-        ints, logprobs, experts = jax.device_get((self._ints, self._logprobs, self._experts))
-        rows = slice(None) if self._rows is None else slice(0, self._rows)
-        return ResultTokens(
-            _ints=np.asarray(ints)[rows],
-            _logprobs=np.asarray(logprobs)[rows],
-            _experts=None if experts is None else np.asarray(experts)[rows],
-        )
-
-    @property
-    def experts(self) -> np.ndarray | None:
-        return None if self._experts is None else np.asarray(self._experts)
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return np.asarray(self._ints[..., 0, :])
-
-    @property
-    def valid(self) -> np.ndarray:
-        return np.asarray(self._ints[..., 1, :]).astype(bool)
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.asarray(self._ints[..., 2, :])
-
-    @property
-    def logprobs(self) -> np.ndarray:
-        return np.asarray(self._logprobs)
+    prefix: Prefix
+    row: int | None = None
+    sampling: SamplingParams | None = None
 
 
-class FlatParams:
-    """(leaves, treedef) of the params a program is called with, remembered for the last params seen: flattening
-    an nnx.State on every call would cost more host time than a tiny model's decode step."""
-
-    def __init__(self):
-        self._last: tuple | None = None
-
-    def __call__(self, params) -> tuple[list, object]:
-        if self._last is None or self._last[0] is not params:
-            leaves, treedef = jax.tree.flatten(params)
-            self._last = (params, leaves, treedef)
-        return self._last[1], self._last[2]
-
-
-def check_num_steps(num_steps: int, decode_steps: int) -> None:
-    """Raises ValueError unless 1 <= num_steps <= decode_steps (the steps one generate call may run)."""
-    if not 1 <= num_steps <= decode_steps:
-        raise ValueError(
-            f"num_steps={num_steps} must be between 1 and the engine's decode_steps={decode_steps} (raise "
-            "serving.decode_steps for longer programs)"
-        )
-
-
-def _check_sizes(
-    max_concurrent_decodes: int, max_seq_len: int, max_prefill_length: int, page_size: int | None, decode_steps: int
-) -> int:
-    """Raises ValueError for sizes an engine cannot have; returns the page size (default ``gcd(16, max_seq_len)``)."""
-    if decode_steps < 1:
-        raise ValueError(f"decode_steps={decode_steps} must be >= 1")
-    if max_concurrent_decodes < 1:
-        raise ValueError(f"max_concurrent_decodes={max_concurrent_decodes} must be >= 1")
-    if not 1 <= max_prefill_length <= max_seq_len:
-        raise ValueError(f"max_prefill_length={max_prefill_length} must be in [1, max_seq_len={max_seq_len}]")
-    page_size = math.gcd(16, max_seq_len) if page_size is None else page_size
-    if page_size < 1 or max_seq_len % page_size:
-        raise ValueError(f"page_size={page_size} must be >= 1 and divide max_seq_len={max_seq_len}")
-    return page_size
-
-
-def _sampling_args(sp: SamplingParams) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(temperature [] f32, top_k [] int32, top_p [] f32): a request's sampling settings as the programs take them."""
-    return jnp.float32(sp.temperature), jnp.int32(sp.top_k), jnp.float32(sp.top_p)
-
-
-def _sampling_rows(sampling: Sequence[SamplingParams], rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``_sampling_args`` of several requests as [rows] arrays, padded to ``rows`` with the first request's."""
-    sp = [*sampling, *[sampling[0]] * (rows - len(sampling))]
-    return (
-        np.asarray([x.temperature for x in sp], np.float32),
-        np.asarray([x.top_k for x in sp], np.int32),
-        np.asarray([x.top_p for x in sp], np.float32),
-    )
-
-
-def _buckets(sizes: Sequence[int], limit: int) -> tuple[int, ...]:
-    """The distinct ``sizes`` in (0, limit), ascending, then ``limit``: the sizes one dimension compiles for."""
-    return tuple(sorted({b for b in sizes if 0 < b < limit})) + (limit,)
-
-
-def _slot_buckets(given: Sequence[int] | None, slots: int, on_one_device: bool) -> tuple[int, ...]:
-    """The numbers of leading slots a generate step may run over: ``given``, by default the powers of 2 when the
-    slots live on one device (slicing slots split over devices would move them), else only all of them."""
-    if given is None:
-        given = [2**i for i in range(slots.bit_length())] if on_one_device else []
-    return _buckets(given, slots)
-
-
-def _model_programs(cfg: ModelConfig, graphdef, max_seq_len: int, record_experts: bool, state_shardings, replicated):
-    """The jitted programs that run the model: (prefill, prefill on top of a prefix, several whole prompts in one
-    prefill, generate, several generate steps in one program). With ``record_experts`` (MoE models only) each
-    also returns the experts its MoE layers selected."""
-    if record_experts and not cfg.is_moe:
-        raise ValueError("record_experts needs a MoE model (num_experts > 0): a dense model has no experts to record")
-    prefill = jax.jit(functools.partial(steps.prefill, graphdef, cfg, with_experts=record_experts), static_argnums=(1,))
-    prefill_extend = jax.jit(
-        functools.partial(steps.prefill_extend, graphdef, max_seq_len, with_experts=record_experts),
-        static_argnums=(1,),
-    )
-    prefill_many = jax.jit(
-        functools.partial(steps.prefill_many, graphdef, cfg, with_experts=record_experts), static_argnums=(1,)
-    )
-    outputs = (state_shardings, replicated, replicated) + ((replicated,) if record_experts else ())
-    generate = jax.jit(
-        functools.partial(steps.generate, graphdef, with_experts=record_experts),
-        donate_argnums=(2,),
-        static_argnums=(1, 3, 4),
-        out_shardings=outputs,
-    )
-    generate_steps = jax.jit(
-        functools.partial(steps.generate_steps, graphdef, with_experts=record_experts),
-        donate_argnums=(2,),
-        static_argnums=(1, 3, 4, 5),
-        out_shardings=outputs,
-    )
-    return prefill, prefill_extend, prefill_many, generate, generate_steps
-
-
-def _slot_programs(state_shardings):
-    """The jitted programs that change which slots decode: (insert, insert several, release); each donates the
-    decode state."""
-    insert = jax.jit(steps.insert, donate_argnums=(1,), out_shardings=state_shardings)
-    insert_many = jax.jit(steps.insert_many, donate_argnums=(1,), out_shardings=state_shardings)
-    release = jax.jit(steps.release, donate_argnums=(0,), out_shardings=state_shardings)
-    return insert, insert_many, release
-
-
-def prompt_count_bucket(count: int) -> int:
-    """The prompts one ``prefill_many`` program takes for ``count`` prompts: the next power of 2."""
-    return 1 << (count - 1).bit_length()
-
-
-def packed_row_buckets(prompts: int) -> tuple[int, ...]:
-    """The packed row counts ``prefill_many`` compiles for a ``prompts`` (a power of 2) bucket: half, three quarters
-    and all of it (one prompt per row, the most any mix needs; prompts of a quarter to all of the longest's bucket
-    need ~0.7 rows each)."""
-    return tuple(sorted({max(1, prompts // 2), max(1, 3 * prompts // 4), prompts}))
-
-
-def _pack_prompts(prompts: Sequence[Sequence[int]], engine: Engine) -> tuple[np.ndarray, ...]:
-    """Whole prompts packed side by side in rows as wide as the bucket of the longest (first fit, longest first):
-    tokens, positions, segments [rows, width] and each prompt's row, offset and length [P] (``steps.prefill_many``'s
-    layout; P = ``prompt_count_bucket``, the padding prompts of length 0; rows the smallest of
-    ``packed_row_buckets(P)`` that holds them). Raises for a prompt ``engine.prefill`` would refuse in one call."""
-    longest = max(len(p) for p in prompts)
-    if min(len(p) for p in prompts) == 0:
-        raise ValueError("cannot prefill an empty prompt")
-    if longest > engine.max_prefill_length or longest >= engine.max_seq_len:
-        raise ContextTooLongError(
-            f"prompt of {longest} tokens exceeds max_prefill_length={engine.max_prefill_length} (or leaves no "
-            f"room within max_seq_len={engine.max_seq_len}); prefill it alone, in chunks"
-        )
-    width, count = engine._bucket(longest), prompt_count_bucket(len(prompts))
-    used: list[int] = []  # tokens taken in each row so far
-    where = np.zeros((2, count), np.int32)  # each prompt's (row, offset)
-    for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):
-        row = next((r for r, u in enumerate(used) if u + len(prompts[i]) <= width), len(used))
-        if row == len(used):
-            used.append(0)
-        where[:, i] = row, used[row]
-        used[row] += len(prompts[i])
-    rows = next(b for b in packed_row_buckets(count) if b >= len(used))
-    tokens, positions, segments = (np.zeros((rows, width), np.int32) for _ in range(3))
-    lengths = np.zeros((count,), np.int32)
-    for i, p in enumerate(prompts):
-        (row, start), n = where[:, i], len(p)
-        tokens[row, start : start + n], positions[row, start : start + n] = p, np.arange(n)
-        segments[row, start : start + n], lengths[i] = i + 1, n
-    return tokens, positions, segments, where[0], where[1], lengths
-
-
-def _prefill_packed(engine: Engine, params: nnx.State, packed: tuple[np.ndarray, ...], sampling, keys) -> Prefix:
-    """``engine.prefill_many`` of a ``_pack_prompts`` layout (``sampling`` and ``keys`` of its first prompts)."""
-    count = len(packed[-1])
-    k = jnp.stack([*keys, *[keys[0]] * (count - len(keys))])
-    args = (*map(jnp.asarray, packed), *_sampling_rows(sampling, count), k)
-    return engine._prefill_many_jit(*engine._flat_params(params), *args)
-
-
-def _one_token_prompts(rows: int, width: int, count: int) -> tuple[np.ndarray, ...]:
-    """A ``_pack_prompts`` layout of ``rows`` x ``width`` with one one-token prompt per row and ``count - rows``
-    padding prompts (``warmup``: any packed shape, whether or not a prompt mix packs into it)."""
-    tokens, positions, segments = (np.zeros((rows, width), np.int32) for _ in range(3))
-    segments[:, 0] = np.arange(1, rows + 1)
-    row, lengths = np.zeros((count,), np.int32), np.zeros((count,), np.int32)
-    row[:rows], lengths[:rows] = np.arange(rows), 1
-    return tokens, positions, segments, row, np.zeros((count,), np.int32), lengths
-
-
-class Engine:
-    """Prefill / insert / generate over a slot-based KV cache on one mesh (a cell)."""
+class Engine(ServingEngine):
+    """``max_concurrent_decodes`` dense slots of ``max_seq_len`` tokens on ``mesh``, and a pool of ``num_pages``
+    pages of ``page_size`` tokens for sessions' KV (the session cache's; default as many tokens as the slots
+    hold)."""
 
     def __init__(
         self,
@@ -268,354 +67,255 @@ class Engine:
         mesh: Mesh,
         rules: Rules,
         *,
-        max_concurrent_decodes: int,
-        max_seq_len: int,
-        max_prefill_length: int,
-        prefill_buckets: Sequence[int],
-        page_size: int | None = None,
-        decode_windows: Sequence[int] | None = None,
-        decode_slot_buckets: Sequence[int] | None = None,
-        record_experts: bool = False,
-        decode_steps: int = 1,
+        num_pages: int | None = None,
+        **sizes,
     ):
-        """``max_prefill_length``: the most tokens one ``prefill`` call takes (longer prompts are prefilled in
-        chunks by the caller, each on top of the previous). ``page_size`` (tokens per KV page; default
-        ``gcd(16, max_seq_len)``) must divide ``max_seq_len``. ``decode_windows``: cache lengths a generate
-        step may attend over (default: the prefill buckets; ``max_seq_len`` is always one). ``decode_slot_buckets``:
-        numbers of leading slots a generate step may run over (default: powers of 2 when the slots live on one
-        device, else only all of them; ``max_concurrent_decodes`` is always one). One compile per pair in use.
-        ``record_experts`` (MoE models only): every generate step also returns the experts each MoE layer
-        selected (``ResultTokens.experts``), for routing replay in training (``rl.routing_replay``).
-        ``decode_steps``: the most generate steps one ``generate`` call may run in one program (it runs 1 or
-        ``decode_steps``: two compiles per window and slot bucket); >1 saves a dispatch per token where the caller
-        can wait that many steps between looks at the tokens."""
-        page_size = _check_sizes(max_concurrent_decodes, max_seq_len, max_prefill_length, page_size, decode_steps)
-        self.cfg, self.graphdef, self._mesh, self.rules, self.decode_steps = cfg, graphdef, mesh, rules, decode_steps
-        self._slots = slots = max_concurrent_decodes
-        self.max_seq_len = max_seq_len
-        self._max_prefill_length = max_prefill_length
-        self.page_size = page_size
-        self.pages_per_seq = max_seq_len // page_size
-        self.prefill_buckets = tuple(sorted(b for b in prefill_buckets if b < max_seq_len)) + (max_seq_len,)
-        self.decode_windows = _buckets(self.prefill_buckets if decode_windows is None else decode_windows, max_seq_len)
-        self.decode_blocks = decode_blocks(self.decode_windows)  # the decode state's cache blocks (kv_cache)
-        self.decode_state_shardings = decode_state_shardings(cfg, mesh, rules, slots, self.decode_blocks)
-        self._replicated = NamedSharding(mesh, PartitionSpec())
-        on_one_device = self.decode_state_shardings.tokens.shard_shape((slots,))[0] == slots  # slots not split
-        self.decode_slot_buckets = _slot_buckets(decode_slot_buckets, slots, on_one_device)
-        # jit boundaries: every device computation of serving is one of these (programs in steps.py), or one
-        # of the page operations' (kv_pages.PageOps).
-        self._init_decode_state_jit = jax.jit(
-            functools.partial(empty_decode_state, cfg, slots, self.decode_blocks),
-            out_shardings=self.decode_state_shardings,
+        """``sizes``: ``DenseSlots``' (``max_concurrent_decodes``, ``max_seq_len``, ``max_prefill_length``,
+        ``prefill_buckets``, and optionally ``page_size``, ``decode_windows``, ``decode_slot_buckets``,
+        ``record_experts``, ``decode_steps``); ``num_pages``: the session pool's pages (0: sessions are not kept)."""
+        self.dense = d = DenseSlots(cfg, graphdef, mesh, rules, **sizes)
+        self.cfg, self.graphdef, self.mesh, self.rules, self.programs = cfg, graphdef, mesh, rules, d.programs
+        self.max_concurrent_decodes = slots = d.max_concurrent_decodes
+        self.max_seq_len, self.max_prefill_length, self.decode_steps = (
+            d.max_seq_len,
+            d.max_prefill_length,
+            d.decode_steps,
         )
-        self._empty_prefix_jit = jax.jit(
-            functools.partial(empty_prefix, cfg, max_seq_len), out_shardings=self._replicated
-        )
-        self._flat = FlatParams()
-        self.record_experts = record_experts
-        programs = _model_programs(
-            cfg, graphdef, max_seq_len, record_experts, self.decode_state_shardings, self._replicated
-        )
-        self._prefill_jit, self._prefill_extend_jit, self._prefill_many_jit, *programs = programs
-        self._generate_jit, self._generate_steps_jit = programs
-        self._insert_jit, self._insert_many_jit, self._release_jit = _slot_programs(self.decode_state_shardings)
-        self._pages = PageOps(cfg, mesh, rules, page_size, max_seq_len)
+        self.page_size, self.pages_per_seq, self.record_experts = d.page_size, d.pages_per_seq, d.record_experts
+        self.prefill_buckets, self.decode_windows = d.prefill_buckets, d.decode_windows
+        self.decode_slot_buckets = d.decode_slot_buckets
+        self.num_pages = slots * d.pages_per_seq if num_pages is None else num_pages
+        if self.num_pages < 0:
+            raise ValueError(f"num_pages={num_pages} must be >= 0 (0: no session pool)")
+        self.state: DecodeState = d.init_decode_state()
+        self._prefilled: list[_Prefilled | None] = [None] * slots
+        self._lengths = [0] * slots  # host mirror: tokens in each slot's KV after the steps dispatched
+        self._active = [False] * slots
+        self._index: PrefixCache | None = None  # the session pool's allocator (``use_pages``)
+        self._pool: KVPages | None = None
 
-    # -- JetStream's engine properties ------------------------------------------------------------
-    @property
-    def max_concurrent_decodes(self) -> int:
-        return self._slots
+    # -- prefill ----------------------------------------------------------------------------------------
+    def _check_empty(self, slot: int) -> None:
+        if self._active[slot] or self._prefilled[slot] is not None:
+            raise ValueError(f"slot {slot} holds a request or a session's KV; release it first")
 
-    @property
-    def max_prefill_length(self) -> int:
-        return self._max_prefill_length
-
-    @property
-    def mesh(self) -> Mesh:
-        return self._mesh
-
-    # -- state ------------------------------------------------------------------------------------
-    def init_decode_state(self) -> DecodeState:
-        return self._init_decode_state_jit()
-
-    def empty_prefix(self, key: jax.Array) -> Prefix:
-        """A prefix of no tokens with a full-length cache [1, S]: start a prompt that is prefilled in several
-        chunks from it, so every chunk runs the same compiled shapes (one per chunk bucket)."""
-        return self._empty_prefix_jit(key)
-
-    def _bucket(self, n: int) -> int:
-        for b in self.prefill_buckets:
-            if b >= n:
-                return b
-        raise ContextTooLongError(
-            f"prompt chunk of {n} tokens exceeds the largest prefill bucket {self.prefill_buckets[-1]}"
-        )
-
-    def _flat_params(self, params) -> tuple[list, object]:
-        return self._flat(params)
-
-    # -- prefill ----------------------------------------------------------------------------------
     def prefill(
         self,
-        *,
         params: nnx.State,
+        slot: int,
         tokens: Sequence[int],
-        sampling_params: SamplingParams,
+        sampling: SamplingParams,
         key: jax.Array,
-        existing_prefix: Prefix | None = None,
-    ) -> Prefix:
-        """Prefills ``tokens`` (padded to a length bucket) and samples the next token with ``key``.
-
-        Without ``existing_prefix`` the tokens are a whole prompt (cache [1, bucket]). With one, they are
-        placed after it (positions ``existing_prefix.length ...``) and the result's cache is [1, max_seq_len]:
-        this is chunked prefill and the continuation of a cached session. The sampled token depends only on
-        the full sequence and ``key``, so passing the request's key to every chunk makes chunking invisible.
-        With ``record_experts`` the result's ``experts`` [bucket, L_moe, K] int16 are the experts each MoE layer
-        selected for these ``tokens`` (rows past ``len(tokens)``: padding).
-        """
-        n = len(tokens)
-        if n == 0:
+        *,
+        final: bool = True,
+    ) -> Sampled:
+        """``ServingEngine.prefill``: chunks of at most ``max_prefill_length`` into the slot's prefix. A prompt whose
+        tokens do not all come in one call starts from an empty full-length prefix, so that every chunk runs the
+        same compiled shapes (one per chunk bucket); a whole prompt gets a prefix of its bucket."""
+        if self._active[slot]:
+            raise ValueError(f"slot {slot} is decoding; release it before prefilling into it")
+        if len(tokens) == 0:
             raise ValueError("cannot prefill an empty prompt")
-        if n > self._max_prefill_length:
-            raise ContextTooLongError(
-                f"prompt of {n} tokens exceeds max_prefill_length={self._max_prefill_length}; "
-                "prefill it in chunks, each on top of the previous (existing_prefix)"
+        held = self._prefilled[slot]
+        if held is not None and held.row is not None:
+            raise ValueError(f"slot {slot} was prefilled with other prompts (prefill_many): start it")
+        prefix, experts, size = None if held is None else held.prefix, [], self.max_prefill_length
+        for i in range(0, len(tokens), size):
+            chunk = tokens[i : i + size]
+            if prefix is None and not (final and i + size >= len(tokens)):
+                prefix = self.dense.empty_prefix(key)
+            prefix = self.dense.prefill(
+                params=params, tokens=chunk, sampling_params=sampling, key=key, existing_prefix=prefix
             )
-        start = 0 if existing_prefix is None else int(existing_prefix.length)
-        if start + n >= self.max_seq_len:
-            raise ContextTooLongError(
-                f"prompt of {start + n} tokens leaves no room to generate within max_seq_len={self.max_seq_len}"
-            )
-        bucket = self._bucket(n)
-        padded = np.zeros((1, bucket), np.int32)
-        padded[0, :n] = tokens
-        args = (jnp.asarray(padded), jnp.int32(n), *_sampling_args(sampling_params), key)
-        if existing_prefix is None:
-            return self._prefill_jit(*self._flat_params(params), *args)
-        existing = dataclasses.replace(existing_prefix, experts=None)  # the earlier chunk's: not an input
-        return self._prefill_extend_jit(*self._flat_params(params), existing, *args)
+            if prefix.experts is not None:  # routing replay: the experts of these prompt tokens
+                experts.append(np.asarray(jax.device_get(prefix.experts))[: len(chunk)])
+        self._prefilled[slot] = _Prefilled(prefix, None, sampling)
+        self._lengths[slot] += len(tokens)
+        return Sampled(prefix.token, prefix.logprob, np.concatenate(experts) if experts else None)
 
     def prefill_many(
-        self, *, params: nnx.State, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams], keys
-    ) -> Prefix:
-        """Several whole prompts in one program, packed side by side in rows as wide as the bucket of the longest
-        (``_pack_prompts``): entry i of the result (every field has a leading axis of the prompt count's power of
-        2, cache [P, bucket, K, D], entries past the prompts empty) is ``prefill`` of ``prompts[i]`` with
-        ``keys[i]`` alone. For ``insert_many``."""
-        return _prefill_packed(self, params, _pack_prompts(prompts, self), sampling, keys)
-
-    # -- insert / release -------------------------------------------------------------------------
-    def insert(
-        self, prefix: Prefix, decode_state: DecodeState, slot: int, sampling_params: SamplingParams
-    ) -> DecodeState:
-        """Places a prefilled prompt into decode slot ``slot`` and activates it (donates ``decode_state``)."""
-        prefix = dataclasses.replace(prefix, experts=None)  # not part of the slot's state
-        return self._insert_jit(prefix, decode_state, jnp.int32(slot), *_sampling_args(sampling_params))
-
-    def insert_many(
-        self, prefixes: Prefix, decode_state: DecodeState, slots: Sequence[int], sampling: Sequence[SamplingParams]
-    ) -> DecodeState:
-        """Places rows 0..len(slots)-1 of ``prefill_many``'s result into decode ``slots`` (donates the state)."""
-        rows = prefixes.token.shape[0]
-        at = np.full((rows,), self._slots, np.int32)  # padding rows: out of range, dropped
-        at[: len(slots)] = slots
-        prefixes = dataclasses.replace(prefixes, experts=None)
-        return self._insert_many_jit(prefixes, decode_state, jnp.asarray(at), *_sampling_rows(sampling, rows))
-
-    def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
-        """Deactivates ``slot`` (its KV stays until the next insert; donates ``decode_state``)."""
-        return self._release_jit(decode_state, jnp.int32(slot))
-
-    # -- generate ---------------------------------------------------------------------------------
-    def decode_window(self, max_length: int | None) -> int:
-        """The decode window (a bucket of ``decode_windows``) for slots holding at most ``max_length`` tokens."""
-        if max_length is None:
-            return self.max_seq_len
-        for w in self.decode_windows:
-            if w > max_length:
-                return w
-        return self.max_seq_len
-
-    def decode_slots(self, slot_limit: int | None) -> int:
-        """The slot bucket (of ``decode_slot_buckets``) covering slots [0, slot_limit)."""
-        if slot_limit is None:
-            return self._slots
-        for b in self.decode_slot_buckets:
-            if b >= slot_limit:
-                return b
-        return self._slots
-
-    def generate(
         self,
         params: nnx.State,
-        decode_state: DecodeState,
-        max_length: int | None = None,
-        slot_limit: int | None = None,
-        wait: bool = True,
-        num_steps: int = 1,
-    ) -> tuple[DecodeState, ResultTokens]:
-        """One decode step for every slot: feeds each slot's last token, samples the next (donates the state).
-        ``num_steps`` (1 to the engine's ``decode_steps``): that many steps in one program, the same tokens as
-        that many calls; the result's arrays get a leading [num_steps] axis (above 1, one compiled program runs
-        any count: its trip count is an argument, not a shape).
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        sampling: Sequence[SamplingParams],
+        keys: Sequence[jax.Array],
+    ) -> Sampled:
+        """``ServingEngine.prefill_many``: one packed prefill program; ``start`` inserts its rows (one program)."""
+        check_prefill_many(slots, prompts, sampling, keys, self._check_empty)
+        batch = self.dense.prefill_many(params=params, prompts=prompts, sampling=sampling, keys=keys)
+        for i, (slot, prompt, sp) in enumerate(zip(slots, prompts, sampling)):
+            self._prefilled[slot] = _Prefilled(batch, i, sp)
+            self._lengths[slot] = len(prompt)
+        experts = None if batch.experts is None else np.asarray(jax.device_get(batch.experts))
+        return Sampled(batch.token, batch.logprob, experts)
 
-        ``wait=False`` returns at once with the result still on the device (its host copy started): the caller
-        can dispatch the next step before reading this one (``ResultTokens.to_host()``), as JetStream's
-        generate and detokenize threads do.
+    # -- start -----------------------------------------------------------------------------------------
+    def start(self, slots: Sequence[int]) -> None:
+        """``ServingEngine.start``: each single prefix is inserted into its slot; the rows of one ``prefill_many``
+        batch go in together (``insert_many``)."""
+        batches: dict[int, tuple[Prefix, dict[int, int]]] = {}  # id(batch) -> (batch, row -> slot)
+        for slot in slots:
+            held = self._prefilled[slot]
+            if held is None or held.sampling is None:
+                raise ValueError(f"slot {slot} holds no prefilled prompt: prefill it first")
+            if held.row is None:
+                self.state = self.dense.insert(held.prefix, self.state, slot, held.sampling)
+            else:
+                batches.setdefault(id(held.prefix), (held.prefix, {}))[1][held.row] = slot
+        for batch, rows in batches.values():
+            at = [rows.get(r, -1) for r in range(max(rows) + 1)]  # -1: a row not started now is left out
+            first = self._prefilled[at[max(rows)]].sampling
+            sampling = [first if s < 0 else self._prefilled[s].sampling for s in at]
+            self.state = self.dense.insert_many(batch, self.state, at, sampling)
+        for slot in slots:
+            self._prefilled[slot], self._active[slot] = None, True
 
-        Optional hints from a caller that tracks its slots (the serving loop does), so that decode cost follows
-        the live load rather than the allocated one:
-          ``max_length``: the most tokens any active slot holds; the step attends over the smallest decode
-            window above it instead of the whole ``max_seq_len`` cache;
-          ``slot_limit``: no slot at or above it is active; only the smallest slot bucket covering
-            [0, slot_limit) is stepped.
-        A slot left out by a wrong hint samples nothing: ``valid`` is False for it and its state is unchanged.
-        """
+    def resume(self, slot: int, token: int, key: jax.Array, sampling: SamplingParams) -> None:
+        """``ServingEngine.resume``: the slot's prefix goes in with ``token`` pending and ``key``."""
+        held = self._prefilled[slot]
+        if held is None or held.row is not None:
+            raise ValueError(f"slot {slot} holds no KV of a single request to resume from")
+        prefix = dataclasses.replace(
+            held.prefix, token=np.int32(token), logprob=np.float32(0), key=np.asarray(key, np.uint32)
+        )
+        self.state = self.dense.insert(prefix, self.state, slot, sampling)
+        self._prefilled[slot], self._active[slot] = None, True
+
+    # -- generate ------------------------------------------------------------------------------------------
+    def generate(self, params: nnx.State, *, num_steps: int = 1, wait: bool = True) -> ResultTokens:
+        """``ServingEngine.generate``: over the smallest decode window and slot bucket that hold the started slots."""
         check_num_steps(num_steps, self.decode_steps)
-        leaves = self._flat_params(params)
-        slots = self.decode_slots(slot_limit)
-        # the window must hold every step's input token: the longest slot grows by num_steps - 1
-        window = self.decode_window(None if max_length is None else max_length + num_steps - 1)
-        multi = (self.decode_steps, jnp.int32(num_steps)) if num_steps > 1 else ()
-        program = self._generate_steps_jit if multi else self._generate_jit
-        state, ints, logprobs, *experts = program(*leaves, decode_state, window, slots, *multi)
-        rows = num_steps if multi else None
-        result = ResultTokens(_ints=ints, _logprobs=logprobs, _experts=experts[0] if experts else None, _rows=rows)
-        if wait:
-            return state, result.to_host()
-        for array in (ints, logprobs, *experts):
-            array.copy_to_host_async()
-        return state, result
+        live = [s for s, a in enumerate(self._active) if a]
+        if not live:
+            raise ValueError("no slot is decoding: prefill and start one first")
+        self.state, result = self.dense.generate(
+            params, self.state, max_length=max(self._lengths[s] for s in live), slot_limit=live[-1] + 1,
+            wait=wait, num_steps=num_steps,
+        )  # fmt: skip
+        for s in live:
+            self._lengths[s] = min(self._lengths[s] + num_steps, self.max_seq_len)
+        return result
 
-    def warmup(self, params: nnx.State, kv_pages: int = 0) -> int:
-        """Compiles every shape the serving loop can dispatch (``warmup``); returns the number compiled."""
-        return warmup(self, params, kv_pages)
+    # -- a slot's end, a session's KV --------------------------------------------------------------------
+    def release(self, slot: int, keep: int = 0) -> SlotPages | None:
+        """``ServingEngine.release``: with ``keep``, its first ``keep`` tokens' KV is copied into session pool pages
+        (``use_pages``'s allocator evicts cached sessions, least recently used first, to make room)."""
+        kept = None
+        if keep > 0 and self._active[slot] and self._index is not None:
+            try:
+                pages = self._index.allocate(self._index.pages_for(keep))
+            except PagePoolExhausted:  # longer than the pool: not kept
+                pages = None
+            if pages is not None:
+                self._pool = self.dense.save_slot(self._pool, self.state, slot, pages)
+                kept = SlotPages(tuple(pages), keep)
+        if self._active[slot]:
+            self.state = self.dense.release(self.state, slot)
+        self._prefilled[slot], self._active[slot], self._lengths[slot] = None, False, 0
+        return kept
 
-    def _programs(self) -> list:
-        """Every jitted program of this engine that serving dispatches (for ``warmup``'s count)."""
-        p = self._pages
-        return [
-            self._init_decode_state_jit, self._empty_prefix_jit, self._prefill_jit, self._prefill_extend_jit,
-            self._prefill_many_jit, self._generate_jit, self._generate_steps_jit, self._insert_jit,
-            self._insert_many_jit, self._release_jit, p._save_jit, p._load_jit, *p._init_pool_jits.values(),
-        ]  # fmt: skip
+    def attach(self, slot: int, pages: SlotPages) -> None:
+        """``ServingEngine.attach``: the pages' KV is copied into the slot's prefix; the pages return to the pool."""
+        self._check_empty(slot)
+        prefix = self.dense.load_prefix(self._pool, pages.pages, pages.length, _NO_KEY)
+        self._index.deallocate(pages.pages)  # the load is dispatched first: later writes to these pages wait for it
+        self._prefilled[slot], self._lengths[slot] = _Prefilled(prefix), pages.length
 
-    # -- pages: the session prefix cache's KV budget and KV in transit (kv_pages.PageOps) -----------
-    def kv_pages_shardings(self, num_pages: int) -> KVPages:
-        """Shardings of a [num_pages, page_size, K, D] page array on this engine's mesh (pages split like slots)."""
-        return self._pages.shardings(num_pages)
+    def import_kv(self, slot: int, kv: KVPages, length: int) -> None:
+        self._check_empty(slot)
+        self._prefilled[slot] = _Prefilled(self.dense.prefix_from_pages(kv, length, _NO_KEY))
+        self._lengths[slot] = length
 
-    def init_page_pool(self, num_pages: int) -> KVPages:
-        """A pool of ``num_pages`` pages (zeros): the fixed KV budget of a session prefix cache."""
-        return self._pages.init_pool(num_pages)
+    def export(self, slot: int, num_tokens: int) -> KVPages:
+        if self._active[slot]:
+            return self.dense.export_slot(self.state, slot, num_tokens)
+        held = self._prefilled[slot]
+        if held is None:
+            raise ValueError(f"slot {slot} holds no tokens")
+        return self.dense.export_prefix(held.prefix, num_tokens, held.row or 0)
 
-    def save_slot(self, pool: KVPages, decode_state: DecodeState, slot: int, page_ids: Sequence[int]) -> KVPages:
-        """Copies the first ``len(page_ids)`` pages of ``slot``'s KV into pool pages ``page_ids`` (donates ``pool``)."""
-        return self._pages.save_slot(pool, decode_state, slot, page_ids)
+    def slot_length(self, slot: int) -> int:
+        return self._lengths[slot]
 
-    def load_prefix(self, pool: KVPages, page_ids: Sequence[int], length: int, key: jax.Array) -> Prefix:
-        """A Prefix (cache [1, S]) holding the first ``length`` tokens stored in pool pages ``page_ids``.
+    def keys(self) -> np.ndarray:
+        return np.asarray(jax.device_get(self.state.keys))
 
-        Its ``token`` is unset: prefill the rest of the prompt on top of it (``prefill(existing_prefix=...)``)."""
-        return self._pages.load_prefix(pool, page_ids, length, key)
+    # -- the session pool ------------------------------------------------------------------------------------
+    def use_pages(self, index: PrefixCache) -> None:
+        """``ServingEngine.use_pages``: the session pool becomes ``index.num_pages`` pages; sessions an earlier index
+        kept there are dropped (a loop built on an engine whose last loop stopped)."""
+        if index.page_size != self.page_size:
+            raise ValueError(f"the session cache's page_size={index.page_size} must be the engine's {self.page_size}")
+        self._index, self.num_pages = index, index.num_pages
+        if self._pool is None or self._pool.num_pages != index.num_pages:
+            self._pool = self.dense.init_page_pool(index.num_pages)
 
-    def export_slot(self, decode_state: DecodeState, slot: int, num_tokens: int) -> KVPages:
-        """The first ``num_tokens`` tokens of ``slot``'s KV as pages (page count rounded up to a power of 2)."""
-        return self._pages.export(decode_state.cache, slot, num_tokens)
+    def export_pages(self, page_ids: Sequence[int]) -> KVPages:
+        return self.dense.export_pages(self._pool, page_ids)
 
-    def export_prefix(self, prefix: Prefix, num_tokens: int) -> KVPages:
-        """The first ``num_tokens`` tokens of a Prefix's KV as pages (to migrate a partly prefilled prompt)."""
-        return self._pages.export(prefix.cache, 0, num_tokens)
-
-    def export_pages(self, pool: KVPages, page_ids: Sequence[int]) -> KVPages:
-        """Pool pages ``page_ids`` gathered into one KVPages (count rounded up to a power of 2 with page 0)."""
-        return self._pages.export_pages(pool, page_ids)
-
-    def import_pages(self, pool: KVPages, kv: KVPages, page_ids: Sequence[int]) -> KVPages:
-        """Writes the first ``len(page_ids)`` pages of ``kv`` (already on this mesh) into pool pages ``page_ids``."""
-        return self._pages.import_pages(pool, kv, page_ids)
-
-    def prefix_from_pages(
-        self, kv: KVPages, length: int, key: jax.Array, token: int = 0, logprob: float = 0.0
-    ) -> Prefix:
-        """A Prefix (cache [1, S]) from a session's KV pages (on this mesh): ``length`` tokens, next ``token``."""
-        return self._pages.prefix_from_pages(kv, length, key, token, logprob)
+    def import_pages(self, kv: KVPages, page_ids: Sequence[int]) -> None:
+        self._pool = self.dense.import_pages(self._pool, kv, page_ids)
 
     def check_kv(self, kv: KVPages) -> None:
-        """Raises ValueError if ``kv`` was not made by an engine of this KV layout (layers, page size, heads, dim)."""
-        self._pages.check(kv)
+        self.dense.check_kv(kv)
 
     def to_mesh(self, kv: KVPages) -> KVPages:
-        """Moves ``kv`` (possibly on another mesh) onto this engine's mesh: a device-to-device copy."""
-        return self._pages.to_mesh(kv)
+        return self.dense.to_mesh(kv)
 
-    def param_shardings(self, abstract_state):
-        from gyre_jax.model.sharding import param_shardings
+    # -- warm-up ------------------------------------------------------------------------------------------
+    def warmup(self, params: nnx.State) -> int:
+        """``ServingEngine.warmup``: compiles, without running, every program shape the serving loop can dispatch:
 
-        return param_shardings(abstract_state, self.rules, self._mesh)
+        - one prompt: prefill per bucket up to ``max_prefill_length``'s, fresh and on top of a prefix (an empty
+          full-length one: a chunked prompt; a chunk; a session's pages loaded from the pool), and its insert;
+        - several whole prompts in one program (``batch.prefill_together``): ``prefill_many`` per bucket, power-of-2
+          prompt count from 2 up to the one holding every slot and its ``packed_row_buckets``, and ``insert_many``;
+        - generate per decode window, slot bucket and number of steps (1 and ``decode_steps``); release;
+        - with a session pool (``num_pages`` > 0): the pool, ``save_slot`` and ``load_prefix``.
 
+        Not compiled: the migration programs (``export``, ``import_kv``, ``export_pages`` / ``import_pages``: one
+        shape per power-of-2 page count), compiled when a session first moves. Returns the number of program shapes
+        compiled (0 when already warm)."""
+        d, flat, before = self.dense, self.dense.flat_params(params), self.programs.count()
+        i32, f32 = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32)
+        key, sampling = jax.ShapeDtypeStruct((2,), jnp.uint32), (f32, i32, f32)
+        d.init_program.compile()
+        d.release_program.compile(self.state, i32)
+        starts = [d.empty_prefix_program.out_info(key)]  # what a chunk is prefilled on top of
+        if self.num_pages > 0:
+            pool = d.pages.init_pool_program(self.num_pages).out_info()
+            ids = jax.ShapeDtypeStruct((self.pages_per_seq,), jnp.int32)
+            d.pages.save.compile(pool, self.state, i32, ids)
+            starts.append(d.pages.load.out_info(pool, ids, i32, key))
+        widths = [b for b in d.prefill_buckets if b <= d.bucket(self.max_prefill_length)]
 
-def _compiled(programs) -> int:
-    """The compiled entries (shapes) of jitted ``programs``, together."""
-    return sum(f._cache_size() for f in programs)
+        def prefill(width: int, existing=None) -> Prefix:  # compiles the prefill and the insert of its prefix
+            args = (jax.ShapeDtypeStruct((1, width), jnp.int32), i32, *sampling, key)
+            if existing is None:
+                prefix = d.prefill_program.out_info(*flat, *args)
+            else:
+                prefix = d.prefill_extend_program.out_info(*flat, dataclasses.replace(existing, experts=None), *args)
+            prefix = dataclasses.replace(prefix, experts=None)
+            d.insert_program.compile(prefix, self.state, i32, *sampling)
+            return prefix
 
-
-def warmup(engine: Engine, params: nnx.State, kv_pages: int = 0) -> int:
-    """Compiles every program shape ``engine``'s serving loop can dispatch, by running each once on scratch state
-    (never the loop's: a decode state and a page pool of its own, dropped at the end), so that no compile stalls
-    a running cell later:
-
-    - one prompt: prefill per bucket up to ``max_prefill_length``'s, fresh and on top of a prefix (a chunk, a
-      session-cache hit), and its insert (the prefix is [1, bucket] fresh, [1, max_seq_len] on a prefix);
-    - several whole prompts in one program (``batch.prefill_together``): ``prefill_many`` per bucket, power-of-2
-      prompt count from 2 up to the one holding every slot and its ``packed_row_buckets``, and ``insert_many``
-      per bucket and prompt count;
-    - generate per decode window, slot bucket and number of steps (1 and ``decode_steps``); release;
-    - ``kv_pages`` > 0 (the loop's session prefix cache of that many pages): the pool, ``save_slot``,
-      ``load_prefix`` and a prefill on top of a loaded prefix (in case its sharding, which follows the pool's,
-      makes another shape than the empty prefix's).
-
-    Not run: the migration programs (``export_*`` / ``import_pages`` / ``prefix_from_pages``, one shape per
-    power-of-2 page count), which compile when a session first moves. Returns the number of program shapes
-    compiled (0 when already warm)."""
-    greedy = SamplingParams(temperature=0.0)
-    key = jnp.zeros((2,), jnp.uint32)
-    before = _compiled(engine._programs())
-    state = engine.init_decode_state()
-    top = engine._bucket(engine.max_prefill_length)
-    lengths = [min(b, engine.max_prefill_length, engine.max_seq_len - 1) for b in engine.prefill_buckets if b <= top]
-    starts = [engine.empty_prefix(key)]
-    pool = None
-    if kv_pages > 0:
-        pool = engine.init_page_pool(kv_pages)
-        pool = engine.save_slot(pool, state, 0, [0])
-        starts.append(engine.load_prefix(pool, [0], 1, key))
-    for n in lengths:
-        for existing in (None, *starts):
-            start = 0 if existing is None else int(existing.length)
-            m = min(n, engine.max_seq_len - 1 - start)
-            if m < 1 or engine._bucket(m) != engine._bucket(n):
-                continue  # no prompt of this bucket fits on top of this prefix
-            prefix = engine.prefill(
-                params=params, tokens=[0] * m, sampling_params=greedy, key=key, existing_prefix=existing
-            )
-            state = engine.insert(prefix, state, 0, greedy)
-    slots = engine.max_concurrent_decodes
-    count = 2
-    while slots >= 2 and count // 2 < slots:  # prefill_together: 2..slots prompts, packed in rows of each bucket
-        for n in lengths:
-            for rows in packed_row_buckets(count):
-                packed = _one_token_prompts(rows, engine._bucket(n), count)
-                batched = _prefill_packed(engine, params, packed, [greedy] * rows, [key] * rows)
-            state = engine.insert_many(batched, state, list(range(min(count, slots))), [greedy] * min(count, slots))
-        count *= 2
-    leaves = engine._flat_params(params)
-    for w in engine.decode_windows:
-        for k in engine.decode_slot_buckets:
-            state, *_ = engine._generate_jit(*leaves, state, w, k)
-            if engine.decode_steps > 1:
-                state, *_ = engine._generate_steps_jit(*leaves, state, w, k, engine.decode_steps, jnp.int32(1))
-    state = engine.release(state, 0)
-    jax.block_until_ready((state, pool))
-    return _compiled(engine._programs()) - before
+        starts.append(prefill(widths[0], starts[0]))  # a chunk on top of the chunk before
+        for width in widths:
+            for existing in (None, *starts):
+                prefill(width, existing)
+        for count in prompt_counts(self.max_concurrent_decodes):
+            rows_f32, rows_i32 = (jax.ShapeDtypeStruct((count,), t) for t in (jnp.float32, jnp.int32))
+            keys = jax.ShapeDtypeStruct((count, 2), jnp.uint32)
+            for width in widths:
+                for rows in packed_row_buckets(count):
+                    packed = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in one_token_prompts(rows, width, count)]
+                    batch = d.prefill_many_program.out_info(*flat, *packed, rows_f32, rows_i32, rows_f32, keys)
+                batch = dataclasses.replace(batch, experts=None)
+                d.insert_many_program.compile(batch, self.state, rows_i32, rows_f32, rows_i32, rows_f32)
+        for window in d.decode_windows:
+            for slots in d.decode_slot_buckets:
+                d.generate_program.compile(*flat, self.state, window, slots)
+                if self.decode_steps > 1:
+                    d.generate_steps_program.compile(*flat, self.state, window, slots, self.decode_steps, i32)
+        return self.programs.count() - before

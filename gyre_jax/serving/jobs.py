@@ -8,12 +8,12 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 import jax
 import numpy as np
 
-from gyre_jax.serving.engine import KVPages, Prefix, ResultTokens
+from gyre_jax.serving.engine_api import ResultTokens, Sampled
+from gyre_jax.serving.kv_cache import KVPages
 from gyre_jax.serving.prefix_cache import PrefixCacheStats
 from gyre_jax.serving.stopping import Detokenize, StopStrings
 from gyre_jax.serving.types import ContextTooLongError, GenerationRequest, GenerationResult, TokenChunk
@@ -30,9 +30,8 @@ class Job:
     target: list[int]  # ids whose KV must be cached before decoding: the prompt (+ generated[:-1] when resuming)
     seq: int  # admission order (prefill is first come, first served)
     key: jax.Array | None = None  # [2] uint32: key for the next sample (None: derived at admission)
-    done: int = 0  # leading ids of ``target`` whose KV is in ``prefix`` (or in ``kv``)
-    prefix: Prefix | None = None
-    kv: KVPages | None = None  # imported KV, turned into ``prefix`` at admission
+    done: int = 0  # leading ids of ``target`` whose KV is in its slot (or in ``kv``)
+    kv: KVPages | None = None  # imported KV, given to its slot at admission
     kv_version: int | None = None  # oldest policy version in the KV
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -41,20 +40,12 @@ class Job:
     cached_tokens: int = 0
     decoding: bool = False
     stop: StopStrings | None = None
-    # on a paged engine (``paged_batch``): the session's cached pages to decode from (``paged.SlotPages``, given to
-    # the job's slot at its first prefill), and the (token, log-prob) its last prefill chunk sampled
-    pages: Any = None
-    first: tuple[int, float] | None = None
+    first: Sampled | None = None  # what its last prefill chunk sampled (read when its slot starts)
     # routing replay (engine built with record_experts): experts[i] = [L_moe, K] int16 ids the MoE layers
     # selected for tokens[i] (None: not known, e.g. tokens generated before a migration)
     experts: list[np.ndarray | None] = field(default_factory=list)
     # ... and [len(prompt), L_moe, K] int16 for the prompt tokens this loop prefilled (-1: cached, not prefilled)
     prompt_experts: np.ndarray | None = None
-
-    @property
-    def has_kv(self) -> bool:
-        """The job starts from KV (a dense prefix, imported pages or its session's cached pages), not from nothing."""
-        return self.prefix is not None or self.kv is not None or self.pages is not None
 
     @property
     def resuming(self) -> bool:

@@ -110,11 +110,10 @@ def kv_pages_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules, page_size: in
     return KVPages(pages=[LayerCache(k=sh, v=sh) for _ in range(cfg.num_layers)])
 
 
-def empty_decode_state(cfg: ModelConfig, slots: int, blocks: tuple[int, ...]) -> DecodeState:
-    """Every slot free: zero cache blocks [slots, K, n, D] (n in ``blocks``), no tokens, greedy-neutral sampling
-    settings."""
-    return DecodeState(
-        cache=init_blocked_cache(cfg, slots, blocks),
+def empty_slot_fields(slots: int) -> dict[str, jax.Array]:
+    """The per-slot fields of a decode state (either KV layout) with every slot free: no tokens, greedy-neutral
+    sampling settings."""
+    return dict(
         tokens=jnp.zeros((slots,), jnp.int32),
         lengths=jnp.zeros((slots,), jnp.int32),
         active=jnp.zeros((slots,), jnp.bool_),
@@ -123,6 +122,11 @@ def empty_decode_state(cfg: ModelConfig, slots: int, blocks: tuple[int, ...]) ->
         top_p=jnp.ones((slots,), jnp.float32),
         keys=jnp.zeros((slots, 2), jnp.uint32),
     )
+
+
+def empty_decode_state(cfg: ModelConfig, slots: int, blocks: tuple[int, ...]) -> DecodeState:
+    """Every slot free: zero cache blocks [slots, K, n, D] (n in ``blocks``) and ``empty_slot_fields``."""
+    return DecodeState(cache=init_blocked_cache(cfg, slots, blocks), **empty_slot_fields(slots))
 
 
 def empty_prefix(cfg: ModelConfig, max_seq_len: int, key: jax.Array) -> Prefix:

@@ -1,8 +1,8 @@
 """KV pages: the session prefix cache's page pool and one session's KV in transit between cells.
 
 Pure functions over page arrays (per layer ``[P, page_size, K, D]``; ``kv_cache.py`` has the layouts), and
-``PageOps``, which jits them once for one engine's KV layout (the pool is donated where it is updated) and
-calls them with host-side checks and page ids padded to fixed counts, so the compiled shapes stay fixed.
+``PageOps``, which jits them once for one engine's KV layout (the pool is donated where it is updated), into the
+engine's ``programs.Programs`` table, and calls them with host-side checks and page ids padded to fixed counts, so the compiled shapes stay fixed.
 Page ids past the pool (padding) are dropped on writes; on reads, padding reads any valid page whose
 positions are never attended.
 """
@@ -21,6 +21,8 @@ from gyre_jax.model.attention import BlockedCache, LayerCache, init_cache
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import Rules
 from gyre_jax.serving.kv_cache import DecodeState, KVPages, Prefix, kv_pages_shardings, widen
+from gyre_jax.serving.programs import Program, Programs
+from gyre_jax.serving.shapes import pow2_at_least
 from gyre_jax.serving.types import ContextTooLongError
 
 
@@ -102,76 +104,82 @@ def prefix_from_pages(
     return Prefix(cache=cache, length=length, token=token, logprob=logprob, key=key)
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 class PageOps:
     """The page operations of one engine's KV layout (``cfg``, ``page_size``, ``max_seq_len``) on ``mesh``.
 
     Public methods mirror the engine's page methods (``Engine.save_slot`` ...), which call them."""
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, rules: Rules, page_size: int, max_seq_len: int):
+    def __init__(
+        self, cfg: ModelConfig, mesh: Mesh, rules: Rules, page_size: int, max_seq_len: int, programs: Programs
+    ):
         self.cfg, self.mesh, self.rules = cfg, mesh, rules
         self.page_size, self.max_seq_len = page_size, max_seq_len
         self.pages_per_seq = max_seq_len // page_size
-        # jit boundaries (the pool is donated where it is rewritten)
-        self._init_pool_jits: dict[int, object] = {}  # num_pages -> jitted pool constructor
-        self._save_jit = jax.jit(save_slot, donate_argnums=(0,))
-        self._load_jit = jax.jit(load_prefix)
-        self._export_jit = jax.jit(functools.partial(export_rows, page_size), static_argnums=(2,))
-        self._gather_jit = jax.jit(gather_pages)
-        self._scatter_jit = jax.jit(scatter_pages, donate_argnums=(0,))
-        self._prefix_jit = jax.jit(functools.partial(prefix_from_pages, max_seq_len))
+        # jit boundaries (the pool is donated where it is rewritten), compiled into the engine's table
+        self._programs = programs
+        self._init_pools: dict[int, Program] = {}  # num_pages -> the pool constructor
+        self.save = programs.add("save_slot", jax.jit(save_slot, donate_argnums=(0,)), fixed=(1,))
+        self.load = programs.add("load_prefix", jax.jit(load_prefix))
+        self._export = programs.add(
+            "export_rows", jax.jit(functools.partial(export_rows, page_size), static_argnums=(2,)), static=(2,)
+        )
+        self._gather = programs.add("gather_pages", jax.jit(gather_pages))
+        self._scatter = programs.add("scatter_pages", jax.jit(scatter_pages, donate_argnums=(0,)))
+        self._prefix = programs.add("prefix_from_pages", jax.jit(functools.partial(prefix_from_pages, max_seq_len)))
 
     def shardings(self, num_pages: int) -> KVPages:
         return kv_pages_shardings(self.cfg, self.mesh, self.rules, self.page_size, num_pages)
 
-    def init_pool(self, num_pages: int) -> KVPages:
+    def init_pool_program(self, num_pages: int) -> Program:
+        """The program making a pool of ``num_pages`` zero pages (one per pool size)."""
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages} must be >= 1")
-        if num_pages not in self._init_pool_jits:
-            self._init_pool_jits[num_pages] = jax.jit(
+        if num_pages not in self._init_pools:
+            jitted = jax.jit(
                 functools.partial(empty_pool, self.cfg, num_pages, self.page_size),
                 out_shardings=self.shardings(num_pages),
             )
-        return self._init_pool_jits[num_pages]()
+            self._init_pools[num_pages] = self._programs.add(f"init_pool_{num_pages}", jitted)
+        return self._init_pools[num_pages]
+
+    def init_pool(self, num_pages: int) -> KVPages:
+        return self.init_pool_program(num_pages)()
 
     @staticmethod
     def _ids(page_ids: Sequence[int], count: int, fill: int) -> jax.Array:
         """[count] int32: ``page_ids`` padded with ``fill``."""
         ids = np.full((count,), fill, np.int32)
         ids[: len(page_ids)] = page_ids
-        return jnp.asarray(ids)
+        return ids
 
     def save_slot(self, pool: KVPages, decode_state: DecodeState, slot: int, page_ids: Sequence[int]) -> KVPages:
         ids = self._ids(page_ids, self.pages_per_seq, pool.num_pages)
-        return self._save_jit(pool, decode_state, jnp.int32(slot), ids)
+        return self.save(pool, decode_state, np.int32(slot), ids)
 
     def load_prefix(self, pool: KVPages, page_ids: Sequence[int], length: int, key: jax.Array) -> Prefix:
         if not 0 < length <= len(page_ids) * self.page_size:
             raise ValueError(f"length={length} must be in [1, {len(page_ids)} pages x {self.page_size} tokens]")
-        return self._load_jit(pool, self._ids(page_ids, self.pages_per_seq, 0), jnp.int32(length), key)
+        return self.load(pool, self._ids(page_ids, self.pages_per_seq, 0), np.int32(length), key)
 
     def _num_export_pages(self, num_tokens: int) -> int:
         """Pages for ``num_tokens`` tokens, rounded up to a power of two (bounds the compiled shapes)."""
-        return min(_pow2_at_least(-(-num_tokens // self.page_size)), self.pages_per_seq)
+        return min(pow2_at_least(-(-num_tokens // self.page_size)), self.pages_per_seq)
 
     def export(self, cache: list[LayerCache], row: int, num_tokens: int) -> KVPages:
         """The first ``num_tokens`` tokens of ``row`` of ``cache`` as pages (count rounded up to a power of 2)."""
         if not 0 < num_tokens <= self.max_seq_len:
             raise ValueError(f"num_tokens={num_tokens} must be in [1, max_seq_len={self.max_seq_len}]")
-        return self._export_jit(cache, jnp.int32(row), self._num_export_pages(num_tokens))
+        return self._export(cache, np.int32(row), self._num_export_pages(num_tokens))
 
     def export_pages(self, pool: KVPages, page_ids: Sequence[int]) -> KVPages:
         count = self._num_export_pages(len(page_ids) * self.page_size)
-        return self._gather_jit(pool, self._ids(page_ids, count, 0))
+        return self._gather(pool, self._ids(page_ids, count, 0))
 
     def import_pages(self, pool: KVPages, kv: KVPages, page_ids: Sequence[int]) -> KVPages:
         self.check(kv)
         if len(page_ids) > kv.num_pages:
             raise ValueError(f"{len(page_ids)} page ids for a KVPages of {kv.num_pages} pages")
-        return self._scatter_jit(pool, kv, self._ids(page_ids, kv.num_pages, pool.num_pages))
+        return self._scatter(pool, kv, self._ids(page_ids, kv.num_pages, pool.num_pages))
 
     def prefix_from_pages(self, kv: KVPages, length: int, key: jax.Array, token: int, logprob: float) -> Prefix:
         self.check(kv)
@@ -180,7 +188,7 @@ class PageOps:
                 f"a session of {length} cached tokens does not fit this engine "
                 f"(max_seq_len={self.max_seq_len}, {kv.num_pages} pages given)"
             )
-        return self._prefix_jit(kv, jnp.int32(length), jnp.int32(token), jnp.float32(logprob), key)
+        return self._prefix(kv, np.int32(length), np.int32(token), np.float32(logprob), key)
 
     def check(self, kv: KVPages) -> None:
         want = (self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)

@@ -2,8 +2,9 @@
 soon as they finish; long prompts are prefilled in chunks between decode steps; a session's next call
 reuses the KV of its previous one; sessions can be exported to (and imported from) another cell's loop.
 
-``ServingLoop`` implements ``GenerationBackend`` on top of an ``Engine`` and knows nothing else about the
-model. A daemon thread repeats:
+``ServingLoop`` implements ``GenerationBackend`` on top of a ``ServingEngine`` (``engine_api``: the dense
+``engine.Engine`` or the paged ``paged.PagedEngine``, driven the same way) and knows nothing else about the
+model or the KV layout. A daemon thread repeats:
   1. control (under the lock): apply a weight update, cancellations, export/import commands; admit
      queued requests into free slots (taking the session's cached KV, if any);
   2. prefill: at most ``prefill_chunk`` prompt tokens (one chunk each call) of the slots still
@@ -24,16 +25,15 @@ Rules:
     prefilled again under the new weights before they continue, so every later token is sampled from
     the new policy given the whole context. Either way every token reports the policy version that
     sampled it, and nothing already sampled changes.
-  - Session prefix cache (``kv_pages`` pages of ``engine.page_size`` tokens, LRU): when a request with a
+  - Session prefix cache (``kv_pages`` pages of ``engine.page_size`` tokens of the engine's pool, LRU): when a request with a
     ``session_id`` ends, the KV of its prompt + completion is kept; the session's next request prefills
     only what follows the longest common prefix. By default (``reuse_stale_kv=False``) entries computed
     under an older policy version are dropped at a weight update, as SGLang and vLLM flush on updates.
   - Migration: see ``serving.session`` (``export_sessions``/``drain`` and ``import_session``).
 
 The loop owns the thread, weight updates, cancellations, commands and migration; the requests waiting for
-a slot are a ``request_queue.RequestQueue``, the slots and the device state they share a
-``batch.DecodeBatch``, the session prefix cache (index and page pool) a ``session_cache.SessionCache``, a
-request's bookkeeping a ``jobs.Job``.
+a slot are a ``request_queue.RequestQueue``, the slots a ``batch.DecodeBatch``, the session prefix cache's index a
+``session_cache.SessionCache``, a request's bookkeeping a ``jobs.Job``.
 """
 
 from __future__ import annotations
@@ -45,14 +45,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 from gyre_jax.serving.batch import DecodeBatch
-from gyre_jax.serving.engine import Engine, KVPages
+from gyre_jax.serving.engine_api import ServingEngine
 from gyre_jax.serving.jobs import Job, LoopStats, check_prompt, check_resume, stop_checker
-from gyre_jax.serving.paged import PagedEngine
-from gyre_jax.serving.paged_batch import PagedBatch, PagedSessionCache
+from gyre_jax.serving.kv_cache import KVPages
 from gyre_jax.serving.prefix_cache import PrefixCache
 from gyre_jax.serving.request_queue import RequestQueue
 from gyre_jax.serving.session import SessionState
@@ -66,9 +64,9 @@ ON_UPDATE = ("continue", "recompute")
 
 
 def _check_options(
-    engine: Engine, prefill_chunk: int | None, kv_pages: int | None, on_update: str, reuse: bool, lookahead: int
+    engine: ServingEngine, prefill_chunk: int | None, kv_pages: int | None, on_update: str, reuse: bool, lookahead: int
 ) -> tuple[int, int]:
-    """(prefill chunk, KV pages) with their defaults; raises ValueError for options a loop cannot have."""
+    """(prefill chunk, session cache pages) with their defaults; raises ValueError for options a loop cannot have."""
     if lookahead < 1:
         raise ValueError(f"lookahead={lookahead} must be >= 1 (decode steps dispatched before a step is read)")
     if on_update not in ON_UPDATE:
@@ -82,18 +80,9 @@ def _check_options(
         raise ValueError(
             f"prefill_chunk={prefill_chunk} must be in [1, engine.max_prefill_length={engine.max_prefill_length}]"
         )
-    if isinstance(engine, PagedEngine):
-        if kv_pages not in (None, 0):
-            raise ValueError(
-                f"kv_pages={kv_pages}: on a paged engine the session cache shares the engine's pool "
-                f"(num_pages={engine.num_pages}); pass kv_pages=None (cache on) or 0 (no cache)"
-            )
-        return chunk, engine.num_pages if kv_pages is None else 0
-    if kv_pages is None:
-        kv_pages = engine.max_concurrent_decodes * engine.pages_per_seq
-    if kv_pages < 0:
+    if kv_pages is not None and kv_pages < 0:
         raise ValueError(f"kv_pages={kv_pages} must be >= 0 (0 disables the session prefix cache)")
-    return chunk, kv_pages
+    return chunk, engine.num_pages if kv_pages is None else kv_pages
 
 
 class ServingLoop:
@@ -101,7 +90,7 @@ class ServingLoop:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: ServingEngine,
         params,
         policy_version: int = 0,
         name: str = "cell0",
@@ -115,8 +104,8 @@ class ServingLoop:
         prefill_together: bool = True,
         lookahead: int = 2,
     ):
-        """``kv_pages``: page budget of the session prefix cache (None: as many tokens as the decode slots
-        hold; 0: no cache). ``prefill_chunk``: prompt tokens per prefill call and per step while others
+        """``kv_pages``: page budget of the session prefix cache (None: the engine's ``num_pages``, on the paged
+        layout the pool its slots share; 0: no cache). ``prefill_chunk``: prompt tokens per prefill call and per step while others
         decode (None: ``engine.max_prefill_length``). ``detokenize``: ids -> text, for stop strings.
         ``prefill_together`` (False: one prompt per prefill call): several one-chunk prompts per program.
         ``lookahead``: decode steps dispatched after a step before its tokens are read (``DecodeBatch.step``)."""
@@ -140,12 +129,8 @@ class ServingLoop:
             name=name, prefill_chunk=chunk, lock=self._cv, stats=self.stats, lookahead=lookahead,
             prefill_together=prefill_together,
         )  # fmt: skip
-        if isinstance(engine, PagedEngine):  # KV in the engine's page pool; the session cache shares it
-            self._cache = PagedSessionCache(engine) if kv_pages > 0 else None
-            self._batch = PagedBatch(engine, params, policy_version, cache=self._cache, **common)
-        else:
-            self._cache = SessionCache(engine, kv_pages) if kv_pages > 0 else None
-            self._batch = DecodeBatch(engine, params, policy_version, cache=self._cache, **common)
+        self._cache = SessionCache(engine, kv_pages) if kv_pages > 0 else None
+        self._batch = DecodeBatch(engine, params, policy_version, cache=self._cache, **common)
         # one entry per loop iteration that did work: (decode batch, context tokens of that batch, tokens
         # prefilled, seconds); the controller turns these into the simulator's measured serving costs
         self.step_log: collections.deque[tuple[int, int, int, float]] = collections.deque(maxlen=50_000)
@@ -163,7 +148,6 @@ class ServingLoop:
 
     def start(self) -> ServingLoop:
         if self._thread is None:
-            self._batch.ensure_state()
             self._thread = threading.Thread(target=self._run, name=f"serving-{self.name}", daemon=True)
             self._thread.start()
         return self
@@ -293,7 +277,6 @@ class ServingLoop:
             if self.error is not None:
                 raise RuntimeError(f"serving loop {self.name} has failed: {self.error!r}")
             if self._thread is None or threading.current_thread() is self._thread:
-                self._batch.ensure_state()
                 return fn()
             fut: concurrent.futures.Future = concurrent.futures.Future()
             self._commands.append((fn, fut))
@@ -358,7 +341,7 @@ class ServingLoop:
         except ValueError as exc:
             future.set_exception(exc)
             return
-        key = None if state.key is None else jnp.asarray(state.key, jnp.uint32)
+        key = None if state.key is None else np.asarray(state.key, np.uint32)
         self._requests.jobs.appendleft(state.to_job(target, self._requests.next_seq(), key, kv, stop))  # ahead of new
         state.moved_to = self
         self.stats.sessions_imported += 1

@@ -5,15 +5,17 @@ cell can hold is that, and every slot pays for it. Here a cell has one pool of `
 ``page_size`` tokens (the device programs and the state are in ``paged_steps``); a slot holds the pages its
 context has reached, taken from the pool as it grows, so a session's length is bounded by the free pages (and by
 ``max_pages_per_slot``, by default the whole pool) and the bytes a session holds follow its length. When a slot
-ends, its pages can stay where they are as the session's KV (``release(keep=True)`` -> ``SlotPages``) and be
+ends, its pages can stay where they are as the session's KV (``release(slot, keep=n)`` -> ``SlotPages``) and be
 handed to the slot of the session's next request without a copy (``attach``); a session moves between cells
 as ``KVPages`` (``export`` / ``import_kv``), the format of the dense engine's migration.
 
-The engine owns its ``PagedState`` and mirrors on the host what it needs to place pages (each slot's pages and
-length): every call is a method, none takes or returns the state. Prefill writes a prompt straight into its
-slot's pages in chunks of at most ``max_prefill_length`` tokens (no per-request prefix buffer), or several
-whole prompts into their empty slots in one program (``prefill_many``, packed as the dense engine packs them).
-The serving loop runs it through ``paged_batch.PagedBatch``. Not here yet: routing-replay recording.
+``PagedEngine`` is the ``engine_api.ServingEngine`` of this layout: the serving loop drives it exactly as it drives
+the dense ``Engine``. It owns its ``PagedState`` and mirrors on the host what it needs to place pages (each slot's
+pages and length); the pages are allocated by a ``PrefixCache`` (its own, or a session cache's after ``use_pages``:
+slots and cached sessions then share the pool). Prefill writes a prompt straight into its slot's pages in chunks of
+at most ``max_prefill_length`` tokens (no per-request prefix buffer), or several whole prompts into their empty
+slots in one program (``prefill_many``, packed as the dense engine packs them). The decode step is
+``steps.decode_step`` over ``paged_steps.PagedLayout``. Not here yet: routing-replay recording.
 """
 
 from __future__ import annotations
@@ -31,66 +33,36 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import Rules
-from gyre_jax.serving import paged_steps
-from gyre_jax.serving.engine import (
-    FlatParams,
+from gyre_jax.serving import paged_steps, steps
+from gyre_jax.serving.engine_api import (
     ResultTokens,
-    _buckets,
-    _one_token_prompts,
-    _pack_prompts,
-    _sampling_args,
-    _sampling_rows,
-    _slot_buckets,
+    Sampled,
+    ServingEngine,
+    SlotPages,
     check_num_steps,
-    packed_row_buckets,
+    check_prefill_many,
 )
 from gyre_jax.serving.kv_cache import KVPages, kv_pages_shardings
 from gyre_jax.serving.kv_pages import PageOps, gather_pages, scatter_pages
 from gyre_jax.serving.paged_steps import PagedState
-from gyre_jax.serving.types import ContextTooLongError, PagePoolExhausted, SamplingParams
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotPages:
-    """A session's KV left in the pool by ``release(keep=True)``: its pages in position order, and the tokens they
-    hold. Give it to ``attach`` (the session goes on) or ``drop`` (its pages return to the pool)."""
-
-    pages: tuple[int, ...]
-    length: int
-
+from gyre_jax.serving.prefix_cache import PrefixCache
+from gyre_jax.serving.programs import FlatParams, Programs
+from gyre_jax.serving.shapes import (
+    bucket,
+    buckets,
+    key_rows,
+    one_token_prompts,
+    pack_prompts,
+    packed_row_buckets,
+    pow2_at_least,
+    prompt_counts,
+    sampling_args,
+    sampling_rows,
+    slot_buckets,
+)
+from gyre_jax.serving.types import ContextTooLongError, PagePoolExhausted, SamplingParams  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-
-class PageAllocator:
-    """The free pages of a pool of ``num_pages`` (host side; lowest ids first)."""
-
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_pages - len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise PagePoolExhausted(
-                f"the KV page pool is spent: {n} more page(s) needed, {len(self._free)} of {self.num_pages} free; "
-                "end or drop sessions (release without keep, drop), or build the engine with more num_pages"
-            )
-        return [self._free.pop() for _ in range(n)]
-
-    def deallocate(self, pages: Sequence[int]) -> None:
-        self._free.extend(reversed(pages))
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _state_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules, page_size: int, num_pages: int) -> PagedState:
@@ -108,42 +80,7 @@ def _import(state: PagedState, kv: KVPages, ids) -> PagedState:
     return dataclasses.replace(state, pool=scatter_pages(KVPages(pages=state.pool), kv, ids).pages)
 
 
-def _programs(g: nnx.GraphDef, cfg: ModelConfig, mesh: Mesh, sh: PagedState) -> tuple:
-    """The jit boundaries: every device computation of a ``PagedEngine`` is one of these (donating the state):
-    (prefill, prefill_many, generate, generate_steps, set_slot, set_row, set_pending, export, import)."""
-    rep = NamedSharding(mesh, PartitionSpec())
-    out3 = (sh, rep, rep)
-    return (
-        jax.jit(
-            functools.partial(paged_steps.prefill, g), static_argnums=(1, 6), donate_argnums=(2,), out_shardings=out3
-        ),
-        jax.jit(
-            functools.partial(paged_steps.prefill_many, g, cfg),
-            static_argnums=(1,),
-            donate_argnums=(2,),
-            out_shardings=out3,
-        ),
-        jax.jit(
-            functools.partial(paged_steps.generate, g),
-            static_argnums=(1, 3, 4),
-            donate_argnums=(2,),
-            out_shardings=out3,
-        ),
-        jax.jit(
-            functools.partial(paged_steps.generate_steps, g),
-            static_argnums=(1, 3, 4, 5),
-            donate_argnums=(2,),
-            out_shardings=out3,
-        ),
-        jax.jit(paged_steps.set_slot, donate_argnums=(0,), out_shardings=sh),
-        jax.jit(paged_steps.set_row, donate_argnums=(0,), out_shardings=sh),
-        jax.jit(paged_steps.set_pending, donate_argnums=(0,), out_shardings=sh),
-        jax.jit(_export),
-        jax.jit(_import, donate_argnums=(0,), out_shardings=sh),
-    )
-
-
-class PagedEngine:
+class PagedEngine(ServingEngine):
     """``max_concurrent_decodes`` slots over one pool of ``num_pages`` x ``page_size`` tokens on ``mesh``."""
 
     def __init__(
@@ -171,41 +108,83 @@ class PagedEngine:
                         ("max_pages_per_slot", max_pages), ("decode_steps", decode_steps)):  # fmt: skip
             if v < 1:
                 raise ValueError(f"{name}={v} must be >= 1")
-        self.cfg, self.graphdef, self.mesh, self.page_size = cfg, graphdef, mesh, page_size
+        self.cfg, self.graphdef, self.mesh, self.rules, self.page_size = cfg, graphdef, mesh, rules, page_size
         self.max_concurrent_decodes, self.max_prefill_length = max_concurrent_decodes, max_prefill_length
         self.max_pages_per_slot, self.decode_steps = max_pages, decode_steps
-        self.prefill_buckets = _buckets(prefill_buckets, max_prefill_length)
-        self.decode_slot_buckets = _slot_buckets(decode_slot_buckets, max_concurrent_decodes, True)
-        self.allocator = PageAllocator(num_pages)
+        self.max_seq_len = max_pages * page_size  # the longest session a slot holds, while free pages last
+        self.prefill_buckets = buckets(prefill_buckets, max_prefill_length)
+        self.decode_slot_buckets = slot_buckets(decode_slot_buckets, max_concurrent_decodes, True)
+        self.allocator = PrefixCache(num_pages, page_size)  # the pool's pages; a session cache's, once ``use_pages``
         self._pages: list[list[int]] = [[] for _ in range(max_concurrent_decodes)]  # host mirror of the table
         self._lengths = [0] * max_concurrent_decodes
         self._active = [False] * max_concurrent_decodes
         self._flat = FlatParams()
-        self._page_ops = PageOps(cfg, mesh, rules, page_size, max_pages * page_size)  # KV in transit: checks, moves
+        self.programs = Programs()
+        self._page_ops = PageOps(cfg, mesh, rules, page_size, self.max_seq_len, self.programs)  # KV in transit
         self.record_experts = False  # routing replay is not recorded by the paged engine yet
-        sh = _state_shardings(cfg, mesh, rules, page_size, num_pages)
-        (self._prefill_jit, self._prefill_many_jit, self._generate_jit, self._generate_steps_jit, self._set_slot_jit,
-         self._set_row_jit, self._pending_jit, self._export_jit, self._import_jit) = _programs(graphdef, cfg, mesh, sh)  # fmt: skip
-        init = functools.partial(paged_steps.empty_state, cfg, max_concurrent_decodes, num_pages, page_size, max_pages)
-        self.state: PagedState = jax.jit(init, out_shardings=sh)()
+        self._jit_programs()
+        self.state: PagedState = self._init()
+
+    def _jit_programs(self) -> None:
+        """The jit boundaries: every device computation of a ``PagedEngine`` is one of these (each donating the
+        state, the engine's own: ``fixed``), or one of the page operations' (``kv_pages.PageOps``)."""
+        g, cfg, mesh, add = self.graphdef, self.cfg, self.mesh, self.programs.add
+        rep = NamedSharding(mesh, PartitionSpec())
+        sh = _state_shardings(cfg, mesh, self.rules, self.page_size, self.num_pages)
+        out3 = (sh, rep, rep)
+        init = functools.partial(paged_steps.empty_state, cfg, self.max_concurrent_decodes, self.num_pages,
+                                 self.page_size, self.max_pages_per_slot)  # fmt: skip
+        self._init = add("init_state", jax.jit(init, out_shardings=sh))
+        self._prefill = add(
+            "prefill",
+            jax.jit(functools.partial(paged_steps.prefill, g), static_argnums=(1, 6), donate_argnums=(2,),
+                    out_shardings=out3),
+            static=(1, 6), fixed=(2,), params=0,
+        )  # fmt: skip
+        self._prefill_many = add(
+            "prefill_many",
+            jax.jit(functools.partial(paged_steps.prefill_many, g, cfg), static_argnums=(1,), donate_argnums=(2,),
+                    out_shardings=out3),
+            static=(1,), fixed=(2,), params=0,
+        )  # fmt: skip
+        step = functools.partial(steps.decode_step, paged_steps.PagedLayout, g)
+        self._generate = add(
+            "generate",
+            jax.jit(step, static_argnums=(1, 3, 4), donate_argnums=(2,), out_shardings=out3),
+            static=(1, 3, 4), fixed=(2,), params=0,
+        )  # fmt: skip
+        multi = functools.partial(steps.decode_steps, paged_steps.PagedLayout, g)
+        self._generate_steps = add(
+            "generate_steps",
+            jax.jit(multi, static_argnums=(1, 3, 4, 5), donate_argnums=(2,), out_shardings=out3),
+            static=(1, 3, 4, 5), fixed=(2,), params=0,
+        )  # fmt: skip
+        slot_update = dict(donate_argnums=(0,), out_shardings=sh)
+        self._set_slot = add("set_slot", jax.jit(paged_steps.set_slot, **slot_update), fixed=(0,))
+        self._set_row = add("set_row", jax.jit(paged_steps.set_row, **slot_update), fixed=(0,))
+        self._set_pending = add("set_pending", jax.jit(paged_steps.set_pending, **slot_update), fixed=(0,))
+        self._export = add("export", jax.jit(_export), fixed=(0,))
+        self._import = add("import", jax.jit(_import, **slot_update), fixed=(0,))
 
     # -- sizes, allocator, KV in transit ----------------------------------------------------------------
-    @property
-    def max_seq_len(self) -> int:
-        """The longest session a slot can hold (``max_pages_per_slot`` pages), while free pages last."""
-        return self.max_pages_per_slot * self.page_size
-
     @property
     def num_pages(self) -> int:
         return self.allocator.num_pages
 
-    def use_allocator(self, allocator) -> None:
-        """Takes pages from ``allocator`` from now on (a session cache's ``PrefixCache``: slots and cached sessions
-        then share the pool, cached sessions evicted least recently used first when slots need pages). Only
-        while no page is in use."""
-        if self.allocator.num_used or allocator.num_pages != self.allocator.num_pages or allocator.num_used:
-            raise ValueError("an engine's allocator changes only while no page is in use, to one of the same pool size")
-        self.allocator = allocator
+    def use_pages(self, index: PrefixCache) -> None:
+        """``ServingEngine.use_pages``: takes pages from ``index`` (a session cache's) from now on, so that slots and
+        cached sessions share the pool, cached sessions evicted least recently used first when slots need pages.
+        Only while no slot holds pages (sessions an earlier index kept are dropped), and only an index of this
+        pool's size."""
+        if index.num_pages != self.num_pages or index.page_size != self.page_size:
+            raise ValueError(
+                f"a session cache of {index.num_pages} pages of {index.page_size} tokens: on a paged engine the "
+                f"session cache shares the engine's pool (num_pages={self.num_pages}, page_size={self.page_size}); "
+                "pass kv_pages=None (cache on) or 0 (no cache)"
+            )
+        if any(self._pages) or index.num_used:
+            raise ValueError("an engine's allocator changes only while no slot holds pages")
+        self.allocator = index
 
     def check_kv(self, kv: KVPages) -> None:
         """Raises ValueError if ``kv`` was not made by an engine of this KV layout."""
@@ -217,16 +196,16 @@ class PagedEngine:
 
     def export_pages(self, page_ids: Sequence[int]) -> KVPages:
         """Pool pages ``page_ids`` as one KVPages (count rounded up to a power of 2; the padding reads page 0)."""
-        ids = np.zeros((_pow2_at_least(len(page_ids)),), np.int32)
+        ids = np.zeros((pow2_at_least(len(page_ids)),), np.int32)
         ids[: len(page_ids)] = page_ids
-        return self._export_jit(self.state, jnp.asarray(ids))
+        return self._export(self.state, ids)
 
     def import_pages(self, kv: KVPages, page_ids: Sequence[int]) -> None:
         """Writes the first ``len(page_ids)`` pages of ``kv`` (on this mesh) into pool pages ``page_ids``."""
         self.check_kv(kv)
-        ids = np.full((kv.num_pages,), self.allocator.num_pages, np.int32)  # the rest: dropped
+        ids = np.full((kv.num_pages,), self.num_pages, np.int32)  # the rest: dropped
         ids[: len(page_ids)] = page_ids
-        self.state = self._import_jit(self.state, kv, jnp.asarray(ids))
+        self.state = self._import(self.state, kv, ids)
 
     # -- what the pool holds --------------------------------------------------------------------------
     @property
@@ -236,7 +215,7 @@ class PagedEngine:
         return 2 * len(self.state.pool) * int(np.prod(c.shape[1:])) * c.dtype.itemsize
 
     def kv_bytes_held(self) -> int:
-        """Bytes of the pages in use (slots' and sessions' kept by ``release(keep=True)``)."""
+        """Bytes of the pages in use (slots' and sessions' kept by ``release(keep=...)``)."""
         return self.allocator.num_used * self.page_bytes
 
     def slot_length(self, slot: int) -> int:
@@ -245,9 +224,9 @@ class PagedEngine:
 
     # -- pages ------------------------------------------------------------------------------------------
     def _row(self, slot: int) -> jax.Array:
-        row = np.full((self.max_pages_per_slot,), self.allocator.num_pages, np.int32)
+        row = np.full((self.max_pages_per_slot,), self.num_pages, np.int32)
         row[: len(self._pages[slot])] = self._pages[slot]
-        return jnp.asarray(row)
+        return row
 
     def _ensure_pages(self, slot: int, num_tokens: int) -> None:
         """Gives ``slot`` pages for positions [0, num_tokens)."""
@@ -261,44 +240,48 @@ class PagedEngine:
         have = len(self._pages[slot])
         if need > have:
             self._pages[slot] += self.allocator.allocate(need - have)
-            self.state = self._set_row_jit(self.state, jnp.int32(slot), self._row(slot))
+            self.state = self._set_row(self.state, np.int32(slot), self._row(slot))
 
     def _window(self, num_tokens: int) -> int:
         """Pages a program attends over for contexts of at most ``num_tokens``: a power of 2, capped."""
-        return min(_pow2_at_least(-(-num_tokens // self.page_size)), self.max_pages_per_slot)
+        return min(pow2_at_least(-(-num_tokens // self.page_size)), self.max_pages_per_slot)
 
-    def _bucket(self, n: int) -> int:
-        return next(b for b in self.prefill_buckets if b >= n)
+    def _check_empty(self, slot: int) -> None:
+        if self._pages[slot] or self._active[slot]:
+            raise ValueError(f"slot {slot} holds a request or a session's pages; release it first")
 
     # -- prefill, decode ----------------------------------------------------------------------------
     def prefill(
-        self, params: nnx.State, slot: int, tokens: Sequence[int], sampling_params: SamplingParams, key: jax.Array
-    ) -> tuple[int, float]:
-        """Prefills ``tokens`` into ``slot``'s pages after the tokens it holds (none, or an attached session's), in
-        chunks of at most ``max_prefill_length``, each with ``key`` (so chunking is invisible: the sampled token
-        depends only on the whole sequence and the key). Returns the token sampled after the last one and its
-        log-prob; ``start`` the slot to decode from there."""
+        self,
+        params: nnx.State,
+        slot: int,
+        tokens: Sequence[int],
+        sampling: SamplingParams,
+        key: jax.Array,
+        *,
+        final: bool = True,
+    ) -> Sampled:
+        """``ServingEngine.prefill``: straight into the slot's pages (taken from the pool as the context grows)."""
         if self._active[slot]:
             raise ValueError(f"slot {slot} is decoding; release it before prefilling into it")
         if len(tokens) == 0:
             raise ValueError("cannot prefill an empty prompt")
         leaves = self._flat(params)
-        temperature, top_k, top_p = _sampling_args(sampling_params)
+        settings = sampling_args(sampling)
         done, out = 0, None
         while done < len(tokens):
             n = min(self.max_prefill_length, len(tokens) - done)
             start = self._lengths[slot]
             self._ensure_pages(slot, start + n + 1)  # + 1: room for the token sampled next
-            padded = np.zeros((1, self._bucket(n)), np.int32)
+            padded = np.zeros((1, bucket(self.prefill_buckets, n)), np.int32)
             padded[0, :n] = tokens[done : done + n]
-            self.state, *out = self._prefill_jit(
-                *leaves, self.state, jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
-                self._window(start + n), temperature, top_k, top_p, key,
+            self.state, *out = self._prefill(
+                *leaves, self.state, np.int32(slot), padded, np.int32(n),
+                self._window(start + n), *settings, key,
             )  # fmt: skip
             self._lengths[slot] = start + n
             done += n
-        token, logprob = jax.device_get(out)
-        return int(token), float(logprob)
+        return Sampled(*out)
 
     def prefill_many(
         self,
@@ -307,40 +290,52 @@ class PagedEngine:
         prompts: Sequence[Sequence[int]],
         sampling: Sequence[SamplingParams],
         keys: Sequence[jax.Array],
-    ) -> list[tuple[int, float]]:
-        """Several whole prompts, ``prompts[i]`` into empty ``slots[i]`` (no pages, not decoding) with ``keys[i]``, in
-        one program: packed side by side in rows as wide as the prefill bucket of the longest (``_pack_prompts``;
-        each prompt at most ``max_prefill_length``, else prefill it alone, in chunks). Each slot ends as ``prefill``
-        of its prompt alone leaves it, to float rounding; returns each prompt's sampled token and its log-prob
-        (``start`` the slots to decode)."""
-        return _prefill_many(self, params, slots, prompts, sampling, keys)
+    ) -> Sampled:
+        """``ServingEngine.prefill_many``: each prompt's KV scattered into its slot's pages in the program."""
+        check_prefill_many(slots, prompts, sampling, keys, self._check_empty)
+        packed = pack_prompts(prompts, self)
+        count = len(packed[-1])
+        for slot, prompt in zip(slots, prompts):
+            self._ensure_pages(slot, len(prompt) + 1)  # + 1: room for the token sampled next
+        at = np.full((count,), self.max_concurrent_decodes, np.int32)  # padding prompts: out of range, dropped
+        at[: len(slots)] = slots
+        self.state, tokens, logprobs = self._prefill_many(
+            *self._flat(params), self.state, at, *packed,
+            *sampling_rows(sampling, count), key_rows(keys, count),
+        )  # fmt: skip
+        for slot, prompt in zip(slots, prompts):
+            self._lengths[slot] = len(prompt)
+        return Sampled(tokens, logprobs)
 
-    def start(self, slot: int, resume: tuple[int, jax.Array, SamplingParams] | None = None) -> None:
-        """``slot`` (prefilled) decodes from the next ``generate`` on, from the token its last prefill sampled, or
-        ``resume``: (token, sampling key [2], sampling params) for a request resumed on KV it brought (its last
-        sampled token is not in the pages yet)."""
+    def start(self, slots: Sequence[int]) -> None:
+        """``ServingEngine.start``."""
+        for slot in slots:
+            if self._lengths[slot] == 0:
+                raise ValueError(f"slot {slot} holds no tokens: prefill it first")
+        for slot in slots:
+            self._active[slot] = True
+            self._set(slot)
+
+    def resume(self, slot: int, token: int, key: jax.Array, sampling: SamplingParams) -> None:
+        """``ServingEngine.resume``: the slot's pending token, key and sampling settings are set, then it starts."""
         if self._lengths[slot] == 0:
-            raise ValueError(f"slot {slot} holds no tokens: prefill it first")
-        if resume is not None:
-            token, key, sp = resume
-            self.state = self._pending_jit(
-                self.state, jnp.int32(slot), jnp.int32(token), jnp.asarray(key, jnp.uint32), *_sampling_args(sp)
-            )
-        self._active[slot] = True
-        self._set(slot)
+            raise ValueError(f"slot {slot} holds no tokens: prefill or import its KV first")
+        key = np.asarray(key, np.uint32)
+        self.state = self._set_pending(self.state, np.int32(slot), np.int32(token), key, *sampling_args(sampling))
+        self.start([slot])
 
     def keys(self) -> np.ndarray:
         """[slots, 2] each slot's next sampling key (host copy; waits for the programs in flight)."""
         return np.asarray(jax.device_get(self.state.keys))
 
     def _set(self, slot: int) -> None:
-        self.state = self._set_slot_jit(
-            self.state, jnp.int32(slot), self._row(slot), jnp.int32(self._lengths[slot]), jnp.bool_(self._active[slot])
+        self.state = self._set_slot(
+            self.state, np.int32(slot), self._row(slot), np.int32(self._lengths[slot]), np.bool_(self._active[slot])
         )
 
-    def generate(self, params: nnx.State, num_steps: int = 1, wait: bool = True) -> ResultTokens:
-        """``num_steps`` (1 to ``decode_steps``) decode steps for every started slot, in one program; each slot is
-        given the pages its next tokens need first. The result as ``Engine.generate``'s."""
+    def generate(self, params: nnx.State, *, num_steps: int = 1, wait: bool = True) -> ResultTokens:
+        """``ServingEngine.generate``: each started slot is given the pages its next tokens need first; a slot at its
+        page limit stops (``valid`` False from then on)."""
         check_num_steps(num_steps, self.decode_steps)
         live = [s for s, a in enumerate(self._active) if a]
         if not live:
@@ -359,19 +354,13 @@ class PagedEngine:
         slots = next(b for b in self.decode_slot_buckets if b > max(live))
         leaves = self._flat(params)
         if num_steps == 1:
-            self.state, ints, logprobs = self._generate_jit(*leaves, self.state, pages, slots)
+            self.state, *outputs = self._generate(*leaves, self.state, pages, slots)
         else:
-            self.state, ints, logprobs = self._generate_steps_jit(
-                *leaves, self.state, pages, slots, self.decode_steps, jnp.int32(num_steps)
-            )
+            args = (*leaves, self.state, pages, slots, self.decode_steps, np.int32(num_steps))
+            self.state, *outputs = self._generate_steps(*args)
         for s in live:
             self._lengths[s] += num_steps
-        result = ResultTokens(_ints=ints, _logprobs=logprobs, _rows=None if num_steps == 1 else num_steps)
-        if wait:
-            return result.to_host()
-        ints.copy_to_host_async()
-        logprobs.copy_to_host_async()
-        return result
+        return ResultTokens.of(outputs, num_steps, wait)
 
     def _nothing_stepped(self, num_steps: int) -> ResultTokens:
         """The result of a step in which no slot could run: nothing valid."""
@@ -380,51 +369,35 @@ class PagedEngine:
         ints[..., 2, :] = self._lengths
         return ResultTokens(_ints=ints, _logprobs=np.zeros(lead + (self.max_concurrent_decodes,), np.float32))
 
-    # -- warm-up ------------------------------------------------------------------------------------------
-    def _programs(self) -> list:
-        return [self._prefill_jit, self._prefill_many_jit, self._generate_jit, self._generate_steps_jit,
-                self._set_slot_jit, self._set_row_jit, self._pending_jit]  # fmt: skip
-
-    def warmup(self, params: nnx.State) -> int:
-        """Compiles every program shape the serving loop can dispatch on this engine, on no page (``warmup``);
-        returns the number compiled."""
-        return warmup(self, params)
-
     # -- a slot's end, a session's pages --------------------------------------------------------------
-    def release(self, slot: int, keep: bool = False) -> SlotPages | None:
-        """Ends ``slot``. ``keep``: its pages stay in the pool as the session's KV (returned: hand them to
-        ``attach`` or ``drop``); else they return to the pool. The slot's KV holds every token but the newest
-        sampled one."""
-        kept = SlotPages(tuple(self._pages[slot]), self._lengths[slot]) if keep and self._pages[slot] else None
-        if not keep:
-            self.allocator.deallocate(self._pages[slot])
+    def release(self, slot: int, keep: int = 0) -> SlotPages | None:
+        """``ServingEngine.release``: the pages holding the first ``keep`` tokens stay where they are as the
+        session's KV (returned: hand them to ``attach``, or to a session cache); the rest return to the pool."""
+        held = self._pages[slot][: -(-keep // self.page_size)] if keep > 0 else []
+        kept = SlotPages(tuple(held), keep) if held else None
+        self.allocator.deallocate(self._pages[slot][len(held) :])
         self._pages[slot], self._lengths[slot], self._active[slot] = [], 0, False
         self._set(slot)
         return kept
 
-    def attach(self, slot: int, kv: SlotPages) -> None:
-        """Gives an empty ``slot`` a kept session's pages, as they are (no copy): prefill its next tokens on top."""
-        if self._pages[slot] or self._active[slot]:
-            raise ValueError(f"slot {slot} holds a request; release it first")
-        self._pages[slot], self._lengths[slot] = list(kv.pages), kv.length
+    def attach(self, slot: int, pages: SlotPages) -> None:
+        """``ServingEngine.attach``: the slot reads the session's pages as they are (no copy)."""
+        self._check_empty(slot)
+        self._pages[slot], self._lengths[slot] = list(pages.pages), pages.length
         self._set(slot)
 
-    def drop(self, kv: SlotPages) -> None:
-        """Returns a kept session's pages to the pool."""
-        self.allocator.deallocate(kv.pages)
-
     # -- migration ------------------------------------------------------------------------------------
-    def export(self, slot: int) -> KVPages:
-        """``slot``'s tokens as ``KVPages`` (the page count rounded up to a power of 2; the padding reads page 0)."""
-        pages = self._pages[slot][: -(-self._lengths[slot] // self.page_size)]
-        if not pages:
-            raise ValueError(f"slot {slot} holds no tokens")
+    def export(self, slot: int, num_tokens: int) -> KVPages:
+        """``ServingEngine.export``: the slot's pages holding its first ``num_tokens`` tokens (the page count rounded
+        up to a power of 2; the padding reads page 0)."""
+        pages = self._pages[slot][: -(-num_tokens // self.page_size)]
+        if not pages or num_tokens > self._lengths[slot]:
+            raise ValueError(f"slot {slot} holds {self._lengths[slot]} tokens, not {num_tokens}")
         return self.export_pages(pages)
 
     def import_kv(self, slot: int, kv: KVPages, length: int) -> None:
         """Places ``length`` tokens of a session's ``kv`` (on this mesh) into an empty ``slot``'s new pages."""
-        if self._pages[slot] or self._active[slot]:
-            raise ValueError(f"slot {slot} holds a request; release it first")
+        self._check_empty(slot)
         need = -(-length // self.page_size)
         if not 0 < need <= kv.num_pages:
             raise ValueError(f"length={length} must be in [1, {kv.num_pages} pages x {self.page_size} tokens]")
@@ -433,92 +406,50 @@ class PagedEngine:
         self._lengths[slot] = length
         self._set(slot)
 
+    # -- warm-up ------------------------------------------------------------------------------------------
+    def _windows(self, lo: int, hi: int) -> list[int]:
+        """The page counts a program attends over for contexts of ``lo`` ... ``hi`` tokens."""
+        out, t = [], lo
+        while t <= hi:
+            out.append(self._window(t))
+            if out[-1] >= self.max_pages_per_slot:
+                break
+            t = out[-1] * self.page_size + 1
+        return out
 
-def _prefill_many(engine: PagedEngine, params, slots, prompts, sampling, keys) -> list[tuple[int, float]]:
-    """``PagedEngine.prefill_many``."""
-    if not len(slots) == len(prompts) == len(sampling) == len(keys) or len(set(slots)) != len(slots):
-        raise ValueError("prefill_many takes one distinct slot, sampling and key per prompt")
-    for slot in slots:
-        if engine._active[slot] or engine._pages[slot]:
-            raise ValueError(f"slot {slot} holds a request or a session's pages; prefill_many fills empty slots")
-    packed = _pack_prompts(prompts, engine)
-    count = len(packed[-1])
-    for slot, prompt in zip(slots, prompts):
-        engine._ensure_pages(slot, len(prompt) + 1)  # + 1: room for the token sampled next
-    at = np.full((count,), engine.max_concurrent_decodes, np.int32)  # padding prompts: out of range, dropped
-    at[: len(slots)] = slots
-    k = jnp.stack([*keys, *[keys[0]] * (count - len(keys))])
-    engine.state, tokens, logprobs = engine._prefill_many_jit(
-        *engine._flat(params), engine.state, jnp.asarray(at), *map(jnp.asarray, packed),
-        *_sampling_rows(sampling, count), k,
-    )  # fmt: skip
-    for slot, prompt in zip(slots, prompts):
-        engine._lengths[slot] = len(prompt)
-    tokens, logprobs = jax.device_get((tokens, logprobs))
-    return [(int(tokens[i]), float(logprobs[i])) for i in range(len(prompts))]
-
-
-def _windows(engine: PagedEngine, lo: int, hi: int) -> list[int]:
-    """The page counts a program of ``engine`` attends over for contexts of ``lo`` ... ``hi`` tokens."""
-    out, t = [], lo
-    while t <= hi:
-        out.append(engine._window(t))
-        if out[-1] >= engine.max_pages_per_slot:
-            break
-        t = out[-1] * engine.page_size + 1
-    return out
-
-
-def warmup(engine: PagedEngine, params: nnx.State) -> int:
-    """Compiles every program shape the serving loop can dispatch on ``engine`` (prefill per bucket and page window
-    a chunk of that bucket can reach; ``prefill_many`` per bucket, power-of-2 prompt count from 2 up to the one
-    holding every slot and its ``packed_row_buckets``; generate per page window, slot bucket and number of steps;
-    the slot updates),
-    so that no compile stalls a running cell later. Runs on an engine with no slot decoding, through an empty slot
-    whose block table maps no page: every KV write of these programs is dropped, the pool and the allocator are
-    untouched, and the slot is reset to empty afterwards (the fields a prefill sets are set again by the next
-    request's prefill or resume). Not run: the migration programs (export, import: one shape per power-of-2 page
-    count). Returns the number of program shapes compiled (0 when already warm)."""
-    if any(engine._active):
-        raise ValueError("warmup runs before serving: a slot is decoding")
-    slot = next((s for s in range(engine.max_concurrent_decodes) if not engine._pages[s]), None)
-    if slot is None:
-        raise ValueError("warmup needs an empty slot (one holding no pages)")
-    before = sum(f._cache_size() for f in engine._programs())
-    leaves = engine._flat(params)
-    key = jnp.zeros((2,), jnp.uint32)
-    greedy = _sampling_args(SamplingParams(temperature=0.0))
-    lo = 1
-    for bucket in engine.prefill_buckets:  # a chunk of lo..bucket tokens on top of 0.. cached ones
-        n = min(bucket, engine.max_prefill_length)
-        for window in _windows(engine, lo, engine.max_seq_len - 1):
-            padded = jnp.zeros((1, bucket), jnp.int32)
-            engine.state, *_ = engine._prefill_jit(
-                *leaves, engine.state, jnp.int32(slot), padded, jnp.int32(n), window, *greedy, key
-            )
-        lo = bucket + 1
-    count = 2
-    while count // 2 < engine.max_concurrent_decodes:  # prefill_many: 2..slots prompts, packed in rows of each bucket
-        for bucket in engine.prefill_buckets:
-            for rows in packed_row_buckets(count):
-                at = np.full((count,), engine.max_concurrent_decodes, np.int32)
-                at[:rows] = slot  # the empty slot: its table maps no page, every KV write is dropped
-                engine.state, *_ = engine._prefill_many_jit(
-                    *leaves, engine.state, jnp.asarray(at), *map(jnp.asarray, _one_token_prompts(rows, bucket, count)),
-                    *_sampling_rows([SamplingParams(temperature=0.0)], count), jnp.zeros((count, 2), jnp.uint32),
-                )  # fmt: skip
-        count *= 2
-    for steps in sorted({1, engine.decode_steps}):  # no slot is active: nothing is stepped
-        for window in _windows(engine, 1 + min(steps, 2), engine.max_seq_len):  # a multi-step call runs >= 2
-            for slots in engine.decode_slot_buckets:
-                if steps == 1:
-                    engine.state, *_ = engine._generate_jit(*leaves, engine.state, window, slots)
-                else:
-                    engine.state, *_ = engine._generate_steps_jit(
-                        *leaves, engine.state, window, slots, steps, jnp.int32(1)
-                    )
-    engine.state = engine._pending_jit(engine.state, jnp.int32(slot), jnp.int32(0), key, *greedy)
-    engine.state = engine._set_row_jit(engine.state, jnp.int32(slot), engine._row(slot))
-    engine._set(slot)  # the slot as it was: no pages, no tokens, not active
-    jax.block_until_ready(engine.state)
-    return sum(f._cache_size() for f in engine._programs()) - before
+    def warmup(self, params: nnx.State) -> int:
+        """``ServingEngine.warmup``: compiles, without running (the pool, the tables and the allocator are left as
+        they are), prefill per bucket and page window a chunk of that bucket can reach; ``prefill_many`` per bucket,
+        power-of-2 prompt count from 2 up to the one holding every slot and its ``packed_row_buckets``; generate per
+        page window, slot bucket and number of steps; the slot updates. Not compiled: the migration programs
+        (export, import: one shape per power-of-2 page count). Returns the number of program shapes compiled (0 when
+        already warm)."""
+        flat, state, before = self._flat(params), self.state, self.programs.count()
+        i32, f32 = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32)
+        key, sampling = jax.ShapeDtypeStruct((2,), jnp.uint32), (f32, i32, f32)
+        lo = 1
+        for width in self.prefill_buckets:  # a chunk of lo..width tokens on top of 0.. cached ones
+            tokens = jax.ShapeDtypeStruct((1, width), jnp.int32)
+            for window in self._windows(lo, self.max_seq_len - 1):
+                self._prefill.compile(*flat, state, i32, tokens, i32, window, *sampling, key)
+            lo = width + 1
+        for count in prompt_counts(self.max_concurrent_decodes):
+            rows_f32, rows_i32 = (jax.ShapeDtypeStruct((count,), t) for t in (jnp.float32, jnp.int32))
+            keys = jax.ShapeDtypeStruct((count, 2), jnp.uint32)
+            for width in self.prefill_buckets:
+                for rows in packed_row_buckets(count):
+                    packed = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in one_token_prompts(rows, width, count)]
+                    args = (*flat, state, rows_i32, *packed, rows_f32, rows_i32, rows_f32, keys)
+                    self._prefill_many.compile(*args)
+        for steps_ in sorted({1, self.decode_steps}):
+            for window in self._windows(1 + min(steps_, 2), self.max_seq_len):  # a multi-step call runs >= 2
+                for slots in self.decode_slot_buckets:
+                    if steps_ == 1:
+                        self._generate.compile(*flat, state, window, slots)
+                    else:
+                        self._generate_steps.compile(*flat, state, window, slots, steps_, i32)
+        row = jax.ShapeDtypeStruct((self.max_pages_per_slot,), jnp.int32)
+        self._set_slot.compile(state, i32, row, i32, jax.ShapeDtypeStruct((), jnp.bool_))
+        self._set_row.compile(state, i32, row)
+        self._set_pending.compile(state, i32, i32, key, *sampling)
+        return self.programs.count() - before

@@ -6,7 +6,8 @@ none) and the per-slot decoding fields of ``kv_cache.DecodeState``. A program re
 gathered from its first ``num_pages`` table entries (``num_pages`` static: a bucket of the longest live
 context, so cost follows the live length, not the pool), runs the model on that view exactly as the dense
 engine runs it on a window of its cache (``attention.cache_mask``: dense or a ``MaskSpec``), and scatters
-the rows the step wrote back into their pages. Reads of table entries past a slot's pages fall on some page
+the rows the step wrote back into their pages: the decode step is ``steps.decode_step`` over ``PagedLayout``,
+a prefill ``steps.forward_and_sample`` on a slot's view. Reads of table entries past a slot's pages fall on some page
 whose positions the mask never shows; writes to them are dropped.
 
 A pure-JAX gather, the same on every platform; a paged-attention kernel (Pallas ragged paged attention on
@@ -21,9 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gyre_jax.model.attention import LayerCache, cache_mask, init_cache
+from gyre_jax.model.attention import LayerCache, init_cache
 from gyre_jax.model.config import ModelConfig
-from gyre_jax.serving import sampling, steps
+from gyre_jax.serving import steps
+from gyre_jax.serving.kv_cache import empty_slot_fields
 
 
 @jax.tree_util.register_dataclass
@@ -48,13 +50,7 @@ def empty_state(cfg: ModelConfig, slots: int, num_pages: int, page_size: int, ma
     return PagedState(
         pool=init_cache(cfg, num_pages, page_size),
         table=jnp.full((slots, max_pages), num_pages, jnp.int32),
-        tokens=jnp.zeros((slots,), jnp.int32),
-        lengths=jnp.zeros((slots,), jnp.int32),
-        active=jnp.zeros((slots,), jnp.bool_),
-        temperature=jnp.ones((slots,), jnp.float32),
-        top_k=jnp.zeros((slots,), jnp.int32),
-        top_p=jnp.ones((slots,), jnp.float32),
-        keys=jnp.zeros((slots, 2), jnp.uint32),
+        **empty_slot_fields(slots),
     )
 
 
@@ -103,27 +99,26 @@ def prefill(
     tokens (its table must map every position written; ``num_pages`` static covers them), samples the next token
     from the last one with ``key`` [2] and records it, the advanced key, the new length and the sampling settings
     in the slot (not activated). Returns (state, token [] int32, log-prob [] f32)."""
-    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     w = num_pages * state.pool[0].k.shape[1]
     start = state.lengths[slot]
     idx = jnp.arange(tokens.shape[1], dtype=jnp.int32)
     positions = jnp.where(idx < true_length, start + idx, w)[None, :]  # padding writes are dropped
     rows = jax.lax.dynamic_index_in_dim(state.table, slot, axis=0, keepdims=True)  # [1, max_pages]
-    view = gather_view(state.pool, rows, num_pages)
-    hidden, view = model(tokens, positions, cache_mask(model.cfg, positions, w), view, head=False)
-    last = steps.last_logits(model, hidden, true_length)  # [1, V]
-    token, logprob, key = sampling.advance(last, key[None], temperature[None], top_k[None], top_p[None])
+    view, token, logprob, key, _ = steps.forward_and_sample(
+        (graphdef, leaves, treedef), gather_view(state.pool, rows, num_pages), positions, tokens, true_length,
+        temperature, top_k, top_p, key, False,
+    )  # fmt: skip
     state = dataclasses.replace(
         state,
         pool=scatter_rows(state.pool, view, rows, positions),
-        tokens=state.tokens.at[slot].set(token[0]),
+        tokens=state.tokens.at[slot].set(token),
         lengths=state.lengths.at[slot].set(start + true_length),
         temperature=state.temperature.at[slot].set(temperature),
         top_k=state.top_k.at[slot].set(top_k),
         top_p=state.top_p.at[slot].set(top_p),
-        keys=state.keys.at[slot].set(key[0]),
+        keys=state.keys.at[slot].set(key),
     )
-    return state, token[0], logprob[0]
+    return state, token, logprob
 
 
 def prefill_many(
@@ -175,55 +170,20 @@ def prefill_many(
     return state, out.token, out.logprob
 
 
-def generate(graphdef: nnx.GraphDef, leaves, treedef, state: PagedState, num_pages: int, num_slots: int):
-    """One step for slots [0, num_slots) over their first ``num_pages`` pages (both static); the others are left
-    as they are. Returns the state, ints [3, slots] (tokens, valid, lengths) and log-probs [slots], as the dense
-    ``steps.generate``."""
-    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    slots, k = state.tokens.shape[0], num_slots
-    w = num_pages * state.pool[0].k.shape[1]
-    lengths = state.lengths[:k]
-    ok = state.active[:k] & (lengths < w)
-    positions = jnp.where(ok, lengths, w)[:, None]  # [k, 1]; the others write nothing
-    rows = state.table[:k]
-    view = gather_view(state.pool, rows, num_pages)
-    logits, view = model(state.tokens[:k, None], positions, cache_mask(model.cfg, positions, w), view)
-    tokens, logprobs, keys = sampling.advance(
-        logits[:, 0], state.keys[:k], state.temperature[:k], state.top_k[:k], state.top_p[:k]
-    )
-    tokens = jnp.where(ok, tokens, state.tokens[:k])  # a slot that sampled nothing keeps its pending token and key
-    keys = jnp.where(ok[:, None], keys, state.keys[:k])
-    lengths = jnp.where(ok, lengths + 1, lengths)
+class PagedLayout:
+    """The paged KV layout of the decode step (``steps.decode_step``): the model runs on a view gathered from each
+    stepped slot's first ``window`` table entries (``window`` in pages), and the rows it wrote are scattered back
+    into their pages."""
 
-    def head(full, part):  # writes part: [k, ...] over full: [slots, ...]
-        return jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
+    @staticmethod
+    def read(state: PagedState, num_slots: int, window: int):
+        """(the view [num_slots, window x page_size], the positions it attends over, a position dropped on write)."""
+        span = window * state.pool[0].k.shape[1]
+        return gather_view(state.pool, state.table[:num_slots], window), span, span
 
-    state = dataclasses.replace(
-        state,
-        pool=scatter_rows(state.pool, view, rows, positions),
-        tokens=head(state.tokens, tokens),
-        lengths=head(state.lengths, lengths),
-        keys=head(state.keys, keys),
-    )
-    ints = jnp.stack([state.tokens, jnp.pad(ok, (0, slots - k)).astype(jnp.int32), state.lengths])
-    return state, ints, jnp.pad(logprobs, (0, slots - k))
-
-
-def generate_steps(
-    graphdef: nnx.GraphDef,
-    leaves,
-    treedef,
-    state: PagedState,
-    num_pages: int,
-    num_slots: int,
-    num_steps: int,
-    count: jax.Array,
-):
-    """Up to ``num_steps`` (static) ``generate`` steps in one program, the first ``count`` (traced) of them run
-    (``steps.run_steps``); outputs stacked on a leading [num_steps] axis, zeros past ``count``."""
-    return steps.run_steps(
-        lambda st: generate(graphdef, leaves, treedef, st, num_pages, num_slots), state, num_steps, count
-    )
+    @staticmethod
+    def write(state: PagedState, view, positions, num_slots: int) -> PagedState:
+        return dataclasses.replace(state, pool=scatter_rows(state.pool, view, state.table[:num_slots], positions))
 
 
 def set_slot(state: PagedState, slot, row, length, active) -> PagedState:

@@ -1,15 +1,16 @@
 """The session prefix cache's index: which pages of the KV page pool hold which session's tokens.
 
-Host-side bookkeeping only (the pages themselves are an engine ``KVPages`` pool owned by the serving
-loop). One entry per session: the token ids whose KV its pages hold, the policy version that computed
-them, and the pages. The budget is the pool's page count, fixed at start; storing a session evicts the
-least recently used entries until its pages fit. Counters say how well it works.
+Host-side bookkeeping only (the pages themselves are in a pool its engine owns, which allocates them through this
+index: ``ServingEngine.use_pages``; a paged engine's slots take theirs from it too). One entry per session: the
+token ids whose KV its pages hold, the policy version that computed them, and the pages. The budget is the pool's
+page count, fixed at start; storing a session evicts the least recently used entries until its pages fit.
+Counters say how well it works.
 
 Rule of use (the serving loop follows it): when a request of session ``s`` is admitted, ``take`` removes
 ``s``'s entry and reports how many leading prompt tokens it covers (the longest common prefix, at most
-``len(prompt) - 1``, so at least one token is prefilled to sample from); the loop copies those pages into
-the request's prefix and then calls ``release``. When the request ends, the loop ``store``s prompt +
-completion (all tokens whose KV is in the slot) as ``s``'s new entry.
+``len(prompt) - 1``, so at least one token is prefilled to sample from); the request's slot takes those pages
+(``ServingEngine.attach``). When the request ends, its slot's KV of prompt + completion (all tokens whose KV is in
+the slot) becomes ``s``'s new entry (``adopt``).
 """
 
 from __future__ import annotations
@@ -123,23 +124,27 @@ class PrefixCache:
     def store(self, session_id: str, tokens: Sequence[int], version: int) -> list[int] | None:
         """Makes ``tokens`` the session's entry and returns the pages to write their KV to (in position
         order), evicting least recently used entries as needed; None if it cannot fit the whole pool."""
-        self._drop(session_id)
+        self.discard(session_id)
         need = self.pages_for(len(tokens))
         if need == 0:
             return None
-        if need > len(self._free) + sum(len(e.pages) for e in self._entries.values()):
-            self._stats.not_stored += 1
+        try:
+            pages = self.allocate(need)
+        except PagePoolExhausted:
+            self.count_not_stored()
             return None
-        while len(self._free) < need:
-            self._drop(next(iter(self._entries)))
-            self._stats.evictions += 1
-        pages = [self._free.pop() for _ in range(need)]
-        self._entries[session_id] = CacheEntry(session_id, np.asarray(tokens, np.int32), pages, version)
-        self._stats.stores += 1
-        self._stats.tokens_stored += len(tokens)
+        self.adopt(session_id, tokens, version, pages)
         return pages
 
-    # -- as the page allocator of a paged engine (``serving.paged``): slots and entries share one pool ------
+    def discard(self, session_id: str) -> None:
+        """Drops the session's entry, if any (its pages return to the pool)."""
+        self._drop(session_id)
+
+    def count_not_stored(self) -> None:
+        """Counts a session whose KV did not fit (``stats.not_stored``)."""
+        self._stats.not_stored += 1
+
+    # -- as the page allocator of an engine's pool (``ServingEngine.use_pages``; a paged engine's slots too) ------
     @property
     def num_free(self) -> int:
         return len(self._free)

@@ -56,7 +56,7 @@ class RequestQueue:
             try:
                 if job.key is None:
                     job.key = self.key_for(job.request)
-                batch.admit(job, reuse_stale_kv)
+                batch.admit(free[0], job, reuse_stale_kv)
             except Exception as exc:  # this request fails; the loop serves on
                 log.exception("serving loop %s: could not admit request %s", self._name, job.request.request_id)
                 job.future.set_exception(exc)

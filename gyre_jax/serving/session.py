@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from gyre_jax.serving.engine import KVPages
 from gyre_jax.serving.jobs import Job
+from gyre_jax.serving.kv_cache import KVPages
 from gyre_jax.serving.stopping import StopStrings
 from gyre_jax.serving.types import GenerationRequest, GenerationResult
 

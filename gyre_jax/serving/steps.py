@@ -1,7 +1,9 @@
 """The device programs of serving: prefill a prompt (fresh, or on top of a prefix; or several whole prompts at
-once), insert it into a decode slot (or several), release a slot, and one generate step over every slot (or
-several steps in one program). Pure functions over the ``kv_cache`` pytrees; ``Engine`` jits each once, with its
-donation and shardings.
+once), insert it into a decode slot (or several), release a slot, and the one decode step of both KV layouts
+(``decode_step``, or several in one program: ``decode_steps``), which reads and writes the slots' KV through a
+layout (``DenseLayout`` here, ``paged_steps.PagedLayout``) and is otherwise one body. Pure functions over the
+``kv_cache`` pytrees; ``dense.DenseSlots`` and ``paged.PagedEngine`` jit each once, with its donation and
+shardings.
 
 Parameters arrive as flat leaves plus a (static) treedef, merged with the model's ``graphdef`` inside the
 program: flattening an ``nnx.State`` on every call would cost more host time than a tiny model's decode
@@ -33,7 +35,7 @@ def _model(graphdef: nnx.GraphDef, leaves, treedef):
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
-def _forward_and_sample(params, cache, positions, tokens, true_length, temperature, top_k, top_p, key, with_experts):
+def forward_and_sample(params, cache, positions, tokens, true_length, temperature, top_k, top_p, key, with_experts):
     """params: (graphdef, leaves, treedef); tokens, positions: [1, Tb] (padding rows at an out-of-cache
     position, so their writes drop). Returns the cache, the token sampled from position true_length - 1 with
     its log-prob, the advanced key, and (``with_experts``, static) the chunk's expert ids [Tb, L_moe, K] int16
@@ -72,7 +74,7 @@ def prefill(
     idx = jnp.arange(tb, dtype=jnp.int32)
     positions = jnp.where(idx < true_length, idx, tb)[None, :]  # padding writes are dropped
     params = (graphdef, leaves, treedef)
-    cache, token, logprob, key, experts = _forward_and_sample(
+    cache, token, logprob, key, experts = forward_and_sample(
         params, init_cache(cfg, 1, tb), positions, tokens, true_length, temperature, top_k, top_p, key, with_experts
     )
     return Prefix(cache=cache, length=true_length, token=token, logprob=logprob, key=key, experts=experts)
@@ -98,7 +100,7 @@ def prefill_extend(
     idx = jnp.arange(tokens.shape[1], dtype=jnp.int32)
     positions = jnp.where(idx < true_length, existing.length + idx, max_seq_len)[None, :]
     params = (graphdef, leaves, treedef)
-    cache, token, logprob, key, experts = _forward_and_sample(
+    cache, token, logprob, key, experts = forward_and_sample(
         params, cache, positions, tokens, true_length, temperature, top_k, top_p, key, with_experts
     )
     length = existing.length + true_length
@@ -222,29 +224,47 @@ def _step_model(model, tokens, positions, mask, cache, with_experts: bool, head:
     return out, cache, jnp.transpose(aux.expert_ids, (1, 0, 2)).astype(jnp.int16)
 
 
-def generate(
+class DenseLayout:
+    """The dense KV layout of the decode step (``decode_step``): every slot's cache is the ``DecodeState``'s
+    ``BlockedCache``, which the model reads over a window and writes in place; ``window`` is in tokens."""
+
+    @staticmethod
+    def read(state: DecodeState, num_slots: int, window: int):
+        """(the cache the model runs on, the positions it attends over, a position whose write is dropped)."""
+        return state.cache, window, state.cache[0].length
+
+    @staticmethod
+    def write(state: DecodeState, cache, positions, num_slots: int) -> DecodeState:
+        return dataclasses.replace(state, cache=cache)
+
+
+def decode_step(
+    layout,
     graphdef: nnx.GraphDef,
     leaves,
     treedef,
-    state: DecodeState,
+    state,
     window: int,
     num_slots: int,
     with_experts: bool = False,
 ):
-    """One step for slots [0, num_slots) over cache positions [0, window) (both static): attention reads
-    [num_slots, window] keys; the other slots are left as they are. Returns the new state, ints [3, slots]
-    (tokens, valid, lengths) and log-probs [slots] (two arrays: two host copies); with ``with_experts``
-    (static, MoE models) a fourth output, expert ids [slots, L_moe, K] int16: the experts each MoE layer
-    selected for each stepped slot's input token (its pending token: the one sampled by the step before),
-    -1 for slots not stepped."""
+    """One decode step for slots [0, num_slots) over ``window`` (both static; the window in the ``layout``'s unit)
+    of a state of either KV layout (``DecodeState`` with ``DenseLayout``, ``paged_steps.PagedState`` with
+    ``paged_steps.PagedLayout``: the layout says where the model reads and writes the slots' KV, the rest is this
+    body): each stepped slot whose next position is inside the window feeds its pending token and samples the next;
+    attention reads [num_slots, window] keys; the other slots are left as they are. Returns the new state, ints
+    [3, slots] (tokens, valid, lengths) and log-probs [slots] (two arrays: two host copies); with ``with_experts``
+    (static, MoE models) a fourth output, expert ids [slots, L_moe, K] int16: the experts each MoE layer selected
+    for each stepped slot's input token (its pending token: the one sampled by the step before), -1 for slots not
+    stepped."""
     model = _model(graphdef, leaves, treedef)
-    slots, s = state.tokens.shape[0], state.cache[0].length
-    k = num_slots
+    slots, k = state.tokens.shape[0], num_slots
+    cache, span, past = layout.read(state, k, window)
     lengths = state.lengths[:k]
-    ok = state.active[:k] & (lengths < window)  # stepped slots whose next position is inside the window
-    positions = jnp.where(ok, lengths, s)[:, None]  # [k, 1]; the others write nothing (a position past the cache)
-    mask = cache_mask(model.cfg, positions, window)  # the step attends over [:k] x [0, window) of the cache
-    logits, cache, experts = _step_model(model, state.tokens[:k, None], positions, mask, state.cache, with_experts)
+    ok = state.active[:k] & (lengths < span)  # stepped slots whose next position is inside the window
+    positions = jnp.where(ok, lengths, past)[:, None]  # [k, 1]; the others write nothing
+    mask = cache_mask(model.cfg, positions, span)  # the step attends over [:k] x [0, span) of the cache
+    logits, cache, experts = _step_model(model, state.tokens[:k, None], positions, mask, cache, with_experts)
     tokens, logprobs, keys = sampling.advance(
         logits[:, 0], state.keys[:k], state.temperature[:k], state.top_k[:k], state.top_p[:k]
     )
@@ -255,41 +275,43 @@ def generate(
     def head(full, part):  # writes part: [k, ...] over full: [slots, ...]
         return jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
 
-    new_state = dataclasses.replace(
-        state,
-        cache=cache,
+    state = dataclasses.replace(
+        layout.write(state, cache, positions, k),
         tokens=head(state.tokens, tokens),
         lengths=head(state.lengths, lengths),
         keys=head(state.keys, keys),
     )
     pad = slots - k
-    ints = jnp.stack([new_state.tokens, jnp.pad(ok, (0, pad)).astype(jnp.int32), new_state.lengths])
+    ints = jnp.stack([state.tokens, jnp.pad(ok, (0, pad)).astype(jnp.int32), state.lengths])
     if experts is None:
-        return new_state, ints, jnp.pad(logprobs, (0, pad))
+        return state, ints, jnp.pad(logprobs, (0, pad))
     experts = jnp.pad(jnp.where(ok[:, None, None], experts, -1), ((0, pad), (0, 0), (0, 0)), constant_values=-1)
-    return new_state, ints, jnp.pad(logprobs, (0, pad)), experts
+    return state, ints, jnp.pad(logprobs, (0, pad)), experts
 
 
-def generate_steps(
+def decode_steps(
+    layout,
     graphdef: nnx.GraphDef,
     leaves,
     treedef,
-    state: DecodeState,
+    state,
     window: int,
     num_slots: int,
     num_steps: int,
     count: jax.Array,
     with_experts: bool = False,
 ):
-    """Up to ``num_steps`` (static) ``generate`` steps in one program: the first ``count`` (int32 scalar, traced:
+    """Up to ``num_steps`` (static) ``decode_step``s in one program: the first ``count`` (int32 scalar, traced:
     1..num_steps, one compile for every count) run, in a ``lax.fori_loop``, giving the same tokens, log-probs, keys
-    and cache as that many ``generate`` calls, for one dispatch. Every step attends over ``window``: a slot whose
-    cache fills it stops being stepped (``valid`` False from then on). Returns the state and ``generate``'s outputs
-    stacked on a leading [num_steps] axis (ints [n, 3, slots], log-probs [n, slots], experts [n, slots, L_moe, K]);
-    rows at and past ``count`` are zeros (``valid`` False)."""
-    return run_steps(
-        lambda st: generate(graphdef, leaves, treedef, st, window, num_slots, with_experts), state, num_steps, count
-    )
+    and cache as that many ``decode_step`` calls, for one dispatch. Every step attends over ``window``: a slot whose
+    cache fills it stops being stepped (``valid`` False from then on). Returns the state and ``decode_step``'s
+    outputs stacked on a leading [num_steps] axis (ints [n, 3, slots], log-probs [n, slots], experts [n, slots,
+    L_moe, K]); rows at and past ``count`` are zeros (``valid`` False)."""
+
+    def step(st):
+        return decode_step(layout, graphdef, leaves, treedef, st, window, num_slots, with_experts)
+
+    return run_steps(step, state, num_steps, count)
 
 
 def run_steps(step, state, num_steps: int, count: jax.Array):

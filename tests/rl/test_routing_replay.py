@@ -94,10 +94,12 @@ def test_prompts_prefilled_packed_record_the_experts_of_each_prompt_alone() -> N
     _, params, engine = _recording_engine(cfg, slots=4)
     prompts = [[3, 9, 17, 4, 22, 5, 31, 8, 40, 2, 11], [7, 1, 30], [12, 6, 25, 14]]  # 11 + 3 | 4 in rows of 16
     greedy, key = SamplingParams(temperature=0.0), jnp.zeros((2,), jnp.uint32)
-    many = jax.device_get(engine.prefill_many(params=params, prompts=prompts, sampling=[greedy] * 3, keys=[key] * 3))
+    many = jax.device_get(
+        engine.dense.prefill_many(params=params, prompts=prompts, sampling=[greedy] * 3, keys=[key] * 3)
+    )
     assert many.experts.shape == (4, 16, cfg.num_moe_layers, cfg.num_experts_per_tok)
     for i, p in enumerate(prompts):
-        alone = jax.device_get(engine.prefill(params=params, tokens=p, sampling_params=greedy, key=key))
+        alone = jax.device_get(engine.dense.prefill(params=params, tokens=p, sampling_params=greedy, key=key))
         assert int(many.token[i]) == int(alone.token)
         np.testing.assert_array_equal(many.experts[i, : len(p)], alone.experts[: len(p)])
         assert (many.experts[i, len(p) :] == -1).all()

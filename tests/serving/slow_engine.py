@@ -15,7 +15,7 @@ class SlowEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(self, params, decode_state, **kw):
-        out = self._engine.generate(params, decode_state, **kw)
+    def generate(self, params, **kw):
+        out = self._engine.generate(params, **kw)
         time.sleep(self._step_s)
         return out

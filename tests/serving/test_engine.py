@@ -1,4 +1,5 @@
-"""Engine (prefill -> insert -> generate) against step-by-step greedy decoding with the uncached model."""
+"""The dense layout's programs (``DenseSlots``: prefill -> insert -> generate, JetStream's functional form, which the
+dense ``Engine`` runs) against step-by-step greedy decoding with the uncached model."""
 
 from __future__ import annotations
 
@@ -9,17 +10,31 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from gyre_jax.serving.engine import Engine, _pack_prompts, packed_row_buckets, prompt_count_bucket
+from gyre_jax.serving.dense import DenseSlots
 from gyre_jax.serving.sampling import key_for_seed
+from gyre_jax.serving.shapes import pack_prompts as _pack_prompts
+from gyre_jax.serving.shapes import packed_row_buckets, prompt_count_bucket
 from gyre_jax.serving.types import ContextTooLongError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
+@pytest.fixture
+def engine(engine) -> DenseSlots:
+    """The shared test engine's dense programs (tests/serving/conftest.py)."""
+    return engine.dense
+
+
+@pytest.fixture
+def other_engine(other_engine):
+    eng, params, params_b = other_engine
+    return eng.dense, params, params_b
+
+
 class Driver:
     """Runs the engine like a serving loop would and records each slot's stream."""
 
-    def __init__(self, engine: Engine, params):
+    def __init__(self, engine: DenseSlots, params):
         self.engine, self.params = engine, params
         self.state = engine.init_decode_state()
         self.live: dict[int, dict] = {}  # slot -> {"prompt", "tokens", "logprobs"}
@@ -143,11 +158,11 @@ def test_new_weights_of_the_same_layout_do_not_recompile(engine, model_params, r
     d = Driver(engine, params)
     d.insert(0, prompts[1])
     d.generate(1)
-    compiled = engine._generate_jit._cache_size()
+    compiled = engine.programs.count("generate")
     d.params = params_b
     d.insert(1, prompts[1])
     d.generate(4)
-    assert engine._generate_jit._cache_size() == compiled
+    assert engine.programs.count("generate") == compiled
     # slot 1 ran entirely under the new weights
     assert d.live[1]["tokens"] == reference.greedy(params_b, prompts[1], 5)[0]
     assert d.live[1]["tokens"] != reference.greedy(params, prompts[1], 5)[0]
@@ -161,7 +176,7 @@ def test_prompts_that_do_not_fit_are_rejected(engine, model_params, cell_mesh, r
     with pytest.raises(ValueError, match="empty"):
         engine.prefill(params=params, tokens=[], sampling_params=GREEDY, key=key)
     # with prefill allowed up to the context, a prompt must still leave room for one generated token
-    full = Engine(
+    full = DenseSlots(
         engine.cfg,
         graphdef,
         cell_mesh,
@@ -385,13 +400,13 @@ def test_kv_export_import_to_another_submesh_continues_identically(
         engine_b.to_mesh(bad)
 
 
-def _blockwise_engine(engine, cell_mesh, rules) -> Engine:
+def _blockwise_engine(engine, cell_mesh, rules) -> DenseSlots:
     """``engine``'s twin with attention_impl='blockwise' (MaskSpec masks, 16-token blocks), the same parameters."""
     from gyre_jax.model.sharding import abstract_model
 
     cfg = dataclasses.replace(engine.cfg, attention_impl="blockwise", attention_block_q=16, attention_block_k=16)
     graphdef, _ = abstract_model(cfg)
-    return Engine(
+    return DenseSlots(
         cfg,
         graphdef,
         cell_mesh,
@@ -436,7 +451,7 @@ def test_several_steps_in_one_program_equal_as_many_single_steps(engine, model_p
     an argument); a slot whose cache fills the decode window stops being stepped mid-program."""
     graphdef, params, _ = model_params
     e, slots = engine, engine.max_concurrent_decodes
-    engine = Engine(
+    engine = DenseSlots(
         e.cfg, graphdef, e.mesh, rules, max_concurrent_decodes=slots, max_seq_len=e.max_seq_len,
         max_prefill_length=e.max_prefill_length, prefill_buckets=e.prefill_buckets, decode_steps=4,
     )  # fmt: skip
@@ -470,7 +485,7 @@ def test_several_steps_in_one_program_equal_as_many_single_steps(engine, model_p
         assert all(bool(x[3][0]) for x in several) and len({int(x[0][0]) for x in several}) > 1  # sampled
         for a, b in zip(jax.tree.leaves(state_one), jax.tree.leaves(state_several)):
             np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-6)
-    assert engine._generate_steps_jit._cache_size() == 1  # 3 and 4 steps: one program
+    assert engine.programs.count("generate_steps") == 1  # 3 and 4 steps: one program
     with pytest.raises(ValueError, match="num_steps=5 must be between 1 and the engine's decode_steps=4"):
         engine.generate(params, multi[-1][1], num_steps=5)
 

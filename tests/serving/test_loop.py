@@ -265,15 +265,17 @@ class RecordingEngine(SlowEngine):
         self._prefill_s = prefill_s
         self.calls: list[tuple] = []
 
-    def prefill(self, **kw):
-        self.calls.append(("prefill", len(kw["tokens"]), kw["existing_prefix"] is not None))
-        out = self._engine.prefill(**kw)
+    def prefill(self, params, slot, tokens, sampling, key, *, final=True):
+        # on top of a prefix: the slot holds KV already, or the prompt comes in chunks (all on a full-length cache)
+        on_top = self._engine.slot_length(slot) > 0 or not final
+        self.calls.append(("prefill", len(tokens), on_top))
+        out = self._engine.prefill(params, slot, tokens, sampling, key, final=final)
         time.sleep(self._prefill_s)
         return out
 
-    def generate(self, params, decode_state, **kw):
+    def generate(self, params, **kw):
         self.calls.append(("generate",))
-        return super().generate(params, decode_state, **kw)
+        return super().generate(params, **kw)
 
 
 def test_chunked_prefill_interleaves_with_decoding(engine, model_params, reference, prompts) -> None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -69,13 +70,15 @@ def paged_streams(eng, params, requests, steps, num_steps=1, schedule=None, toge
     ``num_steps`` each, or of the counts in ``schedule``."""
     prompts, sps, keys = zip(*((p, sp, key_for_seed(seed)) for p, sp, seed in requests.values()))
     if together:
-        firsts = eng.prefill_many(params, list(requests), prompts, sps, keys)
+        many = jax.device_get(eng.prefill_many(params, list(requests), prompts, sps, keys))
+        firsts = list(zip(many.token, many.logprob))
     else:
-        firsts = [eng.prefill(params, slot, *args) for slot, *args in zip(requests, prompts, sps, keys)]
+        firsts = [jax.device_get(eng.prefill(params, slot, *args)) for slot, *args in zip(requests, prompts, sps, keys)]
+        firsts = [(f.token, f.logprob) for f in firsts]
     out = {}
     for slot, (token, logprob) in zip(requests, firsts):
-        eng.start(slot)
-        out[slot] = ([token], [logprob])
+        eng.start([slot])
+        out[slot] = ([int(token)], [float(logprob)])
     for n in schedule or [num_steps] * (steps // num_steps):
         r = eng.generate(params, num_steps=n)
         toks, lps, valid = (np.reshape(a, (n, -1)) for a in (r.tokens, r.logprobs, r.valid))
@@ -100,7 +103,7 @@ def test_paged_decoding_gives_the_dense_engines_tokens_and_the_references_greedy
     eng = paged(model_params, cell_mesh, rules)
     got = paged_streams(eng, params, requests, steps=24)
     long_prompt = requests[1][0]
-    dense_cfg = dict(engine=engine, params=params, steps=24)
+    dense_cfg = dict(engine=engine.dense, params=params, steps=24)
     for slot, (prompt, sp, seed) in requests.items():
         tokens, logprobs = got[slot]
         if len(prompt) + 24 < engine.max_seq_len:  # the dense engine holds it
@@ -162,18 +165,18 @@ def test_a_sessions_pages_pass_to_its_next_request_without_a_copy(model_params, 
     _, params, _ = model_params
     eng = paged(model_params, cell_mesh, rules)
     first = prompts[5]
-    token, _ = eng.prefill(params, 0, first, GREEDY, key_for_seed(0))
-    eng.start(0)
+    token = int(eng.prefill(params, 0, first, GREEDY, key_for_seed(0)).token)
+    eng.start([0])
     tokens = [token] + [int(eng.generate(params).tokens[0]) for _ in range(6)]
-    kept = eng.release(0, keep=True)
+    kept = eng.release(0, keep=eng.slot_length(0))
     assert kept.length == len(first) + 6 and eng.allocator.num_used == len(kept.pages)
     follow_up = [7, 8, 9, 10, 11]  # the harness's next message
     history = first + tokens + follow_up  # the newest sampled token is not in the pages yet: it leads the suffix
     eng.attach(2, kept)
     assert eng.allocator.num_used == len(kept.pages)  # no page taken: the slot reads the session's pages in place
     cont = eng.prefill(params, 2, history[kept.length :], GREEDY, key_for_seed(0))
-    eng.start(2)
-    cont_tokens = [cont[0]] + [int(eng.generate(params).tokens[2]) for _ in range(5)]
+    eng.start([2])
+    cont_tokens = [int(cont.token)] + [int(eng.generate(params).tokens[2]) for _ in range(5)]
     fresh = paged(model_params, cell_mesh, rules)
     want = paged_streams(fresh, params, {1: (history, GREEDY, 0)}, steps=5)[1][0]
     assert cont_tokens == want
@@ -186,16 +189,16 @@ def test_a_session_moves_between_engines_as_kv_pages(model_params, cell_mesh, ru
     a, b = paged(model_params, cell_mesh, rules), paged(model_params, cell_mesh, rules, num_pages=32)
     b.prefill(params, 0, prompts[0], GREEDY, key_for_seed(1))  # b's first pages are taken: other page ids
     prompt = prompts[5] + prompts[3]  # 62 tokens
-    token, _ = a.prefill(params, 1, prompt, GREEDY, key_for_seed(0))
-    a.start(1)
+    token = int(a.prefill(params, 1, prompt, GREEDY, key_for_seed(0)).token)
+    a.start([1])
     history = prompt + [token] + [int(a.generate(params).tokens[1]) for _ in range(7)]  # 70 tokens, 69 cached
-    kv = a.export(1)
+    kv = a.export(1, a.slot_length(1))
     assert kv.num_pages == 16  # 69 tokens: 9 pages of 8, rounded up to a power of 2
     after = [int(a.generate(params).tokens[1]) for _ in range(4)]  # the source goes on
     b.import_kv(3, kv, len(history) - 2)
     assert b.slot_length(3) == 68 and b.allocator.num_used == 1 + 9  # slot 0's page, then the session's 68 + 1
-    token, _ = b.prefill(params, 3, history[-2:], GREEDY, key_for_seed(0))
-    b.start(3)
+    token = int(b.prefill(params, 3, history[-2:], GREEDY, key_for_seed(0)).token)
+    b.start([3])
     moved = [token] + [int(b.generate(params).tokens[3]) for _ in range(3)]
     assert moved == after
 

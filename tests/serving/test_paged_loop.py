@@ -26,8 +26,8 @@ PAGE = 16  # the dense test engine's page size: sessions move between the two
 class SlowPaged(PagedEngine):
     """A pause after every generate program, so a test can act while requests run."""
 
-    def generate(self, params, num_steps: int = 1, wait: bool = True):
-        out = super().generate(params, num_steps, wait)
+    def generate(self, params, *, num_steps: int = 1, wait: bool = True):
+        out = super().generate(params, num_steps=num_steps, wait=wait)
         time.sleep(0.02)
         return out
 

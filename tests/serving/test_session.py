@@ -138,7 +138,7 @@ def test_a_state_nobody_imports_can_be_cancelled(cells, prompts) -> None:
 
 def test_bad_states_are_refused_clearly(cells, engine, prompts) -> None:
     a, b = cells
-    kv = engine.export_slot(engine.init_decode_state(), 0, 16)
+    kv = engine.dense.export_slot(engine.dense.init_decode_state(), 0, 16)
     wrong_tokens = SessionState(
         "s",
         kv,

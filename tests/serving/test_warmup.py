@@ -43,10 +43,6 @@ def compiles():
         jax.monitoring.unregister_event_duration_listener(listen)
 
 
-def _compiled(engine) -> int:
-    return sum(f._cache_size() for f in engine._programs())
-
-
 def _prompt(rng, n: int) -> list[int]:
     return rng.integers(0, 256, size=n).tolist()
 
@@ -93,14 +89,14 @@ def cold_tokens(model_params, engine) -> list[list[int]]:
 def _serve_warm(engine, params, **kw) -> tuple[list[list[int]], object]:
     """The mix on a loop over the warmed ``engine``; asserts nothing compiles (compile events, compiled entries)."""
     loop = _loop(engine, params, **kw)
-    before = _compiled(engine)
+    before = engine.programs.count()
     with compiles() as names:
         loop.start()
         try:
             got = serve_mix(loop)
         finally:
             loop.stop()
-    assert names == [] and _compiled(engine) == before
+    assert names == [] and engine.programs.count() == before
     assert loop.stats.generate_steps > loop.stats.generate_calls  # multi-step programs ran
     return got, loop.stats
 
@@ -111,9 +107,9 @@ def test_a_warmed_engine_serves_the_mix_without_compiling_and_with_the_same_toke
     graphdef, params, _ = model_params
     warm = Engine(CFG, graphdef, cell_mesh, rules, max_concurrent_decodes=SLOTS, max_seq_len=MAX_SEQ_LEN,
                   max_prefill_length=MAX_PREFILL, prefill_buckets=(16, MAX_PREFILL), decode_windows=(),
-                  decode_slot_buckets=DECODE_SLOT_BUCKETS, decode_steps=2)  # fmt: skip
+                  decode_slot_buckets=DECODE_SLOT_BUCKETS, decode_steps=2, num_pages=KV_PAGES)  # fmt: skip
     t0 = time.perf_counter()
-    count = warm.warmup(params, kv_pages=KV_PAGES)
+    count = warm.warmup(params)
     print(f"dense warm-up: {count} program shapes in {time.perf_counter() - t0:.1f}s")
     # 2 buckets: prefill fresh and on a prefix (4), prefill_many for 2 prompts packed in 1 or 2 rows and 4 prompts
     # in 2, 3 or 4 rows (10), generate over 1 window x 2 slot buckets x {1, 2} steps (4): the model programs,
@@ -122,7 +118,7 @@ def test_a_warmed_engine_serves_the_mix_without_compiling_and_with_the_same_toke
     # save_slot, load_prefix); programs jitted from the same function with the same shardings share their
     # compiled shapes between engines, so after the shared test engine fewer are new.
     assert 18 <= count <= 31
-    assert warm.warmup(params, kv_pages=KV_PAGES) == 0  # warm already
+    assert warm.warmup(params) == 0  # warm already
     got, stats = _serve_warm(warm, params, kv_pages=KV_PAGES)
     assert stats.prefill_calls <= stats.requests_done  # the burst went in one program
     assert got == cold_tokens
@@ -160,8 +156,8 @@ def test_a_cell_factory_warms_each_cells_engine_once_when_it_builds_the_cells_lo
     small = ["--config.model.num_layers=1", "--config.model.embed_dim=32", "--config.model.mlp_dim=64",
              "--config.model.head_dim=8", "--config.model.num_heads=4", "--config.model.num_kv_heads=2"]  # fmt: skip
     calls = []
-    monkeypatch.setattr(Engine, "warmup", lambda self, params, kv_pages=0: calls.append(("dense", kv_pages)) or 7)
-    monkeypatch.setattr(PagedEngine, "warmup", lambda self, params: calls.append(("paged", None)) or 5)
+    monkeypatch.setattr(Engine, "warmup", lambda self, params: calls.append(("dense", self.num_pages)) or 7)
+    monkeypatch.setattr(PagedEngine, "warmup", lambda self, params: calls.append(("paged", self.num_pages)) or 5)
     for layout, warm in (("dense", True), ("paged", True), ("dense", False)):
         config = load_config([*small, f"--config.serving.kv_layout={layout}", f"--config.serving.warmup={warm}"])
         s = build.setup(config)
@@ -175,5 +171,5 @@ def test_a_cell_factory_warms_each_cells_engine_once_when_it_builds_the_cells_lo
         if not warm:
             assert calls == [] and "warm-up" not in caplog.text
             continue
-        assert calls == [(layout, config.serving.kv_pages if layout == "dense" else None)]
+        assert calls == [(layout, config.serving.kv_pages)]  # the engine's session pool: the loop's cache
         assert f"{cell.name}: serving warm-up compiled {7 if layout == 'dense' else 5} program shapes in" in caplog.text
