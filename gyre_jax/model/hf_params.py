@@ -1,4 +1,5 @@
-"""Where each of our parameters lives in a Hugging Face Qwen3 / Qwen3-MoE checkpoint, and how its layout differs.
+"""Where each of our parameters lives in a Hugging Face checkpoint (Qwen3, Qwen3-MoE, Llama, Qwen2: one naming
+scheme, ``model.layers.{i}.self_attn.q_proj.weight`` ...), and how its layout differs.
 
 Pure mapping, no I/O. For every parameter of ``Transformer(cfg)`` (a path in its ``nnx.State``)
 ``param_specs(cfg)`` gives a ``ParamSpec``: the HF tensor name(s) and a layout. Layouts:
@@ -76,15 +77,18 @@ def param_specs(cfg: ModelConfig) -> dict[Path, ParamSpec]:
             specs.append(
                 ParamSpec(ours + ("attn", name, "w"), (f"{hf}.self_attn.{name}.weight",), "linear", in_dims, out_dims)
             )
-            if cfg.attention_bias:
+            if cfg.o_bias if name == "o_proj" else cfg.qkv_bias:
                 specs.append(
                     ParamSpec(
                         ours + ("attn", name, "b"), (f"{hf}.self_attn.{name}.bias",), "reshape", out_dims=out_dims
                     )
                 )
+        if cfg.qk_norm:
+            specs += [
+                ParamSpec(ours + ("attn", n, "scale"), (f"{hf}.self_attn.{n}.weight",), "reshape", out_dims=(d,))
+                for n in ("q_norm", "k_norm")
+            ]
         specs += [
-            ParamSpec(ours + ("attn", "q_norm", "scale"), (f"{hf}.self_attn.q_norm.weight",), "reshape", out_dims=(d,)),
-            ParamSpec(ours + ("attn", "k_norm", "scale"), (f"{hf}.self_attn.k_norm.weight",), "reshape", out_dims=(d,)),
             ParamSpec(ours + ("input_norm", "scale"), (f"{hf}.input_layernorm.weight",), "reshape", out_dims=(e,)),
             ParamSpec(
                 ours + ("post_attn_norm", "scale"), (f"{hf}.post_attention_layernorm.weight",), "reshape", out_dims=(e,)
