@@ -63,7 +63,8 @@ def _open_reader(file: Path):
 
 
 def _scalar_metadata(reader) -> dict[str, Any]:
-    """The file's metadata as Python values: every scalar and string, arrays of up to ``_SMALL_ARRAY`` items
+    """The file's metadata as Python values: every scalar and string (a float32 as its shortest decimal), arrays of up
+    to ``_SMALL_ARRAY`` items
     (the tokenizer's vocabulary and merges are left out: ``save_gguf`` copies them from the reader's fields)."""
     gguf = _gguf()
     out: dict[str, Any] = {}
@@ -72,7 +73,10 @@ def _scalar_metadata(reader) -> dict[str, Any]:
             continue
         if field.types[0] == gguf.GGUFValueType.ARRAY and len(field.data) > _SMALL_ARRAY:
             continue
-        out[key] = field.contents()
+        value = field.contents()
+        if field.types[0] == gguf.GGUFValueType.FLOAT32:  # the shortest decimal of the float32: 1e-05, not
+            value = float(str(np.float32(value)))  # 9.999999747378752e-06 (what the converter was given)
+        out[key] = value
     return out
 
 
@@ -80,7 +84,7 @@ class GGUFFile:
     """A GGUF model file as a ``TensorSource``: its tensors by HF name, in HF layout, read block by block."""
 
     supported_dtypes = SUPPORTED_TYPES
-    dtype_words = "tensor types this loader dequantizes"
+    dtype_words = "tensor types this loader does not dequantize"
     config_hint = (
         "The file's metadata does not describe its tensors: convert the model again with llama.cpp's "
         "convert_hf_to_gguf.py."
@@ -220,10 +224,9 @@ def load_gguf_checkpoint(
 # -- saving --------------------------------------------------------------------------------------------------------
 
 
-def _copied_fields(source: str | os.PathLike) -> list[tuple[str, Any, Any, Any]]:
-    """(key, value, type, array item type) of the ``COPIED_PREFIXES`` metadata of the GGUF file ``source``."""
+def _copied_fields(reader) -> list[tuple[str, Any, Any, Any]]:
+    """(key, value, type, array item type) of the ``COPIED_PREFIXES`` metadata of a GGUF file's reader."""
     gguf = _gguf()
-    reader = _open_reader(Path(source))
     out = []
     for key, field in reader.fields.items():
         if not key.startswith(COPIED_PREFIXES) or key in NOT_COPIED:
@@ -254,10 +257,11 @@ def save_gguf(
     gguf = _gguf()
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"GGUF export dtype={dtype!r} must be one of {EXPORT_DTYPES} (quantize with llama.cpp after)")
-    copied = _copied_fields(metadata_from) if metadata_from is not None else []
-    if not context_length and metadata_from is not None:
+    copied = []
+    if metadata_from is not None:
         with GGUFFile(metadata_from) as src:
-            context_length = src.context_length
+            copied = _copied_fields(src.reader)
+            context_length = context_length or src.context_length
     context_length = context_length or cfg.rope_original_max_position or 4096
     meta = gguf_config.gguf_metadata(cfg, context_length)
 

@@ -100,7 +100,7 @@ class TensorSource(Protocol):
 
     path: Path
     supported_dtypes: tuple[str, ...]  # the dtype codes ``read`` can give as floats
-    dtype_words: str  # what they are, for an error: "floating point", "... this loader dequantizes"
+    dtype_words: str  # the error's words for the others: "dtypes that are not floating point" ...
     config_hint: str  # what to do when the tensors do not match the config
 
     def names(self) -> list[str]: ...
@@ -117,7 +117,7 @@ class SafetensorsDir:
     """Lazy, read-only view of the safetensors tensors of a checkpoint directory (a context manager)."""
 
     supported_dtypes = tuple(sorted(_DTYPES))
-    dtype_words = "floating point"
+    dtype_words = "dtypes that are not floating point"
     config_hint = "Check that config.json belongs to these weights."
 
     def __init__(self, path: str | os.PathLike):
@@ -226,10 +226,7 @@ def check_tensors(cfg: ModelConfig, ckpt: TensorSource, ignore_unexpected: Itera
     if misshaped:
         problems.append(f"wrong shapes {_preview(misshaped)}")
     if wrong_dtype:
-        problems.append(
-            f"dtypes that are not {ckpt.dtype_words} (expected one of {list(ckpt.supported_dtypes)}) "
-            f"{_preview(wrong_dtype)}"
-        )
+        problems.append(f"{ckpt.dtype_words} (expected one of {list(ckpt.supported_dtypes)}) {_preview(wrong_dtype)}")
     if problems:
         kind = HF_ARCHITECTURES[cfg.hf_model_type]
         raise CheckpointMismatchError(
