@@ -139,6 +139,18 @@ class GGUFFile:
         """``{arch}.context_length`` (HF ``max_position_embeddings``), 0 when absent."""
         return int(self.metadata.get(f"{self.arch}.context_length") or 0)
 
+    def hf_base_config(self) -> dict[str, Any]:
+        """The HF ``config.json`` keys its metadata holds beyond the architecture (``save_hf_checkpoint``'s
+        ``base_config`` for a GGUF-loaded model): ``max_position_embeddings`` and the special token ids."""
+        out: dict[str, Any] = {}
+        if self.context_length:
+            out["max_position_embeddings"] = self.context_length
+        for ours, theirs in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
+            value = self.metadata.get(f"tokenizer.ggml.{theirs}_token_id")
+            if value is not None:
+                out[f"{ours}_token_id"] = int(value)
+        return out
+
     # -- TensorSource --------------------------------------------------------------------------------------------
     def names(self) -> list[str]:
         return sorted(self._tensors)
