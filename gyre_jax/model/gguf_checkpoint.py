@@ -45,7 +45,7 @@ def _gguf():
     try:
         import gguf
     except ImportError:  # pragma: no cover - a project dependency
-        raise ModuleNotFoundError("reading GGUF files needs the gguf package: pip install 'gguf>=0.17,<1'") from None
+        raise ModuleNotFoundError("reading GGUF files needs the gguf package: pip install 'gguf>=0.19,<0.20' (a project dependency)") from None
     return gguf
 
 
