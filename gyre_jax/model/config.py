@@ -138,29 +138,7 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 out.append(f"{name}={getattr(self, name)!r} must be float32, bfloat16 or float16")
-        if self.family not in FAMILIES:
-            out.append(f"family={self.family!r} must be one of {FAMILIES}")
-        if self.family == "qwen2" and self.attention_bias:
-            out.append(
-                "family='qwen2' has q/k/v biases and no o_proj bias (HF Qwen2 has no attention_bias key): "
-                "attention_bias must be False"
-            )
-        if self.family != "qwen3" and self.num_experts:
-            out.append(f"num_experts={self.num_experts}: mixture of experts is Qwen3-MoE's (family='qwen3')")
-        if self.rope_type not in ROPE_TYPES:
-            out.append(f"rope_type={self.rope_type!r} must be one of {ROPE_TYPES}")
-        if self.rope_type != "default" and self.rope_factor <= 0:
-            out.append(f"rope_factor={self.rope_factor} must be > 0")
-        if self.rope_type in ("yarn", "llama3") and self.rope_original_max_position < 1:
-            out.append(
-                f"rope_type={self.rope_type!r} needs rope_original_max_position >= 1 (HF "
-                "original_max_position_embeddings)"
-            )
-        if self.rope_type == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
-            out.append(
-                f"rope_type='llama3' needs 0 < rope_low_freq_factor={self.rope_low_freq_factor} < "
-                f"rope_high_freq_factor={self.rope_high_freq_factor}"
-            )
+        out += self._family_and_rope_problems()
         if self.remat_policy not in REMAT_POLICIES:
             out.append(f"remat_policy={self.remat_policy!r} must be one of {REMAT_POLICIES}")
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -199,6 +177,34 @@ class ModelConfig:
                 f"scan_layers=True: not supported yet with mixed dense/MoE layers ({self.num_moe_layers} of "
                 f"{self.num_layers} layers are MoE: mlp_only_layers={self.mlp_only_layers}, decoder_sparse_step="
                 f"{self.decoder_sparse_step}); set scan_layers=False"
+            )
+        return out
+
+    def _family_and_rope_problems(self) -> list[str]:
+        """``problems`` of ``family`` and the ``rope_*`` fields."""
+        out = []
+        if self.family not in FAMILIES:
+            out.append(f"family={self.family!r} must be one of {FAMILIES}")
+        if self.family == "qwen2" and self.attention_bias:
+            out.append(
+                "family='qwen2' has q/k/v biases and no o_proj bias (HF Qwen2 has no attention_bias key): "
+                "attention_bias must be False"
+            )
+        if self.family != "qwen3" and self.num_experts:
+            out.append(f"num_experts={self.num_experts}: mixture of experts is Qwen3-MoE's (family='qwen3')")
+        if self.rope_type not in ROPE_TYPES:
+            out.append(f"rope_type={self.rope_type!r} must be one of {ROPE_TYPES}")
+        if self.rope_type != "default" and self.rope_factor <= 0:
+            out.append(f"rope_factor={self.rope_factor} must be > 0")
+        if self.rope_type in ("yarn", "llama3") and self.rope_original_max_position < 1:
+            out.append(
+                f"rope_type={self.rope_type!r} needs rope_original_max_position >= 1 (HF "
+                "original_max_position_embeddings)"
+            )
+        if self.rope_type == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            out.append(
+                f"rope_type='llama3' needs 0 < rope_low_freq_factor={self.rope_low_freq_factor} < "
+                f"rope_high_freq_factor={self.rope_high_freq_factor}"
             )
         return out
 

@@ -45,7 +45,9 @@ def _gguf():
     try:
         import gguf
     except ImportError:  # pragma: no cover - a project dependency
-        raise ModuleNotFoundError("reading GGUF files needs the gguf package: pip install 'gguf>=0.19,<0.20' (a project dependency)") from None
+        raise ModuleNotFoundError(
+            "reading GGUF files needs the gguf package: pip install 'gguf>=0.19,<0.20' (a project dependency)"
+        ) from None
     return gguf
 
 
@@ -248,6 +250,16 @@ def _copied_fields(reader) -> list[tuple[str, Any, Any, Any]]:
     return out
 
 
+def _add_metadata(writer, meta: Mapping[str, Any], copied: list[tuple[str, Any, Any, Any]]) -> None:
+    """``meta`` typed by value (str, float32, else uint32), then the ``copied`` fields with their own types."""
+    types = _gguf().GGUFValueType
+    for key, value in meta.items():
+        kind = types.STRING if isinstance(value, str) else types.FLOAT32 if isinstance(value, float) else types.UINT32
+        writer.add_key_value(key, value, kind)
+    for key, value, kind, sub in copied:
+        writer.add_key_value(key, value, kind, sub_type=sub)
+
+
 def save_gguf(
     path: str | os.PathLike,
     cfg: ModelConfig,
@@ -281,16 +293,9 @@ def save_gguf(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     writer = gguf.GGUFWriter(str(tmp), cfg.family)
-    types = gguf.GGUFValueType
-    for key, value in meta.items():
-        kind = types.STRING if isinstance(value, str) else types.FLOAT32 if isinstance(value, float) else types.UINT32
-        writer.add_key_value(key, value, kind)
-    writer.add_key_value("general.file_type", 1 if dtype == "float16" else 0, types.UINT32)  # MOSTLY_F16 / ALL_F32
-    writer.add_key_value("general.quantization_version", gguf.GGML_QUANT_VERSION, types.UINT32)
-    for key, value, kind, sub in copied:
-        writer.add_key_value(key, value, kind, sub_type=sub)
-    for key, value in (extra_metadata or {}).items():
-        writer.add_key_value(key, value, types.STRING if isinstance(value, str) else types.FLOAT32)
+    meta["general.file_type"] = 1 if dtype == "float16" else 0  # MOSTLY_F16 / ALL_F32
+    meta["general.quantization_version"] = gguf.GGML_QUANT_VERSION
+    _add_metadata(writer, {**meta, **(extra_metadata or {})}, copied)
 
     tensors = []  # (GGUF name, numpy dtype, producer) in file order
     for name, shape, _, produce in hf_tensor_entries(cfg, params, np.dtype(np.float32)):

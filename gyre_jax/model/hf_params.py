@@ -57,7 +57,7 @@ class ParamSpec:
 
 def param_specs(cfg: ModelConfig) -> dict[Path, ParamSpec]:
     """Every parameter of ``Transformer(cfg)`` -> its ParamSpec (our paths use string keys: "layers", "3", ...)."""
-    e, h, k, d, v = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+    e, d, v = cfg.embed_dim, cfg.head_dim, cfg.vocab_size
     specs: list[ParamSpec] = [
         ParamSpec(("embedder", "table"), ("model.embed_tokens.weight",), "reshape", out_dims=(v, e), same_shape=True),
         ParamSpec(("final_norm", "scale"), ("model.norm.weight",), "reshape", out_dims=(e,)),
@@ -67,22 +67,7 @@ def param_specs(cfg: ModelConfig) -> dict[Path, ParamSpec]:
     for i in range(cfg.num_layers):
         ours = ("layers", str(i))
         hf = f"model.layers.{i}"
-        attn = [
-            ("q_proj", (e,), (h, d)),
-            ("k_proj", (e,), (k, d)),
-            ("v_proj", (e,), (k, d)),
-            ("o_proj", (h, d), (e,)),
-        ]
-        for name, in_dims, out_dims in attn:
-            specs.append(
-                ParamSpec(ours + ("attn", name, "w"), (f"{hf}.self_attn.{name}.weight",), "linear", in_dims, out_dims)
-            )
-            if cfg.o_bias if name == "o_proj" else cfg.qkv_bias:
-                specs.append(
-                    ParamSpec(
-                        ours + ("attn", name, "b"), (f"{hf}.self_attn.{name}.bias",), "reshape", out_dims=out_dims
-                    )
-                )
+        specs += _attention_specs(cfg, ours, hf)
         if cfg.qk_norm:
             specs += [
                 ParamSpec(ours + ("attn", n, "scale"), (f"{hf}.self_attn.{n}.weight",), "reshape", out_dims=(d,))
@@ -117,6 +102,26 @@ def param_specs(cfg: ModelConfig) -> dict[Path, ParamSpec]:
                     ParamSpec(ours + ("mlp", name, "w"), (f"{hf}.mlp.{name}.weight",), "linear", in_dims, out_dims)
                 )
     return {s.path: s for s in specs}
+
+
+def _attention_specs(cfg: ModelConfig, ours: Path, hf: str) -> list[ParamSpec]:
+    """Layer ``ours``'s q/k/v/o projections and the biases its family has (``hf``: the layer's HF prefix)."""
+    e, h, k, d = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    specs = []
+    for name, in_dims, out_dims in (
+        ("q_proj", (e,), (h, d)),
+        ("k_proj", (e,), (k, d)),
+        ("v_proj", (e,), (k, d)),
+        ("o_proj", (h, d), (e,)),
+    ):
+        specs.append(
+            ParamSpec(ours + ("attn", name, "w"), (f"{hf}.self_attn.{name}.weight",), "linear", in_dims, out_dims)
+        )
+        if cfg.o_bias if name == "o_proj" else cfg.qkv_bias:
+            specs.append(
+                ParamSpec(ours + ("attn", name, "b"), (f"{hf}.self_attn.{name}.bias",), "reshape", out_dims=out_dims)
+            )
+    return specs
 
 
 @dataclass(frozen=True)

@@ -325,7 +325,9 @@ def test_unsupported_or_broken_directories_fail_clearly(tmp_path) -> None:
         load_hf_checkpoint(out, single_mesh(), RULES_DATA)
     # Qwen3 weights under a Llama config.json: Llama has no q/k norm, so those tensors are unexpected
     (out / "config.json").write_text(json.dumps(dict(config, model_type="llama", architectures=["LlamaForCausalLM"])))
-    with pytest.raises(CheckpointMismatchError, match=r"LlamaForCausalLM.*unexpected tensors \[model.layers.0.self_attn.k_norm"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"LlamaForCausalLM.*unexpected tensors \[model.layers.0.self_attn.k_norm"
+    ):
         load_hf_checkpoint(out, single_mesh(), RULES_DATA)
     (out / "config.json").write_text(json.dumps(dict(config, use_sliding_window=True)))
     with pytest.raises(ConfigMismatchError, match="sliding-window attention is not supported yet"):
