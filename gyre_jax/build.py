@@ -26,6 +26,7 @@ from gyre_jax import runtime
 from gyre_jax.config.base import ConfigError
 from gyre_jax.config.run import check_routing_replay
 from gyre_jax.faultpoints import kill_point
+from gyre_jax.model.checkpoints import resolve_checkpoint
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import Rules, abstract_model, init_params
 from gyre_jax.model.tokenizer import load_tokenizer
@@ -72,7 +73,7 @@ def setup(config) -> Setup:
     """Devices -> training mesh and cells -> model and tokenizer (see the module docstring). A checkpoint's
     config.json, weights and tokenizer are checked against each other before any tensor is read (a mismatch
     raises ``ModelInputError``: one line naming the file)."""
-    ckpt_dir = config.model.checkpoint_dir or None
+    ckpt_dir = str(resolve_checkpoint(config.model.checkpoint_dir)) if config.model.checkpoint_dir else None  # pkg: too
     tokenizer = load_tokenizer(config.tokenizer.kind, ckpt_dir)
     rules = config.sharding_rules
     devices = _run_devices(config)
@@ -81,17 +82,18 @@ def setup(config) -> Setup:
     cells = runtime.make_cells(devices, config.cells.num_cells, config.cells.shape(cp))
     if jax.process_count() > 1:
         runtime.check_cells_within_processes(cells)
-    if ckpt_dir is not None:  # a Hugging Face checkpoint: its config.json defines the architecture
+    if ckpt_dir is not None:  # a checkpoint (HF directory or GGUF file): it defines the architecture
+        from gyre_jax.model.checkpoints import Checkpoint
         from gyre_jax.model.config import COMPUTE_FIELDS
-        from gyre_jax.model.hf_checkpoint import CONFIG_FILE, load_hf_params, read_model_config
         from gyre_jax.model.hf_tokenizer import HFTokenizer, check_fits_model
 
         compute = {name: getattr(config.model, name) for name in COMPUTE_FIELDS}  # remat, dtypes, kernels
-        model_cfg = read_model_config(ckpt_dir, **compute)
-        check_routing_replay(config.rl.routing_replay, model_cfg.num_experts)  # before any tensor is read
-        if isinstance(tokenizer, HFTokenizer):  # before any tensor is read
-            check_fits_model(tokenizer, model_cfg.vocab_size, str(Path(ckpt_dir) / CONFIG_FILE))
-        graphdef, params = load_hf_params(ckpt_dir, model_cfg, train_mesh, rules)
+        with Checkpoint(ckpt_dir) as ckpt:
+            model_cfg = ckpt.model_config(num_layers=config.model.checkpoint_layers, **compute)
+            check_routing_replay(config.rl.routing_replay, model_cfg.num_experts)  # before any tensor is read
+            if isinstance(tokenizer, HFTokenizer):  # before any tensor is read
+                check_fits_model(tokenizer, model_cfg.vocab_size, ckpt.config_source)
+            graphdef, params = ckpt.load_params(model_cfg, train_mesh, rules)
         log.info("loaded %s (%.1fM params)", ckpt_dir, model_cfg.num_params / 1e6)
     else:
         model_cfg = config.model_config()

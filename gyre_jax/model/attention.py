@@ -1,4 +1,4 @@
-"""Grouped-query attention with q/k RMSNorm and RoPE, over a mask and an optional KV cache.
+"""Grouped-query attention with RoPE (and Qwen3's q/k RMSNorm: ``cfg.qk_norm``), over a mask and an optional KV cache.
 
 A mask is either dense, ``mask[b, q, k]`` True where query ``q`` may attend to key ``k`` ([B, T, S] bool,
 for ``attention_impl`` "xla": ``dense_attention``, and "cudnn": ``jax.nn.dot_product_attention``), or a
@@ -297,7 +297,7 @@ class Attention(nnx.Module):
         e, h, k, d = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pd = cfg.weight_dtype
         self.cfg = cfg
-        bias = 2 if cfg.attention_bias else 0
+        bias = 2 if cfg.qkv_bias else 0
         self.q_proj = Einsum(
             (e, h, d), ("embed", "heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias
         )
@@ -308,10 +308,12 @@ class Attention(nnx.Module):
             (e, k, d), ("embed", "kv_heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias
         )
         self.o_proj = Einsum(
-            (h, d, e), ("heads", "head_dim", "embed"), fan_in=h * d, param_dtype=pd, rngs=rngs, bias_dims=bias // 2
-        )
-        self.q_norm = RMSNorm(d, "head_dim", eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
-        self.k_norm = RMSNorm(d, "head_dim", eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+            (h, d, e), ("heads", "head_dim", "embed"), fan_in=h * d, param_dtype=pd, rngs=rngs,
+            bias_dims=1 if cfg.o_bias else 0,
+        )  # fmt: skip
+        if cfg.qk_norm:  # Qwen3; Llama and Qwen2 have none
+            self.q_norm = RMSNorm(d, "head_dim", eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+            self.k_norm = RMSNorm(d, "head_dim", eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
 
     def __call__(
         self,
@@ -329,8 +331,10 @@ class Attention(nnx.Module):
         cache or None). "blockwise" and "pallas" compute a single query (T = 1: a decode step) as "xla" does, over
         the MaskSpec's dense [B, 1, S] mask.
         """
-        q = self.q_norm(self.q_proj("bte,ehd->bthd", x))
-        k = self.k_norm(self.k_proj("bte,ekd->btkd", x))
+        q = self.q_proj("bte,ehd->bthd", x)
+        k = self.k_proj("bte,ekd->btkd", x)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj("bte,ekd->btkd", x)
         inv_freq, scale = rope_frequencies(self.cfg)  # numpy constants, folded at trace time
         q = apply_rope(q, positions, self.cfg.rope_theta, inv_freq=inv_freq, scale=scale)

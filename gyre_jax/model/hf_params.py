@@ -1,4 +1,5 @@
-"""Where each of our parameters lives in a Hugging Face Qwen3 / Qwen3-MoE checkpoint, and how its layout differs.
+"""Where each of our parameters lives in a Hugging Face checkpoint (Qwen3, Qwen3-MoE, Llama, Qwen2: one naming
+scheme, ``model.layers.{i}.self_attn.q_proj.weight`` ...), and how its layout differs.
 
 Pure mapping, no I/O. For every parameter of ``Transformer(cfg)`` (a path in its ``nnx.State``)
 ``param_specs(cfg)`` gives a ``ParamSpec``: the HF tensor name(s) and a layout. Layouts:
@@ -56,7 +57,7 @@ class ParamSpec:
 
 def param_specs(cfg: ModelConfig) -> dict[Path, ParamSpec]:
     """Every parameter of ``Transformer(cfg)`` -> its ParamSpec (our paths use string keys: "layers", "3", ...)."""
-    e, h, k, d, v = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+    e, d, v = cfg.embed_dim, cfg.head_dim, cfg.vocab_size
     specs: list[ParamSpec] = [
         ParamSpec(("embedder", "table"), ("model.embed_tokens.weight",), "reshape", out_dims=(v, e), same_shape=True),
         ParamSpec(("final_norm", "scale"), ("model.norm.weight",), "reshape", out_dims=(e,)),
@@ -66,25 +67,13 @@ def param_specs(cfg: ModelConfig) -> dict[Path, ParamSpec]:
     for i in range(cfg.num_layers):
         ours = ("layers", str(i))
         hf = f"model.layers.{i}"
-        attn = [
-            ("q_proj", (e,), (h, d)),
-            ("k_proj", (e,), (k, d)),
-            ("v_proj", (e,), (k, d)),
-            ("o_proj", (h, d), (e,)),
-        ]
-        for name, in_dims, out_dims in attn:
-            specs.append(
-                ParamSpec(ours + ("attn", name, "w"), (f"{hf}.self_attn.{name}.weight",), "linear", in_dims, out_dims)
-            )
-            if cfg.attention_bias:
-                specs.append(
-                    ParamSpec(
-                        ours + ("attn", name, "b"), (f"{hf}.self_attn.{name}.bias",), "reshape", out_dims=out_dims
-                    )
-                )
+        specs += _attention_specs(cfg, ours, hf)
+        if cfg.qk_norm:
+            specs += [
+                ParamSpec(ours + ("attn", n, "scale"), (f"{hf}.self_attn.{n}.weight",), "reshape", out_dims=(d,))
+                for n in ("q_norm", "k_norm")
+            ]
         specs += [
-            ParamSpec(ours + ("attn", "q_norm", "scale"), (f"{hf}.self_attn.q_norm.weight",), "reshape", out_dims=(d,)),
-            ParamSpec(ours + ("attn", "k_norm", "scale"), (f"{hf}.self_attn.k_norm.weight",), "reshape", out_dims=(d,)),
             ParamSpec(ours + ("input_norm", "scale"), (f"{hf}.input_layernorm.weight",), "reshape", out_dims=(e,)),
             ParamSpec(
                 ours + ("post_attn_norm", "scale"), (f"{hf}.post_attention_layernorm.weight",), "reshape", out_dims=(e,)
@@ -113,6 +102,26 @@ def param_specs(cfg: ModelConfig) -> dict[Path, ParamSpec]:
                     ParamSpec(ours + ("mlp", name, "w"), (f"{hf}.mlp.{name}.weight",), "linear", in_dims, out_dims)
                 )
     return {s.path: s for s in specs}
+
+
+def _attention_specs(cfg: ModelConfig, ours: Path, hf: str) -> list[ParamSpec]:
+    """Layer ``ours``'s q/k/v/o projections and the biases its family has (``hf``: the layer's HF prefix)."""
+    e, h, k, d = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    specs = []
+    for name, in_dims, out_dims in (
+        ("q_proj", (e,), (h, d)),
+        ("k_proj", (e,), (k, d)),
+        ("v_proj", (e,), (k, d)),
+        ("o_proj", (h, d), (e,)),
+    ):
+        specs.append(
+            ParamSpec(ours + ("attn", name, "w"), (f"{hf}.self_attn.{name}.weight",), "linear", in_dims, out_dims)
+        )
+        if cfg.o_bias if name == "o_proj" else cfg.qkv_bias:
+            specs.append(
+                ParamSpec(ours + ("attn", name, "b"), (f"{hf}.self_attn.{name}.bias",), "reshape", out_dims=out_dims)
+            )
+    return specs
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
-"""Rotary position embedding in Qwen3's (Llama's "rotate half") convention, with HF's linear and YaRN scaling.
+"""Rotary position embedding in HF's "rotate half" convention (Qwen3, Llama, Qwen2), with HF's linear, YaRN and
+Llama 3 scaling.
 
 ``rope_frequencies(cfg)`` gives the per-pair inverse frequencies and the cos/sin scale exactly as
-transformers' ``ROPE_INIT_FUNCTIONS`` compute them (default, linear, yarn); ``apply_rope`` rotates.
+transformers' ``ROPE_INIT_FUNCTIONS`` compute them (default, linear, yarn, llama3); ``apply_rope`` rotates.
+(llama.cpp's GGUF files hold Llama's q/k rows permuted for its interleaved layout: ``gguf_config`` undoes that at
+load, so the weights here are always in HF's layout.)
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ def rope_frequencies(cfg) -> tuple[np.ndarray, float]:
         return default_inv_freq(d, base), 1.0
     if cfg.rope_type == "linear":
         return (default_inv_freq(d, base) / np.float32(cfg.rope_factor)).astype(np.float32), 1.0
+    if cfg.rope_type == "llama3":
+        return llama3_inv_freq(cfg), 1.0
     if cfg.rope_type != "yarn":
-        raise ValueError(f"rope_type={cfg.rope_type!r} is not supported (default, linear, yarn)")
+        raise ValueError(f"rope_type={cfg.rope_type!r} is not supported (default, linear, yarn, llama3)")
     factor = cfg.rope_factor
 
     def correction_dim(rotations: float) -> float:
@@ -45,6 +50,21 @@ def rope_frequencies(cfg) -> tuple[np.ndarray, float]:
     extrapolation_factor = 1 - ramp
     inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
     return inv_freq.astype(np.float32), float(cfg.yarn_attention_factor)
+
+
+def llama3_inv_freq(cfg) -> np.ndarray:
+    """[D/2] float32: Llama 3.1's scaling (HF ``_compute_llama3_parameters``): wavelengths longer than
+    original / low_freq_factor divided by ``factor``, shorter than original / high_freq_factor kept, between them
+    interpolated smoothly."""
+    inv_freq = default_inv_freq(cfg.head_dim, cfg.rope_theta)
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old = cfg.rope_original_max_position
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float, *, inv_freq=None, scale: float = 1.0) -> jax.Array:

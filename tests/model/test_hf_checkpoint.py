@@ -317,11 +317,17 @@ def test_config_for_other_weights_fails_before_reading_them(tmp_path) -> None:
 def test_unsupported_or_broken_directories_fail_clearly(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_hf_checkpoint(tmp_path, single_mesh(), RULES_DATA)
-    out = tmp_path / "llama"
+    out = tmp_path / "other"
     shutil.copytree(DENSE, out)
     config = read_hf_config(out)
+    (out / "config.json").write_text(json.dumps(dict(config, model_type="gemma3", architectures=["Gemma3ForCausalLM"])))
+    with pytest.raises(ConfigMismatchError, match="model_type='gemma3' is not supported"):
+        load_hf_checkpoint(out, single_mesh(), RULES_DATA)
+    # Qwen3 weights under a Llama config.json: Llama has no q/k norm, so those tensors are unexpected
     (out / "config.json").write_text(json.dumps(dict(config, model_type="llama", architectures=["LlamaForCausalLM"])))
-    with pytest.raises(ConfigMismatchError, match="model_type='llama' is not supported"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"LlamaForCausalLM.*unexpected tensors \[model.layers.0.self_attn.k_norm"
+    ):
         load_hf_checkpoint(out, single_mesh(), RULES_DATA)
     (out / "config.json").write_text(json.dumps(dict(config, use_sliding_window=True)))
     with pytest.raises(ConfigMismatchError, match="sliding-window attention is not supported yet"):
