@@ -39,9 +39,9 @@ from gyre_jax.proxy.jinja_template import JinjaChatTemplate
 ParseResult = tuple[str, list[dict], list[str]]  # content, OpenAI tool calls, errors
 
 
-def _call(name: str, args: dict) -> dict:
+def _call(name: str, args: dict, call_id: str | None = None) -> dict:
     return {
-        "id": "call_" + uuid.uuid4().hex[:24],
+        "id": call_id or "call_" + uuid.uuid4().hex[:24],
         "type": "function",
         "function": {"name": name, "arguments": chat_template.tojson(args)},
     }
@@ -82,15 +82,20 @@ def _parse_llama3(body: str) -> ParseResult:
         text = text[len("<|python_tag|>") :].strip()
     if not text.startswith("{"):
         return body, [], []
-    calls, errors = [], []
-    for raw in [part for part in re.split(r"\}\s*;\s*\{", text)] if ";" in text else [text]:
-        raw = raw if raw.startswith("{") else "{" + raw
-        raw = raw if raw.endswith("}") else raw + "}"
-        call, error = _json_call(raw, ("parameters", "arguments"))
+    calls, pos, decoder = [], 0, json.JSONDecoder()
+    while pos < len(text):  # one JSON object, or several separated by ";"
+        try:
+            obj, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            return body, [], [f"unparseable tool call {text[pos : pos + 80]!r}: {exc}"]
+        call, error = _json_call(json.dumps(obj), ("parameters", "arguments"))
         if call is None:
             return body, [], [error]
         calls.append(call)
-    return "", calls, errors
+        pos = end
+        while pos < len(text) and text[pos] in " \n\t;":
+            pos += 1
+    return "", calls, []
 
 
 def _parse_mistral(body: str) -> ParseResult:
@@ -108,6 +113,10 @@ def _parse_mistral(body: str) -> ParseResult:
         call, error = _json_call(json.dumps(item))
         if call is None:
             return body, [], [error]
+        # Mistral's templates require 9-character alphanumeric call ids: the model's own, else a new one
+        given = item.get("id") if isinstance(item, dict) else None
+        ok = isinstance(given, str) and len(given) == 9 and given.isalnum()
+        call["id"] = given if ok else uuid.uuid4().hex[:9]
         calls.append(call)
     return body[:start].strip("\n"), calls, []
 

@@ -222,18 +222,17 @@ def split_turn(
     tokenizer: Tokenizer, fmt: chat_format.ChatFormat, messages: list[dict], k: int, tools, enable_thinking
 ) -> TurnSplit | None:
     """Turn ``k`` (an assistant turn) of ``messages`` as the template renders the whole conversation, if it keeps
-    the history before it *stably*: the history ``messages[:k]`` rendered alone, then the generation prompt the
-    earlier call was served (``messages[:k]`` + generation prompt), are both prefixes of the new rendering. None
-    when the template re-renders that history (Mistral moves the system prompt to the last user turn; Qwen3 with
-    ``enable_thinking=False`` served an empty ``<think>`` block that the history no longer shows), when the turn
-    has no end-of-turn token, or when the partial conversation cannot be rendered."""
+    the history before it *stably*: the prompt the earlier call was served (``messages[:k]`` + generation prompt)
+    is a prefix of the new rendering. None when the template re-renders that history (Mistral Nemo writes the
+    system prompt into the user turn only while it is the last message; Qwen3 with ``enable_thinking=False``
+    served an empty ``<think>`` block that the history no longer shows), when the turn has no end-of-turn token,
+    or when the partial conversation cannot be rendered."""
     try:
-        history = fmt.render(messages[:k], tools, add_generation_prompt=False, enable_thinking=enable_thinking)
         head = fmt.render(messages[:k], tools, add_generation_prompt=True, enable_thinking=enable_thinking)
         full = fmt.render(messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking)
     except ValueError:
         return None
-    if not (head.startswith(history) and full.startswith(head)):
+    if not full.startswith(head):
         return None
     ends = {tokenizer.decode([i]) for i in tokenizer.eos_ids} - {""}
     found = [(full.find(e, len(head)), e) for e in ends]
