@@ -206,7 +206,7 @@ def test_a_template_that_drops_reasoning_makes_a_branch(name, smollm2_gguf):
     messages = [*first, client_m1, {"role": "user", "content": "3+3?"}]
     b2, r2, _, _ = serve(tok, fmt, messages, None, s1, think.replace("Two plus two is four", "Six") + "6", index=1)
     # reused: the first prompt, up to the generation prompt's "<think>\n" that DeepSeek's re-rendering lacks
-    opener = "" if name == "qwen3" else "<think>\n"
+    opener = "" if name == "qwen3" else "<think>\n</think>"  # llama.cpp's DeepSeek copy closes an empty think
     assert not b2.continued and 0 < b2.reused_prefix_len <= len(r1.prompt_ids)
     assert tok.decode(r1.prompt_ids[: b2.reused_prefix_len]) == tok.decode(r1.prompt_ids).removesuffix(opener)
     assert b2.prompt_ids[: b2.reused_prefix_len] == r1.prompt_ids[: b2.reused_prefix_len]
