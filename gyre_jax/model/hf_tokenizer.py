@@ -207,7 +207,7 @@ def check_fits_model(tokenizer: HFTokenizer, vocab_size: int, model_source: str)
     n = tokenizer.id_limit
     if n > vocab_size:
         raise TokenizerMismatchError(
-            f"{Path(tokenizer.source) / TOKENIZER_FILE} has {n} token ids (up to {n - 1}) but the model has "
+            f"{tokenizer.source if tokenizer.source.endswith('.gguf') else Path(tokenizer.source) / TOKENIZER_FILE} has {n} token ids (up to {n - 1}) but the model has "
             f"vocab_size={vocab_size} ({model_source}): ids {vocab_size}..{n - 1} have no embedding row. Use the "
             "tokenizer that belongs to these weights"
         )

@@ -40,9 +40,10 @@ class Tokenizer(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
 
-def load_tokenizer(kind: str = "byte", path: str | os.PathLike | None = None) -> Tokenizer:
+def load_tokenizer(kind: str = "byte", path: str | os.PathLike | None = None, gguf_pre: str = "llama.cpp") -> Tokenizer:
     """``kind="byte"``: the ByteTokenizer; ``kind="hf"``: the ``tokenizer.json`` of the checkpoint directory ``path``;
-    ``kind="gguf"``: the tokenizer in the metadata of the GGUF file ``path``."""
+    ``kind="gguf"``: the tokenizer in the metadata of the GGUF file ``path`` (``gguf_pre``: see
+    ``gguf_tokenizer.build_tokenizer``)."""
     if kind == "byte":
         return ByteTokenizer()
     if kind == "hf":
@@ -56,7 +57,7 @@ def load_tokenizer(kind: str = "byte", path: str | os.PathLike | None = None) ->
             raise ValueError("load_tokenizer(kind='gguf') needs path=<a .gguf file>")
         from gyre_jax.model.gguf_tokenizer import gguf_tokenizer
 
-        return gguf_tokenizer(path)
+        return gguf_tokenizer(path, pre_mode=gguf_pre)
     raise ValueError(f"tokenizer kind {kind!r} is not supported: use 'byte', 'hf' or 'gguf'")
 
 

@@ -290,3 +290,39 @@ def for_tokenizer(tokenizer: Any, chat_template_source: str = "", tools_format: 
     named = {} if chat_template_source else getattr(tokenizer, "chat_templates", {})
     special = getattr(tokenizer, "special_tokens_map", {})
     return from_template(source, special, name, named, tool_format)
+
+
+def template_override(value: str) -> str:
+    """The template text a ``tokenizer.chat_template`` setting names: a ``.jinja`` file's text, a
+    ``tokenizer_config.json``'s ``chat_template`` (its ``default`` if named), or the value itself ("" and "builtin"
+    as they are). Read by the run's builder, never by the config."""
+    from pathlib import Path
+
+    if value in ("", "builtin") or "\n" in value or not value.endswith((".jinja", ".json")):
+        return value
+    path = Path(value)
+    try:
+        text = path.read_text(encoding="utf-8")
+        if path.suffix != ".json":
+            return text
+        template = json.loads(text).get("chat_template")
+    except (OSError, json.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(
+            f"config.tokenizer.chat_template={value!r}: cannot read a chat template from it: {exc}"
+        ) from None
+    if isinstance(template, list):
+        template = next(
+            (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
+        )
+    if not isinstance(template, str):
+        raise ValueError(f"config.tokenizer.chat_template={value!r} holds no chat_template string")
+    return template
+
+
+def for_settings(tokenizer: Any, chat_template: str = "", tools_format: str = "compact",
+                 tool_format: str = "auto") -> ChatFormat:  # fmt: skip
+    """The chat format a run serves with, from its ``tokenizer`` config section's settings (``chat_template``:
+    "" = the tokenizer's own, "builtin", a file or the text; see ``template_override``)."""
+    if chat_template == "builtin":
+        return builtin(tools_format)
+    return for_tokenizer(tokenizer, template_override(chat_template), tools_format, tool_format)

@@ -246,3 +246,42 @@ def test_render_errors_are_value_errors():
         chat_format.from_template("{% if %}", name="broken")
     with pytest.raises(ValueError, match="tool_format='xml'"):
         chat_format.from_template("{{ messages }}", tool_format="xml")
+
+
+# -- configuration -------------------------------------------------------------------------------------------------
+
+
+def test_settings_pick_the_checkpoints_own_template_or_an_override(smollm2_tokenizer, tmp_path):
+    """``tokenizer.chat_template`` "": the GGUF's own template (SmolLM2's ChatML: no tool family of its own, so
+    the hermes default); "builtin": the hand-written renderer; a .jinja file or a tokenizer_config.json: that."""
+    own = chat_format.for_settings(smollm2_tokenizer)
+    assert own.template is not None and own.tool_calls.name == "hermes" and "SmolLM" in own.render([USER])
+    assert chat_format.for_settings(smollm2_tokenizer, "builtin", "qwen3").template is None
+    jinja_file = tmp_path / "llama.jinja"
+    jinja_file.write_text((FIXTURES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text())
+    llama = chat_format.for_settings(smollm2_tokenizer, str(jinja_file))
+    assert llama.tool_calls.name == "llama3_json" and "<|start_header_id|>" in llama.render([USER])
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": [{"name": "default", "template": "D{{ messages|length }}"},
+                                                    {"name": "tool_use", "template": "T"}]}))  # fmt: skip
+    assert chat_format.for_settings(smollm2_tokenizer, str(config)).render([USER]) == "D1"
+    with pytest.raises(ValueError, match="cannot read a chat template"):
+        chat_format.for_settings(smollm2_tokenizer, str(tmp_path / "missing.jinja"))
+    from gyre_jax.model.tokenizer import ByteTokenizer
+
+    assert chat_format.for_settings(ByteTokenizer()) == chat_format.builtin("compact")  # the tiny models' format
+
+
+def test_tokenizer_section_checks():
+    from gyre_jax.config.base import ConfigError
+    from gyre_jax.config.rollout import TokenizerSection
+
+    assert TokenizerSection(kind="gguf", path="x.gguf", tool_format="mistral").kind == "gguf"
+    for kwargs, message in [
+        ({"tool_format": "xml"}, "config.tokenizer.tool_format='xml' must be one of"),
+        ({"gguf_pre": "hf"}, "config.tokenizer.gguf_pre='hf'"),
+        ({"path": "x.gguf"}, "tokenizer.kind='byte' reads no file"),
+        ({"chat_template": "/nowhere/t.jinja"}, "names no file"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            TokenizerSection(**kwargs)
