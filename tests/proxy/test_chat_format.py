@@ -285,3 +285,41 @@ def test_tokenizer_section_checks():
     ]:
         with pytest.raises(ConfigError, match=message):
             TokenizerSection(**kwargs)
+
+
+# -- through a real ProxyServer ------------------------------------------------------------------------------------
+
+
+def test_proxy_serves_a_checkpoint_template_token_in_token_out(make_stack, smollm2_gguf):
+    """The real proxy with Llama 3.1's template and a GGUF tokenizer, driven by the openai SDK: the tool call is
+    parsed in Llama's JSON form (streamed too), every record decodes to what the client got, and the call with the
+    tool result continues the first call's ids and is served exactly the template's text."""
+    import openai
+
+    fmt, tok = jinja("llama3.1"), tokenizer_for("llama3.1", smollm2_gguf)
+
+    def script(request):
+        text = tok.decode(request.prompt_ids)
+        return "It is 21 °C." if "<|start_header_id|>ipython" in text else CALL_TEXT["llama3_json"]
+
+    with make_stack(script, tokenizer=tok, tools_format=fmt) as stack:
+        sdk = openai.OpenAI(base_url=stack.server.base_url, api_key=stack.key("e1"), max_retries=0, timeout=20)
+        messages = [SYSTEM, USER]
+        first = sdk.chat.completions.create(model="gyre-tiny", messages=messages, tools=WEATHER)
+        call = first.choices[0].message.tool_calls[0]
+        assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Zürich"}
+        streamed = sdk.chat.completions.create(model="gyre-tiny", messages=messages, tools=WEATHER, stream=True)
+        names = [d.function.name for c in streamed for d in (c.choices[0].delta.tool_calls or []) if d.function.name]
+        assert names == ["get_weather"]
+        messages = [*messages, first.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'}]  # fmt: skip
+        second = sdk.chat.completions.create(model="gyre-tiny", messages=messages, tools=WEATHER)
+        assert second.choices[0].message.content == "It is 21 °C."
+        r1, _, r2 = stack.store.read("e1")
+    assert tok.decode(r1.prompt_ids) == fmt.render([SYSTEM, USER], WEATHER)
+    assert tok.decode(r1.completion_ids[:-1]) == CALL_TEXT["llama3_json"]
+    assert r2.reused_prefix_len == len(r1.prompt_ids) + len(r1.completion_ids)
+    assert r2.prompt_ids[: r2.reused_prefix_len] == r1.prompt_ids + r1.completion_ids
+    sent = [*messages[:2], {**messages[2], "tool_calls": [{**messages[2]["tool_calls"][0]}]}, messages[3]]
+    assert tok.decode(r2.prompt_ids) == fmt.render(sent, WEATHER)
