@@ -74,7 +74,7 @@ def setup(config) -> Setup:
     config.json, weights and tokenizer are checked against each other before any tensor is read (a mismatch
     raises ``ModelInputError``: one line naming the file)."""
     ckpt_dir = str(resolve_checkpoint(config.model.checkpoint_dir)) if config.model.checkpoint_dir else None  # pkg: too
-    tokenizer = load_tokenizer(config.tokenizer.kind, ckpt_dir)
+    tokenizer = load_tokenizer(config.tokenizer.kind, config.tokenizer.path or ckpt_dir, config.tokenizer.gguf_pre)
     rules = config.sharding_rules
     devices = _run_devices(config)
     cp = config.model.context_parallel  # a `context` axis carved out of `data` when > 1

@@ -36,6 +36,7 @@ from gyre_jax.elastic.training import CellTraining
 from gyre_jax.metrics import MetricsWriter
 from gyre_jax.model import layer_stack
 from gyre_jax.model.config import ModelInputError
+from gyre_jax.proxy import chat_format
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.router import Router
 from gyre_jax.proxy.sampling import SamplingPolicy
@@ -217,13 +218,13 @@ def _ledger(config, executor, records, pipeline, make_specs, timeline) -> Rollou
 
 
 def _proxy(config, router, tokenizer, records) -> ProxyServer:
-    p, r = config.proxy, config.rollout
+    p, r, t = config.proxy, config.rollout, config.tokenizer
     max_active_calls, max_queued_calls = p.admission_limits(r.max_parallel)
     return ProxyServer(
         router, tokenizer, records, model_name=p.model_name, host=p.host, port=p.port,
         allow_remote_bind=p.allow_remote_bind, max_request_bytes=p.max_request_bytes, seed=config.seed,
         default_max_tokens=r.max_tokens_per_call,
-        max_tokens_cap=r.max_tokens_per_call, tools_format=config.tokenizer.tools_format,
+        max_tokens_cap=r.max_tokens_per_call, tools_format=chat_format.for_settings(tokenizer, t.chat_template, t.tools_format, t.tool_format),
         sampling=SamplingPolicy.policy(r.temperature) if p.sampling == "policy" else SamplingPolicy.client(),
         max_active_calls=max_active_calls, max_queued_calls=max_queued_calls,
     )  # fmt: skip

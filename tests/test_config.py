@@ -500,7 +500,12 @@ SECTION_CHECKS = [
     ("model", "attention_impl", "flash", "config.model.attention_impl='flash' must be one of ('xla', 'cudnn', 'bl"),
     ("model", "attention_block_q", 0, "config.model.attention_block_q=0 must be >= 1"),
     ("model", "checkpoint_dir", "/no/such/dir", "has no config.json"),
-    ("tokenizer", "kind", "sentencepiece", "config.tokenizer.kind='sentencepiece' must be 'byte' or 'hf'"),
+    (
+        "tokenizer",
+        "kind",
+        "sentencepiece",
+        "config.tokenizer.kind='sentencepiece' must be one of ('byte', 'hf', 'gguf')",
+    ),
     ("tokenizer", "tools_format", "xml", "config.tokenizer.tools_format='xml' must be one of"),
     ("serving", "max_concurrent_decodes", 0, "config.serving.max_concurrent_decodes=0 must be >= 1"),
     ("serving", "max_seq_len", 8, "config.serving.max_seq_len=8 must be >= 16"),

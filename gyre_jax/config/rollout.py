@@ -20,7 +20,8 @@ from gyre_jax.rollout.suites import SuiteError, parse_suite_spec
 from gyre_jax.rollout.tasks import ALPHABETS, LongTaskParams
 
 DTYPES = ("float32", "bfloat16")
-TOKENIZERS = ("byte", "hf")
+TOKENIZERS = ("byte", "hf", "gguf")
+TOOL_FORMAT_CHOICES = ("auto", "hermes", "llama3_json", "mistral", "deepseek")  # proxy/chat_format.TOOL_FORMATS
 TASK_KINDS = ("copy", "upper", "reverse")  # the short kinds, mixed freely
 LONG_TASK_KIND = "longlog"  # the long-horizon kind: alone, task_kinds=("longlog",), with the "long" harness
 WEIGHT_UPDATE_RULES = ("continue", "recompute")
@@ -79,18 +80,52 @@ class ModelSection(ModelConfig, Section):
 
 @dataclass(frozen=True)
 class TokenizerSection(Section):
+    """The tokenizer and the chat format the proxy serves with (docs/proxy.md, "Chat templates")."""
+
     _path = "tokenizer"
-    kind: str = "byte"  # byte | hf (the checkpoint's tokenizer.json: needs model.checkpoint_dir)
-    tools_format: str = "compact"  # tools as one-line signatures: every byte is a token here | qwen3
+    # byte | hf (a tokenizer.json directory) | gguf (the tokenizer in a GGUF file's metadata)
+    kind: str = "byte"
+    # hf: the directory, gguf: the .gguf file; "" = model.checkpoint_dir
+    path: str = ""
+    # "" = the tokenizer's own chat template (GGUF metadata, tokenizer_config.json or chat_template.jinja; the
+    # built-in format below if it has none); "builtin" = the built-in Qwen3 renderer whatever the checkpoint has;
+    # a .jinja file, a tokenizer_config.json, or the template's text itself overrides it
+    chat_template: str = ""
+    # the built-in renderer's tools block: compact (one-line signatures: every byte is a token here) | qwen3
+    tools_format: str = "compact"
+    # how the model writes tool calls: auto (detected from the template; hermes when nothing matches) or a family
+    tool_format: str = "auto"
+    # gguf only: whose reading of tokenizer.ggml.pre splits the text: llama.cpp (the model's own tokenizer) |
+    # transformers (its GGUF conversion: GPT-2's regex whatever the file says)
+    gguf_pre: str = "llama.cpp"
 
     def __post_init__(self):
         from gyre_jax.proxy.chat_template import TOOLS_FORMATS
 
         self.check_types()
-        require(self.kind in TOKENIZERS, f"config.tokenizer.kind={self.kind!r} must be 'byte' or 'hf'")
+        require(self.kind in TOKENIZERS, f"config.tokenizer.kind={self.kind!r} must be one of {TOKENIZERS}")
         require(
             self.tools_format in TOOLS_FORMATS,
             f"config.tokenizer.tools_format={self.tools_format!r} must be one of {TOOLS_FORMATS}",
+        )
+        require(
+            self.tool_format in TOOL_FORMAT_CHOICES,
+            f"config.tokenizer.tool_format={self.tool_format!r} must be one of {TOOL_FORMAT_CHOICES}",
+        )
+        require(
+            self.gguf_pre in ("llama.cpp", "transformers"),
+            f"config.tokenizer.gguf_pre={self.gguf_pre!r} must be 'llama.cpp' or 'transformers'",
+        )
+        require(
+            self.kind != "byte" or not self.path,
+            f"config.tokenizer.path={self.path!r} is set but tokenizer.kind='byte' reads no file: set kind to 'hf' "
+            "or 'gguf', or clear the path",
+        )
+        template = self.chat_template
+        require(
+            not template.endswith((".jinja", ".json")) or "\n" in template or Path(template).is_file(),
+            f"config.tokenizer.chat_template={template!r} names no file (a .jinja file, a tokenizer_config.json, "
+            "the template's text, 'builtin' or '')",
         )
 
 

@@ -295,15 +295,15 @@ def _tokenizer_fits_model(c: RunConfig) -> None:
     )
     if c.model.checkpoint_dir:
         require(
-            c.tokenizer.kind == "hf",
-            "config.model.checkpoint_dir is set: set config.tokenizer.kind='hf' so the checkpoint's tokenizer.json "
-            "is used",
+            c.tokenizer.kind in ("hf", "gguf"),
+            "config.model.checkpoint_dir is set: set config.tokenizer.kind='hf' (its tokenizer.json) or 'gguf' (a GGUF "
+            "file's own tokenizer) so the checkpoint's tokenizer is used",
         )
     else:
         require(
-            c.tokenizer.kind == "byte",
+            c.tokenizer.kind == "byte" or bool(c.tokenizer.path),
             f"config.tokenizer.kind={c.tokenizer.kind!r} needs config.model.checkpoint_dir "
-            f"(the directory with tokenizer.json); without one use 'byte'",
+            f"(the directory with tokenizer.json) or config.tokenizer.path; without one use 'byte'",
         )
 
 

@@ -1,7 +1,9 @@
 """A checkpoint's own tokenizer (``tokenizer.json`` through the ``tokenizers`` library) behind the ByteTokenizer interface.
 
 ``HFTokenizer.from_dir(path)`` reads ``tokenizer.json``, ``tokenizer_config.json`` (eos / pad tokens,
-the chat template) and ``generation_config.json`` (eos ids) and never imports transformers. Encoding
+the chat template: a string or a named list) or ``chat_template.jinja``, and ``generation_config.json`` (eos ids),
+and never imports transformers. A GGUF file's tokenizer is built by ``gguf_tokenizer.gguf_tokenizer`` into the
+same class. Encoding
 matches ``AutoTokenizer(...)(text, add_special_tokens=False)``: special/added-token strings in the
 text become their single ids. ``token_bytes(id)`` undoes the byte-level BPE character mapping (or
 SentencePiece ``<0xNN>`` byte fallback), so per-token byte lists are exact even where one character
@@ -26,6 +28,8 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # Tokens that end an assistant turn in Qwen's chat format; added to eos_ids when the vocabulary has them.
 TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>")
+# The named special tokens transformers passes to a chat template (``special_tokens_map``).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
@@ -63,11 +67,16 @@ class HFTokenizer:
         pad_token: str | None = None,
         extra_eos_ids: Sequence[int] = (),
         chat_template: str | None = None,
+        chat_templates: dict[str, str] | None = None,
+        special_tokens: dict[str, str] | None = None,
         source: str = "<memory>",
     ):
         self._tok = tokenizer
         self.source = source
-        self.chat_template = chat_template
+        self.chat_template = chat_template  # the default chat template (None: the checkpoint has none)
+        self.chat_templates = dict(chat_templates or {})  # other named templates (e.g. "tool_use")
+        # the named special tokens a chat template sees (bos_token, eos_token, ...), as transformers passes them
+        self.special_tokens_map = dict(special_tokens or {})
         self._added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
         self.special_tokens: tuple[str, ...] = tuple(self._added[i] for i in sorted(self._added))
         decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
@@ -108,16 +117,21 @@ class HFTokenizer:
         if isinstance(eos_from_generation, int):
             eos_from_generation = [eos_from_generation]
         template = config.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        named: dict[str, str] = {}
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.pop("default", None)
         if template is None and (path / CHAT_TEMPLATE_FILE).is_file():
             template = (path / CHAT_TEMPLATE_FILE).read_text()
+        special = {k: _token_content(config.get(k)) for k in SPECIAL_TOKEN_NAMES}
         return cls(
             tokenizer,
             eos_token=_token_content(config.get("eos_token")),
             pad_token=_token_content(config.get("pad_token")),
             extra_eos_ids=eos_from_generation or (),
             chat_template=template,
+            chat_templates={k: v for k, v in named.items() if isinstance(k, str) and isinstance(v, str)},
+            special_tokens={k: v for k, v in special.items() if isinstance(v, str)},
             source=str(path),
         )
 
@@ -193,7 +207,7 @@ def check_fits_model(tokenizer: HFTokenizer, vocab_size: int, model_source: str)
     n = tokenizer.id_limit
     if n > vocab_size:
         raise TokenizerMismatchError(
-            f"{Path(tokenizer.source) / TOKENIZER_FILE} has {n} token ids (up to {n - 1}) but the model has "
+            f"{tokenizer.source if tokenizer.source.endswith('.gguf') else Path(tokenizer.source) / TOKENIZER_FILE} has {n} token ids (up to {n - 1}) but the model has "
             f"vocab_size={vocab_size} ({model_source}): ids {vocab_size}..{n - 1} have no embedding row. Use the "
             "tokenizer that belongs to these weights"
         )

@@ -6,7 +6,8 @@ byte lists next to log-probs). ``ByteTokenizer``: ids 0..255 are raw bytes; Qwen
 tokens follow. Encoding is lossless for any text, and any special-token string that appears in the
 text is encoded as its single id (as Hugging Face tokenizers do for added tokens), so a rendered chat
 template round-trips exactly: ``decode(encode(s)) == s``. Real checkpoints use their own
-``tokenizer.json`` through ``gyre_jax.model.hf_tokenizer.HFTokenizer``.
+``tokenizer.json`` through ``gyre_jax.model.hf_tokenizer.HFTokenizer``, or the tokenizer in a GGUF file's
+metadata (``gyre_jax.model.gguf_tokenizer``).
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ class Tokenizer(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
 
-def load_tokenizer(kind: str = "byte", path: str | os.PathLike | None = None) -> Tokenizer:
-    """``kind="byte"``: the ByteTokenizer; ``kind="hf"``: the ``tokenizer.json`` of the checkpoint directory ``path``."""
+def load_tokenizer(kind: str = "byte", path: str | os.PathLike | None = None, gguf_pre: str = "llama.cpp") -> Tokenizer:
+    """``kind="byte"``: the ByteTokenizer; ``kind="hf"``: the ``tokenizer.json`` of the checkpoint directory ``path``;
+    ``kind="gguf"``: the tokenizer in the metadata of the GGUF file ``path`` (``gguf_pre``: see
+    ``gguf_tokenizer.build_tokenizer``)."""
     if kind == "byte":
         return ByteTokenizer()
     if kind == "hf":
@@ -49,7 +52,13 @@ def load_tokenizer(kind: str = "byte", path: str | os.PathLike | None = None) ->
         from gyre_jax.model.hf_tokenizer import HFTokenizer
 
         return HFTokenizer.from_dir(path)
-    raise ValueError(f"tokenizer kind {kind!r} is not supported: use 'byte' or 'hf'")
+    if kind == "gguf":
+        if path is None:
+            raise ValueError("load_tokenizer(kind='gguf') needs path=<a .gguf file>")
+        from gyre_jax.model.gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(path, pre_mode=gguf_pre)
+    raise ValueError(f"tokenizer kind {kind!r} is not supported: use 'byte', 'hf' or 'gguf'")
 
 
 SPECIAL_TOKENS: tuple[str, ...] = (

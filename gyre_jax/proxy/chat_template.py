@@ -1,10 +1,12 @@
-"""Qwen3 chat format: render messages + tools to text, and parse model output back.
+"""The built-in Qwen3 chat format: render messages + tools to text, and parse model output back.
+
+A checkpoint's own template goes through ``chat_format.ChatFormat`` (Jinja, ``jinja_template``); this renderer is
+its proven-equal fast path for the official Qwen3 template and the tiny models' format (``compact`` tools).
 
 ``render`` follows the Qwen3 Jinja template (system prompt with ``<tools>``, ``<tool_call>`` JSON
 blocks, tool results grouped into one user turn inside ``<tool_response>``, thinking kept only after
 the last user query). ``parse_completion`` turns generated text into content, reasoning and tool
-calls. The proxy never re-renders earlier assistant turns: it reuses their exact token ids
-(token-in/token-out), so this renderer is only applied to *new* messages of a conversation.
+calls. The proxy never re-tokenizes an assistant turn the model produced (token-in/token-out, ``tito``).
 """
 
 from __future__ import annotations
@@ -212,11 +214,13 @@ class ParsedCompletion:
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 
-def parse_completion(text: str) -> ParsedCompletion:
+def parse_completion(text: str, parse_body=None) -> ParsedCompletion:
     """Splits generated text (special tokens decoded as text, stop token removed) into parts.
 
-    A ``<tool_call>`` block whose body is not a JSON object with a string ``name`` stays in the
+    A tool-call block whose body is not a JSON object with a string ``name`` stays in the
     content and is reported in ``tool_call_errors``: the harness sees what the model wrote.
+    ``parse_body`` (``chat_format.ToolCallFormat.parse``): the tool-call family's parse of the text after the
+    reasoning, ``(content, calls, errors)``; None: ``<tool_call>`` blocks (hermes).
     """
     reasoning = None
     body = text
@@ -224,6 +228,9 @@ def parse_completion(text: str) -> ParsedCompletion:
         head, body = body.split("</think>", 1)
         reasoning = head.split("<think>")[-1].strip("\n")
         body = body.lstrip("\n")
+    if parse_body is not None:
+        content, calls, errors = parse_body(body)
+        return ParsedCompletion(content=content, reasoning=reasoning, tool_calls=calls, tool_call_errors=errors)
     calls: list[dict] = []
     errors: list[str] = []
     kept: list[str] = []

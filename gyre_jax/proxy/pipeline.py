@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
-from gyre_jax.proxy import chat_template, sampling, tito
+from gyre_jax.proxy import chat_format, sampling, tito
 from gyre_jax.proxy.errors import ProxyError, internal_error
 from gyre_jax.proxy.identity import Execution
 from gyre_jax.proxy.records import RecordStore
@@ -51,21 +51,23 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 4096  # completion budget when a request names none (always clipped to the context)
 
 
-def forced_prefix(request: TurnRequest) -> str:
-    """The text a chat turn's ``tool_choice`` forces it to start with ("" if none); 400 if it cannot be served."""
+def forced_prefix(request: TurnRequest, calls: chat_format.ToolCallFormat = chat_format.HERMES) -> str:
+    """The text a chat turn's ``tool_choice`` forces it to start with in the tool-call family ``calls`` ("" if
+    none); 400 if it cannot be served."""
     if request.messages is None:
         return ""
     try:
         sampling.check_tool_choice(request.tool_choice, request.tools)
     except ValueError as exc:
         raise ProxyError(400, str(exc), param="tool_choice") from None
-    return sampling.forced_prefix(request.tool_choice, request.tools)
+    return sampling.forced_prefix(request.tool_choice, request.tools, calls)
 
 
 class TurnPipeline:
     """Places, runs and commits turns on one backend, for every API adapter alike.
 
-    ``tokenizer`` renders and decodes; ``max_tokens_cap`` bounds every completion whatever the client asks
+    ``tokenizer`` encodes and decodes; ``tools_format`` is the chat format (``chat_format.ChatFormat``: the
+    checkpoint's own template and tool-call family) or a built-in one's name; ``max_tokens_cap`` bounds every completion whatever the client asks
     (None: only the context bounds it); ``default_max_tokens`` is the budget of a request that names none;
     ``seed`` is the proxy's seed, from which calls that name no seed get theirs; ``sampling`` says whose
     temperature / top-p / top-k a call is served with (``SamplingPolicy``: the client's unless told otherwise).
@@ -79,7 +81,7 @@ class TurnPipeline:
         model_name: str,
         seed: int = 0,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
-        tools_format: str = "qwen3",
+        tools_format: str | chat_format.ChatFormat = "qwen3",
         max_tokens_cap: int | None = None,
         sampling: SamplingPolicy = CLIENT,
     ) -> None:
@@ -90,7 +92,7 @@ class TurnPipeline:
         self.model_name = model_name
         self.seed = seed
         self.default_max_tokens = default_max_tokens
-        self.tools_format = tools_format
+        self.chat_format = chat_format.of(tools_format)  # the model's template and tool-call family
         self.max_tokens_cap = max_tokens_cap
         self.sampling = sampling
 
@@ -105,10 +107,10 @@ class TurnPipeline:
         else:
             try:
                 build = tito.build_prompt(self.tokenizer, request.messages, request.tools, placement.state,
-                                          enable_thinking=request.enable_thinking, tools_format=self.tools_format)  # fmt: skip
+                                          enable_thinking=request.enable_thinking, tools_format=self.chat_format)  # fmt: skip
             except ValueError as exc:
                 raise ProxyError(400, f"cannot render messages: {exc}", param="messages") from None
-        forced = forced_prefix(request)
+        forced = forced_prefix(request, self.chat_format.tool_calls)
         if forced:  # forced ids end the prompt: recorded as given, never trained, continued verbatim
             build = dataclasses.replace(build, prompt_ids=build.prompt_ids + self.tokenizer.encode(forced))
         params = self._sampling(request, execution, len(build.prompt_ids))
@@ -124,6 +126,7 @@ class TurnPipeline:
             t_start,
             placement=placement.built(build),
             forced_text=forced,
+            tool_format=self.chat_format.tool_calls,
         )
 
     def choices(self, turn: Turn) -> list[Turn]:
@@ -188,8 +191,8 @@ class TurnPipeline:
     def count_tokens(self, request: TurnRequest) -> int:
         """Prompt tokens of the request's conversation rendered in full (no thread state, nothing recorded)."""
         try:
-            text = chat_template.render(request.messages or [], request.tools, add_generation_prompt=True,
-                                        enable_thinking=request.enable_thinking, tools_format=self.tools_format)  # fmt: skip
+            text = self.chat_format.render(request.messages or [], request.tools, add_generation_prompt=True,
+                                           enable_thinking=request.enable_thinking)  # fmt: skip
         except ValueError as exc:
             raise ProxyError(400, f"cannot render messages: {exc}", param="messages") from None
         return len(self.tokenizer.encode(text))
@@ -252,7 +255,7 @@ class TurnPipeline:
         request = turn.request
         chat = request.messages is not None
         return LiveReply(self.tokenizer.decode, turn.generation.sampling.stop_ids, chat, request.parse_tools,
-                         stops=request.stop, forced=turn.forced_text)  # fmt: skip
+                         stops=request.stop, forced=turn.forced_text, call_open=turn.tool_format.open)  # fmt: skip
 
     async def _live(
         self, turn: Turn, live: LiveReply, is_disconnected: IsDisconnected

@@ -122,16 +122,17 @@ def forced_name(tool_choice: Any) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def forced_prefix(tool_choice: Any, tools: list[dict] | None) -> str:
+def forced_prefix(tool_choice: Any, tools: list[dict] | None, calls: Any = None) -> str:
     """The text the assistant turn is forced to start with: up to and including the name's closing quote
     and ``"arguments": `` when one function is allowed (named, or ``required`` with one tool), the tool
-    call's opener (``<tool_call>\\n{"name": "``) when several are; "" when nothing is forced."""
+    call's opener (``<tool_call>\\n{"name": "``) when several are; "" when nothing is forced. ``calls``: the
+    tool-call family (``chat_format.ToolCallFormat``: its own opener and arguments key); None: hermes."""
     name = forced_name(tool_choice)
     if name is None and tool_choice == "required":
         names = [t.get("function", t).get("name") for t in tools or []]
         name = names[0] if len(names) == 1 else None
         if name is None:
-            return TOOL_CALL_OPEN
+            return TOOL_CALL_OPEN if calls is None else calls.forced(None)
     if name is None:
         return ""
-    return TOOL_CALL_OPEN + name + '", "arguments": '
+    return TOOL_CALL_OPEN + name + '", "arguments": ' if calls is None else calls.forced(name)

@@ -43,6 +43,7 @@ from gyre_jax.proxy.adapters.openai_chat import ChatCompletions
 from gyre_jax.proxy.adapters.openai_completions import Completions
 from gyre_jax.proxy.adapters.openai_responses import Responses
 from gyre_jax.proxy.admission import Admission
+from gyre_jax.proxy.chat_format import ChatFormat
 from gyre_jax.proxy.connections import ConnectionCap, ConnectionLimits, GuardedH11Protocol
 from gyre_jax.proxy.errors import ProxyError, internal_error
 from gyre_jax.proxy.identity import MAX_THREADS_PER_EXECUTION, Execution, Executions, thread_base
@@ -159,7 +160,7 @@ class ProxyServer:
         max_request_bytes: int = 4 * 1024 * 1024,
         seed: int = 0,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
-        tools_format: str = "qwen3",
+        tools_format: str | ChatFormat = "qwen3",  # the chat format, or a built-in one's name
         max_tokens_cap: int | None = None,
         max_threads_per_execution: int = MAX_THREADS_PER_EXECUTION,
         sampling: SamplingPolicy = CLIENT,

@@ -123,11 +123,13 @@ class TextStream:
 class ReplySplitter:
     """A chat completion's text, fed in pieces, split into (reasoning, content) deltas; see the module rules.
 
-    ``parse_tools`` False: tool-call text is plain content (nothing is held back for it).
+    ``parse_tools`` False: tool-call text is plain content (nothing is held back for it). ``call_open``: where
+    the model's tool-call family starts a call (``chat_format.ToolCallFormat.open``).
     """
 
-    def __init__(self, parse_tools: bool = True) -> None:
+    def __init__(self, parse_tools: bool = True, call_open: str = CALL_OPEN) -> None:
         self.parse_tools = parse_tools
+        self.call_open = call_open
         self.mode = "start"  # start | think | after_think | content | calls
         self.thought = False  # a <think> block opened the completion
         self.buf = ""  # text seen and not emitted yet
@@ -169,11 +171,11 @@ class ReplySplitter:
                 self.mode = "content"
             return bool(self.buf)
         if self.mode == "content":
-            if self.parse_tools and (start := buf.find(CALL_OPEN)) >= 0:
+            if self.parse_tools and (start := buf.find(self.call_open)) >= 0:
                 self._emit_content(len(buf[:start].rstrip("\n")))
                 self.mode = "calls"
                 return False
-            keep = held_tail(buf, CALL_OPEN) if self.parse_tools else 0
+            keep = held_tail(buf, self.call_open) if self.parse_tools else 0
             self._emit_content(len(buf[: len(buf) - keep].rstrip("\n")) if self.parse_tools else len(buf))
         return False
 
@@ -246,9 +248,10 @@ class LiveReply:
         parse_tools: bool,
         stops: Sequence[str] = (),
         forced: str = "",
+        call_open: str = CALL_OPEN,
     ) -> None:
         self.text = TextStream(decode, stop_ids, stops, prefix=forced)
-        self.splitter = ReplySplitter(parse_tools) if chat else None
+        self.splitter = ReplySplitter(parse_tools, call_open) if chat else None
         self.tokens = 0  # token ids fed so far
         self.forced = forced
 

@@ -3,9 +3,17 @@
 When a call's messages extend a call of a live conversation (same tools, same earlier messages, then the
 assistant message the proxy returned; ``identity.Execution.place`` picks the conversation with the longest such
 call among the several each thread keeps, its last call or an earlier one), the new prompt is ``previous prompt
-ids + previous completion ids`` followed by the template rendering of only the new messages. Nothing generated is
+ids + previous completion ids`` followed by the template's text after that turn. Nothing generated is
 re-tokenized, so the trainer trains on what the policy produced. Any other call (a summary, a
 sub-agent, a retry with edited history) is rendered in full and starts a new branch.
+
+This holds for any chat template (``chat_format``) that renders the history *stably* (``split_turn``: the earlier
+call's prompt is a prefix of the conversation rendered with its turn, which is a prefix of the new rendering).
+A template that re-renders the history (Qwen3 drops the reasoning of turns before the last user query) gets
+what it renders: the call's prompt is the template's text of the whole conversation, its leading ids reused as
+far as their text agrees, and it forks from the previous call there (a new branch of the same agent in the
+trajectory tree); the previous records keep the ids the model produced, so no trained id was ever served as
+other text.
 
 A client that re-sends the assistant turn changed (smolagents appends the stop string it cut; another
 may edit it) still continues as far as its text agrees: the previous prompt ids (the forced tool-call
@@ -21,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gyre_jax.proxy import chat_template
+from gyre_jax.proxy import chat_format, chat_template
 
 
 class Tokenizer(Protocol):
@@ -92,6 +100,7 @@ class ThreadState:
     finished: bool  # the completion ended with a stop token
     forced_text: str = ""  # text forced at the turn's start (tool_choice): the end of prompt_ids
     alternatives: tuple[ThreadState, ...] = ()  # the same call's other choices (n > 1)
+    returned_message: dict | None = None  # the assistant message as returned (its reasoning: a client may drop it)
 
 
 CallPoint = tuple[int, int, int]  # an earlier call: (its messages, prompt ids before its turn, its turn's ids)
@@ -168,23 +177,23 @@ def build_prompt(
     tools: list[dict] | None,
     state: ThreadState | None,
     enable_thinking: bool | None = None,
-    tools_format: str = "qwen3",
+    tools_format: str | chat_format.ChatFormat = "qwen3",
 ) -> PromptBuild:
     """Prompt ids for ``messages``, reusing the exact ids of ``state`` (or of one of its alternatives, the
     choices of an n > 1 call) when the conversation continues it: one whose returned turn is re-sent as
-    returned first, else the one of which the re-sent turn agrees longest."""
+    returned first, else the one of which the re-sent turn agrees longest. ``tools_format``: the chat format
+    (``chat_format.ChatFormat``) or the name of a built-in one."""
+    fmt = chat_format.of(tools_format)
     candidates = [state, *state.alternatives] if state is not None else []
     candidates = [c for c in candidates if _extends_history(messages, tools, c)]
     for candidate in candidates:
         if normalize_message(messages[len(candidate.messages)]) == candidate.returned:
-            return _continue_returned(tokenizer, messages, tools, candidate, enable_thinking, tools_format)
-    builds = [_continue_resent(tokenizer, messages, tools, c, enable_thinking, tools_format) for c in candidates]
+            return _continue(tokenizer, messages, tools, candidate, enable_thinking, fmt, as_returned=True)
+    builds = [_continue(tokenizer, messages, tools, c, enable_thinking, fmt, as_returned=False) for c in candidates]
     builds = [b for b in builds if b is not None]
     if builds:
         return max(builds, key=lambda b: b.reused_prefix_len)
-    text = chat_template.render(
-        messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking, tools_format=tools_format
-    )
+    text = fmt.render(messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking)
     return PromptBuild(prompt_ids=tokenizer.encode(text), reused_prefix_len=0, continued=False)
 
 
@@ -196,45 +205,102 @@ def _extends_history(messages: list[dict], tools: list[dict] | None, state: Thre
     return [normalize_message(m) for m in messages[:k]] == state.messages
 
 
-def _continue_returned(
-    tokenizer: Tokenizer,
-    messages: list[dict],
-    tools: list[dict] | None,
-    state: ThreadState,
-    enable_thinking: bool | None,
-    tools_format: str,
-) -> PromptBuild:
-    """The prompt continuing ``state`` whose returned turn was re-sent as returned: all its ids, then the rest."""
-    prompt, turn = _split_turn(tokenizer, state)
-    if not state.finished or not turn or turn[-1] != tokenizer.token_id(chat_template.IM_END):
-        turn += tokenizer.encode(chat_template.IM_END)  # the turn was cut (length, stop string) or ended otherwise
-    ids = prompt + turn
-    return _with_suffix(tokenizer, ids, len(ids), messages, tools, state, len(prompt), enable_thinking, tools_format)
+@dataclass(frozen=True)
+class TurnSplit:
+    """How the template renders the new conversation around its assistant turn ``k`` (``split_turn``).
+
+    ``turn``: the turn's text as the template renders it there (after the generation prompt, before the end
+    token); ``end``: the end-of-turn token's text; ``after``: the template's text after it, generation prompt
+    included."""
+
+    turn: str
+    end: str
+    after: str
 
 
-def _continue_resent(
-    tokenizer: Tokenizer,
-    messages: list[dict],
-    tools: list[dict] | None,
-    state: ThreadState,
-    enable_thinking: bool | None,
-    tools_format: str,
-) -> PromptBuild | None:
-    """The prompt continuing ``state`` whose turn was re-sent changed: its ids (the forced opener, then the
-    completion) as far as the re-sent text agrees, the rest of that text tokenized. A turn re-sent without the
-    forced text it started with (smolagents re-sends a forced tool call as "Calling tools: ..." text) so reuses
-    the prompt before the forced ids."""
-    resent = _resent_text(messages[len(state.messages)])
-    if resent is None:
+def split_turn(
+    tokenizer: Tokenizer, fmt: chat_format.ChatFormat, messages: list[dict], k: int, tools, enable_thinking
+) -> TurnSplit | None:
+    """Turn ``k`` (an assistant turn) of ``messages`` as the template renders the whole conversation, if it keeps
+    the history before it *stably*: the prompt the earlier call was served (``messages[:k]`` + generation prompt)
+    is a prefix of the new rendering. None when the template re-renders that history (Mistral Nemo writes the
+    system prompt into the user turn only while it is the last message; Qwen3 with ``enable_thinking=False``
+    served an empty ``<think>`` block that the history no longer shows), when the turn has no end-of-turn token,
+    or when the partial conversation cannot be rendered."""
+    try:
+        head = fmt.render(messages[:k], tools, add_generation_prompt=True, enable_thinking=enable_thinking)
+        full = fmt.render(messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking)
+    except ValueError:
         return None
+    if not full.startswith(head):
+        return None
+    ends = {tokenizer.decode([i]) for i in tokenizer.eos_ids} - {""}
+    found = [(full.find(e, len(head)), e) for e in ends]
+    found = [f for f in found if f[0] >= 0]
+    if not found:
+        return None
+    pos, end = min(found, key=lambda f: (f[0], -len(f[1])))
+    return TurnSplit(full[len(head) : pos], end, full[pos + len(end) :])
+
+
+def _with_reasoning(messages: list[dict], k: int, state: ThreadState) -> list[dict]:
+    """``messages`` with turn ``k`` given the reasoning the proxy returned for it when the client re-sent it
+    without (OpenAI chat clients drop ``reasoning_content``): the turn is what the model produced."""
+    reasoning = (state.returned_message or {}).get("reasoning_content")
+    message = messages[k]
+    if not reasoning or message.get("reasoning_content") or message.get("reasoning"):
+        return messages
+    return [*messages[:k], {**message, "reasoning_content": reasoning}, *messages[k + 1 :]]
+
+
+def _continue(
+    tokenizer: Tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    state: ThreadState,
+    enable_thinking: bool | None,
+    fmt: chat_format.ChatFormat,
+    as_returned: bool,
+) -> PromptBuild | None:
+    """The prompt continuing ``state`` (its turn re-sent ``as_returned``, or changed).
+
+    Where the template renders the history stably (``split_turn``) and still shows the turn's reasoning:
+    ``state``'s prompt ids, its turn's ids (the forced opener, then the completion: as returned, all of them and the
+    end token, whatever formatting the template would give the turn; changed, as far as the re-sent text agrees, the
+    rest of that text tokenized), then the template's text after the turn. Where it re-renders the history or drops
+    the turn's reasoning: the template's rendering of the whole conversation, its leading ids taken from ``state`` as far as
+    their text agrees; the call then forks from ``state`` (``continued`` False: the trajectory tree makes it a
+    branch; the earlier records keep the ids the model produced)."""
+    k = len(state.messages)
+    if not as_returned and messages[k].get("role") != "assistant":
+        return None
+    msgs = _with_reasoning(messages, k, state) if as_returned else messages
     prompt, turn = _split_turn(tokenizer, state)
-    if turn and turn[-1] == tokenizer.token_id(chat_template.IM_END):
-        turn.pop()
-    agree = whole_tokens(tokenizer, turn, resent)
-    ids = prompt + turn[:agree]
-    reused = len(ids)
-    ids += tokenizer.encode(resent[len(tokenizer.decode(turn[:agree])) :] + chat_template.IM_END)
-    return _with_suffix(tokenizer, ids, reused, messages, tools, state, len(prompt), enable_thinking, tools_format)
+    split = split_turn(tokenizer, fmt, msgs, k, tools, enable_thinking)
+    reasoning = str(msgs[k].get("reasoning_content") or "").strip()
+    if split is not None and as_returned and reasoning and reasoning not in split.turn:
+        split = None  # the template drops this turn's reasoning now (Qwen3: a new user query came): re-rendered
+    if split is None:
+        full = fmt.render(msgs, tools, add_generation_prompt=True, enable_thinking=enable_thinking)
+        prior = prompt + turn
+        agree = whole_tokens(tokenizer, prior, full)
+        ids = prior[:agree] + tokenizer.encode(full[len(tokenizer.decode(prior[:agree])) :])
+        return PromptBuild(prompt_ids=ids, reused_prefix_len=agree, continued=False)
+    end_ids = tokenizer.encode(split.end)
+    ends_turn = len(end_ids) == 1 and bool(turn) and turn[-1] == end_ids[0]
+    if as_returned:
+        ids = prompt + turn + ([] if state.finished and ends_turn else end_ids)
+        reused = len(ids)
+    else:
+        if ends_turn:
+            turn = turn[:-1]
+        agree = whole_tokens(tokenizer, turn, split.turn)
+        ids = prompt + turn[:agree]
+        reused = len(ids)
+        ids += tokenizer.encode(split.turn[len(tokenizer.decode(turn[:agree])) :] + split.end)
+    point = (k, len(prompt), len(ids) - len(prompt))
+    ids += tokenizer.encode(split.after)
+    return PromptBuild(prompt_ids=ids, reused_prefix_len=reused, continued=True, point=point)
 
 
 def _split_turn(tokenizer: Tokenizer, state: ThreadState) -> tuple[list[int], list[int]]:
@@ -262,36 +328,6 @@ def whole_tokens(tokenizer: Tokenizer, ids: Sequence[int], text: str) -> int:
     return lo
 
 
-def _resent_text(message: dict) -> str | None:
-    """The re-sent assistant turn as the model would have generated it; None if it is not an assistant turn."""
-    if message.get("role") != "assistant":
-        return None
-    try:
-        return assistant_completion_text(message)
-    except ValueError:
-        return None
-
-
-def _with_suffix(
-    tokenizer: Tokenizer,
-    ids: list[int],
-    reused: int,
-    messages: list[dict],
-    tools: list[dict] | None,
-    state: ThreadState,
-    turn_start: int,
-    enable_thinking: bool | None,
-    tools_format: str,
-) -> PromptBuild:
-    """``ids`` (``state``'s turn, as re-sent, from ``turn_start`` to its ``<|im_end|>``) followed by the messages
-    after it."""
-    k = len(state.messages)
-    point = (k, turn_start, len(ids) - turn_start)
-    suffix = chat_template.render_segments(messages, tools, tools_format)[k + 1 :]
-    ids += tokenizer.encode("\n" + "".join(suffix) + chat_template.generation_prompt(enable_thinking))
-    return PromptBuild(prompt_ids=ids, reused_prefix_len=reused, continued=True, point=point)
-
-
 @dataclass
 class Conversation:
     """A demonstration rendered exactly as the proxy would have served it, call by call."""
@@ -301,9 +337,13 @@ class Conversation:
 
 
 def render_demonstration(
-    tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None, tools_format: str = "qwen3"
+    tokenizer: Tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    tools_format: str | chat_format.ChatFormat = "qwen3",
 ) -> Conversation:
-    """Token ids of a whole conversation as TITO builds it, with the assistant completions marked trainable."""
+    """Token ids of a whole conversation as TITO builds it, with the assistant completions marked trainable
+    (built-in formats: the completion text as ``assistant_completion_text`` writes it, ended by ``<|im_end|>``)."""
     im_end = tokenizer.token_id(chat_template.IM_END)
     state: ThreadState | None = None
     conv = Conversation()
@@ -324,5 +364,6 @@ def render_demonstration(
             completion_ids=completion,
             returned=normalize_message(message),
             finished=True,
+            returned_message=message,
         )
     return conv

