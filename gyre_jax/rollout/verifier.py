@@ -372,6 +372,7 @@ class HarborVerifier:
         self._pins: dict[str, str] = {}  # task source -> tests_digest when first seen
         self._ready: set[VerifierNeeds] = set()  # needs found present on this machine
         self._startup = startup_files() if not sandbox.maps_paths else {}
+        self._strays = 0  # stray processes killed so far (sandbox "none"), by any verification of this executor
 
     def pin(self, tasks: Iterable[Task]) -> None:
         """Records each Harbor task's ``tests_digest`` the first time it is seen (before its harness runs)."""
@@ -433,9 +434,13 @@ class HarborVerifier:
         launch = Launch(argv=["bash", f"{tests_in}/test.sh"], cwd=ws, env=env, mounts=mounts, network="none",
                         limits=task_limits(task), image_context=image_context(task))  # fmt: skip
         suspect += workspace_links(workspace, ws)
-        suspect += self._kill_strays("before")
+        self._kill_strays()  # those left by earlier executions: dead before this run's files exist
+        strays_before = self._strays
         returncode = self._run(launch, out, timeout_s)
-        suspect += self._kill_strays("while")
+        self._kill_strays()  # before the reward is read: whatever was left running can write nothing more
+        if self._strays > strays_before:  # they may have written into this run's files, whoever killed them
+            suspect.append(f"{self._strays - strays_before} stray process(es) (detached, environment cleared) "
+                           "were killed while this verifier ran")  # fmt: skip
         shutil.rmtree(run_dir / "home", ignore_errors=True)
         os.replace(run_dir / "logs", out / "logs")
         run_dir.rmdir()
@@ -446,15 +451,14 @@ class HarborVerifier:
             )
         return read_verdict(out / "logs", suspect)
 
-    def _kill_strays(self, when: str) -> list[str]:
-        """Sandbox "none": kills processes left by earlier executions that cleared their environment (bwrap and
-        docker end everything with the sandbox)."""
+    def _kill_strays(self) -> None:
+        """Sandbox "none": kills the processes left by executions that detached and cleared their environment, and
+        counts them (bwrap and docker end everything with the sandbox)."""
         if self.sandbox.maps_paths:
-            return []
+            return
         killed = kill_strays()
-        if not killed:
-            return []
-        return [f"killed {len(killed)} stray process(es) {when} the verifier ran (detached, environment cleared)"]
+        with self._lock:
+            self._strays += len(killed)
 
     def _run(self, launch: Launch, out: Path, timeout_s: float) -> int | None:
         """Runs test.sh to its end (its group killed, then whatever left the group); its exit status."""

@@ -6,7 +6,7 @@ workspace is imported. The driver hands it two inherited descriptors (``GYRE_REP
 reads the run's secret nonce from the second, closes both originals (duplicates that tests' subprocesses do not
 inherit) and writes one JSON line per event to the first, each with the nonce and a sequence number:
 
-    {"t": "start"} | {"t": "item", "id": nodeid} | {"t": "collect_error", "id": nodeid}
+    {"t": "start"} | {"t": "item", "id": nodeid} | {"t": "collect_error", "id": nodeid, "skipped": bool}
     | {"t": "test", "id": nodeid, "ok": bool, "why": str} | {"t": "tamper", "why": str}
     | {"t": "finish", "status": int}
 
@@ -341,8 +341,8 @@ def pytest_configure(config) -> None:
 
 def pytest_collectreport(report) -> None:
     guard = _STATE.get("guard")
-    if guard is not None and report.failed:
-        guard.send({"t": "collect_error", "id": report.nodeid})
+    if guard is not None and (report.failed or report.skipped):  # a module that failed to import or skipped itself
+        guard.send({"t": "collect_error", "id": report.nodeid, "skipped": bool(report.skipped)})
 
 
 def pytest_collection_finish(session) -> None:
