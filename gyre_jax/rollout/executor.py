@@ -240,9 +240,7 @@ class Executor:
         self.evaluator_timeout_s = float(evaluator_timeout_s)
         self.harness_cmd = list(harness_cmd) if harness_cmd is not None else list(DEFAULT_HARNESS_CMD)
         if isinstance(evaluator, (list, tuple)):  # a command: runs in the workspace, prints a score in [0, 1]
-            evaluator = CommandEvaluator(
-                evaluator, timeout_s=self.evaluator_timeout_s, kill_grace_s=min(float(kill_grace_s), 1.0)
-            )
+            evaluator = CommandEvaluator(evaluator, self.evaluator_timeout_s, kill_grace_s=min(kill_grace_s, 1.0))
             evaluator.check()  # a command that is not there fails now, not as one exclusion per execution
         if evaluator is not None and not callable(evaluator):
             raise ValueError(

@@ -142,13 +142,11 @@ def drain(fd: int, data: bytes) -> tuple[bytes, bool]:
     return bytes(buf), flooded
 
 
-def judge(data: bytes, nonce: str, expected: list[str] | None, returncode: int | None, timed_out: bool,
-          flooded: bool, log_tail: str) -> dict:  # fmt: skip
-    """The verdict from the channel: {"reward": float | None, "unavailable": str | None, "suspect": [str],
-    "tests": {id: ok}, ...}."""
-    suspect: list[str] = []
-    started, finish, seq, foreign = None, None, 0, 0
-    items, collect_errors, tests = [], [], {}
+def parse_channel(data: bytes, nonce: str) -> dict:
+    """The guard's events from the channel's bytes: {"started", "finish", "items", "collect_errors", "tests",
+    "suspect"}; lines without the nonce, out of sequence or repeated are signs of tampering."""
+    out = {"started": None, "finish": None, "items": [], "collect_errors": [], "tests": {}, "suspect": []}
+    seq, foreign = 0, 0
     for raw in data.splitlines():
         try:
             event = json.loads(raw)
@@ -159,39 +157,50 @@ def judge(data: bytes, nonce: str, expected: list[str] | None, returncode: int |
             foreign += 1
             continue
         if event.get("seq") != seq + 1:
-            suspect.append(
+            out["suspect"].append(
                 f"the report channel's sequence broke at {seq} -> {event.get('seq')!r} (lines replayed or injected)"
             )
         seq = event.get("seq") if isinstance(event.get("seq"), int) else seq + 1
-        kind = event.get("t")
+        kind, test_id = event.get("t"), str(event.get("id"))
         if kind == "start":
-            started = event
-        elif kind == "item":
-            items.append(str(event.get("id")))
-        elif kind == "collect_error":
-            collect_errors.append(str(event.get("id")))
-        elif kind == "test":
-            test_id = str(event.get("id"))
-            if test_id in tests:
-                suspect.append(f"test {test_id} was reported twice")
-            tests[test_id] = event.get("ok") is True
-        elif kind == "tamper":
-            suspect.append(str(event.get("why")))
+            out["started"] = event
         elif kind == "finish":
-            finish = event.get("status")
+            out["finish"] = event.get("status")
+        elif kind == "item":
+            out["items"].append(test_id)
+        elif kind == "collect_error":
+            out["collect_errors"].append(test_id)
+        elif kind == "tamper":
+            out["suspect"].append(str(event.get("why")))
+        elif kind == "test":
+            if test_id in out["tests"]:
+                out["suspect"].append(f"test {test_id} was reported twice")
+            out["tests"][test_id] = event.get("ok") is True
     if foreign:
-        suspect.append(f"{foreign} line(s) on the report channel were not written by the guard (no or a wrong nonce)")
+        out["suspect"].append(
+            f"{foreign} line(s) on the report channel were not written by the guard (no or a wrong nonce)"
+        )
+    return out
+
+
+def judge(data: bytes, nonce: str, expected: list[str] | None, returncode: int | None, timed_out: bool,
+          flooded: bool, log_tail: str) -> dict:  # fmt: skip
+    """The verdict from the channel: {"reward": float | None, "unavailable": str | None, "suspect": [str],
+    "tests": {id: ok}, ...}."""
+    ev = parse_channel(data, nonce)
+    items, collect_errors, tests, suspect, finish = (
+        ev[k] for k in ("items", "collect_errors", "tests", "suspect", "finish")
+    )
     if flooded:
         suspect.append(f"the report channel was flooded past {MAX_CHANNEL_BYTES} bytes")
     verdict = {"reward": None, "unavailable": None, "suspect": suspect, "tests": tests, "collected": len(items),
                "collect_errors": collect_errors, "returncode": returncode, "timed_out": timed_out,
                "pytest_status": finish}  # fmt: skip
-    if started is None:
+    if ev["started"] is None:
         how = "within the time limit" if timed_out else f"(exit status {returncode})"
         verdict["unavailable"] = f"pytest did not start {how}: {log_tail}"
         return verdict
-    ran = bool(tests) or bool(collect_errors)
-    if finish in (3, 4) and not ran:
+    if finish in (3, 4) and not tests and not collect_errors:
         verdict["unavailable"] = (
             f"pytest stopped with status {finish} (internal or usage error) before any test: {log_tail}"
         )
@@ -208,12 +217,9 @@ def judge(data: bytes, nonce: str, expected: list[str] | None, returncode: int |
         if undeclared:
             suspect.append(f"{len(undeclared)} collected test(s) are not in the expected list: {undeclared[:5]}")
     want = expected if expected is not None else items
-    if not want:
-        verdict["reward"] = 0.0  # nothing was collected because the workspace's code broke the import
-    else:
-        verdict["reward"] = round(sum(tests.get(t) is True for t in want) / len(want), 4)
-    verdict["expected"] = len(want)
-    verdict["passed"] = sum(tests.get(t) is True for t in want)
+    passed = sum(tests.get(t) is True for t in want)
+    # nothing to count: nothing was collected because the workspace's code broke the import
+    verdict.update(reward=round(passed / len(want), 4) if want else 0.0, expected=len(want), passed=passed)
     return verdict
 
 
