@@ -1,6 +1,7 @@
 """Soak run (issue 44, item 4): the default config with the elastic policy for many RL steps, watching the trainer
 for anything that grows without bound: its resident memory, open file descriptors, threads, child processes and
-the run directory's size, sampled at every step; then ``gyre_jax.audit`` over the run (0 executions lost or
+the run directory's size (and each of its subdirectories': records, executions, checkpoints grow by design,
+one entry per execution or step), sampled at every step; then ``gyre_jax.audit`` over the run (0 executions lost or
 doubled).
 
     python benchmarks/soak.py --steps 300 --workdir runs/soak          # the full run (hours; resumable)
@@ -41,8 +42,10 @@ def proc_sample(pid: int, workdir: Path) -> dict | None:
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     rss_kib = int(fields.get("VmRSS", "0 kB").split()[0])
     threads = int(fields.get("Threads", "0").strip())
+    parts = {p.name: round(dir_bytes(p) / 2**20, 2) for p in sorted(workdir.iterdir()) if p.is_dir()}
     return {"t": round(time.time(), 2), "rss_mib": round(rss_kib / 1024, 1), "fds": fds, "threads": threads,
-            "children": len(descendants(pid)), "run_dir_mib": round(dir_bytes(workdir) / 2**20, 2)}  # fmt: skip
+            "children": len(descendants(pid)), "run_dir_mib": round(dir_bytes(workdir) / 2**20, 2),
+            "run_dir_parts_mib": parts}  # fmt: skip
 
 
 def descendants(root: int) -> list[int]:
