@@ -228,6 +228,7 @@ def preflight(config) -> list[str]:
     version other than the pinned one)."""
     from gyre_jax.rollout.harnesses import HarnessMissing, check_harness
     from gyre_jax.rollout.sandbox import SandboxUnavailable, make_sandbox
+    from gyre_jax.rollout.verifier import verifier_problem
 
     r = config.rollout
     sandbox = make_sandbox(r.sandbox, proxy_address=None, state_dir=Path(tempfile.gettempdir()))
@@ -238,6 +239,9 @@ def preflight(config) -> list[str]:
         raise PreflightError(message) from None
     finally:
         sandbox.close()
+    problem = verifier_problem(r.suite, r.sandbox)  # the suite's verifiers' runner (task.toml [verifier.requires])
+    if problem:
+        raise PreflightError(problem)
     spec = r.harness_spec()
     path = harness_env("", "", {k: v for k, v in spec.env.items() if k == "PATH"})["PATH"]
     try:

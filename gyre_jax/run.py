@@ -430,7 +430,10 @@ class Run:
             "pass_rate": float(np.mean([v >= 1.0 for v in valid])) if valid else float("nan"),
             "policy_version": int(self.state.step),
             **{k: counts[k] for k in ("reward_mean", "excluded", "timeouts", "crashed", "executions")},
-            **{k: counts[k] for k in ("evaluator_failures", "evaluator_timeouts")},
+            **{
+                k: counts[k]
+                for k in ("evaluator_failures", "evaluator_timeouts", "evaluator_unavailable", "reward_suspect")
+            },
             **learner_metrics,
         }
         self.rundir.metrics.write(step, metrics)

@@ -243,6 +243,7 @@ def _executor(config, proxy: ProxyServer, workdir, suite, multi_process: bool) -
         max_parallel=r.max_parallel, temperature=r.temperature, max_tokens=r.max_tokens_per_call,
         evaluator_timeout_s=r.evaluator_timeout_s, harness_cmd=harness.cmd, extra_env=harness.env,
         harness_files=harness.files, sandbox=sandbox, max_workspace_bytes=(r.max_workspace_mb << 20) or None,
+        exclude_suspect=r.exclude_suspect_rewards,
     )  # fmt: skip
     if multi_process:
         runtime.add_failure_hook(executor.cancel)

@@ -296,6 +296,8 @@ class RolloutSection(Section):
     evaluator_timeout_s: float = 30.0
     # a harness whose workspace grows past this many MiB is killed (killed_reason "workspace_full"); 0: no cap
     max_workspace_mb: int = 0
+    # an execution whose evaluator finds signs of reward tampering (reward_suspect) is excluded; False: kept, flagged
+    exclude_suspect_rewards: bool = True
     # task kind "longlog" (task_kinds=("longlog",), harness "long"; docs/tasks.md): sizes in characters (= tokens
     # with the byte tokenizer). Each task's logs/ holds long_files files of long_file_chars; the harness reads them
     # in pieces of long_read_chars (a model call each), gives every long_subagent_every-th file to a sub-agent

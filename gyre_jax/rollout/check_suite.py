@@ -2,12 +2,16 @@
 every untouched starting workspace scores below a bound.
 
 Run: ``python -m gyre_jax.rollout.check_suite SUITE [--sandbox bwrap] [--tasks a,b] [--max-start 0.2]
-[--parallel 2] [--json out.json]`` where SUITE is a directory of Harbor tasks (or ``harbor:<dir>`` /
-``jsonl:<file>``). For each task two executions run exactly as in training, with a different harness: the
-oracle (``bash /solution/solve.sh``, the task's ``solution/`` mounted read-only) and nothing (``true``:
-the starting state). No model is called (the harness gets a proxy URL nothing listens on). Prints one row
-per task and exits 1 when an oracle scores below 1.0, a starting state scores ``--max-start`` or more, or an
-execution is excluded (its reason is printed).
+[--parallel 2] [--json out.json] [--write-expected]`` where SUITE is a directory of Harbor tasks (or
+``harbor:<dir>`` / ``jsonl:<file>``). First, what the suite's verifiers need (task.toml
+``[verifier.requires]``) is checked: a missing runner stops it with exit 2 and the install line, before any
+work. Then for each task two executions run exactly as in training, with a different harness: the oracle
+(``bash /solution/solve.sh``, the task's ``solution/`` mounted read-only) and nothing (``true``: the starting
+state). No model is called (the harness gets a proxy URL nothing listens on). Prints one row per task and
+exits 1 when an oracle scores below 1.0, a starting state scores ``--max-start`` or more, or an execution is
+excluded or flagged ``reward_suspect`` (its reason is printed). ``--write-expected`` writes each task's
+``tests/expected_tests.txt`` from the tests its oracle run collected (the verifier kit's driver scores against
+that list: a test the tested code hides or adds does not change the denominator).
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from gyre_jax.rollout.evaluators import EvaluatorUnavailable
 from gyre_jax.rollout.executor import ExecutionResult, ExecutionSpec, Executor
 from gyre_jax.rollout.sandbox import SANDBOXES, SandboxUnavailable, make_sandbox
 from gyre_jax.rollout.suites import SuiteError, load_tasks
 from gyre_jax.rollout.tasks import Task
+from gyre_jax.rollout.verifier import check_needs
 
 ORACLE_CMD = ("bash", "{solution}/solve.sh")
 START_CMD = ("true",)
@@ -61,6 +67,7 @@ def table(tasks: list[Task], start: list[ExecutionResult], oracle: list[Executio
             "task": t.task_id, "difficulty": t.metadata.get("difficulty", ""), "start": s.reward, "oracle": o.reward,
             "oracle_s": round(o.duration_s, 2), "start_excluded": s.exclusion_reason,
             "oracle_excluded": o.exclusion_reason, "oracle_status": o.status, "sandbox": o.sandbox,
+            "start_suspect": s.reward_suspect, "oracle_suspect": o.reward_suspect,
         })  # fmt: skip
     return rows
 
@@ -72,11 +79,26 @@ def failures(rows: list[dict], max_start: float) -> list[str]:
         if r["oracle"] is None or r["start"] is None:
             out.append(f"{r['task']}: excluded: {r['oracle_excluded'] or r['start_excluded']}")
             continue
+        if r["oracle_suspect"] or r["start_suspect"]:
+            out.append(f"{r['task']}: flagged reward_suspect: {r['oracle_suspect'] or r['start_suspect']}")
         if r["oracle"] < 1.0:
             out.append(f"{r['task']}: the oracle scored {r['oracle']} (status {r['oracle_status']}), expected 1.0")
         if r["start"] >= max_start:
             out.append(f"{r['task']}: the starting state scored {r['start']}, expected < {max_start}")
     return out
+
+
+def write_expected(tasks: list[Task], oracle: list[ExecutionResult]) -> None:
+    """Each task's ``tests/expected_tests.txt``: the test ids its oracle's verifier ran (the kit driver's
+    ``summary.json``); a task whose verifier is not the kit driver is left alone."""
+    for task, result in zip(tasks, oracle):
+        summary = Path(result.workspace).parent / "verifier" / "logs" / "verifier" / "summary.json"
+        if not summary.is_file():
+            continue
+        ids = sorted(json.loads(summary.read_text(encoding="utf-8")).get("tests", {}))
+        head = "# the tests the verifier must run (check_suite --write-expected, from the oracle's run)\n"
+        (Path(task.source) / "tests" / "expected_tests.txt").write_text(head + "".join(i + "\n" for i in ids))
+        print(f"wrote {len(ids)} test ids to {Path(task.source) / 'tests' / 'expected_tests.txt'}")
 
 
 def print_table(rows: list[dict]) -> None:
@@ -97,6 +119,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600.0, help="oracle time limit when task.toml has none")
     parser.add_argument("--json", default="", help="also write the rows to this file")
+    parser.add_argument("--write-expected", action="store_true",
+                        help="write each task's tests/expected_tests.txt from its oracle run's collected tests")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -106,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tasks, suite_root = load_tasks(spec)
         make_sandbox(args.sandbox, proxy_address=None, state_dir=Path(tempfile.gettempdir())).check()
-    except (SuiteError, SandboxUnavailable) as exc:
+        check_needs(tasks, args.sandbox)
+    except (SuiteError, SandboxUnavailable, EvaluatorUnavailable, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     wanted = [n for n in args.tasks.split(",") if n]
@@ -120,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         start = run_mode(tasks, START_CMD, root / "start", args.sandbox, suite_root, args.parallel, args.timeout)
         oracle = run_mode(tasks, ORACLE_CMD, root / "oracle", args.sandbox, suite_root, args.parallel, args.timeout)
+        if args.write_expected:
+            write_expected(tasks, oracle)
     rows = table(tasks, start, oracle)
     print_table(rows)
     bad = failures(rows, args.max_start)

@@ -26,8 +26,9 @@ Serialized form of an ``ExecutionResult`` (``to_dict``)::
     {"execution_id": str, "task_id": str, "group_id": str,
      "status": "finished" | "timeout" | "crashed", "reward": float | null, "excluded": bool,
      "exclusion_reason": str | null, "returncode": int | null, "duration_s": float, "workspace": str,
-     "exclusion_kind": null | "evaluator_error" | "evaluator_timeout" | "evaluator_bad_value" | "setup_failed"
-                       | "executor_error" | "cancelled",
+     "exclusion_kind": null | "evaluator_error" | "evaluator_timeout" | "evaluator_bad_value"
+                       | "evaluator_unavailable" | "reward_suspect" | "setup_failed" | "executor_error" | "cancelled",
+     "reward_suspect": null | str,
      "sandbox": null | {"backend", "network", "cpus", "memory_mb", "allow_internet", "limits", "not_applied", ...},
      "killed_reason": null | "timeout" | "workspace_full"}
 
@@ -79,6 +80,8 @@ EXCLUSION_KINDS = (
     "evaluator_error",
     "evaluator_timeout",
     "evaluator_bad_value",
+    "evaluator_unavailable",
+    "reward_suspect",
     "setup_failed",
     "executor_error",
     "cancelled",
@@ -128,6 +131,8 @@ class ExecutionResult:
     sandbox: dict[str, Any] | None = None  # how the harness was isolated and limited (Prepared.applied)
     # why the executor killed the harness before it exited: None | "timeout" | "workspace_full" (process_group)
     killed_reason: str | None = None
+    # signs that the execution tampered with its own reward (evaluators.RewardSuspect), scored or excluded
+    reward_suspect: str | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -158,8 +163,10 @@ class ExecutionResult:
 
 
 def summarize(results: Sequence[ExecutionResult]) -> dict[str, float]:
-    """Counts for metrics: executions, finished / timeout / crashed, excluded, and evaluator failures
-    (crash, timeout or a bad value: excluded, not scored 0), with the mean reward of the scored ones."""
+    """Counts for metrics: executions, finished / timeout / crashed, excluded, evaluator failures (crash, timeout,
+    a bad value or an evaluator that could not run: excluded, not scored 0), the evaluators that could not run,
+    the executions suspected of tampering with their reward (excluded or not), and the mean reward of the
+    scored ones."""
     scored = [r.reward for r in results if r.reward is not None]
     kinds = Counter(r.exclusion_kind for r in results if r.excluded)
     return {
@@ -168,8 +175,12 @@ def summarize(results: Sequence[ExecutionResult]) -> dict[str, float]:
         "timeouts": sum(r.status == "timeout" for r in results),
         "crashed": sum(r.status == "crashed" for r in results),
         "excluded": sum(r.excluded for r in results),
-        "evaluator_failures": sum(kinds[k] for k in ("evaluator_error", "evaluator_timeout", "evaluator_bad_value")),
+        "evaluator_failures": sum(
+            kinds[k] for k in ("evaluator_error", "evaluator_timeout", "evaluator_bad_value", "evaluator_unavailable")
+        ),
         "evaluator_timeouts": kinds["evaluator_timeout"],
+        "evaluator_unavailable": kinds["evaluator_unavailable"],
+        "reward_suspect": sum(r.reward_suspect is not None for r in results),
         "reward_mean": sum(scored) / len(scored) if scored else float("nan"),
     }
 
@@ -190,7 +201,9 @@ class Executor:
     ``evaluators.CommandEvaluator``) or a callable ``evaluator(task, workspace) -> float in [0, 1]``;
     it runs in a daemon thread under ``evaluator_timeout_s``; a raise,
     a timeout or an out-of-range value excludes the execution (a hung evaluator thread is abandoned,
-    since Python threads cannot be killed).
+    since Python threads cannot be killed). An execution whose evaluator finds signs of tampering with the
+    reward (``evaluators.RewardSuspect``) is flagged ``reward_suspect`` and excluded unless
+    ``exclude_suspect`` is False (then it keeps the reward it scored, still flagged).
     """
 
     def __init__(
@@ -213,6 +226,7 @@ class Executor:
         mount_solution: bool = False,
         network: str = "proxy",
         max_workspace_bytes: int | None = None,
+        exclude_suspect: bool = True,
     ) -> None:
         _check_arguments(timeout_s, evaluator_timeout_s, kill_grace_s, max_parallel, harness_cmd, network)
         self.registry = registry
@@ -226,9 +240,8 @@ class Executor:
         self.evaluator_timeout_s = float(evaluator_timeout_s)
         self.harness_cmd = list(harness_cmd) if harness_cmd is not None else list(DEFAULT_HARNESS_CMD)
         if isinstance(evaluator, (list, tuple)):  # a command: runs in the workspace, prints a score in [0, 1]
-            evaluator = CommandEvaluator(
-                evaluator, timeout_s=self.evaluator_timeout_s, kill_grace_s=min(float(kill_grace_s), 1.0)
-            )
+            evaluator = CommandEvaluator(evaluator, self.evaluator_timeout_s, kill_grace_s=min(kill_grace_s, 1.0))
+            evaluator.check()  # a command that is not there fails now, not as one exclusion per execution
         if evaluator is not None and not callable(evaluator):
             raise ValueError(
                 f"evaluator={evaluator!r} must be a callable (task, workspace) -> float or a command (list of str)"
@@ -246,6 +259,7 @@ class Executor:
         if max_workspace_bytes is not None and (isinstance(max_workspace_bytes, bool) or max_workspace_bytes < 1):
             raise ValueError(f"max_workspace_bytes={max_workspace_bytes!r} must be a positive number of bytes or None")
         self.max_workspace_bytes = max_workspace_bytes
+        self.exclude_suspect = bool(exclude_suspect)
         for rel in self.harness_files:
             _check_relative(rel)
         templates.check_task_fields([*self.harness_cmd, *self.extra_env.values(), *self.harness_files.values()])
@@ -277,6 +291,7 @@ class Executor:
         for spec in specs:
             _check_execution_id(spec.execution_id)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.verifier.pin(spec.task for spec in specs)  # before any harness runs: tests/ as they are now
         callback_errors: list[tuple[str, BaseException]] = []
 
         def work(spec: ExecutionSpec) -> ExecutionResult:
@@ -314,6 +329,7 @@ class Executor:
         elastic controller starts an execution only when a serving slot is free)."""
         _check_execution_id(spec.execution_id)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.verifier.pin([spec.task])
 
         def work() -> None:
             try:
@@ -338,9 +354,9 @@ class Executor:
         applied: dict[str, Any] = {}  # what the sandbox applied, once the harness started
         killed: list[str | None] = [None]
 
-        def result(status, reward, reason, returncode, duration, kind=None) -> ExecutionResult:  # written to disk
+        def result(status, reward, reason, returncode, duration, kind=None, suspect=None) -> ExecutionResult:
             r = _result(spec, workspace, status, reward, reason, returncode, duration, kind)
-            r.sandbox, r.killed_reason = applied or None, killed[0]
+            r.sandbox, r.killed_reason, r.reward_suspect = applied or None, killed[0], suspect
             _write_result(exec_dir, r)
             return r
 
@@ -376,8 +392,9 @@ class Executor:
         if cancelled:
             return result("crashed", None, "cancelled", returncode, duration, "cancelled")
         evaluator, timeout_s = self._evaluator_for(spec.task)
-        reward, reason, kind = run_evaluator(evaluator, spec.task, workspace, timeout_s, lambda: self._procs.cancelled)
-        return result(status, reward, reason, returncode, duration, kind)
+        ev = run_evaluator(evaluator, spec.task, workspace, timeout_s, lambda: self._procs.cancelled,
+                           exclude_suspect=self.exclude_suspect)  # fmt: skip
+        return result(status, ev.reward, ev.reason, returncode, duration, ev.kind, ev.suspect)
 
     def _evaluator_for(self, task: Task) -> tuple[Evaluator, float]:
         """The evaluator of ``task`` and its time limit: the executor's own if given, else the Harbor verifier

@@ -123,6 +123,48 @@ def sweep(mark: str, grace_s: float, exclude: int | None = None, rounds: int = 2
     return sorted(killed)
 
 
+def kill_strays() -> list[int]:
+    """Kills (SIGKILL) and reaps the strays of this subreaper, with everything below them: its children that are
+    in a session of their own and carry no launch mark (``MARK_ENV``) in their environment. A harness or
+    verifier this process started carries its mark; a process that detached from one (``setsid``, a double
+    fork) was reparented here, and if it also cleared its environment (``env -i``) ``sweep`` cannot find it.
+    Returns the pids killed (the strays themselves)."""
+    me, my_session = os.getpid(), os.getsid(0)
+    needle = f"{MARK_ENV}=".encode()
+    parents: dict[int, list[int]] = {}
+    strays = []
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        stat = _proc_stat(entry)
+        if stat is None or stat[0] == b"Z":
+            continue
+        parents.setdefault(stat[1], []).append(int(entry))
+        if stat[1] != me or stat[3] == my_session:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if not any(var.startswith(needle) for var in environ.split(b"\0")):
+            strays.append(int(entry))
+    victims, stack = [], list(strays)
+    while stack:
+        pid = stack.pop()
+        victims.append(pid)
+        stack += parents.get(pid, [])
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _reap(set(strays), None, within_s=1.0 if strays else 0.0)
+    return strays
+
+
 def _zombie_children(leader: int) -> list[int]:
     """Our zombie children in the process group or session ``leader`` (orphans of a launch, reparented to this
     subreaper after they died: their environment can no longer be read)."""

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path, PurePosixPath
@@ -578,7 +580,9 @@ def evaluate(task: Task, workspace: Path) -> float:
     """Reward in [0, 1] of ``workspace`` for ``task``: mean partial credit over ``task.expected`` (for the
     ``longlog`` kind, ``numeric_credit``).
 
-    A missing (or non-file) answer scores 0. Raises ``FileNotFoundError``/``NotADirectoryError`` when
+    A missing answer scores 0, and so does one that is not a regular file of the workspace (a symlink, which is
+    not followed, a FIFO, a device, a hard link to a file elsewhere: what the agent cannot write honestly); only
+    its first ``MAX_ANSWER_BYTES`` are read. Raises ``FileNotFoundError``/``NotADirectoryError`` when
     the workspace itself does not exist: that is an infrastructure failure, and the executor then
     excludes the execution instead of scoring it.
     """
@@ -589,10 +593,28 @@ def evaluate(task: Task, workspace: Path) -> float:
         raise NotADirectoryError(f"workspace {workspace} of task {task.task_id} is not a directory; cannot evaluate")
     scores = []
     for rel, want in task.expected.items():
-        path = workspace / rel
-        if not path.is_file():
+        got = _read_answer(workspace / rel)
+        if got is None:
             scores.append(0.0)
             continue
-        got = path.read_bytes().decode("utf-8", errors="replace")
         scores.append(numeric_credit(want, got) if task.kind == LONG_KIND else partial_credit(want, got))
     return sum(scores) / len(scores)
+
+
+MAX_ANSWER_BYTES = 1 << 20
+
+
+def _read_answer(path: Path) -> str | None:
+    """The text of an answer file (its first ``MAX_ANSWER_BYTES``), or None unless it is a regular file with one
+    link, opened without following a symlink or blocking on a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            return None
+        return os.read(fd, MAX_ANSWER_BYTES).decode("utf-8", errors="replace")
+    finally:
+        os.close(fd)

@@ -1,29 +1,60 @@
-"""The Harbor verifier: a task's ``tests/test.sh`` run over the final workspace, in a fresh sandbox.
+"""The Harbor verifier: a task's ``tests/test.sh`` run over the final workspace, in a fresh sandbox, so that what
+the agent controls cannot change its reward, and a verifier that cannot run never produces one.
 
-The verifier sees the workspace at the task's workdir (``/app``), the task's ``tests/`` read-only at
-``/tests`` (mounted only now: the agent never saw it) and an empty ``/logs``; no network, and an
-environment of its own (PATH, a home in /tmp, locale, ``task.toml``'s ``[verifier] env`` and
-``GYRE_WORKSPACE`` / ``GYRE_TESTS`` / ``GYRE_LOGS``, the paths it sees): none of the agent's variables,
-keys or URLs. It writes the reward to ``/logs/verifier/reward.txt`` (a number) or ``reward.json``
-(``{"reward": x}`` or a number). Without a sandbox (``sandbox="none"``) the paths are the host's: a task
-whose test.sh hard-codes /app, /tests or /logs needs ``bwrap`` or ``docker``; the bundled suite reads the
-``GYRE_*`` variables first.
+The verifier sees the workspace at the task's workdir (``/app``), the task's ``tests/`` read-only at ``/tests``
+(mounted only now: the agent never saw it), an empty ``/logs`` (a fresh directory of a random name on the host),
+the verifier kit read-only at ``/gyre-verifier`` (``GYRE_VERIFIER``: ``verifier_kit/``), no network, and an
+environment built from nothing: PATH, a fresh home, locale, ``task.toml``'s ``[verifier] env``, ``GYRE_WORKSPACE``
+/ ``GYRE_TESTS`` / ``GYRE_LOGS`` (the paths it sees), ``GYRE_VERIFIER_TIMEOUT_S``, and a Python that cannot be
+shadowed by the workspace (``PYTHONSAFEPATH=1``, ``PYTHONNOUSERSITE=1``, the kit's ``sitecustomize`` putting the
+workspace *last* on ``sys.path``): none of the agent's variables, keys or URLs. It writes the reward to
+``/logs/verifier/reward.txt`` (a number) or ``reward.json`` (``{"reward": x}`` or a number); ``suspect.txt`` there
+flags the execution ``reward_suspect`` (a line per sign of tampering), ``unavailable.txt`` says the verifier could
+not run (no reward is read then). Without a sandbox (``sandbox="none"``) the paths are the host's: a task whose
+test.sh hard-codes /app, /tests or /logs needs ``bwrap`` or ``docker``; the bundled suite reads the ``GYRE_*``
+variables first.
 
-Outputs per execution, in ``<execution dir>/verifier/``: ``verifier/reward.txt|json`` (what test.sh
-wrote), ``test.stdout``, ``test.stderr``.
+What a suite's verifier needs is declared in task.toml (``[verifier.requires]``: ``commands``,
+``python_modules``, ``install``) and checked before any work (``check_needs``; ``build.preflight`` and
+``check_suite`` refuse with the install line) and again, once per task, before its first verification.
+
+Around each run (docs/reliability.md has the classes of hacks each step closes): the task's ``tests/`` must
+hash as when the executor first saw it (``pin``); the workspace may hold no symlink out of it and no hard link
+to a file outside (``workspace_links``); with sandbox "none", the verifier interpreter's start-up files (``.pth``,
+``sitecustomize``, the pytest package) must be as they were, and processes left by earlier executions that
+cleared their environment are killed first (``process_group.kill_strays``). A test.sh killed by a signal gives no
+reward (the tested code may have killed its verifier); the reward files are read without following links.
+
+Outputs per execution, in ``<execution dir>/verifier/``: ``logs/verifier/reward.txt|json`` (what test.sh
+wrote; ``suspect.txt``, ``unavailable.txt``, and the bundled driver's ``summary.json`` and ``pytest.log``),
+``test.stdout``, ``test.stderr``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import hashlib
+import importlib.util
 import json
 import os
+import secrets
 import shutil
+import signal
+import site
+import stat
 import subprocess
 import sys
+import sysconfig
+import threading
 import time
+import tomllib
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
-from gyre_jax.rollout.process_group import kill_group
+from gyre_jax.rollout.evaluators import EvaluatorUnavailable, RewardSuspect
+from gyre_jax.rollout.process_group import MARK_ENV, kill_group, kill_strays, sweep
 from gyre_jax.rollout.sandbox import Launch, Limits, Mount, Sandbox
 from gyre_jax.rollout.suites import DEFAULT_WORKDIR
 from gyre_jax.rollout.tasks import Task
@@ -31,6 +62,12 @@ from gyre_jax.rollout.tasks import Task
 TESTS_INSIDE = "/tests"
 LOGS_INSIDE = "/logs"
 SOLUTION_INSIDE = "/solution"
+KIT_DIR = Path(__file__).resolve().with_name("verifier_kit")  # mounted read-only at KIT_INSIDE
+KIT_INSIDE = "/gyre-verifier"
+MAX_REWARD_BYTES = 64 * 1024  # what is read of reward.txt / reward.json / suspect.txt / unavailable.txt
+# Where a workspace symlink may point besides the workspace: the read-only system and this interpreter.
+SYSTEM_PREFIXES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/dev/null")
+NEEDS_KEYS = ("commands", "python_modules", "install")
 
 
 def task_limits(task: Task) -> Limits:
@@ -60,18 +97,232 @@ def base_env() -> dict[str, str]:
     return {"PATH": path, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
+def verifier_env(task: Task, paths: dict[str, str], home: str, timeout_s: float) -> dict[str, str]:
+    """test.sh's whole environment (the module docstring): ``paths`` maps workspace / tests / logs / kit to the
+    paths the verifier sees. The task's ``[verifier] env`` comes before the Python hardening, which wins (a
+    ``PYTHONPATH`` of the task goes after the kit's)."""
+    env = {**base_env(), **task.verifier_env}
+    extra = env.get("PYTHONPATH", "")
+    env.update(
+        HOME=home,
+        GYRE_WORKSPACE=paths["workspace"],
+        GYRE_TESTS=paths["tests"],
+        GYRE_LOGS=paths["logs"],
+        GYRE_VERIFIER=paths["kit"],
+        GYRE_VERIFIER_TIMEOUT_S=f"{timeout_s:g}",
+        PYTHONPATH=os.pathsep.join([paths["kit"], *([extra] if extra else [])]),
+        PYTHONSAFEPATH="1",
+        PYTHONNOUSERSITE="1",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    return env
+
+
+@dataclass(frozen=True)
+class VerifierNeeds:
+    """What a task's verifier needs on the machine that runs it (task.toml ``[verifier.requires]``): commands on
+    the verifier's PATH, Python modules importable by its ``python3``, and the line that installs them."""
+
+    commands: tuple[str, ...] = ()
+    python_modules: tuple[str, ...] = ()
+    install: str = ""
+
+    @classmethod
+    def of(cls, task: Task) -> VerifierNeeds:
+        """The task's declaration (none: nothing needed); ValueError naming the key when malformed."""
+        if not task.source or not (Path(task.source) / "task.toml").is_file():
+            return cls()
+        table = tomllib.loads((Path(task.source) / "task.toml").read_text(encoding="utf-8"))
+        needs = table.get("verifier", {}).get("requires", {})
+        where = f"task {task.task_id}: task.toml [verifier.requires]"
+        if not isinstance(needs, dict) or set(needs) - set(NEEDS_KEYS):
+            raise ValueError(f"{where} must be a table with the keys {NEEDS_KEYS}, got {needs!r}")
+        lists = {k: needs.get(k, []) for k in ("commands", "python_modules")}
+        for key, value in lists.items():
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"{where} {key} must be a list of names, got {value!r}")
+        if not isinstance(needs.get("install", ""), str):
+            raise ValueError(f"{where} install must be a string (the command that installs what is listed)")
+        return cls(tuple(lists["commands"]), tuple(lists["python_modules"]), needs.get("install", ""))
+
+    def missing(self, path: str) -> list[str]:
+        """What of it is not found with the verifier's ``path`` (each as a phrase)."""
+        out = [f"the command {c!r}" for c in self.commands if shutil.which(c, path=path) is None]
+        if not self.python_modules:
+            return out
+        python = shutil.which("python3", path=path)
+        if python is None:
+            return [*out, "python3 (for the Python modules " + ", ".join(self.python_modules) + ")"]
+        probe = "import importlib.util as u, sys; print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))"
+        try:
+            done = subprocess.run([python, "-I", "-c", probe, *self.python_modules], capture_output=True, text=True,
+                                  timeout=120, env={"PATH": path, "PYTHONNOUSERSITE": "1"}, stdin=subprocess.DEVNULL)  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return [*out, f"a working {python} ({exc})"]
+        if done.returncode != 0:
+            return [*out, f"a working {python} (it failed: {done.stderr.strip()[-200:]})"]
+        return out + [f"the Python module {m!r} (for {python})" for m in done.stdout.split()]
+
+
+def check_needs(tasks: Iterable[Task], sandbox: str) -> None:
+    """Raises ``EvaluatorUnavailable`` naming the first task whose verifier needs something this machine lacks,
+    with its install line. The docker sandbox is not checked here: its images provide what they need."""
+    if sandbox == "docker":
+        return
+    path, seen = base_env()["PATH"], set()
+    for task in tasks:
+        needs = VerifierNeeds.of(task)
+        if needs in seen or not task.source:
+            continue
+        seen.add(needs)
+        missing = needs.missing(path)
+        if missing:
+            how = f"install it: {needs.install}" if needs.install else "install it"
+            raise EvaluatorUnavailable(
+                f"the verifier of task {task.task_id} needs {' and '.join(missing)}, which this machine lacks "
+                f"(task.toml [verifier.requires]); {how}, then run the same command again"
+            )
+
+
+def verifier_problem(suite: str, sandbox: str) -> str | None:
+    """For ``build.preflight``: why the suite's verifiers cannot run here (one line naming what to install), or
+    None. The builtin suite's evaluator needs nothing."""
+    from gyre_jax.rollout.suites import load_tasks, parse_suite_spec
+
+    if parse_suite_spec(suite)[0] == "builtin":
+        return None
+    tasks, _ = load_tasks(suite)
+    try:
+        check_needs(tasks, sandbox)
+    except (EvaluatorUnavailable, ValueError) as exc:
+        return f"config.rollout.suite={suite!r}: {exc}"
+    return None
+
+
+def tests_digest(task: Task) -> str:
+    """A hash of every file under the task's ``tests/`` (relative path and bytes; a symlink by its target)."""
+    digest, root = hashlib.sha256(), Path(task.source) / "tests"
+    for path in sorted(root.rglob("*")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        if path.is_symlink():
+            digest.update(b"link:" + os.readlink(path).encode())
+        elif path.is_file():
+            digest.update(path.read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _within(path: str, parent: str) -> bool:
+    parent = parent.rstrip("/") or "/"
+    return path == parent or path.startswith(parent + "/") or parent == "/"
+
+
+def workspace_links(workspace: Path, inside: str, max_entries: int = 200_000) -> list[str]:
+    """Symlinks of ``workspace`` whose target (as seen from ``inside``, where the verifier mounts it) leaves it
+    for anything but the read-only system or this interpreter, and hard links to files outside it: one line
+    each (at most 5 named)."""
+    allowed = [*SYSTEM_PREFIXES, sys.prefix, sys.base_prefix, os.path.realpath(sys.prefix)]
+    found, inodes, seen = [], {}, 0
+    for root, dirs, files in os.walk(workspace):
+        rel_root = os.path.relpath(root, workspace)
+        for name in dirs + files:
+            seen += 1
+            if seen > max_entries:
+                break
+            path = os.path.join(root, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            rel = os.path.normpath(os.path.join(rel_root, name))
+            if stat.S_ISLNK(st.st_mode):
+                text = os.readlink(path)
+                target = os.path.normpath(os.path.join(inside, rel_root, text))
+                if not _within(target, inside) and not any(_within(target, a) for a in allowed):
+                    found.append(f"{rel} -> {text}")
+            elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                count, _, first = inodes.get((st.st_dev, st.st_ino), (0, 0, rel))
+                inodes[(st.st_dev, st.st_ino)] = (count + 1, st.st_nlink, first)
+    found += [f"{rel} is a hard link to a file outside the workspace" for n, links, rel in inodes.values() if n < links]
+    if not found:
+        return []
+    more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
+    return [f"the workspace links out of itself: {', '.join(found[:5])}{more}"]
+
+
+def startup_files() -> dict[str, tuple[int, int, int]]:
+    """(mtime, size, inode) of what the verifier's Python runs at start or as its test runner: ``*.pth``,
+    ``sitecustomize`` and ``usercustomize`` of its site and standard-library directories, and every file of the
+    pytest, _pytest and pluggy packages (with sandbox "none" an agent could rewrite them)."""
+    dirs = {*site.getsitepackages(), sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]}
+    files = []
+    for d in dirs:
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        files += [
+            os.path.join(d, n) for n in names if n.endswith(".pth") or n in ("sitecustomize.py", "usercustomize.py")
+        ]
+    for package in ("pytest", "_pytest", "pluggy"):
+        spec = importlib.util.find_spec(package)
+        for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+            files += [str(p) for p in Path(folder).rglob("*.py")]
+    out = {}
+    for f in files:
+        try:
+            st = os.stat(f)
+        except OSError:
+            continue
+        out[f] = (st.st_mtime_ns, st.st_size, st.st_ino)
+    return out
+
+
+def killed_by(returncode: int | None, sandbox: Sandbox) -> int | None:
+    """The signal that ended test.sh (a negative status; through bwrap or docker, 128 + the signal), or None."""
+    if returncode is None:
+        return None
+    if returncode < 0:
+        return -returncode
+    if sandbox.maps_paths and 128 < returncode < 128 + signal.NSIG:
+        return returncode - 128
+    return None
+
+
+def _read_small(path: Path) -> str | None:
+    """The text of ``path`` (at most MAX_REWARD_BYTES), None if absent; a symlink, FIFO or device is tampering."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RewardSuspect(
+                [f"{path.name} is a symlink (not followed): something other than the verifier made it"]
+            ) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RewardSuspect([f"{path.name} is not a regular file: something other than the verifier made it"])
+        return os.read(fd, MAX_REWARD_BYTES).decode("utf-8", errors="replace")
+    finally:
+        os.close(fd)
+
+
 def read_reward(logs: Path) -> float:
-    """The reward test.sh wrote under ``logs/verifier/`` (reward.txt, else reward.json); ValueError if none."""
-    txt, js = logs / "verifier" / "reward.txt", logs / "verifier" / "reward.json"
-    if txt.is_file():
-        text = txt.read_text(encoding="utf-8", errors="replace").strip()
+    """The reward test.sh wrote under ``logs/verifier/`` (reward.txt, else reward.json); ValueError if none, and
+    ``RewardSuspect`` if one is a symlink or not a regular file."""
+    txt, js = _read_small(logs / "verifier" / "reward.txt"), None
+    if txt is not None:
+        text = txt.strip()
         try:
             return float(text)
         except ValueError:
             raise ValueError(f"verifier wrote {text[:80]!r} to reward.txt; expected a number in [0, 1]") from None
-    if js.is_file():
+    js = _read_small(logs / "verifier" / "reward.json")
+    if js is not None:
         try:
-            data = json.loads(js.read_text(encoding="utf-8", errors="replace"))
+            data = json.loads(js)
         except json.JSONDecodeError as exc:
             raise ValueError(f"verifier's reward.json is not valid JSON ({exc})") from None
         value = data.get("reward") if isinstance(data, dict) else data
@@ -81,18 +332,78 @@ def read_reward(logs: Path) -> float:
     raise ValueError("verifier wrote no reward (neither /logs/verifier/reward.txt nor reward.json)")
 
 
+def read_verdict(logs: Path, suspect: list[str]) -> float:
+    """The reward under ``logs`` (``read_reward``), or ``EvaluatorUnavailable`` when the verifier wrote
+    ``unavailable.txt``, or ``RewardSuspect`` when ``suspect`` or its ``suspect.txt`` holds a reason."""
+    verifier = logs / "verifier"
+    if verifier.is_symlink() or not verifier.is_dir():
+        raise RewardSuspect([*suspect, "/logs/verifier was replaced by a symlink or a file"])
+    unavailable = _read_small(verifier / "unavailable.txt")
+    if unavailable is not None:
+        raise EvaluatorUnavailable(f"the verifier could not run: {' '.join(unavailable.split())[:600]}")
+    flagged = _read_small(verifier / "suspect.txt")
+    suspect = suspect + [line.strip() for line in (flagged or "").splitlines() if line.strip()]
+    try:
+        reward = read_reward(logs)
+    except (ValueError, RewardSuspect) as exc:
+        if suspect or isinstance(exc, RewardSuspect):
+            raise RewardSuspect([*suspect, str(exc)]) from None
+        raise
+    if suspect:
+        raise RewardSuspect(suspect, reward)
+    return reward
+
+
 class HarborVerifier:
     """An evaluator ``(task, workspace) -> reward`` for Harbor tasks (see the module docstring).
 
     The workspace is ``<execution dir>/workspace``; the verifier's files go to ``<execution dir>/verifier/``,
     recreated empty first (so nothing the agent left there is read as a reward). Raises on a missing or
-    unparsable reward and on a timeout (``TimeoutError``): the executor then excludes the execution.
+    unparsable reward and on a timeout (``TimeoutError``), ``EvaluatorUnavailable`` when the verifier cannot run,
+    ``RewardSuspect`` on signs of tampering: the executor then excludes the execution (never a 0).
+    ``pin(tasks)`` records the tasks' tests/ before any harness runs (the executor does it).
     """
 
     def __init__(self, sandbox: Sandbox, timeout_s: float, kill_grace_s: float = 1.0) -> None:
         self.sandbox = sandbox
         self.timeout_s = float(timeout_s)
         self.kill_grace_s = kill_grace_s
+        self._lock = threading.Lock()
+        self._pins: dict[str, str] = {}  # task source -> tests_digest when first seen
+        self._ready: set[VerifierNeeds] = set()  # needs found present on this machine
+        self._startup = startup_files() if not sandbox.maps_paths else {}
+        self._strays = 0  # stray processes killed so far (sandbox "none"), by any verification of this executor
+
+    def pin(self, tasks: Iterable[Task]) -> None:
+        """Records each Harbor task's ``tests_digest`` the first time it is seen (before its harness runs)."""
+        for task in tasks:
+            if task.source and task.source not in self._pins and (Path(task.source) / "tests").is_dir():
+                digest = tests_digest(task)
+                with self._lock:
+                    self._pins.setdefault(task.source, digest)
+
+    def _check_needs(self, task: Task) -> None:
+        needs = VerifierNeeds.of(task)
+        if needs in self._ready or self.sandbox.name == "docker":
+            return
+        check_needs([task], self.sandbox.name)
+        with self._lock:
+            self._ready.add(needs)
+
+    def _changed(self, task: Task) -> tuple[list[str], list[str]]:
+        """(reasons that forbid running the tests, reasons to flag the result): tests/ no longer what was pinned;
+        the verifier interpreter's start-up or runner files changed (sandbox "none")."""
+        pinned = self._pins.get(task.source)
+        blocking = []
+        if pinned is not None and tests_digest(task) != pinned:
+            blocking.append(f"the task's tests/ ({Path(task.source) / 'tests'}) changed after the run started")
+        flags = []
+        if self._startup:
+            now = startup_files()
+            changed = sorted(f for f in set(now) | set(self._startup) if now.get(f) != self._startup.get(f))
+            if changed:
+                flags.append(f"the verifier's Python start-up or runner files changed: {', '.join(changed[:3])}")
+        return blocking, flags
 
     def __call__(self, task: Task, workspace: Path) -> float:
         workspace = Path(workspace)
@@ -100,25 +411,59 @@ class HarborVerifier:
             raise ValueError(f"task {task.task_id} has no Harbor source directory to verify it with")
         if not workspace.is_dir():
             raise FileNotFoundError(f"workspace {workspace} of task {task.task_id} does not exist; cannot verify")
+        self._check_needs(task)
+        blocking, suspect = self._changed(task)
+        if blocking:
+            raise RewardSuspect(blocking)
         out = workspace.parent / "verifier"  # not in the harness's view: nothing it left is read as a reward
         if out.is_symlink() or out.is_file():
             out.unlink()
         elif out.exists():
             shutil.rmtree(out)
-        logs = out / "logs"
-        (logs / "verifier").mkdir(parents=True)
+        run_dir = out / f"run-{secrets.token_hex(8)}"  # a fresh name: nothing can know it in advance
+        (run_dir / "logs" / "verifier").mkdir(parents=True)
+        (run_dir / "home").mkdir()
         tests = Mount(Path(task.source) / "tests", TESTS_INSIDE)
-        mounts = (Mount(workspace, workdir_of(task), writable=True), tests, Mount(logs, LOGS_INSIDE, writable=True))
-        ws, tests_in, logs_in = (self.sandbox.path(m) for m in mounts)
-        env = {**base_env(), "HOME": "/tmp", **task.verifier_env}
-        env.update(GYRE_WORKSPACE=ws, GYRE_TESTS=tests_in, GYRE_LOGS=logs_in)
+        mounts = (Mount(workspace, workdir_of(task), writable=True), tests,
+                  Mount(run_dir / "logs", LOGS_INSIDE, writable=True), Mount(KIT_DIR, KIT_INSIDE))  # fmt: skip
+        ws, tests_in, logs_in, kit_in = (self.sandbox.path(m) for m in mounts)
+        timeout_s = task.verifier_timeout_s or self.timeout_s
+        home = str(run_dir / "home") if not self.sandbox.maps_paths else "/tmp"
+        paths = {"workspace": ws, "tests": tests_in, "logs": logs_in, "kit": kit_in}
+        env = verifier_env(task, paths, home, timeout_s)
         launch = Launch(argv=["bash", f"{tests_in}/test.sh"], cwd=ws, env=env, mounts=mounts, network="none",
                         limits=task_limits(task), image_context=image_context(task))  # fmt: skip
-        timeout_s = task.verifier_timeout_s or self.timeout_s
-        self._run(launch, out, timeout_s)
-        return read_reward(logs)
+        suspect += workspace_links(workspace, ws)
+        self._kill_strays()  # those left by earlier executions: dead before this run's files exist
+        strays_before = self._strays
+        returncode = self._run(launch, out, timeout_s)
+        self._kill_strays()  # before the reward is read: whatever was left running can write nothing more
+        if self._strays > strays_before:  # they may have written into this run's files, whoever killed them
+            suspect.append(f"{self._strays - strays_before} stray process(es) (detached, environment cleared) "
+                           "were killed while this verifier ran")  # fmt: skip
+        shutil.rmtree(run_dir / "home", ignore_errors=True)
+        os.replace(run_dir / "logs", out / "logs")
+        run_dir.rmdir()
+        died = killed_by(returncode, self.sandbox)
+        if died is not None:
+            raise RewardSuspect(
+                [*suspect, f"tests/test.sh was killed by signal {died}: a verifier that did not finish gives no reward"]
+            )
+        return read_verdict(out / "logs", suspect)
 
-    def _run(self, launch: Launch, out: Path, timeout_s: float) -> None:
+    def _kill_strays(self) -> None:
+        """Sandbox "none": kills the processes left by executions that detached and cleared their environment, and
+        counts them (bwrap and docker end everything with the sandbox)."""
+        if self.sandbox.maps_paths:
+            return
+        killed = kill_strays()
+        with self._lock:
+            self._strays += len(killed)
+
+    def _run(self, launch: Launch, out: Path, timeout_s: float) -> int | None:
+        """Runs test.sh to its end (its group killed, then whatever left the group); its exit status."""
+        mark = secrets.token_hex(12)
+        launch = dataclasses.replace(launch, env={**launch.env, MARK_ENV: mark})
         prepared = self.sandbox.prepare(launch)
         try:
             with open(out / "test.stdout", "wb") as so, open(out / "test.stderr", "wb") as se:
@@ -132,8 +477,10 @@ class HarborVerifier:
                         pass
                 timed_out = proc.poll() is None
                 kill_group(proc.pid, self.kill_grace_s, proc)
-                proc.wait()
+                returncode = proc.wait()
+                sweep(mark, self.kill_grace_s, exclude=proc.pid)
         finally:
             prepared.cleanup()
         if timed_out:
-            raise TimeoutError(f"verifier tests/test.sh exceeded {timeout_s} s and was killed")
+            raise TimeoutError(f"verifier tests/test.sh exceeded {timeout_s} s and was killed (a timeout never scores)")
+        return returncode
