@@ -5,7 +5,8 @@ calibration server experiments/smollm2_ref_server.py until the project serves Sm
     python experiments/calibrate_smol.py --base-url http://127.0.0.1:8765/v1 --split heldout --samples 6 \
         --out experiments/results/smol_baseline/heldout.json
 
-Each task of the split runs ``--samples`` times (seeds 0..samples-1), ``--parallel`` at a time. Success = the
+Each task of the split runs ``--samples`` times (seeds 0..samples-1), ``--parallel`` at a time per server
+(``--base-url`` may list several servers, e.g. two one-thread calibration servers on 2 cores). Success = the
 hidden tests' reward is 1.0. Prints one row per task (successes / runs), then per split the success rate with a
 95% Wilson interval, calls per execution (mini's own count of model calls, from its trajectory), the harness's
 wall time per execution and how executions ended (mini's exit status); writes all of it, and each execution's
@@ -21,7 +22,9 @@ import json
 import math
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -85,7 +88,8 @@ def summarize(rows: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", required=True, help="an OpenAI-compatible server's base URL (.../v1)")
+    p.add_argument("--base-url", required=True,
+                   help="an OpenAI-compatible server's base URL (.../v1); several, comma-separated, share the work")
     p.add_argument("--suite", default=str(REPO / "suites" / "smol"))
     p.add_argument("--split", default="heldout", choices=("train", "heldout", "all"))
     p.add_argument("--tasks", default="", help="comma-separated task names (default: the whole split)")
@@ -103,34 +107,52 @@ def main(argv: list[str] | None = None) -> int:
     done = {r["execution_id"]: r for r in json.loads(out.read_text())["executions"]} if out.exists() else {}
     specs = [ExecutionSpec(f"{t.task_id}-s{k}", t, t.task_id, seed=k) for k in range(a.samples) for t in tasks]
     todo = [s for s in specs if s.execution_id not in done]
-    url = urlparse(a.base_url)
+    urls = a.base_url.split(",")
+    for u in urls:  # fail before any execution when nothing answers (every harness would only retry and fail)
+        try:
+            urllib.request.urlopen(u.rstrip("/") + "/models", timeout=10).read()
+        except OSError as exc:
+            print(f"error: --base-url {u}: GET /models failed ({exc}); start the server first", file=sys.stderr)
+            return 2
     spec = harness_spec("mini-swe-agent", cfg.SMOL_HARNESS_CMD)
     print(f"{len(specs)} executions ({len(todo)} to run) of {len(tasks)} tasks, split {a.split}", flush=True)
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="gyre-calibrate-") as tmp:
-        root = Path(tmp)
+    lock = threading.Lock()
+
+    def serve(k: int, u: str, root: Path) -> None:
+        """Runs every len(urls)-th execution against the server ``u``, ``--parallel`` at a time."""
+        url = urlparse(u)
         box = make_sandbox("bwrap", proxy_address=(url.hostname, url.port), hide=[root, suite_root],
-                           state_dir=root / "sandbox")  # fmt: skip
-        executor = Executor(KeysOnly(), a.base_url, root / "runs", model_name=a.model, timeout_s=300,
+                           state_dir=root / f"sandbox{k}")  # fmt: skip
+        executor = Executor(KeysOnly(), u, root / "runs", model_name=a.model, timeout_s=300,
                             max_parallel=a.parallel, temperature=cfg.TEMPERATURE, max_tokens=cfg.MAX_TOKENS_PER_CALL,
                             harness_cmd=list(spec.cmd), extra_env=spec.env, harness_files=spec.files, sandbox=box,
                             network="proxy")  # fmt: skip
+        mine = todo[k :: len(urls)]
         try:
-            for i in range(0, len(todo), a.parallel * 4):  # in chunks, saved after each
-                chunk = todo[i : i + a.parallel * 4]
+            for i in range(0, len(mine), a.parallel):  # in chunks, saved after each
+                chunk = mine[i : i + a.parallel]
                 for s, r in zip(chunk, executor.run(chunk)):
                     info = trajectory_info(root / "runs" / s.execution_id)
-                    done[s.execution_id] = {
-                        "execution_id": s.execution_id, "task": s.task.task_id, "split": s.task.metadata.get("split"),
-                        "seed": s.seed, "reward": r.reward, "success": r.reward is not None and r.reward >= 1.0,
-                        "status": r.status, "duration_s": round(r.duration_s, 2), **info,
-                    }  # fmt: skip
-                    row = done[s.execution_id]
-                    print(f"  {s.execution_id:28s} reward {r.reward} calls {info['calls']} "
-                          f"{r.duration_s:5.1f}s {info['exit_status']} {info['commands'][:2]!r:.120s}", flush=True)  # fmt: skip
-                write(out, done, a, time.monotonic() - t0)
+                    with lock:
+                        done[s.execution_id] = {
+                            "execution_id": s.execution_id, "task": s.task.task_id,
+                            "split": s.task.metadata.get("split"), "seed": s.seed, "reward": r.reward,
+                            "success": r.reward is not None and r.reward >= 1.0, "status": r.status,
+                            "duration_s": round(r.duration_s, 2), **info,
+                        }  # fmt: skip
+                        print(f"  {s.execution_id:28s} reward {r.reward} calls {info['calls']} "
+                              f"{r.duration_s:5.1f}s {info['exit_status']} {info['commands'][:2]!r:.120s}", flush=True)  # fmt: skip
+                        write(out, done, a, time.monotonic() - t0)
         finally:
             box.close()
+
+    with tempfile.TemporaryDirectory(prefix="gyre-calibrate-") as tmp:
+        threads = [threading.Thread(target=serve, args=(k, u, Path(tmp))) for k, u in enumerate(urls)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     report = write(out, done, a, time.monotonic() - t0)
     print_report(report)
     return 0
