@@ -42,7 +42,7 @@ SMOL_HARNESS_CMD = shlex.join([
     "-c", "model.model_kwargs.temperature={temperature}", "-o", "{exec_dir}/trajectory.json",
 ])  # fmt: skip
 MAX_TURNS = 4  # mini's step limit: calls per execution
-MAX_TOKENS_PER_CALL = 96
+MAX_TOKENS_PER_CALL = 64
 TEMPERATURE = 0.7  # the full distribution at 0.7 (at 1.0 a 135M model's replies are mostly noise)
 
 

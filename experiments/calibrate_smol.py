@@ -88,8 +88,11 @@ def summarize(rows: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", required=True,
-                   help="an OpenAI-compatible server's base URL (.../v1); several, comma-separated, share the work")
+    p.add_argument(
+        "--base-url",
+        required=True,
+        help="an OpenAI-compatible server's base URL (.../v1); several, comma-separated, share the work",
+    )
     p.add_argument("--suite", default=str(REPO / "suites" / "smol"))
     p.add_argument("--split", default="heldout", choices=("train", "heldout", "all"))
     p.add_argument("--tasks", default="", help="comma-separated task names (default: the whole split)")

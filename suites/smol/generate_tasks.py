@@ -3,10 +3,14 @@ tasks sized for a 135M chat model (SmolLM2-135M-Instruct), each with hidden pyte
 declared split (task.toml ``[metadata] split``: "train" or "heldout").
 
 The task directories are committed; this script is where they are defined. Edit TASKS here, then run
-``python suites/smol/generate_tasks.py`` (it rewrites every task directory it lists and removes none), and check
+``python suites/smol/generate_tasks.py && ruff format suites/smol`` (it rewrites every task directory it lists and
+removes none), and check
 the suite: ``python -m gyre_jax.rollout.check_suite suites/smol --sandbox bwrap``.
 
-Tasks come in families of three of the same kind and difficulty (two for training, one held out), so the
+Each instruction states the goal and then the command that reaches it (``Run: <the oracle's command>``): the
+model is a 135M chat model, which without the command almost never writes a working one (docs/tasks.md, "The
+`smol` suite"); with it, it often still does not (it comments the command out, adds flags, renames files,
+wraps it in prose), which is the behaviour RL has to fix. Tasks come in families of three of the same kind and difficulty (two for training, one held out), so the
 held-out split measures transfer to unseen instances of the kinds trained on. Each task has ONE hidden test
 (the reward is 0 or 1): an untouched workspace fails it, the oracle passes it.
 """
@@ -54,21 +58,22 @@ print(round((total - bad) / total, 4) if total else 0.0)
 EOF
 """
 
-TEST_HEADER = '''\
-"""Hidden test of this task (run by tests/test.sh in the final workspace, the current directory)."""
-
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+TEST_HELPER = '''
 
 def text(name):
     """The file's text with trailing whitespace of each line and of the file removed."""
     return "\\n".join(line.rstrip() for line in Path(name).read_text().rstrip().splitlines())
-
-
 '''
+
+
+def test_file(body: str) -> str:
+    """The hidden test module: the imports ``body`` uses, the ``text`` helper, ``def test_task(): body``."""
+    imports = [f"import {m}" for m in ("os", "subprocess", "sys") if f"{m}." in body]
+    uses_path = "Path(" in body or "text(" in body
+    head = '"""Hidden test of this task (run by tests/test.sh in the final workspace, the current directory)."""\n\n'
+    head += "\n".join(imports + (["from pathlib import Path"] if uses_path else [])) + "\n"
+    helper = TEST_HELPER if "text(" in body else ""
+    return head + helper + "\n\ndef test_task():\n    " + body + "\n"
 
 
 @dataclass
@@ -140,90 +145,212 @@ def tasks() -> list[T]:
         make_dir("mkdir-logs", "train", "logs", "Create a new folder called {path}."),
         make_dir("mkdir-output", "heldout", "output", "Make a directory named {path}."),
         rename("rename-draft", "train", "draft.txt", "final.txt", "version one", "Rename the file {src} to {dst}."),
-        rename("move-notes", "train", "notes.txt", "archive/notes.txt", "buy milk",
-               "Move the file notes.txt into the directory archive.", {"archive/.keep": ""}),
-        rename("rename-old-name", "heldout", "old_name.txt", "new_name.txt", "some data",
-               "Rename {src} to {dst}."),
-        copy("copy-config", "train", "config.ini", "config.bak", "[main]\ndebug = false",
-             "Make a copy of {src} named {dst}."),
-        copy("copy-report", "train", "report.txt", "backup/report.txt", "sales are up",
-             "Copy the file report.txt into the directory backup.", {"backup/.keep": ""}),
-        copy("copy-data", "heldout", "data.csv", "data_copy.csv", "id,value\n1,10\n2,20",
-             "Copy {src} to a new file called {dst}."),
-        T("delete-junk", "delete", "train", "Delete the file junk.tmp.",
-          "assert not Path('junk.tmp').exists()\n    assert text('keep.txt') == 'important'",
-          "rm junk.tmp", {"junk.tmp": "garbage\n", "keep.txt": "important\n"}),
-        T("delete-cache-dir", "delete", "train", "Remove the directory cache and everything inside it.",
-          "assert not Path('cache').exists()\n    assert text('main.txt') == 'keep me'",
-          "rm -rf cache", {"cache/a.bin": "1\n", "cache/b.bin": "2\n", "main.txt": "keep me\n"}),
-        T("delete-old-log", "delete", "heldout", "Delete the file old.log.",
-          "assert not Path('old.log').exists()\n    assert text('new.log') == 'today'",
-          "rm old.log", {"old.log": "yesterday\n", "new.log": "today\n"}),
+        rename(
+            "move-notes",
+            "train",
+            "notes.txt",
+            "archive/notes.txt",
+            "buy milk",
+            "Move the file notes.txt into the directory archive.",
+            {"archive/.keep": ""},
+        ),
+        rename("rename-old-name", "heldout", "old_name.txt", "new_name.txt", "some data", "Rename {src} to {dst}."),
+        copy(
+            "copy-config",
+            "train",
+            "config.ini",
+            "config.bak",
+            "[main]\ndebug = false",
+            "Make a copy of {src} named {dst}.",
+        ),
+        copy(
+            "copy-report",
+            "train",
+            "report.txt",
+            "backup/report.txt",
+            "sales are up",
+            "Copy the file report.txt into the directory backup.",
+            {"backup/.keep": ""},
+        ),
+        copy(
+            "copy-data",
+            "heldout",
+            "data.csv",
+            "data_copy.csv",
+            "id,value\n1,10\n2,20",
+            "Copy {src} to a new file called {dst}.",
+        ),
+        T(
+            "delete-junk",
+            "delete",
+            "train",
+            "Delete the file junk.tmp.",
+            "assert not Path('junk.tmp').exists()\n    assert text('keep.txt') == 'important'",
+            "rm junk.tmp",
+            {"junk.tmp": "garbage\n", "keep.txt": "important\n"},
+        ),
+        T(
+            "delete-cache-dir",
+            "delete",
+            "train",
+            "Remove the directory cache and everything inside it.",
+            "assert not Path('cache').exists()\n    assert text('main.txt') == 'keep me'",
+            "rm -rf cache",
+            {"cache/a.bin": "1\n", "cache/b.bin": "2\n", "main.txt": "keep me\n"},
+        ),
+        T(
+            "delete-old-log",
+            "delete",
+            "heldout",
+            "Delete the file old.log.",
+            "assert not Path('old.log').exists()\n    assert text('new.log') == 'today'",
+            "rm old.log",
+            {"old.log": "yesterday\n", "new.log": "today\n"},
+        ),
         append("append-fruit", "train", "fruits.txt", ["apple", "cherry"], "banana"),
         append("append-color", "train", "colors.txt", ["red", "green"], "blue"),
         append("append-city", "heldout", "cities.txt", ["London", "Rome"], "Paris"),
-        T("count-lines-data", "count", "train", "Count the lines in data.txt and write the number to count.txt.",
-          "assert text('count.txt').split()[0] == '7'", "wc -l < data.txt > count.txt",
-          {"data.txt": "".join(f"row {i}\n" for i in range(7))}),
-        T("count-words", "count", "train",
-          "Count the words in words.txt and write the number to answer.txt.",
-          "assert text('answer.txt').split()[0] == '5'", "wc -w < words.txt > answer.txt",
-          {"words.txt": "the quick brown fox jumps\n"}),
-        T("count-lines-names", "count", "heldout", "Write the number of lines in names.txt to lines.txt.",
-          "assert text('lines.txt').split()[0] == '4'", "wc -l < names.txt > lines.txt",
-          {"names.txt": "ann\nbob\ncid\ndan\n"}),
-        T("grep-port", "grep", "train",
-          "The file settings.conf has a line port=NUMBER. Write only that number to port.txt.",
-          "assert text('port.txt') == '8080'", "grep port= settings.conf | cut -d= -f2 > port.txt",
-          {"settings.conf": "host=localhost\nport=8080\nuser=admin\n"}),
-        T("grep-errors", "grep", "train",
-          "Write every line of app.log that contains ERROR to errors.txt.",
-          "assert text('errors.txt').splitlines() == ['ERROR disk full', 'ERROR no memory']",
-          "grep ERROR app.log > errors.txt",
-          {"app.log": "INFO start\nERROR disk full\nINFO retry\nERROR no memory\nINFO stop\n"}),
-        T("grep-warnings", "grep", "heldout",
-          "Put all lines of server.log that contain WARN into a file named warnings.txt.",
-          "assert text('warnings.txt').splitlines() == ['WARN slow request', 'WARN high load']",
-          "grep WARN server.log > warnings.txt",
-          {"server.log": "INFO up\nWARN slow request\nINFO ok\nWARN high load\n"}),
+        T(
+            "count-lines-data",
+            "count",
+            "train",
+            "Count the lines in data.txt and write the number to count.txt.",
+            "assert text('count.txt').split()[0] == '7'",
+            "wc -l < data.txt > count.txt",
+            {"data.txt": "".join(f"row {i}\n" for i in range(7))},
+        ),
+        T(
+            "count-words",
+            "count",
+            "train",
+            "Count the words in words.txt and write the number to answer.txt.",
+            "assert text('answer.txt').split()[0] == '5'",
+            "wc -w < words.txt > answer.txt",
+            {"words.txt": "the quick brown fox jumps\n"},
+        ),
+        T(
+            "count-lines-names",
+            "count",
+            "heldout",
+            "Write the number of lines in names.txt to lines.txt.",
+            "assert text('lines.txt').split()[0] == '4'",
+            "wc -l < names.txt > lines.txt",
+            {"names.txt": "ann\nbob\ncid\ndan\n"},
+        ),
+        T(
+            "grep-port",
+            "grep",
+            "train",
+            "The file settings.conf has a line port=NUMBER. Write only that number to port.txt.",
+            "assert text('port.txt') == '8080'",
+            "grep port= settings.conf | cut -d= -f2 > port.txt",
+            {"settings.conf": "host=localhost\nport=8080\nuser=admin\n"},
+        ),
+        T(
+            "grep-errors",
+            "grep",
+            "train",
+            "Write every line of app.log that contains ERROR to errors.txt.",
+            "assert text('errors.txt').splitlines() == ['ERROR disk full', 'ERROR no memory']",
+            "grep ERROR app.log > errors.txt",
+            {"app.log": "INFO start\nERROR disk full\nINFO retry\nERROR no memory\nINFO stop\n"},
+        ),
+        T(
+            "grep-warnings",
+            "grep",
+            "heldout",
+            "Put all lines of server.log that contain WARN into a file named warnings.txt.",
+            "assert text('warnings.txt').splitlines() == ['WARN slow request', 'WARN high load']",
+            "grep WARN server.log > warnings.txt",
+            {"server.log": "INFO up\nWARN slow request\nINFO ok\nWARN high load\n"},
+        ),
         chmod("chmod-run", "train", "run.sh", "running"),
         chmod("chmod-build", "train", "build.sh", "built"),
         chmod("chmod-deploy", "heldout", "deploy.sh", "deployed"),
         py_fix("pyfix-add", "train", "calc", "add", "a - b", "a + b", (2, 3), 5),
         py_fix("pyfix-mul", "train", "ops", "mul", "a + b", "a * b", (3, 4), 12),
         py_fix("pyfix-sub", "heldout", "mathx", "sub", "a + b", "a - b", (9, 3), 6),
-        T("py-hello", "pywrite", "train", "Create a Python script hello.py that prints Hello, World!",
-          "out = subprocess.run([sys.executable, 'hello.py'], capture_output=True, text=True).stdout\n"
-          "    assert out.strip() == 'Hello, World!'",
-          "echo 'print(\"Hello, World!\")' > hello.py"),
-        T("py-square", "pywrite", "train",
-          "Create a file square.py with a function square(x) that returns x * x.",
-          "sys.path.insert(0, os.getcwd())\n    import square\n\n"
-          "    assert square.square(3) == 9\n    assert square.square(-4) == 16",
-          "printf 'def square(x):\\n    return x * x\\n' > square.py"),
-        T("py-double", "pywrite", "heldout",
-          "Create a file double.py with a function double(x) that returns 2 * x.",
-          "sys.path.insert(0, os.getcwd())\n    import double\n\n"
-          "    assert double.double(3) == 6\n    assert double.double(-5) == -10",
-          "printf 'def double(x):\\n    return 2 * x\\n' > double.py"),
-        T("sort-names", "lines", "train", "Sort the lines of names.txt alphabetically and save them in sorted.txt.",
-          "assert text('sorted.txt').splitlines() == ['alice', 'bob', 'carol', 'dave']",
-          "sort names.txt > sorted.txt", {"names.txt": "dave\nalice\ncarol\nbob\n"}),
-        T("first-line", "lines", "train", "Write the first line of poem.txt into first.txt.",
-          "assert text('first.txt') == 'Roses are red'", "head -n 1 poem.txt > first.txt",
-          {"poem.txt": "Roses are red\nViolets are blue\nSugar is sweet\n"}),
-        T("last-line", "lines", "heldout", "Write the last line of story.txt into last.txt.",
-          "assert text('last.txt') == 'The end'", "tail -n 1 story.txt > last.txt",
-          {"story.txt": "Once upon a time\nthere was a cat\nThe end\n"}),
-        T("replace-cat", "replace", "train", "In message.txt, replace the word cat with dog.",
-          "assert text('message.txt') == 'my dog is happy'", "sed -i 's/cat/dog/' message.txt",
-          {"message.txt": "my cat is happy\n"}),
-        T("replace-typo", "replace", "train", "Fix the typo in title.txt: change Helo to Hello.",
-          "assert text('title.txt') == 'Hello World'", "sed -i 's/Helo/Hello/' title.txt",
-          {"title.txt": "Helo World\n"}),
-        T("replace-red", "replace", "heldout", "In note.txt, change the word red to green.",
-          "assert text('note.txt') == 'the door is green'", "sed -i 's/red/green/' note.txt",
-          {"note.txt": "the door is red\n"}),
+        T(
+            "py-hello",
+            "pywrite",
+            "train",
+            "Create a Python script hello.py that prints Hello, World!",
+            "out = subprocess.run([sys.executable, 'hello.py'], capture_output=True, text=True).stdout\n"
+            "    assert out.strip() == 'Hello, World!'",
+            "echo 'print(\"Hello, World!\")' > hello.py",
+        ),
+        T(
+            "py-square",
+            "pywrite",
+            "train",
+            "Create a file square.py with a function square(x) that returns x * x.",
+            "sys.path.insert(0, os.getcwd())\n    import square\n\n"
+            "    assert square.square(3) == 9\n    assert square.square(-4) == 16",
+            "printf 'def square(x):\\n    return x * x\\n' > square.py",
+        ),
+        T(
+            "py-double",
+            "pywrite",
+            "heldout",
+            "Create a file double.py with a function double(x) that returns 2 * x.",
+            "sys.path.insert(0, os.getcwd())\n    import double\n\n"
+            "    assert double.double(3) == 6\n    assert double.double(-5) == -10",
+            "printf 'def double(x):\\n    return 2 * x\\n' > double.py",
+        ),
+        T(
+            "sort-names",
+            "lines",
+            "train",
+            "Sort the lines of names.txt alphabetically and save them in sorted.txt.",
+            "assert text('sorted.txt').splitlines() == ['alice', 'bob', 'carol', 'dave']",
+            "sort names.txt > sorted.txt",
+            {"names.txt": "dave\nalice\ncarol\nbob\n"},
+        ),
+        T(
+            "first-line",
+            "lines",
+            "train",
+            "Write the first line of poem.txt into first.txt.",
+            "assert text('first.txt') == 'Roses are red'",
+            "head -n 1 poem.txt > first.txt",
+            {"poem.txt": "Roses are red\nViolets are blue\nSugar is sweet\n"},
+        ),
+        T(
+            "last-line",
+            "lines",
+            "heldout",
+            "Write the last line of story.txt into last.txt.",
+            "assert text('last.txt') == 'The end'",
+            "tail -n 1 story.txt > last.txt",
+            {"story.txt": "Once upon a time\nthere was a cat\nThe end\n"},
+        ),
+        T(
+            "replace-cat",
+            "replace",
+            "train",
+            "In message.txt, replace the word cat with dog.",
+            "assert text('message.txt') == 'my dog is happy'",
+            "sed -i 's/cat/dog/' message.txt",
+            {"message.txt": "my cat is happy\n"},
+        ),
+        T(
+            "replace-typo",
+            "replace",
+            "train",
+            "Fix the typo in title.txt: change Helo to Hello.",
+            "assert text('title.txt') == 'Hello World'",
+            "sed -i 's/Helo/Hello/' title.txt",
+            {"title.txt": "Helo World\n"},
+        ),
+        T(
+            "replace-red",
+            "replace",
+            "heldout",
+            "In note.txt, change the word red to green.",
+            "assert text('note.txt') == 'the door is green'",
+            "sed -i 's/red/green/' note.txt",
+            {"note.txt": "the door is red\n"},
+        ),
     ]
     return out
 
@@ -260,7 +387,8 @@ def write(t: T) -> None:
     (d / "environment").mkdir(parents=True)
     (d / "tests").mkdir()
     (d / "solution").mkdir()
-    (d / "instruction.md").write_text(t.instruction + "\n")
+    goal = t.instruction if t.instruction.endswith((".", "!")) else t.instruction + "."
+    (d / "instruction.md").write_text(f"{goal} Run: {t.solve}\n")
     (d / "task.toml").write_text(task_toml(t))
     (d / "environment" / "Dockerfile").write_text(DOCKERFILE)
     for rel, content in t.files.items():
@@ -269,7 +397,7 @@ def write(t: T) -> None:
         p.write_text(content)
     (d / "tests" / "test.sh").write_text(TEST_SH)
     (d / "tests" / "test.sh").chmod(0o755)
-    (d / "tests" / "test_task.py").write_text(TEST_HEADER + "def test_task():\n    " + t.test + "\n")
+    (d / "tests" / "test_task.py").write_text(test_file(t.test))
     (d / "solution" / "solve.sh").write_text("#!/usr/bin/env bash\nset -euo pipefail\n" + t.solve + "\n")
     (d / "solution" / "solve.sh").chmod(0o755)
 

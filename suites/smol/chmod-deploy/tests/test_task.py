@@ -2,15 +2,8 @@
 
 import os
 import subprocess
-import sys
-from pathlib import Path
-
-
-def text(name):
-    """The file's text with trailing whitespace of each line and of the file removed."""
-    return "\n".join(line.rstrip() for line in Path(name).read_text().rstrip().splitlines())
 
 
 def test_task():
-    assert os.access('deploy.sh', os.X_OK)
-    assert subprocess.run(['./deploy.sh'], capture_output=True, text=True).stdout.strip() == 'deployed'
+    assert os.access("deploy.sh", os.X_OK)
+    assert subprocess.run(["./deploy.sh"], capture_output=True, text=True).stdout.strip() == "deployed"

@@ -1,8 +1,5 @@
 """Hidden test of this task (run by tests/test.sh in the final workspace, the current directory)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 
@@ -12,5 +9,5 @@ def text(name):
 
 
 def test_task():
-    assert not Path('cache').exists()
-    assert text('main.txt') == 'keep me'
+    assert not Path("cache").exists()
+    assert text("main.txt") == "keep me"
