@@ -70,12 +70,13 @@ def get_config():
     c.rollout.tasks_per_step = 4
     c.rollout.timeout_s = 300
     c.rl.group_size = 4
+    c.rl.max_branches = 4  # J_max: at most one row per call of an execution (mini makes <= 4 calls)
     c.warm_start.steps = 0  # a pretrained instruct model: no demonstrations
     # Evaluation: both splits before RL and every 4 steps.
     c.eval.split = "both"
-    c.eval.num_tasks = 0  # all held-out tasks
+    c.eval.num_tasks = 13  # all held-out tasks
     c.eval.samples_per_task = 2
-    c.eval.every = 4
+    c.eval.every_steps = 4
     # Contexts stay under ~1K tokens (see the docstring).
     c.serving.max_seq_len = 1024
     c.serving.max_prefill_length = 512
@@ -85,5 +86,4 @@ def get_config():
     c.serving.kv_pages = 512
     c.trajectory.row_length = 1024
     c.trajectory.tokens_per_micro_batch = 2048
-    c.trajectory.max_branches = 4  # J_max: at most one row per call of an execution
     return c
