@@ -8,14 +8,18 @@ Usage:
 Runs the config once per seed (seeds ``--first-seed`` .. ``--first-seed + N - 1``), sequentially, each in its own
 workdir ``<runs-dir>/seed<k>`` (default runs-dir: ``runs/learning_curves/<config>``, git-ignored), as
 ``python -m gyre_jax.train --config CONFIG --config.seed=k --config.workdir=...`` (``--steps`` and every
-``--config.x=y`` pass through). A seed whose run is complete is not run again, and an
+``--config.x=y`` pass through). For the real model: ``--config configs/smollm2_cpu.py --seeds 3`` (each seed
+evaluates both splits before RL and every ``eval.every_steps``; docs/tasks.md, "The `smol` suite"). A seed whose run is complete is not run again, and an
 interrupted one resumes from its checkpoint (the same command). Then reads each ``metrics.jsonl`` (and, where
 present, ``results/eval_<step>.jsonl``) and writes ``learning_curves.json`` and ``learning_curves.png`` into
 ``--out``, and prints the gains. Each seed run here also records its wall time and the machine's 1-minute load
 average over it (``wall_s``, ``load_avg_1min``: these machines are shared, and a time means little without it).
 
 Statistics (``curves`` / ``eval_gains``, pure functions of the runs' metrics):
-- training reward at step s: mean over seeds of the step's reward_mean; interval: percentile bootstrap over seeds.
+- training reward (and pass rate) at step s: mean over seeds of the step's reward_mean (pass_rate); interval:
+  percentile bootstrap over seeds.
+- evaluation curves (``eval_curves``, the table ``learning_curves.md``): per split and evaluated step, the mean over
+  seeds of the evaluation reward (the pass rate for 0/1 rewards), bootstrap over seeds.
 - evaluation, per split (``train``: the training tasks, ``heldout``: tasks never trained on): before = the
   evaluation after 0 RL steps, after = the one after the last step; gain = after - before per seed. Interval:
   a two-level bootstrap (resample seeds, then each resampled seed's evaluation executions, before and after
@@ -50,6 +54,7 @@ class SeedRun:
     seed: int
     workdir: Path
     train_reward: dict[int, float] = field(default_factory=dict)  # step -> reward_mean
+    train_pass: dict[int, float] = field(default_factory=dict)  # step -> pass_rate (share of executions with reward 1)
     train_metrics: dict[str, dict[int, float]] = field(default_factory=dict)  # key of TRAIN_METRICS -> step -> value
     evals: dict[tuple[str, int], float] = field(default_factory=dict)  # (split, after_steps) -> eval_reward_mean
     eval_rewards: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)  # (split, after_steps) -> [n]
@@ -67,6 +72,8 @@ def read_run(workdir: Path, seed: int) -> SeedRun:
         m = json.loads(line)
         if m.get("phase") == "train" and "reward_mean" in m:
             run.train_reward[int(m["step"])] = float(m["reward_mean"])  # a resumed step's last line wins
+            if m.get("pass_rate") is not None:
+                run.train_pass[int(m["step"])] = float(m["pass_rate"])
             for key in TRAIN_METRICS:
                 if m.get(key) is not None:
                     run.train_metrics.setdefault(key, {})[int(m["step"])] = float(m[key])
@@ -110,7 +117,10 @@ def curves(runs: list[SeedRun], n_boot: int = 10_000, seed: int = 0, key: str = 
     """A per-step training metric over the seeds (``key``: the reward, or one of TRAIN_METRICS):
     {"steps": [s], "mean", "low", "high": [s], "seeds": [s] counts}."""
     rng = np.random.default_rng(seed)
-    series = [r.train_reward if key == "reward_mean" else r.train_metrics.get(key, {}) for r in runs]
+    series = [
+        r.train_reward if key == "reward_mean" else r.train_pass if key == "pass_rate" else r.train_metrics.get(key, {})
+        for r in runs
+    ]
     steps = sorted({s for per_step in series for s in per_step})
     out: dict = {"steps": steps, "mean": [], "low": [], "high": [], "seeds": []}
     for s in steps:
@@ -119,6 +129,46 @@ def curves(runs: list[SeedRun], n_boot: int = 10_000, seed: int = 0, key: str = 
         for key, v in (("mean", mean), ("low", low), ("high", high), ("seeds", int(values.size))):
             out[key].append(v)
     return out
+
+
+def eval_curves(runs: list[SeedRun], n_boot: int = 10_000, seed: int = 0) -> dict:
+    """Per split, the evaluation after each evaluated step (0 = before RL; ``eval.every_steps`` sets how often) over
+    the seeds: {split: {"steps", "mean", "low", "high", "seeds"}}. With 0/1 rewards the mean is the pass rate."""
+    rng = np.random.default_rng(seed)
+    out: dict = {}
+    for split in SPLITS:
+        steps = sorted({s for r in runs for (sp, s) in r.evals if sp == split})
+        if not steps:
+            continue
+        row: dict = {"steps": steps, "mean": [], "low": [], "high": [], "seeds": []}
+        for s in steps:
+            values = np.asarray([r.evals[(split, s)] for r in runs if (split, s) in r.evals])
+            mean, low, high = bootstrap_mean_interval(values, rng, n_boot)
+            for key, v in (("mean", mean), ("low", low), ("high", high), ("seeds", int(values.size))):
+                row[key].append(v)
+        out[split] = row
+    return out
+
+
+def table(evals: dict, gains: dict) -> str:
+    """A markdown table: per evaluated step, each split's mean evaluation reward over seeds [95% interval], then
+    the gains (after - before) with their intervals."""
+    splits = list(evals)
+    steps = sorted({s for e in evals.values() for s in e["steps"]})
+    lines = ["| after RL steps | " + " | ".join(f"{sp} tasks" for sp in splits) + " |",
+             "|---|" + "---|" * len(splits)]  # fmt: skip
+    for s in steps:
+        cells = []
+        for sp in splits:
+            e = evals[sp]
+            i = e["steps"].index(s) if s in e["steps"] else None
+            cells.append("" if i is None else f"{e['mean'][i]:.3f} [{e['low'][i]:.3f}, {e['high'][i]:.3f}]")
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    for sp, g in gains.items():
+        gain = g["gain"]
+        lines.append(f"| gain, {sp} | {gain['mean']:+.3f} [{gain['low']:+.3f}, {gain['high']:+.3f}] "
+                     f"({len(g['seeds'])} seeds) |" + " |" * (len(splits) - 1))  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def _two_level_gains(before: list[np.ndarray], after: list[np.ndarray], rng, n_boot: int) -> np.ndarray:
@@ -178,7 +228,7 @@ def eval_gains(runs: list[SeedRun], n_boot: int = 10_000, seed: int = 0) -> dict
     return out
 
 
-def plot(curve: dict, gains: dict, path: Path, title: str) -> None:
+def plot(curve: dict, gains: dict, path: Path, title: str, evals: dict | None = None) -> None:
     """Two panels: training reward per step (mean +- 95% interval) and evaluation before / after per split."""
     import matplotlib
 
@@ -190,6 +240,10 @@ def plot(curve: dict, gains: dict, path: Path, title: str) -> None:
     if len(steps):
         ax1.plot(steps, curve["mean"], color="C0", label="mean over seeds")
         ax1.fill_between(steps, curve["low"], curve["high"], color="C0", alpha=0.25, label="95% bootstrap interval")
+    for j, (split, e) in enumerate((evals or {}).items()):  # evaluations after each evaluated step
+        ax1.errorbar(np.asarray(e["steps"]), e["mean"], yerr=[np.subtract(e["mean"], e["low"]),
+                     np.subtract(e["high"], e["mean"])], fmt="o--", color=f"C{j + 3}", capsize=3,
+                     label=f"evaluation, {split} tasks")  # fmt: skip
     ax1.set_xlabel("RL step")
     ax1.set_ylabel("training reward (mean of the step's executions)")
     ax1.set_ylim(-0.02, 1.02)
@@ -316,6 +370,7 @@ def main(argv: list[str]) -> int:
     if not runs:
         raise SystemExit(f"error: no run under {runs_dir} has a metrics.jsonl; run without --analyze-only first")
     curve, gains = curves(runs, args.bootstrap), eval_gains(runs, args.bootstrap)
+    evals = eval_curves(runs, args.bootstrap)
     out.mkdir(parents=True, exist_ok=True)
     result = {
         "config": args.config,
@@ -326,14 +381,18 @@ def main(argv: list[str]) -> int:
         "confidence": CONFIDENCE,
         "bootstrap": args.bootstrap,
         "train_reward": curve,
+        "train_pass_rate": curves(runs, args.bootstrap, key="pass_rate"),
         "train_metrics": {key: curves(runs, args.bootstrap, key=key) for key in TRAIN_METRICS},
         "eval": gains,
+        "eval_curves": evals,
     }
     (out / "learning_curves.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(curve, gains, out / "learning_curves.png", f"{args.config}: {len(runs)} seeds")
+    plot(curve, gains, out / "learning_curves.png", f"{args.config}: {len(runs)} seeds", evals)
+    (out / "learning_curves.md").write_text(table(evals, gains))
+    print(table(evals, gains))
     for line in gain_lines(gains):
         print(line)
-    print(f"wrote {out / 'learning_curves.json'} and {out / 'learning_curves.png'}")
+    print(f"wrote {out / 'learning_curves.json'}, {out / 'learning_curves.png'} and {out / 'learning_curves.md'}")
     return 0
 
 

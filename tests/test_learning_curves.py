@@ -183,3 +183,28 @@ def test_compare_losses_tabulates_each_loss_with_its_learner_curves(tmp_path):
     # every loss's learning_curves.json carries the learner curves too
     per_loss = json.loads((out / "grpo" / "learning_curves.json").read_text())
     assert per_loss["train_metrics"]["grad_norm"]["mean"] == pytest.approx([3.0, 4.0, 5.0])
+
+
+def test_eval_curves_and_table_per_split_and_step(tmp_path):
+    """Evaluations after steps 0, 2 and 4 (eval.every_steps = 2): per split, the mean over seeds at each step, and
+    the markdown table's rows; the training pass rate is its own curve."""
+    lc = _module()
+    evals = [
+        {("train", 0): 0.2, ("heldout", 0): 0.1, ("train", 2): 0.4, ("heldout", 2): 0.2, ("train", 4): 0.6},
+        {("train", 0): 0.4, ("heldout", 0): 0.3, ("train", 2): 0.4, ("heldout", 2): 0.4, ("train", 4): 0.8},
+    ]
+    for k, ev in enumerate(evals):
+        _write_run(tmp_path / f"seed{k}", [0.1, 0.2, 0.3, 0.4], ev)
+    runs = [lc.read_run(tmp_path / f"seed{k}", k) for k in range(2)]
+    curves = lc.eval_curves(runs, n_boot=200)
+    assert curves["train"]["steps"] == [0, 2, 4] and curves["heldout"]["steps"] == [0, 2]
+    assert np.allclose(curves["train"]["mean"], [0.3, 0.4, 0.7]) and np.allclose(curves["heldout"]["mean"], [0.2, 0.3])
+    assert curves["train"]["seeds"] == [2, 2, 2]
+    assert all(
+        lo <= m <= hi for m, lo, hi in zip(curves["train"]["mean"], curves["train"]["low"], curves["train"]["high"])
+    )
+    rows = lc.table(curves, lc.eval_gains(runs, n_boot=200)).splitlines()
+    assert rows[0] == "| after RL steps | train tasks | heldout tasks |"
+    assert rows[2].startswith("| 0 | 0.300 [") and rows[4].startswith("| 4 | 0.700 [") and rows[4].endswith("|  |")
+    assert any(r.startswith("| gain, train | +0.400 [") for r in rows)
+    assert lc.curves(runs, n_boot=200, key="pass_rate")["mean"] == [0.0, 0.0, 0.0, 0.0]

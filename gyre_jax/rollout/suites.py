@@ -274,11 +274,34 @@ def load_tasks(spec: str, max_turns: int = 4) -> tuple[list[Task], Path]:
     return tasks, root
 
 
+def declared_heldout(tasks: Sequence[Task]) -> set[str] | None:
+    """The held-out task names a suite declares (task.toml ``[metadata] split = "train" | "heldout"`` on every
+    task), or None when no task declares one; SuiteError when only some do, a value is unknown, or a split is
+    empty."""
+    splits = {t.task_id: t.metadata.get("split") for t in tasks}
+    declared = {n: v for n, v in splits.items() if v is not None}
+    if not declared:
+        return None
+    bad = sorted(n for n, v in splits.items() if v not in ("train", "heldout"))
+    if bad:
+        raise SuiteError(
+            f"task {bad[0]}: task.toml [metadata] split={splits[bad[0]]!r}; when one task of a suite declares a "
+            "split, every task must, as 'train' or 'heldout'"
+        )
+    held = {n for n, v in splits.items() if v == "heldout"}
+    if not held or len(held) == len(splits):
+        raise SuiteError(f"the suite's declared split holds {len(held)} held-out task(s) of {len(splits)}: both "
+                         "splits need at least one task")  # fmt: skip
+    return held
+
+
 class HarborSuite:
     """Tasks loaded from disk, with a seeded train / held-out split and the builtin suite's epoch order.
 
     ``heldout_fraction`` of the tasks (rounded, at least one when > 0, never all) are held out for
-    evaluation; the split depends only on ``seed`` and the task names. ``tasks_for_step`` visits the
+    evaluation; the split depends only on ``seed`` and the task names. A suite whose tasks declare their split
+    (task.toml ``[metadata] split``, ``declared_heldout``) keeps it whatever the seed: ``heldout_fraction > 0``
+    then only turns the held-out split on. ``tasks_for_step`` visits the
     training tasks in seeded epochs exactly like ``BuiltinSuite`` with a pool (ids ``s{step:06d}-t{i}``, the
     task's name in ``kind``). There are no demonstrations: warm start needs the builtin suite.
     """
@@ -294,8 +317,10 @@ class HarborSuite:
             raise SuiteError(
                 f"heldout_fraction={heldout_fraction} of {len(names)} tasks leaves none to train on; lower it"
             )
-        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_SPLIT_STREAM,)))
-        held = {names[int(i)] for i in rng.permutation(len(names))[:n_held]}
+        held = declared_heldout(tasks) if heldout_fraction > 0 else None
+        if held is None:
+            rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_SPLIT_STREAM,)))
+            held = {names[int(i)] for i in rng.permutation(len(names))[:n_held]}
         by_name = {t.task_id: t for t in tasks}
         self.root = Path(root)
         self.seed = seed

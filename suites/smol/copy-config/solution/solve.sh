@@ -1,0 +1,3 @@
+#!/usr/bin/env bash
+set -euo pipefail
+cp config.ini config.bak

@@ -1,0 +1,3 @@
+#!/usr/bin/env bash
+set -euo pipefail
+tail -n 1 story.txt > last.txt

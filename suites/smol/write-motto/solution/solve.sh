@@ -1,0 +1,3 @@
+#!/usr/bin/env bash
+set -euo pipefail
+echo 'keep it simple' > motto.txt
