@@ -1,24 +1,17 @@
 #!/usr/bin/env bash
-# Harbor verifier: runs the hidden tests against the final workspace; reward = fraction of tests passed.
-# Paths are Harbor's (/app, /tests, /logs) inside a sandbox; GYRE_* give them when run without one.
+# Harbor verifier: runs the hidden tests against the final workspace; reward = fraction of the tests listed in
+# expected_tests.txt that passed. gyre-jax's trusted driver (its verifier kit, GYRE_VERIFIER) runs pytest in a
+# child process and writes the reward itself once everything that child started is dead; pytest missing is
+# "could not run" (unavailable.txt: the execution is excluded), never a 0. Paths are Harbor's (/app, /tests,
+# /logs) inside a sandbox; GYRE_* give them when run without one.
 set -u
 TESTS="${GYRE_TESTS:-/tests}"
 LOGS="${GYRE_LOGS:-/logs}"
-cd "${GYRE_WORKSPACE:-/app}"
-mkdir -p "$LOGS/verifier"
-export PYTHONDONTWRITEBYTECODE=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1  # no third-party plugins: 4x faster start
-python3 -m pytest -q -p no:cacheprovider --rootdir="$TESTS" --junitxml="$LOGS/verifier/junit.xml" "$TESTS" \
-  > "$LOGS/verifier/pytest.log" 2>&1
-python3 - "$LOGS/verifier/junit.xml" > "$LOGS/verifier/reward.txt" <<'EOF'
-import sys
-import xml.etree.ElementTree as ET
-try:
-    root = ET.parse(sys.argv[1]).getroot()
-except (OSError, ET.ParseError):
-    print(0.0)
-    raise SystemExit
-suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-total = sum(int(s.get("tests", 0)) for s in suites)
-bad = sum(int(s.get(k, 0)) for s in suites for k in ("failures", "errors", "skipped"))
-print(round((total - bad) / total, 4) if total else 0.0)
-EOF
+if [ -z "${GYRE_VERIFIER:-}" ]; then
+  mkdir -p "$LOGS/verifier"
+  echo "this verifier needs gyre-jax's verifier kit (GYRE_VERIFIER is not set)" | tee "$LOGS/verifier/unavailable.txt" >&2
+  exit 3
+fi
+cd "${GYRE_WORKSPACE:-/app}" || exit 3
+exec python3 -I "$GYRE_VERIFIER/run_pytest.py" --tests "$TESTS" --workspace "$PWD" --logs "$LOGS/verifier" \
+  --expected "$TESTS/expected_tests.txt"
