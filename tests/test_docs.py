@@ -28,6 +28,15 @@ RETIRED: dict[str, str] = {
     "move_sessions": "CellHandle.move_sessions_to, dispatched to one function per pair in runtime.sessions",
     "no class over 300 lines": "scripts/check_sizes.py is a report (the longest classes and functions), not a limit",
     "classes <= 300 lines": "scripts/check_sizes.py is a report, not a limit",
+    # issue 46, serving: one ServingEngine protocol (serving/engine_api.py) for both KV layouts
+    "PageAllocator": "a PrefixCache allocates the paged engine's pages (serving/prefix_cache.py)",
+    "paged_batch": "serving.batch.DecodeBatch serves both KV layouts",
+    "_cache_size": "ServingEngine.warmup / engine.programs.count() (serving/programs.py: public JAX only)",
+    # issue 46, losses: one signature fn(LossInputs, params) and one registry (rl/losses.py, rl/loss_config.py)
+    "seq_log_ratio": "LossInputs.whole (a SequenceTotals)",
+    "seq_sums": "LossInputs.whole (a SequenceTotals)",
+    # issue 46, events: typed events and one ClusterState builder (elastic/events.py, elastic/state.py)
+    "driver.state_from_dict": "gyre_jax.elastic.state.state_from_dict",
 }
 PLACEHOLDER_KEYS = {"a.b", "x"}  # ``--config.a.b=value``: the form of an override, not a key
 PLACEHOLDER_PATHS = {"gyre_jax.x.y"}  # the form of a module path, as this check's own description names it
