@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gyre_jax.rollout.sandbox import EnvLaunch, Mount, Sandbox
 from gyre_jax.rollout.sandbox.environment import Builds, Layer, Need, Reachability, refusals, seed_workspace, task_needs
+from gyre_jax.rollout.sandbox.environment import image_env as image_env_of
 from gyre_jax.rollout.suites import DOCKER_FILES
 from gyre_jax.rollout.tasks import Task
 
@@ -76,9 +77,7 @@ def image_env(task: Task, sandbox: Sandbox) -> dict[str, str]:
     task's ``[environment] env``); {} when the task does not run in its environment."""
     if not uses_environment(task, sandbox):
         return {}
-    built = layer(task, sandbox)
-    return {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", **built.env,
-            **task.environment.get("env", {})}  # fmt: skip
+    return {**image_env_of(layer(task, sandbox)), **task.environment.get("env", {})}
 
 
 def seed(task: Task, sandbox: Sandbox, exec_dir: Path) -> None:
@@ -145,3 +144,16 @@ def problems(task: Task, sandbox_name: str, found: list[Need], oracle: bool = Fa
     else:
         out += [f"{where}: {line}" for line in refusals(found, tuple(p for p in phases if p != "environment"))]
     return out
+
+
+def honoured(tasks: list[Task], sandbox_name: str) -> tuple[list[Task], list[str]]:
+    """(the tasks this machine can honour under ``sandbox_name``, one line per reason for the others)."""
+    from gyre_jax.rollout.sandbox.environment import Host
+
+    reach, host = Reachability(), Host.detect()
+    kept, refused = [], []
+    for task in tasks:
+        lines = problems(task, sandbox_name, needs(task, reach, host) if task.source else [])
+        kept += [] if lines else [task]
+        refused += lines
+    return kept, refused

@@ -459,7 +459,9 @@ class Executor:
             network=self.network,
             limits=task_limits(spec.task),
             image_context=image_context(spec.task),
-            environment=environments.env_launch(spec.task, self.sandbox, exec_dir, solution=self.mount_solution, end=False),
+            environment=environments.env_launch(
+                spec.task, self.sandbox, exec_dir, solution=self.mount_solution, end=False
+            ),
         )
         prepared = self.sandbox.prepare(launch)
         applied.update(prepared.applied)

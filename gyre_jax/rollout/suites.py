@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 import tempfile
@@ -41,6 +42,7 @@ import numpy as np
 from gyre_jax.disk import publish_dir
 from gyre_jax.rollout.tasks import TOOLS, BuiltinSuite, Task, epoch_tasks
 
+logger = logging.getLogger(__name__)
 DOCKER_FILES = ("Dockerfile", ".dockerignore", "docker-compose.yaml", "docker-compose.yml")
 DEFAULT_WORKDIR = "/app"
 SUITE_KINDS = ("builtin", "harbor", "jsonl")
@@ -212,7 +214,9 @@ def load_harbor_task(path: Path, max_turns: int = 4) -> Task:
     environment = _environment(_table(config, "environment", where), workdir, where)
     # Which phase has the internet: [agent] / [verifier] network_mode override the environment's (Harbor's rule).
     environment["agent_internet"] = _network(agent, f"{where}: task.toml [agent]", environment["allow_internet"])
-    environment["verifier_internet"] = _network(verifier, f"{where}: task.toml [verifier]", environment["allow_internet"])
+    environment["verifier_internet"] = _network(
+        verifier, f"{where}: task.toml [verifier]", environment["allow_internet"]
+    )
     reward_key = verifier.get("reward_key")
     if reward_key is not None:
         if not isinstance(reward_key, str) or not reward_key:
@@ -356,6 +360,12 @@ def load_tasks(spec: str, max_turns: int = 4) -> tuple[list[Task], Path]:
     return tasks, root
 
 
+def suite_warnings(tasks: Sequence[Task]) -> list[str]:
+    """One line per task whose task.toml has keys Harbor's schema does not (kept, not used)."""
+    return [f"task {t.task_id}: task.toml has keys gyre-jax does not know (ignored): {t.environment['unknown_keys']}"
+            for t in tasks if t.environment.get("unknown_keys")]  # fmt: skip
+
+
 def declared_heldout(tasks: Sequence[Task]) -> set[str] | None:
     """The held-out task names a suite declares (task.toml ``[metadata] split = "train" | "heldout"`` on every
     task), or None when no task declares one; SuiteError when only some do, a value is unknown, or a split is
@@ -430,9 +440,23 @@ class HarborSuite:
 TaskSuite = BuiltinSuite | HarborSuite  # what a run draws its tasks from
 
 
-def make_suite(spec: str, *, seed: int, max_turns: int, heldout_fraction: float = 0.0, **builtin: Any):
-    """The suite ``config.rollout.suite`` names: ``BuiltinSuite(**builtin)`` or a ``HarborSuite``."""
+def make_suite(spec: str, *, seed: int, max_turns: int, heldout_fraction: float = 0.0, sandbox: str = "",
+               **builtin: Any):  # fmt: skip
+    """The suite ``config.rollout.suite`` names: ``BuiltinSuite(**builtin)`` or a ``HarborSuite``. With
+    ``sandbox``, the tasks this machine cannot honour under it (``environments.problems``: an environment or a
+    verifier that needs what is not here) are left out, each logged with its reason; none left is a SuiteError."""
     if parse_suite_spec(spec)[0] == "builtin":
         return BuiltinSuite(seed=seed, max_turns=max_turns, **builtin)
     tasks, root = load_tasks(spec, max_turns)
+    for line in suite_warnings(tasks):
+        logger.warning("%s", line)
+    if sandbox:
+        from gyre_jax.rollout import environments  # (it imports this module)
+
+        kept, refused = environments.honoured(tasks, sandbox)
+        for line in refused:
+            logger.warning("left out: %s", line)
+        if not kept:
+            raise SuiteError(f"no task of {root} can run here with sandbox {sandbox!r}; first: {refused[0]}")
+        tasks = kept
     return HarborSuite(tasks, root, seed=seed, heldout_fraction=heldout_fraction)

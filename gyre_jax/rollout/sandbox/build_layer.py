@@ -32,9 +32,11 @@ def copy_step(step: dict, merged: Path, context: Path, workdir: str) -> None:
     target = inside(merged, dest_abs)
     matched: list[Path] = []
     for source in sources:
-        hits = sorted(glob.glob(str(context / source.lstrip("/")))) if any(c in source for c in "*?[") else [
-            str(context / source.lstrip("/"))
-        ]
+        hits = (
+            sorted(glob.glob(str(context / source.lstrip("/"))))
+            if any(c in source for c in "*?[")
+            else [str(context / source.lstrip("/"))]
+        )
         for hit in hits:
             path = Path(hit)
             if not path.resolve().is_relative_to(context.resolve()):
@@ -78,7 +80,7 @@ def run_step(argv: list[str], merged: Path, env: dict[str, str], workdir: str, c
 def main(plan_file: str) -> int:
     plan = json.loads(Path(plan_file).read_text())
     merged = Path(plan["merged"])  # mounted by environment.MOUNT_SCRIPT before this process started
-    context, env, workdir = Path(plan["context"]), {"PATH": DEFAULT_PATH, "HOME": "/root"}, "/"
+    context, env, workdir = Path(plan["context"]), {"PATH": plan.get("path", DEFAULT_PATH), "HOME": "/root"}, "/"
     for number, step in enumerate(plan["steps"], start=1):
         kind, args = step["kind"], step["args"]
         print(f"== step {number}/{len(plan['steps'])}: {step['line'][:200]}", flush=True)
@@ -97,7 +99,9 @@ def main(plan_file: str) -> int:
                     raise RuntimeError(f"exit status {code}")
         except Exception as exc:  # noqa: BLE001 - the step is named in failed.txt, the error in the log
             print(f"!! step failed: {type(exc).__name__}: {exc}", flush=True)
-            Path(plan_file).with_name("failed.txt").write_text(f"Dockerfile line {step['lineno']} `{step['line'][:160]}` ({exc})")
+            Path(plan_file).with_name("failed.txt").write_text(
+                f"Dockerfile line {step['lineno']} `{step['line'][:160]}` ({exc})"
+            )
             return 1
     return 0
 

@@ -108,13 +108,18 @@ def parse(text: str) -> Dockerfile:
     df = Dockerfile()
     args: dict[str, str] = {}  # ARG values (before and after FROM)
     env: dict[str, str] = {}
-    stages = 0
+    stages, heredoc_end = 0, ""
     for lineno, line in logical_lines(text):
+        if heredoc_end:  # the body of a refused heredoc
+            heredoc_end = "" if line.strip() == heredoc_end else heredoc_end
+            continue
         word, _, rest = line.partition(" ")
         kind, rest = word.upper(), rest.strip()
         where = f"Dockerfile line {lineno} `{line[:120]}`"
-        if kind in ("RUN", "COPY", "ADD") and "<<" in rest and re.search(r"<<-?\s*['\"]?\w+", rest):
+        heredoc = re.search(r"<<-?\s*['\"]?(\w+)", rest) if kind in ("RUN", "COPY", "ADD") else None
+        if heredoc:
             df.refusals.append(f"{where}: heredocs need BuildKit (docker); not applied without it")
+            heredoc_end = heredoc.group(1)
             continue
         if kind == "FROM":
             stages += 1

@@ -48,6 +48,11 @@ DOCKER_CAPS = ("chown", "dac_override", "fowner", "fsetid", "kill", "setgid", "s
                "net_bind_service", "net_raw", "sys_chroot", "mknod", "audit_write", "setfcap")  # fmt: skip
 _URL = re.compile(r"\b(?:https?|ftp|git)://([A-Za-z0-9.-]+)(?::(\d+))?[^\s'\"`)|;]*")
 _SCP = re.compile(r"\bgit@([A-Za-z0-9.-]+):")
+# A line that fetches what it names (a URL elsewhere, e.g. an XML namespace in inline data, is not a need).
+_FETCH = re.compile(
+    r"\b(curl|wget|git|pip3?|uvx?|npm|npx|apt(-get)?|aria2c|fetch|download\w*|urlopen|urlretrieve|"
+    r"requests|httpx|clone|cargo|go|install|ADD|Rscript|R)\b"
+)
 _PYTHON_IMAGE = re.compile(r"^(?:docker\.io/)?(?:library/)?python:(\d+)\.(\d+)(?:\.\d+)?(?:-(.*))?$")
 
 
@@ -80,7 +85,9 @@ class Host:
         pythons: dict[str, str] = {}
         roots = [Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"]
         for root in roots:
-            for prefix in sorted(root.glob("*"), key=lambda p: [int(x) if x.isdigit() else 0 for x in p.name.split(".")]):
+            for prefix in sorted(
+                root.glob("*"), key=lambda p: [int(x) if x.isdigit() else 0 for x in p.name.split(".")]
+            ):
                 match = re.fullmatch(r"(\d+)\.(\d+)\.\d+", prefix.name)
                 if match and (prefix / "bin" / f"python{match[1]}.{match[2]}").exists():
                     pythons[f"{match[1]}.{match[2]}"] = str(prefix)  # the newest patch release wins
@@ -124,7 +131,11 @@ def base_image(image: str, host: Host) -> BaseImage | str:
             return f"FROM {image}: no Python {version} on this machine (have {have}; e.g. `pyenv install {version}`)"
         if "alpine" in variant or "windows" in variant:
             return f"FROM {image}: {variant} images are not approximated by a Debian host"
-        diff = [] if (host.codename and host.codename in variant) else [f"{variant or 'default'} distribution -> {host.name}"]
+        diff = (
+            []
+            if (host.codename and host.codename in variant)
+            else [f"{variant or 'default'} distribution -> {host.name}"]
+        )
         prefix = host.pythons[version]
         if prefix == "/usr":
             diff.append(f"Python {version} of the system (no pip unless installed)")
@@ -220,11 +231,21 @@ class Reachability:
         return self._known[(host, port)]
 
 
+# Calls that fetch from a hub without naming a URL: the host they reach.
+_IMPLICIT = ((re.compile(r"\b(from_pretrained|hf_hub_download|snapshot_download|huggingface-cli|load_dataset)\b"),
+              "huggingface.co", 443),)  # fmt: skip
+
+
 def fetched_hosts(text: str) -> list[tuple[int, str, int, str]]:
-    """(line number, host, port, the URL) of every URL (http, https, ftp, git, git@host:) a script names."""
+    """(line number, host, port, the URL or call) of every URL (http, https, ftp, git, git@host:) a script fetches
+    from (on a line with a fetching command), and of the hub calls that fetch without one (``from_pretrained``)."""
     out = []
     for number, line in enumerate(text.splitlines(), start=1):
-        if line.lstrip().startswith("#"):
+        for pattern, host, port in _IMPLICIT:
+            hit = pattern.search(line)
+            if hit and not line.lstrip().startswith("#"):
+                out.append((number, host, port, hit.group(0)))
+        if line.lstrip().startswith("#") or not _FETCH.search(line):
             continue
         for match in _URL.finditer(line):
             scheme = match.group(0).split(":")[0]
@@ -233,7 +254,8 @@ def fetched_hosts(text: str) -> list[tuple[int, str, int, str]]:
             if host not in ("localhost", "127.0.0.1", "0.0.0.0") and "." in host:
                 out.append((number, host, port, match.group(0)))
         for match in _SCP.finditer(line):
-            out.append((number, match.group(1).lower(), 22, match.group(0)))
+            if match.group(1).lower() not in ("localhost", "127.0.0.1"):
+                out.append((number, match.group(1).lower(), 22, match.group(0)))
     return out
 
 
@@ -247,16 +269,27 @@ def task_needs(task_dir: Path, host: Host, reach: Reachability) -> list[Need]:
     task_dir = Path(task_dir)
     needs: list[Need] = []
     df = read_dockerfile(task_dir)
-    scripts = [("environment", "environment/Dockerfile", "\n".join(s.line if s.kind == "RUN" else "" for s in df.steps) if df else "")]
-    for phase, rel in (("verifier", "tests/test.sh"), ("oracle", "solution/solve.sh")):
-        path = task_dir / rel
-        scripts.append((phase, rel, path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""))
+    scripts = [
+        (
+            "environment",
+            "environment/Dockerfile",
+            "\n".join(s.line if s.kind == "RUN" else "" for s in df.steps) if df else "",
+        )
+    ]
+    for phase, folder in (("verifier", "tests"), ("oracle", "solution")):  # every text file the phase runs
+        for path in sorted((task_dir / folder).rglob("*")) if (task_dir / folder).is_dir() else []:
+            if path.is_file() and path.stat().st_size < 1_000_000:
+                text = path.read_text(encoding="utf-8", errors="replace")
+                if "\0" not in text:
+                    scripts.append((phase, str(path.relative_to(task_dir)), text))
     if df is not None:
         for refusal in df.refusals:
             needs.append(Need("environment", "docker", refusal, False, "cannot be applied without a Docker daemon"))
         base = base_image(df.base, host) if df.base else "the Dockerfile has no FROM"
         if isinstance(base, str):
-            needs.append(Need("environment", f"base image {df.base or '?'}", "environment/Dockerfile FROM", False, base))
+            needs.append(
+                Need("environment", f"base image {df.base or '?'}", "environment/Dockerfile FROM", False, base)
+            )
         else:
             what = f"base image {df.base}" + (f" with Python {base.python}" if base.python else "")
             needs.append(Need("environment", what, "environment/Dockerfile FROM", True,
@@ -280,8 +313,14 @@ def refusals(needs: list[Need], phases: tuple[str, ...] = ("environment", "verif
     out = []
     for need in needs:
         if need.phase in phases and not need.has:
-            reason = need.detail if need.what.startswith(("base image", "docker")) else f"{need.what} is not reachable from this machine"
-            out.append(f"{need.phase}: {need.where}: {reason}" + (f" ({need.detail})" if need.what.startswith("host") else ""))
+            reason = (
+                need.detail
+                if need.what.startswith(("base image", "docker"))
+                else f"{need.what} is not reachable from this machine"
+            )
+            out.append(
+                f"{need.phase}: {need.where}: {reason}" + (f" ({need.detail})" if need.what.startswith("host") else "")
+            )
     return out
 
 
@@ -407,15 +446,20 @@ def build_layer(task_dir: Path, host: Host, root: Path | None = None, timeout_s:
         plan = {"steps": [{"kind": s.kind, "args": list(s.args), "line": s.line, "lineno": s.lineno} for s in df.steps],
                 "merged": str(path / "merged"), "context": str(task_dir / "environment"), "shell": list(df.shell),
                 "upper": str(path / "upper"), "work": str(path / "work"), "caps": list(DOCKER_CAPS),
-                "hide": [str(root)]}  # fmt: skip
+                "hide": [str(root)], "path": image_path(base)}  # fmt: skip
         (path / "plan.json").write_text(json.dumps(plan))
         t0 = time.monotonic()
         tmp_upper = path / "upper" / "tmp"  # the image's own /tmp: the host's never shows through
         tmp_upper.mkdir()
         tmp_upper.chmod(0o1777)
         _opaque(tmp_upper)
-        argv = [*mount_argv(path / "mnt", [str(base_upper)], path / "upper", path / "work", path / "merged"),
-                sys.executable, "-I", str(Path(__file__).with_name("build_layer.py")), str(path / "plan.json")]
+        argv = [
+            *mount_argv(path / "mnt", [str(base_upper)], path / "upper", path / "work", path / "merged"),
+            sys.executable,
+            "-I",
+            str(Path(__file__).with_name("build_layer.py")),
+            str(path / "plan.json"),
+        ]
         with open(path / "build.log", "wb") as out:
             try:
                 done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -428,7 +472,9 @@ def build_layer(task_dir: Path, host: Host, root: Path | None = None, timeout_s:
         if code != 0:
             failed = (path / "failed.txt").read_text().strip() if (path / "failed.txt").exists() else ""
             what = failed or ("the build exceeded build_timeout_sec" if code is None else f"status {code}")
-            raise EnvironmentBuildError(f"environment build failed at {what} (log {path / 'build.log'}): ...{tail[-600:]}")
+            raise EnvironmentBuildError(
+                f"environment build failed at {what} (log {path / 'build.log'}): ...{tail[-600:]}"
+            )
         shutil.rmtree(path / "work", ignore_errors=True)
         data = {"env": df.env, "workdir": df.workdir_or_default, "build_s": round(build_s, 2), "base": asdict(base)}
         meta.write_text(json.dumps(data))
@@ -436,9 +482,18 @@ def build_layer(task_dir: Path, host: Host, root: Path | None = None, timeout_s:
                      round(build_s, 2))  # fmt: skip
 
 
+def image_path(base: BaseImage) -> str:
+    """The image's PATH: Docker's default, with the base Python's own bin (where ``pip install`` puts scripts:
+    /usr/local/bin in the real image) right after /usr/local/bin."""
+    if base.python_prefix and base.python_prefix != "/usr":
+        return DEFAULT_PATH.replace("/usr/local/bin:", f"/usr/local/bin:{base.python_prefix}/bin:")
+    return DEFAULT_PATH
+
+
 def image_env(layer: Layer) -> dict[str, str]:
-    """The environment a process of the image starts with: Docker's PATH and HOME for root, then the ENVs."""
-    return {"PATH": DEFAULT_PATH, "HOME": "/root", **layer.env}
+    """The environment a process of the image starts with: its PATH (``image_path``) and HOME for root, then the
+    Dockerfile's ENVs."""
+    return {"PATH": image_path(layer.base), "HOME": "/root", **layer.env}
 
 
 def seed_workspace(layer: Layer, workspace: Path) -> None:
