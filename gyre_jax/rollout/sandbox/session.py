@@ -150,9 +150,11 @@ class Sessions:
         socket = self.bridge.socket_path() if bridged else None
         view = _bwrap_view(launch, state / "merged", self.hide, socket)
         net = [] if env.internet else ["--unshare-net"]
-        read_fd, write_fd = os.pipe()
+        read_fd, write_fd = os.pipe()  # bwrap's --info-fd: the keeper's PID
+        ready_r, ready_w = os.pipe()  # the keeper's first word: its namespaces and root are complete
         bwrap = ["bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", *net, *view,
-                 "--cap-drop", "ALL", "--info-fd", str(write_fd), "--chdir", "/", "--", "sleep", "infinity"]  # fmt: skip
+                 "--cap-drop", "ALL", "--info-fd", str(write_fd), "--chdir", "/", "--", "/bin/sh", "-c",
+                 f"echo ready > /proc/self/fd/{ready_w}; exec sleep infinity"]  # fmt: skip
         argv = mount_argv(state / "mnt", list(env.lower), state / "upper", state / "work", state / "merged")
         plan = limits_mod.plan(launch.limits, {}, use_cgroups=self.use_cgroups)
         started: dict = {}
@@ -162,7 +164,7 @@ class Sessions:
         def keep() -> None:  # the keeper's parent thread: bwrap's --die-with-parent follows it
             try:
                 started["proc"] = subprocess.Popen([*argv, *bwrap], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                                   pass_fds=(write_fd,), start_new_session=True)  # fmt: skip
+                                                   pass_fds=(write_fd, ready_w), start_new_session=True)  # fmt: skip
             except OSError as exc:
                 started["error"] = exc
             finally:
@@ -175,12 +177,15 @@ class Sessions:
         thread.start()
         ready.wait()
         os.close(write_fd)
+        os.close(ready_w)
         try:
             if "error" in started:
                 raise SandboxUnavailable(f"environment session could not start: {started['error']}")
             pid = self._read_pid(read_fd, started["proc"], state)
+            self._wait_ready(ready_r, started["proc"], state)
         finally:
             os.close(read_fd)
+            os.close(ready_r)
         applied = {"layers": list(env.lower), "internet": env.internet}
         return Session(state, started["proc"], pid, env.internet, bridged, plan, thread, applied)
 
@@ -202,6 +207,21 @@ class Sessions:
         proc.kill()
         tail = (state / "session.log").read_bytes()[-800:].decode(errors="replace").strip()
         raise SandboxUnavailable(f"environment session did not start (mounting the layers or bwrap failed): {tail}")
+
+    @staticmethod
+    def _wait_ready(fd: int, proc: subprocess.Popen, state: Path) -> None:
+        """Until the keeper says it runs (bwrap tells its PID before the root is complete: nsenter waits)."""
+        deadline = time.monotonic() + KEEPER_START_S
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.2)[0]:
+                if os.read(fd, 64).startswith(b"ready"):
+                    return
+                break
+            if proc.poll() is not None:
+                break
+        proc.kill()
+        tail = (state / "session.log").read_bytes()[-800:].decode(errors="replace").strip()
+        raise SandboxUnavailable(f"environment session did not become ready: {tail}")
 
     def end(self, state: Path) -> None:
         """Ends the session of ``state``: every process in it is killed, its mounts go with its namespace."""
