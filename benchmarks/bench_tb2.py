@@ -42,7 +42,9 @@ def outcome(row: dict) -> tuple[str, str, str]:
         return env, "excluded", short(row["reasons"][0].split(": ", 1)[1])
     if row["state"] == "build failed":
         return "build failed", "excluded", short(row["reasons"][0])
-    scores = f"{row['oracle']:.2f} / {row['start']:.2f}" if row["oracle"] is not None and row["start"] is not None else ""
+    scores = (
+        f"{row['oracle']:.2f} / {row['start']:.2f}" if row["oracle"] is not None and row["start"] is not None else ""
+    )
     reason = row.get("oracle_excluded") or row.get("start_excluded") or ""
     return "built", scores or "excluded", short(reason) if reason else ""
 
