@@ -41,7 +41,7 @@ from urllib.parse import urlparse
 
 from gyre_jax.rollout.sandbox.dockerfile import Dockerfile, parse
 
-LAYER_FORMAT = 1  # bump when how a layer is built changes: old layers are then rebuilt
+LAYER_FORMAT = 2  # bump when how a layer is built changes: old layers are then rebuilt
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Docker's default capabilities of a container (what RUN steps and executions keep; SYS_ADMIN is not among them).
 DOCKER_CAPS = ("chown", "dac_override", "fowner", "fsetid", "kill", "setgid", "setuid", "setpcap",
@@ -382,6 +382,10 @@ def _build_base(base: BaseImage, root: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "root").mkdir(parents=True)
     _opaque(tmp / "root")  # the host's home never shows through
+    for name in ("bashrc", "profile"):  # root's dot files as Debian's and Ubuntu's base-files install them
+        skel = Path("/usr/share/base-files") / f"dot.{name}"
+        if skel.is_file():
+            shutil.copy2(skel, tmp / "root" / f".{name}")
     if base.python:
         prefix = Path(base.python_prefix)
         if prefix != Path("/usr"):
