@@ -88,7 +88,7 @@ def test_the_harness_sees_neither_tests_nor_solution_and_the_verifier_none_of_it
         ("echo many > /logs/verifier/reward.txt", "evaluator_error", "expected a number"),
         ("echo nan > /logs/verifier/reward.txt", "evaluator_bad_value", "nan"),
         ("echo 1.5 > /logs/verifier/reward.txt", "evaluator_bad_value", "1.5"),
-        ("echo '{\"score\": \"high\"}' > /logs/verifier/reward.json", "evaluator_error", "reward.json holds"),
+        ('echo \'{"score": "high"}\' > /logs/verifier/reward.json', "evaluator_error", "reward.json holds"),
         ("sleep 30; echo 1 > /logs/verifier/reward.txt", "evaluator_timeout", "exceeded 1.0 s"),
     ],
 )

@@ -198,7 +198,8 @@ def test_the_config_refuses_a_bad_suite_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match=r"config.rollout.suite=.*task broken .*\[agent\] timeout_sec='x'"):
         make_suite(load_config([f"--config.rollout.suite=harbor:{tmp_path}", "--config.warm_start.steps=0"]))
     shutil.rmtree(tmp_path / "broken")
-    ok = [f"--config.rollout.suite=harbor:{tmp_path}", "--config.warm_start.steps=0"]
+    # (the upstream task is built from its Dockerfile: sandbox "none" would refuse it, build.make_suite says why)
+    ok = [f"--config.rollout.suite=harbor:{tmp_path}", "--config.warm_start.steps=0", "--config.rollout.sandbox=bwrap"]
     assert load_config(ok).rollout.suite == f"harbor:{tmp_path}"
     assert [t.task_id for t in make_suite(load_config(ok)).pool()] == ["good"]
     with pytest.raises(ConfigError, match="warm-start demonstrations exist only for the builtin suite"):
