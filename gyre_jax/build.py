@@ -200,7 +200,11 @@ def make_suite(config) -> TaskSuite:
     if r.suite != "builtin":
         try:
             return suites.make_suite(
-                r.suite, seed=config.seed, max_turns=r.max_turns, heldout_fraction=r.heldout_fraction
+                r.suite,
+                seed=config.seed,
+                max_turns=r.max_turns,
+                heldout_fraction=r.heldout_fraction,
+                sandbox=r.sandbox,
             )
         except suites.SuiteError as exc:
             raise ConfigError(f"config.rollout.suite={r.suite!r}: {exc}") from None

@@ -61,12 +61,11 @@ from typing import Any, Protocol
 
 from gyre_jax.disk import write_whole
 from gyre_jax.faultpoints import kill_point
-from gyre_jax.rollout import templates
+from gyre_jax.rollout import environments, templates
 from gyre_jax.rollout.evaluators import CommandEvaluator, run_evaluator
 from gyre_jax.rollout.harnesses import DEFAULT_HARNESS_CMD, write_files
 from gyre_jax.rollout.process_group import Ended, ProcessGroups
 from gyre_jax.rollout.sandbox import Launch, Mount, NoneSandbox, Sandbox, make_sandbox
-from gyre_jax.rollout.suites import DOCKER_FILES
 from gyre_jax.rollout.tasks import Task, evaluate
 from gyre_jax.rollout.verifier import SOLUTION_INSIDE, HarborVerifier, image_context, task_limits, workdir_of
 
@@ -414,17 +413,16 @@ class Executor:
             shutil.rmtree(exec_dir)
         exec_dir.mkdir(parents=True, mode=PRIVATE_DIR_MODE)
         exec_dir.chmod(PRIVATE_DIR_MODE)  # whatever the umask: other users never read a workspace (sandbox none too)
-        if spec.task.source:
-            ignore = shutil.ignore_patterns(*DOCKER_FILES)
-            shutil.copytree(Path(spec.task.source) / "environment", workspace, ignore=ignore, symlinks=True)
+        harness_dir = exec_dir / HARNESS_DIR  # what the harness sees of its execution: no answers, no logs
+        (harness_dir / "home").mkdir(parents=True)
+        if spec.task.source:  # its built environment's WORKDIR, or environment/ minus Docker files
+            environments.seed(spec.task, self.sandbox, exec_dir)
         workspace.mkdir(parents=True, exist_ok=True)
         for rel, text in spec.task.files.items():
             path = workspace / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
         (exec_dir / templates.TASK_FILE).write_text(spec.task.to_json(), encoding="utf-8")  # the record
-        harness_dir = exec_dir / HARNESS_DIR  # what the harness sees of its execution: no answers, no logs
-        (harness_dir / "home").mkdir(parents=True)
         seen = {**spec.task.to_dict(), "expected": {}}
         (harness_dir / templates.TASK_FILE).write_text(json.dumps(seen, ensure_ascii=False), encoding="utf-8")
         (harness_dir / templates.INSTRUCTION_FILE).write_text(spec.task.instruction, encoding="utf-8")
@@ -461,6 +459,9 @@ class Executor:
             network=self.network,
             limits=task_limits(spec.task),
             image_context=image_context(spec.task),
+            environment=environments.env_launch(
+                spec.task, self.sandbox, exec_dir, solution=self.mount_solution, end=False
+            ),
         )
         prepared = self.sandbox.prepare(launch)
         applied.update(prepared.applied)

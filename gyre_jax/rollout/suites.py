@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 import tempfile
@@ -41,6 +42,7 @@ import numpy as np
 from gyre_jax.disk import publish_dir
 from gyre_jax.rollout.tasks import TOOLS, BuiltinSuite, Task, epoch_tasks
 
+logger = logging.getLogger(__name__)
 DOCKER_FILES = ("Dockerfile", ".dockerignore", "docker-compose.yaml", "docker-compose.yml")
 DEFAULT_WORKDIR = "/app"
 SUITE_KINDS = ("builtin", "harbor", "jsonl")
@@ -92,25 +94,82 @@ def _table(config: dict, name: str, where: str) -> dict:
     return table
 
 
+# task.toml keys of Harbor's schema (and Terminal-Bench 2's use of it), by table; anything else is a warning.
+KNOWN_KEYS = {
+    "": ("version", "schema_version", "source", "metadata", "verifier", "agent", "environment", "solution", "steps"),
+    "agent": ("timeout_sec", "user", "network_mode", "allowed_hosts", "env"),
+    "verifier": ("timeout_sec", "env", "user", "network_mode", "allowed_hosts", "requires", "reward_key"),
+    "environment": ("build_timeout_sec", "docker_image", "cpus", "memory_mb", "memory", "storage_mb", "storage",
+                    "gpus", "gpu_types", "allow_internet", "network_mode", "env", "skills_dir", "mcp_servers",
+                    "healthcheck", "os", "workdir", "allowed_hosts"),
+    "solution": ("env",),
+}  # fmt: skip
+NETWORK_MODES = ("public", "no-network", "allowlist")
+
+
+def unknown_keys(config: dict) -> list[str]:
+    """The keys of a parsed task.toml that Harbor's schema does not have (``table.key``), sorted."""
+    out = [k for k in config if k not in KNOWN_KEYS[""]]
+    for table in ("agent", "verifier", "environment", "solution"):
+        body = config.get(table)
+        if isinstance(body, dict):
+            out += [f"{table}.{k}" for k in body if k not in KNOWN_KEYS[table]]
+    return sorted(out)
+
+
+def _string_map(table: dict, key: str, where: str) -> dict[str, str]:
+    value = table.get(key, {})
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise SuiteError(f"{where} {key} must map names to strings, got {value!r}")
+    return dict(value)
+
+
+def _network(table: dict, where: str, default: bool) -> bool:
+    """Whether a phase has the internet: ``network_mode`` ("public" | "no-network"), else the deprecated
+    ``allow_internet``, else ``default`` (Harbor's: public)."""
+    if "network_mode" in table:
+        mode = table["network_mode"]
+        if mode not in NETWORK_MODES:
+            raise SuiteError(f"{where} network_mode={mode!r} must be one of {NETWORK_MODES}")
+        return mode == "public"  # "allowlist" is refused at load (refusals): it is never granted here
+    if "allow_internet" in table:
+        if not isinstance(table["allow_internet"], bool):
+            raise SuiteError(f"{where} allow_internet={table['allow_internet']!r} must be true/false")
+        return table["allow_internet"]
+    return default
+
+
 def _environment(table: dict, workdir: str, where: str) -> dict[str, Any]:
-    env: dict[str, Any] = {"workdir": workdir, "allow_internet": False}
-    cpus = _number(table, "cpus", f"{where}: task.toml [environment]")
+    where_env = f"{where}: task.toml [environment]"
+    env: dict[str, Any] = {"workdir": workdir, "allow_internet": _network(table, where_env, True)}
+    cpus = _number(table, "cpus", where_env)
     if cpus is not None:
         env["cpus"] = cpus
     if "memory_mb" in table:
-        env["memory_mb"] = memory_mb(table["memory_mb"], f"{where}: task.toml [environment] memory_mb")
+        env["memory_mb"] = memory_mb(table["memory_mb"], f"{where_env} memory_mb")
     elif "memory" in table:
-        env["memory_mb"] = memory_mb(table["memory"], f"{where}: task.toml [environment] memory")
-    if "allow_internet" in table:
-        if not isinstance(table["allow_internet"], bool):
-            raise SuiteError(
-                f"{where}: task.toml [environment] allow_internet={table['allow_internet']!r} must be true/false"
-            )
-        env["allow_internet"] = table["allow_internet"]
-    if "docker_image" in table:
-        if not isinstance(table["docker_image"], str) or not table["docker_image"]:
-            raise SuiteError(f"{where}: task.toml [environment] docker_image must be a non-empty string")
-        env["docker_image"] = table["docker_image"]
+        env["memory_mb"] = memory_mb(table["memory"], f"{where_env} memory")
+    if "storage_mb" in table or "storage" in table:
+        key = "storage_mb" if "storage_mb" in table else "storage"
+        env["storage_mb"] = memory_mb(table[key], f"{where_env} {key}")
+    build = _number(table, "build_timeout_sec", where_env)
+    if build is not None:
+        env["build_timeout_s"] = build
+    for key in ("docker_image", "skills_dir", "os"):
+        if key in table:
+            if not isinstance(table[key], str) or not table[key]:
+                raise SuiteError(f"{where_env} {key} must be a non-empty string, got {table[key]!r}")
+            env[key] = table[key]
+    if "skills_dir" in env and not env["skills_dir"].startswith("/"):
+        raise SuiteError(f"{where_env} skills_dir={env['skills_dir']!r} must be an absolute path in the environment")
+    if "gpus" in table:
+        if isinstance(table["gpus"], bool) or not isinstance(table["gpus"], int) or table["gpus"] < 0:
+            raise SuiteError(f"{where_env} gpus={table['gpus']!r} must be an integer >= 0")
+        env["gpus"] = table["gpus"]
+    if table.get("env"):
+        env["env"] = _string_map(table, "env", where_env)
+    if "network_mode" in table:
+        env["network_mode"] = table["network_mode"]
     return env
 
 
@@ -148,11 +207,38 @@ def load_harbor_task(path: Path, max_turns: int = 4) -> Task:
     if not (path / "tests" / "test.sh").is_file():
         raise SuiteError(f"{where}: tests/test.sh is missing (the verifier that writes /logs/verifier/reward.txt)")
     agent, verifier = _table(config, "agent", where), _table(config, "verifier", where)
-    verifier_env = verifier.get("env", {})
-    if not isinstance(verifier_env, dict) or not all(isinstance(v, str) for v in verifier_env.values()):
-        raise SuiteError(f"{where}: task.toml [verifier] env must map names to strings, got {verifier_env!r}")
+    solution = _table(config, "solution", where)
+    verifier_env = _string_map(verifier, "env", f"{where}: task.toml [verifier]")
     metadata = _table(config, "metadata", where)
     workdir = dockerfile_workdir(path / "environment" / "Dockerfile")
+    environment = _environment(_table(config, "environment", where), workdir, where)
+    # Which phase has the internet: [agent] / [verifier] network_mode override the environment's (Harbor's rule).
+    environment["agent_internet"] = _network(agent, f"{where}: task.toml [agent]", environment["allow_internet"])
+    environment["verifier_internet"] = _network(
+        verifier, f"{where}: task.toml [verifier]", environment["allow_internet"]
+    )
+    reward_key = verifier.get("reward_key")
+    if reward_key is not None:
+        if not isinstance(reward_key, str) or not reward_key:
+            raise SuiteError(f"{where}: task.toml [verifier] reward_key must be a non-empty string, got {reward_key!r}")
+        environment["reward_key"] = reward_key
+    if solution.get("env"):
+        environment["solution_env"] = _string_map(solution, "env", f"{where}: task.toml [solution]")
+    # Built from its Dockerfile (bwrap: an environment session) unless it declares that its verifier runs on the
+    # trainer's own interpreter ([verifier.requires]: gyre-jax's host mode, the bundled suites).
+    has_image = (path / "environment" / "Dockerfile").is_file() or "docker_image" in environment
+    environment["mode"] = "build" if has_image and "requires" not in verifier else "host"
+    unknown = unknown_keys(config)
+    if unknown:
+        environment["unknown_keys"] = unknown
+    try:
+        return _task(path, name, instruction, agent, verifier, environment, verifier_env, metadata, max_turns)
+    except ValueError as exc:  # the record's own check: one line naming the task, never a traceback
+        raise SuiteError(f"{where}: {exc}") from None
+
+
+def _task(path, name, instruction, agent, verifier, environment, verifier_env, metadata, max_turns) -> Task:
+    where = f"task {name} ({path})"
     return Task(
         task_id=name,
         kind=name,
@@ -167,7 +253,7 @@ def load_harbor_task(path: Path, max_turns: int = 4) -> Task:
         source=str(path),
         agent_timeout_s=_number(agent, "timeout_sec", f"{where}: task.toml [agent]") or 0.0,
         verifier_timeout_s=_number(verifier, "timeout_sec", f"{where}: task.toml [verifier]") or 0.0,
-        environment=_environment(_table(config, "environment", where), workdir, where),
+        environment=environment,
         verifier_env=dict(verifier_env),
         metadata=json.loads(json.dumps(metadata, default=str)),
     )
@@ -274,6 +360,12 @@ def load_tasks(spec: str, max_turns: int = 4) -> tuple[list[Task], Path]:
     return tasks, root
 
 
+def suite_warnings(tasks: Sequence[Task]) -> list[str]:
+    """One line per task whose task.toml has keys Harbor's schema does not (kept, not used)."""
+    return [f"task {t.task_id}: task.toml has keys gyre-jax does not know (ignored): {t.environment['unknown_keys']}"
+            for t in tasks if t.environment.get("unknown_keys")]  # fmt: skip
+
+
 def declared_heldout(tasks: Sequence[Task]) -> set[str] | None:
     """The held-out task names a suite declares (task.toml ``[metadata] split = "train" | "heldout"`` on every
     task), or None when no task declares one; SuiteError when only some do, a value is unknown, or a split is
@@ -348,9 +440,23 @@ class HarborSuite:
 TaskSuite = BuiltinSuite | HarborSuite  # what a run draws its tasks from
 
 
-def make_suite(spec: str, *, seed: int, max_turns: int, heldout_fraction: float = 0.0, **builtin: Any):
-    """The suite ``config.rollout.suite`` names: ``BuiltinSuite(**builtin)`` or a ``HarborSuite``."""
+def make_suite(spec: str, *, seed: int, max_turns: int, heldout_fraction: float = 0.0, sandbox: str = "",
+               **builtin: Any):  # fmt: skip
+    """The suite ``config.rollout.suite`` names: ``BuiltinSuite(**builtin)`` or a ``HarborSuite``. With
+    ``sandbox``, the tasks this machine cannot honour under it (``environments.problems``: an environment or a
+    verifier that needs what is not here) are left out, each logged with its reason; none left is a SuiteError."""
     if parse_suite_spec(spec)[0] == "builtin":
         return BuiltinSuite(seed=seed, max_turns=max_turns, **builtin)
     tasks, root = load_tasks(spec, max_turns)
+    for line in suite_warnings(tasks):
+        logger.warning("%s", line)
+    if sandbox:
+        from gyre_jax.rollout import environments  # (it imports this module)
+
+        kept, refused = environments.honoured(tasks, sandbox)
+        for line in refused:
+            logger.warning("left out: %s", line)
+        if not kept:
+            raise SuiteError(f"no task of {root} can run here with sandbox {sandbox!r}; first: {refused[0]}")
+        tasks = kept
     return HarborSuite(tasks, root, seed=seed, heldout_fraction=heldout_fraction)

@@ -75,7 +75,11 @@ TOOLS: tuple[dict[str, Any], ...] = (
 )
 
 # What a task's ``environment`` may say (from task.toml's [environment]; the sandbox applies what it can).
-ENVIRONMENT_KEYS = ("cpus", "memory_mb", "allow_internet", "workdir")
+# task.environment: what a Harbor task.toml's [environment] (and the phases' network) says, as gyre-jax keeps it
+# (suites.load_harbor_task; docs/tasks.md "The task format").
+ENVIRONMENT_KEYS = ("cpus", "memory_mb", "allow_internet", "workdir", "docker_image", "storage_mb", "gpus",
+                    "build_timeout_s", "env", "skills_dir", "os", "network_mode", "agent_internet",
+                    "verifier_internet", "reward_key", "solution_env", "mode", "unknown_keys")  # fmt: skip
 
 WRITE_OK = "ok"  # the write_file tool result, as the reference harness returns it
 FINAL_MESSAGE = "Done."

@@ -38,6 +38,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -53,29 +54,35 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gyre_jax.rollout import environments
 from gyre_jax.rollout.evaluators import EvaluatorUnavailable, RewardSuspect
 from gyre_jax.rollout.process_group import MARK_ENV, kill_group, kill_strays, sweep
 from gyre_jax.rollout.sandbox import Launch, Limits, Mount, Sandbox
 from gyre_jax.rollout.suites import DEFAULT_WORKDIR
 from gyre_jax.rollout.tasks import Task
 
-TESTS_INSIDE = "/tests"
-LOGS_INSIDE = "/logs"
-SOLUTION_INSIDE = "/solution"
-KIT_DIR = Path(__file__).resolve().with_name("verifier_kit")  # mounted read-only at KIT_INSIDE
-KIT_INSIDE = "/gyre-verifier"
+TESTS_INSIDE = environments.TESTS_INSIDE
+LOGS_INSIDE = environments.LOGS_INSIDE
+SOLUTION_INSIDE = environments.SOLUTION_INSIDE
+KIT_DIR = environments.KIT_DIR  # mounted read-only at KIT_INSIDE
+KIT_INSIDE = environments.KIT_INSIDE
+MISSING_FILE = ".gyre-missing"  # under the logs dir: the commands test.sh itself ran and bash did not find
+# test.sh runs as this bash's own process: GYRE_TEST_PID is its PID, so the kit's BASH_ENV handler records only
+# test.sh's own "command not found" (not one of the tested code's bash scripts).
+TEST_SH = 'export GYRE_TEST_PID=$$; exec bash "$0"'
+
 MAX_REWARD_BYTES = 64 * 1024  # what is read of reward.txt / reward.json / suspect.txt / unavailable.txt
 # Where a workspace symlink may point besides the workspace: the read-only system and this interpreter.
 SYSTEM_PREFIXES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/dev/null")
 NEEDS_KEYS = ("commands", "python_modules", "install")
 
 
-def task_limits(task: Task) -> Limits:
-    """The resource limits a task's ``environment`` asks for (task.toml [environment])."""
+def task_limits(task: Task, phase: str = "agent") -> Limits:
+    """The resource limits a task's ``environment`` asks for (task.toml [environment]), with the network of
+    ``phase`` ("agent" | "verifier": ``[agent]`` / ``[verifier] network_mode``, else the environment's)."""
     env = task.environment
-    return Limits(
-        cpus=env.get("cpus"), memory_mb=env.get("memory_mb"), allow_internet=bool(env.get("allow_internet", False))
-    )
+    internet = env.get(f"{phase}_internet", env.get("allow_internet", False))
+    return Limits(cpus=env.get("cpus"), memory_mb=env.get("memory_mb"), allow_internet=bool(internet))
 
 
 def workdir_of(task: Task) -> str:
@@ -97,19 +104,26 @@ def base_env() -> dict[str, str]:
     return {"PATH": path, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
-def verifier_env(task: Task, paths: dict[str, str], home: str, timeout_s: float) -> dict[str, str]:
+def verifier_env(task: Task, paths: dict[str, str], home: str, timeout_s: float,
+                 image: dict[str, str] | None = None, pip_target: str = "") -> dict[str, str]:  # fmt: skip
     """test.sh's whole environment (the module docstring): ``paths`` maps workspace / tests / logs / kit to the
     paths the verifier sees. The task's ``[verifier] env`` comes before the Python hardening, which wins (a
-    ``PYTHONPATH`` of the task goes after the kit's)."""
-    env = {**base_env(), **task.verifier_env}
+    ``PYTHONPATH`` of the task goes after the kit's). ``image``: in the task's built environment, the image's
+    variables (its PATH, HOME=/root, ENVs) replace this machine's PATH. ``pip_target`` (sandbox "none"): where
+    ``pip install`` goes instead of the trainer's interpreter (PIP_TARGET, also on PYTHONPATH)."""
+    env = {**base_env(), **(image or {}), **task.verifier_env}
+    if pip_target:
+        env["PIP_TARGET"] = pip_target
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), pip_target) if p)
     extra = env.get("PYTHONPATH", "")
     env.update(
-        HOME=home,
+        HOME=(image or {}).get("HOME", home),
         GYRE_WORKSPACE=paths["workspace"],
         GYRE_TESTS=paths["tests"],
         GYRE_LOGS=paths["logs"],
         GYRE_VERIFIER=paths["kit"],
         GYRE_VERIFIER_TIMEOUT_S=f"{timeout_s:g}",
+        BASH_ENV=f"{paths['kit']}/bash_env.sh",
         PYTHONPATH=os.pathsep.join([paths["kit"], *([extra] if extra else [])]),
         PYTHONSAFEPATH="1",
         PYTHONNOUSERSITE="1",
@@ -309,9 +323,34 @@ def _read_small(path: Path) -> str | None:
         os.close(fd)
 
 
-def read_reward(logs: Path) -> float:
-    """The reward test.sh wrote under ``logs/verifier/`` (reward.txt, else reward.json); ValueError if none, and
-    ``RewardSuspect`` if one is a symlink or not a regular file."""
+def _tail(path: Path, n: int = 300) -> str:
+    try:
+        data = path.read_bytes()[-n:]
+    except OSError:
+        return ""
+    return " ".join(data.decode("utf-8", errors="replace").split())
+
+
+def train_reward(data: dict, reward_key: str | None) -> float:
+    """The reward that trains, from a reward.json of named rewards (Harbor's multi-reward form): ``reward_key``
+    (task.toml ``[verifier] reward_key``) when the task names one, else ``"reward"``, else the mean of all named
+    rewards (each a number). ValueError naming what is missing or not a number."""
+    key = reward_key or ("reward" if "reward" in data else None)
+    if key is not None:
+        value = data.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"verifier's reward.json holds {data!r}; expected a number under {key!r}")
+        return float(value)
+    values = list(data.values())
+    if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+        raise ValueError(f"verifier's reward.json holds {data!r}; expected {{'reward': <number>}}, named numbers, "
+                         "or a number")  # fmt: skip
+    return float(sum(values) / len(values))
+
+
+def read_reward(logs: Path, reward_key: str | None = None) -> float:
+    """The reward test.sh wrote under ``logs/verifier/`` (reward.txt, else reward.json, ``train_reward``);
+    ValueError if none, and ``RewardSuspect`` if one is a symlink or not a regular file."""
     txt, js = _read_small(logs / "verifier" / "reward.txt"), None
     if txt is not None:
         text = txt.strip()
@@ -325,14 +364,15 @@ def read_reward(logs: Path) -> float:
             data = json.loads(js)
         except json.JSONDecodeError as exc:
             raise ValueError(f"verifier's reward.json is not valid JSON ({exc})") from None
-        value = data.get("reward") if isinstance(data, dict) else data
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(data, dict):
+            return train_reward(data, reward_key)
+        if isinstance(data, bool) or not isinstance(data, (int, float)):
             raise ValueError(f"verifier's reward.json holds {data!r}; expected {{'reward': <number>}} or a number")
-        return float(value)
+        return float(data)
     raise ValueError("verifier wrote no reward (neither /logs/verifier/reward.txt nor reward.json)")
 
 
-def read_verdict(logs: Path, suspect: list[str]) -> float:
+def read_verdict(logs: Path, suspect: list[str], reward_key: str | None = None) -> float:
     """The reward under ``logs`` (``read_reward``), or ``EvaluatorUnavailable`` when the verifier wrote
     ``unavailable.txt``, or ``RewardSuspect`` when ``suspect`` or its ``suspect.txt`` holds a reason."""
     verifier = logs / "verifier"
@@ -344,7 +384,7 @@ def read_verdict(logs: Path, suspect: list[str]) -> float:
     flagged = _read_small(verifier / "suspect.txt")
     suspect = suspect + [line.strip() for line in (flagged or "").splitlines() if line.strip()]
     try:
-        reward = read_reward(logs)
+        reward = read_reward(logs, reward_key)
     except (ValueError, RewardSuspect) as exc:
         if suspect or isinstance(exc, RewardSuspect):
             raise RewardSuspect([*suspect, str(exc)]) from None
@@ -420,6 +460,23 @@ class HarborVerifier:
             out.unlink()
         elif out.exists():
             shutil.rmtree(out)
+        out.mkdir()
+        timeout_s = task.verifier_timeout_s or self.timeout_s
+        if environments.uses_environment(task, self.sandbox):
+            logs, returncode = self._run_in_environment(task, workspace, out, timeout_s, suspect)
+        else:
+            logs, returncode = self._run_fresh(task, workspace, out, timeout_s, suspect)
+        died = killed_by(returncode, self.sandbox)
+        if died is not None:
+            raise RewardSuspect(
+                [*suspect, f"tests/test.sh was killed by signal {died}: a verifier that did not finish gives no reward"]
+            )
+        self._missing_commands(task, logs, out)
+        return read_verdict(logs, suspect, task.environment.get("reward_key"))
+
+    def _run_fresh(self, task: Task, workspace: Path, out: Path, timeout_s: float,
+                   suspect: list[str]) -> tuple[Path, int | None]:  # fmt: skip
+        """test.sh in a fresh sandbox over the final workspace (the tasks run on this machine's system)."""
         run_dir = out / f"run-{secrets.token_hex(8)}"  # a fresh name: nothing can know it in advance
         (run_dir / "logs" / "verifier").mkdir(parents=True)
         (run_dir / "home").mkdir()
@@ -427,12 +484,16 @@ class HarborVerifier:
         mounts = (Mount(workspace, workdir_of(task), writable=True), tests,
                   Mount(run_dir / "logs", LOGS_INSIDE, writable=True), Mount(KIT_DIR, KIT_INSIDE))  # fmt: skip
         ws, tests_in, logs_in, kit_in = (self.sandbox.path(m) for m in mounts)
-        timeout_s = task.verifier_timeout_s or self.timeout_s
         home = str(run_dir / "home") if not self.sandbox.maps_paths else "/tmp"
         paths = {"workspace": ws, "tests": tests_in, "logs": logs_in, "kit": kit_in}
-        env = verifier_env(task, paths, home, timeout_s)
-        launch = Launch(argv=["bash", f"{tests_in}/test.sh"], cwd=ws, env=env, mounts=mounts, network="none",
-                        limits=task_limits(task), image_context=image_context(task))  # fmt: skip
+        pip_target = str(run_dir / "home" / "pip-target") if not self.sandbox.maps_paths else ""
+        env = verifier_env(task, paths, home, timeout_s, pip_target=pip_target)
+        limits = task_limits(task, "verifier")
+        launch = Launch(argv=["bash", "-c", TEST_SH, f"{tests_in}/test.sh"], cwd=ws, env=env, mounts=mounts,
+                        network="proxy" if limits.allow_internet and self.sandbox.name == "bwrap" else "none",
+                        limits=limits, image_context=image_context(task))  # fmt: skip
+        # (bwrap: "proxy" with allow_internet shares the host network and bridges nothing: the run's proxy is
+        # never reached by a verifier)
         suspect += workspace_links(workspace, ws)
         self._kill_strays()  # those left by earlier executions: dead before this run's files exist
         strays_before = self._strays
@@ -444,12 +505,57 @@ class HarborVerifier:
         shutil.rmtree(run_dir / "home", ignore_errors=True)
         os.replace(run_dir / "logs", out / "logs")
         run_dir.rmdir()
-        died = killed_by(returncode, self.sandbox)
-        if died is not None:
-            raise RewardSuspect(
-                [*suspect, f"tests/test.sh was killed by signal {died}: a verifier that did not finish gives no reward"]
+        return out / "logs", returncode
+
+    def _run_in_environment(self, task: Task, workspace: Path, out: Path, timeout_s: float,
+                            suspect: list[str]) -> tuple[Path, int | None]:  # fmt: skip
+        """test.sh in the execution's environment session, as Harbor runs it in the agent's container: the files
+        and the processes the agent left, ``/tests`` filled only now, ``/logs`` emptied first, the image's PATH and
+        HOME; the session (every process in it) ends with test.sh, before the reward is read."""
+        exec_dir = workspace.parent
+        stage = exec_dir / environments.ENV_DIR
+        mounts = environments.session_mounts(task, exec_dir, solution=False)
+        for name, source in (("tests", Path(task.source) / "tests"), ("logs", None)):
+            folder = stage / name  # emptied in place: the session's bind mount holds this very directory
+            for child in list(folder.iterdir()):
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+            if source is not None:
+                shutil.copytree(source, folder, dirs_exist_ok=True)
+        (stage / "logs" / "verifier").mkdir()
+        workdir = workdir_of(task)
+        paths = {"workspace": workdir, "tests": TESTS_INSIDE, "logs": LOGS_INSIDE, "kit": KIT_INSIDE}
+        env = verifier_env(task, paths, "/root", timeout_s, image=environments.image_env(task, self.sandbox))
+        limits = task_limits(task, "verifier")
+        own = [m for m in mounts if m.inside in (workdir, TESTS_INSIDE, LOGS_INSIDE, KIT_INSIDE)]
+        launch = Launch(argv=["bash", "-c", TEST_SH, f"{TESTS_INSIDE}/test.sh"], cwd=workdir, env=env,
+                        mounts=tuple(own), network="none", limits=limits,
+                        environment=environments.env_launch(task, self.sandbox, exec_dir, solution=False, end=True,
+                                                            internet=limits.allow_internet))  # fmt: skip
+        if launch.environment.internet != limits.allow_internet:
+            suspect_note = (f"the verifier's network ({'internet' if limits.allow_internet else 'none'}) differs "
+                            "from its session's, which the agent's phase fixed")  # fmt: skip
+            (out / "note.txt").write_text(suspect_note + "\n")
+        suspect += workspace_links(workspace, workdir)
+        returncode = self._run(launch, out, timeout_s)
+        shutil.copytree(stage / "logs", out / "logs", symlinks=True)
+        return out / "logs", returncode
+
+    def _missing_commands(self, task: Task, logs: Path, out: Path) -> None:
+        """Raises EvaluatorUnavailable when test.sh itself ran a command this environment lacks (the kit's
+        BASH_ENV handler recorded it) that test.sh names: the verifier could not run as written, whatever it
+        wrote as a reward."""
+        recorded = _read_small(logs / MISSING_FILE)
+        if not recorded:
+            return
+        text = (Path(task.source) / "tests" / "test.sh").read_text(encoding="utf-8", errors="replace")
+        words = set(re.findall(r"[\w./+-]+", text))
+        missing = sorted({c for c in recorded.split() if c in words})
+        if missing:
+            tail = _tail(out / "test.stderr")
+            raise EvaluatorUnavailable(
+                f"tests/test.sh ran {', '.join(repr(c) for c in missing)}, which this environment lacks (command not "
+                f"found); the verifier could not run as written{': ' + tail if tail else ''}"
             )
-        return read_verdict(out / "logs", suspect)
 
     def _kill_strays(self) -> None:
         """Sandbox "none": kills the processes left by executions that detached and cleared their environment, and

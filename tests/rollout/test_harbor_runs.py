@@ -52,7 +52,9 @@ def test_an_upstream_task_runs_unchanged_in_bwrap(tmp_path):
     assert not (exec_dir / "workspace" / "Dockerfile").exists()
     assert (exec_dir / "verifier" / "logs" / "verifier" / "reward.txt").read_text().strip() == "1"
     applied = solved.sandbox
-    assert applied["backend"] == "bwrap" and applied["network"] == "none" and applied["memory_mb"] == 2048
+    # no allow_internet / network_mode in its task.toml: Harbor's default, the internet (the host's network)
+    assert applied["backend"] == "bwrap" and applied["network"] == "host" and applied["memory_mb"] == 2048
+    assert applied["environment"] == "session"  # built from its Dockerfile, harness and verifier in one session
     assert applied["cpus"] == 1.0 and applied["limits"] in ("cgroup-v1", "cgroup-v2", "affinity", "none")
     untouched, _ = run(tmp_path / "b", task, ["true"])
     assert untouched.status == "finished" and untouched.reward == 0.0 and not untouched.excluded
@@ -86,7 +88,7 @@ def test_the_harness_sees_neither_tests_nor_solution_and_the_verifier_none_of_it
         ("echo many > /logs/verifier/reward.txt", "evaluator_error", "expected a number"),
         ("echo nan > /logs/verifier/reward.txt", "evaluator_bad_value", "nan"),
         ("echo 1.5 > /logs/verifier/reward.txt", "evaluator_bad_value", "1.5"),
-        ("echo '{\"score\": 1}' > /logs/verifier/reward.json", "evaluator_error", "reward.json holds"),
+        ('echo \'{"score": "high"}\' > /logs/verifier/reward.json', "evaluator_error", "reward.json holds"),
         ("sleep 30; echo 1 > /logs/verifier/reward.txt", "evaluator_timeout", "exceeded 1.0 s"),
     ],
 )
@@ -119,7 +121,8 @@ def test_check_suite_fails_a_wrong_oracle_and_a_solved_start(tmp_path):
     bad = write_upstream_task(tmp_path, "wrong-oracle")
     (bad / "solution" / "solve.sh").write_text("echo 'hello' > /app/greeting.txt\n")
     easy = write_upstream_task(tmp_path, "solved-start")
-    (easy / "environment" / "greeting.txt").write_text("hello, world\n")
+    (easy / "environment" / "greeting.txt").write_text("hello, world\n")  # in the image only if COPY'd (Docker's rule)
+    (easy / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\nCOPY . /app/\n")
     done = check_suite(str(tmp_path), "--json", str(tmp_path / "rows.json"))
     assert done.returncode == 1, done.stdout + done.stderr
     assert "FAIL wrong-oracle: the oracle scored 0.0" in done.stdout

@@ -73,7 +73,10 @@ def test_an_upstream_task_loads_with_its_fields(tmp_path):
     assert task.task_id == task.kind == "hello-world"
     assert task.instruction.startswith("Create /app/greeting.txt")
     assert task.agent_timeout_s == 120.0 and task.verifier_timeout_s == 30.0
-    assert task.environment == {"workdir": "/app", "allow_internet": False, "cpus": 1.0, "memory_mb": 2048}
+    # Harbor's defaults: the internet ("public") for every phase; built from its Dockerfile (no [verifier.requires])
+    assert task.environment == {"workdir": "/app", "allow_internet": True, "cpus": 1.0, "memory_mb": 2048,
+                                "storage_mb": 10240, "build_timeout_s": 600.0, "agent_internet": True,
+                                "verifier_internet": True, "mode": "build"}  # fmt: skip
     assert task.metadata["difficulty"] == "easy" and task.metadata["tags"] == ["bash"]
     assert task.source == str((tmp_path / "hello-world").resolve()) and task.files == {} and task.expected == {}
     again = type(task).from_json(task.to_json())
@@ -195,7 +198,8 @@ def test_the_config_refuses_a_bad_suite_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match=r"config.rollout.suite=.*task broken .*\[agent\] timeout_sec='x'"):
         make_suite(load_config([f"--config.rollout.suite=harbor:{tmp_path}", "--config.warm_start.steps=0"]))
     shutil.rmtree(tmp_path / "broken")
-    ok = [f"--config.rollout.suite=harbor:{tmp_path}", "--config.warm_start.steps=0"]
+    # (the upstream task is built from its Dockerfile: sandbox "none" would refuse it, build.make_suite says why)
+    ok = [f"--config.rollout.suite=harbor:{tmp_path}", "--config.warm_start.steps=0", "--config.rollout.sandbox=bwrap"]
     assert load_config(ok).rollout.suite == f"harbor:{tmp_path}"
     assert [t.task_id for t in make_suite(load_config(ok)).pool()] == ["good"]
     with pytest.raises(ConfigError, match="warm-start demonstrations exist only for the builtin suite"):

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gyre_jax.rollout.sandbox.base import (
+    EnvLaunch,
     Launch,
     Limits,
     Mount,
@@ -28,7 +29,17 @@ from gyre_jax.rollout.sandbox.base import (
 
 SANDBOXES = ("none", "bwrap", "docker")
 
-__all__ = ["SANDBOXES", "Launch", "Limits", "Mount", "Prepared", "Sandbox", "SandboxUnavailable", "make_sandbox"]
+__all__ = [
+    "SANDBOXES",
+    "EnvLaunch",
+    "Launch",
+    "Limits",
+    "Mount",
+    "Prepared",
+    "Sandbox",
+    "SandboxUnavailable",
+    "make_sandbox",
+]
 
 
 def make_sandbox(

@@ -61,6 +61,28 @@ class Mount:
 
 
 @dataclass(frozen=True)
+class EnvLaunch:
+    """A launch inside a task's built environment (``environment.py``): every launch of one execution (its harness,
+    then its verifier) runs in one *session* keyed by ``state`` (the execution's environment directory: its
+    writable layer ``upper``, mount points), so files and the processes the agent left stay for the verifier, as in
+    Harbor's container. ``lower``: the layer dirs (highest first) over the host's root; ``mounts``: the session's
+    fixed mounts (every launch's ``Launch.mounts`` must be among them); ``internet``: the session shares the host
+    network (Harbor's ``allow_internet`` / ``network_mode = "public"``) or has its own (loopback, the proxy
+    bridged in); ``hide``: more host paths to cover; ``end``: this launch's ``cleanup`` ends the session (the
+    verifier: every process of the session is then killed)."""
+
+    state: Path
+    lower: tuple[str, ...]
+    mounts: tuple[Mount, ...]
+    internet: bool
+    keep_python: str = ""  # a host interpreter prefix the layers already hold (the forwarder runs with it)
+    image_env: tuple[tuple[str, str], ...] = ()  # the image's variables: each launch gets those it does not set,
+    # and the image's PATH first on its own
+    hide: tuple[str, ...] = ()
+    end: bool = False
+
+
+@dataclass(frozen=True)
 class Launch:
     """One process to run sandboxed. ``env`` is its whole environment (nothing else is inherited);
     ``network``: "proxy" (only the run's proxy is reachable) or "none" (loopback only)."""
@@ -72,6 +94,7 @@ class Launch:
     network: str
     limits: Limits = Limits()
     image_context: Path | None = None  # docker only: the task's environment/ dir holding a Dockerfile
+    environment: EnvLaunch | None = None  # bwrap: run inside the task's built environment (session mode)
 
     def __post_init__(self) -> None:
         if not self.argv or not all(isinstance(a, str) for a in self.argv):
@@ -83,6 +106,11 @@ class Launch:
         for mount in self.mounts:
             if not Path(mount.host).exists():
                 raise ValueError(f"mount source {mount.host} does not exist on the host; create it before launching")
+        if self.environment is not None:
+            fixed = {(str(m.host), m.inside) for m in self.environment.mounts}
+            extra = [m.inside for m in self.mounts if (str(m.host), m.inside) not in fixed]
+            if extra:
+                raise ValueError(f"Launch.mounts {extra} are not among its environment session's mounts")
 
 
 @dataclass

@@ -36,6 +36,8 @@ from gyre_jax.rollout.sandbox.base import (
     requested_limits,
 )
 from gyre_jax.rollout.sandbox.bridge import LazyBridge
+from gyre_jax.rollout.sandbox.environment import Builds
+from gyre_jax.rollout.sandbox.session import Sessions
 
 INSTALL_HINT = "apt-get install -y bubblewrap"
 NAMESPACES = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
@@ -133,6 +135,8 @@ class BwrapSandbox:
         self.state_dir = Path(state_dir)
         self.use_cgroups = use_cgroups
         self._bridge = LazyBridge(proxy_address, self.state_dir)
+        self._sessions = Sessions(self.hide, self._bridge, use_cgroups)
+        self.builds = Builds()  # the task environments' layers, built on first use (environment.py)
 
     def check(self) -> None:
         """Raises SandboxUnavailable when bwrap is missing or cannot create the namespaces it needs."""
@@ -160,7 +164,10 @@ class BwrapSandbox:
         return mount.inside
 
     def prepare(self, launch: Launch) -> Prepared:
-        """The bwrap argv for ``launch`` (see the module docstring), limits applied, and the record."""
+        """The bwrap argv for ``launch`` (see the module docstring), limits applied, and the record. A launch in a
+        task's built environment (``Launch.environment``) runs in its execution's session (``session.py``)."""
+        if launch.environment is not None:
+            return self._sessions.prepare(launch)
         share_host = launch.network == "proxy" and launch.limits.allow_internet
         bridged = launch.network == "proxy" and not share_host
         port = str(self._bridge.port) if bridged else None  # (raises first when there is no proxy address)
@@ -192,5 +199,6 @@ class BwrapSandbox:
         )
 
     def close(self) -> None:
-        """Stops the proxy bridge (idempotent)."""
+        """Ends the environment sessions still running and stops the proxy bridge (idempotent)."""
+        self._sessions.close()
         self._bridge.close()
