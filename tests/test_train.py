@@ -98,7 +98,7 @@ def test_a_suite_that_cannot_load_or_does_not_fit_fails_before_work_with_one_lin
     from gyre_jax.train import main
 
     one = {"name": "only", "instruction": "Write a.txt.", "task_toml": {},
-           "files": {"environment/README.md": "x\n", "tests/test.sh": "echo 1 > /logs/verifier/reward.txt\n"}}  # fmt: skip
+           "files": {"environment/README.md": "x\n", "tests/test.sh": "echo 1 > \"$GYRE_LOGS/verifier/reward.txt\"\n"}}  # fmt: skip
     (tmp_path / "one.jsonl").write_text(json.dumps(one) + "\n")
     cases = [
         ([f"--config.rollout.suite=harbor:{tmp_path / 'missing'}"], "does not exist"),

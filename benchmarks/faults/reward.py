@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from gyre_jax.rollout.check_suite import ORACLE_CMD, START_CMD, run_mode  # noqa: E402
+from gyre_jax.rollout.sandbox import make_sandbox  # noqa: E402
 from gyre_jax.rollout.suites import load_harbor_task  # noqa: E402
 
 HACKS_DIR = Path(__file__).resolve().with_name("reward_hacks")
@@ -91,14 +92,18 @@ def run_sandbox(sandbox: str, tasks: tuple[str, ...], names: list[str], root: Pa
     starts = [load_harbor_task(copy_task(t, f"{t}--start", suite, None)) for t in tasks]
     pairs = [(h, t) for h in names for t in tasks]
     hacked = [load_harbor_task(copy_task(t, f"{t}--{h}", suite, HACKS_DIR / f"{h}.sh")) for h, t in pairs]
-    start = {t: r for t, r in zip(tasks, run_mode(starts, START_CMD, base / "start", sandbox, suite, parallel, 60.0))}
-    t0 = time.monotonic()
-    alone = [i for i, (h, _) in enumerate(pairs) if h in ALONE]
-    shared = [i for i in range(len(pairs)) if i not in alone]
-    results = dict(zip(shared, run_mode([hacked[i] for i in shared], ORACLE_CMD, base / "runs", sandbox, suite,
-                                        parallel, 60.0)))  # fmt: skip
-    for i in alone:
-        [results[i]] = run_mode([hacked[i]], ORACLE_CMD, base / f"runs-{i}", sandbox, suite, 1, 60.0)
+    box = make_sandbox(sandbox, proxy_address=None, hide=[base], state_dir=base / "sandbox")
+    try:
+        start = {t: r for t, r in zip(tasks, run_mode(starts, START_CMD, base / "start", box, parallel, 60.0))}
+        t0 = time.monotonic()
+        alone = [i for i, (h, _) in enumerate(pairs) if h in ALONE]
+        shared = [i for i in range(len(pairs)) if i not in alone]
+        results = dict(zip(shared, run_mode([hacked[i] for i in shared], ORACLE_CMD, base / "runs", box, parallel,
+                                            60.0)))  # fmt: skip
+        for i in alone:
+            [results[i]] = run_mode([hacked[i]], ORACLE_CMD, base / f"runs-{i}", box, 1, 60.0)
+    finally:
+        box.close()
     results = [results[i] for i in range(len(pairs))]
     rows = []
     for (hack, task), r in zip(pairs, results):
