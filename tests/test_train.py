@@ -90,7 +90,7 @@ def test_bad_config_fails_before_work_with_one_line(tmp_path, capsys, override, 
 def test_bad_distributed_config_fails_before_work_with_one_line_from_the_command_line(tmp_path):
     proc = _train(
         "--config", "configs/tiny_cpu.py", f"--config.workdir={tmp_path / 'w'}", "--config.distributed.enabled=true",
-        timeout=120,
+        timeout=scaled(120),
     )  # fmt: skip
     _assert_refused_before_work(proc.returncode, proc.stderr, "config.distributed", tmp_path / "w")
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import openai
 import pytest
+from timelimits import scaled
 
 from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy.records import RecordStore, TitoRecord
@@ -140,7 +141,7 @@ def execution(server: ProxyServer) -> tuple[str, str]:
 
 
 def sdk(server: ProxyServer, key: str, **kwargs) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=10.0, **kwargs)
+    return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=scaled(10.0), **kwargs)
 
 
 def post(server: ProxyServer, key: str | None, body: object, **kwargs) -> httpx.Response:
@@ -480,7 +481,7 @@ def test_oversized_bodies_get_413(server: ProxyServer, execution: tuple[str, str
         f"{server.base_url}/chat/completions",
         content=chunked(),
         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-        timeout=10.0,
+        timeout=scaled(10.0),
     )
     assert_openai_error(response, 413)
     assert post(server, key, valid_body()).status_code == 200
@@ -543,7 +544,7 @@ def test_client_disconnect_cancels_and_records_nothing(
         f"{server.base_url}/chat/completions",
         json=valid_body(messages=user_turn("SLOW streamed"), stream=True),
         headers={"Authorization": f"Bearer {key}"},
-        timeout=5.0,
+        timeout=scaled(5.0),
     ) as response:
         first_line = next(response.iter_lines())
         assert (
@@ -577,7 +578,7 @@ def test_context_manager_stops_the_server(backend: ScriptedBackend, store: Recor
         assert proxy.base_url.startswith("http://127.0.0.1:") and proxy.base_url.endswith("/v1")
         assert httpx.get(url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
     with pytest.raises(httpx.ConnectError):
-        httpx.get(url.removesuffix("/v1") + "/health", timeout=1.0)
+        httpx.get(url.removesuffix("/v1") + "/health", timeout=scaled(1.0))
 
 
 def test_reopened_execution_continues_call_numbering(backend: ScriptedBackend, store: RecordStore) -> None:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 from gyre_jax.rollout.check_suite import KeysOnly
 from gyre_jax.rollout.executor import ExecutionSpec, Executor
@@ -111,7 +112,7 @@ def test_reward_json_is_read(tmp_path):
 
 def check_suite(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gyre_jax.rollout.check_suite", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+                          capture_output=True, text=True, timeout=scaled(900))  # fmt: skip
 
 
 def test_check_suite_fails_a_wrong_oracle_and_a_solved_start(tmp_path):

@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from timelimits import scaled
 
 from gyre_jax.rollout.executor import ExecutionSpec, Executor
 from gyre_jax.rollout.harness import resolve_in_workspace, tool_latency
@@ -83,7 +84,7 @@ class ScriptedOpenAI:
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=5)
+        self.thread.join(timeout=scaled(5))
 
     def say(self, *messages: dict[str, Any]) -> None:
         self.script += [(200, completion(m)) for m in messages]
@@ -125,7 +126,7 @@ def run_harness(task_path: Path, workspace: Path, base_url: str, *extra: str) ->
     }
     cmd = [sys.executable, "-m", "gyre_jax.rollout.harness", "--task", str(task_path), "--model", "tiny",
            "--temperature", "0.7", "--max-tokens", "50", "--seed", "1", *extra]  # fmt: skip
-    return subprocess.run(cmd, cwd=workspace, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(cmd, cwd=workspace, env=env, capture_output=True, text=True, timeout=scaled(60))
 
 
 def test_harness_solves_a_task_and_sends_the_demonstration_conversation(server, tmp_path):
@@ -295,7 +296,7 @@ def test_harness_names_each_failure_as_the_openai_sdk_does(server, tmp_path):
     assert proc.returncode == 1 and "APIResponseValidationError" in proc.stderr
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO_ROOT), "OPENAI_BASE_URL": server.base_url}
     cmd = [sys.executable, "-m", "gyre_jax.rollout.harness", "--task", str(task_path), "--model", "tiny"]
-    proc = subprocess.run(cmd, cwd=workspace, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, cwd=workspace, env=env, capture_output=True, text=True, timeout=scaled(60))
     assert proc.returncode == 2 and "OPENAI_API_KEY" in proc.stderr
     assert len(server.requests) == 2
 

@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 from gyre_jax.rollout.process_group import ProcessGroups
 from gyre_jax.rollout.sandbox import SANDBOXES, Launch, Limits, Mount, SandboxUnavailable, make_sandbox
@@ -117,7 +118,7 @@ def test_two_executions_see_only_their_own_workspace(run_dir):
                                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
         seen = {}
         for me, (prepared, proc) in procs.items():
-            out, err = proc.communicate(timeout=30)
+            out, err = proc.communicate(timeout=scaled(30))
             prepared.cleanup()
             assert proc.returncode == 0, err
             seen[me] = json.loads(out)
@@ -478,10 +479,10 @@ def test_forwarder_exits_with_its_childs_status(tmp_path):
     sock = tmp_path / "s.sock"
     sock.touch()  # forward.py only checks that the socket exists before it starts the command
     base = [PY, "-I", "-S", str(FORWARD_SCRIPT), "--port", "0", "--socket", str(sock), "--"]
-    assert subprocess.run([*base, "sh", "-c", "exit 7"], timeout=30).returncode == 7
-    assert subprocess.run([*base, "sh", "-c", "kill -TERM $$"], timeout=30).returncode == -signal.SIGTERM
+    assert subprocess.run([*base, "sh", "-c", "exit 7"], timeout=scaled(30)).returncode == 7
+    assert subprocess.run([*base, "sh", "-c", "kill -TERM $$"], timeout=scaled(30)).returncode == -signal.SIGTERM
     nope = [PY, "-I", "-S", str(FORWARD_SCRIPT), "--port", "0", "--socket", str(tmp_path / "nope"), "--", "true"]
-    missing = subprocess.run(nope, capture_output=True, text=True, timeout=30)
+    missing = subprocess.run(nope, capture_output=True, text=True, timeout=scaled(30))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
 
@@ -509,7 +510,7 @@ def test_real_docker_cli_without_a_daemon_is_refused(tmp_path):
     docker = shutil.which("docker")
     if docker is None:
         pytest.skip("no docker CLI on this machine")
-    if subprocess.run([docker, "info"], capture_output=True, timeout=30).returncode == 0:
+    if subprocess.run([docker, "info"], capture_output=True, timeout=scaled(30)).returncode == 0:
         pytest.skip("a Docker daemon is running here; the refusal cannot be seen")
     with pytest.raises(
         SandboxUnavailable, match=r"needs a running Docker daemon: `docker info` failed: .+; start dockerd"

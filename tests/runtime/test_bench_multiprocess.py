@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from timelimits import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks" / "bench_multiprocess.py"
@@ -49,7 +50,7 @@ def test_smoke_run_writes_consistent_results(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=200,
+        timeout=scaled(200),
         check=False,
     )
     assert proc.returncode == 0, (
