@@ -35,9 +35,9 @@ def run(tmp_path: Path, task, cmd: list[str], env: dict[str, str] | None = None,
     root = tmp_path / "run"
     sandbox = make_sandbox("bwrap", proxy_address=None, hide=[root, suite_root or Path(task.source).parent],
                            state_dir=tmp_path / "state")  # fmt: skip
-    executor = Executor(KeysOnly(), "http://127.0.0.1:9/v1", root / "executions", model_name="m", timeout_s=30,
+    executor = Executor(KeysOnly(), "http://127.0.0.1:9/v1", root / "executions", model_name="m", timeout_s=scaled(30),
                         max_parallel=1, temperature=1.0, max_tokens=8, harness_cmd=cmd, extra_env=env or {},
-                        sandbox=sandbox, network="none", evaluator_timeout_s=20)  # fmt: skip
+                        sandbox=sandbox, network="none", evaluator_timeout_s=scaled(20))  # fmt: skip
     try:
         [result] = executor.run([ExecutionSpec("e0", task, task.task_id, seed=0)])
     finally:
@@ -88,19 +88,20 @@ def test_the_harness_sees_neither_tests_nor_solution_and_the_verifier_none_of_it
         ("echo nan > /logs/verifier/reward.txt", "evaluator_bad_value", "nan"),
         ("echo 1.5 > /logs/verifier/reward.txt", "evaluator_bad_value", "1.5"),
         ("echo '{\"score\": 1}' > /logs/verifier/reward.json", "evaluator_error", "reward.json holds"),
-        ("sleep 30; echo 1 > /logs/verifier/reward.txt", "evaluator_timeout", "exceeded 1.0 s"),
+        ("sleep 3600; echo 1 > /logs/verifier/reward.txt", "evaluator_timeout", "exceeded {limit} s"),
     ],
 )
 def test_a_failing_verifier_excludes_the_execution_with_its_kind(tmp_path, script, kind, reason):
     task_dir = write_upstream_task(tmp_path / "suite")
     (task_dir / "tests" / "test.sh").write_text(f"#!/bin/bash\n{script}\n")
-    toml = (
-        (task_dir / "task.toml").read_text().replace("[verifier]\ntimeout_sec = 30.0", "[verifier]\ntimeout_sec = 1.0")
+    limit = float(round(scaled(1.0)))  # only the hanging script reaches it, loaded or not
+    toml = (task_dir / "task.toml").read_text()
+    (task_dir / "task.toml").write_text(
+        toml.replace("[verifier]\ntimeout_sec = 30.0", f"[verifier]\ntimeout_sec = {limit}")
     )
-    (task_dir / "task.toml").write_text(toml)
     result, _ = run(tmp_path / "r", load_harbor_task(task_dir), ["true"])
     assert result.excluded and result.reward is None and result.exclusion_kind == kind, result
-    assert reason in result.exclusion_reason
+    assert reason.format(limit=limit) in result.exclusion_reason
 
 
 def test_reward_json_is_read(tmp_path):
@@ -162,7 +163,7 @@ for pid in os.listdir("/proc"):
         except OSError:
             pass
 out["keys_seen"] = sorted({k for e in environs for k in e.split("\0") if k.startswith("OPENAI_API_KEY=")})
-out["proxy"] = urllib.request.urlopen(os.environ["OPENAI_BASE_URL"] + "/models", timeout=5).read().decode()
+out["proxy"] = urllib.request.urlopen(os.environ["OPENAI_BASE_URL"] + "/models", timeout=60).read().decode()
 def reach(port):
     try:
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
@@ -170,13 +171,16 @@ def reach(port):
     except OSError:
         return False
 out["other_port"] = reach(int(sys.argv[3]))
-subprocess.Popen(["setsid", "bash", "-c", "(exec -a gyre-daemon-" + out["key"] + " sleep 1000 &)"])
-time.sleep(0.5)
-out["daemon_started"] = any(
-    b"gyre-daemon-" in open(f"/proc/{p}/cmdline", "rb").read() for p in os.listdir("/proc") if p.isdigit()
-)
+subprocess.Popen(["setsid", "bash", "-c", "(exec -a gyre-daemon-" + out["key"] + " sleep 3600 &)"])
+for _ in range(600):  # until the daemon shows (an event, not a fixed delay), for at most a minute
+    out["daemon_started"] = any(
+        b"gyre-daemon-" in open(f"/proc/{p}/cmdline", "rb").read() for p in os.listdir("/proc") if p.isdigit()
+    )
+    if out["daemon_started"]:
+        break
+    time.sleep(0.1)
 json.dump(out, open("isolation.json", "w"))
-time.sleep(60)
+time.sleep(3600)
 """
 
 
@@ -217,7 +221,7 @@ def test_concurrent_executions_are_isolated_and_a_timeout_leaves_nothing(tmp_pat
     sandbox = make_sandbox("bwrap", proxy_address=proxy.server_address, hide=[root], state_dir=tmp_path / "state")
     cmd = [sys.executable, "-c", ISOLATION_HARNESS, "{task.instruction}", str(root / "records"),
            str(other.server_address[1])]  # fmt: skip
-    executor = Executor(Keys(), base_url, root / "executions", model_name="m", timeout_s=8, max_parallel=2,
+    executor = Executor(Keys(), base_url, root / "executions", model_name="m", timeout_s=scaled(8), max_parallel=2,
                         temperature=1.0, max_tokens=8, harness_cmd=cmd, sandbox=sandbox, kill_grace_s=0.5)  # fmt: skip
     tasks = [replace_instruction(str(root / "executions" / other_id / "workspace")) for other_id in ("e1", "e0")]
     try:
@@ -234,8 +238,11 @@ def test_concurrent_executions_are_isolated_and_a_timeout_leaves_nothing(tmp_pat
         assert seen["keys_seen"] == [f"OPENAI_API_KEY=key-e{i}"], seen  # its own process only
         assert json.loads(seen["proxy"]) == {"data": [{"id": "m"}]} and seen["other_port"] is False
         assert seen["daemon_started"] is True
-    time.sleep(0.5)
-    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and b"gyre-daemon-key-e" in _cmdline(p)]
+    deadline = time.monotonic() + scaled(5)  # killed at once; gone from /proc once reaped
+    while left := [p for p in Path("/proc").iterdir() if p.name.isdigit() and b"gyre-daemon-key-e" in _cmdline(p)]:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert not left, "a daemon of a timed-out harness survived"
 
 

@@ -74,7 +74,7 @@ class ScriptedOpenAI:
 
     def start(self) -> None:
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("scripted server did not start")
@@ -229,7 +229,7 @@ def test_harness_sleeps_the_tool_latency_between_calls(server, tmp_path):
     proc = run_harness(task_path, workspace, server.base_url)
     assert proc.returncode == 0, proc.stderr
     gap = server.requests[1]["t"] - server.requests[0]["t"]
-    assert 0.5 <= gap < 5.0
+    assert 0.5 <= gap < 0.5 + scaled(4.5)
 
 
 def test_tool_latency_is_lognormal_and_seeded():
@@ -273,7 +273,7 @@ def test_reference_harness_under_the_executor(server, tmp_path):
         server.base_url,
         tmp_path / "runs",
         "tiny",
-        timeout_s=60,
+        timeout_s=scaled(60),
         max_parallel=1,
         temperature=1.0,
         max_tokens=96,
