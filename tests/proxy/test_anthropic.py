@@ -330,7 +330,7 @@ def test_malformed_anthropic_burst_then_valid(server, backend, execution) -> Non
                       headers=headers, timeout=scaled(10)) as response:  # fmt: skip
         first = next(response.iter_lines())
         assert first == "event: message_start"
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + scaled(5)
     while len(backend.cancelled) == before and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(backend.cancelled) == before + 1

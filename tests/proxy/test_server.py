@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import openai
 import pytest
-from timelimits import scaled
+from timelimits import scaled, slow_factor
 
 from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy.records import RecordStore, TitoRecord
@@ -177,7 +177,7 @@ def decoded_completion(record: TitoRecord) -> str:
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if predicate():
             return True
@@ -363,7 +363,8 @@ def test_concurrent_calls_do_not_block_each_other(
 ) -> None:
     execution_id, key = execution
     client = sdk(server, key)
-    backend.slow_s = 0.5  # "SLOW" prompts take 0.5 s and then complete normally
+    f = slow_factor()  # the calls' time and the bound scaled alike: 8 calls in turn would still take 1.6x the bound
+    backend.slow_s = 0.5 * f  # "SLOW" prompts take 0.5 s (idle machine) and then complete normally
     try:
         start = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -381,7 +382,7 @@ def test_concurrent_calls_do_not_block_each_other(
     finally:
         backend.slow_s = 10.0
     assert all(r.choices[0].finish_reason == "tool_calls" for r in results)
-    assert elapsed < 2.5, f"8 concurrent 0.5 s calls took {elapsed:.2f} s: the event loop is blocked"
+    assert elapsed < 2.5 * f, f"8 concurrent {0.5 * f:.2f} s calls took {elapsed:.2f} s: the event loop is blocked"
     assert server.execution_calls(execution_id) == 8
 
 
@@ -536,7 +537,7 @@ def test_client_disconnect_cancels_and_records_nothing(
     execution_id, key = execution
     before = len(backend.cancelled)
     with pytest.raises(httpx.ReadTimeout):
-        post(server, key, valid_body(messages=user_turn("SLOW plain")), timeout=0.3)
+        post(server, key, valid_body(messages=user_turn("SLOW plain")), timeout=min(scaled(0.3), 5.0))  # slow_s: 10
     assert wait_until(lambda: len(backend.cancelled) == before + 1), "non-streaming disconnect did not cancel"
 
     with httpx.stream(
