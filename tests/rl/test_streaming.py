@@ -145,7 +145,7 @@ def stream_in_order(learner, state, mbs, order, satellites=(), **kw):
         try:
             for k, i in enumerate(order):
                 queue.put(mbs[i], index=i)
-                deadline = time.monotonic() + 120
+                deadline = time.monotonic() + scaled(120)
                 while queue.counts()["done"] < k + 1:
                     if time.monotonic() > deadline:
                         raise TimeoutError("the step did not compute a micro-step before all its data existed")

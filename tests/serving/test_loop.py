@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from timelimits import scaled
+from timelimits import scaled, slow_factor
 
 from gyre_jax.serving.loop import ServingLoop
 from gyre_jax.serving.types import ContextTooLongError, GenerationRequest, SamplingParams
@@ -265,7 +265,7 @@ class RecordingEngine(SlowEngine):
 
     def __init__(self, engine, step_s: float = 0.0, prefill_s: float = 0.0):
         super().__init__(engine, step_s)
-        self._prefill_s = prefill_s
+        self._prefill_s = prefill_s * slow_factor()  # scaled as SlowEngine's step
         self.calls: list[tuple] = []
 
     def prefill(self, params, slot, tokens, sampling, key, *, final=True):

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from timelimits import scaled
+from timelimits import scaled, slow_factor
 
 from gyre_jax.serving.loop import ServingLoop
 from gyre_jax.serving.paged import PagedEngine
@@ -29,7 +29,7 @@ class SlowPaged(PagedEngine):
 
     def generate(self, params, *, num_steps: int = 1, wait: bool = True):
         out = super().generate(params, num_steps=num_steps, wait=wait)
-        time.sleep(0.02)
+        time.sleep(0.02 * slow_factor())  # scaled as SlowEngine's step
         return out
 
 
