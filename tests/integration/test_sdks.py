@@ -128,7 +128,7 @@ def test_drained_cell_request_is_retried_transparently(stack) -> None:
     router.drain("cell0", cancel_in_flight=True)  # the only cell: the request waits, parked
     time.sleep(0.2)
     router.undrain("cell0")
-    thread.join(120)
+    thread.join(scaled(120))
     assert results["r"].status_code == 200, results["r"].text
     (record,) = stack.records.read("sdk-drain")
     assert record.finish_reason in ("stop", "length") and router.retries == retries + 1

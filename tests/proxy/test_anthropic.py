@@ -54,7 +54,7 @@ class Backend:
 
     def _run(self, request: GenerationRequest) -> GenerationResult:
         prompt = TOKENIZER.decode(request.prompt_ids)
-        if "SLOW" in prompt and self._events[request.request_id].wait(10):
+        if "SLOW" in prompt and self._events[request.request_id].wait(scaled(10)):
             return GenerationResult(request.request_id, [], [], [], "cancelled", len(request.prompt_ids))
         text = FINAL if "<tool_response>" in prompt else THINK_TOOL
         ids = (TOKENIZER.encode(text) + [IM_END])[: request.sampling.max_tokens]

@@ -64,7 +64,7 @@ class GatedBackend:
         for k, token in enumerate(ids):
             if request.on_tokens is None:
                 break
-            if k == self.HALF and not self.gate.wait(30):
+            if k == self.HALF and not self.gate.wait(scaled(30)):
                 raise RuntimeError("the client never saw a delta: the proxy did not stream")
             request.on_tokens(TokenChunk(request.request_id, k, (token,), (-0.25,), (5,)))
         n = len(ids)

@@ -205,7 +205,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(b"6\r\nfirst\n\r\n")
             self.wfile.flush()
-            last = b"after-ack\n" if type(self).acked.wait(10) else b"no-ack-in-10s\n"
+            last = b"after-ack\n" if type(self).acked.wait(scaled(10)) else b"no-ack-in-10s\n"
             self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(last), last))
         else:
             self._send(
