@@ -1,5 +1,13 @@
-"""Test session setup: 8 virtual CPU devices (so cells are real submeshes), before JAX starts, and one
-XLA compilation cache for the session.
+"""Test session setup: 8 virtual CPU devices (so cells are real submeshes), before JAX starts, one XLA
+compilation cache for the session, and time limits that scale with the machine's load.
+
+Tests under load (docs/reliability.md): a test's verdict never depends on how busy the machine is (CI's 2 cores,
+a laptop compiling, 2 busy processes beside the suite). Wait on events, not on sleeps; a wall-clock bound that
+guards a hang is generous on an idle machine and passed through ``timelimits.scaled`` (the measured
+``slow_factor``, shown in the session header; ``GYRE_JAX_TEST_SLOW_FACTOR`` sets a floor); a run whose point is
+not a timeout gets ``timelimits.run_time_limits()`` (its harness and evaluator limits scaled); a test of a timeout
+itself asserts what the expiry must produce, with scaled margins, and whatever must outlive the limit hangs for
+``timelimits.HANG_S``. Never assert that something finished within a fixed number of seconds.
 
 The cache is a fresh temporary directory per session, so every session still compiles each program once
 (nothing carries over from an older checkout), and the many training subprocesses (``python -m
@@ -31,8 +39,24 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+import timelimits  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_report_header(config):
+    m = timelimits.measure()
+    return (
+        f"time limits: slow_factor {m['factor']:.1f} now (workload contention {m['contention']:.1f} x speed "
+        f"{m['speed']:.1f}, load per core {m['load_per_core']:.1f}, floor {m['floor']:g} "
+        f"from ${timelimits.ENV}); re-measured every {timelimits.REMEASURE_S:g} s"
+    )
+
+
+@pytest.fixture
+def slow_factor() -> float:
+    """The current ``timelimits.slow_factor()`` (>= 1): multiply a hang guard's idle-machine bound by it."""
+    return timelimits.slow_factor()
 
 
 # --- parallel runs (pytest-xdist; `-n 2` in pyproject's addopts) -----------------------------------------------

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from timelimits import scaled
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,7 +30,7 @@ def test_vs_tunix_smoke_run_checks_the_logits_and_reports_every_row(tmp_path) ->
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=scaled(600),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())

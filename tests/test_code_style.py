@@ -17,13 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=scaled(300))
 
 
 @pytest.mark.parametrize(

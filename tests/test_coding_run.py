@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -25,7 +26,7 @@ def test_coding_cpu_trains_two_steps_through_mini_swe_agent_in_bwrap(tmp_path):
     workdir = tmp_path / "run"
     cmd = [sys.executable, "-m", "gyre_jax.train", "--config", "configs/coding_cpu.py", "--config.total_steps=2",
            f"--config.workdir={workdir}"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=scaled(1200))
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert f"done: 2 steps in {workdir}" in done.stdout

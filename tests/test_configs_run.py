@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from layouts import EIGHT_DEVICES_OVERRIDES
+from timelimits import run_time_limits
 
 from gyre_jax import config as config_lib
 
@@ -89,7 +90,8 @@ def test_every_accepted_config_trains_a_step(chosen, tmp_path_factory):
 
     workdir = tmp_path_factory.mktemp("config")
     try:
-        config = config_lib.config_from_dict(config_lib.load_config([]), {**BASE, **chosen, "workdir": str(workdir)})
+        base = config_lib.load_config(run_time_limits())  # a loaded machine must not time the 2 executions out
+        config = config_lib.config_from_dict(base, {**BASE, **chosen, "workdir": str(workdir)})
     except config_lib.ConfigError as exc:  # only configs validate() accepts are in scope
         pytest.fail(f"the sampler made a config validate() refuses ({exc}); fix the sampler: {chosen}")
     run = build_run(config)

@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from timelimits import run_time_limits
 
 from gyre_jax import config as config_lib
 from gyre_jax.model.hf_checkpoint import SafetensorsDir
@@ -35,6 +36,7 @@ def _config(workdir: Path, *extra: str):
             "--config.rollout.max_tokens_per_call=16",
             "--config.metrics.progress_bar=False",
             "--config.metrics.tensorboard=False",
+            *run_time_limits(),
             *extra,
         ]
     )

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from timelimits import run_time_limits, scaled
 
 REPO = Path(__file__).resolve().parent.parent
 # A small version of the default config: same parts, fewer and shorter rollouts.
@@ -38,13 +39,15 @@ def _env() -> dict[str, str]:
 
 
 def _train(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The command line, with the harness and evaluator limits scaled to the machine's load (``args`` may override
+    them) and ``timeout`` (a hang guard) scaled too."""
     return subprocess.run(
-        [sys.executable, "-m", "gyre_jax.train", *args],
+        [sys.executable, "-m", "gyre_jax.train", *run_time_limits(), *args],
         cwd=REPO,
         env=_env(),
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=scaled(timeout),
     )
 
 
@@ -87,7 +90,7 @@ def test_bad_config_fails_before_work_with_one_line(tmp_path, capsys, override, 
 def test_bad_distributed_config_fails_before_work_with_one_line_from_the_command_line(tmp_path):
     proc = _train(
         "--config", "configs/tiny_cpu.py", f"--config.workdir={tmp_path / 'w'}", "--config.distributed.enabled=true",
-        timeout=120,
+        timeout=scaled(120),
     )  # fmt: skip
     _assert_refused_before_work(proc.returncode, proc.stderr, "config.distributed", tmp_path / "w")
 
@@ -167,7 +170,15 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(two_steps, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(two_steps[0], workdir)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gyre_jax.train", *SMALL, f"--config.workdir={workdir}", "--config.total_steps=50"],
+        [
+            sys.executable,
+            "-m",
+            "gyre_jax.train",
+            *run_time_limits(),
+            *SMALL,
+            f"--config.workdir={workdir}",
+            "--config.total_steps=50",
+        ],
         cwd=REPO,
         env=_env(),
         stdout=subprocess.PIPE,
@@ -175,7 +186,7 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(two_steps, tmp_path):
         text=True,
     )
     try:
-        deadline = time.monotonic() + 400
+        deadline = time.monotonic() + scaled(400)
         while time.monotonic() < deadline:
             if len(_metric_steps(workdir)) > 2:  # an RL step of the resumed run finished
                 break
@@ -184,7 +195,7 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(two_steps, tmp_path):
         else:
             pytest.fail("no RL step finished in time")
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=180)
+        out, err = proc.communicate(timeout=scaled(180))
     finally:
         if proc.poll() is None:
             proc.kill()

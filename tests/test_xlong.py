@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.trajectory.branches import build_branches, select_branches
@@ -38,7 +39,7 @@ def test_xlong_config_trains_long_horizon_executions_with_context_parallelism(tm
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     cmd = [sys.executable, "-m", "gyre_jax.train", "--config", "configs/xlong_cpu.py",
            f"--config.workdir={tmp_path}", *SMALL]  # fmt: skip
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(1200))
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [m for m in metrics if m.get("phase") == "train"]

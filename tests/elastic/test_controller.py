@@ -25,6 +25,7 @@ import jax
 import numpy as np
 import pytest
 from layouts import EIGHT_DEVICES
+from timelimits import run_time_limits
 
 from gyre_jax import config as config_lib
 from gyre_jax.elastic.events import event_from_dict
@@ -62,6 +63,7 @@ def _config(workdir: Path, policy: str = "elastic"):
             "--config.rollout.max_tokens_per_call=48",
             "--config.trajectory.tokens_per_micro_batch=1024",
             *SMALL_MODEL,
+            *run_time_limits(),  # a loaded machine must not time harnesses out: the steps need their executions
         ]
     )
 
@@ -236,6 +238,7 @@ def test_segments_between_evaluations_start_from_a_clean_state(tmp_path):
             "--config.cells.sessions_per_cell=2",
             "--config.rollout.max_tokens_per_call=32",
             *SMALL_MODEL,
+            *run_time_limits(),
         ]
     )
     trainer = build_run(config)

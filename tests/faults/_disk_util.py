@@ -18,6 +18,10 @@ from pathlib import Path
 from gyre_jax.rollout.executor import Executor
 from gyre_jax.rollout.tasks import ANSWER_FILE, INPUT_FILE, Task
 
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # a benchmark loads this file by its path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timelimits import scaled  # noqa: E402  (tests/timelimits.py: hang guards scaled to the machine's load)
+
 BASE_URL = "http://127.0.0.1:1/v1"
 
 
@@ -48,8 +52,8 @@ def make_task(mode: str, task_id: str = "t0", text: str = "qkzmt") -> Task:
 
 def make_executor(root: Path, harness: str, tag: str, **kw) -> Executor:
     """An executor running ``python -c harness {task}`` with ``FAULT_TAG=tag`` in the harness's environment."""
-    args = dict(model_name="tiny", timeout_s=10.0, max_parallel=2, temperature=1.0, max_tokens=64,
-                harness_cmd=[sys.executable, "-c", harness, "{task}"], kill_grace_s=0.3, evaluator_timeout_s=5.0,
+    args = dict(model_name="tiny", timeout_s=scaled(10.0), max_parallel=2, temperature=1.0, max_tokens=64,
+                harness_cmd=[sys.executable, "-c", harness, "{task}"], kill_grace_s=0.3, evaluator_timeout_s=scaled(5.0),
                 extra_env={"FAULT_TAG": tag})  # fmt: skip
     args.update(kw)
     return Executor(FakeRegistry(), BASE_URL, root, **args)
@@ -90,7 +94,8 @@ def exists(pid: int) -> bool:
 
 
 def wait_for(predicate, within_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + within_s
+    """Polls ``predicate`` until it holds (True) or ``within_s`` (scaled to the machine's load) passes (False)."""
+    deadline = time.monotonic() + scaled(within_s)
     while not predicate():
         if time.monotonic() > deadline:
             return False

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from timelimits import run_time_limits, scaled
 
 from gyre_jax import config as config_lib
 from gyre_jax.model.config import ModelConfig, ModelInputError
@@ -92,8 +93,8 @@ def _env() -> dict[str, str]:
 def _train(workdir: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "gyre_jax.train", f"--config.workdir={workdir}", "--config.warm_start.steps=0",
            "--config.eval.samples_per_task=0", "--config.rollout.tasks_per_step=1", "--config.rl.group_size=2",
-           "--config.metrics.progress_bar=false", *ONE_DEVICE, *args]  # fmt: skip
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+           "--config.metrics.progress_bar=false", *ONE_DEVICE, *run_time_limits(), *args]  # fmt: skip
+    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=scaled(300))
 
 
 def test_through_the_cli_a_tokenizer_larger_than_the_vocabulary_exits_2_with_one_line(tmp_path):

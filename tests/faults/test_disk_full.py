@@ -17,6 +17,7 @@ import anthropic
 import numpy as np
 import openai
 import pytest
+from timelimits import scaled
 
 _util = __import__("importlib.util").util
 _spec = _util.spec_from_file_location("_disk_util", Path(__file__).with_name("_disk_util.py"))
@@ -183,7 +184,7 @@ def test_train_on_a_full_disk_stops_with_one_line(tmp_path):
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         done = subprocess.run(
             [sys.executable, "-m", "gyre_jax.train", "--config", "configs/tiny_cpu.py", f"--config.workdir={workdir}"],
-            cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
+            cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=scaled(120),
         )  # fmt: skip
     assert done.returncode == 1, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]

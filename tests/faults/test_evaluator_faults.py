@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 _util = __import__("importlib.util").util
 _spec = _util.spec_from_file_location("_disk_util", Path(__file__).with_name("_disk_util.py"))
@@ -34,11 +35,11 @@ if mode == "good":
 elif mode == "crash":
     sys.stderr.write("Traceback: evaluator blew up\n"); sys.exit(3)
 elif mode == "hang":
-    time.sleep(60)
+    time.sleep(3600)
 elif mode == "daemon":
     if os.fork() == 0:
         os.setsid()
-        open("eval-daemon.pid", "w").write(str(os.getpid())); time.sleep(60); os._exit(0)
+        open("eval-daemon.pid", "w").write(str(os.getpid())); time.sleep(3600); os._exit(0)
     while not os.path.exists("eval-daemon.pid"): time.sleep(0.01)
     print(1.0)
 elif mode == "binary":
@@ -78,7 +79,7 @@ EXPECT = {  # mode -> (reward or None, exclusion kind, words of the reason)
 def test_every_evaluator_fault_is_excluded_with_its_reason_and_counted_never_scored_zero(tmp_path):
     tag = du.new_tag()
     executor = du.make_executor(
-        tmp_path / "runs", HARNESS, tag, max_parallel=4, evaluator_timeout_s=4.0,
+        tmp_path / "runs", HARNESS, tag, max_parallel=4, evaluator_timeout_s=scaled(4.0),  # only "hang" reaches it
         evaluator=[sys.executable, "-c", EVALUATOR, "{task.task_id}"],
     )  # fmt: skip
     specs = [ExecutionSpec(f"e-{m}", du.make_task("ok", task_id=m), m, seed=0) for m in MODES]

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from fastapi.routing import APIRoute
 from hypothesis import HealthCheck, given, settings
+from timelimits import scaled
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _fuzz_util as fu  # noqa: E402
@@ -80,7 +81,7 @@ def test_schemathesis_finds_no_5xx_and_every_answer_is_documented(live):
 def test_hostile_bodies_are_a_4xx_in_each_apis_style_and_the_server_goes_on(live, name):
     body, status = fu.HOSTILE[name]
     for path in fu.POST_PATHS:
-        r = httpx.post(live.root + path, content=body, headers=live.headers("e0"), timeout=60)
+        r = httpx.post(live.root + path, content=body, headers=live.headers("e0"), timeout=scaled(60))
         message = assert_api_error(path, r, status)
         assert "internal error" not in message
     assert fu.check_alive_and_records(live) >= 1
@@ -106,7 +107,7 @@ ACCEPTED = {  # valid JSON the proxy must serve: numbers past float/int64, NULs,
 def test_edge_values_that_are_valid_json_are_served_and_recorded(live, name):
     before = live.store.count("e0")
     r = httpx.post(live.root + "/v1/chat/completions", content=ACCEPTED[name].encode(), headers=live.headers("e0"),
-                   timeout=60)  # fmt: skip
+                   timeout=scaled(60))  # fmt: skip
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] in ("stop", "tool_calls")
     assert live.store.count("e0") == before + 1
@@ -117,7 +118,7 @@ def test_edge_values_that_are_valid_json_are_served_and_recorded(live, name):
 @given(drawn=fu.BODY)
 def test_generated_messages_and_tools_never_get_a_5xx(shared_live, drawn):
     path, data = fu.generated_body(drawn)
-    r = httpx.post(shared_live.root + path, content=data, headers=shared_live.headers("e0"), timeout=60)
+    r = httpx.post(shared_live.root + path, content=data, headers=shared_live.headers("e0"), timeout=scaled(60))
     assert r.status_code < 500, r.text
     if r.status_code >= 400:
         assert_api_error(path, r, r.status_code)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 _util = __import__("importlib.util").util
 _spec = _util.spec_from_file_location("_disk_util", Path(__file__).with_name("_disk_util.py"))
@@ -50,12 +51,12 @@ elif mode in ("escape", "escape_ignore_term"):
 elif mode == "escape_then_hang":
     escape(True)
     open("answer.txt", "w").write(answer[:2])
-    time.sleep(60)
+    time.sleep(3600)
 elif mode == "close_stdout":
     open("answer.txt", "w").write(answer[:3])
     print("before close", flush=True)
     os.close(1); os.close(2)
-    time.sleep(60)
+    time.sleep(3600)
 elif mode == "fill":
     open("answer.txt", "w").write(answer[:1])
     with open("junk.bin", "wb") as f:
@@ -84,16 +85,17 @@ def test_setsid_double_fork_daemons_are_killed_and_reaped_after_a_normal_exit(tm
 
 
 def test_escaped_child_of_a_hanging_harness_dies_at_its_timeout(tmp_path):
-    tag, [result, after] = run_modes(tmp_path, ["escape_then_hang", "ok"], timeout_s=4.0, max_parallel=1)
+    timeout_s = scaled(4.0)  # time to escape and write before the limit, loaded or not
+    tag, [result, after] = run_modes(tmp_path, ["escape_then_hang", "ok"], timeout_s=timeout_s, max_parallel=1)
     assert (result.status, result.killed_reason, result.reward) == ("timeout", "timeout", pytest.approx(2 / 5))
-    assert result.duration_s < 10.0
+    assert result.duration_s < timeout_s + scaled(6.0)
     assert du.tagged_alive(tag) == []
     assert not du.alive(int((Path(result.workspace) / "daemon.pid").read_text()))
     assert (after.status, after.reward) == ("finished", 1.0)  # the run goes on
 
 
 def test_harness_that_closes_its_stdout_and_keeps_running_is_killed_at_its_timeout(tmp_path):
-    tag, [result] = run_modes(tmp_path, ["close_stdout"], timeout_s=3.0)
+    tag, [result] = run_modes(tmp_path, ["close_stdout"], timeout_s=scaled(3.0))
     assert (result.status, result.returncode, result.reward) == ("timeout", -15, pytest.approx(3 / 5))
     assert du.tagged_alive(tag) == []
     assert (tmp_path / "runs" / result.execution_id / "harness.stdout").read_text() == "before close\n"
@@ -101,10 +103,13 @@ def test_harness_that_closes_its_stdout_and_keeps_running_is_killed_at_its_timeo
 
 def test_harness_filling_its_workspace_is_killed_at_the_cap_and_recorded(tmp_path):
     cap = 2 << 20
-    tag, [result, after] = run_modes(tmp_path, ["fill", "ok"], timeout_s=20.0, max_workspace_bytes=cap, max_parallel=1)
+    timeout_s = scaled(20.0)  # the cap, not the timeout, must stop it
+    tag, [result, after] = run_modes(
+        tmp_path, ["fill", "ok"], timeout_s=timeout_s, max_workspace_bytes=cap, max_parallel=1
+    )
     assert (result.status, result.killed_reason, result.excluded) == ("crashed", "workspace_full", False)
     assert result.reward == pytest.approx(1 / 5)  # scored on what it left, as a timeout is
-    assert result.duration_s < 15.0
+    assert result.duration_s < scaled(15.0)
     used = disk_usage(Path(result.workspace))
     assert cap < used < cap + (16 << 20), used  # bounded: at most one check interval of writing past the cap
     assert (

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from timelimits import scaled
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _fuzz_util as fu  # noqa: E402
@@ -61,7 +62,9 @@ def all_endpoints(live: fu.Live, headers: dict[str, str]) -> dict[str, int]:
     """Status of one call to every endpoint that takes a key, with ``headers``."""
     statuses = {"GET /v1/models": httpx.get(live.root + "/v1/models", headers=headers).status_code}
     for path, (first, _) in BODIES.items():
-        statuses[f"POST {path}"] = httpx.post(live.root + path, json=first, headers=headers, timeout=30).status_code
+        statuses[f"POST {path}"] = httpx.post(
+            live.root + path, json=first, headers=headers, timeout=scaled(30)
+        ).status_code
     count = {"model": fu.MODEL, "messages": MSG}
     statuses["POST count_tokens"] = httpx.post(
         live.root + "/v1/messages/count_tokens", json=count, headers=headers

@@ -19,6 +19,7 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
+from timelimits import scaled
 
 from gyre_jax.config.base import ConfigError
 from gyre_jax.config.rollout import ProxySection
@@ -41,6 +42,7 @@ def held_call(key: str, api: str = "openai") -> bytes:
 
 
 async def until(predicate, timeout_s: float, what: str) -> None:
+    timeout_s = scaled(timeout_s)  # a hang guard
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not predicate():
         if asyncio.get_running_loop().time() > deadline:
@@ -150,14 +152,14 @@ def test_slow_clients_do_not_block_others(tmp_path):
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             writer.write(u.streaming_call(key, "openai")[:-20])  # the head and most of the body, never the rest
             try:
-                return await asyncio.wait_for(reader.read(-1), 20)
+                return await asyncio.wait_for(reader.read(-1), scaled(20))
             finally:
                 writer.close()
 
         async def run():
             endless = u.streaming_call(key, "openai", prompt=u.ENDLESS, max_tokens=10_000_000)
             stuck = await u.never_reads(server.port, endless)
-            slow = [asyncio.ensure_future(u.slowloris(server.port, 0.1, 20)) for _ in range(20)]
+            slow = [asyncio.ensure_future(u.slowloris(server.port, 0.1, scaled(20))) for _ in range(20)]
             slow_body = asyncio.ensure_future(body_slowloris())
             big = await u.exchange(server.port, u.oversized_headers(key, 64 * 1024))
             fits = await u.exchange(server.port, u.oversized_headers(key, 8 * 1024))
@@ -174,7 +176,7 @@ def test_slow_clients_do_not_block_others(tmp_path):
         assert fits.status == 200
         for answer, seconds in slow:
             assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
-            assert 2.0 <= seconds < 15.0
+            assert 2.0 <= seconds < 2.0 + scaled(13.0)  # the header timeout's 408, not the test's own limit
         assert slow_body.startswith(b"HTTP/1.1 408") and b"request body did not arrive" in slow_body
         after = asyncio.run(u.normal_calls(server.port, key, 1))[0]
         assert after.status == 200 and u.sse_complete("openai", after.body)
@@ -218,15 +220,16 @@ def test_sdk_retries_429_then_succeeds(tmp_path, api):
         held.start()
         u.wait_until(lambda: server.admission_stats()["active"] == 1, 30, "the held call")
         result: list[str] = []
+        retries = round(scaled(5))  # ~1 s apart (Retry-After): the held call frees its slot within them, loaded or not
 
         def call() -> None:
             if api == "openai":
-                client = openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=5)
+                client = openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=retries)
                 reply = client.chat.completions.create(model="gyre-tiny", max_tokens=64,
                                                        messages=[{"role": "user", "content": "hi"}])  # fmt: skip
                 result.append(reply.choices[0].message.content)
             else:
-                client = anthropic.Anthropic(base_url=server.anthropic_base_url, api_key=key, max_retries=5)
+                client = anthropic.Anthropic(base_url=server.anthropic_base_url, api_key=key, max_retries=retries)
                 reply = client.messages.create(model="gyre-tiny", max_tokens=64,
                                                messages=[{"role": "user", "content": "hi"}])  # fmt: skip
                 result.append(reply.content[0].text)
@@ -235,8 +238,8 @@ def test_sdk_retries_429_then_succeeds(tmp_path, api):
         caller.start()
         u.wait_until(lambda: server.admission_stats()["refused"] >= 1, 30, "a 429")
         backend.hold.clear()
-        caller.join(60)
-        held.join(30)
+        caller.join(scaled(60))
+        held.join(scaled(30))
         assert result == [u.REPLY]
         assert server.admission_stats()["admitted"] == 2
 
@@ -354,7 +357,7 @@ def test_a_head_passing_the_limit_while_still_arriving_gets_431_like_a_whole_one
                     writer.write(head[i : i + 4096])
                     await writer.drain()
                     await asyncio.sleep(0.01)
-                return await asyncio.wait_for(answer, 20)
+                return await asyncio.wait_for(answer, scaled(20))
             finally:
                 writer.close()
 

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from timelimits import run_time_limits, scaled
 
 from gyre_jax import faultpoints
 from gyre_jax.audit import audit
@@ -60,7 +61,7 @@ def env():
 def reference(tmp_path_factory, env) -> Path:
     """The unkilled run of the same command."""
     workdir = tmp_path_factory.mktemp("kill") / "reference"
-    rc, out = kill.attempt([*ARGS, f"--config.workdir={workdir}"], env, None, 600)
+    rc, out = kill.attempt([*ARGS, *run_time_limits(), f"--config.workdir={workdir}"], env, None, scaled(600))
     assert rc == 0 and "done: 2 steps" in out, out
     report = audit(workdir)
     assert report.ok and report.steps_completed == 2 and report.executions_trained == 4, report
@@ -68,9 +69,11 @@ def reference(tmp_path_factory, env) -> Path:
 
 
 def _campaign(tmp_path: Path, env, args: list[str], kills: list) -> tuple:
-    c = kill.Campaign("test", tmp_path / "run", [*args, f"--config.workdir={tmp_path / 'run'}"], kills)
+    c = kill.Campaign(
+        "test", tmp_path / "run", [*args, *run_time_limits(), f"--config.workdir={tmp_path / 'run'}"], kills
+    )
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    kill.run_campaign(c, env, 600)
+    kill.run_campaign(c, env, scaled(600))
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
     print(f"{c.attempts} attempts, kills landed {c.landed}, missed {c.missed}, {c.seconds:.0f}s wall, {cpu:.0f}s CPU")
@@ -187,7 +190,7 @@ def test_a_harness_left_running_by_a_killed_run_is_killed_before_its_execution_r
     runner = threading.Thread(target=procs.run, args=("x", cmd, exec_dir, dict(os.environ), exec_dir, 600))
     runner.daemon = True
     runner.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while not (exec_dir / "child.pid").exists() or not (exec_dir / "child.pid").read_text().strip():
         assert time.monotonic() < deadline, "the harness did not start"
         time.sleep(0.05)
@@ -197,13 +200,13 @@ def test_a_harness_left_running_by_a_killed_run_is_killed_before_its_execution_r
     # the executor is gone (as after a SIGKILL); a resumed attempt plans the same execution again
     plan = ExecutionPlan(None, None, RecordStore(tmp_path / "records"), tmp_path / "executions", tmp_path)
     plan._set_aside_stale([SimpleNamespace(execution_id="s000000-t0-g00")], "step 0")
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while group_alive(pgid):
         assert time.monotonic() < deadline, "the leftover harness group still runs"
         time.sleep(0.05)
     assert not Path(f"/proc/{child}").exists() or b"Z" in Path(f"/proc/{child}/stat").read_bytes().split(b") ")[1][:1]
     assert not exec_dir.exists() and len(list((tmp_path / "aborted").glob("*/executions/s000000-t0-g00"))) == 1
-    runner.join(timeout=10)
+    runner.join(timeout=scaled(10))
     assert not kill_leftover_group(next((tmp_path / "aborted").glob("*/executions/s000000-t0-g00")))  # gone: no-op
 
 
@@ -213,7 +216,7 @@ def test_a_queue_append_killed_halfway_leaves_a_tail_the_reader_skips_and_the_ne
         "q.append_step(0, [('a-g00', 0.5), ('a-g01', -0.5)]); q.append_step(1, [('b-g00', 1.0), ('b-g01', -1.0), ('b-g02', 0.0)])"
     )
     env = {**kill.trainer_env(), "GYRE_KILL_AT": "queue_torn:2"}
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, cwd=REPO, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, cwd=REPO, timeout=scaled(120))
     assert proc.returncode == -signal.SIGKILL
     data = (tmp_path / "queue.jsonl").read_bytes()
     assert not data.endswith(b"\n") and data.count(b"\n") == 3  # step 0 whole, step 1 torn mid-entry

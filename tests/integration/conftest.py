@@ -28,6 +28,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from timelimits import scaled
 
 from gyre_jax.config import load_config
 from gyre_jax.model.attention import segment_causal_mask
@@ -234,10 +235,10 @@ def npm_bins() -> dict[str, Path]:
     if npm is None:
         pytest.fail(f"npm is needed to install {sorted(NPM_CLIS.values())} for these tests (apt-get install npm)")
     cmd = [npm, "install", "--no-save", "--no-audit", "--no-fund"]
-    done = subprocess.run(cmd, cwd=NPM_DIR, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=NPM_DIR, capture_output=True, text=True, timeout=scaled(600))
     assert done.returncode == 0, f"{' '.join(cmd)} failed in {NPM_DIR}:\n{done.stdout}\n{done.stderr}"
     for name, pkg in NPM_CLIS.items():
-        check = subprocess.run([str(bins[name]), "--version"], capture_output=True, text=True, timeout=120,
+        check = subprocess.run([str(bins[name]), "--version"], capture_output=True, text=True, timeout=scaled(120),
                                env={**os.environ}, stdin=subprocess.DEVNULL)  # fmt: skip
         assert check.returncode == 0 and pins[pkg] in check.stdout, (name, check.stdout, check.stderr)
     return bins
@@ -267,7 +268,7 @@ def aider_python() -> Path:
     uv = [sys.executable, "-m", "uv"]
     for cmd in ([*uv, "venv", "-q", "--python", sys.executable, str(building)],
                 [*uv, "pip", "install", "-q", "--python", str(building / "bin" / "python"), "-r", str(AIDER_REQUIREMENTS)]):  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(900))
         assert done.returncode == 0, (
             f"building aider's venv failed: {cmd}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         )
@@ -275,7 +276,7 @@ def aider_python() -> Path:
         line.split("==")[1] for line in AIDER_REQUIREMENTS.read_text().splitlines() if line.startswith("aider-chat==")
     ]
     check = subprocess.run([str(building / "bin" / "python"), "-m", "aider", "--version"], capture_output=True, text=True,
-                           timeout=300)  # fmt: skip
+                           timeout=scaled(300))  # fmt: skip
     assert check.returncode == 0 and pin in check.stdout, (check.stdout, check.stderr)
     try:
         building.rename(venv)  # atomic: a venv at ``venv`` is always whole (run as ``python -m aider``, so movable)

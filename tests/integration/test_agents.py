@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 from gyre_jax.rollout.executor import ExecutionSpec, Executor
 from gyre_jax.rollout.harnesses import CLAUDE_CODE_SMALL_CMD, HarnessSpec, check_harness, harness_spec
@@ -35,7 +36,8 @@ def make_task(task_id: str) -> Task:
 def run_one(stack, tmp_path: Path, execution_id: str, harness_cmd: list[str], extra_env: dict[str, str], timeout_s: float,
             evaluator=evaluate):  # fmt: skip
     executor = Executor(stack.proxy, stack.proxy.base_url, tmp_path / "executions", model_name="gyre-tiny",
-                        timeout_s=timeout_s, max_parallel=1, temperature=1.0, max_tokens=24, evaluator_timeout_s=30,
+                        timeout_s=scaled(timeout_s), max_parallel=1, temperature=1.0, max_tokens=24,
+                        evaluator_timeout_s=scaled(30),
                         harness_cmd=harness_cmd, evaluator=evaluator, extra_env=extra_env)  # fmt: skip
     return execute(executor, tmp_path, execution_id)
 
@@ -53,7 +55,8 @@ def execute(executor: Executor, tmp_path: Path, execution_id: str):
 def run_preset(stack, tmp_path: Path, execution_id: str, spec: HarnessSpec, timeout_s: float, evaluator=evaluate):
     """``run_one`` for a harness preset: its command, environment and files, as a run config's harness."""
     executor = Executor(stack.proxy, stack.proxy.base_url, tmp_path / "executions", model_name="gyre-tiny",
-                        timeout_s=timeout_s, max_parallel=1, temperature=1.0, max_tokens=24, evaluator_timeout_s=30,
+                        timeout_s=scaled(timeout_s), max_parallel=1, temperature=1.0, max_tokens=24,
+                        evaluator_timeout_s=scaled(30),
                         evaluator=evaluator, harness_cmd=list(spec.cmd), extra_env=dict(spec.env),
                         harness_files=dict(spec.files))  # fmt: skip
     return execute(executor, tmp_path, execution_id)

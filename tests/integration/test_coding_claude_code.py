@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -23,7 +24,7 @@ def train(workdir: Path, path: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "gyre_jax.train", "--config", "configs/coding_claude_code.py",
            "--config.total_steps=2", f"--config.workdir={workdir}", *extra]  # fmt: skip
     env = {**os.environ, "PATH": path}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500, env=env)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=scaled(1500), env=env)
 
 
 def test_without_the_cli_the_run_stops_at_start_naming_the_install_command(tmp_path):

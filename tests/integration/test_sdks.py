@@ -11,6 +11,7 @@ import anthropic
 import httpx
 import numpy as np
 import openai
+from timelimits import scaled
 
 from gyre_jax.proxy import turns
 from gyre_jax.proxy.adapters import anthropic_messages as anthropic_api
@@ -30,7 +31,7 @@ def check_record(stack, record, max_tokens: int) -> None:
 
 def test_openai_sdk_plain_and_streaming_with_tools(stack) -> None:
     key = stack.proxy.open_execution("sdk-openai")
-    client = openai.OpenAI(base_url=stack.proxy.base_url, api_key=key, max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=stack.proxy.base_url, api_key=key, max_retries=0, timeout=scaled(120))
     messages = [{"role": "system", "content": "Solve the task."}, {"role": "user", "content": "Read input.txt."}]
     first = client.chat.completions.create(model="gyre-tiny", messages=messages, tools=TOOLS_OPENAI, max_tokens=12,
                                            logprobs=True)  # fmt: skip
@@ -65,7 +66,9 @@ def test_openai_sdk_plain_and_streaming_with_tools(stack) -> None:
 
 def test_anthropic_sdk_plain_and_streaming_with_tools(stack) -> None:
     key = stack.proxy.open_execution("sdk-anthropic")
-    client = anthropic.Anthropic(base_url=stack.proxy.anthropic_base_url, api_key=key, max_retries=0, timeout=120)
+    client = anthropic.Anthropic(
+        base_url=stack.proxy.anthropic_base_url, api_key=key, max_retries=0, timeout=scaled(120)
+    )
     messages = [{"role": "user", "content": "Read input.txt."}]
     first = client.messages.create(model="gyre-tiny", max_tokens=12, system="Solve the task.", tools=TOOLS_ANTHROPIC,
                                    messages=messages)  # fmt: skip
@@ -93,7 +96,9 @@ def test_anthropic_sdk_plain_and_streaming_with_tools(stack) -> None:
     assert r2.prompt_ids[: len(r1.prompt_ids) + len(r1.completion_ids)] == r1.prompt_ids + r1.completion_ids
     # Sampling is seeded per (server seed, execution, call): the same call again gives the same tokens.
     key2 = stack.proxy.open_execution("sdk-anthropic-again")
-    again = anthropic.Anthropic(base_url=stack.proxy.anthropic_base_url, api_key=key2, max_retries=0, timeout=120)
+    again = anthropic.Anthropic(
+        base_url=stack.proxy.anthropic_base_url, api_key=key2, max_retries=0, timeout=scaled(120)
+    )
     body = {"model": "gyre-tiny", "max_tokens": 12, "system": "Solve the task.", "tools": TOOLS_ANTHROPIC,
             "messages": [{"role": "user", "content": "Read input.txt."}]}  # fmt: skip
     again.messages.create(**body)
@@ -108,7 +113,7 @@ def test_drained_cell_request_is_retried_transparently(stack) -> None:
     results: dict[str, httpx.Response] = {}
 
     def call() -> None:
-        results["r"] = httpx.post(f"{stack.proxy.base_url}/chat/completions", timeout=120,
+        results["r"] = httpx.post(f"{stack.proxy.base_url}/chat/completions", timeout=scaled(120),
                                   headers={"Authorization": f"Bearer {key}"},
                                   json={"model": "gyre-tiny", "max_tokens": 24,
                                         "messages": [{"role": "user", "content": "x " * 3000}]})  # fmt: skip
@@ -116,14 +121,14 @@ def test_drained_cell_request_is_retried_transparently(stack) -> None:
     thread = threading.Thread(target=call)
     thread.start()
 
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while router.in_flight("cell0") == 0 and time.monotonic() < deadline:
         time.sleep(0.001)
     retries = router.retries
     router.drain("cell0", cancel_in_flight=True)  # the only cell: the request waits, parked
     time.sleep(0.2)
     router.undrain("cell0")
-    thread.join(120)
+    thread.join(scaled(120))
     assert results["r"].status_code == 200, results["r"].text
     (record,) = stack.records.read("sdk-drain")
     assert record.finish_reason in ("stop", "length") and router.retries == retries + 1
@@ -148,21 +153,23 @@ def test_bad_input_burst_against_the_real_engine_then_valid(stack) -> None:
         (anth, {**good_anth, "messages": [{"role": "user", "content": "x" * (2 * 1024 * 1024)}]}, 413),
     ]:  # fmt: skip
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        response = httpx.post(url, content=content, headers={**auth, "content-type": "application/json"}, timeout=60)
+        response = httpx.post(
+            url, content=content, headers={**auth, "content-type": "application/json"}, timeout=scaled(60)
+        )
         assert response.status_code == status, (url, response.text)
         error = response.json()
         assert (error["type"] == "error" and error["error"]["message"]) if url == anth else error["error"]["message"]
     with httpx.stream("POST", anth, json={**good_anth, "max_tokens": 24, "stream": True,
                                           "messages": [{"role": "user", "content": "x " * 1500}]},
-                      headers=auth, timeout=60) as response:  # fmt: skip
+                      headers=auth, timeout=scaled(60)) as response:  # fmt: skip
         assert next(response.iter_lines()) == "event: message_start"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while stack.loop.num_in_flight() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert stack.loop.num_in_flight() == 0 and stack.router.in_flight("cell0") == 0
     assert stack.proxy.execution_calls("sdk-burst") == 0
-    assert httpx.post(oai, json=good_oai, headers=auth, timeout=60).status_code == 200
-    assert httpx.post(anth, json=good_anth, headers=auth, timeout=60).status_code == 200
+    assert httpx.post(oai, json=good_oai, headers=auth, timeout=scaled(60)).status_code == 200
+    assert httpx.post(anth, json=good_anth, headers=auth, timeout=scaled(60)).status_code == 200
     assert stack.proxy.execution_calls("sdk-burst") == 2
 
 
@@ -170,7 +177,7 @@ def test_stop_strings_choices_and_forced_tool_calls_on_the_real_engine(stack) ->
     """Stop strings run in the real serving loop (built with ``detokenize``): each record decodes to exactly the
     returned text; n choices and a forced tool call are recorded as served."""
     key = stack.proxy.open_execution("sdk-sampling")
-    client = openai.OpenAI(base_url=stack.proxy.base_url, api_key=key, max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=stack.proxy.base_url, api_key=key, max_retries=0, timeout=scaled(120))
     stops, cuts = [" ", "e", "a", "\n"], 0
     for seed in range(6):
         prompt = "<|im_start|>user\nRead input.txt.<|im_end|>\n<|im_start|>assistant\n"  # what it was trained on
@@ -200,7 +207,7 @@ def test_streamed_stop_strings_choices_and_forced_tool_calls_on_the_real_engine(
     client accumulated from the deltas is exactly what its record decodes to (BPE tokens: the whole-token rule
     at a stop string's cut), each choice streams with its index, usage and [DONE] come once."""
     key = stack.proxy.open_execution("sdk-stream-sampling")
-    client = openai.OpenAI(base_url=stack.proxy.base_url, api_key=key, max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=stack.proxy.base_url, api_key=key, max_retries=0, timeout=scaled(120))
     stops, cuts = [" ", "e", "a", "\n"], 0
     prompt = "<|im_start|>user\nRead input.txt.<|im_end|>\n<|im_start|>assistant\n"
     for seed in range(6):
@@ -224,7 +231,7 @@ def test_streamed_stop_strings_choices_and_forced_tool_calls_on_the_real_engine(
     named = {"type": "function", "function": {"name": "read_file"}}
     body = {"model": "gyre-tiny", "messages": [{"role": "user", "content": "Read input.txt."}], "tools": TOOLS_OPENAI,
             "tool_choice": named, "n": 2, "seed": 3, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    reply = httpx.post(f"{stack.proxy.base_url}/chat/completions", json=body, timeout=120,
+    reply = httpx.post(f"{stack.proxy.base_url}/chat/completions", json=body, timeout=scaled(120),
                        headers={"Authorization": f"Bearer {key}"}).text  # fmt: skip
     chunks = [json.loads(line[6:]) for line in reply.splitlines() if line.startswith("data: {")]
     content, arguments = {0: "", 1: ""}, {0: "", 1: ""}

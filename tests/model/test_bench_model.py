@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from timelimits import scaled
+
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
@@ -21,7 +23,7 @@ def test_gpu_script_smoke_suite_runs_on_cpu_and_writes_json(tmp_path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=scaled(600),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "model_smoke.json").read_text())
@@ -42,7 +44,7 @@ def test_gpu_checks_smoke_run_writes_every_decode_and_training_row(tmp_path) -> 
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, "benchmarks/gpu_checks.py", str(out), "--smoke"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+                          capture_output=True, text=True, timeout=scaled(600))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert not [r for r in rows if "error" in r], rows

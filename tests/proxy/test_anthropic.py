@@ -13,6 +13,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from timelimits import scaled
 
 from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy.adapters import anthropic_messages as anthropic_api
@@ -53,7 +54,7 @@ class Backend:
 
     def _run(self, request: GenerationRequest) -> GenerationResult:
         prompt = TOKENIZER.decode(request.prompt_ids)
-        if "SLOW" in prompt and self._events[request.request_id].wait(10):
+        if "SLOW" in prompt and self._events[request.request_id].wait(scaled(10)):
             return GenerationResult(request.request_id, [], [], [], "cancelled", len(request.prompt_ids))
         text = FINAL if "<tool_response>" in prompt else THINK_TOOL
         ids = (TOKENIZER.encode(text) + [IM_END])[: request.sampling.max_tokens]
@@ -94,7 +95,7 @@ def execution(server) -> tuple[str, str]:
 
 
 def client(server: ProxyServer, key: str) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.anthropic_base_url, api_key=key, max_retries=0, timeout=10.0)
+    return anthropic.Anthropic(base_url=server.anthropic_base_url, api_key=key, max_retries=0, timeout=scaled(10.0))
 
 
 def completion_text(record: TitoRecord) -> str:
@@ -186,7 +187,7 @@ def test_streaming_event_sequence_and_sdk_stream(server, store, execution) -> No
             "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
             "thinking": {"type": "adaptive"}, "context_management": {"edits": []}, "metadata": {"user_id": "u"}}  # fmt: skip
     with httpx.stream("POST", f"{server.anthropic_base_url}/v1/messages?beta=true", json=body,
-                      headers={"x-api-key": key, "anthropic-version": "2023-06-01"}, timeout=10) as response:  # fmt: skip
+                      headers={"x-api-key": key, "anthropic-version": "2023-06-01"}, timeout=scaled(10)) as response:  # fmt: skip
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         events = sse_events(response)
     names = [n for n, _ in events]
@@ -218,7 +219,9 @@ def test_claude_code_shapes_threads_and_count_tokens(server, store, execution) -
         body = {"model": MODEL, "max_tokens": 64, "system": system,
                 "messages": [{"role": "user", "content": first_user},
                              {"role": "system", "content": [{"type": "text", "text": "# Environment"}]}, *(extra or [])]}  # fmt: skip
-        return httpx.post(f"{server.anthropic_base_url}/v1/messages?beta=true", json=body, headers=headers, timeout=10)
+        return httpx.post(
+            f"{server.anthropic_base_url}/v1/messages?beta=true", json=body, headers=headers, timeout=scaled(10)
+        )
 
     assert call("main agent", "do it").status_code == 200
     assert call("sub agent", "sub task").status_code == 200
@@ -232,7 +235,7 @@ def test_claude_code_shapes_threads_and_count_tokens(server, store, execution) -
         in text
     )
 
-    count = httpx.post(f"{server.anthropic_base_url}/v1/messages/count_tokens", headers=headers, timeout=10,
+    count = httpx.post(f"{server.anthropic_base_url}/v1/messages/count_tokens", headers=headers, timeout=scaled(10),
                        json={"model": MODEL, "system": "main agent", "messages": [{"role": "user", "content": "do it"}]})  # fmt: skip
     assert count.status_code == 200
     assert count.json()["input_tokens"] == len(
@@ -305,38 +308,42 @@ def test_malformed_anthropic_burst_then_valid(server, backend, execution) -> Non
     ]
     for body, status, kind in bad:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        assert_anthropic_error(httpx.post(url, content=content, headers=headers, timeout=10), status, kind)
+        assert_anthropic_error(httpx.post(url, content=content, headers=headers, timeout=scaled(10)), status, kind)
     assert "no tools" in assert_anthropic_error(
-        httpx.post(url, json={**good, "tool_choice": {"type": "any"}}, headers=headers, timeout=10), 400
+        httpx.post(url, json={**good, "tool_choice": {"type": "any"}}, headers=headers, timeout=scaled(10)), 400
     )
     assert_anthropic_error(
-        httpx.post(url, json=good, headers={"x-api-key": "never-issued"}, timeout=10), 401, "authentication_error"
+        httpx.post(url, json=good, headers={"x-api-key": "never-issued"}, timeout=scaled(10)),
+        401,
+        "authentication_error",
     )
-    assert_anthropic_error(httpx.post(url, json=good, timeout=10), 401, "authentication_error")
-    assert_anthropic_error(httpx.get(f"{server.anthropic_base_url}/v1/messages/nope", headers=headers, timeout=10), 404)
+    assert_anthropic_error(httpx.post(url, json=good, timeout=scaled(10)), 401, "authentication_error")
+    assert_anthropic_error(
+        httpx.get(f"{server.anthropic_base_url}/v1/messages/nope", headers=headers, timeout=scaled(10)), 404
+    )
     with pytest.raises(anthropic.NotFoundError):
         client(server, key).messages.create(model="claude-x", max_tokens=5, messages=[{"role": "user", "content": "x"}])
 
     # A client that disconnects mid-stream: its generation is cancelled (the slot is freed), nothing recorded.
     before = len(backend.cancelled)
     with httpx.stream("POST", url, json={**good, "stream": True, "messages": [{"role": "user", "content": "SLOW"}]},
-                      headers=headers, timeout=10) as response:  # fmt: skip
+                      headers=headers, timeout=scaled(10)) as response:  # fmt: skip
         first = next(response.iter_lines())
         assert first == "event: message_start"
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + scaled(5)
     while len(backend.cancelled) == before and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(backend.cancelled) == before + 1
     assert server.execution_calls(execution_id) == 0
-    assert httpx.post(url, json=good, headers=headers, timeout=10).status_code == 200
+    assert httpx.post(url, json=good, headers=headers, timeout=scaled(10)).status_code == 200
     assert server.execution_calls(execution_id) == 1
     server.close_execution(execution_id)
-    assert_anthropic_error(httpx.post(url, json=good, headers=headers, timeout=10), 409)
+    assert_anthropic_error(httpx.post(url, json=good, headers=headers, timeout=scaled(10)), 409)
 
 
 def test_legacy_completions_and_token_cap(server, store, backend, execution) -> None:
     execution_id, key = execution
-    oai = openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=10)
+    oai = openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=scaled(10))
     out = oai.completions.create(model=MODEL, prompt="<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
                                  max_tokens=10_000, logprobs=0)  # fmt: skip
     (record,) = store.read(execution_id)
@@ -352,10 +359,10 @@ def test_legacy_completions_and_token_cap(server, store, backend, execution) -> 
     chunks = list(oai.completions.create(model=MODEL, prompt=ids, max_tokens=3, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == FINAL[:3]
     assert store.read(execution_id)[1].prompt_ids == ids and store.read(execution_id)[1].finish_reason == "length"
-    bad = httpx.post(f"{server.base_url}/completions", headers={"Authorization": f"Bearer {key}"}, timeout=10,
+    bad = httpx.post(f"{server.base_url}/completions", headers={"Authorization": f"Bearer {key}"}, timeout=scaled(10),
                      json={"model": MODEL, "prompt": [10**6]})  # fmt: skip
     assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
-    assert httpx.post(f"{server.base_url}/completions", headers={"Authorization": f"Bearer {key}"}, timeout=10,
+    assert httpx.post(f"{server.base_url}/completions", headers={"Authorization": f"Bearer {key}"}, timeout=scaled(10),
                       json={"model": MODEL, "prompt": "x", "echo": True}).status_code == 400  # fmt: skip
 
 

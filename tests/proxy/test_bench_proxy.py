@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -20,7 +21,7 @@ def test_proxy_benchmark_smoke_run_writes_its_report(tmp_path) -> None:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, "benchmarks/bench_proxy.py", "--smoke", "--out", str(out)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+                          env=env, capture_output=True, text=True, timeout=scaled(600))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["smoke"] and [r["api"] for r in report["results"]] == ["chat", "completions", "messages", "responses"]

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 from gyre_jax.proxy import chat_format, tito
 from gyre_jax.proxy.chat_format import TOOL_FORMATS, ChatFormat, detect_tool_format
@@ -303,7 +304,7 @@ def test_proxy_serves_a_checkpoint_template_token_in_token_out(make_stack, smoll
         return "It is 21 °C." if "<|start_header_id|>ipython" in text else CALL_TEXT["llama3_json"]
 
     with make_stack(script, tokenizer=tok, tools_format=fmt) as stack:
-        sdk = openai.OpenAI(base_url=stack.server.base_url, api_key=stack.key("e1"), max_retries=0, timeout=20)
+        sdk = openai.OpenAI(base_url=stack.server.base_url, api_key=stack.key("e1"), max_retries=0, timeout=scaled(20))
         messages = [SYSTEM, USER]
         first = sdk.chat.completions.create(model="gyre-tiny", messages=messages, tools=WEATHER)
         call = first.choices[0].message.tool_calls[0]

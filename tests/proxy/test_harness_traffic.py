@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from timelimits import scaled
 
 from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy.records import RecordStore, TitoRecord
@@ -84,7 +85,7 @@ def replay_scenario(proxy: ProxyServer, replay: Replay, path: Path) -> list[Tito
     key = proxy.open_execution(execution_id)
     with lzma.open(path, "rt", encoding="utf-8") as f:
         calls = [json.loads(line) for line in f]
-    with httpx.Client(base_url=f"http://127.0.0.1:{proxy.port}", timeout=60) as client:
+    with httpx.Client(base_url=f"http://127.0.0.1:{proxy.port}", timeout=scaled(60)) as client:
         for i, call in enumerate(calls):
             replay.completion = call["completion"]
             headers = {**call["headers"], "x-api-key": key, "authorization": f"Bearer {key}"}

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from timelimits import scaled
 
 from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy.records import RecordStore, TitoRecord
@@ -86,7 +87,7 @@ def execution(server: ProxyServer) -> tuple[str, str]:
 
 
 def sdk(server: ProxyServer, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=20.0)
+    return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=scaled(20.0))
 
 
 def decoded(record: TitoRecord) -> str:
@@ -204,7 +205,9 @@ def codex_body(stream: bool = True) -> dict:
 def test_codex_shaped_request_is_served(server, store, execution) -> None:
     execution_id, key = execution
     headers = {"Authorization": f"Bearer {key}"}
-    with httpx.stream("POST", f"{server.base_url}/responses", json=codex_body(), headers=headers, timeout=20) as reply:
+    with httpx.stream(
+        "POST", f"{server.base_url}/responses", json=codex_body(), headers=headers, timeout=scaled(20)
+    ) as reply:
         assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in reply.iter_lines() if line]
     names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
@@ -217,7 +220,9 @@ def test_codex_shaped_request_is_served(server, store, execution) -> None:
     assert "local_shell" not in prompt and "apply_patch" not in prompt and "get_weather" in prompt
     # the reasoning item is the assistant turn's reasoning_content (rendered: it follows the last user query)
     assert "<tool_response>\nsunny\n</tool_response>" in prompt and "<think>\nLook it up.\n</think>" in prompt
-    plain = httpx.post(f"{server.base_url}/responses", json=codex_body(stream=False), headers=headers, timeout=20)
+    plain = httpx.post(
+        f"{server.base_url}/responses", json=codex_body(stream=False), headers=headers, timeout=scaled(20)
+    )
     assert plain.status_code == 200 and plain.json()["output"][-1]["content"][0]["text"] == ANSWER
 
 
@@ -230,7 +235,7 @@ def test_a_real_codex_cli_request_is_served(server, store, execution) -> None:
         (Path(__file__).resolve().parents[1] / "fixtures" / "codex_0.171.0_responses_request.json").read_text()
     )
     headers = {"Authorization": f"Bearer {key}"}
-    with httpx.stream("POST", f"{server.base_url}/responses", json=body, headers=headers, timeout=30) as reply:
+    with httpx.stream("POST", f"{server.base_url}/responses", json=body, headers=headers, timeout=scaled(30)) as reply:
         assert reply.status_code == 200, reply.read()
         payloads = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: ")]
     assert payloads[-1]["type"] == "response.completed" and payloads[-1]["response"]["status"] == "completed"
@@ -260,7 +265,9 @@ def test_bad_requests_get_openai_4xx_and_the_server_keeps_serving(server, execut
     headers = {"Authorization": f"Bearer {key}"}
     body = {"model": MODEL, "input": "hi", **change}
     for stream in (False, True):
-        reply = httpx.post(f"{server.base_url}/responses", json={**body, "stream": stream}, headers=headers, timeout=20)
+        reply = httpx.post(
+            f"{server.base_url}/responses", json={**body, "stream": stream}, headers=headers, timeout=scaled(20)
+        )
         assert reply.status_code == status, reply.text
         error = reply.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and says in error["message"]
@@ -275,7 +282,7 @@ def test_failure_after_the_stream_started_is_an_error_and_response_failed(server
     assert events[-1].response.status == "failed" and events[2].message == events[-1].response.error.message
     headers = {"Authorization": f"Bearer {key}"}
     body = {"model": MODEL, "input": "EXPLODE", "stream": True}
-    reply = httpx.post(f"{server.base_url}/responses", json=body, headers=headers, timeout=20)
+    reply = httpx.post(f"{server.base_url}/responses", json=body, headers=headers, timeout=scaled(20))
     payloads = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
     assert [p["type"] for p in payloads][-2:] == ["error", "response.failed"]
     assert payloads[-1]["response"]["status"] == "failed" and payloads[-1]["response"]["error"]["message"]

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import openai
 import pytest
+from timelimits import scaled, slow_factor
 
 from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy.records import RecordStore, TitoRecord
@@ -140,7 +141,7 @@ def execution(server: ProxyServer) -> tuple[str, str]:
 
 
 def sdk(server: ProxyServer, key: str, **kwargs) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=10.0, **kwargs)
+    return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=scaled(10.0), **kwargs)
 
 
 def post(server: ProxyServer, key: str | None, body: object, **kwargs) -> httpx.Response:
@@ -176,7 +177,7 @@ def decoded_completion(record: TitoRecord) -> str:
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if predicate():
             return True
@@ -362,7 +363,8 @@ def test_concurrent_calls_do_not_block_each_other(
 ) -> None:
     execution_id, key = execution
     client = sdk(server, key)
-    backend.slow_s = 0.5  # "SLOW" prompts take 0.5 s and then complete normally
+    f = slow_factor()  # the calls' time and the bound scaled alike: 8 calls in turn would still take 1.6x the bound
+    backend.slow_s = 0.5 * f  # "SLOW" prompts take 0.5 s (idle machine) and then complete normally
     try:
         start = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -380,7 +382,7 @@ def test_concurrent_calls_do_not_block_each_other(
     finally:
         backend.slow_s = 10.0
     assert all(r.choices[0].finish_reason == "tool_calls" for r in results)
-    assert elapsed < 2.5, f"8 concurrent 0.5 s calls took {elapsed:.2f} s: the event loop is blocked"
+    assert elapsed < 2.5 * f, f"8 concurrent {0.5 * f:.2f} s calls took {elapsed:.2f} s: the event loop is blocked"
     assert server.execution_calls(execution_id) == 8
 
 
@@ -480,7 +482,7 @@ def test_oversized_bodies_get_413(server: ProxyServer, execution: tuple[str, str
         f"{server.base_url}/chat/completions",
         content=chunked(),
         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-        timeout=10.0,
+        timeout=scaled(10.0),
     )
     assert_openai_error(response, 413)
     assert post(server, key, valid_body()).status_code == 200
@@ -535,7 +537,7 @@ def test_client_disconnect_cancels_and_records_nothing(
     execution_id, key = execution
     before = len(backend.cancelled)
     with pytest.raises(httpx.ReadTimeout):
-        post(server, key, valid_body(messages=user_turn("SLOW plain")), timeout=0.3)
+        post(server, key, valid_body(messages=user_turn("SLOW plain")), timeout=min(scaled(0.3), 5.0))  # slow_s: 10
     assert wait_until(lambda: len(backend.cancelled) == before + 1), "non-streaming disconnect did not cancel"
 
     with httpx.stream(
@@ -543,7 +545,7 @@ def test_client_disconnect_cancels_and_records_nothing(
         f"{server.base_url}/chat/completions",
         json=valid_body(messages=user_turn("SLOW streamed"), stream=True),
         headers={"Authorization": f"Bearer {key}"},
-        timeout=5.0,
+        timeout=scaled(5.0),
     ) as response:
         first_line = next(response.iter_lines())
         assert (
@@ -577,7 +579,7 @@ def test_context_manager_stops_the_server(backend: ScriptedBackend, store: Recor
         assert proxy.base_url.startswith("http://127.0.0.1:") and proxy.base_url.endswith("/v1")
         assert httpx.get(url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
     with pytest.raises(httpx.ConnectError):
-        httpx.get(url.removesuffix("/v1") + "/health", timeout=1.0)
+        httpx.get(url.removesuffix("/v1") + "/health", timeout=scaled(1.0))
 
 
 def test_reopened_execution_continues_call_numbering(backend: ScriptedBackend, store: RecordStore) -> None:

@@ -10,6 +10,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from timelimits import scaled
 
 from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy import chat_template, tito
@@ -55,7 +56,9 @@ def user(text: str) -> list[dict]:
 
 
 def oai(stack, execution_id: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.server.base_url, api_key=stack.key(execution_id), max_retries=0, timeout=10)
+    return openai.OpenAI(
+        base_url=stack.server.base_url, api_key=stack.key(execution_id), max_retries=0, timeout=scaled(10)
+    )
 
 
 # -- stop strings ------------------------------------------------------------------------------------------------------
@@ -194,7 +197,7 @@ def test_n_choices_stream_and_completions(make_stack) -> None:
 
         out = oai(stack, "e-nc").completions.create(model=MODEL, prompt="CHOICES", n=2, seed=7, max_tokens=32)
         assert [(c.index, c.text) for c in out.choices] == [(0, "answer 7"), (1, "answer 8")]
-        body = httpx.post(f"{stack.server.base_url}/completions", timeout=10,
+        body = httpx.post(f"{stack.server.base_url}/completions", timeout=scaled(10),
                           headers={"Authorization": f"Bearer {stack.key('e-ncs')}"},
                           json={"model": MODEL, "prompt": "CHOICES", "n": 2, "seed": 7, "stream": True}).text  # fmt: skip
         chunks = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]

@@ -11,6 +11,7 @@ import json
 import anthropic
 import httpx
 import openai
+from timelimits import scaled
 
 from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy.sampling import TOOL_CALL_OPEN
@@ -51,7 +52,9 @@ def user(text: str) -> list[dict]:
 
 
 def oai(stack, execution_id: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.server.base_url, api_key=stack.key(execution_id), max_retries=0, timeout=10)
+    return openai.OpenAI(
+        base_url=stack.server.base_url, api_key=stack.key(execution_id), max_retries=0, timeout=scaled(10)
+    )
 
 
 def sse_data(body: str) -> list[dict]:
@@ -88,7 +91,7 @@ def test_streamed_chat_with_stop_sends_no_text_past_the_cut(make_stack) -> None:
 
 def test_streamed_completion_with_a_stop_inside_a_token_drops_the_token(make_stack) -> None:
     with make_stack(script) as stack:
-        body = httpx.post(f"{stack.server.base_url}/completions", timeout=10,
+        body = httpx.post(f"{stack.server.base_url}/completions", timeout=scaled(10),
                           headers={"Authorization": f"Bearer {stack.key('e-m')}"},
                           json={"model": MODEL, "prompt": "THINKTOKEN", "stop": "hink", "stream": True}).text  # fmt: skip
         texts = [c["choices"][0]["text"] for c in sse_data(body) if c["choices"]]
@@ -152,7 +155,7 @@ def test_streamed_forced_tool_call_reaches_the_client_as_the_call(make_stack) ->
 
 def test_n2_stream_each_choice_live_with_its_index_usage_and_done_once(make_stack) -> None:
     with make_stack(script) as stack:
-        body = httpx.post(f"{stack.server.base_url}/chat/completions", timeout=10,
+        body = httpx.post(f"{stack.server.base_url}/chat/completions", timeout=scaled(10),
                           headers={"Authorization": f"Bearer {stack.key('e-n')}"},
                           json={"model": MODEL, "messages": user("CHOICES"), "n": 2, "seed": 5, "stream": True,
                                 "stop": " and", "stream_options": {"include_usage": True}}).text  # fmt: skip

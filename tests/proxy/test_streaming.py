@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import anthropic
 import openai
 import pytest
+from timelimits import scaled
 
 from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy.records import RecordStore
@@ -63,7 +64,7 @@ class GatedBackend:
         for k, token in enumerate(ids):
             if request.on_tokens is None:
                 break
-            if k == self.HALF and not self.gate.wait(30):
+            if k == self.HALF and not self.gate.wait(scaled(30)):
                 raise RuntimeError("the client never saw a delta: the proxy did not stream")
             request.on_tokens(TokenChunk(request.request_id, k, (token,), (-0.25,), (5,)))
         n = len(ids)
@@ -112,7 +113,7 @@ def record_text(store: RecordStore, execution_id: str) -> str:
 @pytest.mark.parametrize("ask", ["plain", "THINK", "TOOL"])
 def test_chat_streams_live_and_adds_up(server, store, backend, execution, ask) -> None:
     execution_id, key = execution
-    client = openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=20.0)
+    client = openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=scaled(20.0))
     messages = [{"role": "user", "content": f"{ask} please"}]
     reasoning, content, calls, finish, usage, before_gate = "", "", {}, None, None, 0
     for chunk in client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, stream=True,
@@ -150,7 +151,7 @@ def test_chat_streams_live_and_adds_up(server, store, backend, execution, ask) -
 
 def test_completions_stream_live_and_add_up(server, store, backend, execution) -> None:
     execution_id, key = execution
-    client = openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=20.0)
+    client = openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=scaled(20.0))
     text, pieces = "", 0
     for chunk in client.completions.create(model=MODEL, prompt="THINK about it", stream=True, max_tokens=500):
         piece = chunk.choices[0].text if chunk.choices else ""
@@ -166,7 +167,7 @@ def test_completions_stream_live_and_add_up(server, store, backend, execution) -
 @pytest.mark.parametrize("ask", ["THINK", "TOOL"])
 def test_messages_stream_live_and_add_up(server, store, backend, execution, ask) -> None:
     execution_id, key = execution
-    client = anthropic.Anthropic(base_url=server.anthropic_base_url, api_key=key, max_retries=0, timeout=20.0)
+    client = anthropic.Anthropic(base_url=server.anthropic_base_url, api_key=key, max_retries=0, timeout=scaled(20.0))
     tools = [{"name": "get_weather", "description": "Weather.", "input_schema": {"type": "object"}}]
     kwargs = dict(model=MODEL, max_tokens=500, tools=tools, messages=[{"role": "user", "content": f"{ask} now"}])
     thinking, text = "", ""
@@ -203,7 +204,7 @@ def test_keepalives_flow_while_nothing_decodes(server, store, backend, execution
     body = {"model": MODEL, "messages": [{"role": "user", "content": "plain"}], "stream": True}
     seen_text, keepalives_after_text, lines = False, 0, []
     with httpx.stream("POST", f"{server.base_url}/chat/completions", json=body,
-                      headers={"Authorization": f"Bearer {key}"}, timeout=20) as reply:  # fmt: skip
+                      headers={"Authorization": f"Bearer {key}"}, timeout=scaled(20)) as reply:  # fmt: skip
         for line in reply.iter_lines():
             lines.append(line)
             seen_text = seen_text or '"content":"H' in line

@@ -7,6 +7,7 @@ import threading
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from timelimits import scaled
 
 from gyre_jax.rl.microstep_queue import MicroStepQueue, QueueAborted
 
@@ -77,7 +78,7 @@ def test_claim_times_out_with_a_description_and_abort_wakes_waiters():
     th = threading.Thread(target=waiter)
     th.start()
     q.abort(RuntimeError("core failed"))
-    th.join(timeout=10)
+    th.join(timeout=scaled(10))
     assert not th.is_alive() and len(raised) == 1 and "core failed" in str(raised[0])
     with pytest.raises(QueueAborted):
         q.put("x")
@@ -86,10 +87,10 @@ def test_claim_times_out_with_a_description_and_abort_wakes_waiters():
 def test_a_claim_blocks_until_a_producer_puts():
     q = MicroStepQueue(1)
     got = []
-    th = threading.Thread(target=lambda: got.append(q.claim("w", timeout=30)))
+    th = threading.Thread(target=lambda: got.append(q.claim("w", timeout=scaled(30))))
     th.start()
     q.put("late batch")
-    th.join(timeout=30)
+    th.join(timeout=scaled(30))
     assert got[0].batch == "late batch"
 
 
@@ -108,7 +109,7 @@ def test_concurrent_workers_complete_every_slot_exactly_once(n, workers, fail_ev
 
     def work(name, k):
         count = 0
-        while (c := q.claim(name, timeout=30)) is not None:
+        while (c := q.claim(name, timeout=scaled(30))) is not None:
             count += 1
             if fail_every and k == 0 and count % (fail_every + 1) == 0:
                 q.release(c)  # worker 0 gives some claims back
@@ -123,7 +124,7 @@ def test_concurrent_workers_complete_every_slot_exactly_once(n, workers, fail_ev
     for i in order:
         q.put(f"mb{i}", index=i)
     for th in threads:
-        th.join(timeout=60)
+        th.join(timeout=scaled(60))
     assert not any(th.is_alive() for th in threads)
     assert sorted(completed) == list(range(n))
     assert sum(q.completed_by.values()) == n and q.done

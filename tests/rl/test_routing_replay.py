@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from timelimits import scaled
 
 REPO = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -71,7 +72,7 @@ def test_the_serving_loop_reports_the_experts_the_model_routed_each_token_to() -
     try:
         result = loop.submit(
             GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(temperature=1.0, max_tokens=9, seed=3))
-        ).result(timeout=600)
+        ).result(timeout=scaled(600))
     finally:
         loop.stop()
     n, layers, k = len(result.token_ids), cfg.num_moe_layers, cfg.num_experts_per_tok

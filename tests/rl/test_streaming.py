@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from timelimits import scaled
 
 from gyre_jax.checkpoint import Checkpointer
 from gyre_jax.config import load_config
@@ -144,7 +145,7 @@ def stream_in_order(learner, state, mbs, order, satellites=(), **kw):
         try:
             for k, i in enumerate(order):
                 queue.put(mbs[i], index=i)
-                deadline = time.monotonic() + 120
+                deadline = time.monotonic() + scaled(120)
                 while queue.counts()["done"] < k + 1:
                     if time.monotonic() > deadline:
                         raise TimeoutError("the step did not compute a micro-step before all its data existed")
@@ -208,7 +209,7 @@ def gate_first_micro_step(worker, barrier):
     def gated(*args, **kw):
         calls.append(1)
         if len(calls) == 1:
-            barrier.wait(timeout=120)
+            barrier.wait(timeout=scaled(120))
         return original(*args, **kw)
 
     worker.micro_step = gated  # an instance attribute over the class method; ``undo`` removes it
@@ -259,7 +260,7 @@ def test_a_failing_satellite_gives_its_claim_back_and_the_core_finishes(base, da
 
     def snapshot_then_meet(p):
         out = orig_snapshot(p)
-        barrier.wait(timeout=120)  # the core holds slot 0; the satellite will claim slot 1 and fail on it
+        barrier.wait(timeout=scaled(120))  # the core holds slot 0; the satellite will claim slot 1 and fail on it
         return out
 
     satellite.snapshot = snapshot_then_meet

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from timelimits import scaled, slow_factor
 
 from gyre_jax.rollout.executor import ExecutionResult, ExecutionSpec, Executor
 from gyre_jax.rollout.tasks import ANSWER_FILE, INPUT_FILE, Task, evaluate
@@ -26,7 +27,7 @@ with open("seen.json", "w") as f:
     json.dump({"env": dict(os.environ), "cwd": os.getcwd(), "argv": sys.argv[1:]}, f)
 
 def sleeper():
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     with open("child.pid", "w") as f:
         f.write(str(child.pid))
 
@@ -38,11 +39,11 @@ elif mode == "crash":
 elif mode == "hang":
     open("answer.txt", "w").write(answer[:3])
     sleeper()
-    time.sleep(60)
+    time.sleep(3600)
 elif mode == "ignore_term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     open("answer.txt", "w").write(answer[:1])
-    time.sleep(60)
+    time.sleep(3600)
 elif mode == "leave_child":
     open("answer.txt", "w").write(answer)
     sleeper()
@@ -92,8 +93,8 @@ def make_task(mode: str, task_id: str = "t0", text: str = "qkzmt") -> Task:
 
 
 def make_executor(tmp_path: Path, registry: FakeRegistry, **kw) -> Executor:
-    args = dict(model_name="tiny", timeout_s=10.0, max_parallel=4, temperature=1.0, max_tokens=64,
-                harness_cmd=HARNESS_CMD, kill_grace_s=0.5, evaluator_timeout_s=5.0)  # fmt: skip
+    args = dict(model_name="tiny", timeout_s=scaled(10.0), max_parallel=4, temperature=1.0, max_tokens=64,
+                harness_cmd=HARNESS_CMD, kill_grace_s=0.5, evaluator_timeout_s=scaled(5.0))  # fmt: skip
     args.update(kw)
     return Executor(registry, BASE_URL, tmp_path / "runs", **args)
 
@@ -108,7 +109,7 @@ def alive(pid: int) -> bool:
 
 
 def wait_dead(pid: int, within_s: float = 2.0) -> bool:
-    deadline = time.monotonic() + within_s
+    deadline = time.monotonic() + scaled(within_s)
     while alive(pid):
         if time.monotonic() > deadline:
             return False
@@ -129,7 +130,7 @@ def test_finished_harness_is_scored_and_sees_only_its_key_and_workspace(tmp_path
         sandbox=result.sandbox,
     )  # fmt: skip
     assert result.sandbox["backend"] == "none" and result.sandbox["network"] == "host"  # recorded as not isolated
-    assert 0 < result.duration_s < 5
+    assert 0 < result.duration_s < scaled(5)
     seen = json.loads((exec_dir / "workspace" / "seen.json").read_text())
     assert seen["env"]["OPENAI_API_KEY"] == "key-e0" and seen["env"]["OPENAI_BASE_URL"] == BASE_URL
     assert "GYRE_TEST_SECRET" not in seen["env"]
@@ -164,25 +165,27 @@ def test_harness_that_cannot_start_is_crashed_and_evaluated(tmp_path):
 
 def test_timeout_kills_the_process_group_and_scores_the_partial_workspace(tmp_path):
     registry = FakeRegistry()
-    executor = make_executor(tmp_path, registry, timeout_s=1.0)
+    timeout_s = scaled(1.0)  # long enough for the harness to reach its hang (write, start its child) under load
+    executor = make_executor(tmp_path, registry, timeout_s=timeout_s)
     t0 = time.monotonic()
     [result] = executor.run([ExecutionSpec("e0", make_task("hang"), "t0", seed=0)])
-    assert time.monotonic() - t0 < 4.0
+    assert time.monotonic() - t0 < timeout_s + scaled(3.0)
     assert result.status == "timeout" and not result.excluded
     assert result.reward == pytest.approx(3 / 5)  # it had written "QKZ"
-    assert 1.0 <= result.duration_s < 3.0
+    assert timeout_s <= result.duration_s < timeout_s + scaled(2.0)
     child = int((Path(result.workspace) / "child.pid").read_text())
     assert wait_dead(child), "the harness's child survived the timeout"
-    assert "killed after timeout_s=1.0" in (tmp_path / "runs" / "e0" / "harness.stderr").read_text()
+    assert f"killed after timeout_s={timeout_s}" in (tmp_path / "runs" / "e0" / "harness.stderr").read_text()
     assert registry.events == [("open", "e0"), ("close", "e0")]
 
 
 def test_timeout_escalates_to_sigkill_when_sigterm_is_ignored(tmp_path):
-    executor = make_executor(tmp_path, FakeRegistry(), timeout_s=0.5, kill_grace_s=0.3)
+    timeout_s = scaled(0.5)  # the harness has set SIGTERM aside and written its answer by then, loaded or not
+    executor = make_executor(tmp_path, FakeRegistry(), timeout_s=timeout_s, kill_grace_s=0.3)
     [result] = executor.run([ExecutionSpec("e0", make_task("ignore_term"), "t0", seed=0)])
     assert (result.status, result.returncode) == ("timeout", -9)
     assert result.reward == pytest.approx(1 / 5)
-    assert result.duration_s < 3.0
+    assert result.duration_s < timeout_s + 0.3 + scaled(2.2)
 
 
 def test_children_left_after_a_normal_exit_are_killed(tmp_path):
@@ -217,7 +220,7 @@ def test_evaluator_that_hangs_is_excluded_after_its_timeout(tmp_path):
         [result] = executor.run([ExecutionSpec("e0", make_task("ok"), "t0", seed=0)])
     finally:
         release.set()
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < scaled(3.0)
     assert (result.reward, result.excluded) == (None, True)
     assert result.exclusion_reason == "evaluator exceeded evaluator_timeout_s=0.5"
 
@@ -246,7 +249,8 @@ def test_missing_workspace_makes_the_default_evaluator_exclude(tmp_path):
 def test_results_keep_spec_order_and_parallelism_is_bounded(tmp_path):
     registry = FakeRegistry()
     executor = make_executor(tmp_path, registry, max_parallel=3)
-    sleeps = [0.8, 0.6, 0.4, 0.3, 0.2, 0.1]
+    f = slow_factor()  # sleeps far apart next to the harnesses' start-up times, loaded or not: finishing out of order
+    sleeps = [round(s * f, 2) for s in (0.8, 0.6, 0.4, 0.3, 0.2, 0.1)]
     specs = [
         ExecutionSpec(f"e{i}", make_task(f"sleep{s}", task_id=f"t{i // 2}"), f"t{i // 2}", seed=i)
         for i, s in enumerate(sleeps)
@@ -265,13 +269,24 @@ def test_results_keep_spec_order_and_parallelism_is_bounded(tmp_path):
 
 def test_cancel_kills_running_harnesses_and_returns_promptly(tmp_path):
     registry = FakeRegistry()
-    executor = make_executor(tmp_path, registry, timeout_s=30.0, max_parallel=2)
+    executor = make_executor(tmp_path, registry, timeout_s=scaled(30.0), max_parallel=2)
     specs = [ExecutionSpec(f"e{i}", make_task("hang"), "t0", seed=i) for i in range(4)]
-    timer = threading.Timer(0.8, executor.cancel)
-    timer.start()
-    t0 = time.monotonic()
+    cancelled_at = []
+
+    def cancel_once_both_hang() -> None:  # an event, not a delay: both harnesses have started their children
+        pids = [tmp_path / "runs" / f"e{i}" / "workspace" / "child.pid" for i in (0, 1)]
+        deadline = time.monotonic() + scaled(20)
+        while not all(p.is_file() and p.read_text() for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        cancelled_at.append(time.monotonic())
+        executor.cancel()
+
+    canceller = threading.Thread(target=cancel_once_both_hang)
+    canceller.start()
     results = executor.run(specs)
-    assert time.monotonic() - t0 < 4.0
+    returned_at = time.monotonic()
+    canceller.join()
+    assert returned_at - cancelled_at[0] < scaled(3.2)
     assert all(
         (r.status, r.excluded, r.reward, r.exclusion_reason) == ("crashed", True, None, "cancelled") for r in results
     )
@@ -363,14 +378,14 @@ def test_command_evaluator_scores_or_excludes_and_failures_are_counted(tmp_path)
     script = ("import sys, pathlib; a = pathlib.Path('answer.txt'); mode = sys.argv[1]\n"
               "if mode == 'score': print('checking'); print(1.0 if a.read_text() == sys.argv[2] else 0.25)\n"
               "elif mode == 'crash': sys.exit('boom')\n"
-              "elif mode == 'hang': import time; time.sleep(60)\n"
+              "elif mode == 'hang': import time; time.sleep(3600)\n"
               "elif mode == 'words': print('pass')\n"
               "else: print(mode)\n")  # fmt: skip
     registry = FakeRegistry()
     results = {}
     for mode in ["score", "crash", "hang", "words", "7", "nan-text"]:
         executor = make_executor(tmp_path, registry, evaluator=[sys.executable, "-c", script, mode, "{task.expected}"],
-                                 evaluator_timeout_s=1.5)  # fmt: skip
+                                 evaluator_timeout_s=scaled(1.5))  # fmt: skip
         [results[mode]] = executor.run([ExecutionSpec(f"e-{mode}", make_task("ok"), "t0", seed=0)])
     assert results["score"].reward == 0.25  # argv got the expected mapping as JSON, not the answer text
     assert results["words"].reward == 1.0
@@ -390,10 +405,10 @@ def test_command_evaluator_kills_its_process_group_on_timeout(tmp_path):
     workspace = tmp_path / "ws"
     workspace.mkdir()
     script = ("import subprocess, sys, time\n"
-              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-              "open('child.pid', 'w').write(str(c.pid)); time.sleep(60)\n")  # fmt: skip
-    with pytest.raises(TimeoutError, match="exceeded"):
-        CommandEvaluator([sys.executable, "-c", script], timeout_s=1.0)(make_task("ok"), workspace)
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3600)'])\n"
+              "open('child.pid', 'w').write(str(c.pid)); time.sleep(3600)\n")  # fmt: skip
+    with pytest.raises(TimeoutError, match="exceeded"):  # the limit leaves time to write child.pid, loaded or not
+        CommandEvaluator([sys.executable, "-c", script], timeout_s=scaled(1.0))(make_task("ok"), workspace)
     assert wait_dead(int((workspace / "child.pid").read_text()))
     with pytest.raises(FileNotFoundError):
         CommandEvaluator(["true"])(make_task("ok"), tmp_path / "missing")

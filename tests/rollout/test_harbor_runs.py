@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 from gyre_jax.rollout.check_suite import KeysOnly
 from gyre_jax.rollout.executor import ExecutionSpec, Executor
@@ -34,9 +35,9 @@ def run(tmp_path: Path, task, cmd: list[str], env: dict[str, str] | None = None,
     root = tmp_path / "run"
     sandbox = make_sandbox("bwrap", proxy_address=None, hide=[root, suite_root or Path(task.source).parent],
                            state_dir=tmp_path / "state")  # fmt: skip
-    executor = Executor(KeysOnly(), "http://127.0.0.1:9/v1", root / "executions", model_name="m", timeout_s=30,
+    executor = Executor(KeysOnly(), "http://127.0.0.1:9/v1", root / "executions", model_name="m", timeout_s=scaled(30),
                         max_parallel=1, temperature=1.0, max_tokens=8, harness_cmd=cmd, extra_env=env or {},
-                        sandbox=sandbox, network="none", evaluator_timeout_s=20)  # fmt: skip
+                        sandbox=sandbox, network="none", evaluator_timeout_s=scaled(20))  # fmt: skip
     try:
         [result] = executor.run([ExecutionSpec("e0", task, task.task_id, seed=0)])
     finally:
@@ -93,12 +94,15 @@ def test_the_harness_sees_neither_tests_nor_solution_and_the_verifier_none_of_it
     ],
 )
 def test_a_failing_verifier_excludes_the_execution_with_its_kind(tmp_path, script, kind, reason):
+    limit = float(round(scaled(1.0)))  # the verifier's limit: only the hanging script reaches it, loaded or not
+    script = script.replace("sleep 30;", "sleep 3600;")  # ... and that one outlives it however far it is scaled
+    reason = reason.replace("exceeded 1.0 s", f"exceeded {limit} s")
     task_dir = write_upstream_task(tmp_path / "suite")
     (task_dir / "tests" / "test.sh").write_text(f"#!/bin/bash\n{script}\n")
-    toml = (
-        (task_dir / "task.toml").read_text().replace("[verifier]\ntimeout_sec = 30.0", "[verifier]\ntimeout_sec = 1.0")
+    toml = (task_dir / "task.toml").read_text()
+    (task_dir / "task.toml").write_text(
+        toml.replace("[verifier]\ntimeout_sec = 30.0", f"[verifier]\ntimeout_sec = {limit}")
     )
-    (task_dir / "task.toml").write_text(toml)
     result, _ = run(tmp_path / "r", load_harbor_task(task_dir), ["true"])
     assert result.excluded and result.reward is None and result.exclusion_kind == kind, result
     assert reason in result.exclusion_reason
@@ -113,7 +117,7 @@ def test_reward_json_is_read(tmp_path):
 
 def check_suite(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gyre_jax.rollout.check_suite", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+                          capture_output=True, text=True, timeout=scaled(900))  # fmt: skip
 
 
 def test_check_suite_fails_a_wrong_oracle_and_a_solved_start(tmp_path):
@@ -164,7 +168,7 @@ for pid in os.listdir("/proc"):
         except OSError:
             pass
 out["keys_seen"] = sorted({k for e in environs for k in e.split("\0") if k.startswith("OPENAI_API_KEY=")})
-out["proxy"] = urllib.request.urlopen(os.environ["OPENAI_BASE_URL"] + "/models", timeout=5).read().decode()
+out["proxy"] = urllib.request.urlopen(os.environ["OPENAI_BASE_URL"] + "/models", timeout=60).read().decode()
 def reach(port):
     try:
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
@@ -172,13 +176,16 @@ def reach(port):
     except OSError:
         return False
 out["other_port"] = reach(int(sys.argv[3]))
-subprocess.Popen(["setsid", "bash", "-c", "(exec -a gyre-daemon-" + out["key"] + " sleep 1000 &)"])
-time.sleep(0.5)
-out["daemon_started"] = any(
-    b"gyre-daemon-" in open(f"/proc/{p}/cmdline", "rb").read() for p in os.listdir("/proc") if p.isdigit()
-)
+subprocess.Popen(["setsid", "bash", "-c", "(exec -a gyre-daemon-" + out["key"] + " sleep 3600 &)"])
+for _ in range(600):  # until the daemon shows (an event, not a fixed delay), for at most a minute
+    out["daemon_started"] = any(
+        b"gyre-daemon-" in open(f"/proc/{p}/cmdline", "rb").read() for p in os.listdir("/proc") if p.isdigit()
+    )
+    if out["daemon_started"]:
+        break
+    time.sleep(0.1)
 json.dump(out, open("isolation.json", "w"))
-time.sleep(60)
+time.sleep(3600)
 """
 
 
@@ -219,7 +226,7 @@ def test_concurrent_executions_are_isolated_and_a_timeout_leaves_nothing(tmp_pat
     sandbox = make_sandbox("bwrap", proxy_address=proxy.server_address, hide=[root], state_dir=tmp_path / "state")
     cmd = [sys.executable, "-c", ISOLATION_HARNESS, "{task.instruction}", str(root / "records"),
            str(other.server_address[1])]  # fmt: skip
-    executor = Executor(Keys(), base_url, root / "executions", model_name="m", timeout_s=8, max_parallel=2,
+    executor = Executor(Keys(), base_url, root / "executions", model_name="m", timeout_s=scaled(8), max_parallel=2,
                         temperature=1.0, max_tokens=8, harness_cmd=cmd, sandbox=sandbox, kill_grace_s=0.5)  # fmt: skip
     tasks = [replace_instruction(str(root / "executions" / other_id / "workspace")) for other_id in ("e1", "e0")]
     try:
@@ -236,8 +243,11 @@ def test_concurrent_executions_are_isolated_and_a_timeout_leaves_nothing(tmp_pat
         assert seen["keys_seen"] == [f"OPENAI_API_KEY=key-e{i}"], seen  # its own process only
         assert json.loads(seen["proxy"]) == {"data": [{"id": "m"}]} and seen["other_port"] is False
         assert seen["daemon_started"] is True
-    time.sleep(0.5)
-    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and b"gyre-daemon-key-e" in _cmdline(p)]
+    deadline = time.monotonic() + scaled(5)  # killed at once; gone from /proc once reaped
+    while left := [p for p in Path("/proc").iterdir() if p.name.isdigit() and b"gyre-daemon-key-e" in _cmdline(p)]:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert not left, "a daemon of a timed-out harness survived"
 
 

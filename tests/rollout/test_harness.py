@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from timelimits import scaled
 
 from gyre_jax.rollout.executor import ExecutionSpec, Executor
 from gyre_jax.rollout.harness import resolve_in_workspace, tool_latency
@@ -73,7 +74,7 @@ class ScriptedOpenAI:
 
     def start(self) -> None:
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("scripted server did not start")
@@ -83,7 +84,7 @@ class ScriptedOpenAI:
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=5)
+        self.thread.join(timeout=scaled(5))
 
     def say(self, *messages: dict[str, Any]) -> None:
         self.script += [(200, completion(m)) for m in messages]
@@ -125,7 +126,7 @@ def run_harness(task_path: Path, workspace: Path, base_url: str, *extra: str) ->
     }
     cmd = [sys.executable, "-m", "gyre_jax.rollout.harness", "--task", str(task_path), "--model", "tiny",
            "--temperature", "0.7", "--max-tokens", "50", "--seed", "1", *extra]  # fmt: skip
-    return subprocess.run(cmd, cwd=workspace, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(cmd, cwd=workspace, env=env, capture_output=True, text=True, timeout=scaled(60))
 
 
 def test_harness_solves_a_task_and_sends_the_demonstration_conversation(server, tmp_path):
@@ -228,7 +229,7 @@ def test_harness_sleeps_the_tool_latency_between_calls(server, tmp_path):
     proc = run_harness(task_path, workspace, server.base_url)
     assert proc.returncode == 0, proc.stderr
     gap = server.requests[1]["t"] - server.requests[0]["t"]
-    assert 0.5 <= gap < 5.0
+    assert 0.5 <= gap < 0.5 + scaled(4.5)
 
 
 def test_tool_latency_is_lognormal_and_seeded():
@@ -272,7 +273,7 @@ def test_reference_harness_under_the_executor(server, tmp_path):
         server.base_url,
         tmp_path / "runs",
         "tiny",
-        timeout_s=60,
+        timeout_s=scaled(60),
         max_parallel=1,
         temperature=1.0,
         max_tokens=96,
@@ -295,7 +296,7 @@ def test_harness_names_each_failure_as_the_openai_sdk_does(server, tmp_path):
     assert proc.returncode == 1 and "APIResponseValidationError" in proc.stderr
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO_ROOT), "OPENAI_BASE_URL": server.base_url}
     cmd = [sys.executable, "-m", "gyre_jax.rollout.harness", "--task", str(task_path), "--model", "tiny"]
-    proc = subprocess.run(cmd, cwd=workspace, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, cwd=workspace, env=env, capture_output=True, text=True, timeout=scaled(60))
     assert proc.returncode == 2 and "OPENAI_API_KEY" in proc.stderr
     assert len(server.requests) == 2
 

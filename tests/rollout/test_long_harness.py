@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 from gyre_jax.model.tokenizer import ByteTokenizer
 from gyre_jax.proxy.records import RecordStore
@@ -89,7 +90,7 @@ def test_long_harness_compacts_spawns_subagents_and_reuses_prefixes(tmp_path):
             env = {**os.environ, "OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": key}
             cmd = [sys.executable, "-m", "gyre_jax.rollout.long_harness", "--task", str(tmp_path / "task.json"),
                    "--model", "gyre-tiny", "--max-tokens", "48"]  # fmt: skip
-            done = subprocess.run(cmd, cwd=workspace, env=env, capture_output=True, text=True, timeout=300)
+            done = subprocess.run(cmd, cwd=workspace, env=env, capture_output=True, text=True, timeout=scaled(300))
             server.close_execution("x0")
     finally:
         backend.shutdown()

@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 from gyre_jax.rollout.process_group import ProcessGroups
 from gyre_jax.rollout.sandbox import SANDBOXES, Launch, Limits, Mount, SandboxUnavailable, make_sandbox
@@ -67,7 +68,7 @@ def run(sandbox, spec: Launch, timeout: float = 30.0) -> subprocess.CompletedPro
     prepared = sandbox.prepare(spec)
     try:
         return subprocess.run(prepared.argv, env=prepared.env, cwd=prepared.cwd, capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+                              timeout=scaled(timeout), stdin=subprocess.DEVNULL)  # fmt: skip
     finally:
         prepared.cleanup()
 
@@ -117,7 +118,7 @@ def test_two_executions_see_only_their_own_workspace(run_dir):
                                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
         seen = {}
         for me, (prepared, proc) in procs.items():
-            out, err = proc.communicate(timeout=30)
+            out, err = proc.communicate(timeout=scaled(30))
             prepared.cleanup()
             assert proc.returncode == 0, err
             seen[me] = json.loads(out)
@@ -204,7 +205,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(b"6\r\nfirst\n\r\n")
             self.wfile.flush()
-            last = b"after-ack\n" if type(self).acked.wait(10) else b"no-ack-in-10s\n"
+            last = b"after-ack\n" if type(self).acked.wait(scaled(10)) else b"no-ack-in-10s\n"
             self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(last), last))
         else:
             self._send(
@@ -228,24 +229,24 @@ def servers():
 
 CLIENT = r"""
 import http.client, json, socket, sys, threading
-port, other = int(sys.argv[1]), int(sys.argv[2])
+port, other, limit = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])  # limit: a hang guard, scaled
 out = {"get": [None] * 8}
 def get(i):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=limit)
     conn.request("GET", f"/get/{i}")
     out["get"][i] = conn.getresponse().read().decode()
 threads = [threading.Thread(target=get, args=(i,)) for i in range(8)]
 for t in threads: t.start()
 for t in threads: t.join()
-conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+conn = http.client.HTTPConnection("127.0.0.1", port, timeout=limit)
 conn.request("GET", "/stream")
 resp = conn.getresponse()
 out["chunked"] = resp.getheader("Transfer-Encoding")
 first = resp.readline().decode()
-ack = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+ack = http.client.HTTPConnection("127.0.0.1", port, timeout=limit)
 ack.request("GET", "/ack"); ack.getresponse().read()
 out["stream"] = first + resp.read().decode()
-raw = socket.create_connection(("127.0.0.1", port), timeout=20)  # request, half-close, read to EOF
+raw = socket.create_connection(("127.0.0.1", port), timeout=limit)  # request, half-close, read to EOF
 raw.sendall(b"GET /half HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
 raw.shutdown(socket.SHUT_WR)
 data = b""
@@ -253,7 +254,7 @@ while chunk := raw.recv(4096): data += chunk
 out["half"] = data.decode().split("\r\n\r\n", 1)[1]
 for name, p in (("other", other), ("proxy_again", port)):
     try:
-        socket.create_connection(("127.0.0.1", p), timeout=5).close(); out[name] = "connected"
+        socket.create_connection(("127.0.0.1", p), timeout=limit).close(); out[name] = "connected"
     except OSError as exc:
         out[name] = type(exc).__name__
 print(json.dumps(out))
@@ -265,7 +266,7 @@ def test_proxy_network_reaches_only_the_proxy_and_none_reaches_nothing(run_dir, 
     sandbox = make(run_dir, ("127.0.0.1", port))
     ws = run_dir / "A" / "workspace"
     try:
-        done = run(sandbox, launch(ws, [PY, "-c", CLIENT, str(port), str(other)], network="proxy"))
+        done = run(sandbox, launch(ws, [PY, "-c", CLIENT, str(port), str(other), str(scaled(20))], network="proxy"))
         assert done.returncode == 0, done.stderr
         out = json.loads(done.stdout)
         assert out["get"] == [f"{port} /get/{i}" for i in range(8)]  # concurrent requests, each its own answer
@@ -339,11 +340,11 @@ def test_openai_sdk_streams_through_the_bridge(run_dir):
 DAEMON = r"""
 set -e
 setsid bash -c '(exec -a "$0-daemon" sleep 1000 &) ; exit 0' "$MARKER" &
-for i in $(seq 100); do
+for i in $(seq 2000); do
   if pgrep -f -- "$MARKER-daemon" > /dev/null; then echo up > daemon.txt; break; fi
   sleep 0.05
 done
-sleep 60
+sleep 3600
 """
 
 
@@ -361,14 +362,18 @@ def _marked(marker: str) -> list[int]:
 def _run_daemon_harness(sandbox, workspace: Path, marker: str, log_dir: Path) -> str:
     prepared = sandbox.prepare(launch(workspace, ["bash", "-c", DAEMON], env={**BASE_ENV, "MARKER": marker}))
     try:
-        status, *_ = ProcessGroups(kill_grace_s=0.5).run("e", prepared.argv, prepared.cwd, prepared.env, log_dir, 3.0)
+        # the timeout under test; scaled, so the daemon is up (daemon.txt) before it hits, loaded or not
+        timeout_s = scaled(3.0)
+        status, *_ = ProcessGroups(kill_grace_s=0.5).run(
+            "e", prepared.argv, prepared.cwd, prepared.env, log_dir, timeout_s
+        )
     finally:
         prepared.cleanup()
     return status
 
 
 def _gone(marker: str, within_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + within_s
+    deadline = time.monotonic() + scaled(within_s)
     while _marked(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     return not _marked(marker)
@@ -429,7 +434,7 @@ def test_memory_and_cpu_limits_through_a_cgroup(run_dir):
         assert applied["not_applied"] == [] and applied["limits"] in ("cgroup-v1", "cgroup-v2")
         cgroups = [Path(p) for p in applied["cgroups"]]
         big = subprocess.run(
-            prepared.argv, env=prepared.env, cwd=prepared.cwd, capture_output=True, text=True, timeout=60
+            prepared.argv, env=prepared.env, cwd=prepared.cwd, capture_output=True, text=True, timeout=scaled(60)
         )
         assert big.returncode != 0 and "survived" not in big.stdout  # 2x the limit: killed
         if applied["limits"] == "cgroup-v1":
@@ -478,10 +483,10 @@ def test_forwarder_exits_with_its_childs_status(tmp_path):
     sock = tmp_path / "s.sock"
     sock.touch()  # forward.py only checks that the socket exists before it starts the command
     base = [PY, "-I", "-S", str(FORWARD_SCRIPT), "--port", "0", "--socket", str(sock), "--"]
-    assert subprocess.run([*base, "sh", "-c", "exit 7"], timeout=30).returncode == 7
-    assert subprocess.run([*base, "sh", "-c", "kill -TERM $$"], timeout=30).returncode == -signal.SIGTERM
+    assert subprocess.run([*base, "sh", "-c", "exit 7"], timeout=scaled(30)).returncode == 7
+    assert subprocess.run([*base, "sh", "-c", "kill -TERM $$"], timeout=scaled(30)).returncode == -signal.SIGTERM
     nope = [PY, "-I", "-S", str(FORWARD_SCRIPT), "--port", "0", "--socket", str(tmp_path / "nope"), "--", "true"]
-    missing = subprocess.run(nope, capture_output=True, text=True, timeout=30)
+    missing = subprocess.run(nope, capture_output=True, text=True, timeout=scaled(30))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
 
@@ -509,7 +514,7 @@ def test_real_docker_cli_without_a_daemon_is_refused(tmp_path):
     docker = shutil.which("docker")
     if docker is None:
         pytest.skip("no docker CLI on this machine")
-    if subprocess.run([docker, "info"], capture_output=True, timeout=30).returncode == 0:
+    if subprocess.run([docker, "info"], capture_output=True, timeout=scaled(30)).returncode == 0:
         pytest.skip("a Docker daemon is running here; the refusal cannot be seen")
     with pytest.raises(
         SandboxUnavailable, match=r"needs a running Docker daemon: `docker info` failed: .+; start dockerd"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from timelimits import scaled
 
 from gyre_jax.rollout.suites import load_tasks
 
@@ -35,7 +36,7 @@ def test_every_oracle_scores_1_and_every_start_0(tmp_path):
     assert len(tasks) == 39
     done = subprocess.run([sys.executable, "-m", "gyre_jax.rollout.check_suite", "suites/smol", "--sandbox", "bwrap",
                            "--max-start", "0.01", "--json", str(tmp_path / "rows.json")], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+                          capture_output=True, text=True, timeout=scaled(900))  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
     assert len(rows) == 39 and all(r["oracle"] == 1.0 and r["start"] == 0.0 for r in rows)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 from gyre_jax.rollout.check_suite import KeysOnly
 from gyre_jax.rollout.evaluators import CommandEvaluator, EvaluatorUnavailable
@@ -36,9 +37,9 @@ SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's: no pytest in it (checked where u
 def run(tmp_path: Path, task, cmd: list[str], sandbox: str = "none", **kwargs):
     root = tmp_path / "run"
     box = make_sandbox(sandbox, proxy_address=None, hide=[root, Path(task.source).parent], state_dir=tmp_path / "st")
-    executor = Executor(KeysOnly(), "http://127.0.0.1:9/v1", root / "executions", model_name="m", timeout_s=30,
+    executor = Executor(KeysOnly(), "http://127.0.0.1:9/v1", root / "executions", model_name="m", timeout_s=scaled(30),
                         max_parallel=1, temperature=1.0, max_tokens=8, harness_cmd=cmd, sandbox=box, network="none",
-                        evaluator_timeout_s=30, **kwargs)  # fmt: skip
+                        evaluator_timeout_s=scaled(30), **kwargs)  # fmt: skip
     try:
         [result] = executor.run([ExecutionSpec("e0", task, task.task_id, seed=0)])
     finally:
@@ -91,7 +92,7 @@ def test_check_suite_refuses_at_start_naming_what_to_install(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("error: the verifier of task hello-world needs the Python module 'gyre_no_such_mod'")
     assert "pip install gyre-no-such" in done.stderr and done.stdout == ""
-    assert time.monotonic() - t0 < 120  # refused before any execution ran
+    assert time.monotonic() - t0 < scaled(120)  # refused before any execution ran
 
 
 @pytest.mark.parametrize("sandbox", SANDBOXES)
@@ -225,10 +226,10 @@ def test_strays_that_cleared_their_environment_are_killed(tmp_path):
               "if os.fork() == 0:\n"
               "    os.setsid()\n"
               "    if os.fork() == 0:\n"
-              "        os.execve(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)'], {})\n"
+              "        os.execve(sys.executable, [sys.executable, '-c', 'import time; time.sleep(3600)'], {})\n"
               "    os._exit(0)\n")  # fmt: skip
     subprocess.run([sys.executable, "-c", script], env={**os.environ, "GYRE_EXECUTION_MARK": "x"}, check=True)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while not (killed := kill_strays()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(killed) == 1

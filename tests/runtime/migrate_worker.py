@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "serving"))
 sys.path.insert(0, str(REPO / "tests"))
+from timelimits import scaled  # noqa: E402  (tests/timelimits.py, on the path above)
 
 STEP_S = 0.03  # per decode step: 40 tokens take > 1 s, so a move after 3 steps lands mid-generation
 MAX_TOKENS = 40
@@ -112,7 +113,9 @@ def main() -> int:
         return [GenerationRequest(p, s, session_id=f"{tag}-{i}") for i, (p, s) in enumerate(zip(prompts, kinds))]
 
     def tokens(futures):
-        return [(r.token_ids, r.cell, r.finish_reason, r.logprobs) for r in (f.result(timeout=120) for f in futures)]
+        return [
+            (r.token_ids, r.cell, r.finish_reason, r.logprobs) for r in (f.result(timeout=scaled(120)) for f in futures)
+        ]
 
     def decoding(cell, submit):
         """Submits, then returns once the cell's loop has run 3 decode steps with all 3 requests in the batch
@@ -120,10 +123,11 @@ def main() -> int:
         loaded the machine is (a fixed sleep did not, under CI load: 2 of 3 had generated nothing yet)."""
         before = len(cell.stats().step_log)
         futures = submit()
-        deadline = time.time() + 120
+        limit = scaled(120)
+        deadline = time.time() + limit
         while sum(1 for jobs, *_ in cell.stats().step_log[before:] if jobs >= 3) < 3:
             if time.time() > deadline:
-                raise SystemExit(f"{cell.name}: 3 requests were not decoding together within 120 s")
+                raise SystemExit(f"{cell.name}: 3 requests were not decoding together within {limit:.0f} s")
             time.sleep(0.01)
         return futures
 
@@ -147,13 +151,13 @@ def main() -> int:
     result["moved_0_to_1"] = tokens(futures)
     result["cancelled"] = tokens([fc])[0][2:3]
     # an idle session's cached KV moves too: its next call on process 1 reuses it
-    first = a.submit(GenerationRequest(prompts[1], kinds[0], session_id="warm")).result(timeout=120)
+    first = a.submit(GenerationRequest(prompts[1], kinds[0], session_id="warm")).result(timeout=scaled(120))
     a.move_sessions_to(b)
     follow = b.submit(
         GenerationRequest(
             prompts[1] + first.token_ids + [5, 6], SamplingParams(temperature=0.0, max_tokens=4), session_id="warm"
         )
-    ).result(timeout=120)
+    ).result(timeout=scaled(120))
     result["warm_cached_tokens"] = follow.cached_tokens
     result["warm_prompt_len"] = len(prompts[1]) + len(first.token_ids) + 2
     a.close()

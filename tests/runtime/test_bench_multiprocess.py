@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from timelimits import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks" / "bench_multiprocess.py"
@@ -43,13 +44,14 @@ def _tiny_param_bytes() -> int:
 def test_smoke_run_writes_consistent_results(tmp_path):
     out = tmp_path / "multiprocess.json"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    limit = scaled(150)  # the benchmark's own bound on its 2 processes (a hang guard)
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", "--out", str(out), "--timeout", "150"],
+        [sys.executable, str(BENCH), "--smoke", "--out", str(out), "--timeout", f"{limit:.0f}"],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
-        timeout=200,
+        timeout=limit + scaled(50),
         check=False,
     )
     assert proc.returncode == 0, (

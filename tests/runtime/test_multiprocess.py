@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from timelimits import scaled
 
 from gyre_jax import runtime
 
@@ -28,8 +29,8 @@ import worker  # noqa: E402  (the worker's reference functions)
 
 pytestmark = pytest.mark.slow  # every test runs 2 processes
 
-RUN_TIMEOUT_S = 150  # a whole 2-process run, start-up and compiles included (2 busy cores)
-FAIL_FAST_BOUND_S = 60  # a survivor must be gone this soon after its peer is killed
+RUN_TIMEOUT_S = 150  # a whole 2-process run, start-up and compiles included (2 busy cores), scaled at each use
+FAIL_FAST_BOUND_S = 60  # a survivor must be gone this soon after its peer is killed (idle machine), scaled at each use
 
 
 def free_port() -> int:
@@ -78,7 +79,7 @@ def start_pair(scenario: str, out: Path) -> list[subprocess.Popen]:
 
 
 def wait_pair(scenario: str, procs: list[subprocess.Popen]) -> None:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
+    deadline = time.monotonic() + scaled(RUN_TIMEOUT_S)
     results = [finish(p, max(1.0, deadline - time.monotonic())) for p in procs]
     for pid, (rc, err) in enumerate(results):
         assert rc == 0, f"{scenario} process {pid} exited {rc}:\n{err[-4000:]}"
@@ -246,7 +247,7 @@ def test_checkpoint_saved_by_2_processes_restores_in_1_process(main_run, referen
 
 # -- failure: a dead or failing process stops the others quickly, with a clear message -----------------
 def _wait_ready(out: Path, procs, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while not all((out / f"ready_{pid}").exists() for pid in (0, 1)):
         for pid, p in enumerate(procs):
             if p.poll() is not None:
@@ -262,16 +263,18 @@ def _wait_ready(out: Path, procs, timeout: float) -> None:
 def test_killing_a_process_makes_the_other_exit_fast_with_a_clear_message(tmp_path, victim):
     """The survivor is blocked (process 0 in a sync, process 1 waiting for a decision) when its peer dies."""
     port = free_port()
-    procs = [start("wait", pid, port, tmp_path, heartbeat=5.0) for pid in (0, 1)]
+    heartbeat_s = round(scaled(5.0))  # never so short that a live but starved peer is declared dead
+    procs = [start("wait", pid, port, tmp_path, heartbeat=heartbeat_s) for pid in (0, 1)]
     _wait_ready(tmp_path, procs, RUN_TIMEOUT_S)
     time.sleep(0.5)  # both are now blocked
     os.killpg(procs[victim].pid, signal.SIGKILL)
     killed_at = time.monotonic()
     survivor = 1 - victim
-    rc, err = finish(procs[survivor], FAIL_FAST_BOUND_S + 30)
+    bound = heartbeat_s + scaled(FAIL_FAST_BOUND_S - 5)
+    rc, err = finish(procs[survivor], bound + 30)
     elapsed = time.monotonic() - killed_at
-    finish(procs[victim], 10)
-    assert elapsed < FAIL_FAST_BOUND_S, f"survivor took {elapsed:.1f} s to exit"
+    finish(procs[victim], scaled(10))
+    assert elapsed < bound, f"survivor took {elapsed:.1f} s to exit (bound {bound:.0f} s, heartbeat {heartbeat_s} s)"
     assert rc != 0
     if victim == 1:  # the coordinator survives: our watchdog reports the silent peer
         assert rc == runtime.PEER_LOST_EXIT_CODE, err[-3000:]
@@ -287,13 +290,15 @@ def test_killing_a_process_makes_the_other_exit_fast_with_a_clear_message(tmp_pa
 def test_an_exception_in_one_process_stops_the_other_with_its_message(tmp_path):
     """Without the watchdog, process 0 would wait in its collective and exit only at JAX's shutdown timeout."""
     port = free_port()
-    procs = [start("raise", pid, port, tmp_path, heartbeat=60.0) for pid in (0, 1)]
+    bound = scaled(FAIL_FAST_BOUND_S)
+    heartbeat_s = 2 * bound  # a heartbeat would find the failure only after the bound
+    procs = [start("raise", pid, port, tmp_path, heartbeat=heartbeat_s) for pid in (0, 1)]
     _wait_ready(tmp_path, procs, RUN_TIMEOUT_S)
     started = time.monotonic()
-    rc1, err1 = finish(procs[1], FAIL_FAST_BOUND_S)
-    rc0, err0 = finish(procs[0], FAIL_FAST_BOUND_S)
+    rc1, err1 = finish(procs[1], bound)
+    rc0, err0 = finish(procs[0], bound)
     elapsed = time.monotonic() - started
-    assert elapsed < FAIL_FAST_BOUND_S, f"{elapsed:.1f} s"  # the failure is published, not found by a 60 s heartbeat
+    assert elapsed < bound, f"{elapsed:.1f} s"  # the failure is published, not found by the (longer) heartbeat
     assert rc1 == runtime.FAILED_EXIT_CODE and "RuntimeError: injected failure in process 1" in err1
     assert "error: process 1: uncaught RuntimeError: injected failure in process 1" in err1
     assert rc0 == runtime.PEER_LOST_EXIT_CODE, err0[-3000:]

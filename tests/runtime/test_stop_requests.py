@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from timelimits import scaled
 
 from gyre_jax import run as run_mod
 from gyre_jax.run import RunStop
@@ -59,7 +60,7 @@ def test_harnesses_are_killed_as_soon_as_the_run_stops_and_not_when_it_ends_norm
     with stop.cancelling(cancelled.set):
         assert not cancelled.wait(0.2)  # nothing asked to stop: nothing killed
         stop.follower_asks()
-        assert cancelled.wait(10)  # within the block, from the watcher: not only when the block exits
+        assert cancelled.wait(scaled(10))  # within the block, from the watcher: not only when the block exits
     quiet = RunStop()
     calls = []
     with quiet.cancelling(lambda: calls.append(1)):

@@ -34,6 +34,7 @@ def make_config(nproc: int = 1, pid: int = 0, port: int = 0, heartbeat_s: float 
 
     sys.path.insert(0, str(REPO / "tests"))
     from layouts import EIGHT_DEVICES
+    from timelimits import scaled
 
     config = config_lib.load_config(["--config", str(REPO / "configs" / "tiny_cpu.py"), *EIGHT_DEVICES])
     d = config_lib.DistributedSection(
@@ -41,9 +42,9 @@ def make_config(nproc: int = 1, pid: int = 0, port: int = 0, heartbeat_s: float 
         coordinator_address=f"127.0.0.1:{port}" if nproc > 1 else "",
         num_processes=nproc if nproc > 1 else 0,
         process_id=pid if nproc > 1 else -1,
-        initialization_timeout_s=60.0,
+        initialization_timeout_s=scaled(60.0),
         heartbeat_timeout_s=heartbeat_s,
-        shutdown_timeout_s=30.0,
+        shutdown_timeout_s=scaled(30.0),
     )
     return dataclasses.replace(config, distributed=d)  # validated as it is built
 
@@ -176,7 +177,10 @@ def scenario_main(args, info, config, out: dict) -> None:
     # Syncs: matching names pass; different names fail on every process with both names in the message.
     runtime.sync("after-decisions")
     try:
-        runtime.sync(f"branch-{info.process_id}", timeout_s=3)
+        # the other process must have reached its own (mismatched) sync before this one gives up, loaded or not
+        from timelimits import scaled
+
+        runtime.sync(f"branch-{info.process_id}", timeout_s=scaled(3))
         out["sync_mismatch"] = "no error"
     except runtime.DistributedError as exc:
         out["sync_mismatch"] = str(exc)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -25,7 +26,7 @@ def test_serving_benchmark_smoke_run_writes_its_report(tmp_path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=scaled(600),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from timelimits import scaled, slow_factor
 
 from gyre_jax.serving.loop import ServingLoop
 from gyre_jax.serving.types import ContextTooLongError, GenerationRequest, SamplingParams
@@ -47,7 +48,7 @@ def greedy(max_tokens: int, stop_ids: tuple[int, ...] = ()) -> SamplingParams:
 
 
 def _wait_until(cond, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.001)
@@ -69,7 +70,7 @@ def test_concurrent_submits_complete_with_the_greedy_tokens(loop, model_params, 
     for t in threads:
         t.join()
     for req in requests:
-        result = futures[req.request_id].result(timeout=TIMEOUT)
+        result = futures[req.request_id].result(timeout=scaled(TIMEOUT))
         n = req.sampling.max_tokens
         assert (result.request_id, result.finish_reason, result.prompt_len, result.cell) == (
             req.request_id,
@@ -94,10 +95,10 @@ def test_more_requests_than_slots_are_queued_and_all_complete(loop, model_params
     futures = [loop.submit(r) for r in requests]
     assert loop.num_in_flight() > slots  # some wait in the queue
     for req, fut in zip(requests, futures):
-        result = fut.result(timeout=TIMEOUT)
+        result = fut.result(timeout=scaled(TIMEOUT))
         assert result.finish_reason == "length"
         assert result.token_ids == reference.greedy(params, req.prompt_ids, req.sampling.max_tokens)[0]
-    assert loop.wait_idle(timeout=5.0)
+    assert loop.wait_idle(timeout=scaled(5.0))
     assert loop.num_in_flight() == 0
 
 
@@ -108,7 +109,7 @@ def test_stop_id_ends_the_completion_and_is_included(loop, model_params, referen
         stop = ref[2]
         end = ref.index(stop) + 1  # the first time the stop id is sampled (may be before the 3rd token)
         result = loop.submit(GenerationRequest(prompt_ids=prompt, sampling=greedy(20, stop_ids=(999, stop)))).result(
-            TIMEOUT
+            scaled(TIMEOUT)
         )
         assert result.finish_reason == "stop"
         assert result.token_ids == ref[:end]
@@ -116,18 +117,18 @@ def test_stop_id_ends_the_completion_and_is_included(loop, model_params, referen
     # a stop id as the very first (prefill-sampled) token
     first = reference.greedy(params, prompts[2], 1)[0][0]
     result = loop.submit(GenerationRequest(prompt_ids=prompts[2], sampling=greedy(20, stop_ids=(first,)))).result(
-        TIMEOUT
+        scaled(TIMEOUT)
     )
     assert (result.token_ids, result.finish_reason) == ([first], "stop")
 
 
 def test_length_at_max_tokens_and_at_the_context_limit(loop, model_params, reference, prompts) -> None:
     _, params, _ = model_params
-    one = loop.submit(GenerationRequest(prompt_ids=prompts[1], sampling=greedy(1))).result(TIMEOUT)
+    one = loop.submit(GenerationRequest(prompt_ids=prompts[1], sampling=greedy(1))).result(scaled(TIMEOUT))
     assert (one.token_ids, one.finish_reason) == (reference.greedy(params, prompts[1], 1)[0], "length")
 
     prompt = (prompts[5] * 2)[: loop.engine.max_prefill_length]  # 64 tokens; the context holds 128
-    result = loop.submit(GenerationRequest(prompt_ids=prompt, sampling=greedy(1000))).result(TIMEOUT)
+    result = loop.submit(GenerationRequest(prompt_ids=prompt, sampling=greedy(1000))).result(scaled(TIMEOUT))
     assert result.finish_reason == "length"
     assert len(prompt) + len(result.token_ids) == loop.max_context
     reference.check_teacher_forced(params, prompt, result.token_ids, result.logprobs)
@@ -146,11 +147,11 @@ def test_cancel_frees_the_slot(slow_loop, model_params, reference, prompts) -> N
     )
 
     loop.cancel(queued.request_id)  # still waiting for a slot
-    result = queued_future.result(TIMEOUT)
+    result = queued_future.result(scaled(TIMEOUT))
     assert (result.finish_reason, result.token_ids) == ("cancelled", [])
 
     loop.cancel(long[0].request_id)  # running
-    result = futures[0].result(TIMEOUT)
+    result = futures[0].result(scaled(TIMEOUT))
     assert result.finish_reason == "cancelled"
     budget = loop.max_context - len(long[0].prompt_ids)
     assert 3 <= len(result.token_ids) < budget
@@ -158,15 +159,15 @@ def test_cancel_frees_the_slot(slow_loop, model_params, reference, prompts) -> N
 
     # the freed slot serves a new request while the other long requests are still running
     short = GenerationRequest(prompt_ids=prompts[6], sampling=greedy(3))
-    assert loop.submit(short).result(TIMEOUT).token_ids == reference.greedy(params, prompts[6], 3)[0]
+    assert loop.submit(short).result(scaled(TIMEOUT)).token_ids == reference.greedy(params, prompts[6], 3)[0]
     assert not any(f.done() for f in futures[1:])
 
     for req in long[1:]:
         loop.cancel(req.request_id)
-    assert all(f.result(TIMEOUT).finish_reason == "cancelled" for f in futures[1:])
-    assert loop.wait_idle(timeout=5.0)
+    assert all(f.result(scaled(TIMEOUT)).finish_reason == "cancelled" for f in futures[1:])
+    assert loop.wait_idle(timeout=scaled(5.0))
     loop.cancel("req-that-does-not-exist")  # harmless
-    after = loop.submit(GenerationRequest(prompt_ids=prompts[0], sampling=greedy(2))).result(TIMEOUT)
+    after = loop.submit(GenerationRequest(prompt_ids=prompts[0], sampling=greedy(2))).result(scaled(TIMEOUT))
     assert (after.token_ids, after.finish_reason) == (reference.greedy(params, prompts[0], 2)[0], "length")
 
 
@@ -178,16 +179,18 @@ def test_prompts_that_do_not_fit_fail_their_future_and_the_loop_serves_on(
         with pytest.raises(
             ContextTooLongError, match=f"prompt of {n} tokens does not fit .* at most {loop.max_context - 1}"
         ):
-            loop.submit(GenerationRequest(prompt_ids=[1] * n)).result(TIMEOUT)
+            loop.submit(GenerationRequest(prompt_ids=[1] * n)).result(scaled(TIMEOUT))
     # longer than one prefill call (max_prefill_length) but within the context: prefilled in chunks
     long_prompt = (prompts[5] * 3)[: loop.engine.max_prefill_length + 30]
-    result = loop.submit(GenerationRequest(prompt_ids=long_prompt, sampling=greedy(4))).result(TIMEOUT)
+    result = loop.submit(GenerationRequest(prompt_ids=long_prompt, sampling=greedy(4))).result(scaled(TIMEOUT))
     reference.check_teacher_forced(params, long_prompt, result.token_ids, result.logprobs)
     with pytest.raises(ValueError, match="empty prompt"):
-        loop.submit(GenerationRequest(prompt_ids=[])).result(TIMEOUT)
+        loop.submit(GenerationRequest(prompt_ids=[])).result(scaled(TIMEOUT))
     with pytest.raises(ValueError, match="temperature"):
-        loop.submit(GenerationRequest(prompt_ids=[1], sampling=SamplingParams(temperature=-1.0))).result(TIMEOUT)
-    result = loop.submit(GenerationRequest(prompt_ids=prompts[2], sampling=greedy(5))).result(TIMEOUT)
+        loop.submit(GenerationRequest(prompt_ids=[1], sampling=SamplingParams(temperature=-1.0))).result(
+            scaled(TIMEOUT)
+        )
+    result = loop.submit(GenerationRequest(prompt_ids=prompts[2], sampling=greedy(5))).result(scaled(TIMEOUT))
     assert result.token_ids == reference.greedy(params, prompts[2], 5)[0]
     assert loop.error is None
 
@@ -199,14 +202,14 @@ def test_update_params_tags_later_tokens_with_the_new_version(slow_loop, model_p
     running_future = loop.submit(running)
     _wait_until(lambda: loop.stats.tokens_generated >= 3)
     loop.update_params(params_b, version=1)
-    later = loop.submit(GenerationRequest(prompt_ids=prompts[1], sampling=greedy(6))).result(TIMEOUT)
+    later = loop.submit(GenerationRequest(prompt_ids=prompts[1], sampling=greedy(6))).result(scaled(TIMEOUT))
     assert loop.policy_version == 1
     assert later.policy_versions == [1] * 6
     assert later.token_ids == reference.greedy(params_b, prompts[1], 6)[0]  # produced by the new weights
     assert later.token_ids != reference.greedy(params, prompts[1], 6)[0]
 
     loop.cancel(running.request_id)
-    result = running_future.result(TIMEOUT)
+    result = running_future.result(scaled(TIMEOUT))
     versions = result.policy_versions
     assert len(versions) == len(result.token_ids)
     assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
@@ -223,16 +226,16 @@ def test_seeded_sampled_request_is_reproducible(loop, model_params, reference, p
             prompt_ids=prompts[4], sampling=SamplingParams(temperature=1.0, max_tokens=12, seed=seed)
         )
 
-    alone = loop.submit(seeded(42)).result(TIMEOUT)
+    alone = loop.submit(seeded(42)).result(scaled(TIMEOUT))
     # the same seed again, this time batched with other traffic in other slots
     others = [
         loop.submit(GenerationRequest(prompt_ids=p, sampling=SamplingParams(temperature=1.0, max_tokens=15)))
         for p in prompts[:3]
     ]
-    again = loop.submit(seeded(42)).result(TIMEOUT)
-    other_seed = loop.submit(seeded(43)).result(TIMEOUT)
+    again = loop.submit(seeded(42)).result(scaled(TIMEOUT))
+    other_seed = loop.submit(seeded(43)).result(scaled(TIMEOUT))
     for f in others:
-        f.result(TIMEOUT)
+        f.result(scaled(TIMEOUT))
     assert again.token_ids == alone.token_ids
     # float32 rounding apart (a prefill batched with other prompts may tile its matmuls differently: a few ulps)
     np.testing.assert_allclose(again.logprobs, alone.logprobs, rtol=1e-6, atol=1e-6)
@@ -243,7 +246,7 @@ def test_seeded_sampled_request_is_reproducible(loop, model_params, reference, p
     # unseeded requests get distinct keys from the loop
     a = loop.submit(GenerationRequest(prompt_ids=prompts[4], sampling=SamplingParams(temperature=1.0, max_tokens=12)))
     b = loop.submit(GenerationRequest(prompt_ids=prompts[4], sampling=SamplingParams(temperature=1.0, max_tokens=12)))
-    assert a.result(TIMEOUT).token_ids != b.result(TIMEOUT).token_ids
+    assert a.result(scaled(TIMEOUT)).token_ids != b.result(scaled(TIMEOUT)).token_ids
 
 
 def test_stop_ends_the_thread(engine, model_params) -> None:
@@ -262,7 +265,7 @@ class RecordingEngine(SlowEngine):
 
     def __init__(self, engine, step_s: float = 0.0, prefill_s: float = 0.0):
         super().__init__(engine, step_s)
-        self._prefill_s = prefill_s
+        self._prefill_s = prefill_s * slow_factor()  # scaled as SlowEngine's step
         self.calls: list[tuple] = []
 
     def prefill(self, params, slot, tokens, sampling, key, *, final=True):
@@ -289,8 +292,8 @@ def test_chunked_prefill_interleaves_with_decoding(engine, model_params, referen
         _wait_until(lambda: loop.stats.tokens_generated >= 2)
         mark = len(rec.calls)
         long_prompt = (prompts[5] * 3)[:100]
-        joined = loop.submit(GenerationRequest(prompt_ids=long_prompt, sampling=greedy(5))).result(TIMEOUT)
-        assert running.result(TIMEOUT).token_ids == reference.greedy(params, prompts[0], 80)[0]
+        joined = loop.submit(GenerationRequest(prompt_ids=long_prompt, sampling=greedy(5))).result(scaled(TIMEOUT))
+        assert running.result(scaled(TIMEOUT)).token_ids == reference.greedy(params, prompts[0], 80)[0]
     finally:
         loop.stop()
     reference.check_teacher_forced(params, long_prompt, joined.token_ids, joined.logprobs)
@@ -314,16 +317,16 @@ def test_cancel_during_chunked_prefill_frees_the_slot(engine, model_params, refe
         long_future = loop.submit(long_req)
         _wait_until(lambda: sum(c[0] == "prefill" and c[2] for c in rec.calls) >= 1)  # its 2nd chunk is done
         loop.cancel(long_req.request_id)
-        result = long_future.result(TIMEOUT)
+        result = long_future.result(scaled(TIMEOUT))
         assert (result.finish_reason, result.token_ids) == ("cancelled", [])
         assert sum(c[0] == "prefill" and c[1] == 4 for c in rec.calls) == 0  # its last chunk never ran
-        short = loop.submit(GenerationRequest(prompt_ids=prompts[6], sampling=greedy(3))).result(TIMEOUT)
+        short = loop.submit(GenerationRequest(prompt_ids=prompts[6], sampling=greedy(3))).result(scaled(TIMEOUT))
         assert short.token_ids == reference.greedy(params, prompts[6], 3)[0]
         loop.cancel("no-such-request")  # unknown ids are harmless
         assert not keep_busy.done()
     finally:
         loop.stop()
-    assert keep_busy.result(TIMEOUT).finish_reason == "cancelled" and loop.error is None
+    assert keep_busy.result(scaled(TIMEOUT)).finish_reason == "cancelled" and loop.error is None
 
 
 # -- session prefix cache --------------------------------------------------------------------------
@@ -335,7 +338,7 @@ def _turns(loop, reference, params, session_id, first_prompt, turns, *, extra=(7
     prompt, results = list(first_prompt), []
     for turn in range(turns):
         result = loop.submit(GenerationRequest(prompt_ids=prompt, sampling=greedy(n), session_id=session_id)).result(
-            TIMEOUT
+            scaled(TIMEOUT)
         )
         want_tokens, want_logprobs = reference.greedy(params, prompt, n)
         assert result.token_ids == want_tokens, (session_id, turn)
@@ -365,7 +368,7 @@ def test_session_prefix_cache_prefills_only_new_tokens(loop, model_params, refer
     # a new branch of the same session (e.g. after a context summary) reuses only the common prefix
     branch = results[2][0][:10] + [1, 2, 3]
     result = loop.submit(GenerationRequest(prompt_ids=branch, sampling=greedy(4), session_id="exec-1/main")).result(
-        TIMEOUT
+        scaled(TIMEOUT)
     )
     assert result.cached_tokens == 10 and result.token_ids == reference.greedy(params, branch, 4)[0]
 
@@ -384,7 +387,9 @@ def test_prefix_cache_evicts_least_recently_used_sessions_within_its_page_budget
         for sid in ("s2", "s0"):  # s2 hits; s0 was evicted: a full prefill, still correct
             prompt, prev = first[sid]
             nxt = prompt + prev.token_ids + [1, 2]
-            result = loop.submit(GenerationRequest(prompt_ids=nxt, sampling=greedy(4), session_id=sid)).result(TIMEOUT)
+            result = loop.submit(GenerationRequest(prompt_ids=nxt, sampling=greedy(4), session_id=sid)).result(
+                scaled(TIMEOUT)
+            )
             assert result.token_ids == reference.greedy(params, nxt, 4)[0]
             assert result.cached_tokens == (0 if sid == "s0" else len(prompt) + len(prev.token_ids) - 1)
         assert loop.stats.cache.pages_used <= 5
@@ -402,7 +407,9 @@ def test_prefix_cache_and_weight_updates(engine, model_params, reference, prompt
             ((prompt, r1),) = _turns(loop, reference, params, "s", prompts[1], 1)
             loop.update_params(params_b, version=1)
             nxt = prompt + r1.token_ids + [4, 5]
-            r2 = loop.submit(GenerationRequest(prompt_ids=nxt, sampling=greedy(5), session_id="s")).result(TIMEOUT)
+            r2 = loop.submit(GenerationRequest(prompt_ids=nxt, sampling=greedy(5), session_id="s")).result(
+                scaled(TIMEOUT)
+            )
             assert r2.policy_versions == [1] * 5
             if reuse:
                 assert r2.cached_tokens == len(prompt) + len(r1.token_ids) - 1
@@ -410,7 +417,9 @@ def test_prefix_cache_and_weight_updates(engine, model_params, reference, prompt
                 assert r2.cached_tokens == 0 and loop.stats.cache.stale_drops == 1
                 assert r2.token_ids == reference.greedy(params_b, nxt, 5)[0]
                 nxt2 = nxt + r2.token_ids + [6]  # the entry stored under version 1 is reused under version 1
-                r3 = loop.submit(GenerationRequest(prompt_ids=nxt2, sampling=greedy(3), session_id="s")).result(TIMEOUT)
+                r3 = loop.submit(GenerationRequest(prompt_ids=nxt2, sampling=greedy(3), session_id="s")).result(
+                    scaled(TIMEOUT)
+                )
                 assert r3.cached_tokens == len(nxt) + 4 and r3.token_ids == reference.greedy(params_b, nxt2, 3)[0]
         finally:
             loop.stop()
@@ -429,7 +438,7 @@ def test_recompute_on_update_continues_in_flight_requests_under_the_new_weights(
         loop.update_params(params_b, version=1)
         _wait_until(lambda: loop.stats.tokens_generated >= 12)
         loop.cancel(req.request_id)
-        result = fut.result(TIMEOUT)
+        result = fut.result(scaled(TIMEOUT))
     finally:
         loop.stop()
     old = result.policy_versions.count(0)
@@ -460,16 +469,16 @@ def test_stop_strings_end_the_completion_at_the_completing_token(engine, model_p
     loop = _start(engine, params, detokenize=_one_char_per_token)
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=12, stop_strings=("never", stop))
-        result = loop.submit(GenerationRequest(prompt_ids=prompts[1], sampling=sp)).result(TIMEOUT)
+        result = loop.submit(GenerationRequest(prompt_ids=prompts[1], sampling=sp)).result(scaled(TIMEOUT))
         assert (result.finish_reason, result.stop_reason, result.token_ids) == ("stop", stop, ref[:end])
         # a stop string inside the prompt does not count
         sp = SamplingParams(temperature=0.0, max_tokens=3, stop_strings=(_one_char_per_token(prompts[1][:2]),))
-        result = loop.submit(GenerationRequest(prompt_ids=prompts[1], sampling=sp)).result(TIMEOUT)
+        result = loop.submit(GenerationRequest(prompt_ids=prompts[1], sampling=sp)).result(scaled(TIMEOUT))
         assert result.finish_reason == "length" and result.stop_reason is None
     finally:
         loop.stop()
     with pytest.raises(ValueError, match="no detokenize function"):
-        _start(engine, params).submit(GenerationRequest(prompt_ids=[1], sampling=sp)).result(TIMEOUT)
+        _start(engine, params).submit(GenerationRequest(prompt_ids=[1], sampling=sp)).result(scaled(TIMEOUT))
     with pytest.raises(ValueError, match="non-empty strings"):
         SamplingParams(stop_strings=("",)).validate()
 
@@ -504,11 +513,11 @@ def test_multi_step_programs_and_lookahead_give_the_one_step_loops_tokens(engine
                     (4, 10, ()),
                 )
             ]
-            out = [f.result(timeout=TIMEOUT) for f in [loop.submit(r) for r in first]]
+            out = [f.result(timeout=scaled(TIMEOUT)) for f in [loop.submit(r) for r in first]]
             follow = GenerationRequest(
                 prompt_ids=prompts[0] + out[0].token_ids + [5, 6, 7], sampling=sampled(11, 99), session_id="s0"
             )
-            out.append(loop.submit(follow).result(timeout=TIMEOUT))
+            out.append(loop.submit(follow).result(timeout=scaled(TIMEOUT)))
             return out, loop.stats
         finally:
             loop.stop()
@@ -535,7 +544,9 @@ def test_a_stopped_request_wastes_the_lookahead_steps_and_no_more(engine, model_
     params = model_params[1]
     probe = _start(engine, params, lookahead=1)
     try:
-        free = probe.submit(GenerationRequest(prompt_ids=prompts[3], sampling=greedy(24))).result(timeout=TIMEOUT)
+        free = probe.submit(GenerationRequest(prompt_ids=prompts[3], sampling=greedy(24))).result(
+            timeout=scaled(TIMEOUT)
+        )
     finally:
         probe.stop()
     stop_id = free.token_ids[6]
@@ -543,7 +554,9 @@ def test_a_stopped_request_wastes_the_lookahead_steps_and_no_more(engine, model_
     assert cut + lookahead < 24
     loop = _start(engine, params, lookahead=lookahead)
     try:
-        got = loop.submit(GenerationRequest(prompt_ids=prompts[3], sampling=greedy(24, (stop_id,)))).result(TIMEOUT)
+        got = loop.submit(GenerationRequest(prompt_ids=prompts[3], sampling=greedy(24, (stop_id,)))).result(
+            scaled(TIMEOUT)
+        )
         assert got.finish_reason == "stop" and got.token_ids == free.token_ids[:cut]
         assert _wait_until(lambda: not loop._batch.in_flight) is None
         assert loop.stats.generate_steps == cut - 1 + lookahead
@@ -567,7 +580,7 @@ def test_a_burst_of_requests_starts_with_one_prefill_program(engine, model_param
     futures = [loop.submit(r) for r in [*burst, alone]]  # queued: the loop thread has not started
     loop.start()
     try:
-        results = [f.result(timeout=TIMEOUT) for f in futures]
+        results = [f.result(timeout=scaled(TIMEOUT)) for f in futures]
         assert loop.stats.prefill_calls == 1 and loop.stats.prefill_tokens == sum(
             len(r.prompt_ids) for r in [*burst, alone]
         )
@@ -580,7 +593,7 @@ def test_a_burst_of_requests_starts_with_one_prefill_program(engine, model_param
         assert res.token_ids == reference.greedy(params, req.prompt_ids, 6)[0]
     solo = _start(engine, params)
     try:
-        want = solo.submit(dataclasses.replace(alone, request_id="again")).result(timeout=TIMEOUT)
+        want = solo.submit(dataclasses.replace(alone, request_id="again")).result(timeout=scaled(TIMEOUT))
         assert solo.stats.prefill_calls == 1
     finally:
         solo.stop()

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from timelimits import scaled
 
 from gyre_jax.serving.paged import PagedEngine, PagePoolExhausted
 from gyre_jax.serving.sampling import key_for_seed
@@ -224,7 +225,7 @@ def test_the_paged_benchmark_section_runs_and_writes_its_table(tmp_path) -> None
     out = tmp_path / "paged.json"
     cmd = [sys.executable, "benchmarks/bench_long_context.py", "--section", "paged", "--paged-lengths", "512", "2048"]
     cmd += ["--paged-chunk", "256", "--page-size", "64", "--paged-steps", "2", "--paged-out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["live_tokens"] for r in rows] == [512, 2048] and "held/live" in proc.stdout

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from timelimits import scaled, slow_factor
 
 from gyre_jax.serving.loop import ServingLoop
 from gyre_jax.serving.paged import PagedEngine
@@ -28,7 +29,7 @@ class SlowPaged(PagedEngine):
 
     def generate(self, params, *, num_steps: int = 1, wait: bool = True):
         out = super().generate(params, num_steps=num_steps, wait=wait)
-        time.sleep(0.02)
+        time.sleep(0.02 * slow_factor())  # scaled as SlowEngine's step
         return out
 
 
@@ -44,7 +45,7 @@ def greedy(n: int) -> SamplingParams:
 
 
 def _wait_until(cond, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.001)
@@ -61,7 +62,7 @@ def loop(model_params, cell_mesh, rules):
 def test_concurrent_requests_complete_with_the_greedy_tokens(loop, model_params, reference, prompts) -> None:
     _, params, _ = model_params
     requests = [GenerationRequest(prompt_ids=p, sampling=greedy(12 + i)) for i, p in enumerate(prompts)]
-    results = [f.result(TIMEOUT) for f in [loop.submit(r) for r in requests]]  # 8 requests, 4 slots
+    results = [f.result(scaled(TIMEOUT)) for f in [loop.submit(r) for r in requests]]  # 8 requests, 4 slots
     for req, result in zip(requests, results):
         assert result.token_ids == reference.greedy(params, req.prompt_ids, req.sampling.max_tokens)[0]
         assert result.finish_reason == "length"
@@ -81,7 +82,7 @@ def test_a_burst_at_an_idle_loop_is_prefilled_in_one_program(
     futures = [loop.submit(GenerationRequest(prompt_ids=p, sampling=greedy(6))) for p in chosen]
     loop.start()
     try:
-        results = [f.result(TIMEOUT) for f in futures]
+        results = [f.result(scaled(TIMEOUT)) for f in futures]
     finally:
         loop.stop()
     assert loop.error is None
@@ -121,13 +122,15 @@ def test_slots_that_need_pages_evict_cached_sessions_least_recently_used_first(
         assert cache.evictions >= 1 and "a" not in loop.prefix_cache and loop.prefix_cache.sessions()[-1] == "c"
         prompt, prev = first["c"]
         nxt = prompt + prev.token_ids + [1, 2]
-        result = loop.submit(GenerationRequest(prompt_ids=nxt, sampling=greedy(4), session_id="c")).result(TIMEOUT)
+        result = loop.submit(GenerationRequest(prompt_ids=nxt, sampling=greedy(4), session_id="c")).result(
+            scaled(TIMEOUT)
+        )
         assert result.token_ids == reference.greedy(params, nxt, 4)[0]
         assert result.cached_tokens == len(prompt) + len(prev.token_ids) - 1
         too_long = GenerationRequest(prompt_ids=list(range(100)), sampling=greedy(4))  # 7 pages: more than the pool
         with pytest.raises(ValueError, match="context 80 tokens"):
-            loop.submit(too_long).result(TIMEOUT)
-        again = loop.submit(GenerationRequest(prompt_ids=prompts[0], sampling=greedy(3))).result(TIMEOUT)
+            loop.submit(too_long).result(scaled(TIMEOUT))
+        again = loop.submit(GenerationRequest(prompt_ids=prompts[0], sampling=greedy(3))).result(scaled(TIMEOUT))
         assert again.token_ids == reference.greedy(params, prompts[0], 3)[0]  # the loop serves on
     finally:
         loop.stop()
@@ -144,7 +147,7 @@ def test_recompute_on_update_continues_under_the_new_weights(model_params, cell_
         loop.update_params(params_b, version=1)
         _wait_until(lambda: loop.stats.tokens_generated >= 12)
         loop.cancel(req.request_id)
-        result = fut.result(TIMEOUT)
+        result = fut.result(scaled(TIMEOUT))
     finally:
         loop.stop()
     old = result.policy_versions.count(0)
@@ -170,7 +173,7 @@ def test_requests_move_from_a_dense_loop_into_a_paged_one_and_continue(
         _wait_until(lambda: a.stats.tokens_generated >= 2 * 6)
         b.import_sessions(a.drain())
         for req, fut in zip(requests, futures):
-            result = fut.result(TIMEOUT)
+            result = fut.result(scaled(TIMEOUT))
             assert result.cell == "paged"
             assert result.token_ids == reference.greedy(params, req.prompt_ids, req.sampling.max_tokens)[0]
         assert b.stats.prefill_tokens == 0  # the KV moved: nothing recomputed

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from timelimits import scaled
 
 from gyre_jax.proxy.router import Router
 from gyre_jax.runtime import commands as cmd
@@ -69,13 +70,13 @@ def remote_cell(engine, model_params):
     link = FollowerLink(kv, 1, on_error=errors.append, on_stop=lambda: stops.append(True))
     remote = RemoteCell(link, TransferLog(), cell, layout, core_shardings=None, max_context=engine.max_seq_len)
     yield Router({"cell1": remote}), remote, host, thread, stops, errors, loop
-    link.close(timeout_s=60.0 if thread.is_alive() else 0.1)  # a follower that stopped answers nothing
-    thread.join(timeout=10)
+    link.close(timeout_s=scaled(60.0) if thread.is_alive() else 0.1)  # a follower that stopped answers nothing
+    thread.join(timeout=scaled(10))
 
 
 def _wait_for(items: list, timeout_s: float = 5.0) -> None:
     done = threading.Event()
-    for _ in range(int(timeout_s / 0.05)):
+    for _ in range(int(scaled(timeout_s) / 0.05)):
         if items:
             return
         done.wait(0.05)
@@ -89,17 +90,17 @@ def test_requests_through_the_remote_cell_get_the_loops_own_completions(
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
     futures = [router.submit(GenerationRequest(p, greedy, session_id=f"s{i}")) for i, p in enumerate(prompts[:4])]
     for p, f in zip(prompts[:4], futures):
-        r = f.result(timeout=120)
+        r = f.result(timeout=scaled(120))
         assert r.token_ids == reference.greedy(model_params[1], p, 6)[0]  # what the loop itself computes
         assert r.policy_versions == [3] * 6 and r.cell == "cell1"
     # a token listener stays in the leader's process: the follower streams nothing, the result holds every token
     heard = []
     streamed = router.submit(GenerationRequest(prompts[0], greedy, session_id="s0", on_tokens=heard.append))
-    assert streamed.result(timeout=120).token_ids == reference.greedy(model_params[1], prompts[0], 6)[0]
+    assert streamed.result(timeout=scaled(120)).token_ids == reference.greedy(model_params[1], prompts[0], 6)[0]
     assert heard == []
     # a prompt that cannot fit: the caller's future raises the loop's own error
     with pytest.raises(ContextTooLongError):
-        router.submit(GenerationRequest(list(range(MAX_SEQ_LEN + 5)), greedy)).result(timeout=60)
+        router.submit(GenerationRequest(list(range(MAX_SEQ_LEN + 5)), greedy)).result(timeout=scaled(60))
     # stats answer from the follower's loop
     stats = remote.stats()
     assert stats.busy_s == pytest.approx(loop.stats.busy_s, rel=0.5) and stats.busy_s > 0
@@ -114,10 +115,10 @@ def test_cancel_and_drop_resolve_requests_as_cancelled(remote_cell, prompts):
     req = GenerationRequest(prompts[0], slow)
     fut = router.submit(req)
     router.cancel(req.request_id)
-    assert fut.result(timeout=60).finish_reason == "cancelled"
+    assert fut.result(timeout=scaled(60)).finish_reason == "cancelled"
     inner = remote.submit(GenerationRequest(prompts[1], slow, session_id="d"))
     assert remote.drop_sessions() == 1  # the request in flight, cancelled on the follower
-    assert inner.result(timeout=60).finish_reason == "cancelled"
+    assert inner.result(timeout=scaled(60)).finish_reason == "cancelled"
 
 
 def test_a_signal_on_the_follower_asks_the_leader_to_stop_once(remote_cell):
@@ -126,7 +127,7 @@ def test_a_signal_on_the_follower_asks_the_leader_to_stop_once(remote_cell):
     _wait_for(stops)
     assert stops == [True]
     remote.link.close()  # the leader's stop: the follower's serve returns and its loop stops
-    thread.join(timeout=10)
+    thread.join(timeout=scaled(10))
     assert not thread.is_alive()
     assert jax.device_count() >= 8
 
@@ -138,7 +139,7 @@ def test_a_transfer_out_of_order_stops_the_follower_before_it_runs(remote_cell):
     remote.link.send(cmd.SetWeights(cell=1, version=4, transfer=5))
     _wait_for(errors)
     assert len(errors) == 1 and "transfer #5 but #0 is due" in errors[0], errors
-    thread.join(timeout=10)
+    thread.join(timeout=scaled(10))
     assert not thread.is_alive()  # the follower stopped (the leader then stops the run)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from timelimits import scaled
 
 from gyre_jax.serving.loop import ServingLoop
 from gyre_jax.serving.session import SessionState
@@ -23,7 +24,7 @@ TIMEOUT = 60.0
 
 
 def _wait_until(cond, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.001)
@@ -51,7 +52,7 @@ def test_in_flight_requests_move_to_another_submesh_and_continue_identically(
     a, b = cells
     _, params, _ = model_params
     sampled = SamplingParams(temperature=1.0, max_tokens=30, seed=11)
-    unmigrated = a.submit(GenerationRequest(prompt_ids=prompts[4], sampling=sampled)).result(TIMEOUT)
+    unmigrated = a.submit(GenerationRequest(prompt_ids=prompts[4], sampling=sampled)).result(scaled(TIMEOUT))
 
     requests = [
         GenerationRequest(prompt_ids=prompts[0], sampling=greedy(30), session_id="exec/main"),
@@ -69,7 +70,7 @@ def test_in_flight_requests_move_to_another_submesh_and_continue_identically(
         assert s.kv_tokens == list(s.request.prompt_ids) + s.token_ids[:-1] and s.source == "a"
         assert 3 <= len(s.token_ids) < s.request.sampling.max_tokens and s.key is not None
     b.import_sessions(states)
-    results = [f.result(TIMEOUT) for f in futures]
+    results = [f.result(scaled(TIMEOUT)) for f in futures]
     for req, result in zip(requests, results):
         assert result.cell == "b" and result.finish_reason == "length"
         if req.sampling.temperature == 0:
@@ -86,7 +87,9 @@ def test_in_flight_requests_move_to_another_submesh_and_continue_identically(
 def test_cached_and_queued_sessions_move_and_stay_warm(cells, model_params, reference, prompts) -> None:
     a, b = cells
     _, params, _ = model_params
-    first = a.submit(GenerationRequest(prompt_ids=prompts[3], sampling=greedy(6), session_id="s1")).result(TIMEOUT)
+    first = a.submit(GenerationRequest(prompt_ids=prompts[3], sampling=greedy(6), session_id="s1")).result(
+        scaled(TIMEOUT)
+    )
     assert "s1" in a.prefix_cache
     # fill every slot of a, so one more request waits in its queue
     busy = [a.submit(GenerationRequest(prompt_ids=prompts[i], sampling=greedy(200))) for i in range(4)]
@@ -100,13 +103,13 @@ def test_cached_and_queued_sessions_move_and_stay_warm(cells, model_params, refe
     assert states[0].kv_tokens == prompts[3] + first.token_ids[:-1] and states[1].kv is None
     assert "s1" not in a.prefix_cache and a.num_in_flight() == 4
     b.import_sessions(states)
-    result = queued.result(TIMEOUT)
+    result = queued.result(scaled(TIMEOUT))
     assert result.cell == "b" and result.token_ids == reference.greedy(params, nxt, 5)[0]
     assert result.cached_tokens == len(prompts[3]) + len(first.token_ids) - 1  # b's cache had the moved entry
     assert b.stats.prefill_tokens == len(nxt) - result.cached_tokens
     a.stop()  # a served its other requests all along, undisturbed (finished or cancelled by the stop)
     for i, f in enumerate(busy):
-        r = f.result(TIMEOUT)
+        r = f.result(scaled(TIMEOUT))
         assert r.cell == "a" and len(r.token_ids) >= 2
         reference.check_teacher_forced(params, prompts[i], r.token_ids, r.logprobs)
 
@@ -119,9 +122,9 @@ def test_cancel_follows_a_moved_request(cells, prompts) -> None:
     b.import_sessions(a.export_sessions(["x"]))
     _wait_until(lambda: b.stats.tokens_generated >= 3)
     a.cancel(req.request_id)  # whoever routed it to "a" still cancels it there: forwarded to "b"
-    result = fut.result(TIMEOUT)
+    result = fut.result(scaled(TIMEOUT))
     assert result.finish_reason == "cancelled" and result.cell == "b" and len(result.token_ids) >= 6
-    assert b.wait_idle(5.0)
+    assert b.wait_idle(scaled(5.0))
 
 
 def test_a_state_nobody_imports_can_be_cancelled(cells, prompts) -> None:
@@ -132,7 +135,7 @@ def test_a_state_nobody_imports_can_be_cancelled(cells, prompts) -> None:
     (state,) = a.export_sessions(["y"])
     assert not fut.done()
     state.cancel()
-    result = fut.result(TIMEOUT)
+    result = fut.result(scaled(TIMEOUT))
     assert result.finish_reason == "cancelled" and result.token_ids == state.token_ids and len(result.token_ids) >= 2
 
 
@@ -168,8 +171,8 @@ def test_bad_states_are_refused_clearly(cells, engine, prompts) -> None:
         )
     )
     with pytest.raises(ValueError, match="does not fit serving loop b"):
-        fut.result(TIMEOUT)
-    ok = b.submit(GenerationRequest(prompt_ids=prompts[0], sampling=greedy(2))).result(TIMEOUT)
+        fut.result(scaled(TIMEOUT))
+    ok = b.submit(GenerationRequest(prompt_ids=prompts[0], sampling=greedy(2))).result(scaled(TIMEOUT))
     assert len(ok.token_ids) == 2 and b.error is None
 
 
@@ -186,7 +189,7 @@ def test_token_listener_hears_every_token_once_across_a_move(cells, model_params
     _wait_until(lambda: len(heard) >= 4)
     assert not future.done()  # tokens arrive while the request still runs
     b.import_sessions(a.drain())
-    result = future.result(TIMEOUT)
+    result = future.result(scaled(TIMEOUT))
     assert [c.start for c in heard] == list(range(len(heard)))
     assert [t for c in heard for t in c.token_ids] == result.token_ids
     assert [x for c in heard for x in c.logprobs] == result.logprobs
@@ -204,7 +207,9 @@ def test_a_failing_listener_is_dropped_and_the_request_completes(cells, model_pa
         calls.append(chunk)
         raise RuntimeError("listener bug")
 
-    result = a.submit(GenerationRequest(prompt_ids=prompts[2], sampling=greedy(5), on_tokens=broken)).result(TIMEOUT)
+    result = a.submit(GenerationRequest(prompt_ids=prompts[2], sampling=greedy(5), on_tokens=broken)).result(
+        scaled(TIMEOUT)
+    )
     assert len(calls) == 1 and result.token_ids == reference.greedy(params, prompts[2], 5)[0]
     assert a.error is None
 
@@ -225,7 +230,7 @@ def test_router_continues_a_streamed_request_from_the_tokens_told(cells, model_p
     _wait_until(lambda: len(heard) >= 5)
     router.undrain("b")
     router.drain("a", cancel_in_flight=True)
-    result = future.result(TIMEOUT)
+    result = future.result(scaled(TIMEOUT))
     told = len(heard)
     assert router.retries == 1 and result.finish_reason == "length"
     assert [c.start for c in heard] == list(range(told))

@@ -12,6 +12,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from timelimits import scaled
 
 from gyre_jax import build
 from gyre_jax.config import load_config
@@ -57,7 +58,7 @@ def serve_mix(loop: ServingLoop) -> list[list[int]]:
 
     def run(requests):
         futures = [loop.submit(r) for r in requests]
-        results = [f.result(timeout=TIMEOUT) for f in futures]
+        results = [f.result(timeout=scaled(TIMEOUT)) for f in futures]
         out.extend(r.token_ids for r in results)
         return results
 

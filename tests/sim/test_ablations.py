@@ -7,11 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from timelimits import scaled
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(args, timeout=300):
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=scaled(timeout), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 from gyre_jax.elastic.policies import Role
 from gyre_jax.elastic.timeline import TimelineWriter, load_timeline, parse_events
@@ -95,7 +96,7 @@ def test_plot_script_draws_a_gantt_chart(tmp_path):
         [sys.executable, str(REPO / "experiments" / "plot_timeline.py"), str(path), "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
@@ -103,6 +104,6 @@ def test_plot_script_draws_a_gantt_chart(tmp_path):
         [sys.executable, str(REPO / "experiments" / "plot_timeline.py"), str(tmp_path / "none.json")],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert bad.returncode == 2 and "not found" in bad.stderr

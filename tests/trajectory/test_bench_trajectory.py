@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from timelimits import scaled
+
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
@@ -22,7 +24,7 @@ def test_smoke_suite_runs_and_writes_json(tmp_path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=scaled(600),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
