@@ -856,3 +856,32 @@ def test_one_key_sets_the_context_length_and_the_others_derive_from_it_unless_se
         load_config(["--config.model.max_context=1000"])
     with pytest.raises(ConfigError, match="config.model.max_context=8 must be >= 16"):
         load_config(["--config.model.max_context=8"])
+
+
+def test_sandbox_visible_paths_are_absolute_and_bwrap_only():
+    from gyre_jax.config import load_config
+
+    c = load_config(
+        ['--config.rollout.sandbox_visible_paths=("/tmp/venv", "/opt/agent")', "--config.rollout.sandbox=bwrap"]
+    )
+    assert c.rollout.sandbox_visible_paths == ("/tmp/venv", "/opt/agent")
+    with pytest.raises(ConfigError, match="entry 'venv' must be an absolute host path"):
+        load_config(["--config.rollout.sandbox_visible_paths=venv"])
+    with pytest.raises(
+        ConfigError, match="not supported yet: config.rollout.sandbox_visible_paths with sandbox='docker'"
+    ):
+        load_config(["--config.rollout.sandbox_visible_paths=/tmp/venv", "--config.rollout.sandbox=docker"])
+
+
+def test_tuple_keys_on_the_command_line_a_comma_inside_a_value_needs_the_literal_form():
+    """docs/harnesses.md, "Tuple keys on the command line": bare text splits at commas; a Python literal keeps them."""
+    from gyre_jax.config import load_config
+
+    c = load_config(["--config.rollout.harness_env=A=1,B=2"])
+    assert c.rollout.harness_env == ("A=1", "B=2")
+    c = load_config(["--config.rollout.harness_env=('FLAGS=--a,--b', 'B=2')"])
+    assert c.rollout.harness_env == ("FLAGS=--a,--b", "B=2")
+    c = load_config(['--config.rollout.harness_env=("ONE=x,y",)'])
+    assert c.rollout.harness_env == ("ONE=x,y",)
+    with pytest.raises(ConfigError, match=r"entry 'y' must be 'KEY=VALUE'.*a comma inside a value"):
+        load_config(["--config.rollout.harness_env=ONE=x,y"])

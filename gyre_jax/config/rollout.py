@@ -310,6 +310,10 @@ class RolloutSection(Section):
     harness_cmd: str = ""  # a templated command line (shell words): required by "command", overrides a preset's
     harness_env: tuple[str, ...] = ()  # "KEY=VALUE" templates added to (or overriding) the harness's environment
     sandbox: str = "none"  # none | bwrap | docker (what each isolates: docs/tasks.md)
+    # host paths the bwrap sandbox keeps visible, read-only, where it would show nothing (its own empty /tmp and
+    # /run, the hidden $HOME and run directory): a harness installed in a venv under /tmp or $HOME, its config
+    # (docs/harnesses.md, "Harnesses in a sandbox"); checked by the preflight, which runs the harness there first
+    sandbox_visible_paths: tuple[str, ...] = ()
     task_kinds: tuple[str, ...] = ("copy", "reverse")
     alphabet: str = "digits"  # input.txt holds input_min_len..input_max_len random characters
     input_min_len: int = 2
@@ -410,6 +414,17 @@ class RolloutSection(Section):
 
     def _check_harness(self) -> None:
         require(self.sandbox in SANDBOXES, f"config.rollout.sandbox={self.sandbox!r} must be one of {SANDBOXES}")
+        for path in self.sandbox_visible_paths:
+            require(
+                path.startswith("/") and "\0" not in path and path.rstrip("/") != "",
+                f"config.rollout.sandbox_visible_paths entry {path!r} must be an absolute host path other than / (a "
+                "harness's install, e.g. '/tmp/venv')",
+            )
+        require(
+            not self.sandbox_visible_paths or self.sandbox != "docker",
+            "not supported yet: config.rollout.sandbox_visible_paths with sandbox='docker' (a container sees its image; "
+            "install the harness in the task's Dockerfile), use sandbox='bwrap'",
+        )
         try:
             harness_spec(self.harness, self.harness_cmd, self.harness_env)
         except ValueError as exc:
