@@ -66,7 +66,7 @@ LONG_HARNESS_CMD: tuple[str, ...] = (sys.executable, "-m", "gyre_jax.rollout.lon
 
 _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _NESTED_RE = re.compile(r"\{\{(?:task\.)?[A-Za-z_][A-Za-z0-9_]*\}\}")  # ``{{task}}``: Jinja meeting a placeholder
-_VERSION_RE = re.compile(r"\d+\.\d+\.\d+[0-9A-Za-z.+-]*")
+_VERSION_RE = re.compile(r"\d+\.\d+(?:\.\d+)?[0-9A-Za-z.+-]*")  # 2.1.332, 0.36, 1.0.0rc1
 _CONFIGS = Path(__file__).resolve().parent / "harness_configs"
 
 
@@ -127,6 +127,15 @@ CLAUDE_CODE_SMALL_CMD = (
     "'You are a coding agent. Use the tools to do the task in the current directory, then say Done.'"
 )
 
+# ``rollout.harness_cmd`` for the qwen-code preset with a first request of ~11.6K prompt tokens with a byte tokenizer
+# (compact tool format) instead of ~64.7K: ``--bare`` (no auto-discovered context, skills or extensions), the shell
+# tool alone and a short system prompt. docs/harnesses.md has the measurements.
+QWEN_CODE_SMALL_CMD = (
+    "qwen -p {task.instruction} -m {model} --auth-type openai --openai-base-url {base_url} --yolo --output-format "
+    "stream-json --max-session-turns {max_turns} --bare --core-tools run_shell_command --system-prompt "
+    "'You are a coding agent. Use the tools to do the task in the current directory, then say Done.'"
+)
+
 CODEX_CONFIG = """\
 model = "{model}"
 model_provider = "gyre"
@@ -179,12 +188,13 @@ QWEN_CODE_SETTINGS = """\
 }
 """
 
-# llm's own list of OpenAI-compatible models (its user directory, LLM_USER_PATH): the proxy as model "gyre"; the key is
-# llm's "openai" key, read from OPENAI_API_KEY.
+# llm's own list of OpenAI-compatible models (its user directory, LLM_USER_PATH): the proxy as model "gyre". Its key is
+# llm's "openai" key, read from OPENAI_API_KEY (without api_key_name, llm sends a dummy key to an api_base: a 401).
 LLM_MODELS = """\
 - model_id: gyre
   model_name: "{model}"
   api_base: "{base_url}"
+  api_key_name: openai
   can_stream: true
 """
 
