@@ -8,6 +8,7 @@ is on PATH (``python3.12``), and is skipped, saying so, where none is.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -53,13 +54,25 @@ def test_qwen_code_default_request_over_the_context_is_refused_in_openais_words(
     assert "This model's maximum context length is 16384 tokens. However, your messages resulted in" in error, error
 
 
-@pytest.mark.skipif(
-    shutil.which("python3.12") is None, reason="openhands-sdk needs Python >= 3.12 (python3.12 on PATH)"
-)
+def python_312() -> str | None:
+    """A Python 3.12 that runs (the preset's ``python3.12``): on PATH, else one of pyenv's versions."""
+    root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    found = [shutil.which("python3.12"), *(str(p) for p in sorted(root.glob("versions/3.12*/bin/python3.12")))]
+    for python in filter(None, found):
+        done = subprocess.run([python, "-c", "import sys; assert sys.version_info[:2] == (3, 12); print(sys.executable)"],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        if done.returncode == 0:
+            return done.stdout.strip()
+    return None
+
+
 def test_openhands_agent(stack, tmp_path) -> None:
     """The OpenHands SDK's default agent, headless, in its own venv (built here from the pinned release)."""
+    python = python_312()
+    if python is None:
+        pytest.skip("openhands-sdk needs Python >= 3.12 (python3.12 on PATH, or a pyenv 3.12): none here")
     venv = tmp_path / "openhands-venv"
-    subprocess.run(["python3.12", "-m", "venv", str(venv)], check=True, timeout=300)
+    subprocess.run([python, "-m", "venv", str(venv)], check=True, timeout=300)
     pins = [f"openhands-sdk=={harnesses.OPENHANDS_SDK_VERSION}", f"openhands-tools=={harnesses.OPENHANDS_SDK_VERSION}"]
     done = subprocess.run([sys.executable, "-m", "uv", "pip", "install", "-q", "--python", str(venv / "bin" / "python"),
                            *pins], capture_output=True, text=True, timeout=1200)  # fmt: skip
