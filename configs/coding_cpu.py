@@ -41,14 +41,16 @@ def get_config():
     c.eval.split = "heldout"
     c.eval.num_tasks = 2
     c.eval.samples_per_task = 1
-    # 4K tokens per branch: the longest a dense-mask training row fits in this machine's memory (about 6 GB at
-    # 4K, out of memory at 8K). A call whose prompt is longer (the longest instructions, after a few turns) is
-    # refused by the proxy and the harness ends there: its execution is still verified and scored.
-    c.serving.max_seq_len = 4096
+    # The context: 4K tokens (serving.max_seq_len, trajectory.row_length and tokens_per_micro_batch derive from it;
+    # attention stays the dense-mask "xla" kernel up to 4K). mini-swe-agent's first prompt with the preset's config
+    # is 941 tokens of this byte tokenizer (docs/harnesses.md). A call whose prompt is longer (the longest
+    # instructions, after a few turns) is refused by the proxy in OpenAI's own words (mini-swe-agent, through
+    # litellm, sees a ContextWindowExceededError) and the harness ends there: its execution is still verified and
+    # scored. 4K is the longest a dense-mask training row fits in this machine's memory (about 6 GB; 8K runs out);
+    # a larger model.max_context switches to the blockwise kernel, whose memory grows linearly.
+    c.model.max_context = 4096
     c.serving.max_prefill_length = 512
     c.serving.prefill_buckets = (256, 512)
     c.serving.max_concurrent_decodes = 8
     c.serving.kv_pages = 1024
-    c.trajectory.row_length = 4096
-    c.trajectory.tokens_per_micro_batch = 4096
     return c

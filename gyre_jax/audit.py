@@ -14,7 +14,13 @@ Invariants (``audit(workdir) -> AuditReport``; docs/records.md, "Auditing a run 
   indices 0..n-1;
 - ``metrics.jsonl`` parses; after a ``resume`` entry (written by each resumed attempt) the train entries of
   steps >= its ``next_step`` written before it are superseded (the step ran again); each completed step has
-  exactly one train entry left.
+  exactly one train entry left;
+- the metrics agree with the results: each completed step's train entry counts the executions, exclusions, crashes
+  and refused model calls its ``results/step_k.jsonl`` holds, and trains no more executions than the execution queue
+  gave the trainer (entries of weight > 0 whose records exist).
+What was trained is said apart from what ran: ``executions_run`` (in the completed steps' results) and
+``executions_trained`` (with tokens in a micro-batch: the train entries' ``executions_trained``), with the executions
+the pipeline left out and the model calls the proxy refused, by why.
 Executions of an interrupted attempt are set aside under ``aborted/<time>-<pid>/`` and run again under the same
 id and seed; ``set_aside`` counts them (one per aborted directory and id).
 """
@@ -48,7 +54,12 @@ class AuditReport:
     next_step: int = 0  # its cursor: steps below it are completed
     total_steps: int = 0  # the config's
     steps_completed: int = 0
-    executions_trained: int = 0  # in the completed steps' results
+    executions_run: int = 0  # in the completed steps' results
+    executions_trained: int | None = None  # with tokens in a micro-batch (metrics; None: metrics that do not say)
+    tokens_trained: int = 0  # target tokens of the completed steps' micro-batches (metrics)
+    left_out: dict[str, int] = field(default_factory=dict)  # executions the pipeline did not train on, by why
+    refused_calls: dict[str, int] = field(default_factory=dict)  # model calls the proxy refused, by why (results)
+    crashed: int = 0  # executions whose harness crashed (results)
     lost: int = 0  # planned for a completed step, not in its results
     double_counted: int = 0  # trained in two steps, or queued twice
     set_aside: int = 0  # (aborted directory, execution id) pairs
@@ -75,10 +86,11 @@ def audit(workdir: str | Path) -> AuditReport:
     config = RunConfig.from_config_dict(json.loads(config_path.read_text()))
     report.total_steps = config.total_steps
     check_checkpoint(workdir, report)
-    trained = check_results(workdir, config, report)
-    check_queue(workdir, report)
-    check_records(workdir, trained, report)
-    check_metrics(workdir, report)
+    results = check_results(workdir, config, report)
+    given = check_queue(workdir, report)
+    check_records(workdir, {eid for step in results.values() for eid in step}, report)
+    entries = check_metrics(workdir, report)
+    check_metrics_agree(entries, results, given, workdir, report)
     report.set_aside = count_set_aside(workdir)
     return report
 
@@ -110,10 +122,12 @@ def check_checkpoint(workdir: Path, report: AuditReport) -> None:
         report.violations.append(f"{directory}/{latest}: non-finite values in {bad[:3]}; resume from an older one")
 
 
-def check_results(workdir: Path, config: RunConfig, report: AuditReport) -> set[str]:
-    """Completed steps' results hold exactly the plan's executions, none in two steps. Returns the trained ids."""
+def check_results(workdir: Path, config: RunConfig, report: AuditReport) -> dict[int, dict[str, dict]]:
+    """Completed steps' results hold exactly the plan's executions, none in two steps. Returns each completed step's
+    results that parse (execution id -> result dict)."""
     suite = make_suite(config)
     step_of: dict[str, int] = {}
+    by_step: dict[int, dict[str, dict]] = {}
     for k in range(report.next_step):
         planned = [s.execution_id for s in step_specs(config, suite, k)]
         path = workdir / "results" / f"step_{k:06d}.jsonl"
@@ -122,10 +136,16 @@ def check_results(workdir: Path, config: RunConfig, report: AuditReport) -> set[
             report.violations.append(f"{path}: missing for completed step {k}: its {len(planned)} executions are lost")
             continue
         try:
-            got = [json.loads(line)["execution_id"] for line in path.read_text().splitlines()]
-        except (ValueError, KeyError) as e:
+            lines = [json.loads(line) for line in path.read_text().splitlines()]
+            got = [line["execution_id"] for line in lines]
+        except (ValueError, KeyError, TypeError) as e:
             report.violations.append(f"{path}: does not parse ({e}); the step's results were damaged")
             continue
+        by_step[k] = {line["execution_id"]: line for line in lines}
+        report.crashed += sum(line.get("status") == "crashed" for line in lines)
+        for line in lines:
+            for kind, n in (line.get("refused_calls") or {}).items():
+                report.refused_calls[kind] = report.refused_calls.get(kind, 0) + int(n)
         missing, extra = set(planned) - set(got), set(got) - set(planned)
         twice = [eid for eid, n in Counter(got).items() if n > 1]
         report.lost += len(missing)
@@ -141,20 +161,22 @@ def check_results(workdir: Path, config: RunConfig, report: AuditReport) -> set[
                 report.violations.append(f"execution {eid} trained in steps {step_of[eid]} and {k}")
             step_of[eid] = k
         report.steps_completed += 1
-    report.executions_trained = len(step_of)
+    report.executions_run = len(step_of)
     results = workdir / "results"
     later = [p for p in results.glob("step_*.jsonl") if int(p.stem[5:]) >= report.next_step] if results.is_dir() else []
     report.uncommitted_results = len(later)
     if later and report.next_step >= report.total_steps:
         report.violations.append(f"{later[0]}: results past the finished run's last step; remove them")
-    return set(step_of)
+    return by_step
 
 
-def check_queue(workdir: Path, report: AuditReport) -> None:
-    """The execution queue parses end to end (a torn last line allowed); no execution queued twice."""
+def check_queue(workdir: Path, report: AuditReport) -> dict[int, set[str]]:
+    """The execution queue parses end to end (a torn last line allowed); no execution queued twice. Returns, per
+    step, the executions it gave the trainer: weight > 0 and a record file that is not empty."""
     path = workdir / "trajectory" / "queue.jsonl"
+    given: dict[int, set[str]] = {}
     if not path.is_file():
-        return
+        return given
     seen: Counter[str] = Counter()
     data = path.read_bytes()
     lines = data.split(b"\n")
@@ -168,10 +190,14 @@ def check_queue(workdir: Path, report: AuditReport) -> None:
         if entry.index != i:
             report.violations.append(f"{path}: line {i + 1} has index {entry.index}; the queue was damaged")
         seen[entry.execution_id] += 1
+        records = workdir / "records" / f"{entry.execution_id}.jsonl"
+        if entry.weight > 0 and records.is_file() and records.stat().st_size > 0:
+            given.setdefault(entry.step, set()).add(entry.execution_id)
     twice = [eid for eid, n in seen.items() if n > 1]
     report.double_counted += len(twice)
     if twice:
         report.violations.append(f"{path}: executions queued more than once: {twice[:3]}")
+    return given
 
 
 def check_records(workdir: Path, trained: set[str], report: AuditReport) -> None:
@@ -194,12 +220,13 @@ def check_records(workdir: Path, trained: set[str], report: AuditReport) -> None
         report.records_checked += 1
 
 
-def check_metrics(workdir: Path, report: AuditReport) -> None:
-    """metrics.jsonl parses; one train entry per completed step once resumed attempts' reruns are superseded."""
+def check_metrics(workdir: Path, report: AuditReport) -> dict[int, dict]:
+    """metrics.jsonl parses; one train entry per completed step once resumed attempts' reruns are superseded.
+    Returns the completed steps' surviving train entries (step -> entry)."""
     path = workdir / "metrics.jsonl"
     if not path.is_file():
-        return
-    train: dict[int, int] = Counter()
+        return {}
+    train: dict[int, list[dict]] = {}
     for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
         try:
             m = json.loads(line)
@@ -209,13 +236,57 @@ def check_metrics(workdir: Path, report: AuditReport) -> None:
         if m.get("phase") == "resume":
             report.resumes += 1
             for step in [s for s in train if s >= m["next_step"]]:
-                report.superseded_metrics += train.pop(step)
+                report.superseded_metrics += len(train.pop(step))
         elif m.get("phase") == "train":
-            train[m["step"]] += 1
-    bad = [k for k in range(report.next_step) if train.get(k, 0) != 1]
+            train.setdefault(m["step"], []).append(m)
+    bad = [k for k in range(report.next_step) if len(train.get(k, [])) != 1]
     if bad:
-        counts = {k: train.get(k, 0) for k in bad[:5]}
+        counts = {k: len(train.get(k, [])) for k in bad[:5]}
         report.violations.append(f"{path}: completed steps without exactly one train entry (step: entries) {counts}")
+    return {k: entries[0] for k, entries in train.items() if k < report.next_step and len(entries) == 1}
+
+
+# (metrics key, what it counts in a step's results) for ``check_metrics_agree``
+_RESULT_COUNTS = (
+    ("executions", lambda rs: len(rs)),
+    ("excluded", lambda rs: sum(bool(r.get("excluded")) for r in rs)),
+    ("crashed", lambda rs: sum(r.get("status") == "crashed" for r in rs)),
+    *(
+        (f"refused_{kind}", lambda rs, kind=kind: sum((r.get("refused_calls") or {}).get(kind, 0) for r in rs))
+        for kind in ("context", "admission", "bad_request")
+    ),
+)
+
+
+def check_metrics_agree(
+    entries: dict[int, dict], results: dict[int, dict[str, dict]], given: dict[int, set[str]], workdir: Path,
+    report: AuditReport,
+) -> None:  # fmt: skip
+    """Each completed step's train entry counts what its results hold (executions, exclusions, crashes, refused
+    calls; a key the entry lacks, from an older run, is not compared) and trains no more executions than the queue
+    gave the trainer; sums what was trained and left out into the report."""
+    path = workdir / "metrics.jsonl"
+    trained = [m["executions_trained"] for m in entries.values() if "executions_trained" in m]
+    report.executions_trained = sum(trained) if trained else None
+    for step, m in sorted(entries.items()):
+        report.tokens_trained += int(m.get("tokens_trained", 0) or 0)
+        for key, n in m.items():
+            if key.startswith("left_out/") and n:
+                kind = key.removeprefix("left_out/")
+                report.left_out[kind] = report.left_out.get(kind, 0) + int(n)
+        rs = list(results.get(step, {}).values())
+        if step in results:
+            wrong = {key: (m[key], count(rs)) for key, count in _RESULT_COUNTS if key in m and m[key] != count(rs)}
+            if wrong:
+                report.violations.append(
+                    f"{path}: step {step}'s train entry disagrees with results/step_{step:06d}.jsonl (metrics, "
+                    f"results): {wrong}"
+                )
+        if m.get("executions_trained", 0) > len(given.get(step, ())):
+            report.violations.append(
+                f"{path}: step {step} trained {m['executions_trained']} executions but the execution queue gave the "
+                f"trainer {len(given.get(step, ()))} (weight > 0, with records)"
+            )
 
 
 def count_set_aside(workdir: Path) -> int:
@@ -235,13 +306,20 @@ def _flat(tree) -> list[tuple[str, np.ndarray]]:
     return [("", np.asarray(tree))] if tree is not None else []
 
 
+def _named(counts: dict[str, int]) -> str:
+    named = ", ".join(f"{k.replace('_', ' ')} {n}" for k, n in sorted(counts.items()) if n)
+    return f"{sum(counts.values())} ({named})" if named else "0"
+
+
 def summary_line(report: AuditReport) -> str:
     r = report
+    trained = "unknown (metrics without executions_trained)" if r.executions_trained is None else r.executions_trained
     return (
         f"{r.workdir}: {'ok' if r.ok else 'VIOLATIONS'}; checkpoint {r.checkpoint} (next step {r.next_step}/"
-        f"{r.total_steps}), {r.steps_completed} steps, {r.executions_trained} executions trained, lost {r.lost}, "
-        f"double counted {r.double_counted}, set aside {r.set_aside}, resumes {r.resumes}, superseded metrics "
-        f"{r.superseded_metrics}, torn queue tail {r.torn_queue_tail}"
+        f"{r.total_steps}), {r.steps_completed} steps, {r.executions_run} executions run, {trained} trained "
+        f"({r.tokens_trained} tokens), crashed {r.crashed}, left out {_named(r.left_out)}, refused calls "
+        f"{_named(r.refused_calls)}, lost {r.lost}, double counted {r.double_counted}, set aside {r.set_aside}, "
+        f"resumes {r.resumes}, superseded metrics {r.superseded_metrics}, torn queue tail {r.torn_queue_tail}"
     )
 
 

@@ -37,7 +37,6 @@ from gyre_jax.rl.micro_step import GradWorker
 from gyre_jax.rollout import suites
 from gyre_jax.rollout.suites import TaskSuite
 from gyre_jax.rollout.tasks import BuiltinSuite, LongTaskParams
-from gyre_jax.rollout.templates import harness_env
 from gyre_jax.runtime.cells import Cell, CellLayout
 from gyre_jax.serving.engine import Engine
 from gyre_jax.serving.loop import ServingLoop
@@ -227,31 +226,43 @@ class PreflightError(RuntimeError):
 
 
 def preflight(config) -> list[str]:
-    """Checks, before any work starts, that the config's sandbox works here and its harness is installed;
-    raises ``PreflightError`` naming the command that installs what is missing; returns warnings (a harness
-    version other than the pinned one)."""
-    from gyre_jax.rollout.harnesses import HarnessMissing, check_harness
+    """Checks, before any work starts, that the config's sandbox works here and its harness is installed and runs
+    inside that sandbox (``harnesses.check_in_sandbox``: every path it needs visible, its version command run
+    there); raises ``PreflightError`` naming the command that installs what is missing or the path the sandbox
+    does not show; returns warnings (a harness version other than the pinned one)."""
+    from gyre_jax.config.run import resolve_workdir
+    from gyre_jax.rollout.harnesses import HarnessMissing, check_harness, check_in_sandbox, probe_env
     from gyre_jax.rollout.sandbox import SandboxUnavailable, make_sandbox
     from gyre_jax.rollout.verifier import verifier_problem
 
     r = config.rollout
-    sandbox = make_sandbox(r.sandbox, proxy_address=None, state_dir=Path(tempfile.gettempdir()))
+    missing = [p for p in r.sandbox_visible_paths if not Path(p).exists()]
+    if missing:
+        raise PreflightError(
+            f"config.rollout.sandbox_visible_paths entry {missing[0]!r} does not exist on this machine"
+        )
+    sandbox = make_sandbox(r.sandbox, proxy_address=None, state_dir=Path(tempfile.gettempdir()),
+                           hide=[resolve_workdir(config)], visible=r.sandbox_visible_paths)  # fmt: skip
     try:
-        sandbox.check()
-    except SandboxUnavailable as exc:
-        message = str(exc) if "config.rollout.sandbox" in str(exc) else f"config.rollout.sandbox={r.sandbox!r}: {exc}"
-        raise PreflightError(message) from None
+        try:
+            sandbox.check()
+        except SandboxUnavailable as exc:
+            message = (
+                str(exc) if "config.rollout.sandbox" in str(exc) else f"config.rollout.sandbox={r.sandbox!r}: {exc}"
+            )
+            raise PreflightError(message) from None
+        problem = verifier_problem(r.suite, r.sandbox)  # the suite's verifiers' runner (task.toml [verifier.requires])
+        if problem:
+            raise PreflightError(problem)
+        spec = r.harness_spec()
+        env = probe_env(spec)
+        try:
+            warning = check_harness(spec, path=env["PATH"])
+            check_in_sandbox(spec, sandbox, env)  # the harness's own version command, inside the run's sandbox
+        except HarnessMissing as exc:
+            raise PreflightError(str(exc)) from None
     finally:
         sandbox.close()
-    problem = verifier_problem(r.suite, r.sandbox)  # the suite's verifiers' runner (task.toml [verifier.requires])
-    if problem:
-        raise PreflightError(problem)
-    spec = r.harness_spec()
-    path = harness_env("", "", {k: v for k, v in spec.env.items() if k == "PATH"})["PATH"]
-    try:
-        warning = check_harness(spec, path=path)
-    except HarnessMissing as exc:
-        raise PreflightError(str(exc)) from None
     return [warning] if warning else []
 
 

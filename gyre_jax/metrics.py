@@ -66,11 +66,26 @@ def read_metrics(path: str | Path) -> list[dict]:
     return out
 
 
+def _counted(m: dict[str, Any], keys: dict[str, str]) -> str:
+    """``"N"`` or ``"N (what n, ...)"``: the sum of ``m[key]`` over ``keys`` (key -> what), the nonzero ones named."""
+    counts = {what: int(m.get(key, 0) or 0) for key, what in keys.items()}
+    named = ", ".join(f"{what} {n}" for what, n in counts.items() if n)
+    return f"{sum(counts.values())} ({named})" if named else str(sum(counts.values()))
+
+
+REFUSED = {"refused_context": "context", "refused_admission": "admission", "refused_bad_request": "bad request"}
+
+
 def format_step_line(step: int, total: int, m: dict[str, Any]) -> str:
-    """One readable console line per step."""
+    """One readable console line per step: nothing refused or left out in silence (``refused``: model calls the
+    proxy refused, by why; ``left out``: executions the trajectory pipeline did not train on, by why; ``trained``:
+    executions with tokens in the step's micro-batches)."""
+    left_out = {k: k.removeprefix("left_out/").replace("_", " ") for k in sorted(m) if k.startswith("left_out/")}
+    trained = f"trained {m['executions_trained']}  " if "executions_trained" in m else ""
     return (
         f"step {step}/{total}  reward {m.get('reward_mean', float('nan')):.3f}  pass {m.get('pass_rate', float('nan')):.2f}  "
         f"excluded {m.get('excluded', 0)}  timeouts {m.get('timeouts', 0)}  crashed {m.get('crashed', 0)}  "
+        f"refused {_counted(m, REFUSED)}  left out {_counted(m, left_out)}  {trained}"
         f"tokens {m.get('tokens_trained', 0)}  gnorm {m.get('grad_norm', float('nan')):.3f}  "
         f"micro-steps {m.get('micro_steps', 0)}  stale {m.get('staleness_mean', 0):.2f}  idle {m.get('idle_fraction', 0):.2f}  "
         f"step {m.get('step_s', 0):.1f}s  v{m.get('policy_version', 0)}"

@@ -53,7 +53,7 @@ from gyre_jax.metrics import MetricsWriter, format_step_line
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.server import ProxyServer
 from gyre_jax.rl.learner import TrainState
-from gyre_jax.rollout.executor import ExecutionResult, ExecutionSpec, Executor, summarize
+from gyre_jax.rollout.executor import REFUSED_KEYS, ExecutionResult, ExecutionSpec, Executor, summarize
 from gyre_jax.rollout.process_group import kill_leftover_group
 from gyre_jax.rollout.suites import TaskSuite
 from gyre_jax.runtime.remote import Cells
@@ -65,14 +65,41 @@ log = logging.getLogger("gyre_jax")
 EXIT_UNTRAINED = 3  # the exit status of a run stopped by ``UntrainedSteps`` (config.rl.max_untrained_steps)
 
 
+def failed(result: ExecutionResult) -> bool:
+    """Whether an execution failed to give anything to train on: excluded, its harness crashed, or it made no
+    recorded model call (its harness never called the model, or every call was refused)."""
+    return result.excluded or result.status == "crashed" or result.model_calls == 0
+
+
+def refused_text(refused: dict[str, int]) -> str:
+    """``"context 3, bad request 1"`` of ``{kind: count}`` (the nonzero ones, ``errors.REFUSAL_KINDS``)."""
+    return ", ".join(f"{kind.replace('_', ' ')} {n}" for kind, n in refused.items() if n)
+
+
 def untrained_reason(results: list[ExecutionResult], learner_metrics: dict) -> str | None:
-    """Why a step trained nothing from a fault, or None: every execution excluded (the exclusion kinds counted), or
-    the optimizer step skipped for a non-finite loss / gradients. A step with no signal (all groups' rewards equal)
-    or only stale executions is not a fault: None."""
+    """Why a step trained nothing from a fault, or None: every execution excluded (the exclusion kinds counted);
+    no execution trained and every one failed (``failed``: excluded, crashed or no recorded model call, with the
+    refused calls counted by why); no execution trained and the pipeline left out every one it was given for a
+    reason of its own (no records, does not fit ...), none for want of signal; or the optimizer step skipped for a
+    non-finite loss / gradients. A step with no signal (all groups' rewards equal) or only stale executions is not a
+    fault: None."""
     if results and all(r.excluded for r in results):
         kinds = Counter(r.exclusion_kind or "other" for r in results)
         counted = ", ".join(f"{k} {n}" for k, n in kinds.most_common())
         return f"every execution excluded ({len(results)}: {counted})"
+    trained = learner_metrics.get("executions_trained")
+    if results and trained == 0 and all(failed(r) for r in results):
+        counts = summarize(results)
+        parts = [f"{what} {counts[key]}" for what, key in (("crashed", "crashed"), ("excluded", "excluded"),
+                 ("no recorded model call", "no_model_calls")) if counts[key]]  # fmt: skip
+        refused = refused_text({k: counts[key] for k, key in REFUSED_KEYS.items()})
+        return f"every execution failed ({len(results)}: {', '.join(parts)}" + (
+            f"; model calls refused: {refused})" if refused else ")"
+        )
+    left_out = {k.removeprefix("left_out/"): n for k, n in learner_metrics.items() if k.startswith("left_out/") and n}
+    if results and trained == 0 and left_out and "weight_0" not in left_out:
+        counted = ", ".join(f"{k.replace('_', ' ')} {n}" for k, n in left_out.items())
+        return f"the trajectory pipeline left every execution out ({counted})"
     if learner_metrics.get("skipped"):
         loss, gnorm = learner_metrics.get("loss", float("nan")), learner_metrics.get("grad_norm", float("nan"))
         what = "loss" if not np.isfinite(loss) else "gradients"
@@ -95,7 +122,7 @@ class UntrainedSteps:
             self.steps.clear()
             return None
         self.steps.append((step, reason))
-        self.example = next((r.exclusion_reason for r in results if r.excluded), None) or self.example
+        self.example = _example(results) or self.example
         if not self.limit or len(self.steps) < self.limit:
             return None
         first, last = self.steps[0][0], self.steps[-1][0]
@@ -117,6 +144,24 @@ class UntrainedSteps:
             f"See results/step_*.jsonl (exclusion_reason) and the log; config.rl.max_untrained_steps="
             f"{self.limit} (0 turns this check off). Exit code {EXIT_UNTRAINED}."
         )
+
+
+def _example(results: list[ExecutionResult]) -> str | None:
+    """One failed execution, for the stop line: an exclusion reason, else a crashed harness's exit and where its
+    output is, else an execution whose calls were all refused."""
+    excluded = next((r.exclusion_reason for r in results if r.excluded), None)
+    if excluded:
+        return excluded
+    for r in results:
+        if r.status == "crashed":
+            refused = refused_text(r.refused_calls or {})
+            more = f", model calls refused: {refused}" if refused else ""
+            return (
+                f"{r.execution_id}: harness exited {r.returncode}{more}; see executions/{r.execution_id}/harness.stderr"
+            )
+        if r.model_calls == 0 and any((r.refused_calls or {}).values()):
+            return f"{r.execution_id}: every model call refused ({refused_text(r.refused_calls or {})})"
+    return None
 
 
 def plan_specs(seed: int, prefix: str, tasks, samples: int, salt: int) -> list[ExecutionSpec]:
@@ -434,6 +479,7 @@ class Run:
                 k: counts[k]
                 for k in ("evaluator_failures", "evaluator_timeouts", "evaluator_unavailable", "reward_suspect")
             },
+            **{k: counts[k] for k in ("no_model_calls", *REFUSED_KEYS.values())},  # nothing refused in silence
             **learner_metrics,
         }
         self.rundir.metrics.write(step, metrics)

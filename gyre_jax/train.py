@@ -237,7 +237,8 @@ def _executor(config, proxy: ProxyServer, workdir, suite, multi_process: bool) -
     r = config.rollout
     harness = r.harness_spec()
     hide = [workdir, *([suite.root] if isinstance(suite, HarborSuite) else [])]
-    sandbox = make_sandbox(r.sandbox, proxy_address=(proxy.host, proxy.port), hide=hide, state_dir=workdir / "sandbox")
+    sandbox = make_sandbox(r.sandbox, proxy_address=(proxy.host, proxy.port), hide=hide, state_dir=workdir / "sandbox",
+                           visible=r.sandbox_visible_paths)  # fmt: skip
     executor = Executor(
         proxy, proxy.base_url, workdir / "executions", model_name=config.proxy.model_name, timeout_s=r.timeout_s,
         max_parallel=r.max_parallel, temperature=r.temperature, max_tokens=r.max_tokens_per_call,

@@ -643,7 +643,10 @@ CROSS_SECTION = [
         {"rollout.max_tokens_per_call": 1024},
         "config.rollout.max_tokens_per_call=1024 must be in [1, serving.max_seq_len",
     ),
-    ({"serving.max_seq_len": 2048}, "config.trajectory.row_length=1024 must be >= serving.max_seq_len=2048"),
+    (  # a row length set apart from the serving length (derived, it follows serving.max_seq_len)
+        {"serving.max_seq_len": 2048, "trajectory.row_length": 1024},
+        "config.trajectory.row_length=1024 must be >= serving.max_seq_len=2048",
+    ),
     ({"rollout.num_tasks": 0}, "config.eval.split='both' evaluates the training set, which needs a fixed one"),
     (
         {"schedule.policy": "elastic", "cells.num_cells": 1, "cells.data": 8},
@@ -820,3 +823,65 @@ def test_a_paged_pool_holds_one_session_and_routing_replay_needs_the_dense_layou
         RunConfig.from_config_dict(
             {"serving": {"kv_layout": "paged"}, "rl": {"routing_replay": "replay"}, "model": moe}
         )
+
+
+def test_one_key_sets_the_context_length_and_the_others_derive_from_it_unless_set():
+    """``model.max_context`` (docs/harnesses.md, "The context length"): serving.max_seq_len, trajectory.row_length,
+    trajectory.tokens_per_micro_batch and model.attention_impl derive from it; a key set keeps its value."""
+    from gyre_jax.config import load_config
+
+    def lengths(*args):
+        c = load_config(list(args))
+        return (c.serving.max_seq_len, c.trajectory.row_length, c.trajectory.tokens_per_micro_batch,
+                c.model.attention_impl)  # fmt: skip
+
+    assert lengths() == (1024, 1024, 2048, "xla")  # the defaults, as before the key existed
+    assert lengths("--config.model.max_context=4096") == (4096, 4096, 4096, "xla")
+    assert lengths("--config.model.max_context=65536") == (65536, 65536, 65536, "blockwise")  # dense masks: too big
+    assert lengths("--config.model.max_context=65536", "--config.model.attention_impl=xla")[3] == "xla"  # set: kept
+    assert lengths("--config.model.max_context=8192", "--config.trajectory.row_length=16384") == (
+        8192, 16384, 16384, "blockwise")  # fmt: skip
+    assert lengths("--config.serving.max_seq_len=2048") == (2048, 2048, 2048, "xla")  # the row follows serving
+    # presets that set the keys themselves keep their values
+    assert lengths("--config", "configs/xlong_cpu.py") == (36864, 36864, 36864, "blockwise")
+    assert lengths("--config", "configs/gpu_single_host.py") == (32768, 32768, 32768, "xla")
+    # the config as written keeps the keys to derive: a later max_context reaches them (config files, overrides)
+    c = load_config(["--config.model.max_context=8192"])
+    written = c.to_config_dict()
+    assert (written.serving.max_seq_len, written.trajectory.row_length, written.model.attention_impl) == (0, 0, "auto")
+    assert config_from_dict(c, {"model.max_context": 2048}).serving.max_seq_len == 2048
+    assert RunConfig.from_config_dict(json.loads(json.dumps(c.to_dict()))) == c  # config.json: derived values
+    with pytest.raises(ConfigError, match=r"config.model.max_context=1000 \(serving.max_seq_len derives from it\): "
+                                          r"config.serving.page_size=16 must be >= 1 and divide"):  # fmt: skip
+        load_config(["--config.model.max_context=1000"])
+    with pytest.raises(ConfigError, match="config.model.max_context=8 must be >= 16"):
+        load_config(["--config.model.max_context=8"])
+
+
+def test_sandbox_visible_paths_are_absolute_and_bwrap_only():
+    from gyre_jax.config import load_config
+
+    c = load_config(
+        ['--config.rollout.sandbox_visible_paths=("/tmp/venv", "/opt/agent")', "--config.rollout.sandbox=bwrap"]
+    )
+    assert c.rollout.sandbox_visible_paths == ("/tmp/venv", "/opt/agent")
+    with pytest.raises(ConfigError, match="entry 'venv' must be an absolute host path"):
+        load_config(["--config.rollout.sandbox_visible_paths=venv"])
+    with pytest.raises(
+        ConfigError, match="not supported yet: config.rollout.sandbox_visible_paths with sandbox='docker'"
+    ):
+        load_config(["--config.rollout.sandbox_visible_paths=/tmp/venv", "--config.rollout.sandbox=docker"])
+
+
+def test_tuple_keys_on_the_command_line_a_comma_inside_a_value_needs_the_literal_form():
+    """docs/harnesses.md, "Tuple keys on the command line": bare text splits at commas; a Python literal keeps them."""
+    from gyre_jax.config import load_config
+
+    c = load_config(["--config.rollout.harness_env=A=1,B=2"])
+    assert c.rollout.harness_env == ("A=1", "B=2")
+    c = load_config(["--config.rollout.harness_env=('FLAGS=--a,--b', 'B=2')"])
+    assert c.rollout.harness_env == ("FLAGS=--a,--b", "B=2")
+    c = load_config(['--config.rollout.harness_env=("ONE=x,y",)'])
+    assert c.rollout.harness_env == ("ONE=x,y",)
+    with pytest.raises(ConfigError, match=r"entry 'y' must be 'KEY=VALUE'.*a comma inside a value"):
+        load_config(["--config.rollout.harness_env=ONE=x,y"])

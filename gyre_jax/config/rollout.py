@@ -28,9 +28,12 @@ WEIGHT_UPDATE_RULES = ("continue", "recompute")
 KV_LAYOUTS = ("dense", "paged")  # serving.kv_layout
 
 
+DENSE_ATTENTION_MAX = 4096  # tokens: past this a dense [T, T] training mask outgrows a CPU host (coding_cpu.py)
+
+
 @dataclass(frozen=True)
 class ModelSection(ModelConfig, Section):
-    """A decoder (``ModelConfig``'s fields) and where its weights come from."""
+    """A decoder (``ModelConfig``'s fields), where its weights come from, and the run's context length."""
 
     _path = "model"
     vocab_size: int = 272  # byte tokenizer: 256 bytes + 9 special tokens, padded to a multiple of 8
@@ -49,13 +52,25 @@ class ModelSection(ModelConfig, Section):
     checkpoint_dir: str = ""
     # Load only the checkpoint's first N decoder layers (a slice of a real model for tests and short runs); 0 = all.
     checkpoint_layers: int = 0
+    # The context length in tokens (a call's prompt + completion; a trained branch): the one key to change it.
+    # serving.max_seq_len, trajectory.row_length, trajectory.tokens_per_micro_batch and model.attention_impl derive
+    # from it unless set (``RunConfig.derive_context``; docs/harnesses.md, "The context length").
+    max_context: int = 1024
+    # "auto" (derived): "blockwise" (memory linear in the row length) past DENSE_ATTENTION_MAX tokens of max_context
+    # or with context_parallel > 1, else "xla"; or one of the kernels (ModelConfig.attention_impl)
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         self.check_types()
-        try:
+        require(self.max_context >= 16, f"config.model.max_context={self.max_context} must be >= 16 tokens")
+        given = self.attention_impl
+        try:  # "auto" is checked as the kernel it derives to (RunConfig.derive_context sets that one)
+            object.__setattr__(self, "attention_impl", self.derived_attention())
             ModelConfig.__post_init__(self)
         except ValueError:
             raise ConfigError("; ".join(f"config.model.{p}" for p in self.problems())) from None
+        finally:
+            object.__setattr__(self, "attention_impl", given)
         for key in ("dtype", "param_dtype"):
             value = getattr(self, key)
             require(value in DTYPES, f"config.model.{key}={value!r} must be one of {DTYPES}")
@@ -76,6 +91,14 @@ class ModelSection(ModelConfig, Section):
             f"config.model.checkpoint_layers={self.checkpoint_layers} must be >= 0 and needs config.model.checkpoint_dir "
             "(the first layers of a checkpoint; 0 = all)",
         )
+
+    def derived_attention(self) -> str:
+        """``attention_impl`` with "auto" resolved: "blockwise" past ``DENSE_ATTENTION_MAX`` tokens of
+        ``max_context`` or with ``context_parallel > 1`` (ring attention runs the blockwise kernel), else "xla"."""
+        if self.attention_impl != "auto":
+            return self.attention_impl
+        long = self.max_context > DENSE_ATTENTION_MAX or self.context_parallel > 1
+        return "blockwise" if long else "xla"
 
 
 @dataclass(frozen=True)
@@ -135,7 +158,7 @@ class ServingSection(Section):
 
     _path = "serving"
     max_concurrent_decodes: int = 16  # decode slots per cell
-    max_seq_len: int = 1024  # KV cache length per slot (prompt + completion)
+    max_seq_len: int = 0  # KV cache length per slot (prompt + completion); 0: model.max_context
     max_prefill_length: int = 256  # tokens per prefill call: longer prompts are prefilled in chunks between decodes
     prefill_buckets: tuple[int, ...] = (128, 256, 512, 1024)
     page_size: int = 16  # tokens per KV page (divides max_seq_len)
@@ -165,7 +188,31 @@ class ServingSection(Section):
             s.max_concurrent_decodes >= 1,
             f"config.serving.max_concurrent_decodes={s.max_concurrent_decodes} must be >= 1",
         )
-        require(s.max_seq_len >= 16, f"config.serving.max_seq_len={s.max_seq_len} must be >= 16")
+        require(
+            s.max_seq_len == 0 or s.max_seq_len >= 16,
+            f"config.serving.max_seq_len={s.max_seq_len} must be >= 16 (or 0: model.max_context)",
+        )
+        require(
+            s.kv_pages >= 0, f"config.serving.kv_pages={s.kv_pages} must be >= 0 (0 disables the session prefix cache)"
+        )
+        require(s.decode_steps >= 1, f"config.serving.decode_steps={s.decode_steps} must be >= 1")
+        require(s.decode_lookahead >= 1, f"config.serving.decode_lookahead={s.decode_lookahead} must be >= 1")
+        require(s.kv_layout in KV_LAYOUTS, f"config.serving.kv_layout={s.kv_layout!r} must be one of {KV_LAYOUTS}")
+        if s.max_seq_len:  # 0: derived from model.max_context (RunConfig.derive_context), checked then
+            s._check_lengths()
+        require(
+            s.on_weight_update in WEIGHT_UPDATE_RULES,
+            f"config.serving.on_weight_update={s.on_weight_update!r} must be 'continue' or 'recompute'",
+        )
+        require(
+            not (s.on_weight_update == "recompute" and s.reuse_stale_kv),
+            "config.serving.reuse_stale_kv=True contradicts on_weight_update='recompute' (which recomputes KV "
+            "under new weights)",
+        )
+
+    def _check_lengths(self) -> None:
+        """The checks that need ``max_seq_len``: the prefill chunk and buckets, the page size, a paged pool."""
+        s = self
         require(
             1 <= s.max_prefill_length <= s.max_seq_len,
             f"config.serving.max_prefill_length={s.max_prefill_length} must be in [1, serving.max_seq_len={s.max_seq_len}]",
@@ -185,25 +232,10 @@ class ServingSection(Section):
             f"config.serving.page_size={s.page_size} must be >= 1 and divide serving.max_seq_len={s.max_seq_len}",
         )
         require(
-            s.kv_pages >= 0, f"config.serving.kv_pages={s.kv_pages} must be >= 0 (0 disables the session prefix cache)"
-        )
-        require(s.decode_steps >= 1, f"config.serving.decode_steps={s.decode_steps} must be >= 1")
-        require(s.decode_lookahead >= 1, f"config.serving.decode_lookahead={s.decode_lookahead} must be >= 1")
-        require(s.kv_layout in KV_LAYOUTS, f"config.serving.kv_layout={s.kv_layout!r} must be one of {KV_LAYOUTS}")
-        require(
             s.kv_layout == "dense" or s.kv_pages * s.page_size >= s.max_seq_len,
             f"config.serving.kv_layout='paged' holds every slot and cached session in kv_pages={s.kv_pages} pages "
             f"of {s.page_size} tokens, fewer than one session of max_seq_len={s.max_seq_len}: raise serving.kv_pages "
             f"to >= {s.max_seq_len // s.page_size}",
-        )
-        require(
-            s.on_weight_update in WEIGHT_UPDATE_RULES,
-            f"config.serving.on_weight_update={s.on_weight_update!r} must be 'continue' or 'recompute'",
-        )
-        require(
-            not (s.on_weight_update == "recompute" and s.reuse_stale_kv),
-            "config.serving.reuse_stale_kv=True contradicts on_weight_update='recompute' (which recomputes KV "
-            "under new weights)",
         )
 
 
@@ -278,6 +310,10 @@ class RolloutSection(Section):
     harness_cmd: str = ""  # a templated command line (shell words): required by "command", overrides a preset's
     harness_env: tuple[str, ...] = ()  # "KEY=VALUE" templates added to (or overriding) the harness's environment
     sandbox: str = "none"  # none | bwrap | docker (what each isolates: docs/tasks.md)
+    # host paths the bwrap sandbox keeps visible, read-only, where it would show nothing (its own empty /tmp and
+    # /run, the hidden $HOME and run directory): a harness installed in a venv under /tmp or $HOME, its config
+    # (docs/harnesses.md, "Harnesses in a sandbox"); checked by the preflight, which runs the harness there first
+    sandbox_visible_paths: tuple[str, ...] = ()
     task_kinds: tuple[str, ...] = ("copy", "reverse")
     alphabet: str = "digits"  # input.txt holds input_min_len..input_max_len random characters
     input_min_len: int = 2
@@ -378,6 +414,17 @@ class RolloutSection(Section):
 
     def _check_harness(self) -> None:
         require(self.sandbox in SANDBOXES, f"config.rollout.sandbox={self.sandbox!r} must be one of {SANDBOXES}")
+        for path in self.sandbox_visible_paths:
+            require(
+                path.startswith("/") and "\0" not in path and path.rstrip("/") != "",
+                f"config.rollout.sandbox_visible_paths entry {path!r} must be an absolute host path other than / (a "
+                "harness's install, e.g. '/tmp/venv')",
+            )
+        require(
+            not self.sandbox_visible_paths or self.sandbox != "docker",
+            "not supported yet: config.rollout.sandbox_visible_paths with sandbox='docker' (a container sees its image; "
+            "install the harness in the task's Dockerfile), use sandbox='bwrap'",
+        )
         try:
             harness_spec(self.harness, self.harness_cmd, self.harness_env)
         except ValueError as exc:

@@ -10,6 +10,8 @@ here, each by one method.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ml_collections import config_dict
 
-from gyre_jax.config.base import Section, require
+from gyre_jax.config.base import ConfigError, Section, require
 from gyre_jax.config.cluster import AXES, CellsSection, DevicesSection, DistributedSection, MeshSection
 from gyre_jax.config.rollout import ModelSection, ProxySection, RolloutSection, ServingSection, TokenizerSection
 from gyre_jax.config.training import (
@@ -38,6 +40,7 @@ if TYPE_CHECKING:  # the components' modules import JAX: the derivations import 
     from gyre_jax.rl.loss_config import LossConfig
     from gyre_jax.trajectory.pipeline import TrajectoryConfig
 
+MIN_MICRO_BATCH_TOKENS = 2048  # a derived trajectory.tokens_per_micro_batch: whole rows, at least this many tokens
 # Logical axis -> mesh axes (MaxText style). Changing parallelism never touches model code.
 SHARDING_RULES = RULES_FSDP_TENSOR
 
@@ -100,11 +103,38 @@ class RunConfig(Section):
     def __post_init__(self):
         self.check_types()
         object.__setattr__(self, "sharding_rules", _sharding_rules(self.sharding_rules))
+        object.__setattr__(self, "_as_written", self.as_tree())  # before derive_context: what to_config_dict gives
+        self.derive_context()
         require(self.total_steps >= 0, f"config.total_steps={self.total_steps} must be >= 0")
         require(self.checkpoint_every >= 1, f"config.checkpoint_every={self.checkpoint_every} must be >= 1")
         require(self.keep_checkpoints >= 1, f"config.keep_checkpoints={self.keep_checkpoints} must be >= 1")
         require(bool(self.workdir), "config.workdir must be a non-empty path")
         validate(self)
+
+    def derive_context(self) -> None:
+        """Fills the keys left to derive (0, or "auto") from ``model.max_context``, once, at construction:
+        ``serving.max_seq_len`` = ``model.max_context``; ``trajectory.row_length`` = ``serving.max_seq_len`` (a
+        branch fills a row); ``trajectory.tokens_per_micro_batch`` = whole rows of at least ``MIN_MICRO_BATCH_TOKENS``
+        tokens; ``model.attention_impl`` = "blockwise" past ``DENSE_ATTENTION_MAX`` tokens of context (or with
+        context parallelism), else "xla". A key set in the config keeps its value (and is checked against the
+        others by ``validate``)."""
+        m, sv, t = self.model, self.serving, self.trajectory
+        seq = sv.max_seq_len or m.max_context
+        row = t.row_length or seq
+        tokens = t.tokens_per_micro_batch or row * max(1, -(-MIN_MICRO_BATCH_TOKENS // row))
+        try:
+            serving = dataclasses.replace(sv, max_seq_len=seq) if seq != sv.max_seq_len else sv
+        except ConfigError as exc:
+            raise ConfigError(
+                f"config.model.max_context={m.max_context} (serving.max_seq_len derives from it): {exc}"
+            ) from None
+        trajectory = t
+        if (row, tokens) != (t.row_length, t.tokens_per_micro_batch):
+            trajectory = dataclasses.replace(t, row_length=row, tokens_per_micro_batch=tokens)
+        model = dataclasses.replace(m, attention_impl=m.derived_attention()) if m.attention_impl == "auto" else m
+        object.__setattr__(self, "serving", serving)
+        object.__setattr__(self, "trajectory", trajectory)
+        object.__setattr__(self, "model", model)
 
     # -- conversions ---------------------------------------------------------------------------------------
     @classmethod
@@ -114,11 +144,13 @@ class RunConfig(Section):
         return cls.from_dict(values)
 
     def to_config_dict(self) -> config_dict.ConfigDict:
-        """The ConfigDict of this config (the form config files and ``--config.a.b=value`` overrides edit)."""
-        return config_dict.ConfigDict(self.as_tree())
+        """The ConfigDict of this config as written, derived keys still to derive (0 / "auto"): the form config files
+        and ``--config.a.b=value`` overrides edit, so a new ``model.max_context`` reaches the keys it derives."""
+        return config_dict.ConfigDict(copy.deepcopy(self.__dict__["_as_written"]))
 
     def to_dict(self) -> dict[str, Any]:
-        """A plain, JSON-serializable dict (tuples become lists): the run's ``config.json``."""
+        """A plain, JSON-serializable dict (tuples become lists) with every derived key's value: the run's
+        ``config.json`` (read back, it is the same config)."""
         return _jsonable(self.as_tree())
 
     # -- what the components get ---------------------------------------------------------------------------

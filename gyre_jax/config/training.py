@@ -135,9 +135,11 @@ class TrajectorySection(Section):
 
     _path = "trajectory"
     packing: str = "tree"  # tree: shared prefixes computed once (ancestor-only attention) | plain: a branch per row
-    row_length: int = 1024  # tokens per packed row; >= serving.max_seq_len so every branch fits a row (split
-    # over model.context_parallel devices: each holds row_length / context_parallel of a row's tokens)
-    tokens_per_micro_batch: int = 2048  # rows per micro-batch = this / row_length (fixed shape: one compile)
+    row_length: int = 0  # tokens per packed row; >= serving.max_seq_len so every branch fits a row (split
+    # over model.context_parallel devices: each holds row_length / context_parallel of a row's tokens); 0: derived
+    # from serving.max_seq_len (which derives from model.max_context)
+    # rows per micro-batch = this / row_length (fixed shape: one compile); 0: derived, whole rows of >= 2048 tokens
+    tokens_per_micro_batch: int = 0
     max_sequences_per_micro_batch: int = 64  # sequence slots per micro-batch (GSPO ratios, advantages, weights)
     open_micro_batches: int = 4  # micro-batches filled at once: more packs tighter, 1 streams each as soon as full
     stream_order: str = "task"  # groups enter the pipeline in task order (deterministic) | arrival (sooner)
@@ -147,9 +149,11 @@ class TrajectorySection(Section):
         self.check_types()
         t = self
         require(t.packing in PACKINGS, f"config.trajectory.packing={t.packing!r} must be 'tree' or 'plain'")
-        require(t.row_length >= 1, f"config.trajectory.row_length={t.row_length} must be >= 1")
+        require(t.row_length >= 0, f"config.trajectory.row_length={t.row_length} must be >= 1 (or 0: derived)")
         require(
-            t.tokens_per_micro_batch >= t.row_length and t.tokens_per_micro_batch % t.row_length == 0,
+            t.tokens_per_micro_batch == 0
+            or t.row_length == 0  # a derived row length: checked once it is set
+            or (t.tokens_per_micro_batch >= t.row_length and t.tokens_per_micro_batch % t.row_length == 0),
             f"config.trajectory.tokens_per_micro_batch={t.tokens_per_micro_batch} must be a positive multiple of "
             f"trajectory.row_length={t.row_length} (micro-batches are rows x row_length tokens)",
         )

@@ -39,6 +39,7 @@ from gyre_jax.elastic.state import Cells, ClusterState, Role, TrainingFacts, clu
 from gyre_jax.elastic.switcher import Switcher
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.elastic.training import CellTraining
+from gyre_jax.trajectory.pipeline import left_out_counts
 
 log = logging.getLogger("gyre_jax.controller")
 
@@ -285,6 +286,9 @@ class Controller:
             "dropped_stale": len(run.staleness.dropped),
             "skipped_groups": run.skipped_groups,
             "executions_excluded_by_pipeline": len(run.pipeline_excluded),
+            # executions with tokens in the step's micro-batches, and those the pipeline left out by why
+            "executions_trained": stats.get("executions", 0) - stats.get("excluded", 0),
+            **left_out_counts(reason for _, reason in run.pipeline_excluded),
             "calls_untrained_greedy": stats.get("greedy_calls", 0),
             "tokens_computed": stats.get("tokens_computed", 0),
             "tokens_trained": stats.get("tokens_trained", 0),

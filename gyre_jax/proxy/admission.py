@@ -13,7 +13,7 @@ import asyncio
 import collections
 from dataclasses import dataclass
 
-from gyre_jax.proxy.errors import ProxyError
+from gyre_jax.proxy.errors import ProxyError, rate_limited
 from gyre_jax.proxy.waiting import IsDisconnected
 
 QUEUED_POLL_S = 0.25  # how often a queued call checks whether its client went away
@@ -35,10 +35,10 @@ class AdmissionStats:
 class Admission:
     """The slots of model calls: ``await acquire(is_disconnected)`` before running one, ``release()`` after.
 
-    ``retry_after_s`` is what a refusal's ``Retry-After`` header says (whole seconds, >= 1).
+    ``retry_after_s`` is what a refusal's ``Retry-After`` header says (whole seconds, >= 1); ``model`` is named in it.
     """
 
-    def __init__(self, max_active: int, max_queued: int, retry_after_s: int = 1) -> None:
+    def __init__(self, max_active: int, max_queued: int, retry_after_s: int = 1, model: str = "this model") -> None:
         if max_active < 1:
             raise ValueError(f"max_active_calls={max_active} must be >= 1")
         if max_queued < 0:
@@ -48,6 +48,7 @@ class Admission:
         self.max_active = max_active
         self.max_queued = max_queued
         self.retry_after_s = retry_after_s
+        self.model = model
         self._active = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._stats = AdmissionStats()
@@ -102,14 +103,11 @@ class Admission:
 
     def refusal(self) -> ProxyError:
         """The 429 of a call that found every slot and the queue full."""
-        return ProxyError(
-            429,
-            f"the proxy is at its limit of {self.max_active} model calls in flight and {self.max_queued} waiting; "
-            f"retry after {self.retry_after_s} s (or raise config.proxy.max_active_calls / max_queued_calls)",
-            error_type="rate_limit_error",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": str(self.retry_after_s)},
+        detail = (
+            f"model calls in flight: Limit {self.max_active} active and {self.max_queued} waiting, all in use (raise "
+            "config.proxy.max_active_calls / max_queued_calls for more)"
         )
+        return rate_limited(self.model, detail, self.retry_after_s)
 
     def _leave(self, slot: asyncio.Future[None]) -> None:
         self._stats.left_queue += 1

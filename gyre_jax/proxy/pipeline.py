@@ -15,7 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from gyre_jax.proxy import chat_format, sampling, tito
-from gyre_jax.proxy.errors import ProxyError, internal_error
+from gyre_jax.proxy.errors import ContextOverflow, ProxyError, internal_error
 from gyre_jax.proxy.identity import Execution
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.sampling import CLIENT, SamplingPolicy
@@ -161,15 +161,8 @@ class TurnPipeline:
         call_number = execution.next_call_number()
         max_context = int(self.backend.max_context)
         room = max_context - prompt_len
-        if room < 1:
-            raise ProxyError(
-                400,
-                f"the prompt is {prompt_len} tokens but the model's context is {max_context} tokens, which leaves no "
-                f"room for a completion (at most {max_context - 1} prompt tokens); shorten or summarize the "
-                "conversation",
-                code="context_length_exceeded",
-                param="messages",
-            )
+        if room < 1:  # worded as each API words it, so harnesses recognise the overflow and compact
+            raise ContextOverflow(prompt_len, max_context)
         requested = request.max_tokens or self.default_max_tokens
         if self.max_tokens_cap is not None:
             requested = min(requested, self.max_tokens_cap)

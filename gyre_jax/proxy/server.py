@@ -18,6 +18,7 @@ admission (``admission.py``: 429 + Retry-After beyond it); slow or abusive conne
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -26,7 +27,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import uvicorn
@@ -45,12 +46,12 @@ from gyre_jax.proxy.adapters.openai_responses import Responses
 from gyre_jax.proxy.admission import Admission
 from gyre_jax.proxy.chat_format import ChatFormat
 from gyre_jax.proxy.connections import ConnectionCap, ConnectionLimits, GuardedH11Protocol
-from gyre_jax.proxy.errors import ProxyError, internal_error
+from gyre_jax.proxy.errors import REFUSAL_KINDS, ProxyError, internal_error, refusal_kind
 from gyre_jax.proxy.identity import MAX_THREADS_PER_EXECUTION, Execution, Executions, thread_base
 from gyre_jax.proxy.pipeline import DEFAULT_MAX_TOKENS, TurnPipeline
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.sampling import CLIENT, SamplingPolicy
-from gyre_jax.proxy.turns import Turn, TurnRequest
+from gyre_jax.proxy.turns import Failed, Turn, TurnEvent, TurnRequest
 from gyre_jax.serving.types import GenerationBackend
 
 logger = logging.getLogger(__name__)
@@ -183,10 +184,12 @@ class ProxyServer:
         self.tools_format = tools_format
         self.max_tokens_cap = max_tokens_cap
         self.max_threads_per_execution = max_threads_per_execution
-        self._admission = Admission(max_active_calls, max_queued_calls, retry_after_s)
+        self._admission = Admission(max_active_calls, max_queued_calls, retry_after_s, model=model_name)
         # room for every admitted and queued call, plus 256 for the rest (429s, count_tokens, models, health)
         self.limits = limits or ConnectionLimits(max_requests=max_active_calls + max_queued_calls + 256)
         self._executions = Executions(record_store, max_threads_per_execution)
+        self._refusals: dict[str, collections.Counter[str]] = {}  # execution id -> refused calls by kind
+        self._refusals_lock = threading.Lock()  # written on the event loop, read by the executor's threads
         self._pipeline = TurnPipeline(backend, tokenizer, record_store, model_name, seed=seed,
                                       default_max_tokens=default_max_tokens, tools_format=tools_format,
                                       max_tokens_cap=max_tokens_cap, sampling=sampling)  # fmt: skip
@@ -306,6 +309,29 @@ class ProxyServer:
         stats = dataclasses.asdict(self._admission.stats())
         return {**stats, "refused_503": self._cap.refused if self._cap is not None else 0}
 
+    def execution_refusals(self, execution_id: str) -> dict[str, int]:
+        """How many of the execution's model calls were refused, by why (``errors.REFUSAL_KINDS``: ``context`` a
+        prompt over the context, ``admission`` a 429, ``bad_request`` any other 4xx of what it sent); a stream that
+        failed after its headers counts too."""
+        with self._refusals_lock:
+            counts = self._refusals.get(execution_id, {})
+            return {kind: counts.get(kind, 0) for kind in REFUSAL_KINDS}
+
+    def _count_refusal(self, execution_id: str, err: ProxyError) -> None:
+        kind = refusal_kind(err)
+        if kind is None:
+            return
+        with self._refusals_lock:
+            counts = self._refusals.setdefault(execution_id, collections.Counter())
+            counts[kind] += 1
+
+    async def _counted(self, execution: Execution, events: AsyncIterator[TurnEvent]) -> AsyncIterator[TurnEvent]:
+        """``events`` of a stream, counting a ``Failed`` one as the execution's refusal (``_count_refusal``)."""
+        async for event in events:
+            if isinstance(event, Failed):
+                self._count_refusal(execution.execution_id, event.error)
+            yield event
+
     def execution_threads(self, execution_id: str) -> list[str]:
         """Thread ids the execution's live state knows (least recently used first)."""
         return self._executions.get(execution_id).thread_ids()
@@ -372,6 +398,13 @@ class ProxyServer:
         async def handle(request: Request) -> Response:
             t_start = time.time()
             execution = self._executions.authenticate(request.headers)
+            try:
+                return await admitted(request, execution, t_start)
+            except ProxyError as err:  # refused: counted for the execution (``execution_refusals``)
+                self._count_refusal(execution.execution_id, err)
+                raise
+
+        async def admitted(request: Request, execution: Execution, t_start: float) -> Response:
             body = await read_json(request, self.max_request_bytes, self.limits.body_timeout_s)
             turn_request = adapter.parse(body)
             if not await self._admission.acquire(request.is_disconnected):
@@ -392,7 +425,8 @@ class ProxyServer:
             if (turn_request.n or 1) > 1:
                 return await self._choices(adapter, turn, request)
             if turn_request.stream:
-                return sse.response(adapter.stream(turn, self._pipeline.stream(turn, request.is_disconnected)))
+                events = self._counted(execution, self._pipeline.stream(turn, request.is_disconnected))
+                return sse.response(adapter.stream(turn, events))
             completion = await self._pipeline.run(turn, request.is_disconnected)
             if completion is None:  # the client went away; nobody reads this
                 return Response(status_code=499)
@@ -404,7 +438,7 @@ class ProxyServer:
         """A call with several choices (n > 1): each its own generation and record, answered together."""
         turns = self._pipeline.choices(turn)
         if turn.request.stream:
-            events = self._pipeline.stream_choices(turns, request.is_disconnected)
+            events = self._counted(turn.execution, self._pipeline.stream_choices(turns, request.is_disconnected))
             return sse.response(adapter.stream_choices(turns, events))
         completions = await self._pipeline.run_choices(turns, request.is_disconnected)
         if completions is None:

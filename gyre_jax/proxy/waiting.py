@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
-from gyre_jax.proxy.errors import ProxyError, execution_ended
+from gyre_jax.proxy.errors import ContextOverflow, ProxyError, execution_ended
 from gyre_jax.proxy.turns import Delta, Turn
 from gyre_jax.serving.types import ContextTooLongError, GenerationBackend, GenerationResult, TokenChunk
 
@@ -81,19 +81,13 @@ class Waiter:
         waiting.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "exception was never retrieved"
         return waiting
 
-    @staticmethod
-    def checked_result(turn: Turn, waiting: asyncio.Future[GenerationResult]) -> GenerationResult:
+    def checked_result(self, turn: Turn, waiting: asyncio.Future[GenerationResult]) -> GenerationResult:
         """The generation, or the ProxyError its failure means to the client (400 context, 409 ended, 503)."""
         try:
             result = waiting.result()
-        except ContextTooLongError as exc:
-            raise ProxyError(
-                400,
-                f"the prompt of {turn.prompt_tokens} tokens does not fit the serving context: {exc}; "
-                "shorten or summarize the conversation",
-                code="context_length_exceeded",
-                param="messages",
-            ) from None
+        except ContextTooLongError as exc:  # the serving cell's own limit: worded as the proxy's own overflow
+            limit = int(self.backend.max_context)
+            raise ContextOverflow(turn.prompt_tokens, limit, detail=f"the serving backend refused it: {exc}") from None
         except ValueError as exc:
             if not turn.generation.sampling.stop_strings:
                 raise

@@ -30,7 +30,10 @@ Serialized form of an ``ExecutionResult`` (``to_dict``)::
                        | "evaluator_unavailable" | "reward_suspect" | "setup_failed" | "executor_error" | "cancelled",
      "reward_suspect": null | str,
      "sandbox": null | {"backend", "network", "cpus", "memory_mb", "allow_internet", "limits", "not_applied", ...},
-     "killed_reason": null | "timeout" | "workspace_full"}
+     "killed_reason": null | "timeout" | "workspace_full",
+     "model_calls": null | int,       (calls the proxy recorded for it; null: the harness never started)
+     "refused_calls": null | {"context": int, "admission": int, "bad_request": int}}
+                                      (its model calls the proxy refused, by why: docs/proxy.md, "Errors")
 
 Harness command lines, ``extra_env`` values and ``harness_files`` contents are templates (``PLACEHOLDERS``,
 filled with the paths the harness sees): ``{task}`` (its task.json), ``{instruction_file}``,
@@ -90,7 +93,11 @@ PLACEHOLDERS = ("task", "instruction_file", "model", "temperature", "max_tokens"
 
 
 class ExecutionRegistry(Protocol):
-    """What the executor needs from the proxy: a per-execution API key, and a close when it ends."""
+    """What the executor needs from the proxy: a per-execution API key, and a close when it ends.
+
+    A registry that also has ``execution_calls(execution_id) -> int`` and ``execution_refusals(execution_id) ->
+    {kind: count}`` (the ``ProxyServer`` has both) is asked for them once the execution is closed, and the result
+    records them (``model_calls``, ``refused_calls``): a harness whose every call was refused is then visible."""
 
     def open_execution(self, execution_id: str) -> str: ...
 
@@ -132,6 +139,8 @@ class ExecutionResult:
     killed_reason: str | None = None
     # signs that the execution tampered with its own reward (evaluators.RewardSuspect), scored or excluded
     reward_suspect: str | None = None
+    model_calls: int | None = None  # model calls the proxy recorded for it (None: not known)
+    refused_calls: dict[str, int] | None = None  # its model calls the proxy refused, by kind (errors.REFUSAL_KINDS)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -161,13 +170,20 @@ class ExecutionResult:
         return cls(**{n: data[n] for n in names if n in data})
 
 
+REFUSED_KEYS = {"context": "refused_context", "admission": "refused_admission", "bad_request": "refused_bad_request"}
+
+
 def summarize(results: Sequence[ExecutionResult]) -> dict[str, float]:
     """Counts for metrics: executions, finished / timeout / crashed, excluded, evaluator failures (crash, timeout,
     a bad value or an evaluator that could not run: excluded, not scored 0), the evaluators that could not run,
-    the executions suspected of tampering with their reward (excluded or not), and the mean reward of the
-    scored ones."""
+    the executions suspected of tampering with their reward (excluded or not), the executions whose harness ran
+    and made no recorded model call (``no_model_calls``), the model calls the proxy refused by why
+    (``refused_context``, ``refused_admission``, ``refused_bad_request``), and the mean reward of the scored ones."""
     scored = [r.reward for r in results if r.reward is not None]
     kinds = Counter(r.exclusion_kind for r in results if r.excluded)
+    refused: Counter[str] = Counter()
+    for r in results:
+        refused.update(r.refused_calls or {})
     return {
         "executions": len(results),
         "finished": sum(r.status == "finished" for r in results),
@@ -180,6 +196,8 @@ def summarize(results: Sequence[ExecutionResult]) -> dict[str, float]:
         "evaluator_timeouts": kinds["evaluator_timeout"],
         "evaluator_unavailable": kinds["evaluator_unavailable"],
         "reward_suspect": sum(r.reward_suspect is not None for r in results),
+        "no_model_calls": sum(r.model_calls == 0 for r in results),
+        **{key: refused[kind] for kind, key in REFUSED_KEYS.items()},
         "reward_mean": sum(scored) / len(scored) if scored else float("nan"),
     }
 
@@ -352,10 +370,12 @@ class Executor:
 
         applied: dict[str, Any] = {}  # what the sandbox applied, once the harness started
         killed: list[str | None] = [None]
+        calls: dict[str, Any] = {}  # the proxy's counts of the execution's calls, once it is closed
 
         def result(status, reward, reason, returncode, duration, kind=None, suspect=None) -> ExecutionResult:
             r = _result(spec, workspace, status, reward, reason, returncode, duration, kind)
             r.sandbox, r.killed_reason, r.reward_suspect = applied or None, killed[0], suspect
+            r.model_calls, r.refused_calls = calls.get("model_calls"), calls.get("refused_calls")
             _write_result(exec_dir, r)
             return r
 
@@ -388,6 +408,7 @@ class Executor:
                 self.registry.close_execution(spec.execution_id)
             except Exception:  # noqa: BLE001 - the harness is done; a failed close must not lose the result
                 logger.exception("close_execution failed for execution %s", spec.execution_id)
+            calls.update(_call_counts(self.registry, spec.execution_id))
         if cancelled:
             return result("crashed", None, "cancelled", returncode, duration, "cancelled")
         evaluator, timeout_s = self._evaluator_for(spec.task)
@@ -470,6 +491,20 @@ class Executor:
                                    workspace=workspace, max_workspace_bytes=self.max_workspace_bytes)  # fmt: skip
         finally:
             prepared.cleanup()
+
+
+def _call_counts(registry: ExecutionRegistry, execution_id: str) -> dict[str, Any]:
+    """``model_calls`` and ``refused_calls`` of a closed execution, from a registry that counts them (the proxy);
+    {} from one that does not (see ``ExecutionRegistry``)."""
+    out: dict[str, Any] = {}
+    try:
+        if callable(count := getattr(registry, "execution_calls", None)):
+            out["model_calls"] = int(count(execution_id))
+        if callable(refusals := getattr(registry, "execution_refusals", None)):
+            out["refused_calls"] = {k: int(v) for k, v in refusals(execution_id).items()}
+    except Exception:  # noqa: BLE001 - counts are for metrics; the result must not be lost for them
+        logger.exception("could not read the call counts of execution %s", execution_id)
+    return out
 
 
 def _result(

@@ -6,7 +6,9 @@ optional command line (``rollout.harness_cmd``, a shell-quoted string) and ``KEY
 (``rollout.harness_env``) into a ``HarnessSpec``. Everything in a spec is a template the executor fills per
 execution (``PLACEHOLDERS``; ``{task.FIELD}`` too) — argv, environment values and file contents alike — so a
 preset names no host path of its own: under a sandbox the executor's values are the inside paths (/app, /gyre).
-``check_harness`` says before a run whether the harness's command is installed, and at the pinned version.
+``check_harness`` says before a run whether the harness's command is installed, and at the pinned version;
+``check_in_sandbox`` that it runs inside the run's sandbox too (every path it needs visible there: a harness in a
+venv under /tmp or $HOME needs ``rollout.sandbox_visible_paths``).
 
 The presets (docs/harnesses.md has the table):
 
@@ -22,6 +24,13 @@ The presets (docs/harnesses.md has the table):
   provider.
 - ``opencode``: ``opencode run`` with ``{exec_dir}/opencode.json`` naming the proxy as an OpenAI-compatible
   provider.
+- ``qwen-code``: Qwen Code (``qwen``, the Qwen family's own CLI) headless, OpenAI chat API, tools auto-approved,
+  stream-json output, its state and settings (no telemetry, no update checks) under ``{exec_dir}/home``.
+- ``openhands``: an OpenHands SDK agent (``openhands-sdk`` with its terminal and file-editor tools) run headless by
+  ``harness_configs/openhands_agent.py`` through litellm (OpenAI chat API); it needs Python >= 3.12 in its own
+  venv: give that venv's interpreter as the command's first word (``rollout.harness_cmd``).
+- ``llm``: Simon Willison's ``llm`` CLI, one prompt through OpenAI chat (``{exec_dir}/llm/extra-openai-models.yaml``
+  names the proxy as a model): no tools, so no workspace changes; a plain client for the table.
 - ``command``: any harness: ``rollout.harness_cmd`` is the whole command line (no files, no install line).
 """
 
@@ -39,7 +48,8 @@ from pathlib import Path, PurePosixPath
 
 from gyre_jax.rollout import templates
 
-HARNESSES = ("reference", "long", "claude-code", "mini-swe-agent", "codex", "opencode", "command")
+HARNESSES = ("reference", "long", "claude-code", "mini-swe-agent", "codex", "opencode", "qwen-code", "openhands", "llm",
+             "command")  # fmt: skip
 # What the executor fills in a harness's argv, environment values and files (besides ``{task.FIELD}``).
 PLACEHOLDERS = ("task", "instruction_file", "workspace", "exec_dir", "base_url", "anthropic_base_url", "api_key",
                 "model", "temperature", "max_tokens", "seed", "execution_id", "timeout_s", "max_turns")  # fmt: skip
@@ -56,7 +66,7 @@ LONG_HARNESS_CMD: tuple[str, ...] = (sys.executable, "-m", "gyre_jax.rollout.lon
 
 _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _NESTED_RE = re.compile(r"\{\{(?:task\.)?[A-Za-z_][A-Za-z0-9_]*\}\}")  # ``{{task}}``: Jinja meeting a placeholder
-_VERSION_RE = re.compile(r"\d+\.\d+\.\d+[0-9A-Za-z.+-]*")
+_VERSION_RE = re.compile(r"\d+\.\d+(?:\.\d+)?[0-9A-Za-z.+-]*")  # 2.1.332, 0.36, 1.0.0rc1
 _CONFIGS = Path(__file__).resolve().parent / "harness_configs"
 
 
@@ -103,6 +113,9 @@ CLAUDE_CODE_VERSION = "2.1.332"  # tests/integration/npm/package.json pins the s
 CODEX_VERSION = "0.171.0"
 OPENCODE_VERSION = "1.18.33"
 MINI_SWE_AGENT_VERSION = "2.4.6"  # pyproject's test extra pins the same
+QWEN_CODE_VERSION = "0.24.4"  # tests/integration/npm/package.json pins the same
+OPENHANDS_SDK_VERSION = "1.58.2"  # openhands-sdk and openhands-tools, the same release
+LLM_VERSION = "0.36"  # tests/integration/requirements-llm.txt pins the same
 
 # ``rollout.harness_cmd`` for the claude-code preset that keeps Claude Code an agent (Bash, Read, Edit) with a
 # first request of ~4.2K prompt tokens with a byte tokenizer (qwen3 tool format; ~0.8K with the compact one)
@@ -111,6 +124,15 @@ MINI_SWE_AGENT_VERSION = "2.4.6"  # pyproject's test extra pins the same
 CLAUDE_CODE_SMALL_CMD = (
     "claude -p {task.instruction} --model {model} --max-turns {max_turns} --dangerously-skip-permissions "
     "--output-format stream-json --verbose --bare --tools Bash,Read,Edit --system-prompt "
+    "'You are a coding agent. Use the tools to do the task in the current directory, then say Done.'"
+)
+
+# ``rollout.harness_cmd`` for the qwen-code preset with a first request of ~11.6K prompt tokens with a byte tokenizer
+# (compact tool format) instead of ~64.7K: ``--bare`` (no auto-discovered context, skills or extensions), the shell
+# tool alone and a short system prompt. docs/harnesses.md has the measurements.
+QWEN_CODE_SMALL_CMD = (
+    "qwen -p {task.instruction} -m {model} --auth-type openai --openai-base-url {base_url} --yolo --output-format "
+    "stream-json --max-session-turns {max_turns} --bare --core-tools run_shell_command --system-prompt "
     "'You are a coding agent. Use the tools to do the task in the current directory, then say Done.'"
 )
 
@@ -157,6 +179,26 @@ OPENCODE_CONFIG = """\
 """
 
 
+# Qwen Code's settings (its home's .qwen/settings.json): no usage statistics, telemetry or update checks offline.
+QWEN_CODE_SETTINGS = """\
+{
+  "privacy": {"usageStatisticsEnabled": false},
+  "telemetry": {"enabled": false},
+  "general": {"disableAutoUpdate": true, "disableUpdateNag": true}
+}
+"""
+
+# llm's own list of OpenAI-compatible models (its user directory, LLM_USER_PATH): the proxy as model "gyre". Its key is
+# llm's "openai" key, read from OPENAI_API_KEY (without api_key_name, llm sends a dummy key to an api_base: a 401).
+LLM_MODELS = """\
+- model_id: gyre
+  model_name: "{model}"
+  api_base: "{base_url}"
+  api_key_name: openai
+  can_stream: true
+"""
+
+
 def _presets() -> dict[str, HarnessSpec]:
     """The named presets (``command`` has none: its command line is the user's)."""
     home = {"HOME": "{exec_dir}/home", "TERM": "dumb"}
@@ -181,6 +223,15 @@ def _presets() -> dict[str, HarnessSpec]:
                     "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1", "OPENCODE_DISABLE_SHARE": "1",
                     "npm_config_offline": "true"}  # its background plugin install then fails at once (a warning)  # fmt: skip
     mini_yaml = (_CONFIGS / "mini_swe_agent.yaml").read_text(encoding="utf-8")
+    qwen_cmd = ("qwen", "-p", "{task.instruction}", "-m", "{model}", "--auth-type", "openai", "--openai-base-url",
+                "{base_url}", "--yolo", "--output-format", "stream-json", "--max-session-turns", "{max_turns}")  # fmt: skip
+    qwen_env = {**home, "OPENAI_MODEL": "{model}", "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1"}
+    openhands_cmd = ("python3.12", "{exec_dir}/openhands_agent.py", "--model", "openai/{model}", "--base-url",
+                     "{base_url}", "--max-iterations", "{max_turns}", "--max-tokens", "{max_tokens}",
+                     "--instruction-file", "{instruction_file}")  # fmt: skip
+    openhands_version = ("python3.12", "-c", "import importlib.metadata as m; print(m.version('openhands-sdk'))")
+    openhands_agent = (Path(__file__).with_name("openhands_agent.py")).read_text(encoding="utf-8")
+    llm_cmd = ("llm", "prompt", "-m", "gyre", "--no-log", "{task.instruction}")
     return {
         "reference": HarnessSpec("reference", DEFAULT_HARNESS_CMD, install="pip install gyre-jax (this package)"),
         "long": HarnessSpec("long", LONG_HARNESS_CMD, install="pip install gyre-jax (this package)"),
@@ -206,6 +257,33 @@ def _presets() -> dict[str, HarnessSpec]:
         ),
         "opencode": _npm_preset(
             "opencode", "opencode-ai", OPENCODE_VERSION, opencode_cmd, opencode_env, {"opencode.json": OPENCODE_CONFIG}
+        ),
+        "qwen-code": _npm_preset(
+            "qwen-code",
+            "@qwen-code/qwen-code",
+            QWEN_CODE_VERSION,
+            qwen_cmd,
+            qwen_env,
+            {"home/.qwen/settings.json": QWEN_CODE_SETTINGS},
+        ),  # fmt: skip
+        "openhands": HarnessSpec(
+            "openhands",
+            openhands_cmd,
+            {**home, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "OPENHANDS_SUPPRESS_BANNER": "1"},
+            {"openhands_agent.py": openhands_agent},
+            install=f"python3.12 -m venv VENV && VENV/bin/pip install openhands-sdk=={OPENHANDS_SDK_VERSION} "
+            f"openhands-tools=={OPENHANDS_SDK_VERSION} (then rollout.harness_cmd starts with VENV/bin/python)",
+            version_cmd=openhands_version,
+            version=OPENHANDS_SDK_VERSION,
+        ),
+        "llm": HarnessSpec(
+            "llm",
+            llm_cmd,
+            {**home, "LLM_USER_PATH": "{exec_dir}/llm"},
+            {"llm/extra-openai-models.yaml": LLM_MODELS},
+            install=f"pip install llm=={LLM_VERSION}",
+            version_cmd=("llm", "--version"),
+            version=LLM_VERSION,
         ),
     }
 
@@ -262,6 +340,8 @@ def _parse_env(entries: Sequence[str]) -> dict[str, str]:
         if not sep or not _ENV_KEY_RE.fullmatch(key):
             raise ValueError(
                 f"rollout.harness_env entry {entry!r} must be 'KEY=VALUE' with KEY a variable name ([A-Za-z_][A-Za-z0-9_]*)"
+                "; on the command line bare text splits at commas: for a comma inside a value give a Python tuple, "
+                "--config.rollout.harness_env=\"('KEY=a,b', 'OTHER=c')\" (docs/harnesses.md)"
             )
         if key in EXECUTOR_ENV:
             raise ValueError(
@@ -337,6 +417,104 @@ def check_harness(spec: HarnessSpec, path: str | None = None) -> str | None:
     if not (spec.version and spec.version_cmd):
         return None
     return _version_warning(spec, search)
+
+
+VISIBLE_KEY = "rollout.sandbox_visible_paths"  # the config key of host paths a sandbox keeps visible, read-only
+
+
+def needed_paths(spec: HarnessSpec, path: str) -> list[str]:
+    """Host paths the harness's command needs to see: its program as found on ``path`` (and where a link points),
+    the interpreter of a script program's ``#!`` line, and every argument that is an existing absolute host path
+    (a script file). Placeholders are not paths (they are filled with inside paths per execution)."""
+    found = shutil.which(spec.cmd[0], path=path)
+    paths = [found, os.path.realpath(found)] if found else []
+    if found:
+        try:
+            with open(found, "rb") as f:
+                head = f.readline(256)
+        except OSError:
+            head = b""
+        if head.startswith(b"#!"):
+            interpreter = head[2:].decode("utf-8", "replace").split()
+            if interpreter and interpreter[0].startswith("/") and not interpreter[0].endswith("/env"):
+                paths += [interpreter[0], os.path.realpath(interpreter[0])]
+    paths += [a for a in spec.cmd[1:] if a.startswith("/") and "{" not in a and os.path.exists(a)]
+    return list(dict.fromkeys(paths))
+
+
+def install_root(path: str) -> str:
+    """What to keep visible for ``path``: the virtual environment holding it (a folder with ``pyvenv.cfg``), the
+    folder holding its ``node_modules``, else its own folder."""
+    parts = Path(path).parts
+    for i in range(len(parts) - 1, 1, -1):
+        here = Path(*parts[:i])
+        if (here / "pyvenv.cfg").is_file():
+            return str(here)
+        if parts[i - 1] == "node_modules":
+            return str(Path(*parts[: i - 1]))
+    return str(Path(path).parent)
+
+
+def probe_env(spec: HarnessSpec) -> dict[str, str]:
+    """The environment a harness gets (``templates.harness_env``: PATH with this Python's bin first, the preset's
+    variables), its execution paths filled with /tmp, for running its checks before any execution exists."""
+    values = {"{exec_dir}": "/tmp", "{workspace}": "/tmp"}
+    return templates.harness_env("", "", spec.env, values)
+
+
+def check_in_sandbox(spec: HarnessSpec, sandbox, env: Mapping[str, str]) -> None:
+    """Before any work: the harness runs inside ``sandbox`` (a ``rollout.sandbox.Sandbox`` that maps paths: bwrap),
+    as it will for every execution. Probes there that each of ``needed_paths`` is visible, then runs the spec's
+    version command there (``version_cmd``) with the harness's environment ``env``. Raises HarnessMissing naming
+    the path the sandbox does not show and the config key that keeps it visible, or the version command's failure.
+    A sandbox that does not map host paths ("none") or runs an image of its own ("docker") is not probed."""
+    if getattr(sandbox, "name", "none") != "bwrap":
+        return
+    from gyre_jax.rollout.sandbox import Launch
+
+    search = env.get("PATH", "")
+    paths = needed_paths(spec, search)
+    probe = ["/bin/sh", "-c", 'for p do [ -e "$p" ] || printf "%s\\n" "$p"; done', "sh", *paths]
+    done = _run_in(sandbox, Launch(argv=probe, cwd="/", env=dict(env), mounts=(), network="none"))
+    missing = [line for line in (done.stdout if done else "").splitlines() if line]
+    if done is None or done.returncode != 0:
+        detail = "it did not start" if done is None else f"exit {done.returncode}: {done.stderr.strip()[-300:]}"
+        raise HarnessMissing(f"harness {spec.name!r}: the {sandbox.name} sandbox cannot run a probe ({detail})")
+    if missing:
+        roots = list(dict.fromkeys(install_root(m) for m in missing))
+        value = "(" + ", ".join(f'"{r}"' for r in roots) + ",)"
+        raise HarnessMissing(
+            f"harness {spec.name!r}: {missing[0]} is not visible inside the {sandbox.name} sandbox (it gives each "
+            f"execution its own empty /tmp and /run and hides $HOME and the run directory), so {spec.cmd[0]!r} "
+            f"cannot run there; keep its install visible, read-only, with --config.{VISIBLE_KEY}='{value}' "
+            '(docs/harnesses.md, "Harnesses in a sandbox")'
+        )
+    if not spec.version_cmd:
+        return
+    done = _run_in(sandbox, Launch(argv=list(spec.version_cmd), cwd="/", env=dict(env), mounts=(), network="none"))
+    if done is None or done.returncode != 0:
+        detail = (
+            "it did not start"
+            if done is None
+            else f"exit {done.returncode}: {(done.stderr or done.stdout).strip()[-300:]}"
+        )
+        raise HarnessMissing(
+            f"harness {spec.name!r}: its version command {' '.join(spec.version_cmd)!r} runs on the host but fails "
+            f"inside the {sandbox.name} sandbox ({detail}); if it needs files outside the system paths, keep them "
+            f'visible with --config.{VISIBLE_KEY} (docs/harnesses.md, "Harnesses in a sandbox")'
+        )
+
+
+def _run_in(sandbox, launch) -> subprocess.CompletedProcess[str] | None:
+    """``launch`` run to its end in ``sandbox`` (60 s at most); None when it cannot run at all."""
+    prepared = sandbox.prepare(launch)
+    try:
+        return subprocess.run(prepared.argv, capture_output=True, text=True, timeout=60, env=prepared.env,
+                              cwd=prepared.cwd, stdin=subprocess.DEVNULL)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    finally:
+        prepared.cleanup()
 
 
 def _run(argv: Sequence[str], search: str) -> subprocess.CompletedProcess[str] | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from gyre_jax.trajectory.batch import MicroBatch
 from gyre_jax.trajectory.branches import Branch, BranchBuilder
 from gyre_jax.trajectory.packing import MicroBatchPacker, PackedMicroBatch, SequenceInfo
 from gyre_jax.trajectory.queue import ExecutionQueue, QueuedExecution
-from gyre_jax.trajectory.reader import CorruptRecords, check_token_ids, iter_records
+from gyre_jax.trajectory.reader import CorruptRecords, NoRecords, check_token_ids, iter_records
 from gyre_jax.trajectory.select import AUXILIARY_POLICIES, Selection, execution_rng, select
 from gyre_jax.trajectory.tree import Chunk, plain_chunks, tree_chunks
 
@@ -102,6 +103,20 @@ class TrajectoryConfig:
     @property
     def tokens_per_micro_batch(self) -> int:
         return self.rows * self.row_length
+
+
+# Why the pipeline leaves an execution out of training: each exclusion reason starts with one of these and a colon.
+LEFT_OUT_KINDS = ("weight 0", "no records", "corrupt records", "unreadable records", "nothing to train", "does not fit")
+
+
+def left_out_counts(reasons: Iterable[str]) -> dict[str, int]:
+    """``{"left_out/<kind>": count}`` of exclusion ``reasons`` (kinds of ``LEFT_OUT_KINDS``, spaces as ``_``;
+    ``other`` for a reason of no known kind), for the step's metrics."""
+    counts: collections.Counter[str] = collections.Counter()
+    for reason in reasons:
+        kind = reason.split(":", 1)[0]
+        counts[kind.replace(" ", "_") if kind in LEFT_OUT_KINDS else "other"] += 1
+    return {f"left_out/{kind}": n for kind, n in sorted(counts.items())}
 
 
 # -- elements ---------------------------------------------------------------------------------------------------------
@@ -209,6 +224,8 @@ class LoadExecution(grain.transforms.Map):
             branches = builder.finish()
             for i, b in enumerate(branches):
                 check_token_ids(b.tokens, self.config.vocab_size, f"{path}: branch {i} ({b.label})")
+        except NoRecords as e:  # not damage: its harness made no call the proxy served (crashed, or refused)
+            return LoadedExecution(entry=entry, excluded=f"no records: {e}")
         except CorruptRecords as e:
             return LoadedExecution(entry=entry, excluded=f"corrupt records: {e}")
         except OSError as e:  # unreadable file (permissions, I/O error): this execution only

@@ -35,6 +35,11 @@ class CorruptRecords(ValueError):
     """An execution's record file cannot be trained on; ``str(error)`` says why."""
 
 
+class NoRecords(CorruptRecords):
+    """An execution has no recorded model call (no file, or an empty one): nothing is damaged, its harness made no
+    call the proxy served (it crashed first, or every call was refused: see its result's ``refused_calls``)."""
+
+
 def _check_ids(ids, what: str, vocab_size: int | None, where: str) -> None:
     if not all(type(i) is int for i in ids):
         raise CorruptRecords(f"{where}: {what} must be a list of integers")
@@ -105,7 +110,7 @@ def iter_records(path: str | Path, execution_id: str, vocab_size: int | None = N
     """Yields the execution's records in call order; raises ``CorruptRecords`` at the first problem."""
     path = Path(path)
     if not path.exists():
-        raise CorruptRecords(f"{path}: no record file (the execution made no recorded model call)")
+        raise NoRecords(f"{path}: no record file (the execution made no recorded model call)")
     count = 0
     with open(path, encoding="utf-8", errors="strict") as f:
         try:
@@ -122,4 +127,4 @@ def iter_records(path: str | Path, execution_id: str, vocab_size: int | None = N
         except UnicodeDecodeError as e:
             raise CorruptRecords(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a line)") from None
     if count == 0:
-        raise CorruptRecords(f"{path}: empty record file (no recorded model call)")
+        raise NoRecords(f"{path}: empty record file (no recorded model call)")

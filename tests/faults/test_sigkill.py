@@ -64,7 +64,7 @@ def reference(tmp_path_factory, env) -> Path:
     rc, out = kill.attempt([*ARGS, *run_time_limits(), f"--config.workdir={workdir}"], env, None, scaled(600))
     assert rc == 0 and "done: 2 steps" in out, out
     report = audit(workdir)
-    assert report.ok and report.steps_completed == 2 and report.executions_trained == 4, report
+    assert report.ok and report.steps_completed == 2 and report.executions_run == 4, report
     return workdir
 
 
@@ -80,7 +80,7 @@ def _campaign(tmp_path: Path, env, args: list[str], kills: list) -> tuple:
     report = audit(c.workdir)
     assert report.ok, report.violations
     assert report.lost == 0 and report.double_counted == 0
-    assert report.steps_completed == 2 and report.executions_trained == 4 and report.records_checked == 4
+    assert report.steps_completed == 2 and report.executions_run == 4 and report.records_checked == 4
     return c, report
 
 

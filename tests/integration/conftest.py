@@ -208,7 +208,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 # The npm CLIs the tests drive: executable name -> npm package (versions pinned in npm/package.json + lockfile).
-NPM_CLIS = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex", "opencode": "opencode-ai"}
+NPM_CLIS = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex", "opencode": "opencode-ai",
+            "qwen": "@qwen-code/qwen-code"}  # fmt: skip
 AIDER_REQUIREMENTS = Path(__file__).resolve().parent / "requirements-aider.txt"
 
 
@@ -219,7 +220,7 @@ def npm_installed_version(package: str) -> str | None:
 
 @pytest.fixture(scope="session")
 def npm_bins() -> dict[str, Path]:
-    """The npm CLIs (``NPM_CLIS``: Claude Code, Codex CLI, opencode) at the versions ``npm/package.json`` pins,
+    """The npm CLIs (``NPM_CLIS``: Claude Code, Codex CLI, opencode, Qwen Code) at the versions ``npm/package.json`` pins,
     installed (once) from the committed ``package-lock.json`` when one is missing or at another version; after
     an install each must answer ``--version`` (offline) with its pinned version (not checked on every session:
     opencode's 185 MB binary takes seconds to start).

@@ -3,7 +3,9 @@ and no host path; overrides; every error; check_harness on a fake PATH; the pins
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 import stat
 import sys
@@ -183,12 +185,21 @@ def test_pins_match_the_test_installs() -> None:
     assert npm == {
         "@anthropic-ai/claude-code": harnesses.CLAUDE_CODE_VERSION,
         "@openai/codex": harnesses.CODEX_VERSION,
+        "@qwen-code/qwen-code": harnesses.QWEN_CODE_VERSION,
         "opencode-ai": harnesses.OPENCODE_VERSION,
     }
     for name, package in (("claude-code", "@anthropic-ai/claude-code"), ("codex", "@openai/codex"),
-                          ("opencode", "opencode-ai")):  # fmt: skip
+                          ("opencode", "opencode-ai"), ("qwen-code", "@qwen-code/qwen-code")):  # fmt: skip
         spec = harness_spec(name)
         assert spec.install == f"npm install -g {package}@{npm[package]}" and spec.version == npm[package]
+    llm = (REPO / "tests" / "integration" / "requirements-llm.txt").read_text().splitlines()
+    assert (
+        f"llm=={harnesses.LLM_VERSION}" in llm
+        and harness_spec("llm").install == f"pip install llm=={harnesses.LLM_VERSION}"
+    )
+    openhands = harness_spec("openhands")
+    assert f"openhands-sdk=={harnesses.OPENHANDS_SDK_VERSION}" in openhands.install
+    assert openhands.version == harnesses.OPENHANDS_SDK_VERSION
     test_extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     assert f"mini-swe-agent=={harnesses.MINI_SWE_AGENT_VERSION}" in test_extra
     assert harness_spec("mini-swe-agent").install == f"pip install mini-swe-agent=={harnesses.MINI_SWE_AGENT_VERSION}"
@@ -200,3 +211,64 @@ def test_claude_code_small_command() -> None:
     assert argv[:3] == ["claude", "-p", "Reverse {input.txt} into answer.txt."] and "--bare" in argv
     assert argv[argv.index("--tools") + 1] == "Bash,Read,Edit" and argv[-2] == "--system-prompt"
     assert spec.version == harnesses.CLAUDE_CODE_VERSION and spec.env == harness_spec("claude-code").env
+
+
+def _venv_tool(root: Path) -> Path:
+    """A program installed in a venv under ``root``: a ``#!<venv>/bin/python`` script, as pip installs one."""
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True, timeout=120)
+    tool = root / "venv" / "bin" / "mytool"
+    tool.write_text(f"#!{root}/venv/bin/python\nprint('mytool 1.0')\n")
+    tool.chmod(0o755)
+    return tool
+
+
+def test_a_harness_in_a_tmp_venv_runs_in_bwrap_only_when_its_path_is_declared(tmp_path: Path) -> None:
+    """``check_in_sandbox``: bwrap gives each execution an empty /tmp, so a venv under /tmp is invisible there until
+    ``rollout.sandbox_visible_paths`` names it; the refusal names the path and the key, with the value to set."""
+    import shutil
+
+    from gyre_jax.rollout.harnesses import check_in_sandbox, install_root, needed_paths, probe_env
+    from gyre_jax.rollout.sandbox import make_sandbox
+
+    if shutil.which("bwrap") is None:
+        if os.geteuid() == 0:
+            pytest.fail("bwrap is not installed; CI installs it: apt-get install -y bubblewrap")
+        pytest.skip("bwrap is not installed and this is not root (install: sudo apt-get install -y bubblewrap)")
+    assert str(tmp_path).startswith("/tmp/")
+    tool = _venv_tool(tmp_path)
+    spec = harness_spec("command", f"{tool} --task {{task}}")
+    env = probe_env(spec)
+    python = f"{tmp_path}/venv/bin/python"
+    assert needed_paths(spec, env["PATH"]) == [str(tool), python, os.path.realpath(python)]  # the #! interpreter too
+    assert install_root(str(tool)) == str(tmp_path / "venv")
+    hidden = make_sandbox("bwrap", proxy_address=None, state_dir=tmp_path)
+    with pytest.raises(HarnessMissing) as info:
+        check_in_sandbox(spec, hidden, env)
+    assert str(info.value).startswith(f"harness 'command': {tool} is not visible inside the bwrap sandbox")
+    assert f"--config.rollout.sandbox_visible_paths='(\"{tmp_path}/venv\",)'" in str(info.value)
+    shown = make_sandbox("bwrap", proxy_address=None, state_dir=tmp_path, visible=[tmp_path / "venv"])
+    check_in_sandbox(spec, shown, env)  # every path visible; no version command for "command"
+    # a preset's own version command runs inside the sandbox too: the same program through the llm preset's check
+    versioned = dataclasses.replace(spec, version_cmd=(str(tool),), version="1.0")
+    check_in_sandbox(versioned, shown, env)
+    broken = dataclasses.replace(spec, version_cmd=(str(tool), "-c"), version="1.0")
+    (tmp_path / "venv" / "bin" / "mytool").write_text(f"#!{tmp_path}/venv/bin/python\nraise SystemExit(3)\n")
+    with pytest.raises(HarnessMissing, match=r"its version command .* fails inside the bwrap sandbox \(exit 3"):
+        check_in_sandbox(broken, shown, env)
+
+
+def test_the_openhands_agent_is_a_brace_free_template_and_says_what_python_it_needs(tmp_path: Path) -> None:
+    import subprocess
+
+    spec = harness_spec("openhands")
+    assert "{" not in spec.files["openhands_agent.py"]  # a preset file is a template: nothing of it is filled
+    script = tmp_path / "openhands_agent.py"
+    script.write_text(spec.files["openhands_agent.py"])
+    (tmp_path / "instruction.md").write_text("do it")
+    done = subprocess.run([sys.executable, str(script), "--model", "openai/m", "--base-url", BASE_URL,
+                           "--instruction-file", str(tmp_path / "instruction.md")], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    if sys.version_info < (3, 12):  # this machine's Python: the agent refuses in one line instead of a SyntaxError
+        assert done.returncode == 1 and done.stderr.startswith("openhands-sdk needs Python >= 3.12; this is 3.")

@@ -408,6 +408,8 @@ class Messages(TurnAdapter):
     """``POST /v1/messages``: a chat turn; replies one ``message``, or its SSE events (``MessageStreamWriter``, pings
     while nothing comes). Also parses ``count_tokens`` bodies."""
 
+    endpoint = "messages"
+
     request_schema = MessagesRequest
 
     error_style = "anthropic"

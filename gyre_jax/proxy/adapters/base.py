@@ -13,7 +13,7 @@ from typing import Any, ClassVar, TypeVar
 import pydantic
 
 from gyre_jax.proxy import sse
-from gyre_jax.proxy.errors import Api, ProxyError, validation_error
+from gyre_jax.proxy.errors import Api, Endpoint, ProxyError, validation_error
 from gyre_jax.proxy.turns import Completed, Completion, Delta, Failed, Turn, TurnEvent, TurnRequest
 
 Schema = TypeVar("Schema", bound=pydantic.BaseModel)
@@ -74,7 +74,8 @@ class TurnAdapter(abc.ABC):
       ``KeepAlive`` / ``Delta`` / ``Completed`` / ``Failed`` events, framed by the adapter's ``StreamWriter``
       (``writer``): its ``open`` at once, ``keepalive`` per KeepAlive, its ``delta`` per Delta, then its
       ``close`` of the completion or its ``error``.
-    - ``error_body(err) -> body``: an error in the style (``error_style``) this API's clients understand.
+    - ``error_body(err) -> body``: an error in the style (``error_style``) this API's clients understand, worded as
+      this API (``endpoint``) words it (``ProxyError.message_for``: a context overflow reads as the real API's).
 
     A call with several choices (``TurnRequest.n`` > 1; each choice a ``Turn`` with its ``index``) is answered by
     ``respond_choices`` / ``stream_choices``; an API with ``n`` implements ``respond_choices`` and its writer's
@@ -82,6 +83,7 @@ class TurnAdapter(abc.ABC):
     """
 
     error_style: ClassVar[Api] = "openai"
+    endpoint: ClassVar[Endpoint]  # which API this is (the records' ``api``): chat | completions | responses | messages
     request_schema: ClassVar[type[pydantic.BaseModel]]  # the body ``parse`` validates (documented by openapi.py)
     keepalive: ClassVar[str] = sse.KEEPALIVE_COMMENT  # sent for each KeepAlive while a streamed turn waits
 
@@ -139,7 +141,7 @@ class TurnAdapter(abc.ABC):
                 yield text
 
     def error_body(self, err: ProxyError) -> dict[str, Any]:
-        return err.body(self.error_style)
+        return err.body(self.error_style, self.endpoint)
 
     def stream_error(self, err: ProxyError) -> str:
         """An error after the stream's headers went out, as an SSE event."""

@@ -194,6 +194,8 @@ class ChatCompletions(TurnAdapter):
     """``POST /v1/chat/completions``: a chat turn; replies ``chat.completion``, or a stream of chunks
     (``ChatStreamWriter``, keep-alive comments while nothing comes)."""
 
+    endpoint = "chat"
+
     request_schema = ChatCompletionRequest
 
     def parse(self, body: dict[str, Any]) -> TurnRequest:

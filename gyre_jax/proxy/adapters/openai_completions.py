@@ -82,6 +82,8 @@ class Completions(TurnAdapter):
     """``POST /v1/completions``: a raw-prompt turn; replies ``text_completion``, or a stream of chunks
     (``CompletionStreamWriter``, keep-alive comments while nothing comes)."""
 
+    endpoint = "completions"
+
     request_schema = CompletionRequest
 
     def parse(self, body: dict[str, Any]) -> TurnRequest:

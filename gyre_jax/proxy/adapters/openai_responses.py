@@ -370,8 +370,9 @@ class ResponseStreamWriter(StreamWriter):
 
     def error(self, err: ProxyError) -> list[str]:
         failed = self.body("failed")
-        failed["error"] = {"code": err.code or "server_error", "message": err.message}
-        return [self.event("error", code=err.code, message=err.message, param=err.param),
+        message = err.message_for("responses")
+        failed["error"] = {"code": err.code or "server_error", "message": message}
+        return [self.event("error", code=err.code, message=message, param=err.param_for("responses")),
                 self.event("response.failed", response=failed)]  # fmt: skip
 
 
@@ -382,6 +383,8 @@ class ResponseStreamWriter(StreamWriter):
 class Responses(TurnAdapter):
     """``POST /v1/responses``: a chat turn; replies one ``response`` object, or its SSE events
     (``ResponseStreamWriter``, keep-alive comments while nothing comes)."""
+
+    endpoint = "responses"
 
     request_schema = ResponsesRequest
 

@@ -43,18 +43,25 @@ __all__ = [
 
 
 def make_sandbox(
-    name: str, *, proxy_address: tuple[str, int] | None, hide: Sequence[Path] = (), state_dir: Path
+    name: str,
+    *,
+    proxy_address: tuple[str, int] | None,
+    hide: Sequence[Path] = (),
+    state_dir: Path,
+    visible: Sequence[str | Path] = (),
 ) -> Sandbox:
     """The sandbox backend ``name`` (one of SANDBOXES). ``proxy_address``: the proxy's (host, port) on the
     host (None: no proxy, e.g. an oracle check); ``hide``: host paths no sandboxed process may see (the
-    run's workdir: records, other executions); ``state_dir``: a host directory for sockets and bookkeeping.
+    run's workdir: records, other executions); ``state_dir``: a host directory for sockets and bookkeeping;
+    ``visible``: host paths bwrap keeps visible, read-only, where it would show nothing (``rollout.
+    sandbox_visible_paths``: a harness installed under /tmp or $HOME).
     Nothing is started here (the proxy bridge starts on the first "proxy" launch); call ``check()``."""
     if name == "none":
         return NoneSandbox()
     if name == "bwrap":
         from gyre_jax.rollout.sandbox.bwrap import BwrapSandbox
 
-        return BwrapSandbox(proxy_address, hide, state_dir)
+        return BwrapSandbox(proxy_address, hide, state_dir, keep=[Path(p) for p in visible])
     if name == "docker":
         from gyre_jax.rollout.sandbox.docker import DockerSandbox
 
