@@ -2,7 +2,9 @@
 oracle check, benchmarks): counts, rate and time left, as a bar on a terminal and as plain lines elsewhere.
 
 ``Progress(desc, total, unit)`` is a context manager; ``update(n)`` counts what finished, ``note(text)`` sets a
-short detail shown beside the counts (a loss, what is being waited on). Where it draws:
+short detail shown beside the counts (a loss, what is being waited on); ``detail_fn`` computes it at each redraw
+or line instead (a step's rollouts, read from the run's live view). ``delay_s``: a wait that ends sooner shows
+nothing (a checkpoint write of a tiny model). Where it draws:
 
 - on a terminal (``stream.isatty()``) a ``tqdm`` bar, redrawn every second by a small thread even when nothing
   finishes (the elapsed time and the time left keep moving), removed when the wait ends; the wait's summary
@@ -32,6 +34,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 log = logging.getLogger("gyre_jax.progress")
@@ -80,6 +83,7 @@ class Progress:
         interval_s: float = DEFAULT_INTERVAL_S,
         estimate_s: float | None = None,
         delay_s: float = 0.0,
+        detail_fn: Callable[[], str] | None = None,
         stream: IO[str] | None = None,
         clock=time.monotonic,
     ):
@@ -91,6 +95,7 @@ class Progress:
         self.interval_s = interval_s
         self.estimate_s = estimate_s
         self.delay_s = delay_s
+        self.detail_fn = detail_fn
         self.stream = stream if stream is not None else sys.stderr
         self.mode = resolve_mode(mode, self.stream)
         self.clock = clock
@@ -161,6 +166,7 @@ class Progress:
         return math.inf
 
     def _status(self) -> str:
+        self._refresh_detail()
         elapsed = self.elapsed_s
         if self.total is not None:
             pct = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
@@ -171,6 +177,14 @@ class Progress:
         return f"{text}  {self.detail}" if self.detail else text
 
     # -- drawing --------------------------------------------------------------------------------------------
+    def _refresh_detail(self) -> None:
+        """``detail_fn``'s text as the detail (a failing one is shown as such, never raised into the wait)."""
+        if self.detail_fn is not None:
+            try:
+                self.detail = self.detail_fn()
+            except Exception as exc:  # noqa: BLE001 - progress must never break the work it reports on
+                self.detail = f"(detail unavailable: {type(exc).__name__})"
+
     def _show(self) -> None:
         """Starts drawing: the bar, or the ``started`` line (caller holds the lock, or is the constructor)."""
         self._shown = True
@@ -207,6 +221,8 @@ class Progress:
                     if self.elapsed_s >= self.delay_s:
                         self._show()
                 elif self._bar is not None:
+                    self._refresh_detail()
+                    self._bar.set_postfix_str(self.detail, refresh=False)
                     self._bar.refresh()
                 elif self.clock() - self._last_line >= self.interval_s:
                     self._line(self._status())
