@@ -9,7 +9,8 @@ nothing (a checkpoint write of a tiny model). Where it draws:
 - on a terminal (``stream.isatty()``) a ``tqdm`` bar, redrawn every second by a small thread even when nothing
   finishes (the elapsed time and the time left keep moving), removed when the wait ends; the wait's summary
   line is then logged;
-- anywhere else (logs, CI, a pipe) one plain line per event through the ``gyre_jax.progress`` logger: a
+- anywhere else (logs, CI, a pipe) one plain line per event through the ``gyre_jax.progress`` logger (printed to
+  the stream where no logging is configured): a
   ``started`` line, then at most one line every ``interval_s`` seconds, written when something finished or, if
   nothing did, as a heartbeat once ``interval_s`` passed without a line (a wait is never silent for longer), and
   a ``done`` line. No bar characters, no carriage returns.
@@ -203,8 +204,12 @@ class Progress:
         self._line(started)
 
     def _line(self, text: str) -> None:
-        """One plain line (caller holds the lock, or is the constructor)."""
-        log.info("%s: %s", self.desc, text)
+        """One plain line (caller holds the lock, or is the constructor): logged, or printed to the stream when
+        nothing would show a log line (a command that configured no logging)."""
+        if log.hasHandlers() and log.isEnabledFor(logging.INFO):
+            log.info("%s: %s", self.desc, text)
+        else:
+            print(f"{self.desc}: {text}", file=self.stream, flush=True)
         self.lines += 1
         self._last_line = self.clock()
         self._last_n = self.n

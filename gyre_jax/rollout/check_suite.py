@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from gyre_jax.progress import Progress
 from gyre_jax.rollout.evaluators import EvaluatorUnavailable
 from gyre_jax.rollout.executor import ExecutionResult, ExecutionSpec, Executor
 from gyre_jax.rollout.sandbox import SANDBOXES, SandboxUnavailable, make_sandbox
@@ -54,8 +55,10 @@ def run_mode(tasks: list[Task], cmd: tuple[str, ...], root: Path, sandbox: str, 
                         max_parallel=parallel, temperature=1.0, max_tokens=1, harness_cmd=list(cmd),
                         sandbox=box, mount_solution=True, network="none")  # fmt: skip
     specs = [ExecutionSpec(f"{t.task_id}", t, t.task_id, seed=0) for t in tasks]
+    what = "oracle" if cmd == ORACLE_CMD else "starting state"
     try:
-        return executor.run(specs)
+        with Progress(f"checking the {what} of each task", total=len(specs), unit="tasks") as progress:
+            return executor.run(specs, on_done=lambda r: progress.update(1, detail=f"{r.task_id}: {r.reward}"))
     finally:
         box.close()
 
