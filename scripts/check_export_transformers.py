@@ -67,6 +67,7 @@ def reference(run: Path, step: int) -> tuple[str, list[int], np.ndarray, dict]:
     from gyre_jax.commands import PolicySource, load_config
     from gyre_jax.export import export_model_config, restore_params
     from gyre_jax.model.attention import segment_causal_mask
+    from gyre_jax.model.checkpoints import resolve_checkpoint
     from gyre_jax.model.sharding import abstract_model
     from gyre_jax.model.tokenizer import load_tokenizer
     from gyre_jax.proxy import chat_format
@@ -75,7 +76,8 @@ def reference(run: Path, step: int) -> tuple[str, list[int], np.ndarray, dict]:
     cfg = export_model_config(config)
     params = restore_params(config, cfg, run, step)
     t = config.tokenizer
-    tokenizer = load_tokenizer(t.kind, t.path or config.model.checkpoint_dir or None, t.gguf_pre)
+    ckpt = str(resolve_checkpoint(config.model.checkpoint_dir)) if config.model.checkpoint_dir else None
+    tokenizer = load_tokenizer(t.kind, t.path or ckpt, t.gguf_pre)
     fmt = chat_format.for_settings(tokenizer, t.chat_template, t.tools_format, t.tool_format)
     text = fmt.render(MESSAGES, TOOLS, add_generation_prompt=True)
     ids = tokenizer.encode(text)
