@@ -38,6 +38,7 @@ if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .` 
 from gyre_jax.model.attention import segment_mask  # noqa: E402
 from gyre_jax.model.config import PRESETS, ModelConfig  # noqa: E402
 from gyre_jax.model.sharding import RULES_DATA, init_params, make_mesh  # noqa: E402
+from gyre_jax.progress import Progress  # noqa: E402
 
 H200_BF16_REFERENCE = 790e12  # FLOP/s, an 8192^3 bf16 matmul measured on this project's lent H200
 
@@ -185,9 +186,10 @@ def main(argv=None) -> dict:
     steps = args.steps or suite["steps"]
     peak = matmul_peak(suite["peak_sizes"], suite["peak_dtype"])
     results = []
-    for case in suite["cases"]:
-        if args.only and args.only not in case.name:
-            continue
+    cases = [case for case in suite["cases"] if not args.only or args.only in case.name]
+    progress = Progress(f"bench_model {args.suite}", total=len(cases), unit="cases")  # counts, rate, time left
+    for case in cases:
+        progress.note(case.name)
         row = dict(dataclasses.asdict(case))
         try:
             row.update(run_case(case, steps, device))
@@ -199,6 +201,8 @@ def main(argv=None) -> dict:
             traceback.print_exc()
         results.append(row)
         jax.clear_caches()
+        progress.update(1)
+    progress.close()
     report = dict(
         suite=args.suite,
         baseline="matmul peak measured in this run (mfu = model FLOP/s / peak)",

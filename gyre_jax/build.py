@@ -30,14 +30,22 @@ from gyre_jax.model.checkpoints import resolve_checkpoint
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.sharding import Rules, abstract_model, init_params
 from gyre_jax.model.tokenizer import load_tokenizer
+from gyre_jax.progress import Progress
+from gyre_jax.proxy import chat_format
+from gyre_jax.proxy.sampling import SamplingPolicy
+from gyre_jax.proxy.server import ProxyServer
 from gyre_jax.proxy.tito import render_demonstration
 from gyre_jax.rl.learner import Learner
 from gyre_jax.rl.losses import LossConfig
 from gyre_jax.rl.micro_step import GradWorker
 from gyre_jax.rollout import suites
-from gyre_jax.rollout.suites import TaskSuite
+from gyre_jax.rollout.executor import Executor
+from gyre_jax.rollout.sandbox import make_sandbox
+from gyre_jax.rollout.suites import HarborSuite, TaskSuite
 from gyre_jax.rollout.tasks import BuiltinSuite, LongTaskParams
 from gyre_jax.runtime.cells import Cell, CellLayout
+from gyre_jax.runtime.local import LocalCell
+from gyre_jax.runtime.transfer import transfer
 from gyre_jax.serving.engine import Engine
 from gyre_jax.serving.loop import ServingLoop
 from gyre_jax.serving.paged import PagedEngine
@@ -159,11 +167,12 @@ class CellFactory:
             decode_steps=sv.decode_steps,
         )
 
-    def loop(self, cell: Cell, params: Any, version: int) -> ServingLoop:
-        """A started serving loop on ``cell`` with ``params`` (on its serving layout) at policy ``version``."""
+    def loop(self, cell: Cell, params: Any, version: int, warm: bool | None = None) -> ServingLoop:
+        """A started serving loop on ``cell`` with ``params`` (on its serving layout) at policy ``version``; its
+        programs compiled first when ``warm`` (None: ``serving.warmup``)."""
         sv, c = self.s.config.serving, self.s.config
         engine = self.engine(cell)  # a new engine per loop, and a cell builds its loop once (not per role switch)
-        if sv.warmup:
+        if sv.warmup if warm is None else warm:
             self.warm(cell, engine, params)
         return ServingLoop(
             engine,
@@ -274,6 +283,8 @@ def warm_start(s: Setup, suite: TaskSuite, stop: threading.Event, on_done=None) 
     learner = Learner(s.model_cfg, s.graphdef, s.train_mesh, s.rules, w.optimizer(c.optimizer.grad_clip_norm))
     state = learner.init_state(s.params)
     t0, losses = time.time(), collections.deque(maxlen=25)  # the last steps' losses, kept on the device
+    mode = None if c.metrics.progress_bar else "lines"
+    progress = Progress("warm start", total=w.steps, unit="steps", mode=mode)
     for i in range(w.steps):
         kill_point("warm_start")
         demos = suite.demonstrations(w.batch_size, seed=c.seed * 100_003 + i)
@@ -284,9 +295,9 @@ def warm_start(s: Setup, suite: TaskSuite, stop: threading.Event, on_done=None) 
         state, m = learner.step(state, [mb], kind="sft")
         losses.append(m["loss"])
         steps = i + 1
-        if i % 25 == 0 or i == w.steps - 1:
-            log.info("warm start %d/%d  loss %.4f", steps, w.steps, m["loss"])
+        progress.update(1, detail=f"loss {float(m['loss']):.4f}" if i % 5 == 0 else None)  # a sync every 5 steps
         if stop.is_set():
+            progress.close("stopped")
             raise KeyboardInterrupt("stopped during warm start (nothing was saved; rerun to start over)")
         if w.target_loss > 0 and len(losses) == losses.maxlen and steps % 5 == 0:
             if sum(float(x) for x in losses) / len(losses) <= w.target_loss:
@@ -300,6 +311,7 @@ def warm_start(s: Setup, suite: TaskSuite, stop: threading.Event, on_done=None) 
                 w.target_loss,
                 w.steps,
             )
+    progress.close(f"loss {float(losses[-1]):.4f}" if losses else None)
     tail = [float(x) for x in losses]  # each batch is fresh demonstrations: a held-out estimate
     loss = sum(tail) / len(tail) if tail else float("nan")
     log.info("warm start: %d steps in %.1fs, mean loss of the last %d: %.4f", steps, time.time() - t0, len(tail), loss)
@@ -321,3 +333,55 @@ def abstract_params(s: Setup, shardings: Any) -> Any:
     """The model's params as ``ShapeDtypeStruct``s on ``shardings``."""
     shapes = abstract_model(s.model_cfg)[1]
     return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, shardings)
+
+
+def make_proxy(config, router, tokenizer, records, sampling: SamplingPolicy | None = None, routes=()) -> ProxyServer:
+    """The proxy the config describes over ``router`` (not started): its address, limits, chat format and sampling
+    (``sampling``: the config's ``proxy.sampling`` unless given; ``python -m gyre_jax.serve`` serves the client's);
+    ``routes``: more routes on its server (the live view)."""
+    p, r, t = config.proxy, config.rollout, config.tokenizer
+    max_active_calls, max_queued_calls = p.admission_limits(r.max_parallel)
+    return ProxyServer(
+        router, tokenizer, records, model_name=p.model_name, host=p.host, port=p.port,
+        allow_remote_bind=p.allow_remote_bind, max_request_bytes=p.max_request_bytes, seed=config.seed,
+        default_max_tokens=r.max_tokens_per_call,
+        max_tokens_cap=r.max_tokens_per_call, tools_format=chat_format.for_settings(tokenizer, t.chat_template, t.tools_format, t.tool_format),
+        sampling=sampling or (SamplingPolicy.policy(r.temperature) if p.sampling == "policy" else SamplingPolicy.client()),
+        max_active_calls=max_active_calls, max_queued_calls=max_queued_calls, routes=routes,
+    )  # fmt: skip
+
+
+def make_executor(config, proxy: ProxyServer, workdir, suite, multi_process: bool = False) -> Executor:
+    """The executor (its executions under ``workdir/executions``): the config's harness preset, run in its sandbox, which hides the run directory (records,
+    other executions) and the suite's directory (hidden tests, oracle solutions) from every harness. In a
+    multi-process run a lost peer ends the process: the watchdog kills the harnesses first (its failure hook)."""
+    r = config.rollout
+    harness = r.harness_spec()
+    hide = [workdir, *([suite.root] if isinstance(suite, HarborSuite) else [])]
+    sandbox = make_sandbox(r.sandbox, proxy_address=(proxy.host, proxy.port), hide=hide, state_dir=workdir / "sandbox",
+                           visible=r.sandbox_visible_paths)  # fmt: skip
+    executor = Executor(
+        proxy, proxy.base_url, workdir / "executions", model_name=config.proxy.model_name, timeout_s=r.timeout_s,
+        max_parallel=r.max_parallel, temperature=r.temperature, max_tokens=r.max_tokens_per_call,
+        evaluator_timeout_s=r.evaluator_timeout_s, harness_cmd=harness.cmd, extra_env=harness.env,
+        harness_files=harness.files, sandbox=sandbox, max_workspace_bytes=(r.max_workspace_mb << 20) or None,
+        exclude_suspect=r.exclude_suspect_rewards,
+    )  # fmt: skip
+    if multi_process:
+        runtime.add_failure_hook(executor.cancel)
+    return executor
+
+
+def serving_cells(s: Setup, params: Any, version: int, warm: bool | None = None, on_cell=None) -> list[LocalCell]:
+    """Every cell of this (single) process serving ``params`` at policy ``version``, with no training worker: the
+    cells ``python -m gyre_jax.evaluate`` and ``serve`` route to (the run's own ``CellFactory`` loops; ``warm``: as
+    ``CellFactory.loop``). ``on_cell(cell)`` is called as each one starts."""
+    factory = CellFactory(s)
+    cells = []
+    for cell in s.cells:
+        layout = factory.layout(cell)
+        cell_params = transfer(params, layout.param_shardings, may_alias=False)
+        cells.append(LocalCell(cell, layout, factory.loop(cell, cell_params, version, warm), None))
+        if on_cell is not None:
+            on_cell(cells[-1])
+    return cells

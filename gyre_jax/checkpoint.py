@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,9 @@ import orbax.checkpoint as ocp
 
 from gyre_jax.disk import DiskFull, is_disk_full
 from gyre_jax.faultpoints import kill_point
+from gyre_jax.progress import Progress
+
+PROGRESS_DELAY_S = 2.0  # a checkpoint written faster than this shows no progress
 
 
 class Checkpointer:
@@ -37,6 +41,7 @@ class Checkpointer:
             **extra,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self._last_save_s: float | None = None  # the last save's duration: the next one's time left
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -45,11 +50,16 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        """Writes checkpoint ``step`` and waits until it is complete on disk."""
+        """Writes checkpoint ``step`` and waits until it is complete on disk (with progress when it lasts: its size,
+        and the last save's duration as the time left)."""
         kill_point("checkpoint")
-        if self._host_copy:
-            state = jax.device_get(state)
+        size = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state))
+        progress = Progress(f"checkpoint {step} ({size / 2**20:.1f} MiB)", delay_s=PROGRESS_DELAY_S,
+                            estimate_s=self._last_save_s)  # fmt: skip
+        t0 = time.perf_counter()
         try:
+            if self._host_copy:
+                state = jax.device_get(state)
             self._manager.save(
                 step,
                 args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
@@ -57,9 +67,12 @@ class Checkpointer:
             )
             self._manager.wait_until_finished()
         except Exception as exc:
+            progress.close("failed")
             if is_disk_full(exc):  # orbax never finalized it: ``latest_step`` does not see it
                 raise DiskFull(self.directory / str(step)) from exc
             raise
+        progress.close()
+        self._last_save_s = time.perf_counter() - t0
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Restores checkpoint ``step`` onto the shardings given by ``abstract_state`` (ShapeDtypeStructs)."""

@@ -47,9 +47,12 @@ import numpy as np
 from gyre_jax.checkpoint import Checkpointer
 from gyre_jax.disk import write_whole
 from gyre_jax.elastic.controller import Controller
+from gyre_jax.elastic.live import LiveState
 from gyre_jax.elastic.timeline import TimelineWriter
+from gyre_jax.evaluation import Evaluation, run_evaluation
 from gyre_jax.faultpoints import kill_point
 from gyre_jax.metrics import MetricsWriter, format_step_line
+from gyre_jax.progress import Progress
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.server import ProxyServer
 from gyre_jax.rl.learner import TrainState
@@ -62,6 +65,7 @@ from gyre_jax.sim.calibrate import MEASUREMENTS_FILE, write_measurements
 log = logging.getLogger("gyre_jax")
 
 
+SEGMENT_LINE_S = 10.0  # without a terminal: a progress line about the RL steps at most (and at least) this often
 EXIT_UNTRAINED = 3  # the exit status of a run stopped by ``UntrainedSteps`` (config.rl.max_untrained_steps)
 
 
@@ -280,12 +284,11 @@ class Rollouts:
     executor: Executor
     proxy: ProxyServer
 
-    def evaluation(self, step: int) -> dict[str, list[ExecutionResult]]:
-        """Runs the evaluation after ``step`` RL steps, all splits at once; returns each split's results, in the
-        plan's order (``ExecutionPlan.evaluation``)."""
-        plan = self.plan.evaluation(step)
-        results = iter(self.executor.run([s for specs in plan.values() for s in specs]))
-        return {split: [next(results) for _ in specs] for split, specs in plan.items()}
+    def evaluation(self, step: int, progress_mode: str | None = None) -> Evaluation:
+        """Runs the evaluation after ``step`` RL steps, all splits at once (``evaluation.run_evaluation``, the code
+        ``python -m gyre_jax.evaluate`` runs); each split's results in the plan's order (``ExecutionPlan.evaluation``)."""
+        title = f"evaluation after {step} RL steps"
+        return run_evaluation(self.plan.evaluation(step), self.executor, title, progress_mode)
 
 
 STOP_REQUESTED = "stop requested: finishing up and saving a checkpoint (send again to force)"
@@ -387,7 +390,8 @@ class Run:
     untrained: UntrainedSteps = field(init=False)  # from config.rl.max_untrained_steps
     untrained_error: str | None = field(default=None, init=False)  # why the run stopped for untrained steps (exit 3)
     _saved_step: int = field(init=False)  # the step of the last checkpoint
-    _bar: Any = field(default=None, init=False)  # the segment's progress bar, if shown
+    live: LiveState | None = None  # the published live view (elastic/live.py): the proxy's /live page reads it
+    _bar: Progress | None = field(default=None, init=False)  # the segment's progress, while one runs
 
     def __post_init__(self) -> None:
         self.untrained = UntrainedSteps(self.config.rl.max_untrained_steps)
@@ -417,6 +421,8 @@ class Run:
             if self.stop.failure is not None:
                 raise RuntimeError(self.stop.failure)
             ended = True
+            if self.live is not None:
+                self.live.phase("done" if step == c.total_steps else "stopped", step)
         finally:
             # After an error (a full disk, a failed micro-step or follower) the state may be past ``step``,
             # mid-segment: only the last checkpoint, saved at a step boundary, is consistent; the next run resumes
@@ -440,19 +446,31 @@ class Run:
         return step
 
     def _segment(self, step: int, end: int) -> int:
-        """Steps ``step .. end - 1`` on the controller; the measured costs are written after it."""
-        if self.config.metrics.progress_bar:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=end - step, desc=f"steps {step}-{end - 1} ({self.config.schedule.policy})",
-                             leave=False, unit="step", dynamic_ncols=True, disable=None)  # fmt: skip
+        """Steps ``step .. end - 1`` on the controller, with progress (steps done, rate, time left, and the current
+        step's rollouts and micro-steps from the live view); the measured costs are written after it."""
+        if self.live is not None:
+            self.live.phase("rl", step)
+        mode = None if self.config.metrics.progress_bar else "lines"
+        desc = f"RL steps {step + 1}-{end} ({self.config.schedule.policy})"
+        self._bar = Progress(desc, total=end - step, unit="steps", mode=mode, interval_s=SEGMENT_LINE_S,
+                             detail_fn=self._step_detail)  # fmt: skip
         try:
             return self.controller.run(step, end, self._on_step)
         finally:
-            if self._bar is not None:
-                self._bar.close()
-                self._bar = None
+            self._bar.close()
+            self._bar = None
             self.rundir.write_costs(self.controller.costs, self.cells.step_logs())
+
+    def _step_detail(self) -> str:
+        """The step being trained: its executions finished of its batch and the micro-steps queued (live view)."""
+        state = self.live.latest_state() if self.live is not None else None
+        if not state:
+            return ""
+        return (
+            f"step {state['version'] + 1}: rollouts {state['step_finished']}/{state['batch_size']} finished, "
+            f"{state['step_dispatched'] - state['step_finished']} running; micro-steps {state['ready']} ready, "
+            f"{state['in_flight']} computing"
+        )
 
     def _next_eval_step(self, step: int) -> int:
         """The end of the segment starting at ``step``: the next step with an evaluation, or the last."""
@@ -483,6 +501,8 @@ class Run:
             **learner_metrics,
         }
         self.rundir.metrics.write(step, metrics)
+        if self.live is not None:
+            self.live.step_done(step, metrics)
         if self._bar is not None:
             self._bar.update(1)
         print(format_step_line(step + 1, c.total_steps, metrics), flush=True)
@@ -500,26 +520,18 @@ class Run:
         ``eval_split``. Returns split -> metrics, None if interrupted."""
         if self.config.eval.samples_per_task == 0:
             return None
-        t0 = time.time()
-        by_split = self.rollouts.evaluation(step)
+        if self.live is not None:
+            self.live.phase(f"evaluation after {step} RL steps", step)
+        evaluation = self.rollouts.evaluation(step, None if self.config.metrics.progress_bar else "lines")
         if self.stop.is_set():
             return None
-        lines = "".join(
-            json.dumps(dict(r.to_dict(), eval_split=split)) + "\n" for split, rs in by_split.items() for r in rs
-        )
-        self.rundir.write_results(f"eval_{step:06d}", lines)
-        eval_s = time.time() - t0
+        self.rundir.write_results(f"eval_{step:06d}", evaluation.results_jsonl())
         out = {}
-        for split, split_results in by_split.items():
-            out[split] = metrics = eval_metrics(split_results, split)
-            metrics.update(eval_s=eval_s, policy_version=int(self.state.step))
+        for split in evaluation.results:
+            out[split] = metrics = evaluation.metrics(split)
+            metrics["policy_version"] = int(self.state.step)
             self.rundir.metrics.write(step, metrics)
-            print(
-                f"eval after {step} RL steps ({split} tasks, {metrics['eval_executions']} executions): reward "
-                f"{metrics['eval_reward_mean']:.3f}  pass {metrics['eval_pass_rate']:.2f}  excluded "
-                f"{metrics['eval_excluded']}  ({eval_s:.1f}s)",
-                flush=True,
-            )
+            print(eval_line(step, metrics), flush=True)
         return out
 
     def _eval_due(self, step: int) -> bool:
@@ -563,19 +575,15 @@ class Run:
                 log.exception("error while shutting down")
 
 
-def eval_metrics(results: list[ExecutionResult], split: str) -> dict[str, Any]:
-    """One evaluation split's metrics line (``phase`` "eval"): mean reward and pass rate over the executions that
-    were scored, and how many were excluded or timed out."""
-    valid = [r.reward for r in results if not r.excluded]
-    return {
-        "phase": "eval",
-        "eval_split": split,
-        "eval_reward_mean": float(np.mean(valid)) if valid else float("nan"),
-        "eval_pass_rate": float(np.mean([v >= 1.0 for v in valid])) if valid else float("nan"),
-        "eval_executions": len(results),
-        "eval_excluded": sum(r.excluded for r in results),
-        "eval_timeouts": sum(r.status == "timeout" for r in results),
-    }
+def eval_line(step: int, m: dict[str, Any]) -> str:
+    """The console line of one evaluation split's metrics (``Evaluation.metrics``)."""
+    ci = m.get("eval_pass_rate_ci")
+    interval = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+    return (
+        f"eval after {step} RL steps ({m['eval_split']} tasks, {m['eval_executions']} executions): reward "
+        f"{m['eval_reward_mean']:.3f}  pass {m['eval_pass_rate']:.2f}{interval}  excluded {m['eval_excluded']}  "
+        f"({m['eval_s']:.1f}s)"
+    )
 
 
 def _jsonl(results: list[ExecutionResult]) -> str:

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import sys
 import time
 from collections.abc import Sequence
@@ -30,21 +31,19 @@ from gyre_jax.checkpoint import Checkpointer
 from gyre_jax.disk import DiskFull, is_disk_full, write_whole
 from gyre_jax.elastic.controller import Controller
 from gyre_jax.elastic.ledger import RolloutLedger
+from gyre_jax.elastic.live import LiveState
 from gyre_jax.elastic.policies import make_policy
 from gyre_jax.elastic.timeline import TimelineWriter
 from gyre_jax.elastic.training import CellTraining
 from gyre_jax.metrics import MetricsWriter
 from gyre_jax.model import layer_stack
 from gyre_jax.model.config import ModelInputError
-from gyre_jax.proxy import chat_format
+from gyre_jax.proxy.live import LiveRoutes
 from gyre_jax.proxy.records import RecordStore
 from gyre_jax.proxy.router import Router
-from gyre_jax.proxy.sampling import SamplingPolicy
-from gyre_jax.proxy.server import ProxyServer
+from gyre_jax.proxy.server import is_loopback
 from gyre_jax.rl.learner import Learner, TrainState
-from gyre_jax.rollout.executor import Executor
-from gyre_jax.rollout.sandbox import make_sandbox
-from gyre_jax.rollout.suites import HarborSuite, TaskSuite
+from gyre_jax.rollout.suites import TaskSuite
 from gyre_jax.run import EXIT_UNTRAINED, ExecutionPlan, Rollouts, Run, RunDir, RunStop
 from gyre_jax.runtime.local import LocalCell
 from gyre_jax.runtime.remote import Cells, open_cells
@@ -83,11 +82,15 @@ def build_run(config, suite: TaskSuite | None = None) -> Run:
 
     cells = _cells(s, learner, state, stop)
     router = Router({h.name: h for h in cells.handles})
-    proxy = _proxy(config, router, s.tokenizer, records).start()
-    executor = _executor(config, proxy, workdir, suite, s.multi_process)
-
     names = [h.name for h in cells.handles]
-    timeline = TimelineWriter(workdir / "timeline" / f"step{start_step:06d}.json", names, source="run", t0=time.time())
+    trace = workdir / "timeline" / f"step{start_step:06d}.json"
+    live = LiveState(names, total_steps=config.total_steps, policy=config.schedule.policy, trace_path=trace,
+                     tensorboard_dir=workdir / "tensorboard" if config.metrics.tensorboard else None)  # fmt: skip
+    live_view = LiveRoutes(live.snapshot, _live_key(config, workdir))
+    proxy = build.make_proxy(config, router, s.tokenizer, records, routes=[live_view]).start()
+    executor = build.make_executor(config, proxy, workdir, suite, s.multi_process)
+
+    timeline = TimelineWriter(trace, names, source="run", t0=time.time(), listener=live.timeline_event)
     for h in cells.handles:
         timeline.role(time.time(), h.index, "serving", reason="start")
     training = CellTraining(learner, state, cells.handles, ref_params=ref_params)
@@ -101,6 +104,7 @@ def build_run(config, suite: TaskSuite | None = None) -> Run:
         timeline=timeline,
         stop=stop.event,
         decisions_path=workdir / "decisions.jsonl",
+        on_decision=live.decision,
     )
     run = Run(
         config,
@@ -111,6 +115,7 @@ def build_run(config, suite: TaskSuite | None = None) -> Run:
         controller=controller,
         stop=stop,
         pipeline_state=pipeline.get_state(),
+        live=live,
     )
     if start_step == 0 and checkpointer.latest_step() is None:
         run.save_checkpoint(0)
@@ -118,7 +123,22 @@ def build_run(config, suite: TaskSuite | None = None) -> Run:
         "proxy serving on %s; %s policy; %d cells x %d devices (cell0 = core); model %.2fM params",
         proxy.base_url, config.schedule.policy, len(names), len(s.cells[0].devices), s.model_cfg.num_params / 1e6,
     )  # fmt: skip
+    log.info("live view of the cells: %s/live%s", proxy.anthropic_base_url, "" if live_view.key is None else
+             f"?key=<{workdir / 'live_key'}>")  # fmt: skip
     return run
+
+
+def _live_key(config, workdir) -> str | None:
+    """The run's key for the live view when the proxy listens beyond loopback (written to ``workdir/live_key``,
+    readable by its owner only); None on loopback (the page is served to this machine only)."""
+    if is_loopback(config.proxy.host):
+        return None
+    key = secrets.token_urlsafe(24)
+    path = workdir / "live_key"
+    path.touch(mode=0o600, exist_ok=True)
+    path.chmod(0o600)
+    path.write_text(key + "\n")
+    return key
 
 
 def _initial_state(
@@ -215,40 +235,6 @@ def _ledger(config, executor, records, pipeline, make_specs, timeline) -> Rollou
         timeline=timeline,
         admission=config.schedule.admission,
     )
-
-
-def _proxy(config, router, tokenizer, records) -> ProxyServer:
-    p, r, t = config.proxy, config.rollout, config.tokenizer
-    max_active_calls, max_queued_calls = p.admission_limits(r.max_parallel)
-    return ProxyServer(
-        router, tokenizer, records, model_name=p.model_name, host=p.host, port=p.port,
-        allow_remote_bind=p.allow_remote_bind, max_request_bytes=p.max_request_bytes, seed=config.seed,
-        default_max_tokens=r.max_tokens_per_call,
-        max_tokens_cap=r.max_tokens_per_call, tools_format=chat_format.for_settings(tokenizer, t.chat_template, t.tools_format, t.tool_format),
-        sampling=SamplingPolicy.policy(r.temperature) if p.sampling == "policy" else SamplingPolicy.client(),
-        max_active_calls=max_active_calls, max_queued_calls=max_queued_calls,
-    )  # fmt: skip
-
-
-def _executor(config, proxy: ProxyServer, workdir, suite, multi_process: bool) -> Executor:
-    """The executor: the config's harness preset, run in its sandbox, which hides the run directory (records,
-    other executions) and the suite's directory (hidden tests, oracle solutions) from every harness. In a
-    multi-process run a lost peer ends the process: the watchdog kills the harnesses first (its failure hook)."""
-    r = config.rollout
-    harness = r.harness_spec()
-    hide = [workdir, *([suite.root] if isinstance(suite, HarborSuite) else [])]
-    sandbox = make_sandbox(r.sandbox, proxy_address=(proxy.host, proxy.port), hide=hide, state_dir=workdir / "sandbox",
-                           visible=r.sandbox_visible_paths)  # fmt: skip
-    executor = Executor(
-        proxy, proxy.base_url, workdir / "executions", model_name=config.proxy.model_name, timeout_s=r.timeout_s,
-        max_parallel=r.max_parallel, temperature=r.temperature, max_tokens=r.max_tokens_per_call,
-        evaluator_timeout_s=r.evaluator_timeout_s, harness_cmd=harness.cmd, extra_env=harness.env,
-        harness_files=harness.files, sandbox=sandbox, max_workspace_bytes=(r.max_workspace_mb << 20) or None,
-        exclude_suspect=r.exclude_suspect_rewards,
-    )  # fmt: skip
-    if multi_process:
-        runtime.add_failure_hook(executor.cancel)
-    return executor
 
 
 def _stopped_by_full_disk(exc: OSError, workdir) -> int:

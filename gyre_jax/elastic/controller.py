@@ -98,6 +98,7 @@ class Controller:
         timeline: TimelineWriter,
         stop: threading.Event,
         decisions_path=None,
+        on_decision=None,
     ):
         if policy.num_cells != len(training.cells):
             raise ValueError(f"the policy has {policy.num_cells} cells but the controller {len(training.cells)}")
@@ -108,7 +109,7 @@ class Controller:
         self.router = router
         self.timeline = timeline
         self.stop = stop
-        self.driver = Driver(policy, decisions_path, cfg.tick_s)
+        self.driver = Driver(policy, decisions_path, cfg.tick_s, on_decision)  # on_decision: the live view
         self.switcher = Switcher(router, training, self._switched, self.report_error)
         training.on_micro_step = self._micro_step_done
         training.on_error = self.report_error

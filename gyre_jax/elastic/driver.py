@@ -35,11 +35,20 @@ class Failure:
 
 class Driver:
     """Event queue + policy + decision log. ``tick_s``: ``next`` returns None after this long without an
-    event (the caller's ``tick``, for time-based rules, e.g. ``idle_before_return_s``)."""
+    event (the caller's ``tick``, for time-based rules, e.g. ``idle_before_return_s``). ``on_decision(event, state,
+    decision)``: told of every decision on the driver thread, before anything changes (the live view,
+    ``live.LiveState.decision``)."""
 
-    def __init__(self, policy: SchedulingPolicy, decisions_path: Path | None = None, tick_s: float = 1.0):
+    def __init__(
+        self,
+        policy: SchedulingPolicy,
+        decisions_path: Path | None = None,
+        tick_s: float = 1.0,
+        on_decision: Callable[[Event, ClusterState, Decision], None] | None = None,
+    ):
         self.policy = policy
         self.tick_s = tick_s
+        self.on_decision = on_decision
         self._events: queue_lib.Queue[Event | Failure] = queue_lib.Queue()
         self._log = open(decisions_path, "a", encoding="utf-8") if decisions_path is not None else None
 
@@ -71,6 +80,8 @@ class Driver:
         decision = self.policy.plan(event, state)
         if self._log is not None:
             self.record(event, state, decision)
+        if self.on_decision is not None:
+            self.on_decision(event, state, decision)
         return decision
 
     def replan(self, event: Event, observe: Callable[[], ClusterState], carry_out: Callable[[Decision], int]) -> None:

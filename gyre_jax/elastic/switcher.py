@@ -22,8 +22,10 @@ import jax
 from gyre_jax.elastic.state import Role
 from gyre_jax.elastic.training import CellTraining, TrainingCell
 from gyre_jax.faultpoints import kill_point
+from gyre_jax.progress import Durations, Progress
 
 log = logging.getLogger("gyre_jax.switcher")
+SWITCH_PROGRESS_DELAY_S = 2.0  # a switch shorter than this shows no progress
 
 
 class Switcher:
@@ -41,6 +43,7 @@ class Switcher:
         self.on_switched = on_switched
         self.on_error = on_error
         self._threads: list[threading.Thread] = []
+        self._durations = Durations()  # the last switch of each kind: the next one's time left
 
     def start(self, index: int, to: Role, target: int | None) -> None:
         """Cell ``index`` switches to ``to``; leaving serving, its sessions go to cell ``target`` (None: none)."""
@@ -62,21 +65,28 @@ class Switcher:
     def _switch(self, cell: TrainingCell, to: Role, dest: TrainingCell | None) -> None:
         t0 = time.perf_counter()
         kill_point("role_switch")
+        desc, kind = f"{cell.handle.name}: switch to {to.value}", f"to {to.value}"
+        # shown only when it lasts (a large model's weights and sessions moving), with the last one's duration
+        progress = Progress(desc, delay_s=SWITCH_PROGRESS_DELAY_S, estimate_s=self._durations.get(kind))
         try:
             if to is Role.TRAINING:
-                self._to_training(cell, dest)
+                self._to_training(cell, dest, progress)
             else:
-                self._to_serving(cell)
+                self._to_serving(cell, progress)
         except BaseException as e:  # noqa: BLE001 - reported to the driver, which stops the run
+            progress.close("failed")
             log.exception("%s: switch to %s failed", cell.handle.name, to.value)
             self.on_error(f"{cell.handle.name}: switch to {to.value} failed: {e!r}")
             return
+        progress.close()
+        self._durations.put(kind, time.perf_counter() - t0)
         self.on_switched(cell.handle.index, to, time.perf_counter() - t0)
 
-    def _to_training(self, cell: TrainingCell, dest: TrainingCell | None) -> None:
+    def _to_training(self, cell: TrainingCell, dest: TrainingCell | None, progress: Progress) -> None:
         name = cell.handle.name
         self.router.drain(name, cancel_in_flight=dest is None)
         if dest is not None:  # KV included, wherever either cell runs
+            progress.note(f"moving sessions to {dest.handle.name}")
             moved = cell.handle.move_sessions_to(dest.handle)
             for s in moved:
                 if s.session_id is not None:
@@ -89,15 +99,18 @@ class Switcher:
                     len(moved),
                     sum(s.in_flight for s in moved),
                 )
+        progress.note("loading the weights")
         self.training.load(cell)
         jax.block_until_ready(cell.weights)  # the switch's time includes the weights' move
         cell.gate.set()
 
-    def _to_serving(self, cell: TrainingCell) -> None:
+    def _to_serving(self, cell: TrainingCell, progress: Progress) -> None:
+        progress.note("finishing the micro-step in progress")
         with cell.lock:  # the micro-step in progress finishes first
             pass
         with self.training.lock:  # the optimizer step replaces (donates) the train state under this lock
             stale = cell.handle.policy_version != self.training.version
         if stale:
+            progress.note("publishing the weights")
             self.training.publish([cell.handle])
         self.router.undrain(cell.handle.name)

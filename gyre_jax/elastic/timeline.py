@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,7 @@ class TimelineWriter:
 
     ``t0`` is the clock value that maps to ts = 0; every method takes times in the same clock (seconds).
     ``flush_every`` events are buffered between writes (1 for a real run that must survive a crash).
+    ``listener(event)``: told of every event as written (the live view, ``live.LiveState.timeline_event``).
     Not thread-safe: the controller calls it from one thread.
     """
 
@@ -69,6 +70,7 @@ class TimelineWriter:
         t0: float = 0.0,
         flush_every: int = 1,
         keep_in_memory: bool = False,
+        listener: Callable[[dict], None] | None = None,
     ):
         if not cell_names:
             raise ValueError("a timeline needs at least one cell name")
@@ -78,6 +80,7 @@ class TimelineWriter:
         self.cell_names = list(cell_names)
         self.t0 = float(t0)
         self.flush_every = flush_every
+        self.listener = listener
         self.events: list[dict] | None = [] if (keep_in_memory or self.path is None) else None
         self._buffer: list[str] = []
         self._open_role: list[str | None] = [None] * len(self.cell_names)
@@ -110,6 +113,8 @@ class TimelineWriter:
             raise RuntimeError("the timeline is closed")
         if self.events is not None:
             self.events.append(event)
+        if self.listener is not None:
+            self.listener(event)
         if self._file is not None:
             self._buffer.append(json.dumps(event, separators=(",", ":")) + ",\n")
             if len(self._buffer) >= self.flush_every:

@@ -27,7 +27,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import uvicorn
@@ -147,7 +147,8 @@ class ProxyServer:
     once and ``max_queued_calls`` more wait for a slot (FIFO); further ones get 429 with ``Retry-After:
     retry_after_s`` (``admission.py``). ``limits`` are the connection-level ones (``connections.py``). ``host``
     must be a loopback address unless ``allow_remote_bind`` (anyone who reaches the port may try keys; see
-    ``check_bind``). The settings are read once, at construction.
+    ``check_bind``). ``routes``: more routes mounted on the app (the run's live view). The settings are read once,
+    at construction.
     """
 
     def __init__(
@@ -170,6 +171,7 @@ class ProxyServer:
         retry_after_s: int = 1,
         limits: ConnectionLimits | None = None,
         allow_remote_bind: bool = False,
+        routes: Sequence[Callable[[FastAPI], None]] = (),
     ) -> None:
         check_bind(host, allow_remote_bind)
         _check_settings(max_request_bytes, default_max_tokens, max_tokens_cap, max_threads_per_execution)
@@ -204,6 +206,8 @@ class ProxyServer:
         self._adapters: dict[str, TurnAdapter] = {}  # API route path -> its adapter (errors outside the routes)
         self.operations: list[openapi.Operation] = []  # every route served, as GET /openapi.json documents it
         self.app = self._build_app()
+        for mount in routes:  # more read-only routes beside the API (the live view, proxy/live.py)
+            mount(self.app)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from gyre_jax.progress import Progress
 from gyre_jax.rollout import environments
 from gyre_jax.rollout.evaluators import EvaluatorUnavailable
 from gyre_jax.rollout.executor import ExecutionResult, ExecutionSpec, Executor
@@ -56,7 +57,9 @@ def run_mode(tasks: list[Task], cmd: tuple[str, ...], root: Path, box, parallel:
                         max_parallel=parallel, temperature=1.0, max_tokens=1, harness_cmd=list(cmd),
                         evaluator_timeout_s=timeout_s, sandbox=box, mount_solution=True, network="none")  # fmt: skip
     specs = [ExecutionSpec(f"{t.task_id}", t, t.task_id, seed=0) for t in tasks]
-    return executor.run(specs)
+    what = "oracle" if cmd == ORACLE_CMD else "starting state"
+    with Progress(f"checking the {what} of each task", total=len(specs), unit="tasks") as progress:
+        return executor.run(specs, on_done=lambda r: progress.update(1, detail=f"{r.task_id}: {r.reward}"))
 
 
 def table(tasks: list[Task], start: list[ExecutionResult], oracle: list[ExecutionResult]) -> list[dict]:
