@@ -3,7 +3,8 @@ the ``rollout`` task suite and its harness.
 
 ``ModelSection`` is a ``ModelConfig`` (every architecture field may be set in a config file: family, MoE, RoPE
 scaling, remat) with the tiny default model and two more keys, ``checkpoint_dir`` (where pretrained weights come
-from: a Hugging Face directory, a GGUF file or ``pkg:<package>/<file>``) and ``checkpoint_layers``.
+from: a Hugging Face directory, a GGUF file or ``pkg:<package>/<file>``) and ``checkpoint_layers``; its ``lora``
+section (``LoraSection``, a ``LoraConfig``) is the LoRA adapter (``model.lora.rank`` > 0: only the adapter trains).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from gyre_jax.config.base import ConfigError, Section, require
 from gyre_jax.model.checkpoints import PKG_PREFIX, is_gguf, reference_problem
-from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.config import LoraConfig, ModelConfig
 from gyre_jax.rollout.harnesses import HarnessSpec, harness_spec
 from gyre_jax.rollout.sandbox import SANDBOXES
 from gyre_jax.rollout.suites import SuiteError, parse_suite_spec
@@ -26,6 +27,19 @@ TASK_KINDS = ("copy", "upper", "reverse")  # the short kinds, mixed freely
 LONG_TASK_KIND = "longlog"  # the long-horizon kind: alone, task_kinds=("longlog",), with the "long" harness
 WEIGHT_UPDATE_RULES = ("continue", "recompute")
 KV_LAYOUTS = ("dense", "paged")  # serving.kv_layout
+
+
+@dataclass(frozen=True, eq=False)
+class LoraSection(LoraConfig, Section):
+    """``config.model.lora``: a LoRA adapter (``LoraConfig``; rank 0 = none, full fine-tuning)."""
+
+    _path = "model.lora"
+
+    def __post_init__(self):
+        self.check_types()
+        LoraConfig.__post_init__(self)
+        problems = self.problems()
+        require(not problems, "; ".join(f"config.model.{p}" for p in problems))
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,9 @@ class ModelSection(ModelConfig, Section):
     checkpoint_dir: str = ""
     # Load only the checkpoint's first N decoder layers (a slice of a real model for tests and short runs); 0 = all.
     checkpoint_layers: int = 0
+    # A LoRA adapter (gyre_jax/model/lora.py; docs/learner.md "LoRA"): rank > 0 trains only the adapter, and only the
+    # adapter moves between cells; the base (checkpoint_dir or the seed's init) stays frozen, held once per cell.
+    lora: LoraSection = LoraSection()
 
     def __post_init__(self):
         self.check_types()
