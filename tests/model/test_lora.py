@@ -19,8 +19,8 @@ from gyre_jax.model.attention import segment_mask
 from gyre_jax.model.config import LoraConfig, ModelConfig
 from gyre_jax.model.modules import Transformer
 from gyre_jax.model.sharding import init_params, make_mesh
-from gyre_jax.rl.micro_step import GradWorker
 from gyre_jax.rl.losses import GSPOParams, LossConfig
+from gyre_jax.rl.micro_step import GradWorker
 from gyre_jax.trajectory.batch import make_micro_batches
 from gyre_jax.trajectory.branches import Branch
 
