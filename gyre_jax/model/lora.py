@@ -20,6 +20,7 @@ transformers model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from gyre_jax.model.config import ModelConfig
 
@@ -133,8 +135,67 @@ def split(state: nnx.State) -> tuple[nnx.State, nnx.State]:
 
 
 def combine(base: nnx.State, adapter: nnx.State) -> nnx.State:
-    """``split``'s inverse: the whole model state of ``base`` and ``adapter`` (no array is copied)."""
-    return nnx.merge_state(base, adapter)
+    """``split``'s inverse: the whole model state of ``base`` and ``adapter`` (no array is copied). The merge of a
+    pair of tree structures is worked out once (``nnx.merge_state`` over leaf indices) and then only replayed: a
+    cell combines its base with every adapter it receives (~14 ms for SmolLM2-135M's 1,000 leaves through
+    ``nnx.merge_state`` each time on a busy 2-core CPU)."""
+    return combine_flat(*jax.tree.flatten(base), adapter)
+
+
+def combine_flat(base_leaves: list, base_def, adapter: nnx.State) -> nnx.State:
+    """``combine`` of a base already flattened (``jax.tree.flatten(base)``: a cell keeps its base so)."""
+    adapter_leaves, adapter_def = jax.tree.flatten(adapter)
+    full_def, order = _merge_plan(base_def, adapter_def)
+    source = base_leaves + adapter_leaves
+    return jax.tree.unflatten(full_def, [source[i] for i in order])
+
+
+@functools.lru_cache(maxsize=64)
+def _merge_plan(base_def, adapter_def) -> tuple[Any, tuple[int, ...]]:
+    """(the merged tree's structure, for each of its leaves the index into base leaves + adapter leaves)."""
+    nb = base_def.num_leaves
+    merged = nnx.merge_state(
+        jax.tree.unflatten(base_def, list(range(nb))),
+        jax.tree.unflatten(adapter_def, list(range(nb, nb + adapter_def.num_leaves))),
+    )
+    order, full_def = jax.tree.flatten(merged)
+    return full_def, tuple(order)
+
+
+def put(tree: Any, shardings: Any, put_fn=jax.device_put, **kw) -> Any:
+    """``tree`` (an adapter: many small arrays of one dtype on one mesh) onto ``shardings`` as ONE array: packed into a
+    flat buffer on its mesh, moved by ``put_fn(buffer, sharding, **kw)`` (``jax.device_put``, ``runtime.transfer``),
+    unpacked onto ``shardings`` there (each a jitted program, compiled once per layout). Moving the leaves one by one
+    costs a fixed host overhead per array that dominates an adapter's move (SmolLM2-135M's rank-8 adapter: 420
+    arrays, ~80 ms of host time on a busy 2-core CPU, about 10 MB of data). Trees of mixed dtypes or meshes move
+    leaf by leaf."""
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = treedef.flatten_up_to(shardings)
+    sources = {getattr(x.sharding, "mesh", None) for x in leaves}
+    meshes = {getattr(t, "mesh", None) for t in targets}
+    if len({x.dtype for x in leaves}) != 1 or len(sources) != 1 or len(meshes) != 1 or None in sources | meshes:
+        return jax.tree.unflatten(treedef, put_fn(leaves, targets, **kw))
+    shapes = tuple(tuple(x.shape) for x in leaves)
+    replicated = NamedSharding(sources.pop(), PartitionSpec())
+    packed = _packer(shapes, replicated)(leaves)  # [sum of sizes]
+    moved = put_fn(packed, NamedSharding(meshes.pop(), PartitionSpec()), **kw)
+    return jax.tree.unflatten(treedef, _unpacker(shapes, tuple(targets))(moved))
+
+
+@functools.lru_cache(maxsize=32)
+def _packer(shapes: tuple, out: NamedSharding):
+    return jax.jit(lambda leaves: jnp.concatenate([x.reshape(-1) for x in leaves]), out_shardings=out)
+
+
+@functools.lru_cache(maxsize=32)
+def _unpacker(shapes: tuple, targets: tuple):
+    sizes = [math.prod(s) for s in shapes]
+    offsets = np.cumsum([0] + sizes[:-1]).tolist()
+
+    def unpack(flat):
+        return [flat[o : o + n].reshape(s) for o, n, s in zip(offsets, sizes, shapes)]
+
+    return jax.jit(unpack, out_shardings=list(targets))
 
 
 def num_leaves(state: Any) -> int:

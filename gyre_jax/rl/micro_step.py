@@ -117,6 +117,7 @@ class GradWorker:
         self.param_shardings, self.base_shardings = lora.split(shardings) if self.lora else (shardings, None)
         self.abstract_params = lora.split(abstract_params)[0] if self.lora else abstract_params
         self.base: nnx.State | None = None  # LoRA: the frozen base weights on this mesh (``set_base``)
+        self._trained_def = jax.tree.structure(self.param_shardings)  # what an adapter alone looks like
         self.replicated = NamedSharding(mesh, PartitionSpec())
         # Batch shardings are stated by ``put_batch`` (their shapes vary per micro-batch); params are fixed.
         grads_out = (self.param_shardings, self.replicated)
@@ -130,13 +131,14 @@ class GradWorker:
         same arrays when they already live there. ``slot`` names what they are (``"params"``, ``"ref"``): a
         worker whose weights stay on another process keeps one of each. With a LoRA adapter ``params`` is the
         adapter (what moves), or a whole model state whose base this worker then keeps (``set_base``)."""
-        return jax.device_put(self.trainable(params), self.param_shardings)
+        params = self.trainable(params)
+        return lora.put(params, self.param_shardings) if self.lora else jax.device_put(params, self.param_shardings)
 
     def trainable(self, params: nnx.State) -> nnx.State:
         """The part of ``params`` this worker trains: all of it, or (LoRA) the adapter, keeping the base part of a
         whole model state as this worker's frozen base (``set_base``)."""
-        if not self.lora:
-            return params
+        if not self.lora or jax.tree.structure(params) == self._trained_def:
+            return params  # the whole model, or an adapter alone (the usual case)
         adapter, base = lora.split(params)
         if lora.num_leaves(base):
             self.set_base(base)

@@ -11,6 +11,8 @@ import concurrent.futures
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+
 from gyre_jax.model import lora
 from gyre_jax.rl.micro_step import MicroStepWorker
 from gyre_jax.runtime import sessions
@@ -49,6 +51,8 @@ class LocalCell(CellHandleBase):
         self.make_loop = make_loop
         self.lora = lora.enabled(layout.model_cfg)
         self.base: Any = None  # LoRA: the frozen base on this cell (its serving loop's and its worker's, one copy)
+        self._split_shardings = lora.split(layout.param_shardings) if self.lora else None  # (adapter, base)
+        self._adapter_def = jax.tree.structure(self._split_shardings[0]) if self.lora else None
 
     def _serving(self) -> ServingLoop:
         if self.loop is None:
@@ -81,15 +85,21 @@ class LocalCell(CellHandleBase):
         the cell's base and a copy of the adapter."""
         if not self.lora:
             return transfer(params, self.layout.param_shardings, may_alias=False)
-        adapter, base = lora.split(params)
-        adapter_shardings, base_shardings = lora.split(self.layout.param_shardings)
-        if lora.num_leaves(base):  # the frozen base: never donated, so arrays already here are shared, not copied
+        adapter_shardings, base_shardings = self._split_shardings
+        if jax.tree.structure(params) == self._adapter_def:  # an adapter alone: the usual case
+            adapter, base = params, None
+        else:
+            adapter, base = lora.split(params)
+        if base is not None and lora.num_leaves(
+            base
+        ):  # the frozen base: never donated, so arrays already here are shared, not copied
             self.base = transfer(base, base_shardings, may_alias=True)
+            self._base_flat = jax.tree.flatten(self.base)
             if self.worker is not None and hasattr(self.worker, "set_base"):
                 self.worker.set_base(self.base)  # the same arrays: the cell holds its base once
         elif self.base is None:
             raise RuntimeError(f"{self.name}: a LoRA adapter arrived before the cell had its base weights")
-        return lora.combine(self.base, transfer(adapter, adapter_shardings, may_alias=False))
+        return lora.combine_flat(*self._base_flat, lora.put(adapter, adapter_shardings, transfer, may_alias=False))
 
     def serve(self, params: Any, version: int) -> None:
         """Serves ``params`` (already on this cell's serving layout) as policy ``version``: the loop swaps them in

@@ -129,6 +129,7 @@ def _config(workdir, policy: str, steps: int, *extra: str):
             "--config.rollout.num_tasks=2",
             "--config.rollout.tool_latency_median_s=0.1",
             "--config.rollout.max_tokens_per_call=24",
+            "--config.rollout.timeout_s=600",  # the first calls compile the serving programs: slow on a loaded CPU
             "--config.metrics.progress_bar=False",
             "--config.metrics.tensorboard=False",
             "--config.model.lora.rank=8",
