@@ -27,7 +27,7 @@ from gyre_jax.config.base import ConfigError
 from gyre_jax.config.run import check_routing_replay
 from gyre_jax.faultpoints import kill_point
 from gyre_jax.model.checkpoints import resolve_checkpoint
-from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.config import ModelConfig, ModelInputError
 from gyre_jax.model.sharding import Rules, abstract_model, init_params
 from gyre_jax.model.tokenizer import load_tokenizer
 from gyre_jax.progress import Progress
@@ -100,7 +100,7 @@ def setup(config) -> Setup:
             check_routing_replay(config.rl.routing_replay, model_cfg.num_experts)  # before any tensor is read
             if isinstance(tokenizer, HFTokenizer):  # before any tensor is read
                 check_fits_model(tokenizer, model_cfg.vocab_size, ckpt.config_source)
-            graphdef, params = ckpt.load_params(model_cfg, train_mesh, rules)
+            graphdef, params = ckpt.load_params(model_cfg, train_mesh, rules, seed=config.seed)  # LoRA: a new adapter
         log.info("loaded %s (%.1fM params)", ckpt_dir, model_cfg.num_params / 1e6)
     else:
         model_cfg = config.model_config()
@@ -317,7 +317,30 @@ def warm_start(s: Setup, suite: TaskSuite, stop: threading.Event, on_done=None) 
     log.info("warm start: %d steps in %.1fs, mean loss of the last %d: %.4f", steps, time.time() - t0, len(tail), loss)
     if on_done is not None and steps:
         on_done(steps, loss)
-    return state.params
+    return learner.full_params(state.params)  # LoRA: the base (unchanged) with the warm-started adapter
+
+
+def lora_base(config) -> dict | None:
+    """A LoRA run's base, by reference (its checkpoints hold only the adapter): the checkpoint it was read from, or
+    the seed it was drawn from; None without an adapter. Kept in every checkpoint's meta (``lora_base``)."""
+    if not config.model.lora.enabled:
+        return None
+    m = config.model
+    if m.checkpoint_dir:
+        return {"checkpoint_dir": m.checkpoint_dir, "checkpoint_layers": m.checkpoint_layers}
+    return {"init_seed": config.seed}
+
+
+def check_lora_base(config, meta: dict) -> None:
+    """Raises ``ModelInputError`` (one line) when a LoRA checkpoint's adapter was trained on another base than the
+    one this run builds (or one has an adapter and the other not): a resumed adapter over a different base is
+    another model."""
+    saved, now = meta.get("lora_base"), lora_base(config)
+    if saved != now:
+        raise ModelInputError(
+            f"the checkpoint in {config.workdir} was saved with LoRA base {saved} but this config builds {now}: resume "
+            "with the config that wrote it (config.model.checkpoint_dir / seed / model.lora.rank), or use a new workdir"
+        )
 
 
 def core_params(s: Setup, params: Any) -> Any:

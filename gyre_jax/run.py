@@ -13,7 +13,8 @@ A run is a few parts, each built whole before the loop starts (nothing is wired 
 - ``RunStop``: why the run stops early (a signal, a follower's request or failure, steps that trained nothing).
 
 Run directory layout (see docs/records.md):
-    checkpoints/<step>/      orbax: train state + JSON meta (policy version, data cursor)
+    checkpoints/<step>/      orbax: train state + JSON meta (policy version, data cursor; LoRA: the adapter and its
+                             optimizer state, the base by reference in meta["lora_base"])
     reference/0/             the reference policy of a KL term (the params RL started from)
     records/<exec>.jsonl     TITO records, one per model call (fsynced before the call returns)
     executions/<exec>/       workspace, task.json, harness stdout/stderr, result.json
@@ -44,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from gyre_jax.build import lora_base
 from gyre_jax.checkpoint import Checkpointer
 from gyre_jax.disk import write_whole
 from gyre_jax.elastic.controller import Controller
@@ -553,6 +555,8 @@ class Run:
             "time": time.time(),
             "pipeline": self.pipeline_state,
         }
+        if self.config.model.lora.enabled:  # the state holds the adapter; its base by reference
+            meta["lora_base"] = lora_base(self.config)
         self.rundir.checkpointer.save(next_step, state, meta)
         self._saved_step = next_step
 

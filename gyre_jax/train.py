@@ -47,7 +47,6 @@ from gyre_jax.rollout.suites import TaskSuite
 from gyre_jax.run import EXIT_UNTRAINED, ExecutionPlan, Rollouts, Run, RunDir, RunStop
 from gyre_jax.runtime.local import LocalCell
 from gyre_jax.runtime.remote import Cells, open_cells
-from gyre_jax.runtime.transfer import transfer
 from gyre_jax.trajectory.pipeline import TrajectoryConfig, TrajectoryPipeline
 
 log = logging.getLogger("gyre_jax")
@@ -150,7 +149,12 @@ def _initial_state(
     if s.multi_process:
         runtime.broadcast_decision({"latest": latest})
     if latest is not None:
+        if (
+            learner.worker.lora
+        ):  # the checkpoint holds the adapter; the base is where it came from (checkpoint_dir, seed)
+            learner.set_base(build.core_params(s, s.params))
         state, meta = layer_stack.restore(checkpointer, latest, learner.abstract_state())  # either layer layout
+        build.check_lora_base(s.config, meta)
         log.info(
             "resumed from %s at step %d (policy version %d)", checkpointer.directory, meta["next_step"], int(state.step)
         )
@@ -186,7 +190,7 @@ def _reference_policy(s: build.Setup, learner: Learner, state: TrainState, workd
     store = Checkpointer(workdir / "reference", max_to_keep=1, primary_only=s.multi_process)
     try:
         if store.latest_step() is not None:
-            return layer_stack.restore(store, 0, build.abstract_params(s, learner.param_shardings))[0]
+            return layer_stack.restore(store, 0, learner.abstract_params())[0]
         if int(state.step) > 0:
             log.warning("no reference policy saved in %s: the KL term starts from the resumed params", store.directory)
         ref = jax.tree.map(jnp.copy, state.params)  # a copy: the optimizer step donates the state
@@ -205,8 +209,9 @@ def _cells(s: build.Setup, learner: Learner, state: TrainState, stop: RunStop) -
 
     def local(cell, layout) -> LocalCell:
         worker = learner.worker if cell.index == 0 else factory.worker(cell)
-        params = transfer(state.params, layout.param_shardings, may_alias=False)
-        return LocalCell(cell, layout, factory.loop(cell, params, version), worker)
+        handle = LocalCell(cell, layout, None, worker, make_loop=lambda params, v: factory.loop(cell, params, v))
+        handle.set_weights(learner.full_params(state.params), version)  # a copy; LoRA: the base once, shared
+        return handle
 
     layouts = [factory.layout(cell) for cell in s.cells]
     max_context = s.config.serving.max_seq_len

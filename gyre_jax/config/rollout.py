@@ -3,7 +3,8 @@ the ``rollout`` task suite and its harness.
 
 ``ModelSection`` is a ``ModelConfig`` (every architecture field may be set in a config file: family, MoE, RoPE
 scaling, remat) with the tiny default model and two more keys, ``checkpoint_dir`` (where pretrained weights come
-from: a Hugging Face directory, a GGUF file or ``pkg:<package>/<file>``) and ``checkpoint_layers``.
+from: a Hugging Face directory, a GGUF file or ``pkg:<package>/<file>``) and ``checkpoint_layers``; its ``lora``
+section (``LoraSection``, a ``LoraConfig``) is the LoRA adapter (``model.lora.rank`` > 0: only the adapter trains).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from gyre_jax.config.base import ConfigError, Section, require
 from gyre_jax.model.checkpoints import PKG_PREFIX, is_gguf, reference_problem
-from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.config import LoraConfig, ModelConfig
 from gyre_jax.rollout.harnesses import HarnessSpec, harness_spec
 from gyre_jax.rollout.sandbox import SANDBOXES
 from gyre_jax.rollout.suites import SuiteError, parse_suite_spec
@@ -29,6 +30,19 @@ KV_LAYOUTS = ("dense", "paged")  # serving.kv_layout
 
 
 DENSE_ATTENTION_MAX = 4096  # tokens: past this a dense [T, T] training mask outgrows a CPU host (coding_cpu.py)
+
+
+@dataclass(frozen=True, eq=False)
+class LoraSection(LoraConfig, Section):
+    """``config.model.lora``: a LoRA adapter (``LoraConfig``; rank 0 = none, full fine-tuning)."""
+
+    _path = "model.lora"
+
+    def __post_init__(self):
+        self.check_types()
+        LoraConfig.__post_init__(self)
+        problems = self.problems()
+        require(not problems, "; ".join(f"config.model.{p}" for p in problems))
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,9 @@ class ModelSection(ModelConfig, Section):
     # "auto" (derived): "blockwise" (memory linear in the row length) past DENSE_ATTENTION_MAX tokens of max_context
     # or with context_parallel > 1, else "xla"; or one of the kernels (ModelConfig.attention_impl)
     attention_impl: str = "auto"
+    # A LoRA adapter (gyre_jax/model/lora.py; docs/learner.md "LoRA"): rank > 0 trains only the adapter, and only the
+    # adapter moves between cells; the base (checkpoint_dir or the seed's init) stays frozen, held once per cell.
+    lora: LoraSection = LoraSection()
 
     def __post_init__(self):
         self.check_types()

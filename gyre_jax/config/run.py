@@ -238,7 +238,7 @@ def resolve_workdir(config: RunConfig) -> Path:
 def validate(config: RunConfig) -> None:
     """Checks the rules that span sections (each section checked its own values when it was built)."""
     checks = (_devices_fit, _model_fits_cells, _tokenizer_fits_model, _lengths_fit, _context_fits, _schedule_fits)
-    for check in checks + (_processes_fit,):
+    for check in checks + (_processes_fit, _lora_fits):
         check(config)
     _long_fits(config)
     _suite_fits(config)
@@ -407,6 +407,15 @@ def _schedule_fits(c: RunConfig) -> None:
     require(
         s.training_cells == 0 or 1 <= s.training_cells <= k - 1,
         f"config.schedule.training_cells={s.training_cells} must be 0 (half the cells) or in [1, {k - 1}]",
+    )
+
+
+def _lora_fits(c: RunConfig) -> None:
+    """A LoRA adapter moves only between cells of one process so far (a follower's cell takes whole states)."""
+    require(
+        not (c.model.lora.enabled and c.distributed.enabled),
+        "not supported yet: config.model.lora with a multi-process run (config.distributed.enabled; a follower's cells "
+        "take whole model states); run LoRA in one process, or set model.lora.rank=0",
     )
 
 

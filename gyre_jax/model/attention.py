@@ -23,6 +23,7 @@ from flax import nnx
 from gyre_jax.model.blockwise import MaskSpec, blockwise_attention, cache_mask_spec, dense_mask, tree_mask_spec
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import Einsum, RMSNorm
+from gyre_jax.model.lora import lora_arg
 from gyre_jax.model.pallas_attention import pallas_attention
 from gyre_jax.model.positional_embeddings import apply_rope, rope_frequencies
 from gyre_jax.model.ring import ring_attention
@@ -299,17 +300,20 @@ class Attention(nnx.Module):
         self.cfg = cfg
         bias = 2 if cfg.qkv_bias else 0
         self.q_proj = Einsum(
-            (e, h, d), ("embed", "heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias
-        )
+            (e, h, d), ("embed", "heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias,
+            lora=lora_arg(cfg, "q_proj", 1),
+        )  # fmt: skip
         self.k_proj = Einsum(
-            (e, k, d), ("embed", "kv_heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias
-        )
+            (e, k, d), ("embed", "kv_heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias,
+            lora=lora_arg(cfg, "k_proj", 1),
+        )  # fmt: skip
         self.v_proj = Einsum(
-            (e, k, d), ("embed", "kv_heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias
-        )
+            (e, k, d), ("embed", "kv_heads", "head_dim"), fan_in=e, param_dtype=pd, rngs=rngs, bias_dims=bias,
+            lora=lora_arg(cfg, "v_proj", 1),
+        )  # fmt: skip
         self.o_proj = Einsum(
             (h, d, e), ("heads", "head_dim", "embed"), fan_in=h * d, param_dtype=pd, rngs=rngs,
-            bias_dims=1 if cfg.o_bias else 0,
+            bias_dims=1 if cfg.o_bias else 0, lora=lora_arg(cfg, "o_proj", 2),
         )  # fmt: skip
         if cfg.qk_norm:  # Qwen3; Llama and Qwen2 have none
             self.q_norm = RMSNorm(d, "head_dim", eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)

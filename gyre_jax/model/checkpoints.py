@@ -127,10 +127,16 @@ class Checkpoint:
             cfg = dataclasses.replace(cfg, num_layers=num_layers)
         return cfg
 
-    def load_params(self, cfg: ModelConfig, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef, nnx.State]:
+    def load_params(self, cfg: ModelConfig, mesh: Mesh, rules: Rules, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
         """The weights as params of ``Transformer(cfg)`` on their target shardings (``cfg``: from ``model_config``;
-        when it has fewer layers than the checkpoint, the later layers' tensors are skipped)."""
+        when it has fewer layers than the checkpoint, the later layers' tensors are skipped). With a LoRA adapter
+        (``cfg.lora``) the checkpoint is the base and the adapter is new (``lora.attach``: A from ``seed``, B zero)."""
+        from gyre_jax.model import lora
         from gyre_jax.model.hf_checkpoint import SafetensorsDir, defaults_note, load_params
+
+        if lora.enabled(cfg):
+            _, base = self.load_params(lora.base_config(cfg), mesh, rules)
+            return lora.attach(cfg, base, mesh, rules, seed)
 
         full = self._full or self.model_config()
         sliced = cfg.num_layers < full.num_layers

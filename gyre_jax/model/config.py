@@ -44,7 +44,14 @@ COMPUTE_FIELDS = (
     "logits_chunk",
     "context_parallel",
     "scan_layers",
+    "lora",  # a LoRA adapter over the checkpoint's weights (model/lora.py): not the checkpoint's, the run's
 )
+# LoRA target names (``LoraConfig.targets``): one projection, or a group of them.
+LORA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_MLP = ("gate_proj", "up_proj", "down_proj")  # a dense MLP layer's
+LORA_EXPERTS = ("experts",)  # the gate/up/down projections of every expert of a MoE layer (the router never)
+LORA_GROUPS = {"attention": LORA_ATTENTION, "mlp": LORA_MLP, "all": LORA_ATTENTION + LORA_MLP + LORA_EXPERTS}
+LORA_TARGETS = LORA_ATTENTION + LORA_MLP + LORA_EXPERTS
 
 
 class ModelInputError(ValueError):
@@ -54,6 +61,72 @@ class ModelInputError(ValueError):
 
 class ConfigMismatchError(ModelInputError):
     """A Hugging Face config.json describes a model this implementation does not compute, or lacks a key it needs."""
+
+
+@dataclass(frozen=True, eq=False)
+class LoraConfig:
+    """A LoRA adapter on the decoder's projections (``model/lora.py``): ``W x + (alpha / rank) B A x`` with A
+    ``[in, rank]`` and B ``[rank, out]`` (B starts at zero, so the adapted model starts as the base). ``rank = 0``: no
+    adapter (full fine-tuning). ``targets``: projection names (``LORA_TARGETS``) or groups (``LORA_GROUPS``:
+    ``attention``, ``mlp`` = a dense MLP's gate/up/down, ``all``; ``experts`` = every expert's gate/up/down of a MoE
+    layer). Equal by value, whatever the subclass (the run config's ``model.lora`` section is one)."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the scale is alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # PEFT's lora_dropout; only 0 is supported yet
+    targets: tuple[str, ...] = ("attention", "mlp")
+
+    def __post_init__(self):
+        object.__setattr__(self, "targets", tuple(str(t) for t in self.targets))
+
+    def _key(self) -> tuple:
+        return (self.rank, float(self.alpha), float(self.dropout), self.targets)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, LoraConfig) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank: the factor of the adapter's output."""
+        return self.alpha / self.rank if self.rank else 0.0
+
+    @property
+    def modules(self) -> frozenset[str]:
+        """The projection names adapted (``targets`` with the groups expanded); empty when disabled."""
+        if not self.enabled:
+            return frozenset()
+        return frozenset(m for t in self.targets for m in LORA_GROUPS.get(t, (t,)))
+
+    def adapts(self, name: str) -> bool:
+        """Whether projection ``name`` (``q_proj`` ... ``down_proj``, ``experts``) carries an adapter."""
+        return name in self.modules
+
+    def problems(self) -> list[str]:
+        """Every invalid value, as messages naming the field (``lora.rank`` ...)."""
+        out = []
+        if self.rank < 0:
+            out.append(f"lora.rank={self.rank} must be >= 0 (0 = no adapter: full fine-tuning)")
+        if not self.enabled:
+            return out
+        if not self.alpha > 0:
+            out.append(f"lora.alpha={self.alpha} must be > 0 (the adapter's output is scaled by alpha / rank)")
+        if self.dropout != 0:
+            out.append(
+                f"lora.dropout={self.dropout}: not supported yet (only 0: a dropout in the training forward would "
+                "also bias the ratio to the recorded behaviour log-probs); set lora.dropout=0"
+            )
+        known = sorted(set(LORA_TARGETS) | set(LORA_GROUPS))
+        bad = [t for t in self.targets if t not in LORA_TARGETS and t not in LORA_GROUPS]
+        if bad or not self.targets:
+            out.append(f"lora.targets={self.targets} must name some of {known}")
+        return out
 
 
 @dataclass(frozen=True)
@@ -118,9 +191,13 @@ class ModelConfig:
     # remat applies to the body); the cached forward runs layer by layer over the stacked weights. Needs every
     # layer of one kind (all dense or all MoE).
     scan_layers: bool = False
+    # A LoRA adapter (LoraConfig; rank 0 = none: full fine-tuning): only its weights train and move between cells.
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if isinstance(self.lora, Mapping):  # e.g. from a run's config.json
+            object.__setattr__(self, "lora", LoraConfig(**self.lora))
         problems = self.problems()
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
@@ -172,11 +249,22 @@ class ModelConfig:
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
         if bad:
             out.append(f"mlp_only_layers={self.mlp_only_layers} has layers outside [0, {self.num_layers})")
+        out += self._lora_problems()
         if self.scan_layers and self.decoder_sparse_step >= 1 and 0 < self.num_moe_layers < self.num_layers:
             out.append(
                 f"scan_layers=True: not supported yet with mixed dense/MoE layers ({self.num_moe_layers} of "
                 f"{self.num_layers} layers are MoE: mlp_only_layers={self.mlp_only_layers}, decoder_sparse_step="
                 f"{self.decoder_sparse_step}); set scan_layers=False"
+            )
+        return out
+
+    def _lora_problems(self) -> list[str]:
+        """``lora``'s own problems, and targets that adapt no weight of this model (``experts`` on a dense one)."""
+        out = self.lora.problems()
+        if not out and self.lora.enabled and self.num_lora_params == 0:
+            out.append(
+                f"lora.targets={self.lora.targets} adapt no weight of this model ({self.num_moe_layers} MoE layers of "
+                f"{self.num_layers}): name attention or mlp projections"
             )
         return out
 
@@ -269,9 +357,33 @@ class ModelConfig:
         experts = self.num_experts_per_tok if active else self.num_experts
         return e * self.num_experts + experts * 3 * e * self.moe_mlp_dim
 
+    def lora_shapes(self, layer: int) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        """Layer ``layer``'s adapted projections: (name, input dims, output dims) each, for one expert of a MoE layer's
+        ``experts`` (x ``num_experts``); empty without an adapter. The one statement of what ``lora`` adapts."""
+        e, h, k, d = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim
+        projections = [("q_proj", (e,), (h, d)), ("k_proj", (e,), (k, d)), ("v_proj", (e,), (k, d))]
+        projections.append(("o_proj", (h, d), (e,)))
+        if self.is_moe_layer(layer):
+            m = self.moe_mlp_dim
+            mlp = [("experts", (e,), (m,))] * 2 + [("experts", (m,), (e,))]
+        else:
+            m = self.mlp_dim
+            mlp = [("gate_proj", (e,), (m,)), ("up_proj", (e,), (m,)), ("down_proj", (m,), (e,))]
+        return [p for p in projections + mlp if self.lora.adapts(p[0])]
+
+    @property
+    def num_lora_params(self) -> int:
+        """The adapter's parameters: rank x (inputs + outputs) per adapted projection (and expert); 0 without one."""
+        r, total = self.lora.rank, 0
+        for i in range(self.num_layers):
+            for name, ins, outs in self.lora_shapes(i):
+                experts = self.num_experts if name == "experts" else 1
+                total += experts * r * (math.prod(ins) + math.prod(outs))
+        return total
+
     @property
     def num_params(self) -> int:
-        """All parameters (embedding and LM head included)."""
+        """All parameters (embedding and LM head included; a LoRA adapter's not: ``num_lora_params``)."""
         e, v = self.embed_dim, self.vocab_size
         layers = sum(self._attn_params() + self._mlp_params(i, active=False) + 2 * e for i in range(self.num_layers))
         return layers + v * e * (1 if self.tie_embeddings else 2) + e

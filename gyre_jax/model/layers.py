@@ -1,4 +1,5 @@
-"""Basic layers with logically-named parameter axes: RMSNorm, Embedder, Einsum projection.
+"""Basic layers with logically-named parameter axes: RMSNorm, Embedder, Einsum projection (with an optional LoRA
+adapter: ``model/lora.py``).
 
 Parameters carry MaxText-style logical axis names (``embed``, ``heads``, ``kv_heads``, ``head_dim``,
 ``mlp``, ``vocab``, ``exp``) via ``nnx.with_partitioning``; ``gyre_jax.model.sharding`` maps them to mesh axes.
@@ -32,6 +33,9 @@ class Einsum(nnx.Module):
 
     ``bias_dims``: how many trailing dimensions of ``shape`` the output ends with and the bias covers
     (0 = no bias), e.g. q_proj ``[E, H, D]`` -> bias ``[H, D]`` with ``bias_dims=2``. Biases start at zero.
+    ``lora``: ``(rank, scale, in_dims)`` adds a LoRA adapter over the first ``in_dims`` (input) dimensions of the
+    weight (``lora.LoraAdapter``: ``lora_a`` / ``lora_b``, ``nnx.LoRAParam``s; applied beside the weight, never
+    merged into it); None = none.
     """
 
     def __init__(
@@ -43,6 +47,7 @@ class Einsum(nnx.Module):
         param_dtype,
         rngs: nnx.Rngs,
         bias_dims: int = 0,
+        lora: tuple[int, float, int] | None = None,
     ):
         init = nnx.initializers.normal(stddev=fan_in**-0.5)
         self.w = nnx.Param(nnx.with_partitioning(init, axes)(rngs.params(), shape, param_dtype))
@@ -54,6 +59,11 @@ class Einsum(nnx.Module):
             )
         else:
             self.b = None
+        if lora is not None:  # after the base weights: their initial values do not depend on the adapter
+            from gyre_jax.model.lora import LoraAdapter
+
+            rank, scale, in_dims = lora
+            self.lora = LoraAdapter(shape, axes, in_dims, rank, scale, param_dtype=param_dtype)
 
     def __call__(self, eqn: str, x: jax.Array, preferred_element_type=None, weight_shape=None) -> jax.Array:
         """``einsum(eqn, x, w)`` + bias; ``weight_shape``: the weight viewed as that shape first (a reshape that
@@ -61,6 +71,8 @@ class Einsum(nnx.Module):
         w = self.w[...].astype(x.dtype)
         w = w if weight_shape is None else w.reshape(weight_shape)
         y = jnp.einsum(eqn, x, w, preferred_element_type=preferred_element_type)
+        if hasattr(self, "lora"):
+            y = y + self.lora(eqn, x, w.shape).astype(y.dtype)
         if self.b is not None:
             y = y + self.b[...].astype(y.dtype)
         return y

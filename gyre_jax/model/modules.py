@@ -26,6 +26,7 @@ from gyre_jax.model.attention import Attention, LayerCache
 from gyre_jax.model.blockwise import MaskSpec
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import Einsum, Embedder, RMSNorm
+from gyre_jax.model.lora import init_adapters, lora_arg
 from gyre_jax.model.moe import MoEBlock, load_balancing_loss
 
 REMAT_POLICIES = {
@@ -58,9 +59,12 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         e, m, pd = cfg.embed_dim, cfg.mlp_dim, cfg.weight_dtype
-        self.gate_proj = Einsum((e, m), ("embed", "mlp"), fan_in=e, param_dtype=pd, rngs=rngs)
-        self.up_proj = Einsum((e, m), ("embed", "mlp"), fan_in=e, param_dtype=pd, rngs=rngs)
-        self.down_proj = Einsum((m, e), ("mlp", "embed"), fan_in=m, param_dtype=pd, rngs=rngs)
+        up = dict(fan_in=e, param_dtype=pd, rngs=rngs)
+        self.gate_proj = Einsum((e, m), ("embed", "mlp"), **up, lora=lora_arg(cfg, "gate_proj", 1))
+        self.up_proj = Einsum((e, m), ("embed", "mlp"), **up, lora=lora_arg(cfg, "up_proj", 1))
+        self.down_proj = Einsum(
+            (m, e), ("mlp", "embed"), fan_in=m, param_dtype=pd, rngs=rngs, lora=lora_arg(cfg, "down_proj", 1)
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(
@@ -104,8 +108,6 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.embedder = Embedder(cfg.vocab_size, cfg.embed_dim, param_dtype=cfg.weight_dtype, rngs=rngs)
         blocks = [Block(cfg, moe=cfg.is_moe_layer(i), rngs=rngs) for i in range(cfg.num_layers)]
-        # scan_layers: one Block with every parameter stacked [L, ...] (model/layer_stack.py), the same values
-        self.layers = layer_stack.stack_modules(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.final_norm = RMSNorm(cfg.embed_dim, "embed", eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = Einsum(
@@ -115,6 +117,10 @@ class Transformer(nnx.Module):
                 param_dtype=cfg.weight_dtype,
                 rngs=rngs,
             )
+        if cfg.lora.enabled:  # LoRA's A from its own key, after every base weight: a seed's base is the same without it
+            init_adapters(blocks, rngs.params())
+        # scan_layers: one Block with every parameter stacked [L, ...] (model/layer_stack.py), the same values
+        self.layers = layer_stack.stack_modules(blocks) if cfg.scan_layers else nnx.List(blocks)
 
     def __call__(
         self,

@@ -9,7 +9,9 @@ top-k -> optionally renormalized to sum to 1 (``norm_topk_prob``) -> each chosen
 - ``dense``: every expert runs on every token and a [N, X] combine matrix that is zero off the top-k
   selects; X/k times the FLOPs, but plain einsums that GSPMD splits over an ``expert`` mesh axis.
 
-Expert weights are ``[X, E, M]`` / ``[X, M, E]`` with logical axes ``exp``, ``embed``, ``mlp``.
+Expert weights are ``[X, E, M]`` / ``[X, M, E]`` with logical axes ``exp``, ``embed``, ``mlp``. With ``experts`` among
+``cfg.lora.targets`` each of the three carries a LoRA adapter per expert (``<proj>_lora``: A ``[X, in, r]``, B
+``[X, r, out]``), applied beside the expert's weight in both implementations.
 
 Routing replay (R3, docs/learner.md ``rl.routing_replay``): ``MoEBlock(x, replay_ids)`` uses given expert
 ids (the ones the serving engine selected) instead of its own top-k for every token whose row of ids is
@@ -24,6 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.lora import LoraAdapter
+
+Lora = tuple[jax.Array, jax.Array, float] | None  # an expert projection's adapter: (A [X, in, r], B [X, r, out], scale)
 
 
 def route(router_logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -82,8 +87,11 @@ def load_balancing_loss(router_logits: jax.Array, k: int, token_mask: jax.Array 
     return jnp.sum(tokens_per_expert * prob_per_expert) * num_experts
 
 
-def _ragged_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down) -> jax.Array:
-    """x: [N, E]; weights, ids: [N, k]; w_gate, w_up: [X, E, M]; w_down: [X, M, E] -> [N, E]."""
+def _ragged_experts(
+    x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down, lora: tuple[Lora, Lora, Lora] = (None,) * 3
+) -> jax.Array:
+    """x: [N, E]; weights, ids: [N, k]; w_gate, w_up: [X, E, M]; w_down: [X, M, E]; ``lora``: each projection's
+    adapter or None -> [N, E]."""
     n, k = ids.shape
     num_experts = w_gate.shape[0]
     flat_ids = ids.reshape(-1)  # [N*k]
@@ -91,18 +99,41 @@ def _ragged_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_
     token_of = order // k  # [N*k]
     xs = jnp.take(x, token_of, axis=0)  # [N*k, E]
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)  # [X]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(xs, w_up, group_sizes)  # [N*k, M]
-    ys = jax.lax.ragged_dot(h, w_down, group_sizes)  # [N*k, E]
+
+    def proj(v, w, adapter: Lora):  # v: [N*k, in] grouped by expert -> [N*k, out]
+        y = jax.lax.ragged_dot(v, w, group_sizes)
+        if adapter is not None:
+            a, b, scale = adapter
+            y = y + jax.lax.ragged_dot(
+                jax.lax.ragged_dot(v, a, group_sizes) * jnp.asarray(scale, v.dtype), b, group_sizes
+            )
+        return y
+
+    h = jax.nn.silu(proj(xs, w_gate, lora[0])) * proj(xs, w_up, lora[1])  # [N*k, M]
+    ys = proj(h, w_down, lora[2])  # [N*k, E]
     ys = ys * jnp.take(weights.reshape(-1), order)[:, None].astype(ys.dtype)
     return jnp.zeros_like(x).at[token_of].add(ys)
 
 
-def _dense_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+def _dense_experts(
+    x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate, w_up, w_down, lora: tuple[Lora, Lora, Lora] = (None,) * 3
+) -> jax.Array:
     """Same contract as ``_ragged_experts``; runs all X experts on all N tokens."""
     num_experts = w_gate.shape[0]
     combine = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.float32) * weights[..., None], axis=1)  # [N, X]
-    h = jax.nn.silu(jnp.einsum("ne,xem->nxm", x, w_gate)) * jnp.einsum("ne,xem->nxm", x, w_up)  # [N, X, M]
+
+    def up(w, adapter: Lora):  # x: [N, E] -> [N, X, M]
+        y = jnp.einsum("ne,xem->nxm", x, w)
+        if adapter is not None:
+            a, b, scale = adapter
+            y = y + jnp.einsum("nxr,xrm->nxm", jnp.einsum("ne,xer->nxr", x, a) * jnp.asarray(scale, x.dtype), b)
+        return y
+
+    h = jax.nn.silu(up(w_gate, lora[0])) * up(w_up, lora[1])  # [N, X, M]
     ys = jnp.einsum("nxm,xme->nxe", h, w_down)  # [N, X, E]
+    if lora[2] is not None:
+        a, b, scale = lora[2]
+        ys = ys + jnp.einsum("nxr,xre->nxe", jnp.einsum("nxm,xmr->nxr", h, a) * jnp.asarray(scale, h.dtype), b)
     return jnp.einsum("nxe,nx->ne", ys, combine.astype(ys.dtype))
 
 
@@ -125,6 +156,11 @@ class MoEBlock(nnx.Module):
         self.down_proj = nnx.Param(
             nnx.with_partitioning(normal(stddev=m**-0.5), ("exp", "mlp", "embed"))(rngs.params(), (x, m, e), pd)
         )
+        if cfg.lora.adapts("experts"):  # an adapter per expert of each projection (batch dim: the expert)
+            lo = dict(in_dims=1, rank=cfg.lora.rank, scale=cfg.lora.scale, batch_dims=1, param_dtype=pd)
+            self.gate_proj_lora = LoraAdapter((x, e, m), ("exp", "embed", "mlp"), **lo)
+            self.up_proj_lora = LoraAdapter((x, e, m), ("exp", "embed", "mlp"), **lo)
+            self.down_proj_lora = LoraAdapter((x, m, e), ("exp", "mlp", "embed"), **lo)
 
     def __call__(self, x: jax.Array, replay_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x: [B, T, E]; replay_ids: [B*T, k] int (a row of -1: route that token itself) or None ->
@@ -137,6 +173,10 @@ class MoEBlock(nnx.Module):
         weights, ids = choose_route(router_logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, replay_ids)
         weights = weights.astype(dtype)  # HF casts the top-k weights back to the hidden dtype
         experts = _ragged_experts if self.cfg.moe_impl == "ragged" else _dense_experts
+        lora = (None,) * 3
+        if hasattr(self, "gate_proj_lora"):
+            adapters = (self.gate_proj_lora, self.up_proj_lora, self.down_proj_lora)
+            lora = tuple((a.a[...].astype(dtype), a.b[...].astype(dtype), a.scale) for a in adapters)
         out = experts(
             flat,
             weights,
@@ -144,5 +184,6 @@ class MoEBlock(nnx.Module):
             self.gate_proj[...].astype(dtype),
             self.up_proj[...].astype(dtype),
             self.down_proj[...].astype(dtype),
+            lora,
         )
         return out.reshape(b, t, e), router_logits, ids

@@ -10,6 +10,9 @@ result. Each micro-batch's loss already carries the step's normalization (``seq_
 may also be given one more scalar (``grad_scale``, e.g. 1 / executions when that count is only known
 at the end of a streamed step).
 
+With a LoRA adapter (``model_cfg.lora``) the train state's params are the adapter alone and the optimizer state is
+the adapter's; the frozen base is the core worker's (``Learner.base``), loaded once and never in the train state.
+
 A step whose loss or gradients are not finite is skipped: parameters, optimizer state and the step
 counter are left exactly as they were (a checkpoint saved after it is the previous one's state), a
 log line says so, and ``Learner.skipped_steps`` counts it.
@@ -35,7 +38,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gyre_jax.model.sharding import Rules, abstract_model
+from gyre_jax.model.sharding import Rules
 from gyre_jax.rl import losses
 from gyre_jax.rl.accumulator import GradAccumulator
 from gyre_jax.rl.micro_step import GradWorker, run_micro_steps, token_logprobs
@@ -51,7 +54,7 @@ log = logging.getLogger("gyre_jax.learner")
 @jax.tree_util.register_dataclass
 @dataclass
 class TrainState:
-    params: nnx.State
+    params: nnx.State  # the trained params: the whole model, or (LoRA) the adapter
     opt_state: optax.OptState
     step: jax.Array  # [] int32: optimizer updates applied = the policy version these params define
 
@@ -110,10 +113,10 @@ class Learner:
 
     def _build_jits(self) -> None:
         """The train state's shardings and the jitted optimizer init and apply (state donated)."""
-        model_cfg = self.model_cfg
-        _, abstract_params = abstract_model(model_cfg)
         self._abstract_params = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract_params, self.param_shardings
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            self.worker.abstract_params,
+            self.param_shardings,
         )
         self.opt_shardings = optax.tree_map_params(
             self.tx,
@@ -136,11 +139,31 @@ class Learner:
 
     # -- state ------------------------------------------------------------------------------------
     def init_state(self, params: nnx.State, step: int = 0) -> TrainState:
-        params = jax.device_put(params, self.param_shardings)
+        """The train state at ``step`` from ``params``: a whole model state (LoRA: its base becomes this learner's
+        frozen base, its adapter the trained params), or (LoRA, the base already set) an adapter."""
+        params = jax.device_put(self.worker.trainable(params), self.param_shardings)
         opt_state = self._init_opt(params)
         return TrainState(
             params=params, opt_state=opt_state, step=jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
         )
+
+    @property
+    def base(self) -> nnx.State | None:
+        """LoRA: the frozen base weights on the core's mesh (None for full fine-tuning, or before they are set)."""
+        return self.worker.base
+
+    def set_base(self, params: nnx.State) -> None:
+        """LoRA: the frozen base from a whole model state (its adapter part is ignored): e.g. on resume, where the
+        checkpoint holds only the adapter and the base comes from where it came from before."""
+        self.worker.set_base(params)
+
+    def full_params(self, params: nnx.State) -> nnx.State:
+        """The whole model state of trained ``params`` (LoRA: base + adapter, no copy; else ``params``)."""
+        return self.worker.full_params(params)
+
+    def abstract_params(self) -> nnx.State:
+        """Shapes, dtypes and shardings of the trained params (the whole model, or the LoRA adapter)."""
+        return self._abstract_params
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of a TrainState (the restore target for checkpoints)."""
@@ -156,7 +179,8 @@ class Learner:
         return self.worker.put_batch(mb)
 
     def make_satellite(self, mesh: Mesh, name: str) -> GradWorker:
-        """A ``GradWorker`` with this learner's objective on another (disjoint) mesh: a satellite cell."""
+        """A ``GradWorker`` with this learner's objective on another (disjoint) mesh: a satellite cell (LoRA: its
+        base is taken from the first whole model state it snapshots, or ``set_base``)."""
         return GradWorker(self.model_cfg, self.graphdef, mesh, self.rules, self.loss_cfg, name=name)
 
     # -- jitted apply -----------------------------------------------------------------------------
@@ -306,6 +330,8 @@ class Learner:
         errors: list,
     ) -> None:
         try:
+            if getattr(sat, "lora", False) and sat.base is None:
+                sat.set_base(self.base)  # LoRA: the frozen base moves once per satellite, then only adapters
             params = sat.snapshot(core_params)
             ref = sat.snapshot(ref_params, slot="ref") if ref_params is not None and self.loss_cfg.kl_coef > 0 else None
             run_micro_steps(sat, params, ref, queue, acc, kind, timeout=timeout)

@@ -6,6 +6,10 @@ rules), the micro-batch split over ``batch`` rows, metrics replicated. It holds 
 the core cell's ``Learner`` owns that, and a satellite cell is just another ``GradWorker`` on its own
 submesh that pulls a weight snapshot (``snapshot``: device-to-device ``jax.device_put``) at step start.
 
+With a LoRA adapter (``model_cfg.lora``) the trained params are the adapter only (``model.lora.split``): the
+worker holds the frozen base once (``set_base``; ``snapshot`` of a whole model state keeps its base part) and
+differentiates the adapter alone, so gradients, their transfers and the accumulator are adapter-sized.
+
 ``run_micro_steps`` is the claim loop every training cell runs (the core and satellites in
 ``Learner.stream_step``, and each training cell of the elastic controller, wherever it lives): claim a
 micro-step from the step's ``MicroStepQueue``, compute its gradients, add them to the accumulator,
@@ -27,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gyre_jax.faultpoints import kill_point
+from gyre_jax.model import lora
 from gyre_jax.model.attention import tree_mask
 from gyre_jax.model.logprobs import target_logprobs
 from gyre_jax.model.ring import CONTEXT_AXIS, from_zigzag, spec_to_zigzag, to_zigzag, zigzag_permutation
@@ -106,23 +111,56 @@ class GradWorker:
                 f"mesh {name!r} has axes {dict(mesh.shape)} (sharding.make_mesh(devices, {{..., 'context': {cp}}}))"
             )
         _, abstract_params = abstract_model(model_cfg)
-        self.param_shardings = param_shardings(abstract_params, rules, mesh)
+        shardings = param_shardings(abstract_params, rules, mesh)
+        # The trained params' shardings (the whole model, or a LoRA adapter) and the frozen base's (LoRA only).
+        self.lora = lora.enabled(model_cfg)
+        self.param_shardings, self.base_shardings = lora.split(shardings) if self.lora else (shardings, None)
+        self.abstract_params = lora.split(abstract_params)[0] if self.lora else abstract_params
+        self.base: nnx.State | None = None  # LoRA: the frozen base weights on this mesh (``set_base``)
+        self._trained_def = jax.tree.structure(self.param_shardings)  # what an adapter alone looks like
         self.replicated = NamedSharding(mesh, PartitionSpec())
         # Batch shardings are stated by ``put_batch`` (their shapes vary per micro-batch); params are fixed.
         grads_out = (self.param_shardings, self.replicated)
-        self._rl_grads = jax.jit(
-            self._rl_grads_impl, in_shardings=(self.param_shardings, None, None), out_shardings=grads_out
-        )
-        self._sft_grads = jax.jit(
-            self._sft_grads_impl, in_shardings=(self.param_shardings, None), out_shardings=grads_out
-        )
+        p, b = self.param_shardings, self.base_shardings
+        self._rl_grads = jax.jit(self._rl_grads_impl, in_shardings=(p, b, None, None), out_shardings=grads_out)
+        self._sft_grads = jax.jit(self._sft_grads_impl, in_shardings=(p, b, None), out_shardings=grads_out)
 
     # -- placement ------------------------------------------------------------------------------
     def snapshot(self, params: nnx.State, slot: str = "params") -> nnx.State:
         """``params`` (from any mesh) on this worker's parameter shardings: a device-to-device copy, or the
         same arrays when they already live there. ``slot`` names what they are (``"params"``, ``"ref"``): a
-        worker whose weights stay on another process keeps one of each."""
-        return jax.device_put(params, self.param_shardings)
+        worker whose weights stay on another process keeps one of each. With a LoRA adapter ``params`` is the
+        adapter (what moves), or a whole model state whose base this worker then keeps (``set_base``)."""
+        params = self.trainable(params)
+        return lora.put(params, self.param_shardings) if self.lora else jax.device_put(params, self.param_shardings)
+
+    def trainable(self, params: nnx.State) -> nnx.State:
+        """The part of ``params`` this worker trains: all of it, or (LoRA) the adapter, keeping the base part of a
+        whole model state as this worker's frozen base (``set_base``)."""
+        if not self.lora or jax.tree.structure(params) == self._trained_def:
+            return params  # the whole model, or an adapter alone (the usual case)
+        adapter, base = lora.split(params)
+        if lora.num_leaves(base):
+            self.set_base(base)
+        return adapter
+
+    def set_base(self, base: nnx.State) -> None:
+        """LoRA: the frozen base weights (a model state's non-adapter part, or a whole state) onto this mesh, held
+        once: arrays already on these shardings (the cell's serving weights) are shared, not copied."""
+        base = lora.split(base)[1]
+        self.base = jax.device_put(base, self.base_shardings, may_alias=True)
+
+    def full_params(self, params: nnx.State) -> nnx.State:
+        """The whole model state of trained ``params`` (LoRA: with this worker's base; no copy)."""
+        return lora.combine(self._base(), params) if self.lora else params
+
+    def _base(self) -> nnx.State:
+        if self.base is None:
+            raise RuntimeError(
+                f"{self.name}: this worker trains a LoRA adapter but holds no base weights yet; give it a whole model "
+                "state first (snapshot / set_base)"
+            )
+        return self.base
 
     def batch_shardings(self, mb: MicroBatch) -> MicroBatch:
         """Rows (dimension 0 of every array, ``[S]`` per-sequence arrays too) over the ``batch`` rule's axes."""
@@ -141,13 +179,18 @@ class GradWorker:
         return jax.device_put(mb, self.batch_shardings(mb))
 
     # -- jitted bodies ----------------------------------------------------------------------------
-    def _rl_grads_impl(self, params, mb: MicroBatch, ref_params):
+    @staticmethod
+    def _whole(params, base):
+        """Inside the jitted bodies: the model state of the differentiated ``params`` (LoRA: with ``base``)."""
+        return params if base is None else lora.combine(base, params)
+
+    def _rl_grads_impl(self, params, base, mb: MicroBatch, ref_params):
         ref_logp = None
         if ref_params is not None:
-            ref_logp = jax.lax.stop_gradient(token_logprobs(self.graphdef, ref_params, mb))
+            ref_logp = jax.lax.stop_gradient(token_logprobs(self.graphdef, self._whole(ref_params, base), mb))
 
         def loss_fn(p):
-            logp, lb = _logprobs_and_aux(self.graphdef, p, mb, with_aux=self.moe_coef > 0)
+            logp, lb = _logprobs_and_aux(self.graphdef, self._whole(p, base), mb, with_aux=self.moe_coef > 0)
             x = losses.LossInputs.of(mb, logp, ref_logp)
             loss, aux = losses.rl_objective(x, self.loss_cfg)
             if lb is not None:
@@ -162,9 +205,9 @@ class GradWorker:
         term = self.moe_coef * lb * share
         return loss + term, dict(aux, loss=aux["loss"] + term, load_balancing_loss=lb * share)
 
-    def _sft_grads_impl(self, params, mb: MicroBatch):
+    def _sft_grads_impl(self, params, base, mb: MicroBatch):
         def loss_fn(p):
-            logp, lb = _logprobs_and_aux(self.graphdef, p, mb, with_aux=self.moe_coef > 0)
+            logp, lb = _logprobs_and_aux(self.graphdef, self._whole(p, base), mb, with_aux=self.moe_coef > 0)
             loss = losses.token_nll_loss(logp, mb.loss_mask)
             aux = {"loss": loss}
             if lb is not None:  # loss_mask holds the step-normalized token weights: their sum is this share
@@ -177,7 +220,8 @@ class GradWorker:
     # -- the micro-step -------------------------------------------------------------------------
     def micro_step(self, params: nnx.State, mb: MicroBatch, kind: str = "rl", ref_params: nnx.State | None = None):
         """(grads on this mesh's param shardings, metrics dict of [] arrays) of one micro-batch's share of
-        the step loss. ``params`` (and ``ref_params``) must already be on this mesh (see ``snapshot``)."""
+        the step loss. ``params`` (and ``ref_params``) must already be on this mesh (see ``snapshot``); with a LoRA
+        adapter they are adapters, and the gradients are the adapter's."""
         if kind not in KINDS:
             raise ValueError(f"micro-step kind {kind!r} must be one of {KINDS}")
         kill_point("micro_step")
@@ -187,8 +231,9 @@ class GradWorker:
             return self._grads(params, batch, kind, ref_params)
 
     def _grads(self, params: nnx.State, batch: MicroBatch, kind: str, ref_params: nnx.State | None):
+        base = self._base() if self.lora else None
         if kind == "sft":
-            return self._sft_grads(params, batch)
+            return self._sft_grads(params, base, batch)
         if self.loss_cfg.kl_coef > 0.0 and ref_params is None:
             raise ValueError(
                 f"loss kl_coef={self.loss_cfg.kl_coef} > 0 needs ref_params (the reference policy's "
@@ -196,7 +241,7 @@ class GradWorker:
             )
         if self.loss_cfg.kl_coef == 0.0:
             ref_params = None  # no reference forward pass when the KL term is off
-        return self._rl_grads(params, batch, ref_params)
+        return self._rl_grads(params, base, batch, ref_params)
 
 
 def micro_batch_flops(model_cfg: Any, mb: MicroBatch) -> float:

@@ -1,6 +1,9 @@
 """``LocalCell``: a cell this process runs, its ``ServingLoop`` and gradient worker behind the ``CellHandle``
 protocol. The one implementation of a cell's serving, weights, stats and sessions: the leader's own cells are
-``LocalCell``s, and a follower's ``runtime.host.CellHost`` runs each of its cells as one too."""
+``LocalCell``s, and a follower's ``runtime.host.CellHost`` runs each of its cells as one too.
+
+With a LoRA adapter (``model.lora``) a cell holds its frozen base once, shared by its serving loop and its gradient
+worker, and ``set_weights`` moves only the adapter: the loop serves base + adapter (applied, not merged)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,9 @@ import concurrent.futures
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+
+from gyre_jax.model import lora
 from gyre_jax.rl.micro_step import MicroStepWorker
 from gyre_jax.runtime import sessions
 from gyre_jax.runtime.base import CellHandleBase
@@ -43,6 +49,10 @@ class LocalCell(CellHandleBase):
         self.loop = loop
         self.worker = worker
         self.make_loop = make_loop
+        self.lora = lora.enabled(layout.model_cfg)
+        self.base: Any = None  # LoRA: the frozen base on this cell (its serving loop's and its worker's, one copy)
+        self._split_shardings = lora.split(layout.param_shardings) if self.lora else None  # (adapter, base)
+        self._adapter_def = jax.tree.structure(self._split_shardings[0]) if self.lora else None
 
     def _serving(self) -> ServingLoop:
         if self.loop is None:
@@ -65,8 +75,31 @@ class LocalCell(CellHandleBase):
             self.loop.cancel(request_id)
 
     def set_weights(self, params: Any, version: int) -> None:
-        """A copy of ``params`` on this cell's serving layout (never aliasing: the optimizer donates its own)."""
-        self.serve(transfer(params, self.layout.param_shardings, may_alias=False), version)
+        """A copy of ``params`` on this cell's serving layout (never aliasing: the optimizer donates its own). With a
+        LoRA adapter ``params`` is the adapter (only it moves; the cell serves it over the base it holds) or a whole
+        model state (its base becomes the cell's: once)."""
+        self.serve(self.place(params), version)
+
+    def place(self, params: Any) -> Any:
+        """``params`` on this cell's serving layout: a copy (see ``set_weights``); with LoRA, the whole model state of
+        the cell's base and a copy of the adapter."""
+        if not self.lora:
+            return transfer(params, self.layout.param_shardings, may_alias=False)
+        adapter_shardings, base_shardings = self._split_shardings
+        if jax.tree.structure(params) == self._adapter_def:  # an adapter alone: the usual case
+            adapter, base = params, None
+        else:
+            adapter, base = lora.split(params)
+        if base is not None and lora.num_leaves(
+            base
+        ):  # the frozen base: never donated, so arrays already here are shared, not copied
+            self.base = transfer(base, base_shardings, may_alias=True)
+            self._base_flat = jax.tree.flatten(self.base)
+            if self.worker is not None and hasattr(self.worker, "set_base"):
+                self.worker.set_base(self.base)  # the same arrays: the cell holds its base once
+        elif self.base is None:
+            raise RuntimeError(f"{self.name}: a LoRA adapter arrived before the cell had its base weights")
+        return lora.combine_flat(*self._base_flat, lora.put(adapter, adapter_shardings, transfer, may_alias=False))
 
     def serve(self, params: Any, version: int) -> None:
         """Serves ``params`` (already on this cell's serving layout) as policy ``version``: the loop swaps them in

@@ -17,11 +17,14 @@ from ml_collections import config_dict
 from gyre_jax.config import RETIRED_KEYS, ConfigError, apply_override, base_config
 from gyre_jax.sim.cost_model import (
     CostModel,
+    CostModelError,
     HardwareSpec,
     ModelSpec,
     PipelineCost,
     SwitchCost,
+    lora_params,
     roofline_cost_model,
+    with_lora,
 )
 from gyre_jax.sim.presets import PRESETS
 from gyre_jax.sim.simulator import SimConfig, SimConfigError
@@ -55,6 +58,20 @@ def apply_overrides(config: config_dict.ConfigDict, overrides: Mapping[str, Any]
 def cost_model(c: config_dict.ConfigDict) -> CostModel:
     if c.get("cost_model_file"):
         return CostModel.load(c.cost_model_file)
+    k = c.cost
+    cm = _roofline(c)
+    if k.get("lora_rank", 0) > 0:  # a LoRA adapter: switches move it, not the weights (cost_model.with_lora)
+        model = ModelSpec(**c.model.to_dict())
+        targets = tuple(t.strip() for t in k.lora_targets.split(",") if t.strip())
+        try:
+            fraction = lora_params(model, k.lora_rank, targets) / model.total_params
+        except CostModelError as exc:
+            raise ConfigError(f"config.cost.lora_targets={k.lora_targets!r}: {exc}") from None
+        cm = with_lora(cm, fraction, k.switch_weight_share)
+    return cm
+
+
+def _roofline(c: config_dict.ConfigDict) -> CostModel:
     k = c.cost
     return roofline_cost_model(
         ModelSpec(**c.model.to_dict()),

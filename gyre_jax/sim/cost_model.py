@@ -281,10 +281,85 @@ class ModelSpec:
     attention_dim: int  # query heads x head dim
     serving_bytes_per_param: float = 1.0  # FP8 serving weights
     kv_bytes_per_element: float = 2.0  # BF16 KV cache
+    # Only a LoRA adapter's size needs these (``lora_params``); 0 = not given.
+    embed_dim: int = 0  # the residual width
+    num_experts: int = 0  # experts per MoE layer (0: dense)
+    expert_mlp_dim: int = 0  # each expert's hidden size
 
     @property
     def kv_bytes_per_token(self) -> float:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes_per_element
+
+
+# -- LoRA: what training only an adapter changes ----------------------------------------------------------------------
+LORA_SIM_TARGETS = ("attention", "experts")
+TRAINED_BYTES_PER_PARAM = 16.0  # BF16 weights, FP32 master weights, gradients and Adam's two moments (4+4+4+2 ~ 16)
+FROZEN_BYTES_PER_PARAM = 2.0  # a frozen BF16 base: no master copy, gradient or moments
+
+
+def lora_params(model: ModelSpec, rank: int, targets: Sequence[str] = ("attention",)) -> float:
+    """A LoRA adapter's parameters (rank x (inputs + outputs) per adapted projection, as ``ModelConfig.num_lora_params``
+    counts them): ``attention`` = q/k/v/o of every layer, ``experts`` = gate/up/down of every expert of every layer
+    (the presets' models are MoE in every layer). Needs ``model.embed_dim`` (and the expert fields for experts)."""
+    bad = [t for t in targets if t not in LORA_SIM_TARGETS]
+    if bad or model.embed_dim <= 0:
+        raise CostModelError(
+            f"lora_params: targets {tuple(targets)} must be among {LORA_SIM_TARGETS} and the model needs embed_dim > 0"
+        )
+    e, a, kv = model.embed_dim, model.attention_dim, model.kv_heads * model.head_dim
+    per_layer = 0.0
+    if "attention" in targets:
+        per_layer += rank * ((e + a) + 2 * (e + kv) + (a + e))
+    if "experts" in targets:
+        if model.num_experts <= 0 or model.expert_mlp_dim <= 0:
+            raise CostModelError("lora_params: targets 'experts' needs num_experts and expert_mlp_dim > 0")
+        per_layer += model.num_experts * 3 * rank * (e + model.expert_mlp_dim)
+    return model.layers * per_layer
+
+
+def core_accelerators(model: ModelSpec, hw: HardwareSpec, trained_params: float | None = None) -> int:
+    """Accelerators whose memory holds the core's training state (activations not counted, as in the presets' cell
+    sizes): every parameter trained at ``TRAINED_BYTES_PER_PARAM``, or (``trained_params``: a LoRA adapter's) a frozen
+    BF16 base at ``FROZEN_BYTES_PER_PARAM`` plus the adapter's training state."""
+    if trained_params is None:
+        need = model.total_params * TRAINED_BYTES_PER_PARAM
+    else:
+        need = model.total_params * FROZEN_BYTES_PER_PARAM + trained_params * TRAINED_BYTES_PER_PARAM
+    return int(np.ceil(need / hw.memory_bytes))
+
+
+def with_lora(cm: CostModel, adapter_fraction: float, switch_weight_share: float) -> CostModel:
+    """``cm`` for training a LoRA adapter of ``adapter_fraction`` x the model's parameters instead of all of them.
+
+    - Role switches and weight syncs move the adapter instead of the weights: of each of ``serving_to_training_s``,
+      ``training_to_serving_s`` and ``weight_sync_s``, the share ``switch_weight_share`` is taken as weight movement
+      (an assumption: the published switch times do not say) and scales by ``adapter_fraction``; the rest (draining,
+      session moves, compiles) stays.
+    - ``optimizer_step_s`` and ``grad_reduce_s`` (over the trained parameters' moments and gradients) scale by it.
+    - Training FLOPs per token: 6 x active parameters becomes 4 x (forward and the activations' backward) plus 2 x the
+      adapter's share (no weight gradient of a frozen weight).
+    """
+    if not 0 <= adapter_fraction <= 1 or not 0 <= switch_weight_share <= 1:
+        raise CostModelError(
+            f"with_lora: adapter_fraction={adapter_fraction} and switch_weight_share={switch_weight_share} must be in "
+            "[0, 1]"
+        )
+    keep = lambda seconds: seconds * (1 - switch_weight_share + switch_weight_share * adapter_fraction)  # noqa: E731
+    w, t = cm.switch, cm.training
+    flops = t.flops_per_token * (4 + 2 * adapter_fraction) / 6
+    return cm.replace(
+        switch={
+            "serving_to_training_s": keep(w.serving_to_training_s),
+            "training_to_serving_s": keep(w.training_to_serving_s),
+            "weight_sync_s": keep(w.weight_sync_s),
+        },
+        training={
+            "flops_per_token": flops,
+            "optimizer_step_s": t.optimizer_step_s * adapter_fraction,
+            "grad_reduce_s": t.grad_reduce_s * adapter_fraction,
+        },
+        source=f"{cm.source}; LoRA adapter of {adapter_fraction:.4%} of the parameters",
+    )
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,11 @@ counts, tool-time and evaluator-time distributions, timeouts, and the sub-agent 
 batch is 64 tasks x 16 rollouts = 1024 executions per step, and engines are sized so that all cells
 serving hold exactly one batch (the cluster is sized for the batch, as a colocated run would be).
 
+LoRA (``--config.cost.lora_rank=R``): the roofline cost model then moves the adapter instead of the weights in
+switches and weight syncs (``cost_model.with_lora``); the core needs only a frozen BF16 base plus the adapter's
+training state (``cost_model.core_accelerators``), so smaller cells can hold it (set ``cluster.cell_accelerators``
+and ``cost.min_cell_accelerators`` to match; docs/simulator.md, "LoRA").
+
 Cells: a cell must hold a training replica. The core keeps BF16 weights, FP32 master weights, gradients
 and Adam moments: about 16-18 bytes per parameter, so 122B needs >= 25 accelerators of 80 GB (cells of
 32, i.e. 4 nodes of 8) and 2.4T needs >= 480 (cells of 512).
@@ -45,6 +50,9 @@ QWEN_122B = dict(
     attention_dim=4096,
     serving_bytes_per_param=1.0,
     kv_bytes_per_element=2.0,
+    embed_dim=4096,  # assumed, as the rest of this shape; only a LoRA adapter's size reads these three
+    num_experts=256,
+    expert_mlp_dim=576,
 )
 QWEN_30B = dict(
     total_params=30e9,
@@ -55,6 +63,9 @@ QWEN_30B = dict(
     attention_dim=4096,
     serving_bytes_per_param=1.0,
     kv_bytes_per_element=2.0,
+    embed_dim=2048,  # Qwen3-30B-A3B's config.json
+    num_experts=128,
+    expert_mlp_dim=768,
 )
 QWEN_2400B = dict(
     total_params=2.4e12,
@@ -65,6 +76,9 @@ QWEN_2400B = dict(
     attention_dim=12288,
     serving_bytes_per_param=1.0,
     kv_bytes_per_element=2.0,
+    embed_dim=12288,  # assumed: with 512 experts of 1280, 96 layers give ~2.4T parameters
+    num_experts=512,
+    expert_mlp_dim=1280,
 )
 
 
@@ -123,6 +137,12 @@ def base(name: str, description: str) -> config_dict.ConfigDict:
             kv_migration_s_per_token=3.3e-7,  # 131 KB/token over 8 x 50 GB/s
             processing_s_per_token=2e-6,
             pipeline_workers=32,
+            # LoRA (cost_model.with_lora): rank 0 = full fine-tuning. lora_targets: "attention" and/or "experts",
+            # comma-separated; switch_weight_share: the share of each switch / weight sync that is weight movement
+            # (assumed: the published switch times do not break down), which then moves the adapter instead.
+            lora_rank=0,
+            lora_targets="attention",
+            switch_weight_share=0.9,
         )
     )
     c.cost_model_file = ""  # a cost model JSON (e.g. measured by a real run) replaces the roofline numbers

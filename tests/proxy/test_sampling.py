@@ -136,13 +136,13 @@ def test_no_legitimate_request_makes_a_record_the_trainer_rejects(make_stack, tm
 
 
 def test_the_sampling_mode_is_checked_at_config_load_and_reaches_the_runs_proxy(tmp_path) -> None:
-    from gyre_jax import train
+    from gyre_jax import build
 
     built = {}
     for mode in ("policy", "client"):
         config = load_config([f"--config.proxy.sampling={mode}", "--config.rollout.temperature=0.6"])
         assert config.proxy.sampling == mode
-        built[mode] = train._proxy(config, None, TOK, RecordStore(tmp_path / mode))._pipeline.sampling  # noqa: SLF001
+        built[mode] = build.make_proxy(config, None, TOK, RecordStore(tmp_path / mode))._pipeline.sampling  # noqa: SLF001
     assert built == {"policy": SamplingPolicy.policy(0.6), "client": SamplingPolicy.client()}
     assert load_config([]).proxy.sampling == "policy"
     with pytest.raises(ConfigError, match=r"config.proxy.sampling='greedy' must be one of \('policy', 'client'\)"):
