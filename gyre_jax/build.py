@@ -23,6 +23,7 @@ import jax
 from flax import nnx
 
 from gyre_jax import runtime
+from gyre_jax.checkpoint import Checkpointer
 from gyre_jax.config.base import ConfigError
 from gyre_jax.config.run import check_routing_replay
 from gyre_jax.faultpoints import kill_point
@@ -43,6 +44,7 @@ from gyre_jax.rollout.executor import Executor
 from gyre_jax.rollout.sandbox import make_sandbox
 from gyre_jax.rollout.suites import HarborSuite, TaskSuite
 from gyre_jax.rollout.tasks import BuiltinSuite, LongTaskParams
+from gyre_jax.runtime import lockstep
 from gyre_jax.runtime.cells import Cell, CellLayout
 from gyre_jax.runtime.local import LocalCell
 from gyre_jax.runtime.transfer import transfer
@@ -88,7 +90,7 @@ def setup(config) -> Setup:
     train_mesh = runtime.make_train_mesh(config.mesh.shape(cp), devices)
     cells = runtime.make_cells(devices, config.cells.num_cells, config.cells.shape(cp))
     if jax.process_count() > 1:
-        runtime.check_cells_within_processes(cells)
+        _lockstep(cells)
     if ckpt_dir is not None:  # a checkpoint (HF directory or GGUF file): it defines the architecture
         from gyre_jax.model.checkpoints import Checkpoint
         from gyre_jax.model.config import COMPUTE_FIELDS
@@ -106,6 +108,15 @@ def setup(config) -> Setup:
         model_cfg = config.model_config()
         graphdef, params = init_params(model_cfg, train_mesh, rules, config.seed)
     return Setup(config, tokenizer, rules, train_mesh, cells, model_cfg, graphdef, params)
+
+
+def _lockstep(cells: list[Cell]) -> None:
+    """When this process is the first of a cell over several processes, it drives that cell (``runtime.lockstep``:
+    every device call on it runs on all of its processes); its other processes replay (``follower.follow``)."""
+    me = jax.process_index()
+    for cell in cells:
+        if len(cell.processes) > 1 and cell.processes[0] == me:
+            lockstep.drive(runtime.runtime().client, cell, {c.name: c for c in cells})
 
 
 def _run_devices(config) -> list[jax.Device]:
@@ -132,11 +143,24 @@ class CellFactory:
     def __init__(self, s: Setup, loss_cfg: LossConfig | None = None):
         self.s = s
         self.loss_cfg = loss_cfg
+        group = lockstep.driving(*s.cells)
+        if group is not None:  # the cell's other processes hold theirs under this name
+            group.register("factory", self)
 
     def layout(self, cell: Cell) -> CellLayout:
         return CellLayout.of(cell, self.s.model_cfg, self.s.rules, self.s.config.serving.page_size)
 
     def engine(self, cell: Cell) -> Engine | PagedEngine:
+        """``cell``'s serving engine; on a cell over several processes, built and run on all of them (its driver's
+        ``LockstepEngine``, bound as ``engine/<cell>`` on every process)."""
+        group = lockstep.driving(cell)
+        if group is None:
+            return self.make_engine(cell)
+        name = f"engine/{cell.name}"
+        return lockstep.LockstepEngine(group, group.call("factory", "make_engine", cell, bind=name), name)
+
+    def make_engine(self, cell: Cell) -> Engine | PagedEngine:
+        """``cell``'s serving engine, built here (this process's part of it)."""
         sv = self.s.config.serving
         if sv.kv_layout == "paged":  # one pool of kv_pages pages for slots and cached sessions
             return PagedEngine(
@@ -196,7 +220,11 @@ class CellFactory:
         return count
 
     def worker(self, cell: Cell) -> GradWorker:
-        return GradWorker(self.s.model_cfg, self.s.graphdef, cell.mesh, self.s.rules, self.loss_cfg, name=cell.name)
+        """``cell``'s gradient worker (a cell over several processes: its driver's runs in lockstep with the
+        workers its other processes hold as ``worker/<cell>``)."""
+        worker = GradWorker(self.s.model_cfg, self.s.graphdef, cell.mesh, self.s.rules, self.loss_cfg, name=cell.name)
+        group = lockstep.driving(cell)
+        return worker if group is None else lockstep.LockstepWorker(group, worker, f"worker/{cell.name}")
 
 
 def make_suite(config) -> TaskSuite:
@@ -349,7 +377,50 @@ def core_params(s: Setup, params: Any) -> Any:
     if not s.multi_process:
         return params
     layouts = [CellLayout.of(cell, s.model_cfg, s.rules, s.config.serving.page_size) for cell in s.cells]
-    return runtime.publish_to_cells(params, [layout.param_shardings for layout in layouts])[0]
+    core = runtime.publish_to_cells(params, [layout.param_shardings for layout in layouts])[0]
+    group = lockstep.driving(s.cells[0])
+    return core if group is None else group.adopt("core", core)  # its other processes adopt theirs (follower)
+
+
+def core_learner(s: Setup, optimizer: Any, loss_cfg: LossConfig | None) -> Learner:
+    """The core cell's learner (the optimizer state's owner). On a core over several processes its driver's is a
+    ``runtime.lockstep.LockstepLearner`` (every device call on all of them); the others hold ``Learner``s built
+    the same way (``follower.follow``)."""
+    args = (s.model_cfg, s.graphdef, s.cells[0].mesh, s.rules, optimizer)
+    group = lockstep.driving(s.cells[0])
+    if group is None:
+        return Learner(*args, loss_cfg=loss_cfg)
+    return lockstep.LockstepLearner(group, *args, loss_cfg=loss_cfg)
+
+
+def checkpointer(s: Setup, directory: Path, max_to_keep: int, at_start: bool = False) -> Checkpointer:
+    """The checkpoints of the core's state under ``directory``: in a multi-process run the core's processes write
+    them (process 0 alone when the core is its own; every process of a core over several, each its shards, its
+    driver's a ``runtime.lockstep.LockstepCheckpointer``). ``at_start``: made before the collective start, where
+    the core's other processes make theirs too (``core_checkpointer``); else by a lockstep call."""
+    group = lockstep.driving(s.cells[0])
+    if group is None:
+        return Checkpointer(directory, max_to_keep, primary_only=s.multi_process)
+    name = f"checkpointer/{Path(directory).name}"
+    if not at_start:
+        return lockstep.checkpointer(group, name, directory, max_to_keep, s.cells[0].processes)
+    inner = core_checkpointer(s, directory, max_to_keep)
+    group.register(name, inner)
+    return lockstep.LockstepCheckpointer(group, inner, name)
+
+
+def core_checkpointer(s: Setup, directory: Path, max_to_keep: int) -> Checkpointer:
+    """This process's part of the checkpoints of a core over several processes (every one of them makes it at the
+    same point of the start: orbax coordinates them)."""
+    return Checkpointer(directory, max_to_keep, processes=s.cells[0].processes)
+
+
+def copy_core(s: Setup, tree: Any) -> Any:
+    """A copy of ``tree`` (on the core cell): on a core over several processes, on all of them."""
+    group = lockstep.driving(s.cells[0])
+    if group is None:
+        return lockstep.copy_tree(tree)
+    return group.call(None, "gyre_jax.runtime.lockstep:copy_tree", tree)
 
 
 def abstract_params(s: Setup, shardings: Any) -> Any:

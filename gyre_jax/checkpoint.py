@@ -21,18 +21,29 @@ PROGRESS_DELAY_S = 2.0  # a checkpoint written faster than this shows no progres
 
 class Checkpointer:
     """``primary_only``: in a multi-process run, only process 0 saves and restores (its state lives on its own
-    devices: the core cell); the other processes take no part. Otherwise every process writes its shards."""
+    devices: the core cell); the other processes take no part. ``processes``: the processes that hold the state
+    (a core cell over several hosts), which all save and restore together, each writing its own shards (the first
+    is the primary); ``(0,)`` is ``primary_only``. Otherwise every process writes its shards."""
 
-    def __init__(self, directory: str | Path, max_to_keep: int = 2, primary_only: bool = False):
+    def __init__(
+        self,
+        directory: str | Path,
+        max_to_keep: int = 2,
+        primary_only: bool = False,
+        processes: tuple[int, ...] | None = None,
+    ):
         self.directory = Path(directory).resolve()
         self.directory.mkdir(parents=True, exist_ok=True)
         extra = {}
+        processes = (0,) if primary_only and processes is None else processes
         # Orbax refuses arrays held by one process of several ("host local"): process 0 saves a host copy
         # (same on-disk arrays; ``restore`` puts them back on the given shardings).
-        self._host_copy = primary_only and jax.process_count() > 1
-        if self._host_copy:
+        self._host_copy = processes is not None and len(processes) == 1 and jax.process_count() > 1
+        if processes is not None and jax.process_count() > 1:  # barriers in the key-value store, not on devices
             extra["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
-                primary_host=0, active_processes={0}, barrier_sync_key_prefix="core"
+                primary_host=processes[0],
+                active_processes=set(processes),
+                barrier_sync_key_prefix="core" + "-".join(map(str, processes)),
             )
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,

@@ -23,11 +23,9 @@ import time
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 
 from gyre_jax import build, runtime
 from gyre_jax import config as config_lib
-from gyre_jax.checkpoint import Checkpointer
 from gyre_jax.disk import DiskFull, is_disk_full, write_whole
 from gyre_jax.elastic.controller import Controller
 from gyre_jax.elastic.ledger import RolloutLedger
@@ -65,10 +63,8 @@ def build_run(config, suite: TaskSuite | None = None) -> Run:
     write_whole(workdir / "config.json", json.dumps(config.to_dict(), indent=2, default=str))  # a full disk: now
     stop = RunStop()
     s = build.setup(config)  # devices, training mesh, cells, model, tokenizer
-    learner = Learner(
-        s.model_cfg, s.graphdef, s.cells[0].mesh, s.rules, config.optimizer, loss_cfg=config.loss_config()
-    )
-    checkpointer = Checkpointer(workdir / "checkpoints", config.keep_checkpoints, primary_only=s.multi_process)
+    learner = build.core_learner(s, config.optimizer, config.loss_config())
+    checkpointer = build.checkpointer(s, workdir / "checkpoints", config.keep_checkpoints, at_start=True)
     metrics = MetricsWriter(workdir, tensorboard=config.metrics.tensorboard)
     state, start_step, pipeline_state = _initial_state(s, learner, checkpointer, suite, metrics, stop.event)
     ref_params = _reference_policy(s, learner, state, workdir)
@@ -187,13 +183,13 @@ def _reference_policy(s: build.Setup, learner: Learner, state: TrainState, workd
     """The KL term's reference policy: the params RL started from, kept in ``reference/`` (None: no KL)."""
     if learner.loss_cfg.kl_coef <= 0:
         return None
-    store = Checkpointer(workdir / "reference", max_to_keep=1, primary_only=s.multi_process)
+    store = build.checkpointer(s, workdir / "reference", max_to_keep=1)
     try:
         if store.latest_step() is not None:
             return layer_stack.restore(store, 0, learner.abstract_params())[0]
         if int(state.step) > 0:
             log.warning("no reference policy saved in %s: the KL term starts from the resumed params", store.directory)
-        ref = jax.tree.map(jnp.copy, state.params)  # a copy: the optimizer step donates the state
+        ref = build.copy_core(s, state.params)  # a copy: the optimizer step donates the state
         store.save(0, ref, {"what": "the KL term's reference policy", "policy_version": int(state.step)})
         return ref
     finally:

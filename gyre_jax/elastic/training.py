@@ -93,7 +93,7 @@ class CellTraining:
     def new_step(self, step: int, slots: int) -> MicroStepQueue:
         """Step ``step``'s micro-step queue of ``slots`` slots (and its accumulator on the core)."""
         self.queue = MicroStepQueue(slots)
-        self.acc = GradAccumulator(self.learner.param_shardings, slots, ordered=self.learner.ordered_accumulation)
+        self.acc = self.learner.new_accumulator(slots)
         self.step = step
         return self.queue
 

@@ -178,6 +178,10 @@ class Learner:
     def put_batch(self, mb: MicroBatch) -> MicroBatch:
         return self.worker.put_batch(mb)
 
+    def new_accumulator(self, num_slots: int) -> GradAccumulator:
+        """A step's gradient sum of ``num_slots`` micro-steps on the core's shardings."""
+        return GradAccumulator(self.param_shardings, num_slots, ordered=self.ordered_accumulation)
+
     def make_satellite(self, mesh: Mesh, name: str) -> GradWorker:
         """A ``GradWorker`` with this learner's objective on another (disjoint) mesh: a satellite cell (LoRA: its
         base is taken from the first whole model state it snapshots, or ``set_base``)."""
@@ -243,7 +247,7 @@ class Learner:
         and raises, leaving ``state`` untouched. ``timeout``: seconds any worker may wait for a micro-batch.
         """
         t0 = time.perf_counter()
-        acc = GradAccumulator(self.param_shardings, queue.num_micro_steps, ordered=self.ordered_accumulation)
+        acc = self.new_accumulator(queue.num_micro_steps)
         errors: list[tuple[str, BaseException]] = []
         threads = []
         for sat in satellites:

@@ -5,6 +5,7 @@
 - ``cells``: ``make_train_mesh``, ``make_cells`` (equal, host-aligned submeshes), ``CellLayout``.
 - ``transfer``: ``transfer`` (every move of arrays between cells, in one process or across processes) and
   ``publish_to_cells``; ``p2p``: cross-process moves point to point (``jax.experimental.transfer``).
+- ``lockstep``: a cell over several processes runs every device call on all of them, driven by its first.
 - ``handle``: the ``CellHandle`` protocol; ``local.LocalCell`` runs a cell in this process,
   ``remote.RemoteCell`` drives a cell on a follower process (typed ``commands`` on TCP ``channel``s, an ordered
   ``remote.TransferLog``), and ``host.CellHost`` is the follower's side; ``sessions`` moves sessions
@@ -13,7 +14,7 @@
 Nothing above this package asks where a cell lives.
 """
 
-from gyre_jax.runtime.cells import Cell, CellLayout, check_cells_within_processes, make_cells, make_train_mesh
+from gyre_jax.runtime.cells import Cell, CellLayout, make_cells, make_train_mesh
 from gyre_jax.runtime.handle import CellHandle, CellStats, MovedSession
 from gyre_jax.runtime.process import (
     DistributedError,
@@ -43,7 +44,6 @@ __all__ = [
     "abort",
     "add_failure_hook",
     "broadcast_decision",
-    "check_cells_within_processes",
     "initialize",
     "is_coordinator",
     "make_cells",

@@ -39,7 +39,8 @@ class Cell:
 
     @property
     def processes(self) -> tuple[int, ...]:
-        """The processes that hold the cell's devices (these must all run the cell's programs)."""
+        """The processes that hold the cell's devices (these all run the cell's programs: a cell over several runs
+        in lockstep, driven by the first, ``runtime.lockstep``)."""
         return tuple(sorted({d.process_index for d in self.devices}))
 
 
@@ -108,18 +109,6 @@ def make_cells(devices: Sequence[jax.Device] | None, num_cells: int, shape: dict
             raise CellError(f"cell {i}: {exc}") from None
         cells.append(Cell(index=i, devices=cell_devs, mesh=mesh))
     return cells
-
-
-def check_cells_within_processes(cells: Sequence[Cell]) -> None:
-    """A run's cells must each lie within one process (every serving step of a cell over several hosts would
-    have to run in lockstep on all of them: not supported yet)."""
-    for cell in cells:
-        if len(cell.processes) > 1:
-            raise DistributedError(
-                f"not supported yet: {cell.name} spans processes {list(cell.processes)} (a cell over several hosts "
-                f"needs its serving steps in lockstep on all of them); use cells of one host or less: "
-                f"config.cells.num_cells >= the number of processes"
-            )
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from gyre_jax.runtime import p2p
+from gyre_jax.runtime import lockstep, p2p
 from gyre_jax.runtime.watchdog import (
     FAILED_EXIT_CODE,
     FOREVER_MS,
@@ -241,6 +241,7 @@ class DistributedRuntime:
         """Clean end of this process's part of the run: marks it done, stops the watchdog, leaves the service."""
         if self._closed:
             return
+        lockstep.stop_all()  # the peers of a cell this process drives are done with it
         self._closed = True
         if self.watchdog is not None:
             self.watchdog.stop(done=True)

@@ -325,8 +325,9 @@ def open_cells(
     on_error: Callable[[str], None] | None = None,
     on_stop: Callable[[], None] | None = None,
 ) -> Cells:
-    """A handle per cell, for the leader: ``make_local(cell, layout)`` for the cells this process holds, a
-    ``RemoteCell`` (one ``FollowerLink`` per follower process, one ``TransferLog`` for the run) for the others.
+    """A handle per cell, for the leader: ``make_local(cell, layout)`` for the cells this process drives (holds
+    alone, or drives as a cell's first process: ``runtime.lockstep``), a ``RemoteCell`` (one ``FollowerLink`` per
+    driving follower process, one ``TransferLog`` for the run) for the others.
     A remote cell has no weights yet (``policy_version`` -1): ``set_weights`` starts its serving loop. Each link
     reports its follower's failure to ``on_error`` and its stop requests to ``on_stop`` (``FollowerLink``)."""
     links: dict[int, FollowerLink] = {}
@@ -334,10 +335,10 @@ def open_cells(
     me = jax.process_index()
     handles: list[CellHandle] = []
     for cell, layout in zip(cells, layouts):
-        if cell.processes == (me,):
+        owner = cell.processes[0]  # the cell's driver (a cell over several processes runs in lockstep on all)
+        if owner == me:
             handles.append(make_local(cell, layout))
             continue
-        owner = cell.processes[0]
         if owner not in links:
             links[owner] = FollowerLink(runtime().client, owner, on_error=on_error, on_stop=on_stop)
         handles.append(RemoteCell(links[owner], transfers, cell, layout, core_shardings, max_context))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gyre_jax.runtime import p2p
+from gyre_jax.runtime import lockstep, p2p
 from gyre_jax.runtime.watchdog import DistributedError
 
 
@@ -135,6 +135,21 @@ def transfer(tree: Any, shardings: Any, *, may_alias: bool | None = None, uuid: 
     """``tree`` onto ``shardings`` (a pytree of ``NamedSharding`` like ``tree``): the one way arrays move
     between cells, whichever processes hold them.
 
+    When this process drives a cell over several processes that either side touches (``runtime.lockstep``), the
+    move is a lockstep call: the cell's other processes run their part of it too, in the cell's order. Otherwise
+    (and on those processes) it is ``move``."""
+    leaves = jax.tree.leaves(tree)
+    group = lockstep.driving(
+        _leaf_mesh(leaves, "transfer tree"), _leaf_mesh(jax.tree.leaves(shardings), "transfer shardings")
+    )
+    if group is not None:
+        return group.call(None, f"{__name__}:move", tree, shardings, may_alias=may_alias, uuid=uuid, local=move)
+    return move(tree, shardings, may_alias=may_alias, uuid=uuid)
+
+
+def move(tree: Any, shardings: Any, *, may_alias: bool | None = None, uuid: int | None = None) -> Any:
+    """``transfer`` as this process's part (see ``transfer``).
+
     When this process holds every device of both meshes it is ``jax.device_put(tree, shardings,
     may_alias=may_alias)`` (device to device). Across processes the source and destination meshes must be
     disjoint and have the same shape and axis names (two cells): one jitted program over the pair of meshes
@@ -163,6 +178,8 @@ def transfer(tree: Any, shardings: Any, *, may_alias: bool | None = None, uuid: 
                 "transfer: abstract (ShapeDtypeStruct) leaves only stand for a mesh this process "
                 "does not hold; this process holds both meshes, so pass the arrays"
             )
+        return jax.device_put(tree, shardings, may_alias=may_alias)
+    if src_devs == dst_devs:  # one cell over several processes: each process holding it runs this same move
         return jax.device_put(tree, shardings, may_alias=may_alias)
     if src_devs & dst_devs:
         raise DistributedError(

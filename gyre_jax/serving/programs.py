@@ -42,18 +42,26 @@ def _layout(x) -> tuple:
 
 
 class Programs:
-    """One engine's table of compiled programs (``add`` them, then call them)."""
+    """One engine's table of compiled programs (``add`` them, then call them).
+
+    ``all``: the programs in the order added (the same on every process that builds the same engine). ``runner``:
+    None, or ``runner(program, args)`` that every call goes through instead (a cell over several processes runs
+    each call on all of them: ``runtime.lockstep``); it runs the call here with ``program.run(*args)``."""
 
     def __init__(self):
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self._params: tuple[Any, tuple] | None = None  # (the last leaves list seen, its layout)
+        self.all: list[Program] = []
+        self.runner = None
 
     def add(
         self, name: str, jitted, *, static: Sequence[int] = (), fixed: Sequence[int] = (), params: int | None = None
     ) -> Program:
         """Wraps ``jitted`` (a ``jax.jit`` with ``static`` argnums) as program ``name``: ``fixed`` argnums are not in
         its key (the engine's state), ``params`` the argnum of the parameters' leaves list (its layout is cached)."""
-        return Program(self, name, jitted, tuple(static), tuple(fixed), params)
+        program = Program(self, name, jitted, tuple(static), tuple(fixed), params, index=len(self.all))
+        self.all.append(program)
+        return program
 
     def count(self, name: str | None = None) -> int:
         """Shapes compiled so far (of program ``name``, or of all of them)."""
@@ -68,8 +76,10 @@ class Programs:
 class Program:
     """A program of a ``Programs`` table: call it as the jitted function; ``compile`` it ahead of time."""
 
-    def __init__(self, table: Programs, name: str, jitted, static: tuple, fixed: tuple, params: int | None):
-        self.table, self.name, self.jitted = table, name, jitted
+    def __init__(
+        self, table: Programs, name: str, jitted, static: tuple, fixed: tuple, params: int | None, index: int = 0
+    ):
+        self.table, self.name, self.jitted, self.index = table, name, jitted, index
         self._static, self._skip, self._params = static, set(static) | set(fixed), params
 
     def _key(self, args: Sequence) -> tuple:
@@ -92,6 +102,12 @@ class Program:
         return compiled, True
 
     def __call__(self, *args):
+        if self.table.runner is not None:
+            return self.table.runner(self, args)
+        return self.run(*args)
+
+    def run(self, *args):
+        """Runs the program here (what ``__call__`` does without a ``runner``)."""
         compiled, _ = self._entry(args)
         return compiled(*(a for i, a in enumerate(args) if i not in self._static))
 

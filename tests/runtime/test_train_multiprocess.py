@@ -247,16 +247,56 @@ def test_killing_a_process_mid_run_stops_the_other_fast(tmp_path, victim):
     assert "done:" not in log
 
 
-def test_a_cell_over_two_processes_is_refused_before_any_work(tmp_path):
-    workdir = tmp_path / "run"
-    workdir.mkdir()
-    port = _free_port()
-    procs = [_start(workdir, pid, port, "--config.cells.num_cells=1", "--config.cells.data=8") for pid in (0, 1)]
-    codes = _wait(procs, timeout=scaled(120))
-    assert all(c != 0 for c in codes), codes
-    log0 = _log(workdir, 0)
-    assert "not supported yet: cell0 spans processes [0, 1]" in log0, log0[-3000:]
-    assert "warm start" not in log0 and not (workdir / "checkpoints").exists()
+ONE_CELL = ["--config.cells.num_cells=1", "--config.cells.data=4", "--config.cells.fsdp=2"]
+
+
+@pytest.fixture(scope="module")
+def one_cell(reference, tmp_path_factory) -> dict[str, Path]:
+    """One cell of 8 devices, the core: in one process, and over 2 processes x 4 devices (its serving steps, micro-
+    steps, optimizer steps and checkpoints in lockstep on both, driven by process 0). Both resume from the
+    reference's warm-started checkpoint 0 and train 2 RL steps (a long rollout timeout: a loaded machine must not
+    time an execution out in one run and not the other)."""
+    runs = {}
+    for name, processes in (("one_process", 1), ("two_processes", 2)):
+        workdir = tmp_path_factory.mktemp(f"one_cell_{name}") / "run"
+        (workdir / "checkpoints").mkdir(parents=True)
+        shutil.copytree(reference / "checkpoints" / "0", workdir / "checkpoints" / "0")
+        extra = (*ONE_CELL, "--config.rollout.timeout_s=600")
+        if processes == 1:
+            cmd = [sys.executable, "-m", "gyre_jax.train", *RUN, f"--config.workdir={workdir}", *extra]
+            proc = subprocess.run(
+                cmd, cwd=REPO, env=_env(shared_cache=True), capture_output=True, text=True, timeout=900
+            )
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        else:
+            port = _free_port()
+            procs = [_start(workdir, pid, port, *extra) for pid in (0, 1)]
+            codes = _wait(procs, timeout=900)
+            assert codes == [0, 0], f"exit codes {codes}\n{_log(workdir, 0)[-4000:]}\n{_log(workdir, 1)[-4000:]}"
+        runs[name] = workdir
+    return runs
+
+
+def test_a_cell_over_two_processes_trains_the_same_params_as_one_process(one_cell):
+    ref = _restore(one_cell["one_process"] / "checkpoints" / "2" / "state")
+    got = _restore(one_cell["two_processes"] / "checkpoints" / "2" / "state")
+    start = _restore(one_cell["one_process"] / "checkpoints" / "0" / "state")
+    assert got.keys() == ref.keys() and len(ref) > 20
+    diff = max(float(np.max(np.abs(got[k] - ref[k]))) for k in ref)
+    print(f"max abs diff, one cell over 2 processes vs one process: {diff}")
+    assert diff <= 1e-6
+    params = [k for k in ref if "params" in k and "opt_state" not in k]
+    assert params and max(float(np.max(np.abs(ref[k] - start[k]))) for k in params) > 1e-6  # the steps trained
+    state = one_cell["two_processes"] / "checkpoints" / "2" / "state"
+    assert (state / "ocdbt.process_0").is_dir() and (state / "ocdbt.process_1").is_dir()  # both wrote their shards
+    log0, log1 = _log(one_cell["two_processes"], 0), _log(one_cell["two_processes"], 1)
+    assert "done: 2 steps" in log0 and "1 cells x 8 devices" in log0
+    assert "process 1 runs cell0 in lockstep with process 0" in log1 and "not supported yet" not in log0 + log1
+    train = [m for m in _metrics(one_cell["two_processes"]) if m.get("phase") == "train"]
+    ref_train = [m for m in _metrics(one_cell["one_process"]) if m.get("phase") == "train"]
+    assert [m["step"] for m in train] == [0, 1] and any(m["grad_norm"] > 0 for m in train)
+    for a, b in zip(train, ref_train):
+        assert a["tokens_trained"] == b["tokens_trained"] and a["reward_mean"] == b["reward_mean"]
 
 
 def test_sessions_move_between_processes_with_their_kv(tmp_path):
