@@ -26,6 +26,7 @@ from gyre_jax.model.attention import Attention, LayerCache
 from gyre_jax.model.blockwise import MaskSpec
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import Einsum, Embedder, RMSNorm
+from gyre_jax.model.logprobs import LinearHead
 from gyre_jax.model.lora import init_adapters, lora_arg
 from gyre_jax.model.moe import MoEBlock, load_balancing_loss
 
@@ -222,3 +223,11 @@ class Transformer(nnx.Module):
         if self.cfg.tie_embeddings:
             return self.embedder.decode(x)
         return self.lm_head("bte,ev->btv", x, preferred_element_type=jnp.float32).astype(jnp.float32)
+
+    def linear_head(self) -> LinearHead:
+        """``head`` as its weight in the compute dtype (the tied table [V, E], or ``lm_head`` [E, V]), for
+        ``logprobs.target_logprobs``' own backward. The same logits as ``head``."""
+        dtype = self.cfg.compute_dtype
+        if self.cfg.tie_embeddings:
+            return LinearHead(self.embedder.table[...].astype(dtype), vocab_major=True)
+        return LinearHead(self.lm_head.w[...].astype(dtype), vocab_major=False)

@@ -68,7 +68,7 @@ def _logprobs_and_aux(graphdef: nnx.GraphDef, params: nnx.State, mb: MicroBatch,
         lb = aux.load_balancing_loss
     else:
         (hidden, _), lb = model(tokens, positions, mask, expert_ids=replay, head=False), None
-    logp = target_logprobs(model.head, hidden, targets, temperature, model.cfg.logits_chunk)
+    logp = target_logprobs(model.linear_head(), hidden, targets, temperature, model.cfg.logits_chunk)
     return (from_zigzag(logp, perm) if n > 1 else logp), lb
 
 

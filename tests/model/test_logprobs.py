@@ -37,8 +37,8 @@ def _split(cfg: ModelConfig):
         return nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
 
 
-def _loss(chunk: int, tie: bool):
-    graphdef, params = _split(dataclasses.replace(CFG, tie_embeddings=tie))
+def _loss(chunk: int, tie: bool, linear: bool = False, dtype: str = "float32"):
+    graphdef, params = _split(dataclasses.replace(CFG, tie_embeddings=tie, dtype=dtype))
 
     def loss(p, tokens, targets, temperature):
         model = nnx.merge(graphdef, p)
@@ -46,7 +46,7 @@ def _loss(chunk: int, tie: bool):
         positions = jnp.broadcast_to(jnp.arange(t), tokens.shape)
         mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (tokens.shape[0], t, t))
         hidden, _ = model(tokens, positions, mask, head=False)
-        logp = target_logprobs(model.head, hidden, targets, temperature, chunk)
+        logp = target_logprobs(model.linear_head() if linear else model.head, hidden, targets, temperature, chunk)
         return jnp.sum(logp * jnp.linspace(0.1, 1.0, t)), logp  # position-dependent weights: order matters
 
     return params, jax.jit(jax.value_and_grad(loss, has_aux=True))
@@ -67,6 +67,38 @@ def test_chunked_target_logprobs_equal_the_whole_logits_values_and_gradients(chu
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
     # the logits head really was trained through the chunks (a zero gradient would make the check vacuous)
     assert max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(gc)) > 1e-3
+
+
+@pytest.mark.parametrize("chunk, tie", [(0, True), (0, False), (16, True), (7, False)])
+def test_the_linear_heads_own_backward_equals_jax_autodiff_of_the_head(chunk, tie):
+    """``Transformer.linear_head`` (``logprobs.linear_logprobs``' custom VJP: logits recomputed, the softmax gradient
+    formed once) gives the log-probs and every parameter gradient of JAX's autodiff through ``model.head``."""
+    params, reference = _loss(0, tie)
+    _, linear = _loss(chunk, tie, linear=True)
+    args = _inputs(2, 45, seed=3)
+    (lr, pr), gr = reference(params, *args)
+    (ll, pl), gl = linear(params, *args)
+    np.testing.assert_allclose(np.asarray(pl), np.asarray(pr), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(ll), float(lr), rtol=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(gr), jax.tree.leaves(gl)):
+        scale = float(np.max(np.abs(np.asarray(a)))) or 1.0
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+    head = "embedder" if tie else "lm_head"
+    assert any(head in jax.tree_util.keystr(p) and float(np.max(np.abs(np.asarray(x)))) > 1e-3
+               for p, x in jax.tree_util.tree_leaves_with_path(gl))  # fmt: skip
+
+
+def test_the_linear_head_in_bfloat16_compute_stays_close_to_autodiff():
+    params, reference = _loss(0, True, dtype="bfloat16")
+    _, linear = _loss(0, True, linear=True, dtype="bfloat16")
+    args = _inputs(2, 33, seed=4)
+    (_, pr), gr = reference(params, *args)
+    (_, pl), gl = linear(params, *args)
+    np.testing.assert_allclose(np.asarray(pl), np.asarray(pr), rtol=2e-2, atol=2e-2)
+    for a, b in zip(jax.tree.leaves(gr), jax.tree.leaves(gl)):
+        assert a.dtype == b.dtype
+        scale = float(np.max(np.abs(np.asarray(a, np.float32)))) or 1.0
+        np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32), atol=3e-2 * scale)
 
 
 def test_the_chunked_backward_holds_a_fraction_of_the_whole_logits_memory():
