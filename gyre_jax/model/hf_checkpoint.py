@@ -461,13 +461,19 @@ def save_hf_checkpoint(
     tokenizer_dir: str | os.PathLike | None = None,
     base_config: dict | None = None,
 ) -> list[Path]:
-    """Writes ``params`` as a Hugging Face checkpoint directory; returns the safetensors files written.
+    """Writes ``params`` as a Hugging Face checkpoint directory; returns the safetensors files written. A model with a
+    LoRA adapter (``cfg.lora``) is written merged (``lora.merged_params``); ``lora.save_peft_adapter`` writes the
+    adapter alone, in PEFT's format.
 
     dtype: the stored dtype ("bfloat16", "float32", "float16"); None keeps each parameter's own dtype
     (so load -> save -> load is bit-identical). Peak host memory is one tensor (one expert of a MoE
     layer). ``tokenizer_dir``: copy its tokenizer files alongside; ``base_config``: a source
     config.json whose other keys (e.g. ``max_position_embeddings``, token ids) are kept.
     """
+    if cfg.lora.enabled:  # a LoRA model is saved merged (W + scale A B); lora.save_peft_adapter writes the adapter
+        from gyre_jax.model.lora import merged_params
+
+        cfg, params = merged_params(cfg, params)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     target = np.dtype(jnp.bfloat16) if dtype == "bfloat16" else np.dtype(dtype) if dtype else None
