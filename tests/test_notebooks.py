@@ -22,7 +22,7 @@ def test_there_are_notebooks():
 def test_notebook_runs(path, tmp_path):
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
-        nb, timeout=scaled(600), kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+        nb, timeout=int(scaled(600)), kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     )
     client.execute()  # raises CellExecutionError naming the cell and its traceback
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]

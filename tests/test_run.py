@@ -18,6 +18,7 @@ def _run(controller_run, total_steps: int = 3):
         eval=types.SimpleNamespace(samples_per_task=0, every_steps=0),
         metrics=types.SimpleNamespace(progress_bar=False), schedule=types.SimpleNamespace(policy="colocated"),
         rl=types.SimpleNamespace(max_untrained_steps=3),
+        model=types.SimpleNamespace(lora=types.SimpleNamespace(enabled=False)),
     )  # fmt: skip
     rundir = types.SimpleNamespace(
         checkpointer=types.SimpleNamespace(save=lambda step, state, meta: saved.append(step)),

@@ -70,7 +70,12 @@ def use_model(
     """Sets ``config.model`` to a ``ModelConfig`` preset's shapes (random init unless ``checkpoint_dir`` is set),
     with bf16 compute on fp32 master weights and full remat by default."""
     for field in dataclasses.fields(model):
-        config.model[field.name] = getattr(model, field.name)
+        value = getattr(model, field.name)
+        if dataclasses.is_dataclass(value):  # a nested section (model.lora): its keys, one by one
+            for key, item in dataclasses.asdict(value).items():
+                config.model[field.name][key] = item
+        else:
+            config.model[field.name] = value
     config.model.dtype, config.model.param_dtype, config.model.remat_policy = dtype, param_dtype, remat_policy
 
 

@@ -98,8 +98,11 @@ def _chunked(cfg: ModelConfig, tokens: int) -> bool:
 
 
 def _saved_logits_bytes(cfg: ModelConfig, tokens: int) -> float:
-    """Per token, the float32 logits the backward keeps: before and after the temperature, or none in chunks."""
-    return 0.0 if _chunked(cfg, tokens) else 2 * 4.0 * cfg.vocab_size
+    """Per token, what the backward of the vocabulary projection keeps: the learner's head is a ``LinearHead``
+    (``model/logprobs.py``), whose own backward recomputes the logits and keeps only each token's float32
+    log-sum-exp, chunked or not."""
+    del tokens
+    return 4.0
 
 
 def saved_bytes_per_token(cfg: ModelConfig, tokens: int) -> float:

@@ -488,7 +488,8 @@ class Executor:
         applied.update(prepared.applied)
         try:
             return self._procs.run(spec.execution_id, prepared.argv, prepared.cwd, prepared.env, exec_dir, timeout_s,
-                                   workspace=workspace, max_workspace_bytes=self.max_workspace_bytes)  # fmt: skip
+                                   workspace=workspace, max_workspace_bytes=self.max_workspace_bytes,
+                                   keep_daemons=prepared.keeps_daemons)  # fmt: skip
         finally:
             prepared.cleanup()
 

@@ -341,10 +341,13 @@ class ProcessGroups:
         timeout_s: float,
         workspace: Path | None = None,
         max_workspace_bytes: int | None = None,
+        keep_daemons: bool = False,
     ) -> Ended:
         """Runs ``cmd`` in its own process group to its end (stdout/stderr to ``log_dir/harness.*``), then kills
         what is left of it, escaped descendants included (module docstring); ``workspace`` is measured against
-        ``max_workspace_bytes`` while it runs."""
+        ``max_workspace_bytes`` while it runs. ``keep_daemons``: after ``cmd`` exits on its own, what it left running
+        is not killed (its sandbox ends it: ``Prepared.keeps_daemons``); a timeout, cancel or full workspace still
+        kills the group."""
         start, mark = time.monotonic(), secrets.token_hex(12)
         with open(log_dir / "harness.stdout", "wb") as out, open(log_dir / "harness.stderr", "wb") as err:
             with self._lock:
@@ -361,12 +364,16 @@ class ProcessGroups:
             try:
                 limit = (workspace, max_workspace_bytes) if workspace is not None and max_workspace_bytes else None
                 killed = self._wait(proc, start + timeout_s, limit)
-                # Kill the whole group: on timeout/cancel the harness itself, after a normal exit
-                # whatever children it left behind; then whatever left the group.
-                kill_group(proc.pid, self.kill_grace_s, proc)
-                returncode = proc.wait()
-                duration = time.monotonic() - start
-                escaped = sweep(mark, self.kill_grace_s, exclude=proc.pid)
+                if keep_daemons and killed is None and not self._cancelled.is_set():
+                    returncode = proc.wait()  # exited on its own: its daemons stay up until the sandbox ends them
+                    duration, escaped = time.monotonic() - start, []
+                else:
+                    # Kill the whole group: on timeout/cancel the harness itself, after a normal exit
+                    # whatever children it left behind; then whatever left the group.
+                    kill_group(proc.pid, self.kill_grace_s, proc)
+                    returncode = proc.wait()
+                    duration = time.monotonic() - start
+                    escaped = sweep(mark, self.kill_grace_s, exclude=proc.pid)
             finally:
                 with self._lock:
                     self._running.pop(name, None)

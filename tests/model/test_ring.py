@@ -226,4 +226,6 @@ def test_run_config_carves_the_context_axis_out_of_data():
     with pytest.raises(ConfigError, match=r"row_length=1030 must be a multiple of 2 x model.context_parallel = 4"):
         load_config(cp + ["--config.trajectory.row_length=1030", "--config.trajectory.tokens_per_micro_batch=2060"])
     with pytest.raises(ConfigError, match="needs attention_impl='blockwise'"):
-        load_config([*EIGHT_DEVICES, "--config.model.context_parallel=2"])
+        load_config([*EIGHT_DEVICES, "--config.model.attention_impl=xla", "--config.model.context_parallel=2"])
+    # left to derive ("auto"), the kernel follows the context split
+    assert load_config([*EIGHT_DEVICES, "--config.model.context_parallel=2"]).model.attention_impl == "blockwise"

@@ -196,14 +196,19 @@ SERVER_TASK = {
     "environment/Dockerfile": "FROM debian:bookworm-slim\nENV GREETING=hello\nRUN mkdir -p /srv/made && "
                               "echo by-run > /srv/made/x\nWORKDIR /app\nCOPY data.txt ./\n",
     "environment/data.txt": "copied\n",
-    # the oracle: a file in the image's root (writable), and a daemon that must still be up for the verifier
+    # the oracle: a file in the image's root (writable), and two daemons that must still be up for the verifier, as
+    # in a container (docker exec kills nothing): one detached with setsid, one a plain background job of the
+    # oracle's own process group (which the executor used to kill when the oracle exited)
     "solution/solve.sh": "#!/bin/bash\nmkdir -p /server-out && echo \"$GREETING\" > /server-out/done\n"
                          "setsid nohup sh -c 'while true; do date +%s%N > /tmp/alive; sleep 0.1; done' "
-                         ">/dev/null 2>&1 < /dev/null &\n",
+                         ">/dev/null 2>&1 < /dev/null &\n"
+                         "sh -c 'while true; do date +%s%N > /tmp/alive2; sleep 0.1; done' >/dev/null 2>&1 &\n",
     "tests/test.sh": "#!/bin/bash\nok=1\n[ \"$(cat /srv/made/x)\" = by-run ] || ok=0\n"
                      "[ \"$(cat /app/data.txt)\" = copied ] || ok=0\n[ \"$GREETING\" = hello ] || ok=0\n"
                      "[ \"$(cat /server-out/done 2>/dev/null)\" = hello ] || ok=0\n"
                      "a=$(cat /tmp/alive 2>/dev/null); sleep 0.5; b=$(cat /tmp/alive 2>/dev/null)\n"
+                     "[ -n \"$a\" ] && [ \"$a\" != \"$b\" ] || ok=0\n"
+                     "a=$(cat /tmp/alive2 2>/dev/null); sleep 0.5; b=$(cat /tmp/alive2 2>/dev/null)\n"
                      "[ -n \"$a\" ] && [ \"$a\" != \"$b\" ] || ok=0\n"
                      "if [ \"$(cat /etc/hostname 2>/dev/null)\" = never ]; then ok=0; fi\n"
                      "echo $ok > /logs/verifier/reward.txt\n",

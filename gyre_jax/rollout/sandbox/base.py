@@ -116,13 +116,17 @@ class Launch:
 @dataclass
 class Prepared:
     """What the executor hands to its process-group runner: ``Popen(argv, env=env, cwd=cwd)``; ``applied``
-    is recorded in the execution's result; ``cleanup()`` is called once after the process group is gone."""
+    is recorded in the execution's result; ``cleanup()`` is called once after the process group is gone.
+    ``keeps_daemons``: what the process leaves running when it exits on its own stays up (as in a container, where
+    ``docker exec`` kills nothing) until the sandbox itself ends it (an environment session's end): the runner then
+    ends the group only on a timeout, a cancel or a full workspace."""
 
     argv: list[str]
     env: dict[str, str]
     cwd: Path
     applied: dict[str, Any]
     cleanup: Callable[[], None] = field(default=lambda: None)
+    keeps_daemons: bool = False
 
 
 class Sandbox(Protocol):

@@ -124,7 +124,7 @@ class Sessions:
         session.launches += 1
         cleanup = (lambda: self.end(env.state)) if env.end else (lambda: None)
         return Prepared(argv=[*session.plan.prefix, *argv], env=launch_env(launch), cwd=env.state, applied=applied,
-                        cleanup=cleanup)  # fmt: skip
+                        cleanup=cleanup, keeps_daemons=True)  # fmt: skip
 
     def _session(self, launch: Launch) -> Session:
         key = str(launch.environment.state)
