@@ -28,7 +28,8 @@ from gyre_jax.trajectory.pipeline import LoadExecution, TrajectoryConfig
 from gyre_jax.trajectory.queue import QueuedExecution
 
 BYTES = ByteTokenizer()
-ROOM = 23_500  # tokens (bytes) past the first prompt: three tool results (~20K with their turns) fit, four (~27K) do not
+# tokens (bytes) past the first prompt: three tool results (~20K with their turns) fit, four (~27K) do not
+ROOM = 23_500
 STEP = 1400  # numbers per seq call
 SUMMARY = "Summary: the user asked to count with seq; I ran it four times and saw the numbers. Next: say Done."
 CONTINUED = "This session is being continued from a previous conversation that ran out of context."
@@ -106,8 +107,13 @@ def test_claude_code_compacts_after_an_overflow_and_the_records_label_the_summar
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-2000:])
     # Claude Code compacted because of the overflow (its own status events), and finished from the summary
     statuses = [e.get("compact_result") for e in events if e.get("subtype") == "status" and "compact_result" in e]
-    assert statuses and set(statuses) == {"success"}, (statuses, refused, [e.get("type") for e in events],
-                                                       events[-1] if events else None, done.stderr[-1500:])
+    assert statuses and set(statuses) == {"success"}, (
+        statuses,
+        refused,
+        [e.get("type") for e in events],
+        events[-1] if events else None,
+        done.stderr[-1500:],
+    )
     assert any(e.get("subtype") == "compact_boundary" for e in events)
     assert events[-1]["type"] == "result" and events[-1]["result"] == "Done."
     assert refused["context"] >= 1 and refused["admission"] == refused["bad_request"] == 0, refused
