@@ -97,12 +97,10 @@ def _chunked(cfg: ModelConfig, tokens: int) -> bool:
     return 0 < cfg.logits_chunk < tokens
 
 
-def _saved_logits_bytes(cfg: ModelConfig, tokens: int) -> float:
-    """Per token, what the backward of the vocabulary projection keeps: the learner's head is a ``LinearHead``
-    (``model/logprobs.py``), whose own backward recomputes the logits and keeps only each token's float32
-    log-sum-exp, chunked or not."""
-    del tokens
-    return 4.0
+# Per token, what the backward of the vocabulary projection keeps: the learner's head is a ``LinearHead``
+# (``model/logprobs.py``), whose own backward recomputes the logits and keeps only each token's float32 log-sum-exp,
+# chunked or not.
+HEAD_SAVED_BYTES = 4.0
 
 
 def saved_bytes_per_token(cfg: ModelConfig, tokens: int) -> float:
@@ -115,7 +113,7 @@ def saved_bytes_per_token(cfg: ModelConfig, tokens: int) -> float:
         "none": lambda i: _layer_values(cfg, i),
         "full": lambda i: cfg.embed_dim,
     }.get(cfg.remat_policy, lambda i: _layer_dots(cfg, i))
-    return b * (sum(per_layer(i) for i in layers) + _outside_layers(cfg)) + _saved_logits_bytes(cfg, tokens)
+    return b * (sum(per_layer(i) for i in layers) + _outside_layers(cfg)) + HEAD_SAVED_BYTES
 
 
 def _square_saved(cfg: ModelConfig, tokens: int, keys: int) -> float:

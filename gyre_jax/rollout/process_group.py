@@ -364,16 +364,15 @@ class ProcessGroups:
             try:
                 limit = (workspace, max_workspace_bytes) if workspace is not None and max_workspace_bytes else None
                 killed = self._wait(proc, start + timeout_s, limit)
-                if keep_daemons and killed is None and not self._cancelled.is_set():
-                    returncode = proc.wait()  # exited on its own: its daemons stay up until the sandbox ends them
-                    duration, escaped = time.monotonic() - start, []
-                else:
-                    # Kill the whole group: on timeout/cancel the harness itself, after a normal exit
-                    # whatever children it left behind; then whatever left the group.
+                # Kill the whole group: on timeout/cancel the harness itself, after a normal exit whatever
+                # children it left behind (unless its sandbox keeps them: ``keep_daemons``); then whatever left
+                # the group.
+                keep = keep_daemons and killed is None and not self._cancelled.is_set()
+                if not keep:
                     kill_group(proc.pid, self.kill_grace_s, proc)
-                    returncode = proc.wait()
-                    duration = time.monotonic() - start
-                    escaped = sweep(mark, self.kill_grace_s, exclude=proc.pid)
+                returncode = proc.wait()
+                duration = time.monotonic() - start
+                escaped = [] if keep else sweep(mark, self.kill_grace_s, exclude=proc.pid)
             finally:
                 with self._lock:
                     self._running.pop(name, None)
