@@ -206,10 +206,12 @@ SERVER_TASK = {
     "tests/test.sh": "#!/bin/bash\nok=1\n[ \"$(cat /srv/made/x)\" = by-run ] || ok=0\n"
                      "[ \"$(cat /app/data.txt)\" = copied ] || ok=0\n[ \"$GREETING\" = hello ] || ok=0\n"
                      "[ \"$(cat /server-out/done 2>/dev/null)\" = hello ] || ok=0\n"
-                     "a=$(cat /tmp/alive 2>/dev/null); sleep 0.5; b=$(cat /tmp/alive 2>/dev/null)\n"
-                     "[ -n \"$a\" ] && [ \"$a\" != \"$b\" ] || ok=0\n"
-                     "a=$(cat /tmp/alive2 2>/dev/null); sleep 0.5; b=$(cat /tmp/alive2 2>/dev/null)\n"
-                     "[ -n \"$a\" ] && [ \"$a\" != \"$b\" ] || ok=0\n"
+                     # a daemon is alive when its file changes within 20 s (polled: a loaded machine may starve it)
+                     "changes() {\n  a=''; i=0\n  while [ $i -lt 200 ]; do\n    b=$(cat \"$1\" 2>/dev/null)\n"
+                     "    if [ -n \"$b\" ]; then\n      if [ -z \"$a\" ]; then a=$b; elif [ \"$b\" != \"$a\" ]; then "
+                     "return 0; fi\n    fi\n    sleep 0.1; i=$((i+1))\n  done\n  return 1\n}\n"
+                     "if [ $ok = 1 ]; then changes /tmp/alive || ok=0; fi\n"
+                     "if [ $ok = 1 ]; then changes /tmp/alive2 || ok=0; fi\n"
                      "if [ \"$(cat /etc/hostname 2>/dev/null)\" = never ]; then ok=0; fi\n"
                      "echo $ok > /logs/verifier/reward.txt\n",
 }  # fmt: skip
