@@ -51,8 +51,8 @@ GIB = 2**30
 # (preset, model, model-parallel devices per cell (params and optimizer state split over them), accelerator GiB)
 PRESETS = [
     ("gpu_single_host (H100 80 GB)", QWEN3_1P7B, 2, 80),
-    ("tpu_pod (v5p 95 GB)", QWEN3_8B, 4, 95),
-    ("gpu_cluster (H200 141 GB)", QWEN3_30B_A3B, 8, 141),
+    ("a v5p host (95 GB)", QWEN3_8B, 4, 95),
+    ("an H200 host (141 GB)", QWEN3_30B_A3B, 8, 141),
 ]
 PROJECT = dict(dtype="bfloat16", param_dtype="float32", remat_policy="full", attention_impl="blockwise",
                logits_chunk=2048)  # fmt: skip

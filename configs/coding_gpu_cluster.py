@@ -1,5 +1,6 @@
 """Preset: RL of a real Qwen3 checkpoint on a Harbor task directory (Terminal-Bench 2 / SWE-style tasks), through
-Claude Code in bubblewrap sandboxes, on the GPU cluster of configs/gpu_cluster.py (4 hosts x 8 GPUs).
+Claude Code in bubblewrap sandboxes, on the GPU cluster of configs/gpu_cluster.py (8 hosts x 8 GPUs, cells of two
+hosts).
 
 Launch one process per host (docs/multihost.md), pointing at your checkpoint and task directory:
     srun python -m gyre_jax.train --config configs/coding_gpu_cluster.py \

@@ -79,6 +79,9 @@ def get_config():
     c.rl.group_size = 4
     c.rl.max_branches = 4  # J_max: at most one row per call of an execution (mini makes <= 4 calls)
     c.warm_start.steps = 0  # a pretrained instruct model: no demonstrations
+    # A pretrained model's RL learning rate (the tiny model's 3e-4 from scratch collapsed it: every evaluation 0.00
+    # after 4 steps of its warm-up, docs/results.md), constant from the first step.
+    c.optimizer.learning_rate, c.optimizer.warmup_steps = 2e-6, 0
     # Evaluation: both splits (the declared split: 26 train, 13 held out) before RL, every 4 steps, after the last.
     c.eval.split = "both"
     c.eval.num_tasks = 13  # all held-out tasks

@@ -844,7 +844,10 @@ def test_one_key_sets_the_context_length_and_the_others_derive_from_it_unless_se
     assert lengths("--config.serving.max_seq_len=2048") == (2048, 2048, 2048, "xla")  # the row follows serving
     # presets that set the keys themselves keep their values
     assert lengths("--config", "configs/xlong_cpu.py") == (36864, 36864, 36864, "blockwise")
-    assert lengths("--config", "configs/gpu_single_host.py") == (32768, 32768, 32768, "xla")
+    assert lengths("--config", "configs/gpu_single_host.py") == (32768, 32768, 32768, "blockwise")
+    # the kernel follows the training rows, however they were set (a row set past max_context: blockwise)
+    assert lengths("--config.trajectory.row_length=8192", "--config.serving.max_seq_len=8192") == (
+        8192, 8192, 8192, "blockwise")  # fmt: skip
     # the config as written keeps the keys to derive: a later max_context reaches them (config files, overrides)
     c = load_config(["--config.model.max_context=8192"])
     written = c.to_config_dict()

@@ -25,11 +25,14 @@ class DevicesSection(Section):
     # 2: the default tiny run on a laptop; more virtual devices on a 2-core machine only add per-device overhead
     # (tests and configs that exercise multi-device cells set 8: 2 cells of 4)
     num_cpu_devices: int = 2
+    # memory of one accelerator in GiB: the budget `python -m gyre_jax.plan` checks the cells against (0: unknown)
+    memory_gib: float = 0.0
 
     def __post_init__(self):
         self.check_types()
         require(self.platform in PLATFORMS, f"config.devices.platform={self.platform!r} must be one of {PLATFORMS}")
         require(self.num_cpu_devices >= 1, f"config.devices.num_cpu_devices={self.num_cpu_devices} must be >= 1")
+        require(self.memory_gib >= 0, f"config.devices.memory_gib={self.memory_gib} must be >= 0 (0: unknown)")
 
 
 @dataclass(frozen=True)

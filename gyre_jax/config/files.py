@@ -66,9 +66,11 @@ def use_model(
     dtype: str = "bfloat16",
     param_dtype: str = "float32",
     remat_policy: str = "full",
+    attention_impl: str = "auto",
 ) -> None:
     """Sets ``config.model`` to a ``ModelConfig`` preset's shapes (random init unless ``checkpoint_dir`` is set),
-    with bf16 compute on fp32 master weights and full remat by default."""
+    with bf16 compute on fp32 master weights and full remat by default. The attention kernel is the run's choice,
+    not the preset's: "auto" (derived from the rows' length, ``RunConfig.derive_context``) unless given."""
     for field in dataclasses.fields(model):
         value = getattr(model, field.name)
         if dataclasses.is_dataclass(value):  # a nested section (model.lora): its keys, one by one
@@ -77,6 +79,7 @@ def use_model(
         else:
             config.model[field.name] = value
     config.model.dtype, config.model.param_dtype, config.model.remat_policy = dtype, param_dtype, remat_policy
+    config.model.attention_impl = attention_impl
 
 
 def _parse_value(key: str, text: str, current: Any) -> Any:

@@ -109,12 +109,13 @@ class ModelSection(ModelConfig, Section):
             "(the first layers of a checkpoint; 0 = all)",
         )
 
-    def derived_attention(self) -> str:
-        """``attention_impl`` with "auto" resolved: "blockwise" past ``DENSE_ATTENTION_MAX`` tokens of
-        ``max_context`` or with ``context_parallel > 1`` (ring attention runs the blockwise kernel), else "xla"."""
+    def derived_attention(self, row_length: int = 0) -> str:
+        """``attention_impl`` with "auto" resolved: "blockwise" when the training rows (``row_length``, default
+        ``max_context``) are longer than ``DENSE_ATTENTION_MAX`` tokens or with ``context_parallel > 1`` (ring
+        attention runs the blockwise kernel), else "xla"."""
         if self.attention_impl != "auto":
             return self.attention_impl
-        long = self.max_context > DENSE_ATTENTION_MAX or self.context_parallel > 1
+        long = (row_length or self.max_context) > DENSE_ATTENTION_MAX or self.context_parallel > 1
         return "blockwise" if long else "xla"
 
 

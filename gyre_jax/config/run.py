@@ -115,8 +115,8 @@ class RunConfig(Section):
         """Fills the keys left to derive (0, or "auto") from ``model.max_context``, once, at construction:
         ``serving.max_seq_len`` = ``model.max_context``; ``trajectory.row_length`` = ``serving.max_seq_len`` (a
         branch fills a row); ``trajectory.tokens_per_micro_batch`` = whole rows of at least ``MIN_MICRO_BATCH_TOKENS``
-        tokens; ``model.attention_impl`` = "blockwise" past ``DENSE_ATTENTION_MAX`` tokens of context (or with
-        context parallelism), else "xla". A key set in the config keeps its value (and is checked against the
+        tokens; ``model.attention_impl`` = "blockwise" when the rows are longer than ``DENSE_ATTENTION_MAX`` tokens (or
+        with context parallelism), else "xla". A key set in the config keeps its value (and is checked against the
         others by ``validate``)."""
         m, sv, t = self.model, self.serving, self.trajectory
         seq = sv.max_seq_len or m.max_context
@@ -131,7 +131,7 @@ class RunConfig(Section):
         trajectory = t
         if (row, tokens) != (t.row_length, t.tokens_per_micro_batch):
             trajectory = dataclasses.replace(t, row_length=row, tokens_per_micro_batch=tokens)
-        model = dataclasses.replace(m, attention_impl=m.derived_attention()) if m.attention_impl == "auto" else m
+        model = dataclasses.replace(m, attention_impl=m.derived_attention(row)) if m.attention_impl == "auto" else m
         object.__setattr__(self, "serving", serving)
         object.__setattr__(self, "trajectory", trajectory)
         object.__setattr__(self, "model", model)

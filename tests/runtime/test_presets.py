@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from gyre_jax import config as config_lib
-from gyre_jax import runtime
-from gyre_jax.model.config import QWEN3_1P7B, QWEN3_8B, QWEN3_30B_A3B
+from gyre_jax import plan, runtime
+from gyre_jax.model.config import QWEN3_1P7B, QWEN3_30B_A3B, QWEN3_235B_A22B
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fakes import hosts  # noqa: E402
@@ -19,9 +19,13 @@ from fakes import hosts  # noqa: E402
 PRESETS = {
     # file: (platform, hosts, devices per host, model, multi-process, processes holding each cell)
     "configs/gpu_single_host.py": ("gpu", 1, 8, QWEN3_1P7B, False, [[0]] * 4),
-    "configs/gpu_cluster.py": ("gpu", 4, 8, QWEN3_30B_A3B, True, [[0], [1], [2], [3]]),
-    "configs/tpu_pod.py": ("tpu", 8, 4, QWEN3_8B, True, [[h] for h in range(8)]),
-}
+    "configs/gpu_cluster.py": ("gpu", 8, 8, QWEN3_30B_A3B, True, [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    "configs/gpu_cluster_235b.py": ("gpu", 128, 8, QWEN3_235B_A22B, True, [list(range(k, k + 32)) for k in
+                                                                         range(0, 128, 32)]),
+    "configs/tpu_pod.py": ("tpu", 16, 4, QWEN3_30B_A3B, True, [list(range(k, k + 4)) for k in range(0, 16, 4)]),
+    "configs/tpu_pod_235b.py": ("tpu", 128, 4, QWEN3_235B_A22B, True, [list(range(k, k + 32)) for k in
+                                                                      range(0, 128, 32)]),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("path", sorted(PRESETS))
@@ -37,11 +41,11 @@ def test_preset_loads_validates_and_fits_its_hosts(path):
         assert tuple(c.distributed.local_device_ids) == tuple(range(per_host))
 
     got = c.model_config()
-    assert (
-        dataclasses.replace(got, dtype=model.dtype, param_dtype=model.param_dtype, remat_policy=model.remat_policy)
-        == model
-    )
+    run_choices = ("dtype", "param_dtype", "remat_policy", "attention_impl", "logits_chunk")
+    assert dataclasses.replace(got, **{k: getattr(model, k) for k in run_choices}) == model
     assert (got.dtype, got.param_dtype) == ("bfloat16", "float32")
+    if c.trajectory.row_length > 4096:  # long rows: the attention kernel derives to blockwise, whatever the preset
+        assert got.attention_impl == "blockwise" and got.logits_chunk > 0
 
     devices = hosts(num_hosts, per_host)
     runtime.make_train_mesh(c.mesh.shape(), devices)
@@ -71,3 +75,17 @@ def test_explicit_launch_values_override_auto_detection(path):
         config_lib.load_config(
             ["--config", path, "--config.distributed.num_processes=4", "--config.distributed.process_id=4"]
         )
+
+
+@pytest.mark.parametrize("path", [p for p in sorted(PRESETS) if PRESETS[p][4]])
+def test_multihost_presets_fit_their_devices_and_one_host_fewer_per_cell_does_not(path, capsys):
+    """``python -m gyre_jax.plan`` on each multi-host preset: every cell fits its device's memory (exit 0); the same
+    preset with half the hosts per cell (fsdp halved, twice the cells) does not (exit 1): why its cells span the
+    hosts they do."""
+    assert plan.main(["--config", path]) == 0, capsys.readouterr().out
+    assert "fits: every cell's total is within 90%" in capsys.readouterr().out
+    c = config_lib.load_config(["--config", path])
+    half = [f"--config.cells.fsdp={c.cells.fsdp // 2}", f"--config.cells.num_cells={c.cells.num_cells * 2}",
+            f"--config.mesh.fsdp={c.mesh.fsdp // 2}", f"--config.mesh.data={c.mesh.data * 2}"]  # fmt: skip
+    assert plan.main(["--config", path, *half]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
