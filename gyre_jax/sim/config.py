@@ -19,9 +19,11 @@ from gyre_jax.sim.cost_model import (
     CostModel,
     CostModelError,
     HardwareSpec,
+    Interconnect,
     ModelSpec,
     PipelineCost,
     SwitchCost,
+    interhost_costs,
     lora_params,
     roofline_cost_model,
     with_lora,
@@ -72,9 +74,23 @@ def cost_model(c: config_dict.ConfigDict) -> CostModel:
 
 
 def _roofline(c: config_dict.ConfigDict) -> CostModel:
-    k = c.cost
-    return roofline_cost_model(
-        ModelSpec(**c.model.to_dict()),
+    """The roofline cost model of the preset. With ``cluster.host_bandwidth`` > 0 the cell-to-cell moves are derived
+    from the bytes moved over the hosts a cell spans (``interhost_costs``): a weight sync is ``cost.weight_sync_s``
+    (its fixed part) plus the transfer, each satellite's gradients add their transfer to the optimizer step, and
+    ``cost.kv_migration_s_per_token`` is replaced; with 0 those keys are used as given."""
+    k, n = c.cost, c.cluster
+    model = ModelSpec(**c.model.to_dict())
+    sync, grad_receive, kv = k.weight_sync_s, 0.0, k.kv_migration_s_per_token
+    if n.get("host_bandwidth", 0.0) > 0:
+        link = Interconnect(n.accelerators_per_host, n.host_bandwidth, n.link_efficiency)
+        try:
+            moves = interhost_costs(model, link, n.cell_accelerators, n.accelerators // n.cell_accelerators)
+        except CostModelError as exc:
+            raise ConfigError(f"config.cluster: {exc}") from None
+        sync += moves["weight_sync_s"]
+        grad_receive, kv = moves["grad_receive_s"], moves["kv_migration_s_per_token"]
+    cm = roofline_cost_model(
+        model,
         HardwareSpec(**c.hardware.to_dict()),
         replica_accelerators=k.replica_accelerators,
         slots_per_replica=k.slots_per_replica,
@@ -92,12 +108,13 @@ def _roofline(c: config_dict.ConfigDict) -> CostModel:
         switch=SwitchCost(
             serving_to_training_s=k.serving_to_training_s,
             training_to_serving_s=k.training_to_serving_s,
-            weight_sync_s=k.weight_sync_s,
-            kv_migration_s_per_token=k.kv_migration_s_per_token,
+            weight_sync_s=sync,
+            kv_migration_s_per_token=kv,
         ),
         pipeline=PipelineCost(processing_s_per_token=k.processing_s_per_token, workers=k.pipeline_workers),
         source=f"roofline: {c.hardware.name}, {c.model.total_params / 1e9:.0f}B params ({c.name} preset)",
     )
+    return cm.replace(training={"grad_receive_s": grad_receive}) if grad_receive else cm
 
 
 def workload(c: config_dict.ConfigDict) -> WorkloadSpec:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ class TrainingCost:
     micro_step_overhead_s: float = 0.0
     optimizer_step_s: float = 0.0
     grad_reduce_s: float = 0.0  # summing satellites' gradients onto the core, once per step
+    grad_receive_s: float = 0.0  # per satellite that trained in the step: its gradients crossing to the core's hosts
     warmup_micro_step_s: float = 0.0  # a cell's first micro-step takes this much longer (its jit compile)
     warmup_optimizer_step_s: float = 0.0  # the first optimizer step takes this much longer (its jit compile)
 
@@ -251,6 +253,7 @@ def _validate(cm: CostModel) -> None:
             "micro_step_overhead_s",
             "optimizer_step_s",
             "grad_reduce_s",
+            "grad_receive_s",
             "warmup_micro_step_s",
             "warmup_optimizer_step_s",
         ),
@@ -357,9 +360,49 @@ def with_lora(cm: CostModel, adapter_fraction: float, switch_weight_share: float
             "flops_per_token": flops,
             "optimizer_step_s": t.optimizer_step_s * adapter_fraction,
             "grad_reduce_s": t.grad_reduce_s * adapter_fraction,
+            "grad_receive_s": t.grad_receive_s * adapter_fraction,
         },
         source=f"{cm.source}; LoRA adapter of {adapter_fraction:.4%} of the parameters",
     )
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """The network between hosts: a cell of ``cell_accelerators`` spans ``ceil(cell / accelerators_per_host)``
+    hosts, each sending and receiving ``host_bandwidth`` bytes/s (all its NICs) at ``efficiency`` of it."""
+
+    accelerators_per_host: int
+    host_bandwidth: float  # bytes/s per host and direction (e.g. 8 x 400 Gb/s InfiniBand = 400e9)
+    efficiency: float = 0.7
+
+    def cell_rate(self, cell_accelerators: int) -> float:
+        """Bytes/s a cell moves to or from another: its hosts move their shards in parallel."""
+        return math.ceil(cell_accelerators / self.accelerators_per_host) * self.host_bandwidth * self.efficiency
+
+
+def interhost_costs(
+    model: ModelSpec, link: Interconnect, cell_accelerators: int, num_cells: int, grad_bytes_per_param: float = 4.0
+) -> dict[str, float]:
+    """Seconds of the cell-to-cell moves of a run whose cells span hosts, from the bytes moved and the hosts'
+    bandwidth (each move is between two cells; a cell's hosts send or receive their shards in parallel):
+
+    - ``weight_sync_s``: a new policy version from the core to every other cell (serving weights,
+      ``serving_bytes_per_param``), bound by the core's egress: ``num_cells - 1`` copies;
+    - ``grad_receive_s``: one satellite's gradients (``grad_bytes_per_param``: float32 as this project's learner
+      sends them) into the core, per satellite that trained in the step;
+    - ``kv_migration_s_per_token``: a session's KV (split over its cell's hosts) to another cell.
+    """
+    if link.accelerators_per_host < 1 or link.host_bandwidth <= 0 or not 0 < link.efficiency <= 1:
+        raise CostModelError(
+            f"interconnect: accelerators_per_host={link.accelerators_per_host} must be >= 1, host_bandwidth="
+            f"{link.host_bandwidth} > 0 and efficiency={link.efficiency} in (0, 1]"
+        )
+    rate = link.cell_rate(cell_accelerators)
+    return {
+        "weight_sync_s": model.total_params * model.serving_bytes_per_param * max(0, num_cells - 1) / rate,
+        "grad_receive_s": model.total_params * grad_bytes_per_param / rate,
+        "kv_migration_s_per_token": model.kv_bytes_per_token / rate,
+    }
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,10 @@ switches and weight syncs (``cost_model.with_lora``); the core needs only a froz
 training state (``cost_model.core_accelerators``), so smaller cells can hold it (set ``cluster.cell_accelerators``
 and ``cost.min_cell_accelerators`` to match; docs/simulator.md, "LoRA").
 
+Cells over hosts: 8 accelerators per host, 8 x 400 Gb/s InfiniBand per host (400 GB/s) at 70%; weight syncs,
+gradients to the core and KV moves take the bytes they move over the hosts of the cells they join
+(``cost_model.interhost_costs``, docs/simulator.md).
+
 Cells: a cell must hold a training replica. The core keeps BF16 weights, FP32 master weights, gradients
 and Adam moments: about 16-18 bytes per parameter, so 122B needs >= 25 accelerators of 80 GB (cells of
 32, i.e. 4 nodes of 8) and 2.4T needs >= 480 (cells of 512).
@@ -97,7 +101,11 @@ def base(name: str, description: str) -> config_dict.ConfigDict:
     c.group_size = 16  # GSPO rollouts per task (published)
     c.max_branches = 5  # J_max (published); 0 = uncapped
     c.segments = 8  # segments per execution: the serving model's time resolution
-    c.cluster = config_dict.ConfigDict(dict(accelerators=1024, cell_accelerators=32))
+    # cells of 32 = 4 hosts of 8; cell-to-cell moves (weight syncs, gradients to the core, KV) cross the hosts'
+    # network: 8 x 400 Gb/s InfiniBand per host (400 GB/s) at 70% (cost_model.interhost_costs; 0 = use the
+    # cost's weight_sync_s and kv_migration_s_per_token as given)
+    c.cluster = config_dict.ConfigDict(dict(accelerators=1024, cell_accelerators=32, accelerators_per_host=8,
+                                            host_bandwidth=400e9, link_efficiency=0.7))  # fmt: skip
     c.schedule = config_dict.ConfigDict(
         dict(
             policy="elastic",  # colocated | async | elastic
@@ -133,8 +141,9 @@ def base(name: str, description: str) -> config_dict.ConfigDict:
             grad_reduce_s=2.0,
             serving_to_training_s=8.52,
             training_to_serving_s=3.46,  # published (2.4T over RDMA)
-            weight_sync_s=2.0,  # serving cells pause for a new version (122B BF16 over RDMA, with overhead)
-            kv_migration_s_per_token=3.3e-7,  # 131 KB/token over 8 x 50 GB/s
+            # a weight sync's fixed part (pause and hand-over); moving the bytes is added from the interconnect
+            weight_sync_s=0.5,
+            kv_migration_s_per_token=3.3e-7,  # used only without an interconnect (cluster.host_bandwidth = 0)
             processing_s_per_token=2e-6,
             pipeline_workers=32,
             # LoRA (cost_model.with_lora): rank 0 = full fine-tuning. lora_targets: "attention" and/or "experts",
@@ -227,8 +236,6 @@ def flagship() -> config_dict.ConfigDict:
     c.cost.micro_step_tokens = 1_048_576
     c.cost.optimizer_step_s = 20.0
     c.cost.grad_reduce_s = 5.0
-    c.cost.weight_sync_s = 3.46
-    c.cost.kv_migration_s_per_token = 1.2e-7  # 393 KB/token over 64 x 50 GB/s
     w = c.workload
     w.turns = _dist(300, 0.35, 80, 900)  # ~2500 tokens per call: ~700K tokens in a run that is not cut short
     w.task_sigma = 0.25
@@ -255,7 +262,6 @@ def tiny() -> config_dict.ConfigDict:
     c.cost.min_cell_accelerators = 8
     c.cost.reference_cell_accelerators = 8
     c.cost.slots_per_replica = 1  # 32 replicas x 1 = 32 sessions: one batch
-    c.cost.kv_migration_s_per_token = 1e-6
     c.workload.turns = _dist(12, 0.5, 2, 40)
     c.workload.timeout_s = 1800.0
     return c

@@ -58,7 +58,7 @@ class TrainingModel:
         self.ready_work = [0.0] * s
         self.total_work = [0.0] * s
         self.in_flight = [0] * s
-        self.sat_used = [False] * s
+        self.sat_used: list[set[int]] = [set() for _ in range(s)]  # satellites that trained in each step
         # per cell
         self.micro_work = [0.0] * k
         self.micro_t0 = [0.0] * k
@@ -185,7 +185,7 @@ class TrainingModel:
             self.micro_t0[c] = now
             self.in_flight[v] += 1
             if c != 0:
-                self.sat_used[v] = True
+                self.sat_used[v].add(c)
             cells.switch_tok[c] += 1
             compile_s = 0.0 if self.warm[c] else tr.warmup_micro_step_s
             self.warm[c] = True
@@ -217,7 +217,8 @@ class TrainingModel:
         if self.cells.role[0] is not TRAINING or self.cells.busy[0]:
             return  # the core applies the optimizer step once it is training and free
         tr = self.tr
-        dur = tr.optimizer_step_s + (tr.grad_reduce_s if self.sat_used[v] else 0.0)
+        sats = len(self.sat_used[v])
+        dur = tr.optimizer_step_s + (tr.grad_reduce_s + sats * tr.grad_receive_s if sats else 0.0)
         if not self.opt_warm:
             dur += tr.warmup_optimizer_step_s
             self.opt_warm = True

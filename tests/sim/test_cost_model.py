@@ -104,3 +104,28 @@ def test_fit_recovers_costs_from_measurements(cm):
         fit_cost_model({"decode_steps": decode[:2]}, cm)
     with pytest.raises(CostModelError, match="do not grow with their FLOPs"):
         fit_cost_model({"micro_steps": [[1e15, 2.0], [2e15, 1.0], [3e15, 0.5]]}, cm)
+
+
+def test_moves_between_cells_take_their_bytes_over_the_hosts_the_cells_span():
+    """Cells over hosts (issue 43): weight syncs, a satellite's gradients and KV moves scale with the bytes moved and
+    inversely with the hosts a cell spans; the presets derive them (cluster.host_bandwidth) unless it is 0."""
+    from gyre_jax.sim.config import cost_model, preset
+    from gyre_jax.sim.cost_model import Interconnect, ModelSpec, interhost_costs
+    from gyre_jax.sim.presets import QWEN_122B
+
+    model, link = ModelSpec(**QWEN_122B), Interconnect(8, 400e9, 0.7)
+    one, four = interhost_costs(model, link, 8, 32), interhost_costs(model, link, 32, 32)
+    assert four["grad_receive_s"] == pytest.approx(one["grad_receive_s"] / 4)  # 4 hosts move the same bytes
+    assert four["grad_receive_s"] == pytest.approx(122e9 * 4 / (4 * 400e9 * 0.7))  # float32 gradients
+    assert four["weight_sync_s"] == pytest.approx(31 * 122e9 * 1.0 / (4 * 400e9 * 0.7))  # FP8 weights to 31 cells
+    assert four["kv_migration_s_per_token"] == pytest.approx(model.kv_bytes_per_token / (4 * 400e9 * 0.7))
+    c = preset("deepswe")
+    derived = cost_model(c)
+    assert derived.switch.weight_sync_s == pytest.approx(c.cost.weight_sync_s + four["weight_sync_s"])
+    assert derived.training.grad_receive_s == pytest.approx(four["grad_receive_s"])
+    c.cluster.host_bandwidth = 0.0  # the constants as given
+    given = cost_model(c)
+    assert (given.switch.weight_sync_s, given.training.grad_receive_s) == (c.cost.weight_sync_s, 0.0)
+    assert given.switch.kv_migration_s_per_token == c.cost.kv_migration_s_per_token
+    with pytest.raises(Exception, match="host_bandwidth"):
+        interhost_costs(model, Interconnect(8, -1.0), 32, 32)

@@ -217,3 +217,14 @@ def test_the_dispatch_bound_has_the_run_configs_name():
     assert dict(load_sim_config("tiny", {"schedule.dispatch_staleness": 2}).policy_options)["dispatch_staleness"] == 2
     with pytest.raises(ConfigError, match="schedule.max_staleness was renamed: use config.schedule.dispatch_staleness"):
         load_sim_config("tiny", {"schedule.max_staleness": 2})
+
+
+def test_a_slower_network_between_hosts_slows_the_optimizer_step_by_each_satellites_gradients():
+    """Cells over hosts: the optimizer step waits for every satellite's gradients to cross to the core, so a 100x
+    slower network (cluster.host_bandwidth) makes the elastic run slower, and by no more than its moves explain."""
+    fast, slow = (load_sim_config("tiny", {"cluster.host_bandwidth": bw}) for bw in (400e9, 4e9))
+    assert slow.cost.training.grad_receive_s == pytest.approx(100 * fast.cost.training.grad_receive_s)
+    a, b = simulate(fast), simulate(slow)
+    assert b.makespan_s > a.makespan_s
+    per_step = 100 * (fast.cost.training.grad_receive_s * (fast.num_cells - 1) + fast.cost.switch.weight_sync_s)
+    assert b.makespan_s - a.makespan_s < fast.steps * per_step
