@@ -27,7 +27,6 @@ def get_config():
     c.cells.num_cells = 4
     c.cells.data, c.cells.fsdp, c.cells.tensor, c.cells.expert = 1, 32, 1, 4
     config_lib.use_model(c, QWEN3_235B_A22B)  # bf16 compute on fp32 master weights, full remat
-    c.model.max_context = 32768
-    c.model.logits_chunk = 2048
+    c.model.logits_chunk = 2048  # use_model set the model preset's 0; max_context (32K) is the base's
     c.serving.max_concurrent_decodes = 32
     return c

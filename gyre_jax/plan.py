@@ -10,8 +10,8 @@ terms, per device of a cell of the config's ``cells`` shape and ``sharding_rules
 - **weights, gradients, optimizer**: summed over the model's parameters, each leaf's bytes divided by the number
   of devices its ``PartitionSpec`` splits it over (the same rules and ``logical_to_spec`` the run applies: a
   dimension that an axis does not divide is not split);
-- **gathered layer**: the largest layer's weights in the compute dtype, gathered over ``fsdp`` (twice: the forward's
-  and the backward's copy), when ``fsdp`` > 1;
+- **gathered layer**: the largest layer's weights that ``fsdp`` splits, in the compute dtype, gathered over it
+  (twice: the forward's and the backward's copy);
 - **micro-step tokens**: ``model.memory.train_memory``'s saved and working bytes for one row of
   ``trajectory.row_length`` tokens (over ``model.context_parallel`` shards), times the rows one device computes
   (the micro-batch's rows over the batch axes); not divided by tensor or expert parallelism, so an upper bound;
@@ -87,10 +87,11 @@ def _leaf_bytes(cfg: ModelConfig, mesh: jax.sharding.AbstractMesh, rules, itemsi
         logical = var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
         spec = logical_to_spec(logical, rules, mesh, var.shape)
         size = math.prod(var.shape) * itemsize
-        total += size / _split(spec, mesh.shape)
+        split, unsplit_fsdp = _split(spec, mesh.shape), _split(spec, no_fsdp)
+        total += size / split
         layer = next((p for p in path if isinstance(p, int)), None)
-        if layer is not None and _split(spec, no_fsdp) < _split(spec, mesh.shape):  # split over fsdp: gathered
-            per_layer[layer] = per_layer.get(layer, 0.0) + size / _split(spec, no_fsdp)
+        if layer is not None and unsplit_fsdp < split:  # split over fsdp: gathered for the layer's compute
+            per_layer[layer] = per_layer.get(layer, 0.0) + size / unsplit_fsdp
     return total, max(per_layer.values(), default=0.0)
 
 
