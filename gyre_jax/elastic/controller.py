@@ -75,6 +75,7 @@ class CostLog:
     serving_to_training: list[float] = field(default_factory=list)
     training_to_serving: list[float] = field(default_factory=list)
     weight_syncs: list[float] = field(default_factory=list)
+    session_moves: list[list[float]] = field(default_factory=list)  # [sessions, seconds] per switch that moved any
 
 
 OnStep = Callable[[int, dict[str, Any], list, dict[str, Any]], None]
@@ -158,8 +159,8 @@ class Controller:
     def _micro_step_done(self, cell: int, step: int, slot: int, flops: float, t_start: float, t_end: float) -> None:
         self.driver.post(MicroStepDone(step, t_end, cell=cell, slot=slot, flops=flops, t_start=t_start))
 
-    def _switched(self, cell: int, to: Role, seconds: float) -> None:
-        self.driver.post(Switched(self.version, time.time(), cell=cell, seconds=seconds))
+    def _switched(self, cell: int, to: Role, seconds: float, moved: int = 0, move_s: float = 0.0) -> None:
+        self.driver.post(Switched(self.version, time.time(), cell=cell, seconds=seconds, moved=moved, move_s=move_s))
 
     # -- on the driver thread ---------------------------------------------------------------------------
     def _handle(self, event: Event) -> Event:
@@ -184,6 +185,8 @@ class Controller:
         self.switch_s[c] += event.seconds
         costs = self.costs.serving_to_training if role is Role.TRAINING else self.costs.training_to_serving
         costs.append(event.seconds)
+        if event.moved:
+            self.costs.session_moves.append([event.moved, event.move_s])
         self.timeline.role(now, c, role, reason=f"switched in {event.seconds:.3f}s")
         log.info("%s: %s (switch took %.3fs)", self.handles[c].name, role.value, event.seconds)
 

@@ -106,6 +106,8 @@ class Switched(Event):
     kind: ClassVar[str] = "switched"
     cell: int = 0
     seconds: float = 0.0  # how long the switch took
+    moved: int = 0  # sessions it moved to another cell (serving -> training), KV included
+    move_s: float = 0.0  # how long moving them took (part of ``seconds``)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ loads the current weights onto its training layout; then its gate opens and its 
 micro-steps. With no serving cell left to take them, its requests are cancelled and the router re-submits
 them when a cell serves again. Training -> serving: the gate closes, the micro-step in progress finishes,
 the cell gets the current weights on its serving layout and the router sends it calls again. A harness
-never sees a switch. Each switch ends with ``on_switched(cell, role, seconds)`` or, if it failed,
-``on_error(message)``.
+never sees a switch. Each switch ends with ``on_switched(cell, role, seconds, moved, move_s)`` (the sessions
+moved and how long moving them took) or, if it failed, ``on_error(message)``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Switcher:
         self,
         router,
         training: CellTraining,
-        on_switched: Callable[[int, Role, float], None],
+        on_switched: Callable[[int, Role, float, int, float], None],
         on_error: Callable[[str], None],
     ):
         self.router = router
@@ -68,9 +68,10 @@ class Switcher:
         desc, kind = f"{cell.handle.name}: switch to {to.value}", f"to {to.value}"
         # shown only when it lasts (a large model's weights and sessions moving), with the last one's duration
         progress = Progress(desc, delay_s=SWITCH_PROGRESS_DELAY_S, estimate_s=self._durations.get(kind))
+        moved = (0, 0.0)
         try:
             if to is Role.TRAINING:
-                self._to_training(cell, dest, progress)
+                moved = self._to_training(cell, dest, progress)
             else:
                 self._to_serving(cell, progress)
         except BaseException as e:  # noqa: BLE001 - reported to the driver, which stops the run
@@ -80,29 +81,35 @@ class Switcher:
             return
         progress.close()
         self._durations.put(kind, time.perf_counter() - t0)
-        self.on_switched(cell.handle.index, to, time.perf_counter() - t0)
+        self.on_switched(cell.handle.index, to, time.perf_counter() - t0, *moved)
 
-    def _to_training(self, cell: TrainingCell, dest: TrainingCell | None, progress: Progress) -> None:
+    def _to_training(self, cell: TrainingCell, dest: TrainingCell | None, progress: Progress) -> tuple[int, float]:
+        """-> (sessions moved, seconds moving them took)."""
         name = cell.handle.name
         self.router.drain(name, cancel_in_flight=dest is None)
+        moved, move_s = [], 0.0
         if dest is not None:  # KV included, wherever either cell runs
             progress.note(f"moving sessions to {dest.handle.name}")
+            t0 = time.perf_counter()
             moved = cell.handle.move_sessions_to(dest.handle)
+            move_s = time.perf_counter() - t0
             for s in moved:
                 if s.session_id is not None:
                     self.router.repin(s.session_id, dest.handle.name)
             if moved:
                 log.info(
-                    "%s -> %s: moved %d sessions (%d requests in flight)",
+                    "%s -> %s: moved %d sessions (%d requests in flight) in %.3fs",
                     name,
                     dest.handle.name,
                     len(moved),
                     sum(s.in_flight for s in moved),
+                    move_s,
                 )
         progress.note("loading the weights")
         self.training.load(cell)
         jax.block_until_ready(cell.weights)  # the switch's time includes the weights' move
         cell.gate.set()
+        return len(moved), move_s
 
     def _to_serving(self, cell: TrainingCell, progress: Progress) -> None:
         progress.note("finishing the micro-step in progress")
