@@ -111,12 +111,19 @@ class BlockedCache:
             positions = jnp.concatenate([positions, jnp.full_like(positions, self.length)], axis=1)
         b = jnp.arange(k.shape[0])[:, None]
 
+        def row(block, rel, new):  # one slot: block [K, n, D], rel [T], new [T, K, D]
+            return block.at[:, rel].set(jnp.swapaxes(new, 0, 1), mode="drop")
+
         def put(blocks, new):
             out = []
             for block, first in zip(blocks, self._offsets()):
                 n = block.shape[2]
                 rel = jnp.where((positions >= first) & (positions < first + n), positions - first, n)  # n: dropped
-                out.append(block.at[b, :, rel].set(new.astype(block.dtype), mode="drop"))  # indexes [B, T, K, D]
+                new = new.astype(block.dtype)
+                if new.shape[0] == block.shape[0]:  # every slot: the slot axis is the scatter's batch axis, so slots
+                    out.append(jax.vmap(row)(block, rel, new))  # split over devices (processes) write locally
+                else:  # rows 0..B-1 of more slots: an index scatter (the partitioner gathers its indices, updates)
+                    out.append(block.at[b, :, rel].set(new, mode="drop"))  # indexes [B, T, K, D]
             return tuple(out)
 
         return BlockedCache(k=put(self.k, k), v=put(self.v, v))

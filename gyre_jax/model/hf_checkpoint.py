@@ -363,8 +363,21 @@ def _write_safetensors(file: Path, entries: Sequence[_Entry]) -> None:
 
 
 def _host(array, index: tuple[int, ...]) -> np.ndarray:
-    """``array[index]`` (a layer, an expert) as a host array; the whole array for ``()`` (no device copy)."""
-    return np.asarray(array[index] if index else array)
+    """``array[index]`` (a layer, an expert) as a host array; the whole array for ``()`` (no device copy). An array
+    spanning processes is gathered (a collective: every process must ask for the same slices in the same order)."""
+    part = array[index] if index else array
+    if isinstance(part, jax.Array) and not part.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(part, tiled=True))
+    return np.asarray(part)
+
+
+def _spans_processes(params: nnx.State) -> bool:
+    """Whether an array of ``params`` has devices of other processes (a cell over several hosts)."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    values = [v.get_value() if isinstance(v, nnx.Variable) else v for v in leaves]
+    return any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in values)
 
 
 def hf_tensor_entries(cfg: ModelConfig, params: nnx.State, target: np.dtype | None) -> list[_Entry]:
@@ -386,10 +399,6 @@ def hf_tensor_entries(cfg: ModelConfig, params: nnx.State, target: np.dtype | No
         var = by_path[spec.path[:1] + spec.path[2:]] if stacked else by_path[spec.path]
         array = var.get_value() if isinstance(var, nnx.Variable) else var
         lead = (int(spec.path[1]),) if stacked else ()  # the layer's index into a stacked array
-        if isinstance(array, jax.Array) and not array.is_fully_addressable:
-            raise NotImplementedError(
-                "not supported yet: saving params that span several processes (gather them to one host first)"
-            )
         store = target or np.dtype(array.dtype)
         if spec.layout == "stacked":
             for j, name in enumerate(spec.hf_names):
@@ -469,16 +478,28 @@ def save_hf_checkpoint(
     (so load -> save -> load is bit-identical). Peak host memory is one tensor (one expert of a MoE
     layer). ``tokenizer_dir``: copy its tokenizer files alongside; ``base_config``: a source
     config.json whose other keys (e.g. ``max_position_embeddings``, token ids) are kept.
+
+    Params spanning several processes (a cell over several hosts): every process calls this with the same
+    arguments; each tensor is gathered in turn (peak host memory is still one tensor) and process 0 writes the
+    directory (``path`` must be its filesystem's); the others return the paths it writes.
     """
     if cfg.lora.enabled:  # a LoRA model is saved merged (W + scale A B); lora.save_peft_adapter writes the adapter
         from gyre_jax.model.lora import merged_params
 
         cfg, params = merged_params(cfg, params)
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     target = np.dtype(jnp.bfloat16) if dtype == "bfloat16" else np.dtype(dtype) if dtype else None
     entries = hf_tensor_entries(cfg, params, target)
-    files = _write_weights(out, _shards(entries, max_shard_bytes))
+    shards = _shards(entries, max_shard_bytes)
+    if jax.process_index() != 0 and _spans_processes(params):  # take part in each tensor's gather, write nothing
+        for shard in shards:
+            for *_, produce in shard:
+                produce()
+        if len(shards) == 1:
+            return [out / SINGLE_FILE]
+        return [out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    out.mkdir(parents=True, exist_ok=True)
+    files = _write_weights(out, shards)
     stored = {np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
     torch_dtype = stored.get(target) if target is not None else stored.get(entries[0][2], cfg.param_dtype)
     _write_config(out, cfg, torch_dtype, base_config)

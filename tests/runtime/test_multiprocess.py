@@ -223,6 +223,27 @@ def test_checkpoint_saved_by_2_processes_restores_in_2_processes(main_run, refer
             np.testing.assert_array_equal(arrays[k], v)
 
 
+def test_hf_export_of_params_spanning_processes_equals_the_params(main_run, reference):
+    """Both processes call ``save_hf_checkpoint`` on params spanning both; process 0 writes the directory (in
+    shards), process 1 only takes part in each tensor's gather; loaded back here, every param equals the
+    single-process reference."""
+    from gyre_jax.model.hf_checkpoint import load_hf_params
+
+    out, _, _ = main_run
+    meta0, _ = load(out, "main", 0)
+    meta1, _ = load(out, "main", 1)
+    assert meta0["params_span_processes"] and meta1["params_span_processes"]
+    assert len(meta0["hf_files"]) > 1 and meta0["hf_files"] == meta1["hf_files"]
+    assert sorted(p.name for p in (out / "hf_0").glob("*.safetensors")) == sorted(meta0["hf_files"])
+    assert not (out / "hf_1").exists()  # process 1 wrote nothing
+    mesh = runtime.make_train_mesh({"data": 1}, jax.devices()[:1])
+    _, params = load_hf_params(out / "hf_0", reference["model_cfg"], mesh, reference["rules"])
+    got = {"param" + k: v for k, v in worker.flat(jax.device_get(params)).items()}
+    assert got.keys() == reference["param_arrays"].keys()
+    for k, v in reference["param_arrays"].items():
+        np.testing.assert_array_equal(got[k], v)
+
+
 @pytest.mark.parametrize("mesh_shape, num_devices", [(dict(data=4, fsdp=2), 8), (dict(data=2, fsdp=2), 4)])
 def test_checkpoint_saved_by_2_processes_restores_in_1_process(main_run, reference, mesh_shape, num_devices):
     """In this process: all 8 devices with the saving mesh, and 4 devices with another mesh shape."""

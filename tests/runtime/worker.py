@@ -5,7 +5,8 @@
 Each process joins the run through ``gyre_jax.runtime.initialize(config)`` with the tiny CPU config
 (``num_cpu_devices=8`` split over the processes), does the scenario's work and writes what it saw to
 ``DIR/<scenario>_<pid>.json`` (and arrays to ``.npz``) for the test to compare with a single-process run.
-Scenarios: ``main`` (global mesh compute, decisions, syncs, cells, publish, cell_put, checkpoint save),
+Scenarios: ``main`` (global mesh compute, decisions, syncs, cells, publish, cell_put, checkpoint save, HF
+export),
 ``restore`` (restore that checkpoint), ``wait`` (block in a sync or a decision until killed from outside),
 ``raise`` (process 1 raises while process 0 runs device collectives).
 
@@ -251,6 +252,14 @@ def scenario_main(args, info, config, out: dict) -> None:
     ckpt.close()
     runtime.sync("checkpoint-written")
     lap("checkpoint")
+    # Hugging Face export of params spanning both processes: each tensor gathered, process 0 writes.
+    from gyre_jax.model.hf_checkpoint import save_hf_checkpoint
+
+    out["params_span_processes"] = any(not x.is_fully_addressable for x in jax.tree.leaves(params))
+    files = save_hf_checkpoint(Path(args.out) / f"hf_{info.process_id}", model_cfg, params, max_shard_bytes=200_000)
+    out["hf_files"] = [f.name for f in files]
+    runtime.sync("hf-written")
+    lap("hf_export")
     out["arrays"] = arrays
 
 
