@@ -143,9 +143,9 @@ class Learner:
         frozen base, its adapter the trained params), or (LoRA, the base already set) an adapter."""
         params = jax.device_put(self.worker.trainable(params), self.param_shardings)
         opt_state = self._init_opt(params)
-        return TrainState(
-            params=params, opt_state=opt_state, step=jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
-        )
+        # a host value, the same on every process: a device array of this process put onto a sharding spanning
+        # processes gives an array whose one local buffer spans them all (orbax then fails to save it)
+        return TrainState(params=params, opt_state=opt_state, step=jax.device_put(np.int32(step), self._replicated))
 
     @property
     def base(self) -> nnx.State | None:

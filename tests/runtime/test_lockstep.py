@@ -80,27 +80,30 @@ def test_sessions_move_between_cells_over_several_processes(tmp_path):
     assert "process 2 sent" in (tmp_path / "p2.log").read_text()
 
 
-TRAIN = [
-    "--config", "configs/tiny_cpu.py", "--config.devices.num_cpu_devices=8", "--config.mesh.data=4",
-    "--config.mesh.fsdp=2", "--config.cells.num_cells=2", "--config.cells.data=2", "--config.cells.fsdp=2",
-    "--config.schedule.policy=elastic", "--config.warm_start.steps=2", "--config.rollout.tasks_per_step=2",
+SMALL = [
+    "--config", "configs/tiny_cpu.py", "--config.warm_start.steps=2", "--config.rollout.tasks_per_step=2",
     "--config.rl.group_size=4", "--config.rollout.num_tasks=2", "--config.eval.samples_per_task=0",
     "--config.metrics.progress_bar=false", "--config.metrics.tensorboard=false", "--config.rollout.timeout_s=600",
-    "--config.distributed.enabled=true", "--config.distributed.num_processes=4",
-    "--config.model.num_layers=1", "--config.model.embed_dim=32", "--config.model.mlp_dim=64",
+    "--config.distributed.enabled=true", "--config.model.num_layers=1", "--config.model.embed_dim=32",
+    "--config.model.mlp_dim=64",
     "--config.model.head_dim=8",  # the least to compile: what is tested is the processes' choreography
+]  # fmt: skip
+TRAIN = [  # 4 processes x 2 devices, 2 cells of 2 processes each
+    *SMALL, "--config.devices.num_cpu_devices=8", "--config.mesh.data=4", "--config.mesh.fsdp=2",
+    "--config.cells.num_cells=2", "--config.cells.data=2", "--config.cells.fsdp=2", "--config.schedule.policy=elastic",
+    "--config.distributed.num_processes=4",
 ]  # fmt: skip
 
 
-def _train(workdir: Path, steps: int, timeout: float = 1500) -> None:
+def _train(workdir: Path, steps: int, args: list[str] = TRAIN, processes: int = 4, timeout: float = 1500) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     port = _free_port()
-    args = [*TRAIN, f"--config.workdir={workdir}", f"--config.total_steps={steps}",
+    args = [*args, f"--config.workdir={workdir}", f"--config.total_steps={steps}",
             f"--config.distributed.coordinator_address=127.0.0.1:{port}"]  # fmt: skip
     out = workdir.parent
-    logs = [open(out / f"p{pid}.log", "w") for pid in range(4)]
+    logs = [open(out / f"p{pid}.log", "w") for pid in range(processes)]
     procs = [
         subprocess.Popen([sys.executable, "-m", "gyre_jax.train", *args, f"--config.distributed.process_id={pid}"],
                          cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -113,8 +116,8 @@ def _train(workdir: Path, steps: int, timeout: float = 1500) -> None:
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            pytest.fail(f"a process was still running after {timeout} s\n" + _logs(out, 4))
-    assert [p.returncode for p in procs] == [0, 0, 0, 0], _logs(out, 4)
+            pytest.fail(f"a process was still running after {timeout} s\n" + _logs(out, processes))
+    assert [p.returncode for p in procs] == [0] * processes, _logs(out, processes)
 
 
 def _switches(workdir: Path) -> list[tuple[int, str, str]]:
@@ -153,6 +156,24 @@ def test_elastic_training_over_two_cells_of_two_processes_checkpoints_and_resume
     _train(workdir, steps=4)
     log0 = (tmp_path / "p0.log").read_text()
     assert "resumed from" in log0 and "at step 3" in log0 and "done: 4 steps" in log0
+    audit = subprocess.run([sys.executable, "-m", "gyre_jax.audit", str(workdir)], cwd=REPO, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert audit.returncode == 0 and "lost 0, double counted 0" in audit.stdout, audit.stdout + audit.stderr
+
+
+def test_a_cell_over_processes_of_one_device_each_trains_checkpoints_and_resumes(tmp_path):
+    """One process per accelerator (the usual GPU launch): one cell over 2 processes of 1 device each. The train
+    state's step counter, put from a host value onto the cell, used to come out as an array whose one local buffer
+    spanned both processes, and the first checkpoint failed in orbax."""
+    workdir = tmp_path / "run"
+    one_device_each = [*SMALL, "--config.devices.num_cpu_devices=2", "--config.mesh.data=2", "--config.mesh.fsdp=1",
+                       "--config.cells.num_cells=1", "--config.cells.data=2", "--config.distributed.num_processes=2"]  # fmt: skip
+    _train(workdir, 1, one_device_each, processes=2)
+    _train(workdir, 2, one_device_each, processes=2)
+    log0 = (tmp_path / "p0.log").read_text()
+    assert "resumed from" in log0 and "done: 2 steps" in log0
+    state = workdir / "checkpoints" / "2" / "state"
+    assert (state / "ocdbt.process_0").is_dir() and (state / "ocdbt.process_1").is_dir()
     audit = subprocess.run([sys.executable, "-m", "gyre_jax.audit", str(workdir)], cwd=REPO, capture_output=True,
                            text=True, timeout=300)  # fmt: skip
     assert audit.returncode == 0 and "lost 0, double counted 0" in audit.stdout, audit.stdout + audit.stderr
