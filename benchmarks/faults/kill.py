@@ -13,7 +13,9 @@ execution ids and seeds); elastic campaigns report their difference from an unki
 (``params_max_abs_diff``) without requiring 0. At this size every reward is 0 (RL gradients are 0): weight decay
 makes the state depend on the warm start and on how many optimizer steps ran, not on which tokens were trained.
 
-Also: SIGKILL of one process of a 2-process run (``two_process``: the survivor exits, then both are rerun).
+Also: SIGKILL of one process of a 2-process run (``two_process``: the survivor exits, then both are rerun), and
+of one process of a cell spanning both processes (``lockstep_cell``, >= 10 kills: every survivor stops within the
+heartbeat bound with its line, the reruns complete, audited; alone: ``kill.py --lockstep-cell 10``).
 
 ``run(quick, seed, workdir)`` -> ``{"rows": [...], "extra": {...}}`` (benchmarks/faults layout); standalone:
 ``python benchmarks/faults/kill.py [--long] [--seed N] [--workdir DIR]``.
@@ -284,6 +286,104 @@ def two_process(root: Path, env: dict[str, str], rng: random.Random, kills: int,
             "audit": audit_json(wd, env)}  # fmt: skip
 
 
+# One cell over both processes of a 2-process run (runtime.lockstep): process 0 drives it, process 1 replays its
+# device calls; 4 RL steps so that most seeded kills land before the run ends.
+LOCKSTEP_CELL = [*SMALL, "--config.total_steps=4", "--config.cells.num_cells=1", "--config.cells.data=2"]
+LOCKSTEP_HEARTBEAT_S = 5.0
+# the lines a survivor stops with (docs/multihost.md "Failures"): the watchdog's, or JAX's own client's when the
+# coordination service (process 0) went first
+STOP_LINES = ("is stopping: process", "is stopping: lost the coordination service",
+              "Terminating process because the JAX distributed service detected fatal errors")  # fmt: skip
+
+
+def _joined(logs: list[Path], procs: list[subprocess.Popen], timeout_s: float) -> bool:
+    """Waits until every process has joined the run (its ``distributed: process i of n`` line; before that a
+    survivor waits for the missing process up to ``distributed.initialization_timeout_s``, not the heartbeat);
+    False if one exited first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return False
+        if all("distributed: process" in log.read_text(errors="replace") for log in logs):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def lockstep_cell(root: Path, env: dict[str, str], rng: random.Random, kills: int, timeout_s: float) -> dict:
+    """SIGKILL of one process (seeded: which, and when, 0.5-15 s after both processes joined the run) of a cell
+    spanning 2 processes; every survivor must exit within the heartbeat bound (``heartbeat_timeout_s`` + 2 watchdog
+    intervals + 10 s for its failure hooks) printing a stop line, then both processes are rerun (resuming from the
+    last checkpoint) until the run completes; a completed run is audited, and a new run directory takes the next
+    kills until ``kills`` have landed."""
+    bound_s = LOCKSTEP_HEARTBEAT_S + 2 * min(max(LOCKSTEP_HEARTBEAT_S / 10, 0.1), 2.0) + 10.0
+    landed, attempts, t0, runs, killed = 0, 0, time.monotonic(), [], []
+    while landed < kills:
+        wd = root / f"lockstep-cell-{len(runs)}"
+        shutil.rmtree(wd, ignore_errors=True)
+        wd.mkdir(parents=True)
+        history = []
+        while True:
+            port = free_port()
+            base = [*LOCKSTEP_CELL, f"--config.workdir={wd}", "--config.distributed.enabled=true",
+                    f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                    "--config.distributed.num_processes=2",
+                    f"--config.distributed.heartbeat_timeout_s={LOCKSTEP_HEARTBEAT_S}"]  # fmt: skip
+            logs = [wd.parent / f"{wd.name}-attempt{attempts}-p{p}.log" for p in (0, 1)]
+            procs = [subprocess.Popen([PY, "-m", "gyre_jax.train", *base, f"--config.distributed.process_id={p}"],
+                                      cwd=REPO, env=env, stdout=open(logs[p], "w"), stderr=subprocess.STDOUT,
+                                      start_new_session=True) for p in (0, 1)]  # fmt: skip
+            attempts += 1
+            victim = rng.randrange(2) if landed < kills else None
+            delay = rng.uniform(0.5, 15.0)  # after both joined; a whole run here takes ~20 s
+            try:
+                kill = None
+                if victim is not None and _joined(logs, procs, timeout_s):
+                    try:
+                        procs[victim].wait(timeout=delay)
+                    except subprocess.TimeoutExpired:
+                        if procs[1 - victim].poll() is None:  # both alive: the kill lands
+                            procs[victim].send_signal(signal.SIGKILL)
+                            kill = time.monotonic()
+                            landed += 1
+                survivor = procs[1 - victim] if kill is not None else None
+                if survivor is not None:
+                    try:
+                        survivor.wait(timeout=timeout_s)
+                    finally:
+                        stop_s = time.monotonic() - kill
+                codes = [p.wait(timeout=timeout_s) for p in procs]
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        _kill_group(p)
+            history.append(codes)
+            if kill is not None:
+                text = logs[1 - victim].read_text(errors="replace")
+                line = next((ln.strip() for ln in text.splitlines() if any(m in ln for m in STOP_LINES)), "")
+                killed.append({"run": wd.name, "victim": victim, "after_s": round(delay, 2),
+                               "survivor_exit": codes[1 - victim], "stop_s": round(stop_s, 2),
+                               "within_bound": stop_s <= bound_s, "line": line[:300],
+                               "done_printed": "done:" in text})  # fmt: skip
+                continue
+            if codes == [0, 0]:  # the run completed (a kill drawn for this attempt came after its end: missed)
+                break
+            raise RuntimeError(f"{wd.name}: attempt {attempts} with no kill exited {codes}; see {logs[0]}, {logs[1]}")
+        runs.append({"workdir": str(wd), "exit_codes": history, "audit": audit_json(wd, env)})
+    bad = [k for k in killed if not k["within_bound"] or not k["line"] or k["survivor_exit"] == 0 or k["done_printed"]]
+    audit = {"ok": all(r["audit"]["ok"] for r in runs) and not bad,
+             "lost": sum(r["audit"]["lost"] for r in runs),
+             "double_counted": sum(r["audit"]["double_counted"] for r in runs),
+             "violations": [v for r in runs for v in r["audit"]["violations"]]
+             + [f"{k['run']}: survivor of a kill of process {k['victim']} exited {k['survivor_exit']} after "
+                f"{k['stop_s']} s (bound {bound_s} s) with line {k['line']!r}" for k in bad]}  # fmt: skip
+    stops = [k["stop_s"] for k in killed]
+    return {"kills": landed, "attempts": attempts, "runs": runs, "killed": killed, "bound_s": bound_s,
+            "heartbeat_timeout_s": LOCKSTEP_HEARTBEAT_S, "stop_s_max": max(stops, default=None),
+            "stop_s_median": sorted(stops)[len(stops) // 2] if stops else None,
+            "seconds": round(time.monotonic() - t0, 1), "audit": audit}  # fmt: skip
+
+
 def reference_run(args: list[str], workdir: Path, env: dict[str, str], timeout_s: float) -> tuple[float, dict]:
     """The unkilled run of ``args`` in ``workdir``: (seconds, final train state)."""
     t0 = time.monotonic()
@@ -321,18 +421,29 @@ def run(quick: bool, seed: int, workdir: Path) -> dict:
     extra: dict = {"reference_s": round(ref_s, 1), "campaigns": result_campaigns,
                    "unkilled_runs_max_abs_diff": params_diff(ref, again)}  # fmt: skip
     if not quick:  # a failure here is its own failing row: the campaigns above keep their results
-        try:
-            extra["two_process"] = two_process(workdir, env, random.Random(seed), kills=4, timeout_s=timeout_s)
-        except Exception as exc:  # noqa: BLE001
-            extra["two_process"] = {"kills": 0, "error": f"{type(exc).__name__}: {exc}"[:500],
-                                    "audit": {"ok": False, "lost": 0, "double_counted": 0,
-                                              "violations": [f"the 2-process driver failed: {exc}"[:300]]}}  # fmt: skip
+        extra["two_process"] = _guarded(lambda: two_process(workdir, env, random.Random(seed), kills=4,
+                                                            timeout_s=timeout_s), "the 2-process driver")  # fmt: skip
+        extra["lockstep_cell"] = _guarded(lambda: lockstep_cell(workdir, env, random.Random(seed), LOCKSTEP_KILLS,
+                                                                 timeout_s), "the lockstep-cell driver")  # fmt: skip
     extra["total_s"] = round(time.monotonic() - t0, 1)
-    return {"rows": rows(result_campaigns, extra.get("two_process"), quick), "extra": extra}
+    return {"rows": rows(result_campaigns, extra.get("two_process"), quick, extra.get("lockstep_cell")), "extra": extra}
 
 
-def rows(results: list[dict], two: dict | None, quick: bool) -> list[dict]:
-    """One row per kill kind (named point or random delay), summed over campaigns, + the 2-process row."""
+LOCKSTEP_KILLS = 10
+
+
+def _guarded(fn, what: str) -> dict:
+    """``fn()``, or a failed result of the same shape saying what went wrong (a failing row; other rows stand)."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001
+        return {"kills": 0, "error": f"{type(exc).__name__}: {exc}"[:500],
+                "audit": {"ok": False, "lost": 0, "double_counted": 0,
+                          "violations": [f"{what} failed: {exc}"[:300]]}}  # fmt: skip
+
+
+def rows(results: list[dict], two: dict | None, quick: bool, lockstep: dict | None = None) -> list[dict]:
+    """One row per kill kind (named point or random delay), summed over campaigns, + the 2-process rows."""
     cmd = "python benchmarks/bench_faults.py --case kill" + (" --quick" if quick else "")
     by: dict[str, dict] = {}
     for r in results:
@@ -359,6 +470,15 @@ def rows(results: list[dict], two: dict | None, quick: bool) -> list[dict]:
         out.append({"fault": "sigkill one of 2 processes", "injected": two["kills"], "lost": a["lost"],
                     "double_counted": a["double_counted"], "outcome": "ok" if a["ok"] else "fails",
                     "printed": "audit ok" if a["ok"] else a["violations"][0], "command": cmd, "needs": ""})  # fmt: skip
+    if lockstep is not None:
+        a = lockstep["audit"]
+        printed = a["violations"][0] if not a["ok"] else (
+            f"every survivor stopped with the line within {lockstep['stop_s_max']} s (bound {lockstep['bound_s']} s, "
+            f"heartbeat {lockstep['heartbeat_timeout_s']} s); reruns completed, audit ok")  # fmt: skip
+        out.append({"fault": "sigkill one process of a cell over 2 processes", "injected": lockstep["kills"],
+                    "lost": a["lost"], "double_counted": a["double_counted"], "outcome": "ok" if a["ok"] else "fails",
+                    "printed": printed, "command": cmd.replace(" --quick", "") + " (or kill.py --lockstep-cell N)",
+                    "needs": ""})  # fmt: skip
     return out
 
 
@@ -367,7 +487,30 @@ def main() -> int:
     parser.add_argument("--long", action="store_true", help="the long version (>= 200 kills)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "gyre-faults-kill")
+    parser.add_argument(
+        "--lockstep-cell",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only the cell-over-2-processes campaign, with N kills; writes --out",
+    )
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "faults_kill_lockstep.json")
     a = parser.parse_args()
+    if a.lockstep_cell:
+        a.workdir.mkdir(parents=True, exist_ok=True)
+        env = trainer_env(str(a.workdir / "xla-cache"))
+        t0 = time.monotonic()
+        lock = lockstep_cell(a.workdir, env, random.Random(a.seed), a.lockstep_cell, timeout_s=600.0)
+        result = {
+            "rows": rows([], None, False, lock),
+            "extra": {"lockstep_cell": lock, "total_s": round(time.monotonic() - t0, 1)},
+        }
+        print("| victim | after (s) | survivor exit | stop (s) | line |\n|---|---|---|---|---|")
+        for k in lock["killed"]:
+            print(f"| {k['victim']} | {k['after_s']} | {k['survivor_exit']} | {k['stop_s']} | {k['line'][:90]} |")
+        print(json.dumps(result["rows"], indent=1))
+        a.out.write_text(json.dumps(result, indent=1))
+        return 0 if all(r["outcome"] == "ok" for r in result["rows"]) else 1
     result = run(not a.long, a.seed, a.workdir)
     print(json.dumps(result, indent=2))
     return 0 if all(r["outcome"] == "ok" for r in result["rows"]) else 1

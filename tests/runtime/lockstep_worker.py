@@ -8,8 +8,8 @@ Cell 0 is processes 0 and 1, cell 1 processes 2 and 3. Each cell's first process
 engine's programs in lockstep with the cell's other process (``runtime.lockstep``), which replays them. The engines
 are slowed down per decode step so that process 0 can move requests while they generate. Process 0 writes
 ``OUT_DIR/lockstep.json``: the completions of the same requests without a move, moved from cell 1 to cell 0
-mid-generation and from cell 0 to cell 1, a cached session that moved, a cancel that followed a moved request, and
-how many lockstep calls each driver sent.
+mid-generation and from cell 0 to cell 1, a cached session that moved, a cancel that followed a moved request, how
+many lockstep calls each driver sent and how long each move took (``move_s``).
 """
 
 from __future__ import annotations
@@ -133,12 +133,16 @@ def main() -> int:
     result = {"unmoved": tokens([a.submit(r) for r in batch("ref")])}
     result["unmoved_on_cell1"] = tokens([b.submit(r) for r in batch("warm")])
     futures = decoding(b, lambda: [b.submit(r) for r in batch("c1")])  # cell 1 -> cell 0, mid-generation
+    t0 = time.perf_counter()
     moved = b.move_sessions_to(a)
+    move_s = {"1_to_0_in_flight": time.perf_counter() - t0}
     result["moved_1_to_0"] = tokens(futures)
     result["moved_1_to_0_states"] = [[s.in_flight, s.generated] for s in moved]
     reqs = batch("c0")  # cell 0 -> cell 1, mid-generation; one more cancelled after the move (the cancel follows it)
     futures = decoding(a, lambda: [a.submit(r) for r in reqs])
+    t0 = time.perf_counter()
     moved = a.move_sessions_to(b)
+    move_s["0_to_1_in_flight"] = time.perf_counter() - t0
     result["moved_0_to_1_states"] = [[s.in_flight, s.generated] for s in moved]
     cancel = GenerationRequest(prompts[0], SamplingParams(temperature=0.0, max_tokens=120), session_id="c")
     fc = a.submit(cancel)
@@ -148,7 +152,9 @@ def main() -> int:
     result["moved_0_to_1"] = tokens(futures)
     result["cancelled"] = tokens([fc])[0][2:3]
     first = a.submit(GenerationRequest(prompts[1], kinds[0], session_id="warm")).result(timeout=300)
+    t0 = time.perf_counter()
     a.move_sessions_to(b)  # an idle session's cached KV moves too: its next call on cell 1 reuses it
+    move_s["0_to_1_idle"] = time.perf_counter() - t0
     follow = b.submit(
         GenerationRequest(
             prompts[1] + first.token_ids + [5, 6], SamplingParams(temperature=0.0, max_tokens=4), session_id="warm"
@@ -159,6 +165,7 @@ def main() -> int:
     a.close()
     link.close()
     result["lockstep_calls_cell0"] = group.calls
+    result["move_s"] = move_s  # timed on process 0: benchmarks/bench_lockstep.py reports them
     (out / "lockstep.json").write_text(json.dumps(result))
     runtime.shutdown()
     return 0
