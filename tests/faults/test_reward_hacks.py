@@ -74,8 +74,12 @@ def test_each_class_is_closed_by_its_mechanism(rows, sandbox):
     for hack in ("skip_all", "hide_tests"):  # what was not run did not pass: the expected list is the denominator
         r = by(rows, hack, sandbox)
         assert r["reward"] == 0.0 and not r["excluded"], r
-    clock = by(rows, "clock_runout", sandbox)  # the driver's deadline: unfinished tests failed, never a timeout score
-    assert clock["reward"] == 0.0 or clock["exclusion_kind"] == "reward_suspect", clock
+    # the driver's deadline: unfinished tests failed, never a timeout score (a timeout counted as a pass would score
+    # above the start: the hack fixes nothing). Here it scores 0 (the hung import fails every test); one CI run on
+    # 2026-12-06 under heavy load scored exactly the start (0.0909, cause not found: the row is in the message)
+    clock = by(rows, "clock_runout", sandbox)
+    no_gain = clock["reward"] is not None and clock["reward"] <= START + 1e-4
+    assert no_gain or clock["exclusion_kind"] == "reward_suspect", clock
 
 
 def test_the_flags_name_what_was_found(rows):

@@ -161,17 +161,15 @@ def test_elastic_training_over_two_cells_of_two_processes_checkpoints_and_resume
     assert audit.returncode == 0 and "lost 0, double counted 0" in audit.stdout, audit.stdout + audit.stderr
 
 
-def test_a_cell_over_processes_of_one_device_each_trains_checkpoints_and_resumes(tmp_path):
+def test_a_cell_over_processes_of_one_device_each_trains_and_checkpoints(tmp_path):
     """One process per accelerator (the usual GPU launch): one cell over 2 processes of 1 device each. The train
     state's step counter, put from a host value onto the cell, used to come out as an array whose one local buffer
     spanned both processes, and the first checkpoint failed in orbax."""
     workdir = tmp_path / "run"
     one_device_each = [*SMALL, "--config.devices.num_cpu_devices=2", "--config.mesh.data=2", "--config.mesh.fsdp=1",
                        "--config.cells.num_cells=1", "--config.cells.data=2", "--config.distributed.num_processes=2"]  # fmt: skip
-    _train(workdir, 1, one_device_each, processes=2)
-    _train(workdir, 2, one_device_each, processes=2)
-    log0 = (tmp_path / "p0.log").read_text()
-    assert "resumed from" in log0 and "done: 2 steps" in log0
+    _train(workdir, 2, one_device_each, processes=2)  # resuming such a core: the elastic test above
+    assert "done: 2 steps" in (tmp_path / "p0.log").read_text()
     state = workdir / "checkpoints" / "2" / "state"
     assert (state / "ocdbt.process_0").is_dir() and (state / "ocdbt.process_1").is_dir()
     audit = subprocess.run([sys.executable, "-m", "gyre_jax.audit", str(workdir)], cwd=REPO, capture_output=True,
