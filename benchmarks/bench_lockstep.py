@@ -95,11 +95,17 @@ def train(workdir: Path, processes: int, extra: list[str], timeout_s: float) -> 
         port = _free_port()
         args += ["--config.distributed.enabled=true", f"--config.distributed.coordinator_address=127.0.0.1:{port}",
                  f"--config.distributed.num_processes={processes}"]  # fmt: skip
-    logs = [workdir.parent / f"{workdir.name}.p{p}.log" for p in range(processes)]
-    procs = []
-    for p in range(processes):
-        cmd = [PY, "-m", "gyre_jax.train", *args] + ([f"--config.distributed.process_id={p}"] if processes > 1 else [])
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=open(logs[p], "w"), stderr=subprocess.STDOUT))
+    cmds = [[PY, "-m", "gyre_jax.train", *args] + ([f"--config.distributed.process_id={p}"] if processes > 1 else [])
+            for p in range(processes)]  # fmt: skip
+    run_processes(cmds, [workdir.parent / f"{workdir.name}.p{p}.log" for p in range(processes)], timeout_s,
+                  workdir.name)  # fmt: skip
+
+
+def run_processes(cmds: list[list[str]], logs: list[Path], timeout_s: float, what: str) -> None:
+    """Starts ``cmds`` together (output to ``logs``) and waits for all; raises with the logs' tails if any exits
+    non-zero or they run past ``timeout_s`` (then all are killed)."""
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+             for cmd, log in zip(cmds, logs)]  # fmt: skip
     deadline = time.monotonic() + timeout_s
     codes = []
     for p in procs:
@@ -112,9 +118,9 @@ def train(workdir: Path, processes: int, extra: list[str], timeout_s: float) -> 
         if p.poll() is None:
             p.kill()
             p.wait()
-    if codes != [0] * processes:
+    if codes != [0] * len(procs):
         tails = "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in logs)
-        raise SystemExit(f"{workdir.name}: exit codes {codes} (None: past {timeout_s:.0f} s)\n{tails}")
+        raise SystemExit(f"{what}: exit codes {codes} (None: past {timeout_s:.0f} s)\n{tails}")
 
 
 def steady(times: list[float]) -> list[float]:
@@ -317,24 +323,14 @@ def engine_child(pid: int, processes: int, port: int, out: Path) -> None:
 
 def run_engine_part(root: Path, timeout_s: float) -> dict:
     """Part 3: the one-process run, then the two-process one; their results combined."""
-    env = _env()
     results = {}
     for processes in (1, 2):
         out = root / f"engine_{processes}.json"
         port = _free_port()
-        procs = [subprocess.Popen([PY, __file__, "--engine-child", str(pid), str(processes), str(port), str(out)],
-                                  cwd=REPO, env=env, stdout=open(root / f"engine_{processes}_p{pid}.log", "w"),
-                                  stderr=subprocess.STDOUT) for pid in range(processes)]  # fmt: skip
-        for p in procs:
-            try:
-                p.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise SystemExit(f"engine part ({processes} processes) ran past {timeout_s:.0f} s") from None
-        if any(p.returncode for p in procs):
-            logs = "\n".join((root / f"engine_{processes}_p{i}.log").read_text()[-3000:] for i in range(processes))
-            raise SystemExit(f"engine part ({processes} processes) failed:\n{logs}")
+        cmds = [[PY, __file__, "--engine-child", str(pid), str(processes), str(port), str(out)]
+                for pid in range(processes)]  # fmt: skip
+        logs = [root / f"engine_{processes}_p{pid}.log" for pid in range(processes)]
+        run_processes(cmds, logs, timeout_s, f"engine part ({processes} processes)")
         results[processes] = json.loads(out.read_text())
         if processes > 1:
             results["peer"] = json.loads(Path(str(out) + ".peer").read_text())
@@ -378,20 +374,8 @@ def run_moves_part(root: Path, timeout_s: float) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     worker = REPO / "tests" / "runtime" / "lockstep_worker.py"
-    procs = [subprocess.Popen([PY, str(worker), str(pid), str(port), str(out)], cwd=REPO, env=_env(),
-                              stdout=open(out / f"p{pid}.log", "w"), stderr=subprocess.STDOUT)
-             for pid in range(4)]  # fmt: skip
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise SystemExit(f"moves part ran past {timeout_s:.0f} s") from None
-    if any(p.returncode for p in procs):
-        logs = "\n".join((out / f"p{i}.log").read_text()[-3000:] for i in range(4))
-        raise SystemExit(f"moves part failed:\n{logs}")
+    cmds = [[PY, str(worker), str(pid), str(port), str(out)] for pid in range(4)]
+    run_processes(cmds, [out / f"p{pid}.log" for pid in range(4)], timeout_s, "moves part")
     res = json.loads((out / "lockstep.json").read_text())
     states = {"1_to_0_in_flight": res["moved_1_to_0_states"], "0_to_1_in_flight": res["moved_0_to_1_states"]}
     return {"move_s": res["move_s"], "sessions": {k: len(v) for k, v in states.items()},

@@ -431,18 +431,23 @@ def _shards(entries: Sequence[_Entry], max_shard_bytes: int) -> list[list[_Entry
     return shards
 
 
+def _weight_files(out: Path, count: int) -> list[Path]:
+    """The safetensors files of ``count`` shards: one ``model.safetensors``, or numbered shards."""
+    if count == 1:
+        return [out / SINGLE_FILE]
+    return [out / f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
 def _write_weights(out: Path, shards: list[list[_Entry]]) -> list[Path]:
     """Replaces the directory's safetensors: one ``model.safetensors``, or numbered shards and their index."""
     for stale in list(out.glob("model*.safetensors")) + [out / INDEX_FILE]:
         stale.unlink(missing_ok=True)
+    files, weight_map = _weight_files(out, len(shards)), {}
     if len(shards) == 1:
-        _write_safetensors(out / SINGLE_FILE, shards[0])
-        return [out / SINGLE_FILE]
-    files, weight_map = [], {}
-    for i, shard in enumerate(shards):
-        file = out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_safetensors(files[0], shards[0])
+        return files
+    for file, shard in zip(files, shards):
         _write_safetensors(file, shard)
-        files.append(file)
         weight_map.update({name: file.name for name, *_ in shard})
     total = sum(_nbytes(e) for shard in shards for e in shard)
     (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
@@ -495,9 +500,7 @@ def save_hf_checkpoint(
         for shard in shards:
             for *_, produce in shard:
                 produce()
-        if len(shards) == 1:
-            return [out / SINGLE_FILE]
-        return [out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        return _weight_files(out, len(shards))
     out.mkdir(parents=True, exist_ok=True)
     files = _write_weights(out, shards)
     stored = {np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
