@@ -8,6 +8,7 @@ are dropped, left replicated), so one rule set works for every cell shape.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -88,6 +89,17 @@ def param_shardings(abstract_state: nnx.State, rules: Rules, mesh: Mesh) -> nnx.
 
 
 def abstract_model(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and its state as shapes and dtypes (no arrays): a fresh state per call, traced once per
+    (config, seed) in a process (a run asks for it from the loader, the cells, the learner and the planner)."""
+    graphdef, state = _traced_model(cfg, seed)
+    return graphdef, jax.tree.map(lambda x: x, state)  # new Variables: callers may replace their metadata
+
+
+@functools.lru_cache(maxsize=8)
+def _traced_model(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
+    # Tracing is quadratic in the model's size here: every RNG draw sets a traced counter, and flax's set_value reads
+    # the tracer's `sharding`, whose AttributeError message walks the whole trace so far (jax 0.10.2, flax 0.12.8):
+    # 20 s for the 94 layers of Qwen3-235B-A22B on this CPU, once instead of at each call.
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
     return nnx.split(model)

@@ -100,7 +100,11 @@ def test_evaluate_equals_the_in_run_evaluation(run_dir: Path, tmp_path: Path) ->
     assert "evaluation after 1 RL steps: done 4/4 executions" in done.stderr
 
 
-def test_evaluate_refuses_bad_arguments_before_any_work(run_dir: Path, tmp_path: Path) -> None:
+def test_evaluate_refuses_bad_arguments_before_any_work(run_dir: Path, tmp_path: Path, capsys) -> None:
+    """Each refusal through ``evaluate.main`` in this process (the command's own code: nothing before the refusals
+    starts the runtime), the last also as the real command (its exit code and stderr line)."""
+    from gyre_jax import evaluate
+
     cases = [
         (["--run", str(run_dir), "--step", "7"], "no checkpoint of step 7; it keeps steps [0, 1]"),
         (["--run", str(tmp_path)], "config.json not found"),
@@ -110,10 +114,13 @@ def test_evaluate_refuses_bad_arguments_before_any_work(run_dir: Path, tmp_path:
         (["--run", str(run_dir), "--bogus"], "unrecognized argument '--bogus'"),
     ]
     for args, message in cases:
-        done = _cli("gyre_jax.evaluate", *args, "--out", str(tmp_path / "never"), timeout=120)
-        assert done.returncode == 2, (args, done.stderr)
-        assert done.stderr.strip().splitlines()[-1].startswith("error: ") and message in done.stderr, done.stderr
+        assert evaluate.main([*args, "--out", str(tmp_path / "never")]) == 2, args
+        stderr = capsys.readouterr().err
+        assert stderr.strip().splitlines()[-1].startswith("error: ") and message in stderr, stderr
         assert not (tmp_path / "never").exists()
+    done = _cli("gyre_jax.evaluate", *cases[-1][0], "--out", str(tmp_path / "never"), timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error: "), done.stderr
+    assert cases[-1][1] in done.stderr and not (tmp_path / "never").exists()
 
 
 # -- export ------------------------------------------------------------------------------------------------
