@@ -144,7 +144,11 @@ def combine(base: nnx.State, adapter: nnx.State) -> nnx.State:
 
 def combine_flat(base_leaves: list, base_def, adapter: nnx.State) -> nnx.State:
     """``combine`` of a base already flattened (``jax.tree.flatten(base)``: a cell keeps its base so)."""
-    adapter_leaves, adapter_def = jax.tree.flatten(adapter)
+    return combine_leaves(base_leaves, base_def, *jax.tree.flatten(adapter))
+
+
+def combine_leaves(base_leaves: list, base_def, adapter_leaves: list, adapter_def) -> nnx.State:
+    """``combine`` of a base and an adapter both flattened."""
     full_def, order = _merge_plan(base_def, adapter_def)
     source = base_leaves + adapter_leaves
     return jax.tree.unflatten(full_def, [source[i] for i in order])
@@ -170,16 +174,22 @@ def put(tree: Any, shardings: Any, put_fn=jax.device_put, **kw) -> Any:
     arrays, ~80 ms of host time on a busy 2-core CPU, about 10 MB of data). Trees of mixed dtypes or meshes move
     leaf by leaf."""
     leaves, treedef = jax.tree.flatten(tree)
-    targets = treedef.flatten_up_to(shardings)
+    return jax.tree.unflatten(treedef, put_leaves(leaves, treedef.flatten_up_to(shardings), put_fn, **kw))
+
+
+def put_leaves(leaves: list, targets: list, put_fn=jax.device_put, **kw) -> list:
+    """``put`` of a tree already flattened (``leaves``, and its ``targets``: one sharding per leaf): a caller that
+    holds the flat form (a cell's switch) spares the Variables' flatten and unflatten, which cost as much as the
+    move for an adapter of hundreds of arrays."""
     sources = {getattr(x.sharding, "mesh", None) for x in leaves}
     meshes = {getattr(t, "mesh", None) for t in targets}
     if len({x.dtype for x in leaves}) != 1 or len(sources) != 1 or len(meshes) != 1 or None in sources | meshes:
-        return jax.tree.unflatten(treedef, put_fn(leaves, targets, **kw))
+        return list(put_fn(list(leaves), list(targets), **kw))
     shapes = tuple(tuple(x.shape) for x in leaves)
     replicated = NamedSharding(sources.pop(), PartitionSpec())
     packed = _packer(shapes, replicated)(leaves)  # [sum of sizes]
     moved = put_fn(packed, NamedSharding(meshes.pop(), PartitionSpec()), **kw)
-    return jax.tree.unflatten(treedef, _unpacker(shapes, tuple(targets))(moved))
+    return _unpacker(shapes, tuple(targets))(moved)
 
 
 @functools.lru_cache(maxsize=32)

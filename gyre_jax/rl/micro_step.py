@@ -118,6 +118,7 @@ class GradWorker:
         self.abstract_params = lora.split(abstract_params)[0] if self.lora else abstract_params
         self.base: nnx.State | None = None  # LoRA: the frozen base weights on this mesh (``set_base``)
         self._trained_def = jax.tree.structure(self.param_shardings)  # what an adapter alone looks like
+        self._trained_targets = jax.tree.leaves(self.param_shardings)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         # Batch shardings are stated by ``put_batch`` (their shapes vary per micro-batch); params are fixed.
         grads_out = (self.param_shardings, self.replicated)
@@ -131,8 +132,12 @@ class GradWorker:
         same arrays when they already live there. ``slot`` names what they are (``"params"``, ``"ref"``): a
         worker whose weights stay on another process keeps one of each. With a LoRA adapter ``params`` is the
         adapter (what moves), or a whole model state whose base this worker then keeps (``set_base``)."""
-        params = self.trainable(params)
-        return lora.put(params, self.param_shardings) if self.lora else jax.device_put(params, self.param_shardings)
+        if not self.lora:
+            return jax.device_put(params, self.param_shardings)
+        leaves, treedef = jax.tree.flatten(params)
+        if treedef == self._trained_def:  # an adapter alone, the usual case: it moves flat (one packed array)
+            return jax.tree.unflatten(treedef, lora.put_leaves(leaves, self._trained_targets))
+        return lora.put(self.trainable(params), self.param_shardings)
 
     def trainable(self, params: nnx.State) -> nnx.State:
         """The part of ``params`` this worker trains: all of it, or (LoRA) the adapter, keeping the base part of a

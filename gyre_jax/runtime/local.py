@@ -53,6 +53,7 @@ class LocalCell(CellHandleBase):
         self.base: Any = None  # LoRA: the frozen base on this cell (its serving loop's and its worker's, one copy)
         self._split_shardings = lora.split(layout.param_shardings) if self.lora else None  # (adapter, base)
         self._adapter_def = jax.tree.structure(self._split_shardings[0]) if self.lora else None
+        self._adapter_targets = jax.tree.leaves(self._split_shardings[0]) if self.lora else None
 
     def _serving(self) -> ServingLoop:
         if self.loop is None:
@@ -86,10 +87,13 @@ class LocalCell(CellHandleBase):
         if not self.lora:
             return transfer(params, self.layout.param_shardings, may_alias=False)
         adapter_shardings, base_shardings = self._split_shardings
-        if jax.tree.structure(params) == self._adapter_def:  # an adapter alone: the usual case
-            adapter, base = params, None
-        else:
-            adapter, base = lora.split(params)
+        leaves, treedef = jax.tree.flatten(params)
+        if treedef == self._adapter_def:  # an adapter alone, the usual case: it moves flat (one packed array)
+            if self.base is None:
+                raise RuntimeError(f"{self.name}: a LoRA adapter arrived before the cell had its base weights")
+            moved = lora.put_leaves(leaves, self._adapter_targets, transfer, may_alias=False)
+            return lora.combine_leaves(*self._base_flat, moved, treedef)
+        adapter, base = lora.split(params)
         if base is not None and lora.num_leaves(
             base
         ):  # the frozen base: never donated, so arrays already here are shared, not copied
