@@ -93,3 +93,43 @@ if LoadScopeScheduling is not None:
         if config.getoption("dist") == "load":  # the default of `-n N`; an explicit --dist gets xdist's own
             return FileScheduling(config, log)
         return None
+
+
+# --- memory maps of compiled programs ---------------------------------------------------------------------------
+# XLA:CPU maps every compiled kernel into its own memory regions (~3 maps each: code, read-only data, data), and
+# they stay mapped while the executable lives in JAX's caches. A test worker that compiles programs for an hour
+# (the paged engines' programs add ~100 maps a second) reaches the kernel's vm.max_map_count (65,530 by default);
+# then an mmap inside LLVM fails and the worker dies mid-compile (a SIGSEGV in backend_compile_and_load, or an abort
+# in the cache's serialize), which also left pytest-xdist waiting for the dead worker's tests. So: when a module
+# ends, or a test starts, with many maps, drop JAX's caches and collect, so the executables nothing holds any
+# more are freed (the next use of a program loads it from the session's compilation cache).
+MAPS_AFTER_MODULE = 10_000  # a module that leaves more than this clears the caches behind it
+MAPS_BEFORE_TEST = 40_000  # within a long module: clear before a test once this many are mapped
+
+
+def _map_count() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to guard
+        return 0
+
+
+def _release_executables() -> None:
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs_after_the_module():
+    yield
+    if _map_count() > MAPS_AFTER_MODULE:
+        _release_executables()
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs_before_a_test():
+    if _map_count() > MAPS_BEFORE_TEST:
+        _release_executables()
