@@ -98,7 +98,7 @@ if LoadScopeScheduling is not None:
 # --- memory maps of compiled programs ---------------------------------------------------------------------------
 # XLA:CPU maps every compiled kernel into its own memory regions (~3 maps each: code, read-only data, data), and
 # they stay mapped while the executable lives in JAX's caches. A test worker that compiles programs for an hour
-# (the paged engines' programs add ~100 maps a second) reaches the kernel's vm.max_map_count (65,530 by default);
+# (the paged engines' programs add ~100 maps a second) can reach the kernel's vm.max_map_count (65,530 by default);
 # then an mmap inside LLVM fails and the worker dies mid-compile (a SIGSEGV in backend_compile_and_load, or an abort
 # in the cache's serialize), which also left pytest-xdist waiting for the dead worker's tests. So: when a module
 # ends, or a test starts, with many maps, drop JAX's caches and collect, so the executables nothing holds any
