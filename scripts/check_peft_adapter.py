@@ -78,6 +78,7 @@ def adapter(name: str, out: Path) -> dict:
     from gyre_jax.model.attention import segment_mask
     from gyre_jax.model.checkpoints import Checkpoint
     from gyre_jax.model.config import LoraConfig
+    from gyre_jax.model.gguf_checkpoint import GGUFFile
     from gyre_jax.model.hf_checkpoint import save_hf_checkpoint
     from gyre_jax.model.sharding import RULES_DATA, make_mesh
 
@@ -90,7 +91,8 @@ def adapter(name: str, out: Path) -> dict:
         base_dir = Path(source)
         if ckpt.is_gguf:  # transformers reads a HF directory: the base exported as one
             base_dir = out / "base"
-            hf_base = ckpt._gguf.hf_base_config()
+            with GGUFFile(ckpt.path) as gguf_file:  # as gyre_jax.export's HF writer reads it
+                hf_base = gguf_file.hf_base_config()
             save_hf_checkpoint(base_dir, base_cfg, lora.split(params)[1], dtype="float32", base_config=hf_base)
     zero_adapter, base = lora.split(params)
     leaves, treedef = jax.tree.flatten(zero_adapter)
