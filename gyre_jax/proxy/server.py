@@ -22,11 +22,13 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import inspect
 import ipaddress
 import logging
 import socket
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -34,6 +36,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -346,6 +349,7 @@ class ProxyServer:
         """Health, models, the OpenAPI document, and one route per API adapter: adding an API is one more ``_mount``
         line. Each route registers its ``openapi.Operation``, so ``GET /openapi.json`` lists exactly what is served."""
         app = FastAPI(title="gyre-jax proxy", docs_url=None, redoc_url=None, openapi_url=None)
+        app.router.route_class = WeakEndpointRoute  # every route, the mounted ones included (see the class)
         _add_error_handlers(app, self._error_at, self._endpoints)
 
         @app.get("/health")
@@ -492,6 +496,47 @@ def _check_settings(max_request_bytes: int, default_max_tokens: int, max_tokens_
         raise ValueError(f"max_tokens_cap={max_tokens_cap} must be >= 1 (or None for no cap)")
     if max_threads_per_execution < 1:
         raise ValueError(f"max_threads_per_execution={max_threads_per_execution} must be >= 1")
+
+
+class WeakEndpointRoute(APIRoute):
+    """An ``APIRoute`` whose endpoint reaches the function it serves through a weak reference; the route holds the
+    function. FastAPI (0.12x on) remembers every endpoint it has inspected in module-level ``lru_cache``s of 4096
+    entries, for the life of the process, and this server's endpoints reach the server, hence its backend: the
+    router, the cells, their engines with their KV pools and compiled programs. A process that builds several
+    servers (a notebook running one training run after another, a test worker) kept every one of them, device
+    memory included (a test worker's compiled programs grew until the kernel's map limit killed it). With the
+    function held only by its route, a server nothing else holds is freed with its app; FastAPI's caches keep
+    the small forwarding function."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        self.target = endpoint
+        super().__init__(path, _forwarding(endpoint), **kwargs)
+
+
+def _forwarding(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+    """A function with ``endpoint``'s signature (annotations evaluated, so FastAPI reads the same parameters) that
+    calls it through a weak reference; a call after the endpoint is gone (its server freed) is a 503."""
+    ref = weakref.ref(endpoint)
+
+    def gone() -> Response:
+        return JSONResponse({"error": {"message": "this server has stopped", "type": "unavailable"}}, 503)
+
+    if inspect.iscoroutinefunction(endpoint):
+
+        async def forward(*args: Any, **kwargs: Any) -> Any:
+            target = ref()
+            return gone() if target is None else await target(*args, **kwargs)
+
+    else:
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            target = ref()
+            return gone() if target is None else target(*args, **kwargs)
+
+    forward.__signature__ = inspect.signature(endpoint, eval_str=True)  # type: ignore[attr-defined]
+    forward.__name__ = getattr(endpoint, "__name__", "endpoint")
+    forward.__doc__ = endpoint.__doc__
+    return forward
 
 
 def _models_body(model_name: str) -> dict[str, Any]:

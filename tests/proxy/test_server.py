@@ -406,6 +406,40 @@ def test_router_as_backend(store: RecordStore) -> None:
             cell.shutdown()
 
 
+def test_a_stopped_server_is_freed_with_its_backend(store: RecordStore) -> None:
+    """FastAPI keeps every endpoint it has inspected in process-wide caches; a server's routes must not keep the
+    server (and through it the router, the cells, their engines and compiled programs) alive once it has stopped
+    and nothing else holds it. Served by every route kind: an API route, a bound method (models), a mounted one."""
+    import gc
+
+    server_ref, backend_ref = _serve_and_stop(store)
+    gc.collect()
+    assert server_ref() is None and backend_ref() is None, [type(r).__name__ for r in gc.get_referrers(server_ref())]
+
+
+def _serve_and_stop(store: RecordStore) -> tuple:
+    """Serves one call of each route kind, stops; weak references to the server and its backend."""
+    import weakref
+
+    backend = ScriptedBackend()
+
+    def mount(app) -> None:  # a mounted route whose closure holds the backend, as the live view's holds the run
+        @app.get("/extra")
+        async def extra() -> dict:
+            return {"backend": type(backend).__name__}
+
+    with ProxyServer(backend, TOKENIZER, store, model_name=MODEL, routes=[mount]) as proxy:
+        client = sdk(proxy, proxy.open_execution("freed"))
+        assert client.chat.completions.create(model=MODEL, messages=user_turn()).choices[0].message.content
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        root = proxy.base_url.removesuffix("/v1")
+        assert httpx.get(root + "/extra").json() == {"backend": "ScriptedBackend"}
+        assert httpx.get(root + "/health").json() == {"status": "ok"}
+        proxy.close_execution("freed")
+    backend.shutdown()
+    return weakref.ref(proxy), weakref.ref(backend)
+
+
 def by_request(cells: dict[str, ScriptedBackend], request_id: str) -> GenerationRequest:
     return next(r for cell in cells.values() for r in cell.requests if r.request_id == request_id)
 
