@@ -500,13 +500,13 @@ def _check_settings(max_request_bytes: int, default_max_tokens: int, max_tokens_
 
 class WeakEndpointRoute(APIRoute):
     """An ``APIRoute`` whose endpoint reaches the function it serves through a weak reference; the route holds the
-    function. FastAPI (0.12x on) remembers every endpoint it has inspected in module-level ``lru_cache``s of 4096
-    entries, for the life of the process, and this server's endpoints reach the server, hence its backend: the
-    router, the cells, their engines with their KV pools and compiled programs. A process that builds several
-    servers (a notebook running one training run after another, a test worker) kept every one of them, device
-    memory included (a test worker's compiled programs grew until the kernel's map limit killed it). With the
-    function held only by its route, a server nothing else holds is freed with its app; FastAPI's caches keep
-    the small forwarding function."""
+    function. FastAPI (0.165, what this project installs) remembers every endpoint it has inspected in module-level
+    ``lru_cache``s of 4096 entries, for the life of the process, and this server's endpoints reach the server, hence
+    its backend: the router, the cells, their engines with their KV pools and compiled programs. A process that
+    builds several servers (a notebook running one training run after another, a test worker) kept every one of
+    them, device memory included (a test worker's compiled programs grew until the kernel's map limit killed it).
+    With the function held only by its route, a server nothing else holds is freed with its app; FastAPI's caches
+    keep the small forwarding function."""
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         self.target = endpoint
