@@ -515,23 +515,17 @@ class WeakEndpointRoute(APIRoute):
 
 def _forwarding(endpoint: Callable[..., Any]) -> Callable[..., Any]:
     """A function with ``endpoint``'s signature (annotations evaluated, so FastAPI reads the same parameters) that
-    calls it through a weak reference; a call after the endpoint is gone (its server freed) is a 503."""
+    calls it through a weak reference (the route that calls it holds ``endpoint``, so the reference is live)."""
     ref = weakref.ref(endpoint)
-
-    def gone() -> Response:
-        return JSONResponse({"error": {"message": "this server has stopped", "type": "unavailable"}}, 503)
-
     if inspect.iscoroutinefunction(endpoint):
 
         async def forward(*args: Any, **kwargs: Any) -> Any:
-            target = ref()
-            return gone() if target is None else await target(*args, **kwargs)
+            return await ref()(*args, **kwargs)
 
     else:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            target = ref()
-            return gone() if target is None else target(*args, **kwargs)
+            return ref()(*args, **kwargs)
 
     forward.__signature__ = inspect.signature(endpoint, eval_str=True)  # type: ignore[attr-defined]
     forward.__name__ = getattr(endpoint, "__name__", "endpoint")
