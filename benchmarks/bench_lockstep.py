@@ -306,7 +306,7 @@ def engine_child(pid: int, processes: int, port: int, out: Path) -> None:
         ]
         for f in futures:
             f.result(timeout=600)
-        rounds.append([s for b, _, p, s in list(loop.step_log)[before:] if not p and b > 0])
+        rounds.append([s for b, _, p, s, _ in list(loop.step_log)[before:] if not p and b > 0])
     loop.stop()
     counts = collections.Counter()  # of one compiled decode step (every window and slot bucket has the same ops)
     decode = [c for key, c in inner.programs._compiled.items() if key[0] == DECODE_PROGRAM]

@@ -146,7 +146,7 @@ def one_call(client, api: str, url: str, headers: dict, body: dict) -> dict:
 
 def decode_steps_ms(step_log, start: int) -> list[float]:
     """Durations (ms) of the loop iterations since entry ``start`` that decoded without prefilling."""
-    return [1e3 * dt for batch, _ctx, prefilled, dt in list(step_log)[start:] if batch >= 1 and prefilled == 0]
+    return [1e3 * dt for batch, _ctx, prefilled, dt, _end in list(step_log)[start:] if batch >= 1 and prefilled == 0]
 
 
 def summarize(api: str, runs: list[dict], steps_ms: list[float]) -> dict:

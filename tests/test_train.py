@@ -163,6 +163,49 @@ def test_two_rl_steps(two_steps):
 
 
 @pytest.mark.slow
+def test_the_step_profile_splits_each_step_of_the_run(two_steps, tmp_path):
+    """``gyre_jax.sim.step_profile`` on the run: each cell's parts add up to the step's window, the windows follow
+    each other and match the controller's own ``step_s``, the compute parts did work; then the benchmark on the same
+    run directory (``bench_step_profile.py --run-dir``) writes its JSON, with each part's rate against a measured
+    roofline, and the Gantt. Never asserts a speed."""
+    from gyre_jax.sim.step_profile import PARTS, step_profiles
+
+    workdir, _ = two_steps
+    profiles = step_profiles(workdir, resolution_s=0.002)
+    assert [p.step for p in profiles] == [0, 1]
+    assert profiles[1].t_start == profiles[0].t_end
+    metrics = {m["step"]: m for m in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+               if m.get("phase") == "train"}  # fmt: skip
+    # the controller's step_s runs from the previous optimizer step's end to this one's: ours from publish to publish
+    assert abs(profiles[1].window_s - metrics[1]["step_s"]) < 0.5, (profiles[1].window_s, metrics[1]["step_s"])
+    for p in profiles:
+        assert set(p.seconds) == {"cell0", "cell1"}
+        for cell, sec in p.seconds.items():
+            assert set(sec) == set(PARTS) and min(sec.values()) >= 0
+            assert abs(sum(sec.values()) - p.window_s) <= 0.004, (cell, sec, p.window_s)
+        total = {part: sum(s[part] for s in p.seconds.values()) for part in PARTS}
+        assert total["training"] > 0 and total["decode"] > 0 and total["prefill"] > 0 and total["harness"] > 0, total
+        assert total["optimizer"] > 0 and p.seconds["cell1"]["optimizer"] == 0  # the core's (cell 0)
+        assert p.work["micro_steps"] >= 1 and p.work["training_flops"] > 0 and p.work["prefill_tokens"] > 0
+        assert p.work["decode_tokens"] >= p.work["decode_steps"] > 0
+        assert abs(sum(b - a for a, b, _ in p.segments["cell0"]) - sum(p.seconds["cell0"].values())) < 1e-6
+    out = tmp_path / "profile.json"
+    env = dict(_env(), JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "benchmarks/bench_step_profile.py", "--run-dir", str(workdir), "--out",
+                           str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(300))  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [s["step"] for s in report["steps"]] == [0, 1] and report["run_wall_s"] is None
+    used = report["rooflines"]["used"]
+    assert used["matmul_flops_per_s"] > 0 and used["read_bytes_per_s"] > 0
+    rates = report["steps"][1]["rates"]
+    assert set(rates) == {"training", "prefill", "decode", "optimizer"}
+    assert rates["training"]["work"] == profiles[1].work["training_flops"] and rates["training"]["rate"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "| cell | prefill | decode |" in done.stdout
+
+
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_the_run_resumes(two_steps, tmp_path):
     """Resumes a copy of the 2-step run with a long ``total_steps``, SIGTERMs it after its first RL step, then
     resumes again to one step more: the resume path (no warm start redone, no step dropped or repeated) and the

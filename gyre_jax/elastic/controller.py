@@ -262,7 +262,9 @@ class Controller:
         role, target = self.cells.role, self.cells.target
         serving = [h for i, h in enumerate(self.handles) if role[i] is Role.SERVING or target[i] is Role.SERVING]
         self.training.publish(serving)
-        self.costs.weight_syncs.append(time.time() - t1)
+        t2 = time.time()
+        self.timeline.weight_publish(t1, t2, step, self.training.version)
+        self.costs.weight_syncs.append(t2 - t1)
         self.version += 1
         run = self.ledger.pop(step)
         metrics.update(self._step_metrics(run, t1))

@@ -13,6 +13,7 @@ Serialized form: the Chrome "JSON Array Format", one event per line, appended as
     {"ph": "E", "pid": 1, "tid": 0, "ts": 812000000.0},
     {"ph": "X", "name": "micro_step", "cat": "train", "pid": 1, "tid": 3, "ts": ..., "dur": ..., "args": {"step": 4, "work": 1.2e15}},
     {"ph": "X", "name": "optimizer_step", "cat": "train", "pid": 1, "tid": 0, "ts": ..., "dur": ..., "args": {"step": 4, "version": 5}},
+    {"ph": "X", "name": "weight_publish", "cat": "train", "pid": 1, "tid": 0, "ts": ..., "dur": ..., "args": {"step": 4, "version": 5}},
     {"ph": "b", "name": "execution", "cat": "execution", "id": "s4-t12-g03", "pid": 2, "tid": 0, "ts": ..., "args": {"step": 4, "cell": 7}},
     {"ph": "e", "name": "execution", "cat": "execution", "id": "s4-t12-g03", "pid": 2, "tid": 0, "ts": ..., "args": {"status": "timeout"}},
     {"ph": "C", "name": "waterlevel", "pid": 1, "ts": ..., "args": {"dispatched": 96, "started": 90, "finished": 40, "outstanding": 56}},
@@ -24,7 +25,8 @@ Serialized form: the Chrome "JSON Array Format", one event per line, appended as
   clock: wall-clock seconds for a real run, 0 for the simulator).
 - Process 1 ("cells") has one thread per cell: its role as B/E spans named ``serving``, ``training`` or
   ``switching`` (``args.to``: the role it is switching to; ``args.reason``: the event that caused it),
-  micro-steps and optimizer steps (X) inside the training spans.
+  micro-steps and optimizer steps (X) inside the training spans, and (real runs) each step's weight publish
+  (X, on the core's thread): from the optimizer step's end until the serving cells hold the new weights.
 - Process 2 ("executions") holds one async span (b/e, ``id`` = execution id) per execution, from the
   moment its session got a slot to the end of its harness; ``args.status``: finished | timeout | crashed.
 - Counter ``waterlevel`` (C): d, p, f and w = d - f.
@@ -174,6 +176,21 @@ class TimelineWriter:
             }
         )
 
+    def weight_publish(self, t_start: float, t_end: float, step: int, version: int) -> None:
+        """The new weights going from the core to the serving cells after step ``step``'s optimizer step."""
+        self._emit(
+            {
+                "ph": "X",
+                "name": "weight_publish",
+                "cat": "train",
+                "pid": _CELLS_PID,
+                "tid": 0,
+                "ts": self._ts(t_start),
+                "dur": round((t_end - t_start) * 1e6, 3),
+                "args": {"step": step, "version": version},
+            }
+        )
+
     def execution_started(self, time: float, execution_id: str, **args: Any) -> None:
         self._emit(
             {
@@ -275,6 +292,7 @@ class Timeline:
     executions: dict[str, Span]  # execution id -> span (end = inf while it never ended)
     waterlevel: list[tuple[float, dict]]
     t_end: float
+    publishes: list[Span] = field(default_factory=list)  # weight publishes after optimizer steps (real runs)
 
     def role_time(self, cell: int, role: str) -> float:
         return sum(s.duration for s in self.roles[cell] if s.name == role)
@@ -342,6 +360,8 @@ def _add_event(tl: Timeline, open_role: list[Span | None], e: dict) -> None:
         tl.optimizer_steps.append(
             Span(ts, ts + e["dur"] / 1e6, "optimizer_step", {**e.get("args", {}), "cell": e["tid"]})
         )
+    elif ph == "X" and e.get("name") == "weight_publish":
+        tl.publishes.append(Span(ts, ts + e["dur"] / 1e6, "weight_publish", dict(e.get("args", {}))))
     elif ph == "b":
         tl.executions[e["id"]] = Span(ts, float("inf"), "execution", dict(e.get("args", {})))
     elif ph == "e" and e["id"] in tl.executions:

@@ -21,11 +21,12 @@ from gyre_jax.serving.types import GenerationRequest, GenerationResult
 @dataclass(frozen=True)
 class CellStats:
     """What a cell's serving loop reports: seconds it computed, requests it holds, and its step log (one
-    ``(batch, context, prefilled tokens, seconds)`` per loop iteration: the simulator's calibration input)."""
+    ``(batch, context, prefilled tokens, seconds, wall-clock end)`` per loop iteration: the simulator's calibration
+    input and the step profile's)."""
 
     busy_s: float = 0.0
     in_flight: int = 0
-    step_log: list[tuple[int, int, int, float]] = field(default_factory=list)
+    step_log: list[tuple[int, int, int, float, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

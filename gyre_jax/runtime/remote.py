@@ -311,7 +311,7 @@ class Cells:
     handles: list[CellHandle]
     links: list[FollowerLink]
 
-    def step_logs(self) -> list[list[tuple[int, int, int, float]]]:
+    def step_logs(self) -> list[list[tuple[int, int, int, float, float]]]:
         """Each cell's serving step log (``CellStats.step_log``: the simulator's calibration input)."""
         return [h.stats().step_log for h in self.handles]
 

@@ -132,8 +132,9 @@ class ServingLoop:
         self._cache = SessionCache(engine, kv_pages) if kv_pages > 0 else None
         self._batch = DecodeBatch(engine, params, policy_version, cache=self._cache, **common)
         # one entry per loop iteration that did work: (decode batch, context tokens of that batch, tokens
-        # prefilled, seconds); the controller turns these into the simulator's measured serving costs
-        self.step_log: collections.deque[tuple[int, int, int, float]] = collections.deque(maxlen=50_000)
+        # prefilled, seconds, wall-clock end); the controller turns these into the simulator's measured serving
+        # costs and the run's step profile (gyre_jax/sim/step_profile.py)
+        self.step_log: collections.deque[tuple[int, int, int, float, float]] = collections.deque(maxlen=50_000)
         self.error: BaseException | None = None
         self._refresh_cache_stats()
 
@@ -367,8 +368,16 @@ class ServingLoop:
                     jobs = previous.jobs.values() if previous is not None else ()
                     context = sum(len(j.request.prompt_ids) + len(j.tokens) for j in jobs)
                     n = previous.num_steps if previous is not None and self.stats.prefill_tokens == prefilled else 1
-                    for _ in range(n):  # one entry per decode step: a multi-step program's time split evenly
-                        self.step_log.append((len(jobs), context, self.stats.prefill_tokens - prefilled, dt / n))
+                    end = time.time()
+                    for i in range(n):  # one entry per decode step: a multi-step program's time split evenly
+                        entry = (
+                            len(jobs),
+                            context,
+                            self.stats.prefill_tokens - prefilled,
+                            dt / n,
+                            end - dt * (n - 1 - i) / n,
+                        )
+                        self.step_log.append(entry)
         except BaseException as exc:  # the loop must never die silently: fail every waiter with the cause
             log.exception("serving loop %s failed", self.name)
             with self._cv:

@@ -247,14 +247,16 @@ COMPILE_FACTOR = 20.0
 def write_measurements(path: str | os.PathLike, costs: Any, step_logs: Sequence[Sequence[tuple]]) -> None:
     """A run's measured costs in ``fit_cost_model``'s format: the controller's ``CostLog`` (micro-steps as
     [FLOPs, seconds], optimizer steps, switches by direction, weight syncs) and every serving cell's step
-    log (``(batch, context, prefilled tokens, seconds)`` per loop iteration), split into decode steps and
-    prefills; a prefill iteration also stepped the decoding batch, so a linear fit of the decode steps
+    log (``(batch, context, prefilled tokens, seconds, wall-clock end)`` per loop iteration), split into decode
+    steps and prefills (and kept whole as ``serving_log``); a prefill iteration also stepped the decoding batch, so a linear fit of the decode steps
     takes that off its time."""
     decode, prefill = [], []
     for cell_log in step_logs:
-        for batch, context, prefilled, seconds in cell_log:
+        for batch, context, prefilled, seconds, *_ in cell_log:
             (prefill if prefilled else decode).append((batch, context, prefilled, seconds))
     out = {"source": "gyre_jax controller", **asdict(costs)}
+    # each cell's iterations as logged, with their wall-clock end (gyre_jax/sim/step_profile.py places them in time)
+    out["serving_log"] = [[[end, b, ctx, n, s] for b, ctx, n, s, end in cell_log] for cell_log in step_logs]
     out["decode_steps"] = [[b, ctx, s] for b, ctx, _, s in decode if b > 0]
     coef = np.zeros(3)
     if len(out["decode_steps"]) >= 3:
