@@ -4,6 +4,7 @@
     python benchmarks/bench_step_profile.py                                   # configs/smollm2_cpu.py, 2 steps
     python benchmarks/bench_step_profile.py --steps 3 --config.rollout.tasks_per_step=2
     python benchmarks/bench_step_profile.py --run-dir runs/smollm2_cpu         # profile a run already made
+    python benchmarks/bench_step_profile.py --workdir /tmp/profiled            # keep the run it makes
     python benchmarks/bench_step_profile.py --smoke                            # configs/tiny_cpu.py, small: for tests
 
 1. Runs ``python -m gyre_jax.train`` on the config for ``--steps`` RL steps (no evaluation, a fresh work directory;
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--steps", type=int, default=2, help="RL steps to run (the last one is reported; the first compiles)"
     )
     ap.add_argument("--run-dir", default=None, help="profile this run directory instead of running the config")
+    ap.add_argument("--workdir", default=None, help="run the config here and keep the run (default: a temporary one)")
     ap.add_argument("--smoke", action="store_true", help="configs/tiny_cpu.py, small, 2 steps")
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds the training run may take")
@@ -183,8 +185,10 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = os.getloadavg()[0]
     before = rooflines()
     wall = None
+    if args.workdir and Path(args.workdir).exists():
+        ap.error(f"--workdir {args.workdir} exists: name a new directory (the run must start fresh)")
     with tempfile.TemporaryDirectory(prefix="step_profile_") as tmp:
-        run = Path(args.run_dir) if args.run_dir else Path(tmp) / "run"
+        run = Path(args.run_dir or args.workdir or Path(tmp) / "run")
         if not args.run_dir:
             wall = run_training(train_args, run, args.steps, args.timeout)
         after = rooflines()
