@@ -11,8 +11,8 @@ the first that holds in this order:
 - ``optimizer``: the optimizer step (the core's; the timeline's ``optimizer_step``);
 - ``publish``: the new weights going to the serving cells (the timeline's ``weight_publish``; every cell);
 - ``switch``: the cell switching roles;
-- while the cell serves but computes nothing, what the run waits for: ``proxy`` (a model call is in flight:
-  HTTP, the chat template, tokenizing, the queue; the records' ``t_start`` .. ``t_end``), else ``harness``
+- while the cell serves but computes nothing, what the run waits for: ``proxy`` (a model call the cell serves is
+  in flight: HTTP, the chat template, tokenizing, the queue; the records' ``cell``, ``t_start`` .. ``t_end``), else ``harness``
   (an execution's harness is running: tool commands, the agent's own code, process start), else ``verifier``
   (an execution's harness has exited and its hidden tests are running or its result is on its way);
 - ``idle``: anything else (a training cell waiting for data or for the others, a serving cell with nothing to do).
@@ -94,14 +94,15 @@ def _executions(run: Path, spans: dict) -> list[tuple[float, float, float]]:
     return out
 
 
-def _calls(run: Path) -> list[tuple[float, float]]:
-    """(t_start, t_end) of every model call in the run's records."""
+def _calls(run: Path) -> dict[str, list[tuple[float, float]]]:
+    """Serving cell -> (t_start, t_end) of every model call it served, from the run's records."""
     from gyre_jax.proxy.records import RecordStore
 
     store = RecordStore(run / "records")
-    out = []
+    out: dict[str, list[tuple[float, float]]] = {}
     for path in sorted((run / "records").glob("*.jsonl")):
-        out.extend((r.t_start, r.t_end) for r in store.read(path.stem))
+        for r in store.read(path.stem):
+            out.setdefault(r.cell, []).append((r.t_start, r.t_end))
     return out
 
 
@@ -175,7 +176,7 @@ def _profile(step, start, end, cells, tls, m, execs, calls, res) -> StepProfile:
                     work["decode_steps"] += 1
                     work["decode_tokens"] += batch
                     work["decode_context_tokens"] += context
-    _split_waits(labels, grid, execs, calls)
+    _split_waits(labels, grid, execs, calls, cells)
     seconds = {name: {p: float((labels[c] == _CODE[p]).sum() * res) for p in PARTS} for c, name in enumerate(cells)}
     union = {p: float((labels == _CODE[p]).any(axis=0).sum() * res) for p in PARTS}
     segments = {name: _runs(labels[c], res) for c, name in enumerate(cells)}
@@ -198,16 +199,17 @@ def _active(grid: np.ndarray, intervals: list[tuple[float, float]]) -> np.ndarra
     return np.searchsorted(starts, grid, side="right") > np.searchsorted(ends, grid, side="right")
 
 
-def _split_waits(labels: np.ndarray, grid: np.ndarray, execs, calls) -> None:
-    """A serving cell's instants computing nothing: proxy, else harness, else verifier, else idle."""
+def _split_waits(labels: np.ndarray, grid: np.ndarray, execs, calls: dict, cells: list[str]) -> None:
+    """A serving cell's instants computing nothing: proxy (a call it serves is in flight), else harness, else
+    verifier, else idle."""
     wait = labels == _WAIT
     if not wait.any():
         return
-    in_call = _active(grid, calls)
+    in_call = np.stack([_active(grid, calls.get(name, [])) for name in cells])
     in_harness = _active(grid, [(s, x) for s, x, _ in execs])
     verifying = _active(grid, [(x, e) for _, x, e in execs])
-    for flag, part in ((in_call, "proxy"), (in_harness, "harness"), (verifying, "verifier")):
-        hit = wait & flag[None, :]
+    for flag, part in ((in_call, "proxy"), (in_harness[None, :], "harness"), (verifying[None, :], "verifier")):
+        hit = wait & flag
         labels[hit] = _CODE[part]
         wait &= ~hit
     labels[wait] = _CODE["idle"]
