@@ -369,15 +369,9 @@ class ServingLoop:
                     context = sum(len(j.request.prompt_ids) + len(j.tokens) for j in jobs)
                     n = previous.num_steps if previous is not None and self.stats.prefill_tokens == prefilled else 1
                     end = time.time()
+                    new_tokens = self.stats.prefill_tokens - prefilled
                     for i in range(n):  # one entry per decode step: a multi-step program's time split evenly
-                        entry = (
-                            len(jobs),
-                            context,
-                            self.stats.prefill_tokens - prefilled,
-                            dt / n,
-                            end - dt * (n - 1 - i) / n,
-                        )
-                        self.step_log.append(entry)
+                        self.step_log.append((len(jobs), context, new_tokens, dt / n, end - dt * (n - 1 - i) / n))
         except BaseException as exc:  # the loop must never die silently: fail every waiter with the cause
             log.exception("serving loop %s failed", self.name)
             with self._cv:

@@ -248,8 +248,8 @@ def write_measurements(path: str | os.PathLike, costs: Any, step_logs: Sequence[
     """A run's measured costs in ``fit_cost_model``'s format: the controller's ``CostLog`` (micro-steps as
     [FLOPs, seconds], optimizer steps, switches by direction, weight syncs) and every serving cell's step
     log (``(batch, context, prefilled tokens, seconds, wall-clock end)`` per loop iteration), split into decode
-    steps and prefills (and kept whole as ``serving_log``); a prefill iteration also stepped the decoding batch, so a linear fit of the decode steps
-    takes that off its time."""
+    steps and prefills (and kept whole as ``serving_log``); a prefill iteration also stepped the decoding batch,
+    so a linear fit of the decode steps takes that off its time."""
     decode, prefill = [], []
     for cell_log in step_logs:
         for batch, context, prefilled, seconds, *_ in cell_log:
