@@ -201,7 +201,7 @@ def test_measured_costs_are_replaced_whole_or_not_at_all(disk):
     write_measurements(path, CostLog(cell_accelerators=4, optimizer_steps=[0.5]), [])
     before = path.read_text()
     disk.fill()
-    log = [(4, 100 + i, 0, 0.01) for i in range(3000)]  # ~60 KB of decode steps
+    log = [(4, 100 + i, 0, 0.01, 1e9 + i) for i in range(3000)]  # ~60 KB of decode steps (the loop's step-log form)
     with pytest.raises(DiskFull):
         write_measurements(path, CostLog(cell_accelerators=4, optimizer_steps=[0.5] * 2000), [log])
     assert path.read_text() == before and json.loads(before)["optimizer_steps"] == [0.5]
