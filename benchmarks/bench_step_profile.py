@@ -106,7 +106,7 @@ def work_rates(profile, model_cfg, serving_bytes: int, peaks: dict) -> dict:
             "bytes/s",
             peaks["read_bytes_per_s"],
         ),
-        "optimizer": (7 * 4 * n_params * (1 if union["optimizer"] > 0 else 0), "bytes/s", peaks["read_bytes_per_s"]),
+        "optimizer": (7 * 4 * n_params, "bytes/s", peaks["read_bytes_per_s"]),
     }
     out = {}
     for name, (amount, unit, roof) in parts.items():
@@ -147,8 +147,8 @@ def gantt(profile, out: Path, title: str) -> Path:
 def rates_table(rates: dict) -> str:
     rows = ["| part | seconds (any cell) | achieved | roofline | fraction |", "|---|---:|---:|---:|---:|"]
     for name, r in rates.items():
-        scale, unit = (1e9, "GFLOP/s") if r["unit"] == "FLOP/s" else (1e9, "GB/s")
-        rows.append(f"| {name} | {r['seconds']:.1f} | {r['rate'] / scale:.1f} {unit} | {r['roofline'] / scale:.1f} "
+        unit = "GFLOP/s" if r["unit"] == "FLOP/s" else "GB/s"
+        rows.append(f"| {name} | {r['seconds']:.1f} | {r['rate'] / 1e9:.1f} {unit} | {r['roofline'] / 1e9:.1f} "
                     f"{unit} | {100 * r['fraction_of_roofline']:.1f}% |")  # fmt: skip
     return "\n".join(rows)
 

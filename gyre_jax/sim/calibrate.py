@@ -154,15 +154,17 @@ class ExecutionTiming:
     eval_s: float
 
 
-def execution_spans(run_dir: str | os.PathLike) -> dict[str, tuple[float, float]]:
+def execution_spans(run_dir: str | os.PathLike, timelines: Sequence | None = None) -> dict[str, tuple[float, float]]:
     """Execution id -> (slot taken, harness ended and scored), wall-clock seconds, from every timeline file of
     the run (``timeline/*.json``: one per run segment; the controller writes an execution's span from the
-    moment it is submitted to the harness to the moment its scored result reaches the driver)."""
+    moment it is submitted to the harness to the moment its scored result reaches the driver); ``timelines``:
+    those files already loaded."""
     from gyre_jax.elastic.timeline import load_timeline
 
+    if timelines is None:
+        timelines = [load_timeline(path) for path in sorted((Path(run_dir) / "timeline").glob("*.json"))]
     spans: dict[str, tuple[float, float]] = {}
-    for path in sorted((Path(run_dir) / "timeline").glob("*.json")):
-        tl = load_timeline(path)
+    for tl in timelines:
         for eid, span in tl.executions.items():
             if np.isfinite(span.end):
                 spans[eid] = (tl.t0 + span.start, tl.t0 + span.end)

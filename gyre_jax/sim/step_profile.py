@@ -109,6 +109,7 @@ def _calls(run: Path) -> dict[str, list[tuple[float, float]]]:
 def step_profiles(run_dir: str | os.PathLike, resolution_s: float = 0.002) -> list[StepProfile]:
     """Every step the run's timeline shows with its weight publish, in step order (see the module docstring)."""
     from gyre_jax.elastic.timeline import load_timeline
+    from gyre_jax.sim.calibrate import execution_spans
 
     run = Path(run_dir)
     paths = sorted((run / "timeline").glob("*.json"))
@@ -117,8 +118,7 @@ def step_profiles(run_dir: str | os.PathLike, resolution_s: float = 0.002) -> li
     tls = [load_timeline(p) for p in paths]
     m = _read_measurements(run)
     cells = tls[0].cells
-    spans = {eid: (tl.t0 + s.start, tl.t0 + s.end) for tl in tls for eid, s in tl.executions.items()}
-    execs = _executions(run, {k: v for k, v in spans.items() if np.isfinite(v[1])})
+    execs = _executions(run, execution_spans(run, tls))
     calls = _calls(run)
     publishes = sorted((int(p.args["step"]), tl.t0 + p.start, tl.t0 + p.end) for tl in tls for p in tl.publishes)
     out = []
