@@ -45,6 +45,9 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIDENCE = 0.95
 SPLITS = ("train", "heldout")
 TRAIN_METRICS = ("grad_norm", "clip_fraction")  # per-step learner metrics aggregated next to the reward
+# and, in learning_curves.json only, how far the learner's log-probs of the trained tokens are from serving's (on-policy
+# ratio_mean is 1 and logprob_gap ~0: what a clip fraction above 0 comes from)
+RATIO_METRICS = ("ratio_mean", "logprob_gap")
 
 
 @dataclass
@@ -74,7 +77,7 @@ def read_run(workdir: Path, seed: int) -> SeedRun:
             run.train_reward[int(m["step"])] = float(m["reward_mean"])  # a resumed step's last line wins
             if m.get("pass_rate") is not None:
                 run.train_pass[int(m["step"])] = float(m["pass_rate"])
-            for key in TRAIN_METRICS:
+            for key in TRAIN_METRICS + RATIO_METRICS:
                 if m.get(key) is not None:
                     run.train_metrics.setdefault(key, {})[int(m["step"])] = float(m[key])
         elif m.get("phase") == "eval" and "eval_reward_mean" in m:
@@ -382,7 +385,7 @@ def main(argv: list[str]) -> int:
         "bootstrap": args.bootstrap,
         "train_reward": curve,
         "train_pass_rate": curves(runs, args.bootstrap, key="pass_rate"),
-        "train_metrics": {key: curves(runs, args.bootstrap, key=key) for key in TRAIN_METRICS},
+        "train_metrics": {key: curves(runs, args.bootstrap, key=key) for key in TRAIN_METRICS + RATIO_METRICS},
         "eval": gains,
         "eval_curves": evals,
     }
