@@ -192,6 +192,102 @@ def put_leaves(leaves: list, targets: list, put_fn=jax.device_put, **kw) -> list
     return _unpacker(shapes, tuple(targets))(moved)
 
 
+# -- an adapter held as one array: what a role switch moves ---------------------------------------------------------
+
+
+class PackedLayout:
+    """Where each leaf of a tree of same-dtype arrays (an adapter) lies in one flat buffer: the tree's ``treedef`` and
+    each leaf's shape, in leaf order. Static and hashable (its hash computed once): a program that takes a ``Packed``
+    compiles once per layout."""
+
+    def __init__(self, treedef: Any, shapes: tuple[tuple[int, ...], ...]):
+        self.treedef, self.shapes = treedef, tuple(tuple(s) for s in shapes)
+        self.sizes = tuple(math.prod(s) for s in self.shapes)
+        self.size = sum(self.sizes)
+        self._key = (treedef, self.shapes)
+        self._hash = hash(self._key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, PackedLayout) and self._key == other._key)
+
+    def leaves(self, flat: jax.Array) -> list:
+        """The leaves held in ``flat`` [size]: inside a program, slices of it (no array per leaf is ever made)."""
+        offsets = np.cumsum((0,) + self.sizes[:-1]).tolist()
+        return [flat[o : o + n].reshape(s) for o, n, s in zip(offsets, self.sizes, self.shapes)]
+
+    def unflatten(self, flat: jax.Array) -> Any:
+        """The tree held in ``flat`` (inside a program)."""
+        return jax.tree.unflatten(self.treedef, self.leaves(flat))
+
+
+@jax.tree_util.register_pytree_node_class
+class Packed:
+    """A tree of arrays (an adapter) held as ONE flat array ``buffer`` ``[layout.size]`` (replicated on its mesh) with
+    its static ``layout``: a role switch or a satellite snapshot moves this one array, and the programs that read it
+    (``GradWorker``'s micro-step, a serving program through ``PackedModelDef``) slice it inside. A pytree (the buffer
+    its one leaf), so a jitted function takes it as an argument."""
+
+    def __init__(self, buffer: jax.Array, layout: PackedLayout):
+        self.buffer, self.layout = buffer, layout
+
+    def tree_flatten(self):
+        return (self.buffer,), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout: PackedLayout, children) -> Packed:
+        return cls(children[0], layout)
+
+    def to(self, sharding: NamedSharding, put_fn=jax.device_put, **kw) -> Packed:
+        """The same tree with its buffer moved by ``put_fn(buffer, sharding, **kw)`` (one array)."""
+        return Packed(put_fn(self.buffer, sharding, **kw), self.layout)
+
+
+def pack_leaves(leaves: list, treedef: Any) -> Packed | None:
+    """The tree ``treedef`` of ``leaves`` as one ``Packed`` array on the leaves' mesh (a jitted concatenation,
+    compiled once per layout), or None when they are not all of one dtype on one mesh (move those leaf by leaf)."""
+    sources = {getattr(x.sharding, "mesh", None) for x in leaves}
+    if not leaves or len({x.dtype for x in leaves}) != 1 or len(sources) != 1 or None in sources:
+        return None
+    shapes = tuple(tuple(x.shape) for x in leaves)
+    buffer = _packer(shapes, NamedSharding(sources.pop(), PartitionSpec()))(leaves)
+    return Packed(buffer, PackedLayout(treedef, shapes))
+
+
+def unpacked(x: Any) -> Any:
+    """``x``'s tree if it is ``Packed`` (inside a program: slices of its buffer), else ``x``."""
+    return x.layout.unflatten(x.buffer) if isinstance(x, Packed) else x
+
+
+class PackedModelDef:
+    """The structure of a served model state given as flat leaves: a base's leaves, then ONE packed adapter buffer.
+    ``unflatten(leaves)`` (inside a serving program: ``serving.steps``) slices the adapter out of the buffer and
+    interleaves base and adapter leaves into the whole model state, so switching adapters on a cell moves and holds
+    one array, not one per adapted weight. Static and hashable, like a treedef."""
+
+    def __init__(self, base_def: Any, layout: PackedLayout):
+        self.full_def, self.order = _merge_plan(base_def, layout.treedef)
+        self.num_base, self.layout = base_def.num_leaves, layout
+        self._key = (base_def, layout)
+        self._hash = hash(self._key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, PackedModelDef) and self._key == other._key)
+
+    def unflatten(self, leaves: list) -> nnx.State:
+        if len(leaves) != self.num_base + 1:
+            raise ValueError(
+                f"a packed model state has {self.num_base} base leaves and one adapter buffer, got {len(leaves)}"
+            )
+        source = list(leaves[: self.num_base]) + self.layout.leaves(leaves[self.num_base])
+        return jax.tree.unflatten(self.full_def, [source[i] for i in self.order])
+
+
 @functools.lru_cache(maxsize=32)
 def _packer(shapes: tuple, out: NamedSharding):
     return jax.jit(lambda leaves: jnp.concatenate([x.reshape(-1) for x in leaves]), out_shardings=out)

@@ -125,19 +125,29 @@ class GradWorker:
         p, b = self.param_shardings, self.base_shardings
         self._rl_grads = jax.jit(self._rl_grads_impl, in_shardings=(p, b, None, None), out_shardings=grads_out)
         self._sft_grads = jax.jit(self._sft_grads_impl, in_shardings=(p, b, None), out_shardings=grads_out)
+        # LoRA: a snapshot is the adapter packed as one array (``lora.Packed``: a satellite's switch moves one array);
+        # these unpack it inside the program, and the gradients come out on the adapter's shardings as above.
+        self._rl_grads_packed = jax.jit(
+            self._rl_grads_impl, in_shardings=(None, b, None, None), out_shardings=grads_out
+        )
+        self._sft_grads_packed = jax.jit(self._sft_grads_impl, in_shardings=(None, b, None), out_shardings=grads_out)
 
     # -- placement ------------------------------------------------------------------------------
     def snapshot(self, params: nnx.State, slot: str = "params") -> nnx.State:
         """``params`` (from any mesh) on this worker's parameter shardings: a device-to-device copy, or the
         same arrays when they already live there. ``slot`` names what they are (``"params"``, ``"ref"``): a
         worker whose weights stay on another process keeps one of each. With a LoRA adapter ``params`` is the
-        adapter (what moves), or a whole model state whose base this worker then keeps (``set_base``)."""
+        adapter (what moves), or a whole model state whose base this worker then keeps (``set_base``); the snapshot
+        is then the adapter packed as one array (``lora.Packed``), which ``micro_step`` unpacks inside its program."""
         if not self.lora:
             return jax.device_put(params, self.param_shardings)
         leaves, treedef = jax.tree.flatten(params)
-        if treedef == self._trained_def:  # an adapter alone, the usual case: it moves flat (one packed array)
+        if treedef != self._trained_def:  # a whole model state: its base becomes this worker's
+            leaves, treedef = jax.tree.flatten(self.trainable(params))
+        packed = lora.pack_leaves(leaves, treedef)
+        if packed is None:  # mixed dtypes or meshes: leaf by leaf
             return jax.tree.unflatten(treedef, lora.put_leaves(leaves, self._trained_targets))
-        return lora.put(self.trainable(params), self.param_shardings)
+        return packed.to(self.replicated)
 
     def trainable(self, params: nnx.State) -> nnx.State:
         """The part of ``params`` this worker trains: all of it, or (LoRA) the adapter, keeping the base part of a
@@ -190,6 +200,7 @@ class GradWorker:
         return params if base is None else lora.combine(base, params)
 
     def _rl_grads_impl(self, params, base, mb: MicroBatch, ref_params):
+        params, ref_params = lora.unpacked(params), lora.unpacked(ref_params)
         ref_logp = None
         if ref_params is not None:
             ref_logp = jax.lax.stop_gradient(token_logprobs(self.graphdef, self._whole(ref_params, base), mb))
@@ -211,6 +222,8 @@ class GradWorker:
         return loss + term, dict(aux, loss=aux["loss"] + term, load_balancing_loss=lb * share)
 
     def _sft_grads_impl(self, params, base, mb: MicroBatch):
+        params = lora.unpacked(params)
+
         def loss_fn(p):
             logp, lb = _logprobs_and_aux(self.graphdef, self._whole(p, base), mb, with_aux=self.moe_coef > 0)
             loss = losses.token_nll_loss(logp, mb.loss_mask)
@@ -237,8 +250,9 @@ class GradWorker:
 
     def _grads(self, params: nnx.State, batch: MicroBatch, kind: str, ref_params: nnx.State | None):
         base = self._base() if self.lora else None
+        packed = isinstance(params, lora.Packed)
         if kind == "sft":
-            return self._sft_grads(params, base, batch)
+            return (self._sft_grads_packed if packed else self._sft_grads)(params, base, batch)
         if self.loss_cfg.kl_coef > 0.0 and ref_params is None:
             raise ValueError(
                 f"loss kl_coef={self.loss_cfg.kl_coef} > 0 needs ref_params (the reference policy's "
@@ -246,7 +260,7 @@ class GradWorker:
             )
         if self.loss_cfg.kl_coef == 0.0:
             ref_params = None  # no reference forward pass when the KL term is off
-        return self._rl_grads(params, base, batch, ref_params)
+        return (self._rl_grads_packed if packed else self._rl_grads)(params, base, batch, ref_params)
 
 
 def micro_batch_flops(model_cfg: Any, mb: MicroBatch) -> float:

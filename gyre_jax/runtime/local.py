@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from gyre_jax.model import lora
 from gyre_jax.rl.micro_step import MicroStepWorker
@@ -21,6 +22,7 @@ from gyre_jax.runtime.cells import Cell, CellLayout
 from gyre_jax.runtime.handle import CellHandle, CellStats, MovedSession
 from gyre_jax.runtime.transfer import transfer
 from gyre_jax.serving.loop import ServingLoop
+from gyre_jax.serving.programs import Flattened
 from gyre_jax.serving.session import SessionState
 from gyre_jax.serving.types import GenerationRequest, GenerationResult
 
@@ -54,6 +56,7 @@ class LocalCell(CellHandleBase):
         self._split_shardings = lora.split(layout.param_shardings) if self.lora else None  # (adapter, base)
         self._adapter_def = jax.tree.structure(self._split_shardings[0]) if self.lora else None
         self._adapter_targets = jax.tree.leaves(self._split_shardings[0]) if self.lora else None
+        self._served_def: lora.PackedModelDef | None = None  # LoRA: the served state's structure (base + one buffer)
 
     def _serving(self) -> ServingLoop:
         if self.loop is None:
@@ -82,28 +85,30 @@ class LocalCell(CellHandleBase):
         self.serve(self.place(params), version)
 
     def place(self, params: Any) -> Any:
-        """``params`` on this cell's serving layout: a copy (see ``set_weights``); with LoRA, the whole model state of
-        the cell's base and a copy of the adapter."""
+        """``params`` on this cell's serving layout: a copy (see ``set_weights``). With LoRA: the cell's base and a copy
+        of the adapter packed as one array (``lora.PackedModelDef``, unpacked inside the serving programs), so a
+        switch moves and makes one array, not one per adapted weight; a whole model state's base becomes the cell's."""
         if not self.lora:
             return transfer(params, self.layout.param_shardings, may_alias=False)
-        adapter_shardings, base_shardings = self._split_shardings
         leaves, treedef = jax.tree.flatten(params)
-        if treedef == self._adapter_def:  # an adapter alone, the usual case: it moves flat (one packed array)
-            if self.base is None:
-                raise RuntimeError(f"{self.name}: a LoRA adapter arrived before the cell had its base weights")
+        if treedef != self._adapter_def:  # a whole model state: the frozen base, never donated, so arrays already
+            adapter, base = lora.split(params)  # here are shared, not copied
+            if base is not None and lora.num_leaves(base):
+                self.base = transfer(base, self._split_shardings[1], may_alias=True)
+                self._base_flat = jax.tree.flatten(self.base)
+                if self.worker is not None and hasattr(self.worker, "set_base"):
+                    self.worker.set_base(self.base)  # the same arrays: the cell holds its base once
+            leaves, treedef = jax.tree.flatten(adapter)
+        if self.base is None:
+            raise RuntimeError(f"{self.name}: a LoRA adapter arrived before the cell had its base weights")
+        packed = lora.pack_leaves(leaves, treedef)
+        if packed is None:  # mixed dtypes or meshes: leaf by leaf, the whole state
             moved = lora.put_leaves(leaves, self._adapter_targets, transfer, may_alias=False)
             return lora.combine_leaves(*self._base_flat, moved, treedef)
-        adapter, base = lora.split(params)
-        if base is not None and lora.num_leaves(
-            base
-        ):  # the frozen base: never donated, so arrays already here are shared, not copied
-            self.base = transfer(base, base_shardings, may_alias=True)
-            self._base_flat = jax.tree.flatten(self.base)
-            if self.worker is not None and hasattr(self.worker, "set_base"):
-                self.worker.set_base(self.base)  # the same arrays: the cell holds its base once
-        elif self.base is None:
-            raise RuntimeError(f"{self.name}: a LoRA adapter arrived before the cell had its base weights")
-        return lora.combine_flat(*self._base_flat, lora.put(adapter, adapter_shardings, transfer, may_alias=False))
+        packed = packed.to(NamedSharding(self.cell.mesh, PartitionSpec()), transfer, may_alias=False)
+        if self._served_def is None or self._served_def.layout != packed.layout:
+            self._served_def = lora.PackedModelDef(self._base_flat[1], packed.layout)
+        return Flattened([*self._base_flat[0], packed.buffer], self._served_def)
 
     def serve(self, params: Any, version: int) -> None:
         """Serves ``params`` (already on this cell's serving layout) as policy ``version``: the loop swaps them in

@@ -20,14 +20,26 @@ import jax
 import numpy as np
 
 
+class Flattened:
+    """Params given already flat: ``leaves`` and a static ``treedef`` whose ``unflatten(leaves)`` is the model state
+    inside a program (a ``PyTreeDef``, or ``model.lora.PackedModelDef``: a base's leaves and one packed adapter
+    buffer, which a LoRA cell's switch moves instead of one array per adapted weight)."""
+
+    def __init__(self, leaves: list, treedef: Any):
+        self.leaves, self.treedef = leaves, treedef
+
+
 class FlatParams:
     """(leaves, treedef) of the params a program is called with, remembered for the last params seen: flattening
-    an nnx.State on every call would cost more host time than a tiny model's decode step."""
+    an nnx.State on every call would cost more host time than a tiny model's decode step. ``Flattened`` params
+    are taken as they are."""
 
     def __init__(self):
         self._last: tuple | None = None
 
     def __call__(self, params) -> tuple[list, Any]:
+        if isinstance(params, Flattened):
+            return params.leaves, params.treedef
         if self._last is None or self._last[0] is not params:
             leaves, treedef = jax.tree.flatten(params)
             self._last = (params, leaves, treedef)

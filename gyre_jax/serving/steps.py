@@ -31,8 +31,9 @@ from gyre_jax.serving.kv_cache import DecodeState, Prefix, heads_first, widen
 
 
 def _model(graphdef: nnx.GraphDef, leaves, treedef):
-    """The model inside a jitted function, from parameters passed as flat leaves (cheap to dispatch)."""
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    """The model inside a jitted function, from parameters passed as flat leaves (cheap to dispatch); ``treedef``: a
+    ``PyTreeDef``, or anything with its ``unflatten(leaves)`` (``model.lora.PackedModelDef``)."""
+    return nnx.merge(graphdef, treedef.unflatten(leaves))
 
 
 def forward_and_sample(params, cache, positions, tokens, true_length, temperature, top_k, top_p, key, with_experts):

@@ -102,6 +102,39 @@ def test_a_satellite_computes_the_same_step_from_adapter_snapshots(setup):
     assert m_shared["grad_norm"] == pytest.approx(m_alone["grad_norm"], rel=1e-5)
 
 
+def test_switches_move_the_adapter_as_one_array_and_serve_base_plus_adapter(setup):
+    """A satellite's snapshot and a serving cell's placement of an adapter are ONE array (``lora.Packed``; the cell's
+    served state is its base's leaves plus that buffer), and the model state the serving programs unpack from them is
+    exactly base + adapter."""
+    from gyre_jax.runtime.cells import Cell, CellLayout
+    from gyre_jax.runtime.local import LocalCell
+    from gyre_jax.serving.programs import Flattened
+
+    learner, graphdef, params, _, rules = setup
+    adapter, base = lora.split(params)
+    adapter = jax.tree.map(lambda x: x + 0.01, adapter)  # B != 0: the adapter changes the model
+    adapter_bytes = lora.nbytes(adapter)
+    devices = jax.devices()[4:6]
+    satellite = learner.make_satellite(make_mesh(devices, dict(data=2)), "sat")
+    satellite.set_base(base)
+    snap = satellite.snapshot(adapter)
+    assert isinstance(snap, lora.Packed) and len(jax.tree.leaves(snap)) == 1 and lora.nbytes(snap) == adapter_bytes
+
+    cell = Cell(1, tuple(devices), make_mesh(devices, dict(data=2)))
+    local = LocalCell(cell, CellLayout.of(cell, LORA, rules, page_size=16), None, None, make_loop=lambda p, v: None)
+    for given in (params, adapter):  # the first weights carry the base; a switch carries the adapter only
+        served = local.place(given)
+        assert isinstance(served, Flattened) and isinstance(served.treedef, lora.PackedModelDef)
+        [buffer] = served.leaves[len(jax.tree.leaves(base)) :]
+        assert buffer.size * buffer.dtype.itemsize == adapter_bytes
+        assert buffer.devices() == set(devices)
+    whole = jax.jit(lambda leaves: served.treedef.unflatten(leaves))(served.leaves)  # as a serving program does
+    expected = lora.combine(base, adapter)
+    assert jax.tree.structure(whole) == jax.tree.structure(expected)
+    for got, want in zip(jax.tree.leaves(host(whole)), jax.tree.leaves(host(expected))):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_a_worker_without_its_base_says_so(setup):
     learner, _, params, mesh, _ = setup
     worker = learner.make_satellite(mesh, "bare")
