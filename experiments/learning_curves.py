@@ -337,6 +337,14 @@ def complete(workdir: Path, total_steps: int | None) -> bool:
     return last > 0 and (total_steps is None or last >= total_steps) and any(s == last for _, s in run.evals)
 
 
+def _earlier_result(path: Path) -> dict:
+    """The learning_curves.json already at ``path`` ({} if none or unreadable)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/tiny_cpu.py")
@@ -375,9 +383,15 @@ def main(argv: list[str]) -> int:
     curve, gains = curves(runs, args.bootstrap), eval_gains(runs, args.bootstrap)
     evals = eval_curves(runs, args.bootstrap)
     out.mkdir(parents=True, exist_ok=True)
+    # A seed not run by this invocation (complete before, or --analyze-only) keeps the wall time and load its own run
+    # recorded in an earlier learning_curves.json here (seeds run in different sessions add up to one result).
+    earlier = _earlier_result(out / "learning_curves.json")
+    for s in (r.seed for r in runs):
+        if s not in wall and str(s) in earlier.get("wall_s", {}):
+            wall[s], load[s] = earlier["wall_s"][str(s)], earlier.get("load_avg_1min", {}).get(str(s))
     result = {
         "config": args.config,
-        "overrides": overrides,
+        "overrides": overrides or earlier.get("overrides", []),
         "seeds": [r.seed for r in runs],
         "wall_s": {str(k): v for k, v in wall.items()},
         "load_avg_1min": {str(k): v for k, v in load.items()},  # over each seed's run (LoadSampler)

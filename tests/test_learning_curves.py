@@ -142,6 +142,17 @@ def test_script_analyzes_runs_writes_json_and_png(tmp_path):
     )
     assert (out / "learning_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "train tasks: before 0.450  after 0.750  gain +0.300" in proc.stdout
+    assert result["wall_s"] == {}  # nothing was run here, and nothing was recorded before
+
+    # Seeds run by an earlier invocation (another session) keep the wall time, load and overrides it recorded.
+    result["wall_s"] = {"0": 3000.0, "1": 3100.0, "2": 3200.0}
+    result["load_avg_1min"] = {s: {"mean": 2.0, "max": 3.0, "cpus": 2} for s in ("0", "1", "2")}
+    result["overrides"] = ["--config.model.lora.rank=16"]
+    (out / "learning_curves.json").write_text(json.dumps(result))
+    subprocess.run(proc.args, capture_output=True, text=True, check=True)
+    again = json.loads((out / "learning_curves.json").read_text())
+    assert again["wall_s"] == result["wall_s"] and again["load_avg_1min"] == result["load_avg_1min"]
+    assert again["overrides"] == ["--config.model.lora.rank=16"]
 
 
 def test_script_without_runs_says_what_to_do(tmp_path):
