@@ -51,7 +51,8 @@ def outcome(row: dict) -> tuple[str, str, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite", default=str(REPO.parent.parent / "shared" / "data" / "terminal-bench-2"))
+    beside = [p / "shared" / "data" / "terminal-bench-2" for p in (REPO.parent, REPO.parent.parent)]  # or a worktree's
+    parser.add_argument("--suite", default=str(next((p for p in beside if p.is_dir()), beside[0])))
     parser.add_argument("--parallel", type=int, default=1)
     parser.add_argument("--tasks", default="")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "tb2.json"))

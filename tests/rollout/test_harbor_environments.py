@@ -31,7 +31,9 @@ from gyre_jax.rollout.verifier import train_reward
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "harbor"
-TB2_ALL = REPO.parent.parent / "shared" / "data" / "terminal-bench-2"  # /work/shared/data from /work/wt/<name>
+# ../shared/data beside the checkout (or two levels up, from a worktree such as /work/wt/<name>)
+_BESIDE = [p / "shared" / "data" / "terminal-bench-2" for p in (REPO.parent, REPO.parent.parent)]
+TB2_ALL = next((p for p in _BESIDE if p.is_dir()), _BESIDE[0])
 HOST = Host("debian", "12", "bookworm", {"3.11": "/usr", "3.13": "/opt/py313"})
 
 
