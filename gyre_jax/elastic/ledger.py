@@ -105,9 +105,17 @@ class RolloutLedger:
         self.begin(0, 0)
 
     def begin(self, start: int, end: int) -> None:
-        """A new segment: steps ``start .. end - 1``, nothing dispatched."""
+        """A new segment: steps ``start .. end - 1``, none of their executions dispatched.
+
+        The waterlevel counts the whole run, as the policy's version does: steps ``0 .. start - 1`` were trained
+        in earlier segments (before an evaluation, or before the checkpoint a run resumed from), so their
+        ``start * N`` executions count as dispatched and finished. Admission (``policies.admissible``: at most
+        ``(eta + version + 1) * N`` dispatched) then lets the segment's first decision dispatch step
+        ``start``'s executions (and eta steps ahead) only; counters restarted at 0 would admit ``start`` steps
+        more, rolled out by the policy of step ``start`` and trained steps later, off-policy under eta = 0."""
         self.start, self.end = start, end
-        self.wl = Waterlevel()
+        before = start * self.batch_size
+        self.wl = Waterlevel(dispatched=before, started=before, finished=before)
         self.steps: dict[int, StepRun] = {}
         self.waiting: collections.deque[tuple[int, ExecutionSpec]] = collections.deque()
         self.running = 0  # executions started whose harness has not ended (``wl.sessions``)

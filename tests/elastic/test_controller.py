@@ -257,7 +257,58 @@ def test_segments_between_evaluations_start_from_a_clean_state(tmp_path):
     policy = make_policy("elastic", 2, **config_lib.policy_options(config))
     for line in (tmp_path / "decisions.jsonl").read_text().splitlines():
         d = json.loads(line)
-        if d["event"]["kind"] == "step_began" and d["state"]["waterlevel"]["dispatched"] == 0:  # a segment starts
+        state = d["state"]  # the waterlevel counts the whole run: a segment starts with steps before it finished
+        if d["event"]["kind"] == "step_began" and state["waterlevel"]["dispatched"] == state["version"] * 4:
             assert all(r == "serving" for r in d["state"]["roles"])
         decision = policy.plan(event_from_dict(d["event"]), state_from_dict(d["state"]))
         assert [r.value for r in decision.roles] == d["roles"] and decision.dispatch == d["dispatch"]
+
+
+def test_a_segment_after_an_evaluation_or_a_resume_dispatches_only_its_own_steps(tmp_path):
+    """Colocated (eta = 0) trains only on-policy data: no step's executions are dispatched before the step
+    before it has trained, in the first segment, in a segment that starts after a mid-run evaluation, and in
+    one that starts from a resumed checkpoint. (Counters restarted at 0 in each segment once let a segment
+    starting at step s dispatch s + 1 steps' executions at once, so its later steps trained on stale data.)"""
+    from gyre_jax.train import build_run
+
+    n = 4  # 1 task x G=4
+
+    def run_to(total_steps: int) -> int:
+        config = config_lib.load_config(
+            [
+                f"--config.workdir={tmp_path}",
+                f"--config.total_steps={total_steps}",
+                "--config.warm_start.steps=0",
+                "--config.schedule.policy=colocated",
+                "--config.metrics.progress_bar=False",
+                "--config.metrics.tensorboard=False",
+                "--config.checkpoint_every=1",
+                "--config.rollout.tasks_per_step=1",
+                "--config.rl.group_size=4",
+                "--config.rollout.num_tasks=2",
+                "--config.eval.samples_per_task=1",
+                "--config.eval.num_tasks=1",
+                "--config.eval.every_steps=2",  # segments [0, 2), [2, 4); then the resumed run's [4, 6)
+                "--config.rollout.max_tokens_per_call=32",
+                *SMALL_MODEL,
+                *run_time_limits(),
+            ]
+        )
+        trainer = build_run(config)
+        try:
+            return trainer.run()
+        finally:
+            trainer.close()
+
+    assert run_to(4) == 4
+    assert run_to(6) == 6  # resumes from step 4's checkpoint
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["next_step"] for m in lines if m.get("phase") == "resume"] == [4]
+    train = [m for m in lines if m.get("phase") == "train"]
+    assert [m["step"] for m in train] == list(range(6))
+    assert [m["staleness_max"] for m in train] == [0] * 6  # every step trained on its own policy's rollouts
+    decisions = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert decisions
+    for d in decisions:  # counted over the whole run: never more than step ``version``'s executions dispatched
+        state = d["state"]
+        assert state["waterlevel"]["dispatched"] + d["dispatch"] <= (state["version"] + 1) * n, d
