@@ -149,9 +149,16 @@ def combine_flat(base_leaves: list, base_def, adapter: nnx.State) -> nnx.State:
 
 def combine_leaves(base_leaves: list, base_def, adapter_leaves: list, adapter_def) -> nnx.State:
     """``combine`` of a base and an adapter both flattened."""
+    leaves, full_def = merged_leaves(base_leaves, base_def, adapter_leaves, adapter_def)
+    return jax.tree.unflatten(full_def, leaves)
+
+
+def merged_leaves(base_leaves: list, base_def, adapter_leaves: list, adapter_def) -> tuple[list, Any]:
+    """(the leaves of ``combine``'s model state, its structure) from a base and an adapter both flattened, without
+    building the state: a serving cell's weights as flat leaves (``serving.programs.Flattened``)."""
     full_def, order = _merge_plan(base_def, adapter_def)
-    source = base_leaves + adapter_leaves
-    return jax.tree.unflatten(full_def, [source[i] for i in order])
+    source = list(base_leaves) + list(adapter_leaves)
+    return [source[i] for i in order], full_def
 
 
 @functools.lru_cache(maxsize=64)
@@ -226,9 +233,13 @@ class PackedLayout:
 @jax.tree_util.register_pytree_node_class
 class Packed:
     """A tree of arrays (an adapter) held as ONE flat array ``buffer`` ``[layout.size]`` (replicated on its mesh) with
-    its static ``layout``: a role switch or a satellite snapshot moves this one array, and the programs that read it
-    (``GradWorker``'s micro-step, a serving program through ``PackedModelDef``) slice it inside. A pytree (the buffer
-    its one leaf), so a jitted function takes it as an argument."""
+    its static ``layout``: a role switch or a satellite snapshot moves this one array. ``GradWorker``'s micro-step
+    slices it inside its program (one program per micro-step shape); a serving cell unpacks it once on arrival
+    (``put_leaves``), since slices inside the serving programs would add ~42 memory maps per layer to each of the
+    dozens of shapes a cell compiles (XLA:CPU maps each kernel, and a slice feeding a dot is a kernel of its own):
+    SmolLM2-135M's serving programs went from ~235 to ~1,500 maps each, and a run reached the kernel's
+    ``vm.max_map_count`` (65,530) within 45 minutes. A pytree (the buffer its one leaf), so a jitted function takes
+    it as an argument."""
 
     def __init__(self, buffer: jax.Array, layout: PackedLayout):
         self.buffer, self.layout = buffer, layout
@@ -259,33 +270,6 @@ def pack_leaves(leaves: list, treedef: Any) -> Packed | None:
 def unpacked(x: Any) -> Any:
     """``x``'s tree if it is ``Packed`` (inside a program: slices of its buffer), else ``x``."""
     return x.layout.unflatten(x.buffer) if isinstance(x, Packed) else x
-
-
-class PackedModelDef:
-    """The structure of a served model state given as flat leaves: a base's leaves, then ONE packed adapter buffer.
-    ``unflatten(leaves)`` (inside a serving program: ``serving.steps``) slices the adapter out of the buffer and
-    interleaves base and adapter leaves into the whole model state, so switching adapters on a cell moves and holds
-    one array, not one per adapted weight. Static and hashable, like a treedef."""
-
-    def __init__(self, base_def: Any, layout: PackedLayout):
-        self.full_def, self.order = _merge_plan(base_def, layout.treedef)
-        self.num_base, self.layout = base_def.num_leaves, layout
-        self._key = (base_def, layout)
-        self._hash = hash(self._key)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, PackedModelDef) and self._key == other._key)
-
-    def unflatten(self, leaves: list) -> nnx.State:
-        if len(leaves) != self.num_base + 1:
-            raise ValueError(
-                f"a packed model state has {self.num_base} base leaves and one adapter buffer, got {len(leaves)}"
-            )
-        source = list(leaves[: self.num_base]) + self.layout.leaves(leaves[self.num_base])
-        return jax.tree.unflatten(self.full_def, [source[i] for i in self.order])
 
 
 @functools.lru_cache(maxsize=32)

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from gyre_jax.model import lora
 from gyre_jax.rl.micro_step import MicroStepWorker
@@ -56,7 +55,6 @@ class LocalCell(CellHandleBase):
         self._split_shardings = lora.split(layout.param_shardings) if self.lora else None  # (adapter, base)
         self._adapter_def = jax.tree.structure(self._split_shardings[0]) if self.lora else None
         self._adapter_targets = jax.tree.leaves(self._split_shardings[0]) if self.lora else None
-        self._served_def: lora.PackedModelDef | None = None  # LoRA: the served state's structure (base + one buffer)
 
     def _serving(self) -> ServingLoop:
         if self.loop is None:
@@ -86,8 +84,9 @@ class LocalCell(CellHandleBase):
 
     def place(self, params: Any) -> Any:
         """``params`` on this cell's serving layout: a copy (see ``set_weights``). With LoRA: the cell's base and a copy
-        of the adapter packed as one array (``lora.PackedModelDef``, unpacked inside the serving programs), so a
-        switch moves and makes one array, not one per adapted weight; a whole model state's base becomes the cell's."""
+        of the adapter, moved as one array and unpacked here by one program (``lora.put_leaves``), given to the serving
+        programs as flat leaves (``Flattened``: no per-leaf move, no ``nnx.Variable`` rebuilt); a whole model state's
+        base becomes the cell's."""
         if not self.lora:
             return transfer(params, self.layout.param_shardings, may_alias=False)
         leaves, treedef = jax.tree.flatten(params)
@@ -101,14 +100,8 @@ class LocalCell(CellHandleBase):
             leaves, treedef = jax.tree.flatten(adapter)
         if self.base is None:
             raise RuntimeError(f"{self.name}: a LoRA adapter arrived before the cell had its base weights")
-        packed = lora.pack_leaves(leaves, treedef)
-        if packed is None:  # mixed dtypes or meshes: leaf by leaf, the whole state
-            moved = lora.put_leaves(leaves, self._adapter_targets, transfer, may_alias=False)
-            return lora.combine_leaves(*self._base_flat, moved, treedef)
-        packed = packed.to(NamedSharding(self.cell.mesh, PartitionSpec()), transfer, may_alias=False)
-        if self._served_def is None or self._served_def.layout != packed.layout:
-            self._served_def = lora.PackedModelDef(self._base_flat[1], packed.layout)
-        return Flattened([*self._base_flat[0], packed.buffer], self._served_def)
+        moved = lora.put_leaves(leaves, self._adapter_targets, transfer, may_alias=False)  # one array moves
+        return Flattened(*lora.merged_leaves(*self._base_flat, moved, treedef))
 
     def serve(self, params: Any, version: int) -> None:
         """Serves ``params`` (already on this cell's serving layout) as policy ``version``: the loop swaps them in

@@ -21,9 +21,9 @@ import numpy as np
 
 
 class Flattened:
-    """Params given already flat: ``leaves`` and a static ``treedef`` whose ``unflatten(leaves)`` is the model state
-    inside a program (a ``PyTreeDef``, or ``model.lora.PackedModelDef``: a base's leaves and one packed adapter
-    buffer, which a LoRA cell's switch moves instead of one array per adapted weight)."""
+    """Params given already flat: ``leaves`` and their static ``treedef`` (a ``PyTreeDef``) whose
+    ``unflatten(leaves)`` is the model state inside a program (a LoRA cell's base and adapter leaves interleaved:
+    ``model.lora.merged_leaves``)."""
 
     def __init__(self, leaves: list, treedef: Any):
         self.leaves, self.treedef = leaves, treedef

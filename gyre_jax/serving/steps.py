@@ -31,8 +31,8 @@ from gyre_jax.serving.kv_cache import DecodeState, Prefix, heads_first, widen
 
 
 def _model(graphdef: nnx.GraphDef, leaves, treedef):
-    """The model inside a jitted function, from parameters passed as flat leaves (cheap to dispatch); ``treedef``: a
-    ``PyTreeDef``, or anything with its ``unflatten(leaves)`` (``model.lora.PackedModelDef``)."""
+    """The model inside a jitted function, from parameters passed as flat leaves (cheap to dispatch) and their
+    ``PyTreeDef``."""
     return nnx.merge(graphdef, treedef.unflatten(leaves))
 
 

@@ -102,10 +102,12 @@ def test_a_satellite_computes_the_same_step_from_adapter_snapshots(setup):
     assert m_shared["grad_norm"] == pytest.approx(m_alone["grad_norm"], rel=1e-5)
 
 
-def test_switches_move_the_adapter_as_one_array_and_serve_base_plus_adapter(setup):
-    """A satellite's snapshot and a serving cell's placement of an adapter are ONE array (``lora.Packed``; the cell's
-    served state is its base's leaves plus that buffer), and the model state the serving programs unpack from them is
-    exactly base + adapter."""
+def test_switches_move_the_adapter_as_one_array_and_serve_base_plus_adapter(setup, monkeypatch):
+    """A satellite's snapshot and a serving cell's placement of an adapter move ONE array (``lora.Packed``); the cell
+    unpacks it on arrival and serves its base's leaves and the adapter's as flat leaves of the whole model state
+    (``Flattened`` with a plain ``PyTreeDef``: the serving programs slice nothing, so they compile no more kernels
+    than without LoRA), exactly base + adapter."""
+    from gyre_jax.runtime import local as local_module
     from gyre_jax.runtime.cells import Cell, CellLayout
     from gyre_jax.runtime.local import LocalCell
     from gyre_jax.serving.programs import Flattened
@@ -120,17 +122,23 @@ def test_switches_move_the_adapter_as_one_array_and_serve_base_plus_adapter(setu
     snap = satellite.snapshot(adapter)
     assert isinstance(snap, lora.Packed) and len(jax.tree.leaves(snap)) == 1 and lora.nbytes(snap) == adapter_bytes
 
+    moves, transfer = [], local_module.transfer  # what each placement hands to the transfer: its arrays' bytes
+
+    def counting_transfer(x, *args, **kw):
+        moves.append([leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(x)])
+        return transfer(x, *args, **kw)
+
+    monkeypatch.setattr(local_module, "transfer", counting_transfer)
     cell = Cell(1, tuple(devices), make_mesh(devices, dict(data=2)))
     local = LocalCell(cell, CellLayout.of(cell, LORA, rules, page_size=16), None, None, make_loop=lambda p, v: None)
-    for given in (params, adapter):  # the first weights carry the base; a switch carries the adapter only
-        served = local.place(given)
-        assert isinstance(served, Flattened) and isinstance(served.treedef, lora.PackedModelDef)
-        [buffer] = served.leaves[len(jax.tree.leaves(base)) :]
-        assert buffer.size * buffer.dtype.itemsize == adapter_bytes
-        assert buffer.devices() == set(devices)
-    whole = jax.jit(lambda leaves: served.treedef.unflatten(leaves))(served.leaves)  # as a serving program does
     expected = lora.combine(base, adapter)
-    assert jax.tree.structure(whole) == jax.tree.structure(expected)
+    for given in (params, adapter):  # the first weights carry the base; a switch carries the adapter only
+        moves.clear()
+        served = local.place(given)
+        assert moves[-1] == [adapter_bytes]  # the adapter moved as one array (after the base, the first time)
+        assert isinstance(served, Flattened) and served.treedef == jax.tree.structure(expected)
+        assert all(x.devices() == set(devices) for x in served.leaves)
+    whole = jax.jit(lambda leaves: served.treedef.unflatten(leaves))(served.leaves)  # as a serving program does
     for got, want in zip(jax.tree.leaves(host(whole)), jax.tree.leaves(host(expected))):
         np.testing.assert_array_equal(got, want)
 
