@@ -158,7 +158,6 @@ def make_case(name: str, out: Path) -> dict:
     mesh = make_mesh(jax.devices()[:1], {})
     if config.model.checkpoint_dir:
         with Checkpoint(config.model.checkpoint_dir) as ckpt:
-            ckpt.model_config(num_layers=config.model.checkpoint_layers)
             params = ckpt.load_params(cfg, mesh, config.sharding_rules)[1]
     else:
         params = init_params(cfg, mesh, config.sharding_rules, seed=0)[1]
