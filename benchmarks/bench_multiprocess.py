@@ -14,8 +14,9 @@ baseline measured in the same run:
    packed micro-batch's fields). Baseline: the same ping-pong between two threads of process 0 over
    ``queue.Queue``, with the same pickling (``pickle.dumps`` / ``loads`` on both sides), so the ratio is
    what crossing processes adds. Also measured (N / 5 round trips): the channel before, one key per
-   message in the coordination service's key-value store (``KVChannel``; jax's client gzips every
-   request, so ``zlib.compress(payload, 6)`` is timed alone too).
+   message in a key-value store (``KVChannel``; since the control plane moved to the run's own store,
+   ``runtime.kvstore``, through that store, uncompressed; docs/multihost.md's table was measured through
+   jax's coordination client, which gzips every request, so ``zlib.compress(payload, 6)`` is timed alone too).
 2. **Weights across processes** (``runtime.transfer``, what ``RemoteCell.set_weights`` and
    ``RemoteWorker.snapshot`` run): the tiny model's params (``model.config.TINY``, initialized on cell 0
    with the default config's sharding rules) moved from a 4-device cell on process 0 (mesh data=4) to a
@@ -134,9 +135,8 @@ def _queue_round_trips(obj, warmup: int, n: int) -> list[float]:
 
 
 class KVChannel:
-    """The host channel before (kept here only to measure it): one key per message in the coordination
-    service's key-value store (``gyre/ch/<name>/<k>``; the reader deletes each key), which jax's client
-    sends gzip-compressed."""
+    """The host channel before (kept here only to measure it): one key per message in the run's key-value
+    store (``bench/kv/<name>/<k>``; the reader deletes each key)."""
 
     def __init__(self, client, name: str):
         self.client, self.name, self._send, self._recv = client, name, 0, 0

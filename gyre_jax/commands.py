@@ -179,7 +179,7 @@ def setup_logging() -> None:
     """The run's log format (``python -m gyre_jax.train``'s), quiet libraries."""
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S", force=True)
-    for noisy in ("absl", "jax._src", "orbax", "httpx"):
+    for noisy in ("absl", "jax", "orbax", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

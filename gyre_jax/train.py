@@ -269,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # force: importing absl (through orbax) already gave the root logger a handler
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S", force=True)
-    for noisy in ("absl", "jax._src", "orbax", "httpx"):
+    for noisy in ("absl", "jax", "orbax", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         runtime.initialize(config)

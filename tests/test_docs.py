@@ -37,6 +37,9 @@ RETIRED: dict[str, str] = {
     "seq_sums": "LossInputs.whole (a SequenceTotals)",
     # issue 46, events: typed events and one ClusterState builder (elastic/events.py, elastic/state.py)
     "driver.state_from_dict": "gyre_jax.elastic.state.state_from_dict",
+    # issue 46, public JAX only: the control plane is the run's own store (runtime/kvstore.py)
+    "lost the coordination service": "the watchdog's 'lost the control-plane store' (process 0 serves it)",
+    "memory_kv": "tests/helpers/local_store.py (a real kvstore on loopback)",
 }
 PLACEHOLDER_KEYS = {"a.b", "x"}  # ``--config.a.b=value``: the form of an override, not a key
 PLACEHOLDER_PATHS = {"gyre_jax.x.y"}  # the form of a module path, as this check's own description names it

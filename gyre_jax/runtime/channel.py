@@ -1,6 +1,6 @@
 """Ordered one-way host messages between two processes of a run (commands from the leader to a follower,
-replies back), over a direct TCP connection: a message costs what its bytes cost. The coordination
-service's key-value store only carries the connection's address, once. Device data never travels here:
+replies back), over a direct TCP connection: a message costs what its bytes cost. The run's control-plane
+store (``kvstore``) only carries the connection's address, once. Device data never travels here:
 it moves by ``transfer`` (``runtime.transfer``)."""
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ class ChannelClosed(ConnectionError):
     """The other end of a channel went away (its process exited, was killed, or its host is gone)."""
 
 
-def local_address(coordinator: str = "") -> str:
+def local_address(store: str = "") -> str:
     """The address of this host that other processes of the run can reach: ``$GYRE_HOST_ADDRESS`` if set,
-    else the local address of the interface that routes to ``coordinator`` (``host:port``; nothing is sent),
-    else ``127.0.0.1`` (one machine)."""
+    else the local address of the interface that routes to ``store`` (the control-plane store's ``host:port``,
+    on process 0's host; nothing is sent), else ``127.0.0.1`` (one machine)."""
     if os.environ.get(HOST_ENV):
         return os.environ[HOST_ENV]
-    host = coordinator.rsplit(":", 1)[0].strip("[]") if coordinator else ""
+    host = store.rsplit(":", 1)[0].strip("[]") if store else ""
     if host in ("", "localhost", "127.0.0.1", "::1"):
         return "127.0.0.1"
     try:
@@ -48,15 +48,6 @@ def local_address(coordinator: str = "") -> str:
             return probe.getsockname()[0]
     except OSError:
         return socket.gethostbyname(socket.gethostname())
-
-
-def _coordinator() -> str:
-    try:
-        from jax._src import distributed as jax_distributed
-
-        return jax_distributed.global_state.coordinator_address or ""
-    except Exception:  # noqa: BLE001 - no jax.distributed: one machine
-        return ""
 
 
 def _tuned(sock: socket.socket) -> socket.socket:
@@ -95,12 +86,11 @@ class Channel:
 
     Both ends construct ``Channel(client, name)`` with the same ``name``; the end that first calls ``recv``
     is the reader, the one that first calls ``send`` the writer. The reader listens on this host's address
-    (``local_address``) and publishes ``address + secret`` under ``gyre/ch/<name>/addr`` in the coordination
-    service's key-value store (``client``: jax's ``DistributedRuntimeClient`` or anything with its
-    ``key_value_set_bytes`` / ``blocking_key_value_get_bytes`` / ``key_value_delete``); the writer connects
+    (``local_address``) and publishes ``address + secret`` under ``gyre/ch/<name>/addr`` in the run's
+    control-plane store (``client``: a ``kvstore.StoreClient``, or a ``kvstore.Store`` in one process); the writer connects
     and proves it read the secret; the key is deleted once connected. Messages are pickle protocol 5 frames
     whose array buffers travel out of band (no copy into the pickle). Both ends are one program (one run,
-    one code version), and only a process that read the secret from the run's coordination service can
+    one code version), and only a process that read the secret from the run's control-plane store can
     write, so unpickling is safe here. ``send`` is thread-safe; one thread reads.
 
     A peer that goes away makes ``recv`` / ``send`` raise ``ChannelClosed`` (``connection closed by peer``,
@@ -195,7 +185,7 @@ class Channel:
     def _accept(self, timeout_ms: int) -> socket.socket:
         if self._listener is None:
             listener = _tuned(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            listener.bind((local_address(_coordinator()), 0))
+            listener.bind((local_address(getattr(self.client, "address", "")), 0))  # routes to the store's host
             listener.listen(4)
             self._secret = secrets.token_bytes(_SECRET_BYTES)
             host, port = listener.getsockname()[:2]

@@ -124,7 +124,7 @@ class CellHost:
                     command = self.commands.recv()
                 except TimeoutError:
                     continue
-                except Exception as exc:  # noqa: BLE001 - the coordination service (process 0) is gone
+                except Exception as exc:  # noqa: BLE001 - the control-plane store (process 0) is gone
                     raise DistributedError(
                         f"lost process 0's commands ({type(exc).__name__}: {str(exc)[:200]}); process 0 died or is "
                         f"unreachable: restart all processes to resume from the last checkpoint"

@@ -3,7 +3,7 @@ the arrays under a number, the receiving one pulls them onto its devices. No pro
 nothing waits in a collective and the bytes cross once.
 
 Every process starts one transfer server at ``initialize`` (``start``) and publishes its address in the
-coordination service's key-value store; a process pulls from a peer's server over a connection it opens
+run's control-plane store (``kvstore``); a process pulls from a peer's server over a connection it opens
 on first use. A move (``runtime.transfer`` with a ``uuid``) sends, per destination position, the distinct
 shards that position needs packed into one ``uint8`` buffer (``pack``), pulls each onto the destination
 device at the same mesh position, and unpacks there (``unpack``); a shard that several destination devices
@@ -47,7 +47,7 @@ class _State:
 _STATE = _State()
 
 
-def start(client: Any, process_id: int, num_processes: int, coordinator: str) -> bool:
+def start(client: Any, process_id: int, num_processes: int, store_address: str) -> bool:
     """Starts this process's transfer server and agrees with every other process whether moves go point to
     point (all started one) or by programs (any could not, or ``$GYRE_TRANSFER=programs``). Every process
     calls it once, at the same point of ``initialize``. Returns whether point-to-point moves are on."""
@@ -56,7 +56,7 @@ def start(client: Any, process_id: int, num_processes: int, coordinator: str) ->
         try:
             from jax.experimental import transfer as jax_transfer
 
-            host = local_address(coordinator)
+            host = local_address(store_address)
             backend = jax.local_devices()[0].client
             _STATE.server = jax_transfer.start_transfer_server(backend, f"{host}:0", [f"{host}:0"])
             mine = "ok " + _STATE.server.address()

@@ -8,15 +8,16 @@ detection on Slurm, Open MPI, Cloud TPU and Kubernetes; CPU runs use gloo collec
 ``docs/multihost.md``.
 
 - **Control plane** (``broadcast_decision``, ``sync``, ``abort``): small host-side messages through the
-  JAX coordination service's key-value store and barriers. They never run a device program, so a process
+  run's own key-value store and barriers (``kvstore``: served by process 0, its address handed to every
+  process once by a device broadcast; JAX's coordination service has no public client). They never run a device program, so a process
   waiting for process 0's next decision does not block its own devices. ``via="devices"`` uses
   ``multihost_utils.broadcast_one_to_all`` instead.
 - **Fail-fast** (``watchdog.Watchdog``): when a peer stops beating, fails, or the coordinator is gone, the
   survivor prints one clear line and exits with ``PEER_LOST_EXIT_CODE`` instead of hanging in a collective;
   an uncaught exception in any process is published, so the others stop at once with its message.
 
-Process-wide state: one ``DistributedRuntime`` (like ``jax._src.distributed.global_state``), made by
-``initialize`` and reached by the module-level helpers.
+Process-wide state: one ``DistributedRuntime``, made by ``initialize`` and reached by the module-level
+helpers.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +37,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from gyre_jax.runtime import lockstep, p2p
+from gyre_jax.runtime import kvstore, lockstep, p2p
+from gyre_jax.runtime.channel import HOST_ENV
 from gyre_jax.runtime.watchdog import (
     FAILED_EXIT_CODE,
     FOREVER_MS,
@@ -71,17 +75,28 @@ class ProcessInfo:
     local_devices: int
     global_devices: int
     platform: str
-    coordinator_address: str = ""
+    store_address: str = ""  # host:port of the run's control-plane store (kvstore; served by process 0)
 
     @property
     def is_coordinator(self) -> bool:
         return self.process_id == 0
 
 
-def _configure_platform(platform: str, cpu_devices: int) -> None:
-    from jax._src import xla_bridge
+def _backends_started() -> bool:
+    """Whether JAX has created its backends (devices) already, through the public config API: a start-up-only
+    option refuses a new value once they exist. The option is set back when it accepted one."""
+    name = "jax_cpu_get_local_topology_timeout_minutes"
+    value = getattr(jax.config, name)
+    try:
+        jax.config.update(name, value + 1)
+    except RuntimeError:
+        return True
+    jax.config.update(name, value)
+    return False
 
-    if xla_bridge.backends_are_initialized():  # e.g. a test session that created its devices already
+
+def _configure_platform(platform: str, cpu_devices: int) -> None:
+    if _backends_started():  # e.g. a test session that created its devices already
         backend = jax.default_backend()
         if backend != platform or (platform == "cpu" and jax.local_device_count() != cpu_devices):
             raise DistributedError(
@@ -107,11 +122,18 @@ def peer_connection_lost(exc: BaseException) -> bool:
 
 
 class DistributedRuntime:
-    """The process's multi-process state: its ``ProcessInfo``, the coordination client, the watchdog."""
+    """The process's multi-process state: its ``ProcessInfo``, the control-plane store's client, the watchdog."""
 
-    def __init__(self, info: ProcessInfo, client: Any = None, heartbeat_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        info: ProcessInfo,
+        client: Any = None,
+        heartbeat_timeout_s: float = 30.0,
+        server: kvstore.StoreServer | None = None,
+    ):
         self.info = info
-        self.client = client  # jax's DistributedRuntimeClient (None in a single-process run)
+        self.client = client  # the run's kvstore.StoreClient (None in a single-process run)
+        self._server = server  # process 0: the store every process's client talks to
         self._decisions = 0  # decisions broadcast so far (every process counts the same)
         self._syncs = 0
         self._acked: list[int] = []  # process 0: decisions whose keys may be deleted once every reader acked
@@ -214,7 +236,7 @@ class DistributedRuntime:
         write_stderr(f"error: process {self.info.process_id}: {message}")
         if self.watchdog is not None:
             self.watchdog.publish_failure(message)
-            if self.info.process_id == 0:  # the coordination service dies with us: give peers time to read it
+            if self.info.process_id == 0:  # the control-plane store dies with us: give peers time to read it
                 time.sleep(min(2 * self.watchdog.interval_s + 0.5, 5.0))
         os._exit(exit_code)
 
@@ -248,7 +270,10 @@ class DistributedRuntime:
         if self._previous_excepthook is not None and sys.excepthook == self._excepthook:
             sys.excepthook = self._previous_excepthook
         if self.client is not None:
-            jax.distributed.shutdown()
+            jax.distributed.shutdown()  # waits for every process to reach it: none needs the store after
+            self.client.close()
+        if self._server is not None:
+            self._server.close()
 
 
 _RUNTIME: DistributedRuntime | None = None  # the process's runtime once initialize() ran (see the module docstring)
@@ -273,29 +298,27 @@ def initialize(config) -> ProcessInfo:
         return info
 
     _join(d, platform)
-    from jax._src import distributed as jax_distributed
-
-    client = jax_distributed.global_state.client
+    client, server = _start_store(d)
     info = ProcessInfo(
         jax.process_index(),
         jax.process_count(),
         jax.local_device_count(),
         jax.device_count(),
         platform,
-        jax_distributed.global_state.coordinator_address or "",
+        client.address,
     )
     _check_equal_local_devices(client, info)
-    _RUNTIME = DistributedRuntime(info, client, float(d.heartbeat_timeout_s))
+    _RUNTIME = DistributedRuntime(info, client, float(d.heartbeat_timeout_s), server)
     _RUNTIME.install()
-    p2p.start(client, info.process_id, info.num_processes, info.coordinator_address)
+    p2p.start(client, info.process_id, info.num_processes, info.store_address)
     log.info(
-        "distributed: process %d of %d, %d local / %d global %s devices, coordinator %s",
+        "distributed: process %d of %d, %d local / %d global %s devices, control-plane store %s",
         info.process_id,
         info.num_processes,
         info.local_devices,
         info.global_devices,
         platform,
-        info.coordinator_address,
+        info.store_address,
     )
     return info
 
@@ -328,6 +351,34 @@ def _join(d, platform: str) -> None:
             f"{kwargs['coordinator_address'] or 'auto-detection'} failed: {first_line(exc)} (is process 0 running "
             f"and reachable? config.distributed.initialization_timeout_s={d.initialization_timeout_s})"
         ) from None
+
+
+def _start_store(d) -> tuple[kvstore.StoreClient, kvstore.StoreServer | None]:
+    """Process 0 serves the run's control-plane store; every process learns its address and a random secret
+    from one device broadcast (a public collective, so only the run's own processes receive them) and
+    connects. Call it on every process, right after ``jax.distributed.initialize``."""
+    server, payload = None, b""
+    if jax.process_index() == 0:
+        host = _store_host(d)
+        secret = secrets.token_bytes(32)
+        loopback = host in ("127.0.0.1", "localhost", "::1")
+        server = kvstore.StoreServer(kvstore.Store(jax.process_count()), secret, "127.0.0.1" if loopback else "")
+        payload = json.dumps({"address": f"{host}:{server.port}", "secret": secret.hex()}).encode()
+    data, _ = _broadcast_devices(payload, "")
+    record = json.loads(data)
+    return kvstore.StoreClient(record["address"], bytes.fromhex(record["secret"]), jax.process_index()), server
+
+
+def _store_host(d) -> str:
+    """The name other processes reach process 0 at: ``$GYRE_HOST_ADDRESS``, else the coordinator's host (from
+    the config or ``$JAX_COORDINATOR_ADDRESS``: process 0 runs the coordinator), else this host's name (the
+    way Slurm and MPI launches name it)."""
+    if os.environ.get(HOST_ENV):
+        return os.environ[HOST_ENV]
+    coordinator = d.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+    if coordinator:
+        return coordinator.rsplit(":", 1)[0].strip("[]")
+    return socket.gethostname()
 
 
 def _check_equal_local_devices(client, info: ProcessInfo) -> None:
@@ -375,7 +426,7 @@ def broadcast_decision(obj: Any = None, *, via: str = "kv", timeout_s: float | N
     act on exactly the same data. A value that is not JSON-able or is larger than ``MAX_DECISION_BYTES``
     raises ``DistributedError`` on every process.
 
-    ``via="kv"`` (default): through the coordination service's key-value store; waiting for it runs
+    ``via="kv"`` (default): through the run's key-value store (``kvstore``); waiting for it runs
     nothing on the devices. ``via="devices"``: ``multihost_utils.broadcast_one_to_all`` on a uint8 array
     with a length prefix, a collective over every device of every process (which also waits for the
     devices' queued work and blocks them until process 0 joins). ``timeout_s`` bounds the wait (kv only).

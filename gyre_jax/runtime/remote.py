@@ -126,7 +126,7 @@ class FollowerLink:
                 message = self.replies.recv()
             except TimeoutError:
                 continue
-            except Exception as exc:  # noqa: BLE001 - the coordination service is gone: the watchdog reports it
+            except Exception as exc:  # noqa: BLE001 - the control-plane store is gone: the watchdog reports it
                 if not self._closed.is_set():
                     log.warning("process %d: reply channel closed (%s)", self.process_id, exc)
                 return

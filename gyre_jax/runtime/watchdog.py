@@ -1,4 +1,4 @@
-"""Fail-fast: a heartbeat per process in the coordination service's key-value store, and the exit a
+"""Fail-fast: a heartbeat per process in the run's control-plane store (``kvstore``), and the exit a
 survivor takes when a peer is lost (instead of hanging in a collective that will never complete)."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class Watchdog:
                 first_error_at = first_error_at or now
                 if now - first_error_at >= min(self.timeout_s, 2 * self.interval_s):
                     self._exit(
-                        f"lost the coordination service (process 0, the coordinator, died or is unreachable): "
+                        f"lost the control-plane store (process 0, which serves it, died or is unreachable): "
                         f"{first_line(exc)}"
                     )
                 continue

@@ -5,7 +5,7 @@
 Starts 2 processes x 4 virtual CPU devices on loopback. Process 1 keeps running a small jitted matmul on
 its own 4 devices (a stand-in for its serving cell's decode steps) while a second thread waits for a
 decision that process 0 sends only after ``DELAY_S``. Baseline: the same matmul with nothing pending.
-Compared: ``broadcast_decision(via="kv")`` (coordination-service key-value store) and
+Compared: ``broadcast_decision(via="kv")`` (the run's control-plane store, runtime.kvstore) and
 ``broadcast_decision(via="devices")`` (``multihost_utils.broadcast_one_to_all``, a collective over every
 device). Prints a table and writes JSON: per mode the slowest matmul while the decision was pending, and
 its ratio to the baseline median.

@@ -1,5 +1,5 @@
 """``runtime.channel.Channel``: ordered host messages over a real TCP connection on loopback, the address
-exchanged through a key-value store (in memory here, with the calls of jax's coordination client)."""
+exchanged through the run's control-plane store (a real one on loopback: tests/helpers/local_store.py)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from gyre_jax.runtime.channel import Channel, ChannelClosed
 from gyre_jax.runtime.process import peer_connection_lost
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from memory_kv import MemoryKV  # noqa: E402
+from local_store import local_store  # noqa: E402
 
 
 def test_arrays_and_objects_arrive_in_order_and_equal():
-    kv = MemoryKV()
+    kv = local_store()
     writer, reader = Channel(kv, "t"), Channel(kv, "t")
     rng = np.random.default_rng(0)
     batch = {
@@ -36,17 +36,17 @@ def test_arrays_and_objects_arrive_in_order_and_equal():
         assert got[1]["batch"][name].dtype == value.dtype
         np.testing.assert_array_equal(got[1]["batch"][name], value)
     got[0]["batch"]["tokens"][0, 0] = -1  # the received arrays are ordinary writable arrays
-    assert kv.data == {}  # the address key is gone once the writer connected
+    assert kv.key_value_dir_get_bytes("gyre") == []  # the address key is gone once the writer connected
     with pytest.raises(TimeoutError):
         reader.recv(50)
 
 
 def test_a_connection_without_the_secret_is_refused_and_the_writer_still_gets_through():
-    kv = MemoryKV()
+    kv = local_store()
     writer, reader = Channel(kv, "s"), Channel(kv, "s")
     with pytest.raises(TimeoutError):
         reader.recv(10)  # the reader listens and publishes its address
-    host, port = kv.data["gyre/ch/s/addr"][32:].decode().rsplit(":", 1)
+    host, port = kv.key_value_try_get_bytes("gyre/ch/s/addr")[32:].decode().rsplit(":", 1)
     with socket.create_connection((host, int(port))) as intruder:
         intruder.sendall(b"\0" * 32 + pickle.dumps("not from the run"))
         writer.send("from the run")
@@ -54,7 +54,7 @@ def test_a_connection_without_the_secret_is_refused_and_the_writer_still_gets_th
 
 
 def test_a_peer_that_goes_away_is_a_lost_connection_on_both_ends():
-    kv = MemoryKV()
+    kv = local_store()
     writer, reader = Channel(kv, "c"), Channel(kv, "c")
     writer.send(1)
     assert reader.recv(5000) == 1

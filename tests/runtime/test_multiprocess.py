@@ -299,7 +299,7 @@ def test_killing_the_coordinator_makes_the_other_exit_fast_with_a_clear_message(
     assert rc != 0
     # the coordinator is gone: our watchdog or JAX's own client notices first, each with a clear line
     assert (
-        "gyre-jax process 1 of 2 is stopping: lost the coordination service" in err
+        "gyre-jax process 1 of 2 is stopping: lost the control-plane store" in err
         or "Terminating process because the JAX distributed service detected fatal errors" in err
     ), err[-3000:]
     assert not (tmp_path / f"wait_{survivor}.json").exists()  # it never got past the blocked call

@@ -1,8 +1,8 @@
 """The leader/follower cell protocol (``gyre_jax.runtime.remote`` / ``runtime.host``) in one process.
 
-The coordination service's key-value store is replaced by an in-memory one with the same calls (the
-real one needs ``jax.distributed``; ``tests/runtime/test_train_multiprocess.py`` runs this protocol,
-transfer programs included, between two real processes). Everything else is real: the router, a
+The run's control-plane store is a real one on loopback (tests/helpers/local_store.py), served in this
+process (``tests/runtime/test_train_multiprocess.py`` runs this protocol, transfer programs included,
+between two real processes). Everything else is real: the router, a
 ``RemoteCell`` in front of a ``CellHost`` whose cell serves with a real ``ServingLoop`` on the 4-device
 cell mesh.
 """
@@ -28,18 +28,18 @@ from gyre_jax.serving.loop import ServingLoop
 from gyre_jax.serving.types import ContextTooLongError, GenerationRequest, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from memory_kv import MemoryKV  # noqa: E402
+from local_store import local_store  # noqa: E402
 
 MAX_SEQ_LEN = 128  # the serving fixtures' engine (tests/serving/conftest.py)
 
 
 def test_channel_keeps_order_times_out_and_deletes_what_it_read():
-    kv = MemoryKV()
+    kv = local_store()
     a, b = Channel(kv, "x"), Channel(kv, "x")
     for i in range(5):
         a.send({"i": i, "payload": list(range(i))})
     assert [b.recv(100)["i"] for _ in range(5)] == [0, 1, 2, 3, 4]
-    assert kv.data == {}
+    assert kv.key_value_dir_get_bytes("gyre") == []
     with pytest.raises(TimeoutError):
         b.recv(50)
     a.send("late")
@@ -50,7 +50,7 @@ def test_channel_keeps_order_times_out_and_deletes_what_it_read():
 def remote_cell(engine, model_params):
     """A follower's ``CellHost`` serving ``cell1`` with a real loop, and the leader's router in front of its
     ``RemoteCell``."""
-    kv = MemoryKV()
+    kv = local_store()
     loop = ServingLoop(engine, model_params[1], policy_version=3, name="cell1", seed=0).start()
     cell = Cell(index=1, devices=tuple(engine.mesh.devices.flat), mesh=engine.mesh)
     layout = CellLayout.of(cell, engine.cfg, engine.rules, engine.page_size)
