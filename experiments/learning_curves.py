@@ -12,7 +12,10 @@ workdir ``<runs-dir>/seed<k>`` (default runs-dir: ``runs/learning_curves/<config
 evaluates both splits before RL and every ``eval.every_steps``; docs/tasks.md, "The `smol` suite"). A seed whose run is complete is not run again, and an
 interrupted one resumes from its checkpoint (the same command). Then reads each ``metrics.jsonl`` (and, where
 present, ``results/eval_<step>.jsonl``) and writes ``learning_curves.json`` and ``learning_curves.png`` into
-``--out``, and prints the gains. Each seed run here also records its wall time and the machine's 1-minute load
+``--out``, and prints the gains. The result is made of every seed found: this invocation's, any other run directory
+``seed<k>`` under the runs-dir, and the seeds an earlier ``learning_curves.json`` in ``--out`` recorded (``runs``:
+each seed's curves and per-execution evaluation rewards), so seeds run in different sessions add up even where
+their run directories are gone (``gather_runs`` prints where each came from). Each seed run here also records its wall time and the machine's 1-minute load
 average over it (``wall_s``, ``load_avg_1min``: these machines are shared, and a time means little without it).
 
 Statistics (``curves`` / ``eval_gains``, pure functions of the runs' metrics):
@@ -61,6 +64,40 @@ class SeedRun:
     train_metrics: dict[str, dict[int, float]] = field(default_factory=dict)  # key of TRAIN_METRICS -> step -> value
     evals: dict[tuple[str, int], float] = field(default_factory=dict)  # (split, after_steps) -> eval_reward_mean
     eval_rewards: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)  # (split, after_steps) -> [n]
+    source: str = ""  # how a seed read from an earlier result was obtained, if not from its run directory as such
+
+    def to_record(self) -> dict:
+        """What ``learning_curves.json`` keeps of this seed (``runs.<seed>``), so that a seed whose run directory is
+        gone (another session, another machine) still counts in a later analysis: ``from_record`` reads it back."""
+        return {
+            "workdir": str(self.workdir),
+            "train_reward": {str(k): v for k, v in sorted(self.train_reward.items())},
+            "train_pass": {str(k): v for k, v in sorted(self.train_pass.items())},
+            "train_metrics": {m: {str(k): v for k, v in sorted(d.items())} for m, d in self.train_metrics.items()},
+            "evals": {f"{split}/{step}": v for (split, step), v in sorted(self.evals.items())},
+            "eval_rewards": {f"{split}/{step}": r.tolist() for (split, step), r in sorted(self.eval_rewards.items())},
+            **({"source": self.source} if self.source else {}),
+        }
+
+    @classmethod
+    def from_record(cls, seed: int, record: dict) -> SeedRun:
+        def steps(d: dict) -> dict[int, float]:
+            return {int(k): float(v) for k, v in d.items()}
+
+        def split_step(key: str) -> tuple[str, int]:
+            split, step = key.rsplit("/", 1)
+            return split, int(step)
+
+        return cls(
+            seed=seed,
+            workdir=Path(record.get("workdir", "")),
+            train_reward=steps(record["train_reward"]),
+            train_pass=steps(record.get("train_pass", {})),
+            train_metrics={m: steps(d) for m, d in record.get("train_metrics", {}).items()},
+            evals={split_step(k): float(v) for k, v in record.get("evals", {}).items()},
+            eval_rewards={split_step(k): np.asarray(v, np.float64) for k, v in record.get("eval_rewards", {}).items()},
+            source=record.get("source", ""),
+        )
 
 
 def read_run(workdir: Path, seed: int) -> SeedRun:
@@ -337,6 +374,24 @@ def complete(workdir: Path, total_steps: int | None) -> bool:
     return last > 0 and (total_steps is None or last >= total_steps) and any(s == last for _, s in run.evals)
 
 
+def gather_runs(runs_dir: Path, seeds: list[int], earlier: dict) -> list[SeedRun]:
+    """Every seed this result is made of, by seed: a run directory ``runs_dir/seed<k>`` with a ``metrics.jsonl``
+    (this invocation's seeds and any other found there), else the seed's record in the ``learning_curves.json`` an
+    earlier invocation wrote (``runs.<k>``: seeds run in another session, whose directories may be gone). Says
+    where each came from, so no seed drops out of a result unnoticed."""
+    found = {int(d.name[4:]) for d in runs_dir.glob("seed*") if d.name[4:].isdigit() and (d / "metrics.jsonl").exists()}
+    recorded = {int(k) for k in earlier.get("runs", {})}
+    runs = []
+    for s in sorted(found | recorded | set(seeds)):
+        if s in found:
+            runs.append(read_run(runs_dir / f"seed{s}", s))
+            print(f"seed {s}: read from {runs_dir / f'seed{s}'}", flush=True)
+        elif s in recorded:
+            runs.append(SeedRun.from_record(s, earlier["runs"][str(s)]))
+            print(f"seed {s}: its run directory is not here; read from the earlier learning_curves.json", flush=True)
+    return runs
+
+
 def _earlier_result(path: Path) -> dict:
     """The learning_curves.json already at ``path`` ({} if none or unreadable)."""
     try:
@@ -377,7 +432,8 @@ def main(argv: list[str]) -> int:
             wall[s], load[s] = run_seed(args.config, s, workdir, overrides)
             print(f"seed {s}: {wall[s]:.0f} s, load average {load[s]['mean']:.2f} (max {load[s]['max']:.2f}) "
                   f"on {load[s]['cpus']} CPUs", flush=True)  # fmt: skip
-    runs = [read_run(runs_dir / f"seed{s}", s) for s in seeds if (runs_dir / f"seed{s}" / "metrics.jsonl").exists()]
+    earlier = _earlier_result(out / "learning_curves.json")
+    runs = gather_runs(runs_dir, seeds, earlier)
     if not runs:
         raise SystemExit(f"error: no run under {runs_dir} has a metrics.jsonl; run without --analyze-only first")
     curve, gains = curves(runs, args.bootstrap), eval_gains(runs, args.bootstrap)
@@ -385,7 +441,6 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # A seed not run by this invocation (complete before, or --analyze-only) keeps the wall time and load its own run
     # recorded in an earlier learning_curves.json here (seeds run in different sessions add up to one result).
-    earlier = _earlier_result(out / "learning_curves.json")
     for s in (r.seed for r in runs):
         if s not in wall and str(s) in earlier.get("wall_s", {}):
             wall[s], load[s] = earlier["wall_s"][str(s)], earlier.get("load_avg_1min", {}).get(str(s))
@@ -402,6 +457,7 @@ def main(argv: list[str]) -> int:
         "train_metrics": {key: curves(runs, args.bootstrap, key=key) for key in TRAIN_METRICS + RATIO_METRICS},
         "eval": gains,
         "eval_curves": evals,
+        "runs": {str(r.seed): r.to_record() for r in runs},  # each seed's data (gather_runs reads it back)
     }
     (out / "learning_curves.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(curve, gains, out / "learning_curves.png", f"{args.config}: {len(runs)} seeds", evals)

@@ -155,6 +155,34 @@ def test_script_analyzes_runs_writes_json_and_png(tmp_path):
     assert again["overrides"] == ["--config.model.lora.rank=16"]
 
 
+def test_a_seed_whose_run_directory_is_gone_still_counts_from_the_earlier_result(tmp_path):
+    """Seeds run in different sessions add up: the JSON keeps each seed's curves and per-execution evaluation
+    rewards, so an analysis of seed 1 alone (--first-seed 1) after seed 0's directory was deleted gives the same
+    two-seed result, and says where seed 0 came from."""
+    for seed, (before, after) in enumerate([(0.25, 0.5), (0.5, 0.75)]):
+        evals = {("train", 0): before, ("train", 2): after, ("heldout", 0): before, ("heldout", 2): after}
+        per_exec = {key: [1.0] * int(v * 4) + [0.0] * (4 - int(v * 4)) for key, v in evals.items()}
+        _write_run(tmp_path / "runs" / f"seed{seed}", [0.1, 0.2], evals, per_exec, {"grad_norm": [1.0, 2.0]})
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(SCRIPT), "--analyze-only", "--runs-dir", str(tmp_path / "runs"), "--out", str(out),
+           "--bootstrap", "300"]  # fmt: skip
+    subprocess.run([*cmd, "--seeds", "2"], capture_output=True, text=True, check=True)
+    both = json.loads((out / "learning_curves.json").read_text())
+    assert both["seeds"] == [0, 1] and both["runs"]["0"]["eval_rewards"]["train/2"] == [1.0, 1.0, 0.0, 0.0]
+
+    for f in sorted((tmp_path / "runs" / "seed0").rglob("*"), reverse=True):
+        f.rmdir() if f.is_dir() else f.unlink()
+    (tmp_path / "runs" / "seed0").rmdir()
+    proc = subprocess.run([*cmd, "--first-seed", "1", "--seeds", "1"], capture_output=True, text=True, check=True)
+    again = json.loads((out / "learning_curves.json").read_text())
+    assert "seed 0: its run directory is not here; read from the earlier learning_curves.json" in proc.stdout
+    assert "seed 1: read from" in proc.stdout
+    assert again["seeds"] == [0, 1]
+    for key in ("eval", "eval_curves", "train_reward", "train_metrics", "runs"):
+        assert again[key] == both[key], key
+    assert again["eval"]["train"]["gain"]["mean"] == pytest.approx(0.25)
+
+
 def test_script_without_runs_says_what_to_do(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--analyze-only", "--runs-dir", str(tmp_path), "--out", str(tmp_path / "o")],
