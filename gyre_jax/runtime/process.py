@@ -9,8 +9,8 @@ detection on Slurm, Open MPI, Cloud TPU and Kubernetes; CPU runs use gloo collec
 
 - **Control plane** (``broadcast_decision``, ``sync``, ``abort``): small host-side messages through the
   run's own key-value store and barriers (``kvstore``: served by process 0, its address handed to every
-  process once by a device broadcast; JAX's coordination service has no public client). They never run a device program, so a process
-  waiting for process 0's next decision does not block its own devices. ``via="devices"`` uses
+  process once by a device broadcast; JAX's coordination service has no public client). They never run a
+  device program, so a process waiting for process 0's next decision does not block its own devices. ``via="devices"`` uses
   ``multihost_utils.broadcast_one_to_all`` instead.
 - **Fail-fast** (``watchdog.Watchdog``): when a peer stops beating, fails, or the coordinator is gone, the
   survivor prints one clear line and exits with ``PEER_LOST_EXIT_CODE`` instead of hanging in a collective;
