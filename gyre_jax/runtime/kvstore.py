@@ -29,11 +29,12 @@ import struct
 import threading
 from typing import Any
 
+from gyre_jax.runtime.watchdog import FOREVER_MS
+
 _FRAME = struct.Struct("!II")
 MAX_VALUE_BYTES = 64 << 20  # a control-plane value; bulk data moves by runtime.transfer and channels
 CALL_TIMEOUT_S = 60.0  # a non-blocking call (and the margin over a blocking one's own timeout) must answer within this
 CONNECT_TIMEOUT_S = 30.0
-_NO_TIMEOUT_MS = 2**31 - 1  # FOREVER_MS of runtime.watchdog: wait without a socket timeout
 
 
 class StoreError(RuntimeError):
@@ -120,7 +121,7 @@ class Store:
 
 
 def _seconds(timeout_in_ms: int) -> float | None:
-    return None if timeout_in_ms >= _NO_TIMEOUT_MS else max(0, timeout_in_ms) / 1000
+    return None if timeout_in_ms >= FOREVER_MS else max(0, timeout_in_ms) / 1000
 
 
 # -- the wire -----------------------------------------------------------------------------------------------
