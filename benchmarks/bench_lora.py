@@ -13,9 +13,12 @@
 2. **Role switch time on CPU**, real weights: the weight movement of each switch direction as the run performs it
    (``GradWorker.snapshot`` of the trained params onto the cell's training layout, blocked until ready;
    ``LocalCell.place``, what ``set_weights`` runs, onto its serving layout), full model vs rank-``--rank`` adapter,
-   from a core cell (device 0) to another cell (device 1) of 2 virtual CPU devices. The two variants alternate (round
-   robin after a warm-up call each), so load from other work falls on both alike; median of ``--reps``. Baseline: the
-   full-weight switch, same run. The issue's bar: LoRA's switch <= 10% of the full one.
+   from a core cell (device 0) to another cell (device 1) of 2 virtual CPU devices. With LoRA the trainer packs the
+   adapter once per policy version (``lora.publication``) and every receiver moves and unpacks that one array: the
+   LoRA column includes the packing (a receiver alone pays it); two more columns show the publication shared with
+   other receivers, and the receiver flattening and packing the tree itself (the code before 2026-12-07). The
+   variants alternate (each round in a new seeded order, after a warm-up call each), so load from other work falls on
+   all alike and none always follows another; median of ``--reps``. Baseline: the full-weight switch, same run. The issue's bar: LoRA's switch <= 10% of the full one.
 3. **The simulator's presets** (``gyre_jax.sim``: 122B on deepswe, 2.4T on flagship): role switch and weight sync
    times and the accelerators the core needs (``cost_model.core_accelerators``), full fine-tuning vs LoRA rank 16 on
    attention, and on attention + every expert (``cost_model.with_lora``; its assumption: 90% of a published switch is
@@ -32,6 +35,7 @@ import dataclasses
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -111,17 +115,25 @@ def switch_times(base_cfg: ModelConfig, rank: int, reps: int, checkpoint: str, s
     full_worker, full_cell = parts(base_cfg, graphdef)
     lora_worker, lora_cell = parts(cfg, graphdef_l)
     lora_cell.place(with_adapter)  # the cell is built: its base arrives once (shared with its worker)
+    shared = lora.publication(adapter)  # packed once per policy version for every receiver (CellTraining)
     variants = {
         ("serving_to_training", "full"): lambda: full_worker.snapshot(full),
-        ("serving_to_training", "lora"): lambda: lora_worker.snapshot(adapter),
+        ("serving_to_training", "lora"): lambda: lora_worker.snapshot(lora.publication(adapter)),
+        ("serving_to_training", "lora_shared"): lambda: lora_worker.snapshot(shared),
+        ("serving_to_training", "lora_tree"): lambda: lora_worker.snapshot(adapter),
         ("training_to_serving", "full"): lambda: full_cell.place(full),
-        ("training_to_serving", "lora"): lambda: lora_cell.place(adapter),
+        ("training_to_serving", "lora"): lambda: lora_cell.place(lora.publication(adapter)),
+        ("training_to_serving", "lora_shared"): lambda: lora_cell.place(shared),
+        ("training_to_serving", "lora_tree"): lambda: lora_cell.place(adapter),
     }
     times: dict = {k: [] for k in variants}
     for fn in variants.values():
         jax.block_until_ready(fn())  # warm-up
+    rng = random.Random(0)
     for _ in range(reps):
-        for key, fn in variants.items():
+        order = list(variants.items())
+        rng.shuffle(order)  # no variant always runs right after another (the full copies' freeing, caches)
+        for key, fn in order:
             t0 = time.perf_counter()
             jax.block_until_ready(fn())
             times[key].append(time.perf_counter() - t0)
@@ -136,8 +148,14 @@ def switch_times(base_cfg: ModelConfig, rank: int, reps: int, checkpoint: str, s
         "reps": reps,
     }
     for direction in ("serving_to_training", "training_to_serving"):
-        f, a = statistics.median(times[(direction, "full")]), statistics.median(times[(direction, "lora")])
-        out[direction] = {"full_s": f, "lora_s": a, "ratio": a / f}
+        med = {v: statistics.median(times[(direction, v)]) for v in ("full", "lora", "lora_shared", "lora_tree")}
+        out[direction] = {
+            "full_s": med["full"],
+            "lora_s": med["lora"],  # the adapter packed for this receiver alone, moved, unpacked: the bar's number
+            "ratio": med["lora"] / med["full"],
+            "lora_shared_s": med["lora_shared"],  # a publication other receivers of the version share
+            "lora_tree_s": med["lora_tree"],  # the receiver flattens and packs the tree itself (before 2026-12-07)
+        }
     return out
 
 
@@ -199,13 +217,16 @@ def main(argv=None) -> int:
     model = TINY if args.smoke else SMOLLM2_135M
     timings = [switch_times(model, args.rank, reps, checkpoint, scan) for scan in (False, True)]
     print(f"\n## Role switch weight movement on CPU ({timings[0]['model']}, rank {args.rank}, median of {reps})\n")
-    print("| layer layout | adapter arrays | direction | full (baseline) | LoRA | LoRA / full |")
-    print("|---|---|---|---|---|---|")
+    print("| layer layout | adapter arrays | direction | full (baseline) | LoRA | LoRA / full | LoRA, publication "
+          "shared | LoRA, receiver packs the tree (before) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for timing in timings:
         for d in ("serving_to_training", "training_to_serving"):
             t = timing[d]
             print(f"| {timing['layer_layout']} | {timing['adapter_leaves']} | {d.replace('_', ' ')} | "
-                  f"{t['full_s'] * 1e3:.1f} ms | {t['lora_s'] * 1e3:.2f} ms | {t['ratio']:.3f} |")  # fmt: skip
+                  f"{t['full_s'] * 1e3:.1f} ms | {t['lora_s'] * 1e3:.2f} ms | {t['ratio']:.3f} | "
+                  f"{t['lora_shared_s'] * 1e3:.2f} ms ({t['lora_shared_s'] / t['full_s']:.3f}) | "
+                  f"{t['lora_tree_s'] * 1e3:.2f} ms ({t['lora_tree_s'] / t['full_s']:.3f}) |")  # fmt: skip
     worst = {
         t["layer_layout"]: max(t[d]["ratio"] for d in ("serving_to_training", "training_to_serving")) for t in timings
     }

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gyre_jax.faultpoints import kill_point
+from gyre_jax.model import lora
 from gyre_jax.rl.accumulator import GradAccumulator
 from gyre_jax.rl.learner import Learner, TrainState
 from gyre_jax.rl.micro_step import micro_batch_flops, run_micro_steps
@@ -78,6 +79,8 @@ class CellTraining:
         self.on_error = on_error
         self.cells = [TrainingCell(h) for h in handles]
         self.lock = threading.Lock()  # ``state`` is read by snapshots and replaced by the optimizer step
+        self._lora = lora.enabled(learner.model_cfg)
+        self._published: tuple[Any, Any] | None = None  # (params, their publication): see ``_publication``
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
         self.step = -1
@@ -122,7 +125,16 @@ class CellTraining:
         """The current policy to ``handles`` (serving cells), device to device onto their serving layouts."""
         with self.lock:
             for h in handles:
-                h.set_weights(self.state.params, self.version)
+                h.set_weights(self._publication(), self.version)
+
+    def _publication(self) -> Any:
+        """The current params as every receiver of this version takes them (call under ``lock``): a LoRA adapter
+        packed once (``lora.publication``: each serving cell and satellite then moves and unpacks one array), not
+        flattened and packed again per receiver; the params themselves otherwise."""
+        params = self.state.params
+        if self._published is None or self._published[0] is not params:
+            self._published = (params, lora.publication(params) if self._lora else params)
+        return self._published[1]
 
     def load(self, cell: TrainingCell) -> None:
         """The cell's weights for the current policy (a satellite's snapshot; the core uses its own params)."""
@@ -130,7 +142,7 @@ class CellTraining:
             return
         with self.lock:
             if cell.weights_version != self.version:
-                cell.weights = cell.handle.worker.snapshot(self.state.params)
+                cell.weights = cell.handle.worker.snapshot(self._publication())
                 cell.weights_version = self.version
             if self.ref_params is not None and cell.ref_weights is None:
                 cell.ref_weights = cell.handle.worker.snapshot(self.ref_params, slot="ref")

@@ -188,15 +188,11 @@ def put_leaves(leaves: list, targets: list, put_fn=jax.device_put, **kw) -> list
     """``put`` of a tree already flattened (``leaves``, and its ``targets``: one sharding per leaf): a caller that
     holds the flat form (a cell's switch) spares the Variables' flatten and unflatten, which cost as much as the
     move for an adapter of hundreds of arrays."""
-    sources = {getattr(x.sharding, "mesh", None) for x in leaves}
     meshes = {getattr(t, "mesh", None) for t in targets}
-    if len({x.dtype for x in leaves}) != 1 or len(sources) != 1 or len(meshes) != 1 or None in sources | meshes:
+    packed = pack_leaves(leaves, None) if len(meshes) == 1 and None not in meshes else None
+    if packed is None:  # mixed dtypes or meshes: leaf by leaf
         return list(put_fn(list(leaves), list(targets), **kw))
-    shapes = tuple(tuple(x.shape) for x in leaves)
-    replicated = NamedSharding(sources.pop(), PartitionSpec())
-    packed = _packer(shapes, replicated)(leaves)  # [sum of sizes]
-    moved = put_fn(packed, NamedSharding(meshes.pop(), PartitionSpec()), **kw)
-    return _unpacker(shapes, tuple(targets))(moved)
+    return unpack_onto(packed, targets, put_fn, **kw)
 
 
 # -- an adapter held as one array: what a role switch moves ---------------------------------------------------------
@@ -239,10 +235,12 @@ class Packed:
     dozens of shapes a cell compiles (XLA:CPU maps each kernel, and a slice feeding a dot is a kernel of its own):
     SmolLM2-135M's serving programs went from ~235 to ~1,500 maps each, and a run reached the kernel's
     ``vm.max_map_count`` (65,530) within 45 minutes. A pytree (the buffer its one leaf), so a jitted function takes
-    it as an argument."""
+    it as an argument. ``source``: the tree it was packed from, when a sender packs once for many receivers
+    (``publication``): a receiver that cannot take the packed form (a cell on another process) sends that; not part
+    of the pytree (a program never sees it)."""
 
-    def __init__(self, buffer: jax.Array, layout: PackedLayout):
-        self.buffer, self.layout = buffer, layout
+    def __init__(self, buffer: jax.Array, layout: PackedLayout, source: Any = None):
+        self.buffer, self.layout, self.source = buffer, layout, source
 
     def tree_flatten(self):
         return (self.buffer,), self.layout
@@ -256,11 +254,45 @@ class Packed:
         return Packed(put_fn(self.buffer, sharding, **kw), self.layout)
 
 
+def publication(params: Any) -> Any:
+    """What a trainer hands every receiver of one policy version (the serving cells of a publish or a role switch,
+    the satellites' snapshots): an adapter packed once (``Packed``, its ``source`` the tree), so each receiver moves
+    and unpacks one array instead of flattening and packing the tree again; ``params`` itself when it does not pack
+    (mixed dtypes or meshes)."""
+    packed = pack_leaves(*jax.tree.flatten(params))
+    if packed is None:
+        return params
+    packed.source = params
+    return packed
+
+
+def source_of(params: Any) -> Any:
+    """The tree a ``publication`` was packed from (for a receiver that takes trees), else ``params``."""
+    if isinstance(params, Packed):
+        if params.source is None:
+            raise ValueError("a packed adapter without its source tree: this receiver takes the tree; pass the tree")
+        return params.source
+    return params
+
+
+def unpack_onto(packed: Packed, targets: list, put_fn=jax.device_put, **kw) -> list:
+    """The leaves of ``packed`` on ``targets`` (one sharding per leaf, all on one mesh): its one buffer moved there
+    by ``put_fn`` and unpacked there by one program (``put_leaves`` without the packing)."""
+    meshes = {getattr(t, "mesh", None) for t in targets}
+    if len(meshes) != 1 or None in meshes:
+        raise ValueError("unpack_onto: the targets must be NamedShardings of one mesh")
+    moved = put_fn(packed.buffer, NamedSharding(meshes.pop(), PartitionSpec()), **kw)
+    return _unpacker(packed.layout.shapes, tuple(targets))(moved)
+
+
 def pack_leaves(leaves: list, treedef: Any) -> Packed | None:
     """The tree ``treedef`` of ``leaves`` as one ``Packed`` array on the leaves' mesh (a jitted concatenation,
-    compiled once per layout), or None when they are not all of one dtype on one mesh (move those leaf by leaf)."""
+    compiled once per layout), or None when they are not all of one dtype on one mesh of this process's devices (move
+    those leaf by leaf)."""
     sources = {getattr(x.sharding, "mesh", None) for x in leaves}
     if not leaves or len({x.dtype for x in leaves}) != 1 or len(sources) != 1 or None in sources:
+        return None
+    if next(iter(sources)).is_multi_process:  # a program there would have to run on every process at once
         return None
     shapes = tuple(tuple(x.shape) for x in leaves)
     buffer = _packer(shapes, NamedSharding(sources.pop(), PartitionSpec()))(leaves)

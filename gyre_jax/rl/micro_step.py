@@ -138,10 +138,13 @@ class GradWorker:
         same arrays when they already live there. ``slot`` names what they are (``"params"``, ``"ref"``): a
         worker whose weights stay on another process keeps one of each. With a LoRA adapter ``params`` is the
         adapter (what moves), or a whole model state whose base this worker then keeps (``set_base``); the snapshot
-        is then the adapter packed as one array (``lora.Packed``), which ``micro_step`` unpacks inside its program."""
+        is then the adapter packed as one array (``lora.Packed``), which ``micro_step`` unpacks inside its program;
+        an adapter already packed (``lora.publication``) only moves."""
         if not self.lora:
-            return jax.device_put(params, self.param_shardings)
-        leaves, treedef = jax.tree.flatten(params)
+            return jax.device_put(lora.source_of(params), self.param_shardings)
+        if isinstance(params, lora.Packed) and params.layout.treedef == self._trained_def:
+            return params.to(self.replicated)  # packed once by the trainer for every receiver: one array moves
+        leaves, treedef = jax.tree.flatten(lora.source_of(params))
         if treedef != self._trained_def:  # a whole model state: its base becomes this worker's
             leaves, treedef = jax.tree.flatten(self.trainable(params))
         packed = lora.pack_leaves(leaves, treedef)

@@ -86,10 +86,14 @@ class LocalCell(CellHandleBase):
         """``params`` on this cell's serving layout: a copy (see ``set_weights``). With LoRA: the cell's base and a copy
         of the adapter, moved as one array and unpacked here by one program (``lora.put_leaves``), given to the serving
         programs as flat leaves (``Flattened``: no per-leaf move, no ``nnx.Variable`` rebuilt); a whole model state's
-        base becomes the cell's."""
+        base becomes the cell's. An adapter the trainer packed once for every receiver (``lora.publication``) is
+        only moved and unpacked."""
         if not self.lora:
-            return transfer(params, self.layout.param_shardings, may_alias=False)
-        leaves, treedef = jax.tree.flatten(params)
+            return transfer(lora.source_of(params), self.layout.param_shardings, may_alias=False)
+        if isinstance(params, lora.Packed) and params.layout.treedef == self._adapter_def and self.base is not None:
+            moved = lora.unpack_onto(params, self._adapter_targets, transfer, may_alias=False)  # packed once, sent
+            return Flattened(*lora.merged_leaves(*self._base_flat, moved, self._adapter_def))
+        leaves, treedef = jax.tree.flatten(lora.source_of(params))
         if treedef != self._adapter_def:  # a whole model state: the frozen base, never donated, so arrays already
             adapter, base = lora.split(params)  # here are shared, not copied
             if base is not None and lora.num_leaves(base):

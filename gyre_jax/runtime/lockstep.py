@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gyre_jax.model import lora
 from gyre_jax.rl.accumulator import GradAccumulator
 from gyre_jax.rl.learner import Learner
 from gyre_jax.runtime.channel import Channel
@@ -518,6 +519,7 @@ class LockstepWorker:
         )
 
     def snapshot(self, params: Any, slot: str = "params") -> Any:
+        params = lora.source_of(params)  # peers receive trees (a packed adapter's layout does not cross processes)
         return self._group.call(self._target, self._method("snapshot"), params, slot, local=self._worker.snapshot)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from gyre_jax.model import lora
 from gyre_jax.runtime import commands as cmd
 from gyre_jax.runtime import sessions
 from gyre_jax.runtime.base import CellHandleBase
@@ -183,7 +184,7 @@ class RemoteWorker:
         ref = cmd.WeightsRef(cell=self.owner.index, slot=slot, serial=next(self._serials))
         with self.owner.program("load_weights") as (seqs, uuid):
             self.owner.link.send(cmd.LoadWeights(self.owner.index, ref, seqs[self.owner.process], uuid))
-            transfer(params, self.param_shardings, uuid=uuid)
+            transfer(lora.source_of(params), self.param_shardings, uuid=uuid)
         return ref
 
     def micro_step(
@@ -278,7 +279,7 @@ class RemoteCell(CellHandleBase):
         the loop's next step."""
         with self.program("set_weights") as (seqs, uuid):
             self.link.send(cmd.SetWeights(self.index, version, seqs[self.process], uuid))
-            transfer(params, self.layout.param_shardings, uuid=uuid)
+            transfer(lora.source_of(params), self.layout.param_shardings, uuid=uuid)
         self._version = version
 
     def move_sessions_to(self, target: CellHandle) -> list[MovedSession]:

@@ -132,15 +132,62 @@ def test_switches_move_the_adapter_as_one_array_and_serve_base_plus_adapter(setu
     cell = Cell(1, tuple(devices), make_mesh(devices, dict(data=2)))
     local = LocalCell(cell, CellLayout.of(cell, LORA, rules, page_size=16), None, None, make_loop=lambda p, v: None)
     expected = lora.combine(base, adapter)
-    for given in (params, adapter):  # the first weights carry the base; a switch carries the adapter only
+    published = lora.publication(adapter)  # what the trainer hands every receiver of a version: packed once
+    assert isinstance(published, lora.Packed) and published.source is adapter
+    snap_of_published = satellite.snapshot(published)
+    assert isinstance(snap_of_published, lora.Packed) and snap_of_published.source is None  # only the buffer moved
+    np.testing.assert_array_equal(host(snap_of_published.buffer), host(snap.buffer))
+    # the first weights carry the base; a switch carries the adapter only, as a tree or packed once by the trainer
+    for given, model in ((params, params), (adapter, expected), (published, expected)):
         moves.clear()
         served = local.place(given)
         assert moves[-1] == [adapter_bytes]  # the adapter moved as one array (after the base, the first time)
         assert isinstance(served, Flattened) and served.treedef == jax.tree.structure(expected)
         assert all(x.devices() == set(devices) for x in served.leaves)
-    whole = jax.jit(lambda leaves: served.treedef.unflatten(leaves))(served.leaves)  # as a serving program does
-    for got, want in zip(jax.tree.leaves(host(whole)), jax.tree.leaves(host(expected))):
-        np.testing.assert_array_equal(got, want)
+        unflatten = served.treedef.unflatten
+        whole = jax.jit(lambda leaves, unflatten=unflatten: unflatten(leaves))(served.leaves)  # as a program does
+        for got, want in zip(jax.tree.leaves(host(whole)), jax.tree.leaves(host(model))):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_a_policy_version_is_packed_once_for_every_receiver(setup, monkeypatch):
+    """The trainer packs the adapter once per policy version (``lora.publication``) and hands that to every serving
+    cell it publishes to and every satellite snapshot: no receiver flattens and packs the tree again; a new version
+    is packed anew."""
+    from gyre_jax.elastic import training as training_module
+    from gyre_jax.elastic.training import CellTraining
+    from gyre_jax.runtime.cells import Cell, CellLayout
+    from gyre_jax.runtime.local import LocalCell
+
+    learner, _, params, _, rules = setup
+    packs, publication = [], lora.publication
+
+    def counting(tree):
+        packs.append(tree)
+        return publication(tree)
+
+    monkeypatch.setattr(training_module.lora, "publication", counting)
+    served: list[tuple[object, int]] = []
+    handles = []
+    for i, devices in enumerate((jax.devices()[4:6], jax.devices()[6:8])):
+        cell = Cell(i + 1, tuple(devices), make_mesh(devices, dict(data=2)))
+        handle = LocalCell(cell, CellLayout.of(cell, LORA, rules, page_size=16), None, None,
+                           make_loop=lambda p, v: served.append((p, v)))  # fmt: skip
+        handle.set_weights(params, 0)  # the base arrives once, with the first weights
+        handles.append(handle)
+    state = learner.init_state(jax.tree.map(jnp.copy, params))
+    training = CellTraining(learner, state, [])
+    served.clear()
+    training.publish(handles)
+    training.publish(handles)  # the same version again (a role switch back to serving): still one pack
+    assert len(packs) == 1 and packs[0] is state.params and [v for _, v in served] == [0, 0, 0, 0]
+    want = host(lora.combine(learner.base, state.params))
+    for flat, _ in served:
+        for got, w in zip(host(flat.leaves), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(got, w)
+    training.state, _ = learner.step(state, micro_batches())  # a new version
+    training.publish(handles)
+    assert len(packs) == 2 and packs[1] is training.state.params and served[-1][1] == 1
 
 
 def test_a_worker_without_its_base_says_so(setup):
