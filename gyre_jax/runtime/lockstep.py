@@ -46,6 +46,8 @@ from gyre_jax.runtime.watchdog import DistributedError
 
 log = logging.getLogger(__name__)
 
+RECENT_CALLS = 16  # calls each side remembers, to print when one fails (which side ran what, in which order)
+
 
 class LockstepError(DistributedError):
     """A cell's processes are out of lockstep, or a call cannot be sent to them; the message says which."""
@@ -174,6 +176,7 @@ class Lockstep:
         self._names: dict[int, str] = {}  # id(object) -> its name
         self.objects: dict[str, Any] = {}
         self.calls = 0
+        self.recent: collections.deque[str] = collections.deque(maxlen=RECENT_CALLS)
         self._closed = False
         for name, obj in (objects or {}).items():
             self.register(name, obj)
@@ -257,8 +260,20 @@ class Lockstep:
             for ch in self.channels:
                 ch.send(message)
             self.calls += 1
+            self.recent.append(describe_call(seq, target, path, threading.current_thread().name))
             fn = local if local is not None else resolve(self.objects, target, path)
-            result = fn(*args, **kwargs)
+            try:
+                result = fn(*args, **kwargs)
+            except Exception:
+                log.error(
+                    "cell%d: lockstep call #%d failed here after its peers %s were sent it (they run it too, so "
+                    "the cell's processes may no longer run the same device programs); this process's last calls: %s",
+                    self.cell.index,
+                    seq,
+                    list(self.peers),
+                    "; ".join(self.recent),
+                )
+                raise
             self._track(seq, result)
             if bind is not None:
                 self.register(bind, result)
@@ -300,6 +315,12 @@ class Lockstep:
                     ch.send(Stop())
                 except Exception as exc:  # noqa: BLE001 - the peer may be gone already
                     log.warning("cell%d: could not tell a peer to stop: %s", self.cell.index, exc)
+
+
+def describe_call(seq: int, target: str | None, path: str, thread: str = "") -> str:
+    """One line of a side's recent calls: ``#seq target.path`` (and the driver's thread that made it)."""
+    what = path if target is None else f"{target}.{path}"
+    return f"#{seq} {what}" + (f" [{thread}]" if thread else "")
 
 
 def resolve(objects: dict[str, Any], target: str | None, path: str) -> Callable[..., Any]:
@@ -380,6 +401,7 @@ class Replayer:
         self.failed: dict[int, str] = {}  # call seq -> why it failed here
         self.channel = Channel(client, channel_name(cell.index, process))
         self.calls = 0
+        self.recent: collections.deque[str] = collections.deque(maxlen=RECENT_CALLS)
 
     def adopt(self, name: str, tree: Any) -> Any:
         for i, x in enumerate(a for a in jax.tree.leaves(tree) if isinstance(a, jax.Array)):
@@ -421,11 +443,19 @@ class Replayer:
         args, kwargs = self.decode(call.args), self.decode(call.kwargs)
         fn = resolve(self.objects, call.target, call.path)
         self.calls += 1
+        self.recent.append(describe_call(call.seq, call.target, call.path))
         try:
             result = fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - the driver's own run of it most likely failed the same way
             self.failed[call.seq] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            log.warning("process %d: lockstep call #%d %s failed: %r", self.process, call.seq, call.path, exc)
+            log.warning(
+                "process %d: lockstep call #%d %s failed: %r; this process's last calls: %s",
+                self.process,
+                call.seq,
+                call.path,
+                exc,
+                "; ".join(self.recent),
+            )
             return
         for i, x in enumerate(a for a in jax.tree.leaves(result) if isinstance(a, jax.Array)):
             self.arrays[Ref(call.seq, i)] = x
@@ -441,6 +471,9 @@ class Replayer:
             except TimeoutError:
                 continue
             except Exception as exc:  # noqa: BLE001 - the driver is gone: the watchdog says so
+                log.error(
+                    "process %d: cell%d's last calls here: %s", self.process, self.cell.index, "; ".join(self.recent)
+                )
                 raise DistributedError(
                     f"process {self.process} lost its cell's driver (process {self.cell.processes[0]}): "
                     f"{type(exc).__name__}: {str(exc)[:200]}; restart all processes to resume from the last checkpoint"
