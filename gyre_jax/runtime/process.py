@@ -327,6 +327,14 @@ def _join(d, platform: str) -> None:
     """``jax.distributed.initialize`` from the ``config.distributed`` section ``d`` (or cluster detection)."""
     if platform == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # A program on one device of this process (one local device of a cell over processes) is ordered after
+        # the device's last enqueued one by a read and a later write of that event, not one atomic step, so two
+        # threads dispatching together (a serving loop and a training thread) can fork the chain and let two of
+        # the cell's programs run at once here while its other processes run them one after the other; gloo's
+        # collectives carry no tag, so they then pair the wrong messages ("65536 vs 4096"). Run such programs
+        # inline on the dispatching thread instead (programs over several local devices are gang-scheduled
+        # one at a time either way; XLA's flag changes only single-device ones).
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
     kwargs = dict(
         coordinator_address=d.coordinator_address or None,
         num_processes=d.num_processes or None,
