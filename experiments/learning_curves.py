@@ -225,6 +225,28 @@ def _two_level_gains(before: list[np.ndarray], after: list[np.ndarray], rng, n_b
     return gain[picks, np.arange(n_boot)[:, None], np.arange(k)[None, :]].mean(axis=1)
 
 
+def eval_pairs(runs: list[SeedRun], split: str) -> list[tuple[SeedRun, int, int]]:
+    """The seeds with an evaluation of ``split`` before RL and after it: (run, 0, its last evaluated step)."""
+    pairs = []
+    for r in runs:
+        steps = sorted(s for (sp, s) in r.evals if sp == split)
+        if len(steps) >= 2 and steps[0] == 0:
+            pairs.append((r, steps[0], steps[-1]))
+    return pairs
+
+
+def gain_replicates(pairs: list[tuple[SeedRun, int, int]], split: str, rng, n_boot: int) -> tuple[np.ndarray, str]:
+    """[n_boot] bootstrap replicates of the mean gain over ``pairs`` (``eval_pairs``) and the method: the two-level
+    bootstrap ("seeds+executions") when every seed kept its per-execution rewards, else over seeds ("seeds")."""
+    if all((split, s0) in r.eval_rewards and (split, s1) in r.eval_rewards for r, s0, s1 in pairs):
+        before = [r.eval_rewards[(split, s0)] for r, s0, _ in pairs]
+        after = [r.eval_rewards[(split, s1)] for r, _, s1 in pairs]
+        return _two_level_gains(before, after, rng, n_boot), "seeds+executions"
+    gains = np.asarray([r.evals[(split, s1)] - r.evals[(split, s0)] for r, s0, s1 in pairs])
+    idx = rng.integers(0, gains.size, size=(n_boot, gains.size))
+    return gains[idx].mean(axis=1), "seeds"
+
+
 def eval_gains(runs: list[SeedRun], n_boot: int = 10_000, seed: int = 0) -> dict:
     """Per split: before / after means over seeds with intervals, the per-seed gains, and the gain's interval.
 
@@ -233,11 +255,7 @@ def eval_gains(runs: list[SeedRun], n_boot: int = 10_000, seed: int = 0) -> dict
     a = (1 - CONFIDENCE) / 2
     out: dict = {}
     for split in SPLITS:
-        pairs = []
-        for r in runs:
-            steps = sorted(s for (sp, s) in r.evals if sp == split)
-            if len(steps) >= 2 and steps[0] == 0:
-                pairs.append((r, steps[0], steps[-1]))
+        pairs = eval_pairs(runs, split)
         if not pairs:
             continue
         before = np.asarray([r.evals[(split, s0)] for r, s0, _ in pairs])
@@ -249,20 +267,9 @@ def eval_gains(runs: list[SeedRun], n_boot: int = 10_000, seed: int = 0) -> dict
             "after": dict(zip(("mean", "low", "high"), bootstrap_mean_interval(after, rng, n_boot))),
             "gain_per_seed": (after - before).tolist(),
         }
-        per_exec = all((split, s0) in r.eval_rewards and (split, s1) in r.eval_rewards for r, s0, s1 in pairs)
-        if per_exec:
-            reps = _two_level_gains(
-                [r.eval_rewards[(split, s0)] for r, s0, _ in pairs],
-                [r.eval_rewards[(split, s1)] for r, _, s1 in pairs],
-                rng,
-                n_boot,
-            )
-            low, high = float(np.quantile(reps, a)), float(np.quantile(reps, 1 - a))
-            row["gain"] = {"mean": float((after - before).mean()), "low": low, "high": high}
-            row["method"] = "seeds+executions"
-        else:
-            row["gain"] = dict(zip(("mean", "low", "high"), bootstrap_mean_interval(after - before, rng, n_boot)))
-            row["method"] = "seeds"
+        reps, row["method"] = gain_replicates(pairs, split, rng, n_boot)
+        low, high = float(np.quantile(reps, a)), float(np.quantile(reps, 1 - a))
+        row["gain"] = {"mean": float((after - before).mean()), "low": low, "high": high}
         row["gain"]["excludes_zero"] = bool(row["gain"]["low"] > 0 or row["gain"]["high"] < 0)
         out[split] = row
     return out
