@@ -134,6 +134,9 @@ def test_processes_see_one_global_host_ordered_mesh(main_run):
         assert [p for _, p in devices] == [0, 0, 0, 0, 1, 1, 1, 1]
         assert devices == sorted(devices, key=lambda d: (d[1], d[0]))
     assert runs[0][0]["devices"] == runs[1][0]["devices"]
+    # single-device programs run inline on the thread that dispatches them (runtime.process._join: XLA:CPU's async
+    # dispatch can let two of them run at once when two threads dispatch, and gloo pairs collectives by order)
+    assert [meta["cpu_async_dispatch"] for meta, _ in runs] == [False, False]
 
 
 def test_sharded_train_computation_equals_the_single_process_result(main_run, reference):

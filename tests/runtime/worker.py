@@ -150,6 +150,7 @@ def scenario_main(args, info, config, out: dict) -> None:
     t0 = time.perf_counter()
     lap = lambda name: out.setdefault("seconds", {}).__setitem__(name, round(time.perf_counter() - t0, 2))  # noqa: E731
     out["devices"] = [[d.id, d.process_index] for d in runtime.cells.host_ordered()]
+    out["cpu_async_dispatch"] = bool(jax.config.values["jax_cpu_enable_async_dispatch"])
     mesh = runtime.make_train_mesh(config.mesh.shape())
     model_cfg, graphdef, params, rules = model_setup(config, mesh)
     loss, grads, logits = loss_and_grads(graphdef, params, mesh, rules)
