@@ -11,7 +11,7 @@ interval of the difference of two independent bootstraps of the same kind (each 
 resampled seed's evaluation executions). The two results are only comparable when they share the config, the
 number of RL steps and the evaluation (the script prints both's overrides and refuses different RL step counts or
 evaluated splits). Writes ``compare.json``, ``compare.md`` (the table) and ``compare.png`` (training reward per
-step of both, with intervals) into ``--out``.
+step of both and their gains, with intervals) into ``--out``.
 """
 
 from __future__ import annotations
@@ -94,14 +94,15 @@ def table(result: dict, labels: list[str], wall: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(curves: list[dict], labels: list[str], path: Path, title: str) -> None:
-    """Training reward per step of each result: mean over seeds with its 95% interval."""
+def plot(curves: list[dict], result: dict, labels: list[str], path: Path, title: str) -> None:
+    """Two panels: training reward per step of each result (mean over seeds, 95% interval) and each result's
+    evaluation gain per split with its 95% interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
     for j, (curve, label) in enumerate(zip(curves, labels)):
         steps = np.asarray(curve["steps"]) + 1
         ax.plot(steps, curve["mean"], color=f"C{j}", label=f"{label} (mean over seeds)")
@@ -111,6 +112,19 @@ def plot(curves: list[dict], labels: list[str], path: Path, title: str) -> None:
     ax.set_ylim(-0.02, 1.02)
     ax.legend(loc="upper left")
     ax.set_title(title)
+    splits, width = list(result), 0.35
+    for j, label in enumerate(labels):
+        gains = [result[sp]["results"][j]["gain"] for sp in splits]
+        err = np.asarray([[g["mean"] - g["low"], g["high"] - g["mean"]] for g in gains]).T
+        x = np.arange(len(splits)) + (j - 0.5) * width
+        ax2.bar(x, [g["mean"] for g in gains], width, yerr=err if splits else None, capsize=4, color=f"C{j}",
+                label=label)  # fmt: skip
+    ax2.axhline(0, color="black", linewidth=0.8)
+    ax2.set_xticks(np.arange(len(splits)))
+    ax2.set_xticklabels([f"{sp} tasks" for sp in splits])
+    ax2.set_ylabel("evaluation gain (after - before RL)")
+    ax2.legend(loc="upper left")
+    ax2.set_title("gains (95% intervals)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -138,7 +152,7 @@ def main(argv: list[str]) -> int:
               "bootstrap": args.bootstrap, "wall_s": wall, "eval": result, "train_reward": curves}  # fmt: skip
     (out / "compare.json").write_text(json.dumps(record, indent=2) + "\n")
     (out / "compare.md").write_text(table(result, labels, wall))
-    plot(curves, labels, out / "compare.png", f"{' vs '.join(labels)}: training reward ({steps} RL steps)")
+    plot(curves, result, labels, out / "compare.png", f"{' vs '.join(labels)}: training reward ({steps} RL steps)")
     print(table(result, labels, wall))
     print(f"wrote {out / 'compare.json'}, {out / 'compare.md'} and {out / 'compare.png'}")
     return 0
