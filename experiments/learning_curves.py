@@ -64,6 +64,9 @@ class SeedRun:
     train_metrics: dict[str, dict[int, float]] = field(default_factory=dict)  # key of TRAIN_METRICS -> step -> value
     evals: dict[tuple[str, int], float] = field(default_factory=dict)  # (split, after_steps) -> eval_reward_mean
     eval_rewards: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)  # (split, after_steps) -> [n]
+    # where the run's time went, from its metrics: "eval/<after_steps>" (each evaluation's seconds), "rl_steps" (the
+    # RL steps' seconds, summed) and "rl_step/<step>"; a seed's whole wall time is in the result's ``wall_s``
+    durations: dict[str, float] = field(default_factory=dict)
     source: str = ""  # how a seed read from an earlier result was obtained, if not from its run directory as such
 
     def to_record(self) -> dict:
@@ -76,6 +79,7 @@ class SeedRun:
             "train_metrics": {m: {str(k): v for k, v in sorted(d.items())} for m, d in self.train_metrics.items()},
             "evals": {f"{split}/{step}": v for (split, step), v in sorted(self.evals.items())},
             "eval_rewards": {f"{split}/{step}": r.tolist() for (split, step), r in sorted(self.eval_rewards.items())},
+            **({"durations": self.durations} if self.durations else {}),
             **({"source": self.source} if self.source else {}),
         }
 
@@ -96,6 +100,7 @@ class SeedRun:
             train_metrics={m: steps(d) for m, d in record.get("train_metrics", {}).items()},
             evals={split_step(k): float(v) for k, v in record.get("evals", {}).items()},
             eval_rewards={split_step(k): np.asarray(v, np.float64) for k, v in record.get("eval_rewards", {}).items()},
+            durations={k: float(v) for k, v in record.get("durations", {}).items()},
             source=record.get("source", ""),
         )
 
@@ -117,8 +122,15 @@ def read_run(workdir: Path, seed: int) -> SeedRun:
             for key in TRAIN_METRICS + RATIO_METRICS:
                 if m.get(key) is not None:
                     run.train_metrics.setdefault(key, {})[int(m["step"])] = float(m[key])
+            if m.get("step_s") is not None:
+                run.durations[f"rl_step/{int(m['step'])}"] = float(m["step_s"])
         elif m.get("phase") == "eval" and "eval_reward_mean" in m:
             run.evals[(m.get("eval_split", "train"), int(m["step"]))] = float(m["eval_reward_mean"])
+            if m.get("eval_s") is not None:  # one evaluation of both splits: each split's line holds its seconds
+                run.durations[f"eval/{int(m['step'])}"] = float(m["eval_s"])
+    steps = [v for k, v in run.durations.items() if k.startswith("rl_step/")]
+    if steps:
+        run.durations["rl_steps"] = float(sum(steps))
     config_split = _config_split(workdir)
     for f in sorted((workdir / "results").glob("eval_*.jsonl")):
         step = int(f.stem.split("_")[1])
@@ -328,6 +340,20 @@ def gain_lines(gains: dict) -> list[str]:
     return lines
 
 
+def time_lines(runs: list[SeedRun], wall: dict[int, float]) -> list[str]:
+    """One printed line per seed: its wall time and where it went (each evaluation, the RL steps)."""
+    lines = []
+    for r in runs:
+        evals = sorted((int(k.split("/")[1]), v) for k, v in r.durations.items() if k.startswith("eval/"))
+        parts = [f"evaluation after {step} steps {v / 60:.1f} min" for step, v in evals]
+        n = sum(k.startswith("rl_step/") for k in r.durations)
+        if n:
+            parts.insert(min(1, len(parts)), f"{n} RL steps {r.durations['rl_steps'] / 60:.1f} min")
+        total = f"{wall[r.seed] / 60:.1f} min" if r.seed in wall else "wall time not recorded"
+        lines.append(f"seed {r.seed}: {total}" + (f" ({', '.join(parts)})" if parts else ""))
+    return lines
+
+
 class LoadSampler:
     """The machine's 1-minute load average, sampled every ``period_s`` seconds while in a ``with`` block (a
     run's wall time means little without it: these machines are shared). ``summary()``: start, end, mean, max."""
@@ -470,7 +496,7 @@ def main(argv: list[str]) -> int:
     plot(curve, gains, out / "learning_curves.png", f"{args.config}: {len(runs)} seeds", evals)
     (out / "learning_curves.md").write_text(table(evals, gains))
     print(table(evals, gains))
-    for line in gain_lines(gains):
+    for line in gain_lines(gains) + time_lines(runs, wall):
         print(line)
     print(f"wrote {out / 'learning_curves.json'}, {out / 'learning_curves.png'} and {out / 'learning_curves.md'}")
     return 0

@@ -247,3 +247,28 @@ def test_eval_curves_and_table_per_split_and_step(tmp_path):
     assert rows[2].startswith("| 0 | 0.300 [") and rows[4].startswith("| 4 | 0.700 [") and rows[4].endswith("|  |")
     assert any(r.startswith("| gain, train | +0.400 [") for r in rows)
     assert lc.curves(runs, n_boot=200, key="pass_rate")["mean"] == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_a_seeds_time_is_split_into_its_evaluations_and_rl_steps(tmp_path):
+    lc = _module()
+    workdir = tmp_path / "seed0"
+    _write_run(workdir, [0.1, 0.2, 0.3], {("train", 0): 0.1, ("train", 3): 0.4})
+    metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics:  # the seconds gyre_jax.train records: each evaluation's and each RL step's
+        if m["phase"] == "eval":
+            m["eval_s"] = 600.0 if m["step"] == 0 else 300.0
+        elif m["phase"] == "train":
+            m["step_s"] = 60.0 * (m["step"] + 1)
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    run = lc.read_run(workdir, 0)
+    assert run.durations == {"eval/0": 600.0, "eval/3": 300.0, "rl_step/0": 60.0, "rl_step/1": 120.0,
+                             "rl_step/2": 180.0, "rl_steps": 360.0}  # fmt: skip
+    again = lc.SeedRun.from_record(0, json.loads(json.dumps(run.to_record())))  # a seed kept only in the JSON
+    assert again.durations == run.durations
+    assert lc.time_lines([again], {0: 1290.0}) == [
+        "seed 0: 21.5 min (evaluation after 0 steps 10.0 min, 3 RL steps 6.0 min, evaluation after 3 steps 5.0 min)"
+    ]
+    assert lc.time_lines([lc.read_run(workdir, 1)], {}) == [
+        "seed 1: wall time not recorded (evaluation after 0 steps 10.0 min, 3 RL steps 6.0 min, evaluation after 3 "
+        "steps 5.0 min)"
+    ]
