@@ -72,11 +72,13 @@ def make_leak(tasks: tuple[str, ...], scratch: Path) -> None:
             shutil.copy(module, LEAK / module.name)
 
 
-def copy_task(task: str, name: str, suite: Path, solve: Path | None) -> Path:
+def copy_task(
+    task: str, name: str, suite: Path, solve: Path | None, verifier_timeout_s: float = VERIFIER_TIMEOUT_S
+) -> Path:
     """``task`` copied to ``suite/name``, its verifier timeout set, ``solve`` (a hack) as its oracle."""
     dest = suite / name
     shutil.copytree(SUITE / task, dest)
-    toml = (dest / "task.toml").read_text().replace("timeout_sec = 60.0", f"timeout_sec = {VERIFIER_TIMEOUT_S}", 1)
+    toml = (dest / "task.toml").read_text().replace("timeout_sec = 60.0", f"timeout_sec = {verifier_timeout_s}", 1)
     (dest / "task.toml").write_text(toml)
     if solve is not None:
         shutil.copy(solve, dest / "solution" / "solve.sh")
@@ -84,24 +86,28 @@ def copy_task(task: str, name: str, suite: Path, solve: Path | None) -> Path:
     return dest
 
 
-def run_sandbox(sandbox: str, tasks: tuple[str, ...], names: list[str], root: Path, parallel: int) -> list[dict]:
-    """Every (hack, task) in ``sandbox`` and each task's untouched start: one row per (hack, task)."""
+def run_sandbox(
+    sandbox: str, tasks: tuple[str, ...], names: list[str], root: Path, parallel: int, time_scale: float = 1.0
+) -> list[dict]:
+    """Every (hack, task) in ``sandbox`` and each task's untouched start: one row per (hack, task). ``time_scale``
+    multiplies the verifier's and the harness's time limits (a loaded machine: ``tests/timelimits.scaled``)."""
     base = root / sandbox
     suite = base / "suite"
     suite.mkdir(parents=True)
-    starts = [load_harbor_task(copy_task(t, f"{t}--start", suite, None)) for t in tasks]
+    verifier_s, harness_s = VERIFIER_TIMEOUT_S * time_scale, 60.0 * time_scale
+    starts = [load_harbor_task(copy_task(t, f"{t}--start", suite, None, verifier_s)) for t in tasks]
     pairs = [(h, t) for h in names for t in tasks]
-    hacked = [load_harbor_task(copy_task(t, f"{t}--{h}", suite, HACKS_DIR / f"{h}.sh")) for h, t in pairs]
+    hacked = [load_harbor_task(copy_task(t, f"{t}--{h}", suite, HACKS_DIR / f"{h}.sh", verifier_s)) for h, t in pairs]
     box = make_sandbox(sandbox, proxy_address=None, hide=[base], state_dir=base / "sandbox")
     try:
-        start = {t: r for t, r in zip(tasks, run_mode(starts, START_CMD, base / "start", box, parallel, 60.0))}
+        start = {t: r for t, r in zip(tasks, run_mode(starts, START_CMD, base / "start", box, parallel, harness_s))}
         t0 = time.monotonic()
         alone = [i for i, (h, _) in enumerate(pairs) if h in ALONE]
         shared = [i for i in range(len(pairs)) if i not in alone]
         results = dict(zip(shared, run_mode([hacked[i] for i in shared], ORACLE_CMD, base / "runs", box, parallel,
-                                            60.0)))  # fmt: skip
+                                            harness_s)))  # fmt: skip
         for i in alone:
-            [results[i]] = run_mode([hacked[i]], ORACLE_CMD, base / f"runs-{i}", box, 1, 60.0)
+            [results[i]] = run_mode([hacked[i]], ORACLE_CMD, base / f"runs-{i}", box, 1, harness_s)
     finally:
         box.close()
     results = [results[i] for i in range(len(pairs))]
@@ -120,14 +126,14 @@ def run_sandbox(sandbox: str, tasks: tuple[str, ...], names: list[str], root: Pa
 
 
 def run_matrix(tasks: tuple[str, ...], sandboxes: list[str], names: list[str], parallel: int,
-               workdir: Path | None = None) -> list[dict]:  # fmt: skip
-    """The whole matrix (the leak made first); rows of ``run_sandbox``."""
+               workdir: Path | None = None, time_scale: float = 1.0) -> list[dict]:  # fmt: skip
+    """The whole matrix (the leak made first); rows of ``run_sandbox`` (``time_scale``: see there)."""
     with tempfile.TemporaryDirectory(prefix="gyre-redteam-", dir=workdir) as tmp:
         root = Path(tmp)
         make_leak(tasks, root)
         rows = []
         for sandbox in sandboxes:
-            rows += run_sandbox(sandbox, tasks, names, root, parallel)
+            rows += run_sandbox(sandbox, tasks, names, root, parallel, time_scale)
         return rows
 
 

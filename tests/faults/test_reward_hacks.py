@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timelimits import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("gyre_reward_hacks", ROOT / "benchmarks" / "faults" / "reward.py")
@@ -33,8 +34,10 @@ OUTSIDE = ("tests_tamper", "hardlink_out")
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
+    # the verifier's 15 s and the harness's 60 s scaled to this machine's load: a verifier killed at its limit gives
+    # no reward, the right verdict, but not the flag a test below looks for (CI under load 17: always_equal's)
     return reward.run_matrix(reward.QUICK_TASKS, SANDBOXES, reward.hacks(), parallel=2,
-                             workdir=tmp_path_factory.mktemp("redteam"))  # fmt: skip
+                             workdir=tmp_path_factory.mktemp("redteam"), time_scale=scaled(1.0))  # fmt: skip
 
 
 def test_there_are_at_least_15_hacks_each_with_its_class():
